@@ -1,0 +1,31 @@
+"""pdserve's kernel library: one package per op, each a torch reference (`ref.py`, the spec) and a Triton
+implementation (`triton.py`), chosen per call by `_backend` (Triton on CUDA, the reference on CPU, or forced with
+`PDSERVE_KERNELS=ref|triton` / `use_backend`). No model logic lives here."""
+
+from ._backend import BACKEND_ENV, backend_for, use_backend
+from .fp8_gemm import dequantize_weight, fp8_gemm, quantize_act, quantize_weight
+from .fused_moe import fused_moe
+from .mla_decode import mla_decode
+from .mla_prefill import merge_attn_states, mla_prefill
+from .moe_route import moe_route
+from .rmsnorm import rmsnorm
+from .rope import rope
+from .sampling import sample
+
+__all__ = [
+    "BACKEND_ENV",
+    "backend_for",
+    "dequantize_weight",
+    "fp8_gemm",
+    "fused_moe",
+    "merge_attn_states",
+    "mla_decode",
+    "mla_prefill",
+    "moe_route",
+    "quantize_act",
+    "quantize_weight",
+    "rmsnorm",
+    "rope",
+    "sample",
+    "use_backend",
+]

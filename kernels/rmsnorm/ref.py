@@ -1,0 +1,22 @@
+"""RMSNorm reference (plain torch): the spec the Triton kernel must match.
+
+Normalises in fp32, casts back to the input dtype, then scales by `weight` (the order HF transformers and the
+DeepSeek reference use). With `residual`, first adds it: the sum is both normalised and returned as the new residual.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [T, D]; weight: [D]. Returns out [T, D], or (out, x + residual) when residual is given."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = (weight * h.to(x.dtype)).to(x.dtype)
+    return out if residual is None else (out, residual)

@@ -1,0 +1,17 @@
+"""Interleaved RoPE applied in place to q_pe / k_pe: dispatches to Triton or the torch reference."""
+
+from __future__ import annotations
+
+import torch
+
+from .._backend import implementation
+
+
+def rope(
+    q_pe: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> None:
+    """See `ref.rope` for the contract."""
+    implementation(__name__, q_pe).rope(q_pe, k_pe, positions, cos_sin)
+
+
+__all__ = ["rope"]

@@ -1,0 +1,25 @@
+"""Rotary position embedding on interleaved pairs, applied in place (plain torch reference).
+
+The DeepSeek checkpoints rotate consecutive pairs (x[2i], x[2i+1]) by angle pos * inv_freq[i]. The layout stays
+interleaved after rotation: only dot products between rotated q and k matter, and both sides use the same layout.
+`cos_sin` holds, per position, the R/2 cosines followed by the R/2 sines (YaRN's attention factor already folded in).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope(
+    q_pe: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> None:
+    """q_pe: [T, H, R]; k_pe: [T, R] or [T, 1, R]; positions: [T] int; cos_sin: [max_pos, R] fp32. In place."""
+    half = cos_sin.shape[-1] // 2
+    cs = cos_sin[positions.long()].float()  # [T, R]
+    cos, sin = cs[:, None, :half], cs[:, None, half:]  # [T, 1, R/2]
+    for x in (q_pe, k_pe.view(k_pe.shape[0], -1, k_pe.shape[-1])):
+        x1 = x[..., 0::2].float()  # [T, H, R/2]; a view when x is fp32: compute both halves first
+        x2 = x[..., 1::2].float()
+        out1, out2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        x[..., 0::2] = out1.to(x.dtype)
+        x[..., 1::2] = out2.to(x.dtype)

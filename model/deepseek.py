@@ -1,0 +1,364 @@
+"""DeepSeek-V3 in the paper's order: Linear, RMSNorm, YaRN RoPE, MLA, MLP, Gate, Experts, MoE, Block, MTP,
+Transformer. All arithmetic goes through `pdserve.kernels` (Triton on GPUs, torch references on CPU).
+
+The forward runs over a packed batch (`ForwardBatch`): T new tokens of B requests, attending through the paged
+latent cache (`PagedKVCache`). A prefill batch uses the naive MLA form (latents expanded to per-head keys and
+values, causal over the new tokens plus the cached prefix merged by log-sum-exp); a decode batch uses the absorbed
+form (W_UK folded into the query, attention directly over cached latents, W_UV applied after). Both write each new
+token's latent [c_kv | k_pe] into its cache slot first.
+
+Parameter names follow the DeepSeek reference (`wq_a`, `wkv_b`, `ffn`); `weight_names.py` maps checkpoint names to
+them. Weights are allocated empty; the loader or the random-checkpoint maker fills them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import kernels
+from .args import QUANT_BLOCK, ModelArgs
+from .batch import ForwardBatch
+from .kv_cache import PagedKVCache
+
+IsFp8 = Callable[[str], bool]
+"""Given a module path (e.g. 'layers.3.attn.wq_b'), whether its weight is fp8 with block scales."""
+
+
+def no_fp8(_: str) -> bool:
+    return False
+
+
+class Linear(nn.Module):
+    """y = x W^T without bias. W is bf16/fp32, or float8_e4m3fn with `weight_scale_inv` per 128x128 quant block
+    (then the product runs through the FP8 block GEMM, activations quantized in 1x128 groups)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, fp8: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        weight_dtype = torch.float8_e4m3fn if fp8 else dtype
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=weight_dtype), False)
+        if fp8:
+            scale_shape = (math.ceil(out_features / QUANT_BLOCK), math.ceil(in_features / QUANT_BLOCK))
+            self.weight_scale_inv = nn.Parameter(torch.empty(scale_shape), requires_grad=False)
+        else:
+            self.register_parameter("weight_scale_inv", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale_inv is None:
+            return F.linear(x, self.weight)
+        y = kernels.fp8_gemm(x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """W in `dtype` (dequantized when fp8)."""
+        if self.weight_scale_inv is None:
+            return self.weight.to(dtype)
+        return kernels.dequantize_weight(self.weight, self.weight_scale_inv, dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return kernels.rmsnorm(x, self.weight, self.eps, residual)
+
+
+def rope_cos_sin(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
+    """Per position the R/2 cosines then R/2 sines, [max_position_embeddings, R] fp32, with YaRN applied.
+
+    inv_freq follows YaRN: frequencies whose wavelength is long against the original context are interpolated by
+    `factor`, short ones kept, with a linear ramp between the correction dims given by beta_fast / beta_slow
+    (rounded outward). The attention factor scales cos and sin.
+    """
+    dim, base = args.qk_rope_head_dim, args.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+    inv_freq = 1.0 / pos_freqs  # [R/2]
+    s = args.rope_scaling
+    if s is not None:
+
+        def correction_dim(num_rotations: float) -> float:
+            wavelength_ratio = s.original_max_position_embeddings / (num_rotations * 2 * math.pi)
+            return dim * math.log(wavelength_ratio) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(s.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(s.beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = (torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)
+        extrapolation = 1 - ramp.clamp(0, 1)  # 1: keep the original frequency
+        inv_freq = (inv_freq / s.factor) * (1 - extrapolation) + inv_freq * extrapolation
+    positions = torch.arange(args.max_position_embeddings, dtype=torch.float32, device=device)
+    freqs = positions[:, None] * inv_freq[None, :]  # [P, R/2]
+    factor = args.rope_attention_factor
+    return torch.cat([freqs.cos() * factor, freqs.sin() * factor], dim=-1)
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention. `cache_layer` is this attention's layer in the paged cache."""
+
+    def __init__(self, args: ModelArgs, cache_layer: int, dtype: torch.dtype, is_fp8: IsFp8, path: str):
+        super().__init__()
+        self.cache_layer = cache_layer
+        self.n_heads = args.num_attention_heads
+        self.q_lora_rank, self.kv_lora_rank = args.q_lora_rank, args.kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim = args.qk_nope_head_dim, args.qk_rope_head_dim
+        self.v_head_dim, self.softmax_scale = args.v_head_dim, args.softmax_scale
+        dim, qk_out = args.hidden_size, self.n_heads * args.qk_head_dim
+
+        def linear(name: str, i: int, o: int) -> Linear:
+            return Linear(i, o, dtype, is_fp8(f"{path}.{name}"))
+
+        if self.q_lora_rank is None:
+            self.wq = linear("wq", dim, qk_out)
+        else:
+            self.wq_a = linear("wq_a", dim, self.q_lora_rank)
+            self.q_norm = RMSNorm(self.q_lora_rank, args.rms_norm_eps, dtype)
+            self.wq_b = linear("wq_b", self.q_lora_rank, qk_out)
+        self.wkv_a = linear("wkv_a", dim, args.kv_cache_dim)
+        self.kv_norm = RMSNorm(self.kv_lora_rank, args.rms_norm_eps, dtype)
+        kv_b_out = self.n_heads * (self.qk_nope_head_dim + self.v_head_dim)
+        self.wkv_b = linear("wkv_b", self.kv_lora_rank, kv_b_out)
+        self.wo = linear("wo", self.n_heads * self.v_head_dim, dim)
+        self._wkv_b_dense: torch.Tensor | None = None
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, cos_sin: torch.Tensor
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        if self.q_lora_rank is None:
+            q = self.wq(x)
+        else:
+            q = self.wq_b(self.q_norm(self.wq_a(x)))
+        q = q.view(num_tokens, self.n_heads, -1)  # [T, H, nope + rope]
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        kv = self.wkv_a(x)  # [T, kv_lora + rope]
+        c_kv = self.kv_norm(kv[:, : self.kv_lora_rank].contiguous())  # [T, kv_lora]
+        k_pe = kv[:, self.kv_lora_rank :].contiguous()  # [T, rope]
+        kernels.rope(q_pe, k_pe, batch.positions, cos_sin)
+        cache.write(self.cache_layer, batch.slot_mapping, c_kv, k_pe)
+        if batch.is_decode:
+            out = self._absorbed(q_nope, q_pe, batch, cache)
+        else:
+            out = self._naive(q_nope, q_pe, c_kv, k_pe, batch, cache)
+        return self.wo(out.reshape(num_tokens, self.n_heads * self.v_head_dim))
+
+    def _expand(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents [N, kv_lora] and rope keys [N, rope] to per-head keys [N, H, 192] and values [N, H, 128]."""
+        kv = self.wkv_b(c_kv).view(-1, self.n_heads, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k_pe = k_pe[:, None, :].expand(-1, self.n_heads, -1)  # [N, H, rope]
+        return torch.cat([k_nope, k_pe], dim=-1), v.contiguous()
+
+    def _naive(self, q_nope, q_pe, c_kv, k_pe, batch: ForwardBatch, cache: PagedKVCache):
+        q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, 192]
+        k, v = self._expand(c_kv, k_pe)
+        cu_q = batch.cu_seqlens_q
+        out, lse = kernels.mla_prefill(q, k, v, cu_q, cu_q, self.softmax_scale, causal=True)
+        if batch.prefix_slots is not None:
+            prefix = cache.gather(self.cache_layer, batch.prefix_slots)  # [Tp, kv_lora + rope]
+            k_p, v_p = self._expand(
+                prefix[:, : self.kv_lora_rank].to(q.dtype), prefix[:, self.kv_lora_rank :].to(q.dtype)
+            )
+            out_p, lse_p = kernels.mla_prefill(
+                q, k_p, v_p, cu_q, batch.cu_seqlens_prefix, self.softmax_scale, causal=False
+            )
+            out, _ = kernels.merge_attn_states(out, lse, out_p, lse_p)
+        return out
+
+    def wkv_b_dense(self) -> torch.Tensor:
+        """W_KV_B as [H, nope + v, kv_lora] in the activation dtype (dequantized once when fp8)."""
+        if self._wkv_b_dense is None:
+            dtype = self.kv_norm.weight.dtype
+            w = self.wkv_b.dense_weight(dtype)
+            self._wkv_b_dense = w.view(self.n_heads, -1, self.kv_lora_rank)
+        return self._wkv_b_dense
+
+    def _absorbed(self, q_nope, q_pe, batch: ForwardBatch, cache: PagedKVCache):
+        w = self.wkv_b_dense()
+        w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+        q_latent = torch.einsum("thd,hdc->thc", q_nope, w_uk)  # [T, H, kv_lora]
+        q = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, kv_lora + rope]
+        q = q.view(batch.num_seqs, batch.num_queries_per_seq, self.n_heads, -1)  # [B, Q, H, Dk]
+        out_latent, _ = kernels.mla_decode(
+            q, cache.layer(self.cache_layer), batch.page_table, batch.seq_lens,
+            self.softmax_scale, self.kv_lora_rank,
+        )  # fmt: skip
+        out_latent = out_latent.view(-1, self.n_heads, self.kv_lora_rank)  # [T, H, kv_lora]
+        return torch.einsum("thc,hvc->thv", out_latent, w_uv)  # [T, H, v]
+
+
+class MLP(nn.Module):
+    """Dense SwiGLU feed-forward (also each shared expert): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, inter_dim: int, dtype: torch.dtype, is_fp8: IsFp8, path: str):
+        super().__init__()
+        self.w1 = Linear(dim, inter_dim, dtype, is_fp8(f"{path}.w1"))
+        self.w2 = Linear(inter_dim, dim, dtype, is_fp8(f"{path}.w2"))
+        self.w3 = Linear(dim, inter_dim, dtype, is_fp8(f"{path}.w3"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Gate(nn.Module):
+    """noaux_tc router: fp32 logits, then `kernels.moe_route` (bias for selection only)."""
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+        super().__init__()
+        self.args = args
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size, dtype=dtype), False)
+        self.bias = nn.Parameter(torch.empty(args.n_routed_experts, dtype=torch.float32), False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.args
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        return kernels.moe_route(
+            logits, self.bias, a.num_experts_per_tok, a.n_group, a.topk_group,
+            a.routed_scaling_factor, a.norm_topk_prob,
+        )  # fmt: skip
+
+
+class Experts(nn.Module):
+    """The routed experts of one layer, stacked: w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I]."""
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, fp8: bool):
+        super().__init__()
+        e, d, i = args.n_routed_experts, args.hidden_size, args.moe_intermediate_size
+        weight_dtype = torch.float8_e4m3fn if fp8 else dtype
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, d, dtype=weight_dtype), False)
+        self.w2 = nn.Parameter(torch.empty(e, d, i, dtype=weight_dtype), False)
+        if fp8:
+            b = QUANT_BLOCK
+            self.w13_scale_inv = nn.Parameter(torch.empty(e, 2 * i // b, d // b), False)
+            self.w2_scale_inv = nn.Parameter(torch.empty(e, d // b, i // b), False)
+        else:
+            self.register_parameter("w13_scale_inv", None)
+            self.register_parameter("w2_scale_inv", None)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return kernels.fused_moe(
+            x, self.w13, self.w2, weights, ids, self.w13_scale_inv, self.w2_scale_inv
+        )
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, is_fp8: IsFp8, path: str):
+        super().__init__()
+        self.gate = Gate(args, dtype)
+        self.experts = Experts(args, dtype, is_fp8(f"{path}.experts"))
+        self.shared_experts = None
+        if args.n_shared_experts:
+            inter = args.moe_intermediate_size * args.n_shared_experts
+            self.shared_experts = MLP(args.hidden_size, inter, dtype, is_fp8, f"{path}.shared_experts")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        y = self.experts(x, weights, ids)
+        return y if self.shared_experts is None else y + self.shared_experts(x)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer layer; carries the residual stream separately so norms can fuse the add."""
+
+    def __init__(
+        self, args: ModelArgs, layer: int, cache_layer: int, dtype: torch.dtype, is_fp8: IsFp8, path: str
+    ):
+        super().__init__()
+        self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.attn = MLA(args, cache_layer, dtype, is_fp8, f"{path}.attn")
+        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        if args.is_moe_layer(layer):
+            self.ffn = MoE(args, dtype, is_fp8, f"{path}.ffn")
+        else:
+            self.ffn = MLP(args.hidden_size, args.intermediate_size, dtype, is_fp8, f"{path}.ffn")
+
+    def forward(self, x, residual, batch: ForwardBatch, cache: PagedKVCache, cos_sin):
+        if residual is None:
+            residual, h = x, self.attn_norm(x)
+        else:
+            h, residual = self.attn_norm(x, residual)
+        h = self.attn(h, batch, cache, cos_sin)
+        h, residual = self.ffn_norm(h, residual)
+        return self.ffn(h), residual
+
+
+class MTP(nn.Module):
+    """One multi-token-prediction module: from the main model's final (normed) hidden state h_t and the embedding
+    of token t+1 it predicts token t+2. Its block attends through its own cache layer at the main model's
+    positions (the convention of vLLM and SGLang)."""
+
+    def __init__(self, args: ModelArgs, depth: int, dtype: torch.dtype, is_fp8: IsFp8):
+        super().__init__()
+        layer = args.num_hidden_layers + depth
+        path = f"mtp.{depth}"
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
+        self.embed.weight.requires_grad_(False)
+        self.enorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.hnorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.eh_proj = Linear(2 * args.hidden_size, args.hidden_size, dtype, is_fp8(f"{path}.eh_proj"))
+        self.block = Block(args, layer, layer, dtype, is_fp8, f"{path}.block")
+        self.head_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.head = Linear(args.hidden_size, args.vocab_size, dtype, is_fp8(f"{path}.head"))
+
+    def forward(self, prev_hidden, next_token_ids, batch: ForwardBatch, cache: PagedKVCache, cos_sin):
+        """prev_hidden: [T, D] main-model hidden at positions t; next_token_ids: [T] the tokens at t+1."""
+        e = self.enorm(F.embedding(next_token_ids, self.embed.weight))
+        x = self.eh_proj(torch.cat([e, self.hnorm(prev_hidden)], dim=-1))  # [T, D]
+        x, residual = self.block(x, None, batch, cache, cos_sin)
+        return self.head_norm(x, residual)[0]
+
+
+class Transformer(nn.Module):
+    """The whole model. `forward` returns final-norm hidden states [T, D]; `compute_logits` applies the head."""
+
+    def __init__(
+        self, args: ModelArgs, dtype: torch.dtype = torch.bfloat16, is_fp8: IsFp8 = no_fp8,
+        num_mtp: int | None = None,
+    ):  # fmt: skip
+        super().__init__()
+        self.args, self.dtype = args, dtype
+        self.num_mtp = args.num_nextn_predict_layers if num_mtp is None else num_mtp
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
+        self.embed.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            Block(args, i, i, dtype, is_fp8, f"layers.{i}") for i in range(args.num_hidden_layers)
+        )
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.head = Linear(args.hidden_size, args.vocab_size, dtype, is_fp8("head"))
+        self.mtp = nn.ModuleList(MTP(args, j, dtype, is_fp8) for j in range(self.num_mtp))
+        self.register_buffer("cos_sin", rope_cos_sin(args), persistent=False)
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Layers that cache KV: the main layers, then one per MTP module."""
+        return self.args.num_hidden_layers + self.num_mtp
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
+        x, residual = F.embedding(batch.input_ids, self.embed.weight), None  # [T, D]
+        for layer in self.layers:
+            x, residual = layer(x, residual, batch, cache, self.cos_sin)
+        return self.norm(x, residual)[0]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, D] -> logits [N, V] fp32."""
+        return self.head(hidden).float()
+
+    @torch.inference_mode()
+    def mtp_logits(
+        self, depth: int, prev_hidden: torch.Tensor, next_token_ids: torch.Tensor,
+        batch: ForwardBatch, cache: PagedKVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Runs MTP module `depth`; returns (its hidden [T, D], logits [T, V] fp32 for the token after next)."""
+        module = self.mtp[depth]
+        hidden = module(prev_hidden, next_token_ids, batch, cache, self.cos_sin)
+        return hidden, module.head(hidden).float()

@@ -1,0 +1,152 @@
+"""The one table from official checkpoint tensor names to pdserve parameters.
+
+`checkpoint_weights(args, num_mtp)` lists, in the order the official shards store them, every weight tensor a
+DeepSeek-V3 checkpoint holds: its name, shape, and where it lands in `Transformer` (routed experts land in a row
+range of one expert of the stacked `w13` / `w2`). FP8 scales are not listed: every tensor marked `quantizable` may
+come as float8_e4m3fn plus `<name>_scale_inv` (see `scale_spec`). The MTP module j is stored as layer
+num_hidden_layers + j, holding its own embedding and head copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .args import QUANT_BLOCK, ModelArgs
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WeightSpec:
+    name: str
+    """Checkpoint tensor name."""
+    param: str
+    """Parameter path in `Transformer`."""
+    shape: tuple[int, ...]
+    quantizable: bool = False
+    """The tensor may come as e4m3 with a 128x128 `weight_scale_inv` (a Linear weight)."""
+    official_fp8: bool = True
+    """When quantizable: the official FP8 checkpoints store it as fp8 (eh_proj is kept bf16)."""
+    fp8_owner: str = ""
+    """Module path whose fp8-ness this tensor decides (all tensors with one owner must agree)."""
+    expert: int | None = None
+    rows: tuple[int, int] | None = None
+    """Row range inside param[expert] (gate rows then up rows of w13)."""
+    is_scale: bool = False
+    is_mtp: bool = False
+    keep_fp32: bool = False
+    """Loaded as fp32 whatever the model dtype (the router's correction bias)."""
+
+
+def scale_spec(spec: WeightSpec) -> WeightSpec:
+    """The `weight_scale_inv` companion of a quantizable weight."""
+    assert spec.quantizable and spec.name.endswith(".weight")
+    out_dim, in_dim = spec.shape
+    rows = None
+    if spec.rows is not None:
+        rows = (spec.rows[0] // QUANT_BLOCK, math.ceil(spec.rows[1] / QUANT_BLOCK))
+    param = spec.param.removesuffix(".weight") + (
+        "_scale_inv" if spec.expert is not None else ".weight_scale_inv"
+    )
+    return dataclasses.replace(
+        spec,
+        name=spec.name + "_scale_inv",
+        param=param,
+        shape=(math.ceil(out_dim / QUANT_BLOCK), math.ceil(in_dim / QUANT_BLOCK)),
+        rows=rows,
+        quantizable=False,
+        is_scale=True,
+    )
+
+
+def _block(args: ModelArgs, layer: int, ckpt: str, param: str, is_mtp: bool) -> list[WeightSpec]:
+    d, h = args.hidden_size, args.num_attention_heads
+
+    def w(name, p, shape, quantizable=False, owner="", **kw) -> WeightSpec:
+        owner = owner or f"{param}.{p}".removesuffix(".weight")
+        return WeightSpec(
+            f"{ckpt}.{name}", f"{param}.{p}", shape, quantizable, True, owner, is_mtp=is_mtp, **kw
+        )
+
+    specs = [w("input_layernorm.weight", "attn_norm.weight", (d,))]
+    a = "self_attn"
+    if args.q_lora_rank is None:
+        specs.append(w(f"{a}.q_proj.weight", "attn.wq.weight", (h * args.qk_head_dim, d), True))
+    else:
+        r = args.q_lora_rank
+        specs += [
+            w(f"{a}.q_a_proj.weight", "attn.wq_a.weight", (r, d), True),
+            w(f"{a}.q_a_layernorm.weight", "attn.q_norm.weight", (r,)),
+            w(f"{a}.q_b_proj.weight", "attn.wq_b.weight", (h * args.qk_head_dim, r), True),
+        ]
+    specs += [
+        w(f"{a}.kv_a_proj_with_mqa.weight", "attn.wkv_a.weight", (args.kv_cache_dim, d), True),
+        w(f"{a}.kv_a_layernorm.weight", "attn.kv_norm.weight", (args.kv_lora_rank,)),
+        w(
+            f"{a}.kv_b_proj.weight", "attn.wkv_b.weight",
+            (h * (args.qk_nope_head_dim + args.v_head_dim), args.kv_lora_rank), True,
+        ),  # fmt: skip
+        w(f"{a}.o_proj.weight", "attn.wo.weight", (d, h * args.v_head_dim), True),
+        w("post_attention_layernorm.weight", "ffn_norm.weight", (d,)),
+    ]
+    if not args.is_moe_layer(layer):
+        i = args.intermediate_size
+        return specs + [
+            w("mlp.gate_proj.weight", "ffn.w1.weight", (i, d), True),
+            w("mlp.up_proj.weight", "ffn.w3.weight", (i, d), True),
+            w("mlp.down_proj.weight", "ffn.w2.weight", (d, i), True),
+        ]
+    e, i = args.n_routed_experts, args.moe_intermediate_size
+    specs += [
+        w("mlp.gate.weight", "ffn.gate.weight", (e, d)),
+        w("mlp.gate.e_score_correction_bias", "ffn.gate.bias", (e,), keep_fp32=True),
+    ]
+    owner = f"{param}.ffn.experts"
+    for x in range(e):
+        p = f"mlp.experts.{x}"
+        specs += [
+            w(f"{p}.gate_proj.weight", "ffn.experts.w13", (i, d), True, owner, expert=x, rows=(0, i)),
+            w(f"{p}.up_proj.weight", "ffn.experts.w13", (i, d), True, owner, expert=x, rows=(i, 2 * i)),
+            w(f"{p}.down_proj.weight", "ffn.experts.w2", (d, i), True, owner, expert=x),
+        ]
+    if args.n_shared_experts:
+        si = i * args.n_shared_experts
+        specs += [
+            w("mlp.shared_experts.gate_proj.weight", "ffn.shared_experts.w1.weight", (si, d), True),
+            w("mlp.shared_experts.up_proj.weight", "ffn.shared_experts.w3.weight", (si, d), True),
+            w("mlp.shared_experts.down_proj.weight", "ffn.shared_experts.w2.weight", (d, si), True),
+        ]
+    return specs
+
+
+def checkpoint_weights(args: ModelArgs, num_mtp: int) -> list[WeightSpec]:
+    """Every weight tensor (not scales) of a checkpoint with `num_mtp` MTP modules, in storage order."""
+    d, v = args.hidden_size, args.vocab_size
+    specs = [WeightSpec("model.embed_tokens.weight", "embed.weight", (v, d))]
+    for layer in range(args.num_hidden_layers):
+        specs += _block(args, layer, f"model.layers.{layer}", f"layers.{layer}", is_mtp=False)
+    for j in range(num_mtp):
+        layer = args.num_hidden_layers + j
+        ckpt, param = f"model.layers.{layer}", f"mtp.{j}"
+
+        def m(name, p, shape, quantizable=False):
+            owner = f"{param}.{p}".removesuffix(".weight")
+            return WeightSpec(
+                f"{ckpt}.{name}", f"{param}.{p}", shape, quantizable, False, owner, is_mtp=True
+            )
+
+        specs += [
+            m("embed_tokens.weight", "embed.weight", (v, d)),
+            m("enorm.weight", "enorm.weight", (d,)),
+            m("hnorm.weight", "hnorm.weight", (d,)),
+            m("eh_proj.weight", "eh_proj.weight", (d, 2 * d), quantizable=True),
+        ]
+        specs += _block(args, layer, ckpt, f"{param}.block", is_mtp=True)
+        specs += [
+            m("shared_head.norm.weight", "head_norm.weight", (d,)),
+            m("shared_head.head.weight", "head.weight", (v, d)),
+        ]
+    specs += [
+        WeightSpec("model.norm.weight", "norm.weight", (d,)),
+        WeightSpec("lm_head.weight", "head.weight", (v, d)),
+    ]
+    return specs
