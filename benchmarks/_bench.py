@@ -1,0 +1,72 @@
+"""Shared helpers for the kernel benchmarks: timing with CUDA events (median), ceilings, result rows, the table.
+
+Ceilings are the ones measured on H200 in ../shared/DESIGN.md (2026-11-21, torch 2.11, triton 3.6)."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable
+
+import torch
+
+HBM_BYTES_PER_S = 4.27e12
+BF16_FLOPS = 797e12
+FP8_FLOPS = 1441e12
+
+
+@dataclasses.dataclass
+class Row:
+    op: str
+    shape: str
+    impl: str
+    ms: float
+    gbps: float | None = None
+    tflops: float | None = None
+    ceiling_frac: float | None = None
+    """Fraction of the relevant ceiling (HBM for memory-bound rows, the matrix rate for compute-bound rows)."""
+    peer: str = ""
+    peer_ms: float | None = None
+
+    def cells(self) -> list[str]:
+        def f(x, fmt):
+            return "" if x is None else format(x, fmt)
+
+        speedup = "" if self.peer_ms is None else f"{self.peer_ms / self.ms:.2f}x"
+        return [
+            self.op, self.shape, self.impl, f(self.ms, ".4f"), f(self.gbps, ".0f"), f(self.tflops, ".0f"),
+            "" if self.ceiling_frac is None else f"{100 * self.ceiling_frac:.0f}%",
+            self.peer, f(self.peer_ms, ".4f"), speedup,
+        ]  # fmt: skip
+
+
+HEADER = ["op", "shape", "impl", "ms", "GB/s", "TFLOP/s", "of ceiling", "peer", "peer ms", "speedup"]
+
+
+def time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50) -> float:
+    """Median milliseconds of fn() over `iters` runs, each timed by CUDA events, after `warmup` runs.
+    A 256 MiB buffer is cleared before every run so no input stays in L2 between runs."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def print_table(rows: list[Row]) -> str:
+    cells = [HEADER] + [r.cells() for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
+    lines = ["| " + " | ".join(c[i].ljust(widths[i]) for i in range(len(HEADER))) + " |" for c in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text

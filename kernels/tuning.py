@@ -1,0 +1,43 @@
+"""Tuned launch configurations, per (op, shape class, device): the one place launchers look them up.
+
+Each op registers a table mapping a shape-class key to a config dict (BLOCK_* sizes, num_warps, num_stages, ...).
+`lookup(op, key, device)` returns the entry for the device's architecture family when one exists, else the op's
+default. Keys are strings built by the op's launcher from the problem shape (e.g. "heads=16,dk=576").
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+# op -> arch ("sm90", "sm100", "any") -> shape-class key ("default" always present) -> config
+_TABLES: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+
+
+def register(op: str, arch: str, table: dict[str, dict[str, Any]]) -> None:
+    _TABLES.setdefault(op, {})[arch] = table
+
+
+@functools.cache
+def device_arch(device_index: int | None) -> str:
+    if device_index is None or not torch.cuda.is_available():
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return f"sm{major}{minor}"
+
+
+def lookup(op: str, key: str, device: torch.device) -> dict[str, Any]:
+    """The tuned config for `op` at shape class `key` on `device`, falling back to the op's defaults."""
+    arch = device_arch(device.index if device.type == "cuda" else None)
+    tables = _TABLES.get(op, {})
+    for candidate in (arch, "any"):
+        table = tables.get(candidate, {})
+        if key in table:
+            return table[key]
+    for candidate in (arch, "any"):
+        table = tables.get(candidate, {})
+        if "default" in table:
+            return table["default"]
+    raise KeyError(f"no tuning entry for op {op!r} (key {key!r}, arch {arch})")
