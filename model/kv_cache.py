@@ -65,7 +65,9 @@ class PagedKVCache:
         """[num_pages, page_size, entry_dim] view of one layer's pool."""
         return self.data[layer]
 
-    def write(self, layer: int, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+    def write(
+        self, layer: int, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor
+    ) -> None:
         """Stores [c_kv | k_pe] of T tokens at flat slots (page * page_size + offset). slots: [T] int64."""
         flat = self.data[layer].view(-1, self.layout.entry_dim)
         r = self.layout.kv_lora_rank
