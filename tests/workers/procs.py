@@ -13,7 +13,10 @@ from typing import Any
 _CTX = mp.get_context("spawn")
 
 
-def _serve(conn, role: str, worker_id: str, model_dir: str, config, kv_config, store_master: bool):
+def _serve(
+    conn, role: str, worker_id: str, model_dir: str, config, kv_config, store_master: bool,
+    device: str, dtype: str,
+):  # fmt: skip
     import torch
 
     from pdserve.decode import DecodeWorker
@@ -23,15 +26,19 @@ def _serve(conn, role: str, worker_id: str, model_dir: str, config, kv_config, s
 
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
-    model = load_model(model_dir, dtype=torch.float32, progress=False)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    dev = torch.device(device)
+    model = load_model(model_dir, device, getattr(torch, dtype), progress=False)
     store = connect_store(kv_config, is_master=store_master)
     if role == "prefill":
-        sender = DistKVSender(kv_config, store, worker_id, torch.device("cpu"))
-        worker = PrefillWorker(worker_id, model, config, sender)
+        worker = PrefillWorker(
+            worker_id, model, config, DistKVSender(kv_config, store, worker_id, dev)
+        )
     else:
         worker = DecodeWorker(
             worker_id, model, config,
-            lambda write: DistKVReceiver(kv_config, store, worker_id, torch.device("cpu"), write, model.dtype),
+            lambda write: DistKVReceiver(kv_config, store, worker_id, dev, write, model.dtype),
         )  # fmt: skip
     stop = threading.Event()
     threading.Thread(target=worker.run, args=(stop,), daemon=True).start()
@@ -57,13 +64,27 @@ def _serve(conn, role: str, worker_id: str, model_dir: str, config, kv_config, s
 class WorkerProcess:
     """A worker in a child process; attribute calls are forwarded and block for the answer."""
 
-    def __init__(self, role, worker_id, model_dir, config, kv_config, store_master=False):
+    def __init__(
+        self, role, worker_id, model_dir, config, kv_config, store_master=False, device="cpu",
+        dtype="float32",
+    ):  # fmt: skip
         self.worker_id = worker_id
         self._conn, child = _CTX.Pipe()
         self.proc = _CTX.Process(
-            target=_serve, args=(child, role, worker_id, str(model_dir), config, kv_config, store_master),
+            target=_serve,
+            args=(
+                child,
+                role,
+                worker_id,
+                str(model_dir),
+                config,
+                kv_config,
+                store_master,
+                device,
+                dtype,
+            ),
             daemon=True,
-        )  # fmt: skip
+        )
         self.proc.start()
         self._lock = threading.Lock()
         self._call("__ready__", ())
@@ -72,7 +93,7 @@ class WorkerProcess:
         with self._lock:
             if method != "__ready__":
                 self._conn.send((method, args))
-            if not self._conn.poll(120):
+            if not self._conn.poll(600 if method == "__ready__" else 120):
                 raise TimeoutError(f"{self.worker_id}.{method} did not answer")
             status, value = self._conn.recv()
         if status == "err":
