@@ -41,3 +41,37 @@ def lookup(op: str, key: str, device: torch.device) -> dict[str, Any]:
         if "default" in table:
             return table["default"]
     raise KeyError(f"no tuning entry for op {op!r} (key {key!r}, arch {arch})")
+
+
+# ---- fp8_gemm, quantize_act, fused_moe (kernels/fp8_gemm, kernels/fused_moe) ----------------------
+# "any": small tiles that keep the CPU interpreter quick; "sm90": tuned on H200 (benchmarks/RESULTS.md).
+# fp8_gemm keys "m<=16|32|64|128", "m>128". fuse_quant: quantize the activation inside the GEMM.
+# split_k_target_ctas / min_k_tiles: split K until tiles * splits reaches the target, each split
+# keeping at least min_k_tiles k-tiles of 128.
+# fused_moe keys "<bf16|fp8>,rows<=16|64|256" or ",rows>256" (mean rows per expert);
+# *1 = gate/up GEMM, *2 = down GEMM; fp8 needs BLOCK_N1 == BLOCK_K1 == BLOCK_K2 == 128.
+_FP8_GEMM_ANY = {
+    "BLOCK_M": 32, "BLOCK_N": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 2,
+    "fuse_quant": False, "split_k_target_ctas": 0, "min_k_tiles": 1,
+}  # fmt: skip
+register("quantize_act", "any", {"default": {"BLOCK_M": 32, "num_warps": 4}})
+register(
+    "fp8_gemm",
+    "any",
+    {
+        "default": _FP8_GEMM_ANY,
+        "m<=16": {**_FP8_GEMM_ANY, "BLOCK_M": 16, "fuse_quant": True, "split_k_target_ctas": 8},
+    },
+)
+_FUSED_MOE_ANY = {
+    "BLOCK_M": 16, "GROUP_M": 4,
+    "BLOCK_N1": 32, "BLOCK_K1": 32, "warps1": 4, "stages1": 2,
+    "BLOCK_N2": 32, "BLOCK_K2": 32, "warps2": 4, "stages2": 2,
+}  # fmt: skip
+_FUSED_MOE_ANY_FP8 = {**_FUSED_MOE_ANY, "BLOCK_N1": 128, "BLOCK_K1": 128, "BLOCK_K2": 128}
+_ROW_CLASSES = ("rows<=16", "rows<=64", "rows<=256", "rows>256")
+register(
+    "fused_moe",
+    "any",
+    {"default": _FUSED_MOE_ANY, **{f"fp8,{rows}": _FUSED_MOE_ANY_FP8 for rows in _ROW_CLASSES}},
+)
