@@ -134,15 +134,10 @@ def _gate_up_kernel(
             ws_ptr += e64 * stride_wse
             gs_ptrs = ws_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_wsn
             us_ptrs = ws_ptr + ((inter + pid_n * BLOCK_N) // SCALE_BLOCK) * stride_wsn
-            prev_g = tl.full((), 1.0, tl.float32)
-            prev_u = tl.full((), 1.0, tl.float32)
         else:
             ws_ptr += e64 * stride_wse
             gs_ptrs = ws_ptr + (offs_n // SCALE_BLOCK) * stride_wsn
             us_ptrs = ws_ptr + ((inter + offs_n) // SCALE_BLOCK) * stride_wsn
-            prev_g = tl.full((BLOCK_N,), 1.0, tl.float32)
-            prev_u = tl.full((BLOCK_N,), 1.0, tl.float32)
-        prev_a = tl.full((BLOCK_M,), 1.0, tl.float32)
 
     for kt in range(tl.cdiv(hidden, BLOCK_K)):
         if EVEN_K:
@@ -154,34 +149,22 @@ def _gate_up_kernel(
             a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=k_mask[:, None], other=0.0)
             u = tl.load(u_ptrs, mask=k_mask[:, None], other=0.0)
-        if FP8:
-            # Running-scale accumulators (see fp8_gemm/triton.py): rescale, then MMA into them.
+        if FP8:  # each 128-deep product scaled into fp32 (see fp8_gemm/triton.py)
             a_s = tl.load(as_ptrs + kt * stride_xsk)
             g_s = tl.load(gs_ptrs + kt * stride_wsk)
             u_s = tl.load(us_ptrs + kt * stride_wsk)
-            ra = prev_a / a_s
             if UNIFORM_B:
-                acc_g = acc_g * (ra * (prev_g / g_s))[:, None]
-                acc_u = acc_u * (ra * (prev_u / u_s))[:, None]
+                acc_g += tl.dot(a, g) * (a_s * g_s)[:, None]
+                acc_u += tl.dot(a, u) * (a_s * u_s)[:, None]
             else:
-                acc_g = acc_g * (ra[:, None] * (prev_g / g_s)[None, :])
-                acc_u = acc_u * (ra[:, None] * (prev_u / u_s)[None, :])
-            prev_a = a_s
-            prev_g = g_s
-            prev_u = u_s
-        acc_g = tl.dot(a, g, acc_g)
-        acc_u = tl.dot(a, u, acc_u)
+                acc_g += tl.dot(a, g) * (a_s[:, None] * g_s[None, :])
+                acc_u += tl.dot(a, u) * (a_s[:, None] * u_s[None, :])
+        else:
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
         a_ptrs += BLOCK_K * stride_xk
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
-    if FP8:
-        if UNIFORM_B:
-            acc_g = acc_g * (prev_a * prev_g)[:, None]
-            acc_u = acc_u * (prev_a * prev_u)[:, None]
-        else:
-            acc_g = acc_g * (prev_a[:, None] * prev_g[None, :])
-            acc_u = acc_u * (prev_a[:, None] * prev_u[None, :])
-
     act = acc_g * tl.sigmoid(acc_g) * acc_u
     rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -225,11 +208,8 @@ def _down_kernel(
         as_ptrs = acts_ptr + rows * stride_asm
         if UNIFORM_B:
             bs_ptrs = ws_ptr + e64 * stride_wse + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_wsn
-            prev_b = tl.full((), 1.0, tl.float32)
         else:
             bs_ptrs = ws_ptr + e64 * stride_wse + (offs_n // SCALE_BLOCK) * stride_wsn
-            prev_b = tl.full((BLOCK_N,), 1.0, tl.float32)
-        prev_a = tl.full((BLOCK_M,), 1.0, tl.float32)
 
     for kt in range(tl.cdiv(inter, BLOCK_K)):
         if EVEN_K:
@@ -243,20 +223,13 @@ def _down_kernel(
             a_s = tl.load(as_ptrs + kt * stride_ask)
             b_s = tl.load(bs_ptrs + kt * stride_wsk)
             if UNIFORM_B:
-                acc = acc * ((prev_a / a_s) * (prev_b / b_s))[:, None]
+                acc += tl.dot(a, b) * (a_s * b_s)[:, None]
             else:
-                acc = acc * ((prev_a / a_s)[:, None] * (prev_b / b_s)[None, :])
-            prev_a = a_s
-            prev_b = b_s
-        acc = tl.dot(a, b, acc)
+                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+        else:
+            acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_wk
-    if FP8:
-        if UNIFORM_B:
-            acc = acc * (prev_a * prev_b)[:, None]
-        else:
-            acc = acc * (prev_a[:, None] * prev_b[None, :])
-
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(cols < hidden)[None, :])
