@@ -43,8 +43,8 @@ def lookup(op: str, key: str, device: torch.device) -> dict[str, Any]:
     raise KeyError(f"no tuning entry for op {op!r} (key {key!r}, arch {arch})")
 
 
-# ---- fp8_gemm, quantize_act, fused_moe (kernels/fp8_gemm, kernels/fused_moe) ----------------------
-# "any": small tiles that keep the CPU interpreter quick; "sm90": tuned on H200 (benchmarks/RESULTS.md).
+# ---- fp8_gemm, quantize_act, fused_moe (kernels/fp8_gemm, kernels/fused_moe) ---------------------
+# "any": small tiles that keep the CPU interpreter quick; "sm90": tuned on H200 (see RESULTS.md).
 # fp8_gemm keys "m<=16|32|64|128", "m>128". fuse_quant: quantize the activation inside the GEMM.
 # split_k_target_ctas / min_k_tiles: split K until tiles * splits reaches the target, each split
 # keeping at least min_k_tiles k-tiles of 128.

@@ -79,7 +79,7 @@ def _fp8_gemm_kernel(
     stride_am, stride_ak, stride_asm, stride_ask,
     stride_bn, stride_bk, stride_bsn, stride_bsk,
     stride_cs, stride_cm, stride_cn,
-    QUANT_A: tl.constexpr, EVEN_K: tl.constexpr,
+    QUANT_A: tl.constexpr, EVEN_K: tl.constexpr, UNIFORM_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
     EXACT_CAST: tl.constexpr,
@@ -112,8 +112,7 @@ def _fp8_gemm_kernel(
     a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k0[None, :] * stride_ak
     b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k0[:, None] * stride_bk
     as_ptrs = as_ptr + offs_m * stride_asm + kt0 * stride_ask
-    # One weight scale per tile when the tile lies inside one 128-row quant block, else per column.
-    UNIFORM_B: tl.constexpr = SCALE_BLOCK % BLOCK_N == 0
+    # UNIFORM_B: the tile lies inside one 128-row quant block, so one weight scale per k-tile.
     if UNIFORM_B:
         bs_ptrs = bs_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bsn + kt0 * stride_bsk
     else:
@@ -259,7 +258,7 @@ def _launch_gemm(
         a.stride(0), a.stride(1), a_scales.stride(0), a_scales.stride(1),
         w_fp8.stride(0), w_fp8.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
         stride_cs, target.stride(-2), target.stride(-1),
-        QUANT_A=quant_a, EVEN_K=k % block_k == 0,
+        QUANT_A=quant_a, EVEN_K=k % block_k == 0, UNIFORM_B=WEIGHT_QUANT_BLOCK % block_n == 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
         SCALE_BLOCK=WEIGHT_QUANT_BLOCK, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
         EXACT_CAST=interpreter_enabled(),

@@ -1,6 +1,6 @@
-"""Test helper: make every `torch.empty` inside a block return poisoned memory (NaN for floats, a huge
-value for integers), so a kernel that leaves part of an output unwritten, or reads scratch it never
-wrote, shows up as NaN or a wild value instead of passing on stale zeros."""
+"""Test helper: make every `torch.empty` inside a block return poisoned memory (NaN for floats, a
+huge value for integers), so a kernel that leaves part of an output unwritten, or reads scratch it
+never wrote, shows up as NaN or a wild value instead of passing on stale zeros."""
 
 from __future__ import annotations
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 from _poison import poisoned_empty, rel_err
-
 from pdserve.kernels.fp8_gemm import ref
 from pdserve.kernels.fp8_gemm import triton as tri
 
@@ -23,7 +22,7 @@ gpu = pytest.mark.gpu
 
 
 def _act(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Random activations whose 128-groups span six decades, with one all-zero group when k > 128."""
+    """Random activations whose 128-groups span six decades; one all-zero group when k > 128."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g)
     decades = torch.empty(m, -(-k // 128)).uniform_(-3, 3, generator=g)
@@ -42,7 +41,6 @@ def _weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return w_fp8.to(DEVICE), scale_inv.to(DEVICE)
 
 
-CPU_DTYPE = torch.float32 if not CUDA else torch.bfloat16
 QUANT_CASES = [
     (1, 128),
     (33, 300),
@@ -103,7 +101,7 @@ PATH_CONFIGS = {
     ("m", "n", "k"), [(19, 320, 700), pytest.param(200, 3000, 4000, marks=gpu)]
 )
 def test_gemm_code_paths(path: str, m: int, n: int, k: int) -> None:
-    """Each kernel variant (in-kernel quantization, split K, per-column weight scales) on one shape."""
+    """Each kernel variant (in-kernel quantization, split K, per-column weight scales)."""
     dtype = torch.bfloat16 if CUDA else torch.float32
     x = _act(m, k, dtype, seed=k)
     w_fp8, scale_inv = _weight(n, k, seed=n)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 from _poison import poisoned_empty, rel_err
-
 from pdserve.kernels.fp8_gemm.ref import quantize_weight
 from pdserve.kernels.fused_moe import ref
 from pdserve.kernels.fused_moe import triton as tri
@@ -53,7 +52,6 @@ def _quantized(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
 
 
-CPU_DTYPES = (torch.float32, torch.float16)
 # (T, D, I, E, k, skew, dtype): M=1, ragged T, D and I off multiples of 128 on some cases.
 CASES = [
     (1, 256, 128, 8, 4, "balanced", torch.float32),
