@@ -75,3 +75,44 @@ register(
     "any",
     {"default": _FUSED_MOE_ANY, **{f"fp8,{rows}": _FUSED_MOE_ANY_FP8 for rows in _ROW_CLASSES}},
 )
+
+
+def _gemm_cfg(bm: int, bn: int, warps: int, stages: int, fuse: bool, split: int) -> dict[str, Any]:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": warps, "num_stages": stages,
+            "fuse_quant": fuse, "split_k_target_ctas": split, "min_k_tiles": 4}  # fmt: skip
+
+
+def _moe_cfg(bm: int, gate_up: tuple, down: tuple, group_m: int = 8) -> dict[str, Any]:
+    """gate_up / down: (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    n1, k1, w1, s1 = gate_up
+    n2, k2, w2, s2 = down
+    return {"BLOCK_M": bm, "GROUP_M": group_m, "BLOCK_N1": n1, "BLOCK_K1": k1, "warps1": w1,
+            "stages1": s1, "BLOCK_N2": n2, "BLOCK_K2": k2, "warps2": w2, "stages2": s2}  # fmt: skip
+
+
+register("quantize_act", "sm90", {"default": {"BLOCK_M": 16, "num_warps": 4}})
+register(
+    "fp8_gemm",
+    "sm90",
+    {
+        "m<=16": _gemm_cfg(16, 64, 4, 4, True, 264),
+        "m<=32": _gemm_cfg(32, 64, 4, 4, True, 264),
+        "m<=64": _gemm_cfg(64, 64, 4, 4, False, 264),
+        "m<=128": _gemm_cfg(64, 128, 4, 4, False, 132),
+        "default": _gemm_cfg(128, 128, 8, 4, False, 0),
+    },
+)
+register(
+    "fused_moe",
+    "sm90",
+    {
+        "bf16,rows<=16": _moe_cfg(16, (64, 128, 4, 4), (64, 128, 4, 4)),
+        "bf16,rows<=64": _moe_cfg(32, (64, 128, 4, 4), (64, 128, 4, 4)),
+        "bf16,rows<=256": _moe_cfg(64, (128, 64, 4, 4), (128, 64, 4, 4)),
+        "default": _moe_cfg(128, (128, 64, 8, 3), (256, 64, 8, 3)),
+        "fp8,rows<=16": _moe_cfg(16, (128, 128, 4, 4), (64, 128, 4, 4)),
+        "fp8,rows<=64": _moe_cfg(32, (128, 128, 4, 4), (64, 128, 4, 4)),
+        "fp8,rows<=256": _moe_cfg(64, (128, 128, 4, 4), (128, 128, 4, 4)),
+        "fp8,rows>256": _moe_cfg(64, (128, 128, 8, 4), (128, 128, 4, 4)),
+    },
+)
