@@ -11,7 +11,10 @@ several processes can compile in parallel before one process times everything.
 from __future__ import annotations
 
 import argparse
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -36,31 +39,45 @@ def _m(bm, n1, k1, w1, s1, n2, k2, w2, s2, gm=8):
             "stages1": s1, "BLOCK_N2": n2, "BLOCK_K2": k2, "warps2": w2, "stages2": s2}  # fmt: skip
 
 
+def _t(cfg, **extra):
+    return {**cfg, **extra}
+
+
 GEMM_LARGE = [
-    _g(128, 128, 8, 3), _g(128, 128, 8, 4), _g(128, 128, 4, 4), _g(128, 256, 8, 3),
-    _g(64, 256, 8, 4), _g(256, 128, 8, 3), _g(128, 128, 8, 4, gm=16),
+    _g(128, 128, 8, 4, gm=16),
+    _t(_g(128, 128, 8, 4, gm=16), tma=True), _t(_g(128, 128, 8, 3, gm=16), tma=True),
+    _t(_g(128, 128, 8, 4, gm=16), tma=True, lag=True), _t(_g(128, 128, 8, 3), tma=True, lag=True),
+    _t(_g(128, 128, 8, 4, gm=16), tma=True, warp_specialize=True),
+    _t(_g(128, 128, 8, 4, gm=16), tma=True, lag=True, warp_specialize=True),
+    _t(_g(64, 256, 8, 4, gm=16), tma=True), _t(_g(128, 128, 4, 4, gm=16), tma=True, lag=True),
 ]  # fmt: skip
 GEMM_DECODE = [
-    _g(64, 64, 4, 4, fuse=True, split=264), _g(64, 64, 4, 4, fuse=False, split=264),
-    _g(64, 128, 4, 4, fuse=False, split=264), _g(64, 64, 4, 6, fuse=False, split=528),
-    _g(64, 128, 8, 4, fuse=True, split=264), _g(64, 32, 4, 6, fuse=False, split=264),
+    _g(64, 64, 4, 4, split=264), _g(64, 64, 4, 6, split=264), _g(64, 64, 4, 5, split=528),
+    _t(_g(64, 64, 4, 4, split=264), tma=True), _t(_g(64, 64, 4, 6, split=264), tma=True),
+    _g(64, 128, 4, 4, fuse=True, split=264), _g(64, 128, 8, 4, fuse=True, split=264),
 ]  # fmt: skip
 MOE_BF16_BIG = [
-    _m(128, 128, 64, 8, 3, 256, 64, 8, 3), _m(128, 128, 64, 8, 4, 128, 64, 8, 4),
-    _m(128, 64, 64, 4, 4, 128, 64, 4, 4), _m(128, 128, 64, 8, 3, 128, 64, 8, 4),
-    _m(64, 128, 64, 4, 4, 256, 64, 8, 3),
+    _m(128, 128, 64, 8, 3, 256, 64, 8, 3),
+    _t(_m(128, 128, 64, 8, 3, 256, 64, 8, 3), tma=True),
+    _t(_m(128, 128, 64, 8, 4, 256, 64, 8, 4), tma=True),
+    _t(_m(128, 128, 64, 8, 4, 256, 64, 8, 3, gm=16), tma=True),
+    _m(128, 128, 64, 8, 4, 256, 64, 8, 4),
 ]  # fmt: skip
 MOE_FP8_BIG = [
-    _m(128, 128, 128, 8, 3, 128, 128, 8, 4), _m(64, 128, 128, 8, 4, 128, 128, 4, 4),
-    _m(128, 128, 128, 8, 3, 256, 128, 8, 3), _m(64, 128, 128, 4, 4, 256, 128, 8, 3),
+    _m(64, 128, 128, 8, 4, 128, 128, 4, 4),
+    _t(_m(64, 128, 128, 8, 4, 128, 128, 4, 4), tma=True),
+    _t(_m(64, 128, 128, 8, 5, 256, 128, 8, 3), tma=True),
+    _t(_m(64, 128, 128, 8, 4, 256, 128, 8, 4), tma=True),
+    _m(64, 128, 128, 8, 5, 256, 128, 8, 3),
 ]  # fmt: skip
 MOE_BF16_DECODE = [
-    _m(16, 64, 128, 4, 4, 64, 128, 4, 4), _m(32, 64, 128, 4, 4, 64, 128, 4, 4),
-    _m(16, 128, 64, 4, 5, 128, 64, 4, 5), _m(16, 32, 256, 4, 4, 64, 256, 4, 3),
+    _m(32, 64, 128, 4, 4, 64, 128, 4, 4), _m(32, 64, 128, 4, 5, 64, 128, 4, 6),
+    _m(32, 128, 64, 4, 6, 128, 64, 4, 6), _t(_m(32, 64, 128, 4, 4, 64, 128, 4, 4), tma=True),
+    _m(64, 64, 128, 4, 4, 64, 128, 4, 4),
 ]  # fmt: skip
 MOE_FP8_DECODE = [
-    _m(16, 128, 128, 4, 4, 64, 128, 4, 4), _m(32, 128, 128, 4, 4, 128, 128, 4, 4),
-    _m(16, 128, 128, 4, 6, 32, 128, 4, 6),
+    _m(32, 128, 128, 4, 4, 128, 128, 4, 4), _m(32, 128, 128, 4, 5, 64, 128, 4, 6),
+    _t(_m(32, 128, 128, 4, 4, 128, 128, 4, 4), tma=True), _m(64, 128, 128, 4, 4, 128, 128, 4, 4),
 ]  # fmt: skip
 
 
@@ -134,6 +151,20 @@ def _kernel_report(fn) -> list[str]:
         return [f"  {fn}: no report ({err!r})"]
 
 
+def _sass_mma(compiled) -> str:
+    """Counts of Hopper MMA instructions in the cubin's SASS (cuobjdump from the CUDA toolkit)."""
+    cubin = compiled.asm.get("cubin")
+    tool = shutil.which("cuobjdump")
+    if not cubin or not tool:
+        return "n/a"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True).stdout
+    counts = {op: sass.count(op) for op in ("QGMMA", "HGMMA", "HMMA", "LDL", "STL")}
+    return ",".join(f"{op}:{n}" for op, n in counts.items() if n)
+
+
 def _kernel_lines(fn) -> list[str]:
     lines = []
     for cache in getattr(fn, "device_caches", {}).values():
@@ -145,8 +176,30 @@ def _kernel_lines(fn) -> list[str]:
             c = compiled.metadata
             lines.append(f"  {fn.__name__}: warps={c.num_warps} stages={c.num_stages} "
                          f"regs={compiled.n_regs} spills={compiled.n_spills} "
-                         f"smem={c.shared} mma={mma}")  # fmt: skip
+                         f"smem={c.shared} mma={mma} sass={_sass_mma(compiled)}")  # fmt: skip
     return lines
+
+
+def _profile() -> None:
+    """Per-kernel CUDA time of fused_moe (4096 tokens, bf16 and fp8) with the registered table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x, weights, ids = _moe_inputs(4096)
+    w13, w2 = _MOE["w"]
+    w13q, w13s, w2q, w2s = _MOE["fp8"]
+    for name, fn in (
+        ("bf16", lambda: moe.fused_moe(x, w13, w2, weights, ids)),
+        ("fp8", lambda: moe.fused_moe(x, w13q, w2q, weights, ids, w13s, w2s)),
+    ):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        print(f"fused_moe {name}, 4096 tokens, 5 calls:")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 
 
 def main() -> None:
@@ -155,7 +208,11 @@ def main() -> None:
     parser.add_argument("--groups", default=all_groups)
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--part", default="0/1")
+    parser.add_argument("--profile", action="store_true", help="per-kernel times, tuned table")
     args = parser.parse_args()
+    if args.profile:
+        _profile()
+        return
     part, parts = map(int, args.part.split("/"))
     jobs = _jobs(set(args.groups.split(",")))
     best: dict[str, tuple[float, str]] = {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import tuning
 from .._backend import interpreter_enabled
@@ -73,6 +74,17 @@ def _quantize_act_kernel(
 
 
 @triton.jit
+def tile_of(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of program `pid`, GROUP_M M-tiles sweeping N together (L2 reuse of B)."""
+    group_size = GROUP_M * num_pid_n
+    first_m = (pid // group_size) * GROUP_M
+    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % rows_in_group
+    pid_n = (pid % group_size) // rows_in_group
+    return pid_m, pid_n
+
+
+@triton.jit
 def _fp8_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr,
     M, N, K, k_tiles_per_split,
@@ -90,15 +102,8 @@ def _fp8_gemm_kernel(
     B: [N, K] fp8 with b_scale [N/128, K/128]. BLOCK_K == SCALE_BLOCK: one scale per operand row
     per k-tile.
     """
-    pid = tl.program_id(0)
+    pid_m, pid_n = tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     split = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group_size = GROUP_M * num_pid_n
-    first_m = (pid // group_size) * GROUP_M
-    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % rows_in_group
-    pid_n = (pid % group_size) // rows_in_group
 
     # Out-of-range rows and columns wrap (their loads stay in bounds) and are masked on store.
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
@@ -144,6 +149,56 @@ def _fp8_gemm_kernel(
     out_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ptrs = c_ptr + split * stride_cs + out_m.to(tl.int64)[:, None] * stride_cm
     c_ptrs += out_n[None, :] * stride_cn
+    mask = (out_m < M)[:, None] & (out_n < N)[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_gemm_tma_kernel(
+    a_desc, as_ptr, b_desc, bs_ptr, c_ptr,
+    M, N, K,
+    stride_asm, stride_ask, stride_bsn, stride_bsk, stride_cm, stride_cn,
+    UNIFORM_B: tl.constexpr, LAG: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The GEMM on pre-quantized A, both operands through TMA descriptors (zero fill past the
+    edges). LAG (needs UNIFORM_B) scales the previous k-tile's product into the accumulator
+    while the current one's MMA runs, so the FMAs can overlap the tensor cores."""
+    pid_m, pid_n = tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    offs_m = tl.minimum(off_m + tl.arange(0, BLOCK_M), M - 1)
+    as_ptrs = as_ptr + offs_m * stride_asm
+    if UNIFORM_B:
+        bs_ptrs = bs_ptr + (off_n // SCALE_BLOCK) * stride_bsn
+    else:
+        offs_n = tl.minimum(off_n + tl.arange(0, BLOCK_N), N - 1)
+        bs_ptrs = bs_ptr + (offs_n // SCALE_BLOCK) * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if LAG:
+        prev = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        prev_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for kt in tl.range(0, tl.cdiv(K, BLOCK_K), warp_specialize=WARP_SPECIALIZE):
+        a = a_desc.load([off_m, kt * BLOCK_K])
+        b = b_desc.load([off_n, kt * BLOCK_K])
+        a_s = tl.load(as_ptrs + kt * stride_ask)
+        b_s = tl.load(bs_ptrs + kt * stride_bsk)
+        if LAG:
+            product = tl.dot(a, b.T)
+            acc += prev * prev_scale[:, None]
+            prev = product
+            prev_scale = a_s * b_s
+        elif UNIFORM_B:
+            acc += tl.dot(a, b.T) * (a_s * b_s)[:, None]
+        else:
+            acc += tl.dot(a, b.T) * (a_s[:, None] * b_s[None, :])
+    if LAG:
+        acc += prev * prev_scale[:, None]
+
+    out_m = off_m + tl.arange(0, BLOCK_M)
+    out_n = off_n + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + out_m.to(tl.int64)[:, None] * stride_cm + out_n[None, :] * stride_cn
     mask = (out_m < M)[:, None] & (out_n < N)[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
@@ -223,6 +278,30 @@ def _check_weight(w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, k: int, device
         raise ValueError(f"w_fp8 and w_scale_inv must be on {device}")
 
 
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA needs a unit last stride and 16-byte aligned base and row stride."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+
+
+def _launch_tma(a, a_scales, w_fp8, w_scale_inv, out, cfg: dict) -> None:
+    m, k = a.shape
+    n = w_fp8.shape[0]
+    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], WEIGHT_QUANT_BLOCK
+    a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
+    b_desc = TensorDescriptor.from_tensor(w_fp8, [block_n, block_k])
+    uniform_b = WEIGHT_QUANT_BLOCK % block_n == 0
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _fp8_gemm_tma_kernel[grid](
+        a_desc, a_scales, b_desc, w_scale_inv, out, m, n, k,
+        a_scales.stride(0), a_scales.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
+        out.stride(0), out.stride(1),
+        UNIFORM_B=uniform_b, LAG=cfg.get("lag", False) and uniform_b,
+        WARP_SPECIALIZE=cfg.get("warp_specialize", False),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
+        SCALE_BLOCK=WEIGHT_QUANT_BLOCK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+
+
 def _launch_gemm(
     a: torch.Tensor,
     a_scales: torch.Tensor | None,
@@ -244,6 +323,9 @@ def _launch_gemm(
     per_split = triton.cdiv(k_tiles, splits)
     splits = triton.cdiv(k_tiles, per_split)
     quant_a = a_scales is None
+    if cfg.get("tma") and not quant_a and splits == 1 and _tma_ok(a) and _tma_ok(w_fp8):
+        _launch_tma(a, a_scales, w_fp8, w_scale_inv, out, cfg)
+        return
     if quant_a:
         a_scales = torch.empty((1, 1), dtype=torch.float32, device=a.device)  # unread
     if splits == 1:

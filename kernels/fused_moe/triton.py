@@ -20,11 +20,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import tuning
 from .._backend import interpreter_enabled
 from ..fp8_gemm.ref import ACT_QUANT_GROUP, FP8_E4M3_MAX, WEIGHT_QUANT_BLOCK
-from ..fp8_gemm.triton import _MIN_AMAX, _quantize, quantize_tile
+from ..fp8_gemm.triton import _MIN_AMAX, _quantize, _tma_ok, quantize_tile
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -105,12 +106,15 @@ def _gate_up_kernel(
     stride_xm, stride_xk, stride_xsm, stride_xsk,
     stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
     stride_am, stride_ak, stride_asm, stride_ask,
-    FP8: tl.constexpr, EVEN_K: tl.constexpr, UNIFORM_B: tl.constexpr,
+    FP8: tl.constexpr, EVEN_K: tl.constexpr, UNIFORM_B: tl.constexpr, TMA_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     E_POW2: tl.constexpr, SCALE_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
     EXACT_CAST: tl.constexpr,
 ):  # fmt: skip
-    """act[rows, n] = silu(x[tok] @ gate[e, n]) * (x[tok] @ up[e, n]) on one expert's M-tile."""
+    """act[rows, n] = silu(x[tok] @ gate[e, n]) * (x[tok] @ up[e, n]) on one expert's M-tile.
+
+    TMA_B: w_ptr is a TMA descriptor over w13 viewed as [E * 2I, D] (block [BLOCK_N, BLOCK_K]);
+    columns past I read the next rows, whose results are never stored."""
     pid_m, pid_n = _tile_of(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     row0 = pid_m * BLOCK_M
     e = _expert_of(ends_ptr, row0, num_experts, E_POW2)
@@ -124,8 +128,10 @@ def _gate_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = x_ptr + tok.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    g_ptrs = w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    u_ptrs = g_ptrs + inter * stride_wn
+    if not TMA_B:
+        g_ptrs = w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn
+        g_ptrs += offs_k[:, None] * stride_wk
+        u_ptrs = g_ptrs + inter * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if FP8:
@@ -139,14 +145,20 @@ def _gate_up_kernel(
             gs_ptrs = ws_ptr + (offs_n // SCALE_BLOCK) * stride_wsn
             us_ptrs = ws_ptr + ((inter + offs_n) // SCALE_BLOCK) * stride_wsn
 
+    gate_row = e * 2 * inter + pid_n * BLOCK_N  # TMA_B: first w13 row of this tile
     for kt in range(tl.cdiv(hidden, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-            g = tl.load(g_ptrs)
-            u = tl.load(u_ptrs)
         else:
             k_mask = kt * BLOCK_K + offs_k < hidden
             a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        if TMA_B:
+            g = w_ptr.load([gate_row, kt * BLOCK_K]).T
+            u = w_ptr.load([gate_row + inter, kt * BLOCK_K]).T
+        elif EVEN_K:
+            g = tl.load(g_ptrs)
+            u = tl.load(u_ptrs)
+        else:
             g = tl.load(g_ptrs, mask=k_mask[:, None], other=0.0)
             u = tl.load(u_ptrs, mask=k_mask[:, None], other=0.0)
         if FP8:  # each 128-deep product scaled into fp32 (see fp8_gemm/triton.py)
@@ -163,8 +175,9 @@ def _gate_up_kernel(
             acc_g = tl.dot(a, g, acc_g)
             acc_u = tl.dot(a, u, acc_u)
         a_ptrs += BLOCK_K * stride_xk
-        g_ptrs += BLOCK_K * stride_wk
-        u_ptrs += BLOCK_K * stride_wk
+        if not TMA_B:
+            g_ptrs += BLOCK_K * stride_wk
+            u_ptrs += BLOCK_K * stride_wk
     act = acc_g * tl.sigmoid(acc_g) * acc_u
     rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -187,11 +200,13 @@ def _down_kernel(
     stride_am, stride_ak, stride_asm, stride_ask,
     stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
     stride_ym, stride_yn,
-    FP8: tl.constexpr, EVEN_K: tl.constexpr, UNIFORM_B: tl.constexpr,
+    FP8: tl.constexpr, EVEN_K: tl.constexpr, UNIFORM_B: tl.constexpr, TMA_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     E_POW2: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """y[rows, n] = act[rows] @ w2[e, n] for one M-tile of one expert's rows."""
+    """y[rows, n] = act[rows] @ w2[e, n] for one M-tile of one expert's rows.
+
+    TMA_B: w_ptr is a TMA descriptor over w2 viewed as [E * D, I] (block [BLOCK_N, BLOCK_K])."""
     pid_m, pid_n = _tile_of(tl.program_id(0), num_pid_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     row0 = pid_m * BLOCK_M
     e = _expert_of(ends_ptr, row0, num_experts, E_POW2)
@@ -202,7 +217,10 @@ def _down_kernel(
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % hidden
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    if not TMA_B:
+        b_ptrs = w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn
+        b_ptrs += offs_k[:, None] * stride_wk
+    b_row = e * hidden + pid_n * BLOCK_N  # TMA_B: first w2 row of this tile
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if FP8:
         as_ptrs = acts_ptr + rows * stride_asm
@@ -214,10 +232,14 @@ def _down_kernel(
     for kt in range(tl.cdiv(inter, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
         else:
             k_mask = kt * BLOCK_K + offs_k < inter
             a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+        if TMA_B:
+            b = w_ptr.load([b_row, kt * BLOCK_K]).T
+        elif EVEN_K:
+            b = tl.load(b_ptrs)
+        else:
             b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
         if FP8:
             a_s = tl.load(as_ptrs + kt * stride_ask)
@@ -229,7 +251,8 @@ def _down_kernel(
         else:
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_wk
+        if not TMA_B:
+            b_ptrs += BLOCK_K * stride_wk
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(cols < hidden)[None, :])
@@ -357,12 +380,28 @@ def fused_moe(
     """
     fp8 = _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv)
     num_tokens, hidden = x.shape
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    top_k = topk_ids.shape[1]
+    num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0 or top_k == 0:
         return out.zero_()
     cfg = tuning.lookup("fused_moe", _config_key(fp8, num_tokens * top_k, num_experts), x.device)
+    return _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, cfg, out)
+
+
+def _weight_operand(w: torch.Tensor, block_n: int, block_k: int, use_tma: bool):
+    """The weight as the GEMM kernels take it: a TMA descriptor over its [E * rows, K] view when
+    asked for and possible, else the tensor itself. Returns (operand, is_descriptor)."""
+    if use_tma and w.is_contiguous() and _tma_ok(w.view(-1, w.shape[-1])):
+        return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k]), True
+    return w, False
+
+
+def _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, cfg, out):
+    """fused_moe with an explicit launch config (tests and the sweep pass their own)."""
+    fp8 = w13_scale_inv is not None
+    num_tokens, hidden = x.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
     block_m = cfg["BLOCK_M"]
     sorted_ids, ends, row_of, max_rows = align_rows(topk_ids, num_experts, block_m)
     num_pid_m = max_rows // block_m
@@ -383,13 +422,14 @@ def fused_moe(
         w13_s = w2_s = torch.empty((1, 1, 1), dtype=torch.float32, device=x.device)
 
     bn1, bk1 = cfg["BLOCK_N1"], cfg["BLOCK_K1"]
+    w13_arg, tma1 = _weight_operand(w13, bn1, bk1, cfg.get("tma", False))
     _gate_up_kernel[(num_pid_m * triton.cdiv(inter, bn1),)](
-        x_in, x_scales, w13, w13_s, act, act_scales, sorted_ids, ends,
+        x_in, x_scales, w13_arg, w13_s, act, act_scales, sorted_ids, ends,
         num_experts, num_tokens * top_k, top_k, inter, hidden, num_pid_m,
         x_in.stride(0), x_in.stride(1), x_scales.stride(0), x_scales.stride(1),
         *w13.stride(), *w13_s.stride(),
         act.stride(0), act.stride(1), act_scales.stride(0), act_scales.stride(1),
-        FP8=fp8, EVEN_K=hidden % bk1 == 0, UNIFORM_B=sb % bn1 == 0 and inter % sb == 0,
+        FP8=fp8, EVEN_K=hidden % bk1 == 0, UNIFORM_B=sb % bn1 == 0 and inter % sb == 0, TMA_B=tma1,
         BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk1, GROUP_M=cfg["GROUP_M"],
         E_POW2=e_pow2, SCALE_BLOCK=sb, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
         EXACT_CAST=interpreter_enabled(),
@@ -398,13 +438,14 @@ def fused_moe(
 
     y = torch.empty((max_rows, hidden), dtype=x.dtype, device=x.device)
     bn2, bk2 = cfg["BLOCK_N2"], cfg["BLOCK_K2"]
+    w2_arg, tma2 = _weight_operand(w2, bn2, bk2, cfg.get("tma", False))
     _down_kernel[(num_pid_m * triton.cdiv(hidden, bn2),)](
-        act, act_scales, w2, w2_s, y, ends,
+        act, act_scales, w2_arg, w2_s, y, ends,
         num_experts, hidden, inter, num_pid_m,
         act.stride(0), act.stride(1), act_scales.stride(0), act_scales.stride(1),
         *w2.stride(), *w2_s.stride(),
         y.stride(0), y.stride(1),
-        FP8=fp8, EVEN_K=inter % bk2 == 0, UNIFORM_B=sb % bn2 == 0,
+        FP8=fp8, EVEN_K=inter % bk2 == 0, UNIFORM_B=sb % bn2 == 0, TMA_B=tma2,
         BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk2, GROUP_M=cfg["GROUP_M"],
         E_POW2=e_pow2, SCALE_BLOCK=sb,
         num_warps=cfg["warps2"], num_stages=cfg["stages2"],

@@ -100,6 +100,37 @@ def test_fused_moe_fp8_matches_reference(t, d, i, e, k, skew) -> None:
     assert rel_err(out, expected) < FP8_TOL
 
 
+_PATH_BASE = {"GROUP_M": 2, "warps1": 4, "stages1": 2, "warps2": 4, "stages2": 2, "tma": True}
+PATH_CONFIGS = {
+    "tma": {**_PATH_BASE, "BLOCK_M": 16, "BLOCK_N1": 32, "BLOCK_K1": 64, "BLOCK_N2": 64,
+            "BLOCK_K2": 32},
+    "tma-fp8": {**_PATH_BASE, "BLOCK_M": 32, "BLOCK_N1": 128, "BLOCK_K1": 128, "BLOCK_N2": 256,
+                "BLOCK_K2": 128},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", sorted(PATH_CONFIGS))
+@pytest.mark.parametrize(("t", "d", "i"), [(21, 320, 192), pytest.param(300, 2048, 640, marks=gpu)])
+def test_weight_tma_paths(path: str, t: int, d: int, i: int) -> None:
+    """Weights through TMA descriptors (gate/up tiles that run past I into the up rows, a down
+    tile wider than a quant block) on a shape whose D and I are not multiples of 128."""
+    e, k = 5, 3
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    weights, ids = _routing(t, e, k, "zipf", seed=i)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(i)).to(DEVICE, dtype)
+    w13, w2 = _weights(e, d, i, dtype, seed=d)
+    scales: tuple = (None, None)
+    if path.endswith("fp8"):
+        (w13, w13_s), (w2, w2_s) = _quantized(w13), _quantized(w2)
+        scales = (w13_s, w2_s)
+    with poisoned_empty():
+        out = torch.empty_like(x)
+        tri._fused_moe(x, w13, w2, weights, ids, *scales, PATH_CONFIGS[path], out)
+    expected = ref.fused_moe(x, w13, w2, weights, ids, *scales)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, expected) < (FP8_TOL if path.endswith("fp8") else TOL[dtype])
+
+
 def test_all_ids_foreign_gives_zeros() -> None:
     x = torch.randn(7, 128, device=DEVICE)
     w13, w2 = _weights(4, 128, 64, torch.float32, seed=0)
