@@ -77,9 +77,12 @@ register(
 )
 
 
-def _gemm_cfg(bm: int, bn: int, warps: int, stages: int, fuse: bool, split: int) -> dict[str, Any]:
+def _gemm_cfg(
+    bm: int, bn: int, warps: int, stages: int, fuse: bool, split: int, **extra: Any
+) -> dict[str, Any]:
+    """extra: GROUP_M (default 8), tma, lag, warp_specialize (see fp8_gemm/triton.py)."""
     return {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": warps, "num_stages": stages,
-            "fuse_quant": fuse, "split_k_target_ctas": split, "min_k_tiles": 4}  # fmt: skip
+            "fuse_quant": fuse, "split_k_target_ctas": split, "min_k_tiles": 4, **extra}  # fmt: skip
 
 
 def _moe_cfg(bm: int, gate_up: tuple, down: tuple, group_m: int = 8) -> dict[str, Any]:
@@ -99,18 +102,18 @@ register(
         "m<=32": _gemm_cfg(32, 64, 4, 4, True, 264),
         "m<=64": _gemm_cfg(64, 64, 4, 4, False, 264),
         "m<=128": _gemm_cfg(64, 128, 4, 4, False, 132),
-        "default": _gemm_cfg(128, 128, 8, 4, False, 0),
+        "default": _gemm_cfg(128, 128, 8, 4, False, 0, GROUP_M=16),
     },
 )
 register(
     "fused_moe",
     "sm90",
     {
-        "bf16,rows<=16": _moe_cfg(16, (64, 128, 4, 4), (64, 128, 4, 4)),
+        "bf16,rows<=16": _moe_cfg(32, (64, 128, 4, 4), (64, 128, 4, 4)),
         "bf16,rows<=64": _moe_cfg(32, (64, 128, 4, 4), (64, 128, 4, 4)),
         "bf16,rows<=256": _moe_cfg(64, (128, 64, 4, 4), (128, 64, 4, 4)),
         "default": _moe_cfg(128, (128, 64, 8, 3), (256, 64, 8, 3)),
-        "fp8,rows<=16": _moe_cfg(16, (128, 128, 4, 4), (64, 128, 4, 4)),
+        "fp8,rows<=16": _moe_cfg(32, (128, 128, 4, 4), (128, 128, 4, 4)),
         "fp8,rows<=64": _moe_cfg(32, (128, 128, 4, 4), (64, 128, 4, 4)),
         "fp8,rows<=256": _moe_cfg(64, (128, 128, 4, 4), (128, 128, 4, 4)),
         "fp8,rows>256": _moe_cfg(64, (128, 128, 8, 4), (128, 128, 4, 4)),
