@@ -82,7 +82,8 @@ def _gemm_cfg(
 ) -> dict[str, Any]:
     """extra: GROUP_M (default 8), tma, lag, warp_specialize (see fp8_gemm/triton.py)."""
     return {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": warps, "num_stages": stages,
-            "fuse_quant": fuse, "split_k_target_ctas": split, "min_k_tiles": 4, **extra}  # fmt: skip
+            "fuse_quant": fuse, "split_k_target_ctas": split, "min_k_tiles": 4,
+            **extra}  # fmt: skip
 
 
 def _moe_cfg(bm: int, gate_up: tuple, down: tuple, group_m: int = 8) -> dict[str, Any]:
