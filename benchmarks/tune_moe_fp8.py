@@ -44,12 +44,9 @@ def _t(cfg, **extra):
 
 
 GEMM_LARGE = [
-    _g(128, 128, 8, 4, gm=16),
-    _t(_g(128, 128, 8, 4, gm=16), tma=True), _t(_g(128, 128, 8, 3, gm=16), tma=True),
-    _t(_g(128, 128, 8, 4, gm=16), tma=True, lag=True), _t(_g(128, 128, 8, 3), tma=True, lag=True),
-    _t(_g(128, 128, 8, 4, gm=16), tma=True, warp_specialize=True),
-    _t(_g(128, 128, 8, 4, gm=16), tma=True, lag=True, warp_specialize=True),
-    _t(_g(64, 256, 8, 4, gm=16), tma=True), _t(_g(128, 128, 4, 4, gm=16), tma=True, lag=True),
+    _t(_g(128, 128, 8, 4, gm=16), tma=True), _t(_g(128, 128, 8, 5, gm=16), tma=True),
+    _t(_g(128, 128, 8, 4, gm=8), tma=True), _t(_g(64, 128, 4, 4, gm=16), tma=True),
+    _t(_g(64, 128, 4, 3, gm=16), tma=True), _t(_g(128, 64, 4, 4, gm=16), tma=True),
 ]  # fmt: skip
 GEMM_DECODE = [
     _g(64, 64, 4, 4, split=264), _g(64, 64, 4, 6, split=264), _g(64, 64, 4, 5, split=528),
@@ -58,17 +55,16 @@ GEMM_DECODE = [
 ]  # fmt: skip
 MOE_BF16_BIG = [
     _m(128, 128, 64, 8, 3, 256, 64, 8, 3),
-    _t(_m(128, 128, 64, 8, 3, 256, 64, 8, 3), tma=True),
-    _t(_m(128, 128, 64, 8, 4, 256, 64, 8, 4), tma=True),
-    _t(_m(128, 128, 64, 8, 4, 256, 64, 8, 3, gm=16), tma=True),
-    _m(128, 128, 64, 8, 4, 256, 64, 8, 4),
+    _t(_m(128, 128, 64, 8, 3, 256, 64, 8, 3), permute_a=True),
+    _t(_m(128, 128, 64, 8, 3, 256, 64, 8, 3), permute_a=True, tma=True),
+    _t(_m(128, 128, 64, 8, 4, 256, 64, 8, 3), permute_a=True),
 ]  # fmt: skip
 MOE_FP8_BIG = [
-    _m(64, 128, 128, 8, 4, 128, 128, 4, 4),
     _t(_m(64, 128, 128, 8, 4, 128, 128, 4, 4), tma=True),
-    _t(_m(64, 128, 128, 8, 5, 256, 128, 8, 3), tma=True),
-    _t(_m(64, 128, 128, 8, 4, 256, 128, 8, 4), tma=True),
-    _m(64, 128, 128, 8, 5, 256, 128, 8, 3),
+    _t(_m(64, 128, 128, 8, 4, 128, 128, 4, 4), tma=True, permute_a=True),
+    _t(_m(128, 128, 128, 8, 3, 128, 128, 8, 4), tma=True, permute_a=True),
+    _t(_m(64, 128, 128, 8, 4, 128, 128, 4, 4), permute_a=True),
+    _t(_m(64, 128, 128, 8, 5, 128, 128, 4, 4), tma=True, permute_a=True),
 ]  # fmt: skip
 MOE_BF16_DECODE = [
     _m(32, 64, 128, 4, 4, 64, 128, 4, 4), _m(32, 64, 128, 4, 5, 64, 128, 4, 6),

@@ -87,7 +87,8 @@ def _gemm_cfg(
 
 
 def _moe_cfg(bm: int, gate_up: tuple, down: tuple, group_m: int = 8) -> dict[str, Any]:
-    """gate_up / down: (BLOCK_N, BLOCK_K, num_warps, num_stages)."""
+    """gate_up / down: (BLOCK_N, BLOCK_K, num_warps, num_stages). Optional keys added by callers:
+    tma (weights through TMA descriptors), permute_a (x laid out by row, read through TMA)."""
     n1, k1, w1, s1 = gate_up
     n2, k2, w2, s2 = down
     return {"BLOCK_M": bm, "GROUP_M": group_m, "BLOCK_N1": n1, "BLOCK_K1": k1, "warps1": w1,
@@ -103,7 +104,7 @@ register(
         "m<=32": _gemm_cfg(32, 64, 4, 4, True, 264),
         "m<=64": _gemm_cfg(64, 64, 4, 4, False, 264),
         "m<=128": _gemm_cfg(64, 128, 4, 4, False, 132),
-        "default": _gemm_cfg(128, 128, 8, 4, False, 0, GROUP_M=16),
+        "default": _gemm_cfg(128, 128, 8, 4, False, 0, GROUP_M=16, tma=True),
     },
 )
 register(
@@ -117,6 +118,6 @@ register(
         "fp8,rows<=16": _moe_cfg(32, (128, 128, 4, 4), (128, 128, 4, 4)),
         "fp8,rows<=64": _moe_cfg(32, (128, 128, 4, 4), (64, 128, 4, 4)),
         "fp8,rows<=256": _moe_cfg(64, (128, 128, 4, 4), (128, 128, 4, 4)),
-        "fp8,rows>256": _moe_cfg(64, (128, 128, 8, 4), (128, 128, 4, 4)),
+        "fp8,rows>256": {**_moe_cfg(64, (128, 128, 8, 4), (128, 128, 4, 4)), "tma": True},
     },
 )

@@ -80,6 +80,39 @@ def _scatter_kernel(
     tl.store(row_of_ptr + offs, tl.where(valid, row, -1), mask=in_range)
 
 
+@triton.jit
+def _permute_rows_kernel(
+    x_ptr, out_ptr, outs_ptr, sorted_ids_ptr, ends_ptr,
+    num_experts, num_assignments, top_k, hidden,
+    stride_xm, stride_om, stride_osm, stride_osg,
+    QUANT: tl.constexpr, BLOCK_R: tl.constexpr, GROUP: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, EXACT_CAST: tl.constexpr,
+):  # fmt: skip
+    """out[row] = x[token of row] (zeros on padding rows), quantized in 1x128 groups when QUANT:
+    the gate/up GEMM then reads its A tiles contiguously (through TMA) instead of gathering."""
+    row0 = tl.program_id(0) * BLOCK_R
+    total = tl.load(ends_ptr + num_experts - 1)
+    if row0 >= total:
+        return
+    rows = row0 + tl.arange(0, BLOCK_R)
+    ids = tl.load(sorted_ids_ptr + rows, mask=rows < total, other=num_assignments)
+    valid = ids < num_assignments
+    tok = tl.where(valid, ids // top_k, 0).to(tl.int64)
+    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    col_mask = cols < hidden
+    in_mask = valid[:, None] & col_mask[None, :]
+    v = tl.load(x_ptr + tok[:, None] * stride_xm + cols[None, :], mask=in_mask, other=0.0)
+    out_mask = (rows < total)[:, None] & col_mask[None, :]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    if QUANT:
+        q, scale = quantize_tile(v.to(tl.float32), FP8_MAX, MIN_AMAX, EXACT_CAST)
+        tl.store(out_ptrs, q, mask=out_mask)
+        s_ptrs = outs_ptr + rows * stride_osm + tl.program_id(1) * stride_osg
+        tl.store(s_ptrs, scale, mask=rows < total)
+    else:
+        tl.store(out_ptrs, v, mask=out_mask)
+
+
 # ---- 3, 4. grouped GEMMs -------------------------------------------------------------------------
 @triton.jit
 def _tile_of(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
@@ -107,6 +140,7 @@ def _gate_up_kernel(
     stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
     stride_am, stride_ak, stride_asm, stride_ask,
     FP8: tl.constexpr, EVEN_K: tl.constexpr, UNIFORM_B: tl.constexpr, TMA_B: tl.constexpr,
+    PERMUTED_A: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     E_POW2: tl.constexpr, SCALE_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
     EXACT_CAST: tl.constexpr,
@@ -114,20 +148,25 @@ def _gate_up_kernel(
     """act[rows, n] = silu(x[tok] @ gate[e, n]) * (x[tok] @ up[e, n]) on one expert's M-tile.
 
     TMA_B: w_ptr is a TMA descriptor over w13 viewed as [E * 2I, D] (block [BLOCK_N, BLOCK_K]);
-    columns past I read the next rows, whose results are never stored."""
+    columns past I read the next rows, whose results are never stored. PERMUTED_A: x_ptr is a
+    TMA descriptor over x already laid out by row (`_permute_rows_kernel`), xs_ptr its scales."""
     pid_m, pid_n = _tile_of(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     row0 = pid_m * BLOCK_M
     e = _expert_of(ends_ptr, row0, num_experts, E_POW2)
     if e >= num_experts:
         return
     e64 = e.to(tl.int64)
-    ids = tl.load(sorted_ids_ptr + row0 + tl.arange(0, BLOCK_M))
-    valid = ids < num_assignments
-    tok = tl.where(valid, ids // top_k, 0)
+    if PERMUTED_A:
+        tok = row0 + tl.arange(0, BLOCK_M)  # the scales' row is the row itself
+    else:
+        ids = tl.load(sorted_ids_ptr + row0 + tl.arange(0, BLOCK_M))
+        valid = ids < num_assignments
+        tok = tl.where(valid, ids // top_k, 0)
+        a_ptrs = x_ptr + tok.to(tl.int64)[:, None] * stride_xm
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % inter
     offs_k = tl.arange(0, BLOCK_K)
-
-    a_ptrs = x_ptr + tok.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    if not PERMUTED_A:
+        a_ptrs += offs_k[None, :] * stride_xk
     if not TMA_B:
         g_ptrs = w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn
         g_ptrs += offs_k[:, None] * stride_wk
@@ -147,10 +186,13 @@ def _gate_up_kernel(
 
     gate_row = e * 2 * inter + pid_n * BLOCK_N  # TMA_B: first w13 row of this tile
     for kt in range(tl.cdiv(hidden, BLOCK_K)):
-        if EVEN_K:
+        if not EVEN_K:
+            k_mask = kt * BLOCK_K + offs_k < hidden
+        if PERMUTED_A:
+            a = x_ptr.load([row0, kt * BLOCK_K])
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
         else:
-            k_mask = kt * BLOCK_K + offs_k < hidden
             a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
         if TMA_B:
             g = w_ptr.load([gate_row, kt * BLOCK_K]).T
@@ -174,7 +216,8 @@ def _gate_up_kernel(
         else:
             acc_g = tl.dot(a, g, acc_g)
             acc_u = tl.dot(a, u, acc_u)
-        a_ptrs += BLOCK_K * stride_xk
+        if not PERMUTED_A:
+            a_ptrs += BLOCK_K * stride_xk
         if not TMA_B:
             g_ptrs += BLOCK_K * stride_wk
             u_ptrs += BLOCK_K * stride_wk
@@ -396,6 +439,28 @@ def _weight_operand(w: torch.Tensor, block_n: int, block_k: int, use_tma: bool):
     return w, False
 
 
+def _permute_rows(
+    x, sorted_ids, ends, num_assignments: int, top_k: int, max_rows: int, quant: bool
+):
+    """x laid out by row ([max_rows, D]; fp8 with column-major [max_rows, D/128] scales when
+    quant). Rows past the padded total stay unwritten; the GEMM never reads them."""
+    hidden = x.shape[1]
+    x = x if x.stride(1) == 1 else x.contiguous()
+    group = ACT_QUANT_GROUP if quant else min(256, triton.next_power_of_2(hidden))
+    dtype = torch.float8_e4m3fn if quant else x.dtype
+    out = torch.empty((max_rows, hidden), dtype=dtype, device=x.device)
+    num_groups = triton.cdiv(hidden, group)
+    scales = torch.empty((num_groups, max_rows), dtype=torch.float32, device=x.device).t()
+    block_r = 32
+    _permute_rows_kernel[(triton.cdiv(max_rows, block_r), num_groups)](
+        x, out, scales, sorted_ids, ends, ends.numel(), num_assignments, top_k, hidden,
+        x.stride(0), out.stride(0), scales.stride(0), scales.stride(1),
+        QUANT=quant, BLOCK_R=block_r, GROUP=group, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
+        EXACT_CAST=interpreter_enabled(), num_warps=4,
+    )  # fmt: skip
+    return out, scales
+
+
 def _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, cfg, out):
     """fused_moe with an explicit launch config (tests and the sweep pass their own)."""
     fp8 = w13_scale_inv is not None
@@ -407,29 +472,39 @@ def _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, 
     num_pid_m = max_rows // block_m
     e_pow2 = triton.next_power_of_2(num_experts)
     sb = WEIGHT_QUANT_BLOCK
+    num_a = num_tokens * top_k
+    permuted = cfg.get("permute_a", False) and hidden * (1 if fp8 else x.element_size()) % 16 == 0
     if fp8:
         for name in ("BLOCK_K1", "BLOCK_K2", "BLOCK_N1"):
             assert cfg[name] == sb, f"fused_moe fp8 config needs {name} == {sb}"
-        x_in, x_scales = _quantize(x, ACT_QUANT_GROUP, scale_column_major=False)
+        if permuted:
+            x_in, x_scales = _permute_rows(x, sorted_ids, ends, num_a, top_k, max_rows, True)
+        else:
+            x_in, x_scales = _quantize(x, ACT_QUANT_GROUP, scale_column_major=False)
         act = torch.empty((max_rows, inter), dtype=torch.float8_e4m3fn, device=x.device)
         num_groups = triton.cdiv(inter, sb)
         act_scales = torch.empty((max_rows, num_groups), dtype=torch.float32, device=x.device)
         w13_s, w2_s = w13_scale_inv, w2_scale_inv
     else:
-        x_in, x_scales = x, torch.empty((1, 1), dtype=torch.float32, device=x.device)  # unread
+        if permuted:
+            x_in, x_scales = _permute_rows(x, sorted_ids, ends, num_a, top_k, max_rows, False)
+        else:
+            x_in, x_scales = x, torch.empty((1, 1), dtype=torch.float32, device=x.device)  # unread
         act = torch.empty((max_rows, inter), dtype=x.dtype, device=x.device)
         act_scales = x_scales
         w13_s = w2_s = torch.empty((1, 1, 1), dtype=torch.float32, device=x.device)
 
     bn1, bk1 = cfg["BLOCK_N1"], cfg["BLOCK_K1"]
     w13_arg, tma1 = _weight_operand(w13, bn1, bk1, cfg.get("tma", False))
+    x_arg = TensorDescriptor.from_tensor(x_in, [block_m, bk1]) if permuted else x_in
     _gate_up_kernel[(num_pid_m * triton.cdiv(inter, bn1),)](
-        x_in, x_scales, w13_arg, w13_s, act, act_scales, sorted_ids, ends,
+        x_arg, x_scales, w13_arg, w13_s, act, act_scales, sorted_ids, ends,
         num_experts, num_tokens * top_k, top_k, inter, hidden, num_pid_m,
         x_in.stride(0), x_in.stride(1), x_scales.stride(0), x_scales.stride(1),
         *w13.stride(), *w13_s.stride(),
         act.stride(0), act.stride(1), act_scales.stride(0), act_scales.stride(1),
         FP8=fp8, EVEN_K=hidden % bk1 == 0, UNIFORM_B=sb % bn1 == 0 and inter % sb == 0, TMA_B=tma1,
+        PERMUTED_A=permuted,
         BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk1, GROUP_M=cfg["GROUP_M"],
         E_POW2=e_pow2, SCALE_BLOCK=sb, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
         EXACT_CAST=interpreter_enabled(),
