@@ -261,7 +261,9 @@ def _gemm_key(m: int) -> str:
     return "m>128"
 
 
-def _check_weight(w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, k: int, device) -> None:
+def _check_weight(
+    w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, k: int, device: torch.device
+) -> None:
     if w_fp8.dim() != 2 or w_fp8.dtype != torch.float8_e4m3fn:
         raise ValueError(f"w_fp8: expected 2-D e4m3 [N, K], got {w_fp8.dtype} {tuple(w_fp8.shape)}")
     n = w_fp8.shape[0]
@@ -283,7 +285,14 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
 
 
-def _launch_tma(a, a_scales, w_fp8, w_scale_inv, out, cfg: dict) -> None:
+def _launch_tma(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    out: torch.Tensor,
+    cfg: dict,
+) -> None:
     m, k = a.shape
     n = w_fp8.shape[0]
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], WEIGHT_QUANT_BLOCK

@@ -2,12 +2,10 @@
 weight blocks and 1x128 activation groups).
 
 Five steps on the device, with no host sync (a CUDA graph can capture them):
-1. align: count each expert's assignments and lay them out expert after expert, each expert's run
-   padded to a multiple of BLOCK_M rows. `sorted_ids[row]` is the flat assignment t*k+j (T*k on a
-   padding row), `ends[e]` the end of expert e's rows, `row_of[t*k+j]` the row of an assignment (-1
-   when its id is outside [0, E): it contributes nothing). Order within an expert's run follows
-   atomics; results do not depend on it.
-2. fp8 only: quantize x in 1x128 groups, once per token.
+1. align (`_triton_layout.align_rows`): each expert's assignments get a run of rows padded to
+   BLOCK_M; an id outside [0, E) gets no row and contributes nothing.
+2. fp8: quantize x in 1x128 groups, once per token; or, with `permute_a`, copy x into the row
+   layout (`_triton_layout.permute_rows`, quantizing on the way for fp8).
 3. gate/up grouped GEMM over the rows (x gathered by token), SiLU(gate) * up in the epilogue:
    act [rows, I] (fp8: quantized in the same epilogue; a 128-column tile is one quant group).
 4. down grouped GEMM: y [rows, D] in x's dtype.
@@ -25,105 +23,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .. import tuning
 from .._backend import interpreter_enabled
 from ..fp8_gemm.ref import ACT_QUANT_GROUP, FP8_E4M3_MAX, WEIGHT_QUANT_BLOCK
-from ..fp8_gemm.triton import _MIN_AMAX, _quantize, _tma_ok, quantize_tile
+from ..fp8_gemm.triton import _MIN_AMAX, _quantize, _tma_ok, quantize_tile, tile_of
+from ._triton_layout import align_rows, permute_rows
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INT_DTYPES = (torch.int32, torch.int64)
 
 
-# ---- 1. align ------------------------------------------------------------------------------------
-@triton.jit
-def _count_kernel(ids_ptr, counts_ptr, numel, num_experts, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    e = tl.load(ids_ptr + offs, mask=offs < numel, other=-1).to(tl.int32)
-    valid = (offs < numel) & (e >= 0) & (e < num_experts)
-    tl.atomic_add(counts_ptr + e, 1, mask=valid)
-
-
-@triton.jit
-def _offsets_kernel(
-    counts_ptr, starts_ptr, ends_ptr, sorted_ids_ptr, num_experts, sentinel,
-    BLOCK_M: tl.constexpr, E_CHUNK: tl.constexpr,
-):  # fmt: skip
-    """One program: padded prefix sums of the counts (starts, ends); sentinels on padding rows."""
-    running = 0
-    r = tl.arange(0, BLOCK_M)
-    for e0 in range(0, num_experts, E_CHUNK):
-        e = e0 + tl.arange(0, E_CHUNK)
-        in_range = e < num_experts
-        count = tl.load(counts_ptr + e, mask=in_range, other=0)
-        padded = tl.cdiv(count, BLOCK_M) * BLOCK_M
-        end = running + tl.cumsum(padded, axis=0)
-        start = end - padded
-        tl.store(starts_ptr + e, start, mask=in_range)
-        tl.store(ends_ptr + e, end, mask=in_range)
-        pad_rows = (start + count)[:, None] + r[None, :]
-        pad_mask = in_range[:, None] & (r[None, :] < (padded - count)[:, None])
-        pad_ids = tl.full(pad_rows.shape, sentinel, tl.int32)
-        tl.store(sorted_ids_ptr + pad_rows, pad_ids, mask=pad_mask)
-        running += tl.sum(padded, axis=0)
-
-
-@triton.jit
-def _scatter_kernel(
-    ids_ptr, cursor_ptr, starts_ptr, sorted_ids_ptr, row_of_ptr, numel, num_experts,
-    BLOCK: tl.constexpr,
-):  # fmt: skip
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    in_range = offs < numel
-    e = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
-    valid = in_range & (e >= 0) & (e < num_experts)
-    e = tl.where(valid, e, 0)
-    rank = tl.atomic_add(cursor_ptr + e, 1, mask=valid)
-    row = tl.load(starts_ptr + e, mask=valid, other=0) + rank
-    tl.store(sorted_ids_ptr + row, offs, mask=valid)
-    tl.store(row_of_ptr + offs, tl.where(valid, row, -1), mask=in_range)
-
-
-@triton.jit
-def _permute_rows_kernel(
-    x_ptr, out_ptr, outs_ptr, sorted_ids_ptr, ends_ptr,
-    num_experts, num_assignments, top_k, hidden,
-    stride_xm, stride_om, stride_osm, stride_osg,
-    QUANT: tl.constexpr, BLOCK_R: tl.constexpr, GROUP: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, EXACT_CAST: tl.constexpr,
-):  # fmt: skip
-    """out[row] = x[token of row] (zeros on padding rows), quantized in 1x128 groups when QUANT:
-    the gate/up GEMM then reads its A tiles contiguously (through TMA) instead of gathering."""
-    row0 = tl.program_id(0) * BLOCK_R
-    total = tl.load(ends_ptr + num_experts - 1)
-    if row0 >= total:
-        return
-    rows = row0 + tl.arange(0, BLOCK_R)
-    ids = tl.load(sorted_ids_ptr + rows, mask=rows < total, other=num_assignments)
-    valid = ids < num_assignments
-    tok = tl.where(valid, ids // top_k, 0).to(tl.int64)
-    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
-    col_mask = cols < hidden
-    in_mask = valid[:, None] & col_mask[None, :]
-    v = tl.load(x_ptr + tok[:, None] * stride_xm + cols[None, :], mask=in_mask, other=0.0)
-    out_mask = (rows < total)[:, None] & col_mask[None, :]
-    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
-    if QUANT:
-        q, scale = quantize_tile(v.to(tl.float32), FP8_MAX, MIN_AMAX, EXACT_CAST)
-        tl.store(out_ptrs, q, mask=out_mask)
-        s_ptrs = outs_ptr + rows * stride_osm + tl.program_id(1) * stride_osg
-        tl.store(s_ptrs, scale, mask=rows < total)
-    else:
-        tl.store(out_ptrs, v, mask=out_mask)
-
-
 # ---- 3, 4. grouped GEMMs -------------------------------------------------------------------------
-@triton.jit
-def _tile_of(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    group_size = GROUP_M * num_pid_n
-    first_m = (pid // group_size) * GROUP_M
-    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % rows_in_group
-    pid_n = (pid % group_size) // rows_in_group
-    return pid_m, pid_n
-
-
 @triton.jit
 def _expert_of(ends_ptr, row0, num_experts, E_POW2: tl.constexpr):
     """The expert whose padded run holds row `row0`; num_experts when row0 is past the last run."""
@@ -150,7 +57,7 @@ def _gate_up_kernel(
     TMA_B: w_ptr is a TMA descriptor over w13 viewed as [E * 2I, D] (block [BLOCK_N, BLOCK_K]);
     columns past I read the next rows, whose results are never stored. PERMUTED_A: x_ptr is a
     TMA descriptor over x already laid out by row (`_permute_rows_kernel`), xs_ptr its scales."""
-    pid_m, pid_n = _tile_of(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    pid_m, pid_n = tile_of(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     row0 = pid_m * BLOCK_M
     e = _expert_of(ends_ptr, row0, num_experts, E_POW2)
     if e >= num_experts:
@@ -250,7 +157,7 @@ def _down_kernel(
     """y[rows, n] = act[rows] @ w2[e, n] for one M-tile of one expert's rows.
 
     TMA_B: w_ptr is a TMA descriptor over w2 viewed as [E * D, I] (block [BLOCK_N, BLOCK_K])."""
-    pid_m, pid_n = _tile_of(tl.program_id(0), num_pid_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    pid_m, pid_n = tile_of(tl.program_id(0), num_pid_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     row0 = pid_m * BLOCK_M
     e = _expert_of(ends_ptr, row0, num_experts, E_POW2)
     if e >= num_experts:
@@ -326,7 +233,15 @@ def _combine_kernel(
 
 
 # ---- launcher ------------------------------------------------------------------------------------
-def _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv) -> bool:
+def _check_inputs(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale_inv: torch.Tensor | None,
+    w2_scale_inv: torch.Tensor | None,
+) -> bool:
     """Raises ValueError on a bad input; returns whether the weights are fp8."""
     if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"x: expected [T, D] bf16/fp16/fp32, got {x.dtype} {tuple(x.shape)}")
@@ -380,32 +295,6 @@ def _config_key(fp8: bool, num_assignments: int, num_experts: int) -> str:
     return f"{'fp8' if fp8 else 'bf16'},{bound}"
 
 
-def align_rows(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Step 1. Returns sorted_ids [max_rows] int32, ends [E] int32, row_of [T*k] int32 and max_rows
-    (a multiple of block_m bounding the padded total). Rows past ends[E-1] are never written."""
-    device = topk_ids.device
-    ids = topk_ids.reshape(-1)
-    numel = ids.numel()
-    max_rows = triton.cdiv(numel + min(num_experts, numel) * (block_m - 1), block_m) * block_m
-    sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=device)
-    row_of = torch.empty(numel, dtype=torch.int32, device=device)
-    scratch = torch.zeros(4 * num_experts, dtype=torch.int32, device=device)
-    counts, cursor, starts, ends = scratch.view(4, num_experts)
-    block = 1024
-    grid = (triton.cdiv(numel, block),)
-    _count_kernel[grid](ids, counts, numel, num_experts, BLOCK=block, num_warps=4)
-    _offsets_kernel[(1,)](
-        counts, starts, ends, sorted_ids, num_experts, numel,
-        BLOCK_M=block_m, E_CHUNK=16, num_warps=4,
-    )  # fmt: skip
-    _scatter_kernel[grid](
-        ids, cursor, starts, sorted_ids, row_of, numel, num_experts, BLOCK=block, num_warps=4
-    )
-    return sorted_ids, ends, row_of, max_rows
-
-
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -431,7 +320,9 @@ def fused_moe(
     return _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, cfg, out)
 
 
-def _weight_operand(w: torch.Tensor, block_n: int, block_k: int, use_tma: bool):
+def _weight_operand(
+    w: torch.Tensor, block_n: int, block_k: int, use_tma: bool
+) -> tuple[torch.Tensor | TensorDescriptor, bool]:
     """The weight as the GEMM kernels take it: a TMA descriptor over its [E * rows, K] view when
     asked for and possible, else the tensor itself. Returns (operand, is_descriptor)."""
     if use_tma and w.is_contiguous() and _tma_ok(w.view(-1, w.shape[-1])):
@@ -439,29 +330,17 @@ def _weight_operand(w: torch.Tensor, block_n: int, block_k: int, use_tma: bool):
     return w, False
 
 
-def _permute_rows(
-    x, sorted_ids, ends, num_assignments: int, top_k: int, max_rows: int, quant: bool
-):
-    """x laid out by row ([max_rows, D]; fp8 with column-major [max_rows, D/128] scales when
-    quant). Rows past the padded total stay unwritten; the GEMM never reads them."""
-    hidden = x.shape[1]
-    x = x if x.stride(1) == 1 else x.contiguous()
-    group = ACT_QUANT_GROUP if quant else min(256, triton.next_power_of_2(hidden))
-    dtype = torch.float8_e4m3fn if quant else x.dtype
-    out = torch.empty((max_rows, hidden), dtype=dtype, device=x.device)
-    num_groups = triton.cdiv(hidden, group)
-    scales = torch.empty((num_groups, max_rows), dtype=torch.float32, device=x.device).t()
-    block_r = 32
-    _permute_rows_kernel[(triton.cdiv(max_rows, block_r), num_groups)](
-        x, out, scales, sorted_ids, ends, ends.numel(), num_assignments, top_k, hidden,
-        x.stride(0), out.stride(0), scales.stride(0), scales.stride(1),
-        QUANT=quant, BLOCK_R=block_r, GROUP=group, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
-        EXACT_CAST=interpreter_enabled(), num_warps=4,
-    )  # fmt: skip
-    return out, scales
-
-
-def _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, cfg, out):
+def _fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale_inv: torch.Tensor | None,
+    w2_scale_inv: torch.Tensor | None,
+    cfg: dict,
+    out: torch.Tensor,
+) -> torch.Tensor:
     """fused_moe with an explicit launch config (tests and the sweep pass their own)."""
     fp8 = w13_scale_inv is not None
     num_tokens, hidden = x.shape
@@ -478,7 +357,7 @@ def _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, 
         for name in ("BLOCK_K1", "BLOCK_K2", "BLOCK_N1"):
             assert cfg[name] == sb, f"fused_moe fp8 config needs {name} == {sb}"
         if permuted:
-            x_in, x_scales = _permute_rows(x, sorted_ids, ends, num_a, top_k, max_rows, True)
+            x_in, x_scales = permute_rows(x, sorted_ids, ends, num_a, top_k, max_rows, True)
         else:
             x_in, x_scales = _quantize(x, ACT_QUANT_GROUP, scale_column_major=False)
         act = torch.empty((max_rows, inter), dtype=torch.float8_e4m3fn, device=x.device)
@@ -487,7 +366,7 @@ def _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, 
         w13_s, w2_s = w13_scale_inv, w2_scale_inv
     else:
         if permuted:
-            x_in, x_scales = _permute_rows(x, sorted_ids, ends, num_a, top_k, max_rows, False)
+            x_in, x_scales = permute_rows(x, sorted_ids, ends, num_a, top_k, max_rows, False)
         else:
             x_in, x_scales = x, torch.empty((1, 1), dtype=torch.float32, device=x.device)  # unread
         act = torch.empty((max_rows, inter), dtype=x.dtype, device=x.device)
