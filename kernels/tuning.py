@@ -41,3 +41,91 @@ def lookup(op: str, key: str, device: torch.device) -> dict[str, Any]:
         if "default" in table:
             return table["default"]
     raise KeyError(f"no tuning entry for op {op!r} (key {key!r}, arch {arch})")
+
+
+# ---- fp8_gemm, quantize_act, fused_moe (kernels/fp8_gemm, kernels/fused_moe) ---------------------
+# "any": small tiles that keep the CPU interpreter quick; "sm90": tuned on H200 (see RESULTS.md).
+# fp8_gemm keys "m<=16|32|64|128", "m>128". fuse_quant: quantize the activation inside the GEMM.
+# split_k_target_ctas / min_k_tiles: split K until tiles * splits reaches the target, each split
+# keeping at least min_k_tiles k-tiles of 128.
+# fused_moe keys "<bf16|fp8>,rows<=16|64|256" or ",rows>256" (mean rows per expert);
+# *1 = gate/up GEMM, *2 = down GEMM; fp8 needs BLOCK_N1 == BLOCK_K1 == BLOCK_K2 == 128.
+_FP8_GEMM_ANY = {
+    "BLOCK_M": 32, "BLOCK_N": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 2,
+    "fuse_quant": False, "split_k_target_ctas": 0, "min_k_tiles": 1,
+}  # fmt: skip
+register("quantize_act", "any", {"default": {"BLOCK_M": 32, "num_warps": 4}})
+register(
+    "fp8_gemm",
+    "any",
+    {
+        "default": _FP8_GEMM_ANY,
+        "m<=16": {**_FP8_GEMM_ANY, "BLOCK_M": 16, "fuse_quant": True, "split_k_target_ctas": 8},
+    },
+)
+_FUSED_MOE_ANY = {
+    "BLOCK_M": 16, "GROUP_M": 4,
+    "BLOCK_N1": 32, "BLOCK_K1": 32, "warps1": 4, "stages1": 2,
+    "BLOCK_N2": 32, "BLOCK_K2": 32, "warps2": 4, "stages2": 2,
+}  # fmt: skip
+_FUSED_MOE_ANY_FP8 = {**_FUSED_MOE_ANY, "BLOCK_N1": 128, "BLOCK_K1": 128, "BLOCK_K2": 128}
+_ROW_CLASSES = ("rows<=16", "rows<=64", "rows<=256", "rows>256")
+register(
+    "fused_moe",
+    "any",
+    {"default": _FUSED_MOE_ANY, **{f"fp8,{rows}": _FUSED_MOE_ANY_FP8 for rows in _ROW_CLASSES}},
+)
+
+
+def _gemm_cfg(
+    bm: int, bn: int, warps: int, stages: int, fuse: bool, split: int, **extra: Any
+) -> dict[str, Any]:
+    """extra: GROUP_M (default 8), tma, lag, warp_specialize (see fp8_gemm/triton.py)."""
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": warps, "num_stages": stages,
+            "fuse_quant": fuse, "split_k_target_ctas": split, "min_k_tiles": 4,
+            **extra}  # fmt: skip
+
+
+def _moe_cfg(bm: int, gate_up: tuple, down: tuple, group_m: int = 8) -> dict[str, Any]:
+    """gate_up / down: (BLOCK_N, BLOCK_K, num_warps, num_stages). Optional keys added by callers:
+    tma (weights through TMA descriptors), permute_a (x laid out by row, read through TMA)."""
+    n1, k1, w1, s1 = gate_up
+    n2, k2, w2, s2 = down
+    return {"BLOCK_M": bm, "GROUP_M": group_m, "BLOCK_N1": n1, "BLOCK_K1": k1, "warps1": w1,
+            "stages1": s1, "BLOCK_N2": n2, "BLOCK_K2": k2, "warps2": w2, "stages2": s2}  # fmt: skip
+
+
+register("quantize_act", "sm90", {"default": {"BLOCK_M": 16, "num_warps": 4}})
+register(
+    "fp8_gemm",
+    "sm90",
+    {
+        "m<=16": _gemm_cfg(16, 64, 4, 4, True, 264),
+        "m<=32": _gemm_cfg(32, 64, 4, 4, True, 264),
+        "m<=64": _gemm_cfg(64, 64, 4, 4, False, 264),
+        "m<=128": _gemm_cfg(64, 128, 4, 4, False, 132),
+        "default": _gemm_cfg(128, 128, 8, 4, False, 0, GROUP_M=16, tma=True),
+    },
+)
+register(
+    "fused_moe",
+    "sm90",
+    {
+        "bf16,rows<=16": _moe_cfg(32, (64, 128, 4, 4), (64, 128, 4, 4)),
+        "bf16,rows<=64": _moe_cfg(32, (64, 128, 4, 4), (64, 128, 4, 4)),
+        "bf16,rows<=256": _moe_cfg(64, (128, 64, 4, 4), (128, 64, 4, 4)),
+        "default": {
+            **_moe_cfg(128, (128, 64, 8, 3), (256, 64, 8, 3)),
+            "tma": True,
+            "permute_a": True,
+        },
+        "fp8,rows<=16": _moe_cfg(32, (128, 128, 4, 4), (128, 128, 4, 4)),
+        "fp8,rows<=64": _moe_cfg(32, (128, 128, 4, 4), (64, 128, 4, 4)),
+        "fp8,rows<=256": _moe_cfg(64, (128, 128, 4, 4), (128, 128, 4, 4)),
+        "fp8,rows>256": {
+            **_moe_cfg(128, (128, 128, 8, 3), (128, 128, 8, 4)),
+            "tma": True,
+            "permute_a": True,
+        },
+    },
+)

@@ -1,0 +1,406 @@
+"""FP8 block-scaled GEMM and 1x128 activation quantization in Triton; same contract as `ref.py`.
+
+`quantize_act` computes what the reference computes (scale = max(amax, 1e-12) / 448 per group of
+128 along K, the quotient rounded to the nearest e4m3) with correctly rounded divisions, so its
+scales match the reference bit for bit. `fp8_gemm` multiplies by the block-scaled weight
+(W = W_fp8 * scale_inv, 128x128 quant blocks), accumulates in fp32 and returns x's dtype. For small
+M it quantizes the activation inside the GEMM (one launch); for large M it quantizes once, then runs
+the GEMM on fp8 operands. Neither N nor K need be multiples of 128. `scaled_gemm` is the GEMM alone
+on already-quantized activations.
+
+Each 128-deep k-tile's product starts from zero and is scaled into the fp32 accumulator
+(acc += dot * a_scale[m] * w_scale), which also keeps the tensor cores' reduced-precision fp8
+accumulation (about 14 bits on Hopper) to 128 terms, as DeepSeek-V3 and cuBLAS do.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .. import tuning
+from .._backend import interpreter_enabled
+from .ref import ACT_QUANT_GROUP, FP8_E4M3_MAX, WEIGHT_QUANT_BLOCK
+
+_MIN_AMAX = 1e-12
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _round_to_e4m3_grid(v):
+    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32."""
+    # e4m3 normals start at 2^-6; below that the spacing stays 2^-9
+    exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    ulp = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    inv_ulp = ((127 - exponent + 3) << 23).to(tl.float32, bitcast=True)
+    magic = 12582912.0  # 1.5 * 2^23: adding, then subtracting it rounds |r| < 2^22, ties to even
+    return ((v * inv_ulp + magic) - magic) * ulp
+
+
+@triton.jit
+def quantize_tile(x, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, EXACT_CAST: tl.constexpr):
+    """x: [R, G] fp32, one quant group per row. Returns (x_fp8 [R, G], scale [R]).
+
+    EXACT_CAST rounds to the e4m3 grid in fp32 first: the Triton 3.9 interpreter's fp32 -> fp8
+    cast rounds half up and drops the carry into the exponent (127 becomes 64); the GPU's is right.
+    """
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.math.div_rn(tl.maximum(amax, MIN_AMAX), FP8_MAX)  # `/` is approximate on GPUs
+    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
+    if EXACT_CAST:
+        q = _round_to_e4m3_grid(q)
+    return q.to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _quantize_act_kernel(
+    x_ptr, q_ptr, s_ptr, M, K,
+    stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sg,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, EXACT_CAST: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    g = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = g * GROUP + tl.arange(0, GROUP)
+    mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+    rows = offs_m.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + rows * stride_xm + offs_k[None, :] * stride_xk, mask=mask, other=0.0)
+    q, scale = quantize_tile(x.to(tl.float32), FP8_MAX, MIN_AMAX, EXACT_CAST)
+    tl.store(q_ptr + rows * stride_qm + offs_k[None, :] * stride_qk, q, mask=mask)
+    tl.store(s_ptr + offs_m * stride_sm + g * stride_sg, scale, mask=offs_m < M)
+
+
+@triton.jit
+def tile_of(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of program `pid`, GROUP_M M-tiles sweeping N together (L2 reuse of B)."""
+    group_size = GROUP_M * num_pid_n
+    first_m = (pid // group_size) * GROUP_M
+    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % rows_in_group
+    pid_n = (pid % group_size) // rows_in_group
+    return pid_m, pid_n
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr,
+    M, N, K, k_tiles_per_split,
+    stride_am, stride_ak, stride_asm, stride_ask,
+    stride_bn, stride_bk, stride_bsn, stride_bsk,
+    stride_cs, stride_cm, stride_cn,
+    QUANT_A: tl.constexpr, EVEN_K: tl.constexpr, UNIFORM_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
+    EXACT_CAST: tl.constexpr,
+):  # fmt: skip
+    """C[split] = sum over this split's k-tiles of (A * a_scale) @ (B * b_scale)^T.
+
+    A: [M, K] fp8 with a_scale [M, K/128] (or a float type quantized here when QUANT_A);
+    B: [N, K] fp8 with b_scale [N/128, K/128]. BLOCK_K == SCALE_BLOCK: one scale per operand row
+    per k-tile.
+    """
+    pid_m, pid_n = tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    split = tl.program_id(1)
+
+    # Out-of-range rows and columns wrap (their loads stay in bounds) and are masked on store.
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    kt0 = split * k_tiles_per_split
+    kt1 = tl.minimum(kt0 + k_tiles_per_split, k_tiles)
+
+    offs_k0 = kt0 * BLOCK_K + offs_k
+    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k0[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k0[:, None] * stride_bk
+    as_ptrs = as_ptr + offs_m * stride_asm + kt0 * stride_ask
+    # UNIFORM_B: the tile lies inside one 128-row quant block, so one weight scale per k-tile.
+    if UNIFORM_B:
+        bs_ptrs = bs_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bsn + kt0 * stride_bsk
+    else:
+        bs_ptrs = bs_ptr + (offs_n // SCALE_BLOCK) * stride_bsn + kt0 * stride_bsk
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in range(kt0, kt1):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_mask = kt * BLOCK_K + offs_k < K
+            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+        if QUANT_A:
+            a, a_s = quantize_tile(a.to(tl.float32), FP8_MAX, MIN_AMAX, EXACT_CAST)
+        else:
+            a_s = tl.load(as_ptrs)
+        b_s = tl.load(bs_ptrs)
+        if UNIFORM_B:
+            acc += tl.dot(a, b) * (a_s * b_s)[:, None]
+        else:
+            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+        as_ptrs += stride_ask
+        bs_ptrs += stride_bsk
+    out_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    out_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + split * stride_cs + out_m.to(tl.int64)[:, None] * stride_cm
+    c_ptrs += out_n[None, :] * stride_cn
+    mask = (out_m < M)[:, None] & (out_n < N)[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_gemm_tma_kernel(
+    a_desc, as_ptr, b_desc, bs_ptr, c_ptr,
+    M, N, K,
+    stride_asm, stride_ask, stride_bsn, stride_bsk, stride_cm, stride_cn,
+    UNIFORM_B: tl.constexpr, LAG: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The GEMM on pre-quantized A, both operands through TMA descriptors (zero fill past the
+    edges). LAG (needs UNIFORM_B) scales the previous k-tile's product into the accumulator
+    while the current one's MMA runs, so the FMAs can overlap the tensor cores."""
+    pid_m, pid_n = tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    offs_m = tl.minimum(off_m + tl.arange(0, BLOCK_M), M - 1)
+    as_ptrs = as_ptr + offs_m * stride_asm
+    if UNIFORM_B:
+        bs_ptrs = bs_ptr + (off_n // SCALE_BLOCK) * stride_bsn
+    else:
+        offs_n = tl.minimum(off_n + tl.arange(0, BLOCK_N), N - 1)
+        bs_ptrs = bs_ptr + (offs_n // SCALE_BLOCK) * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if LAG:
+        prev = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        prev_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for kt in tl.range(0, tl.cdiv(K, BLOCK_K), warp_specialize=WARP_SPECIALIZE):
+        a = a_desc.load([off_m, kt * BLOCK_K])
+        b = b_desc.load([off_n, kt * BLOCK_K])
+        a_s = tl.load(as_ptrs + kt * stride_ask)
+        b_s = tl.load(bs_ptrs + kt * stride_bsk)
+        if LAG:
+            product = tl.dot(a, b.T)
+            acc += prev * prev_scale[:, None]
+            prev = product
+            prev_scale = a_s * b_s
+        elif UNIFORM_B:
+            acc += tl.dot(a, b.T) * (a_s * b_s)[:, None]
+        else:
+            acc += tl.dot(a, b.T) * (a_s[:, None] * b_s[None, :])
+    if LAG:
+        acc += prev * prev_scale[:, None]
+
+    out_m = off_m + tl.arange(0, BLOCK_M)
+    out_n = off_n + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + out_m.to(tl.int64)[:, None] * stride_cm + out_n[None, :] * stride_cn
+    mask = (out_m < M)[:, None] & (out_n < N)[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_splits_kernel(
+    p_ptr, c_ptr, numel, splits, stride_ps, BLOCK: tl.constexpr
+):  # fmt: skip
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(splits):
+        acc += tl.load(p_ptr + s * stride_ps + offs, mask=mask, other=0.0)
+    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_float_2d(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 2 or t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name}: expected 2-D bf16/fp16/fp32, got {t.dtype} {tuple(t.shape)}")
+
+
+def _quantize(
+    x: torch.Tensor, group_size: int, scale_column_major: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    num_groups = triton.cdiv(k, group_size)
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    if scale_column_major:  # [M, G] view of [G, M] storage: the GEMM loads M-runs contiguously
+        scales = torch.empty((num_groups, m), dtype=torch.float32, device=x.device).t()
+    else:
+        scales = torch.empty((m, num_groups), dtype=torch.float32, device=x.device)
+    if m == 0 or k == 0:
+        return q, scales
+    cfg = tuning.lookup("quantize_act", f"group={group_size}", x.device)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), num_groups)
+    _quantize_act_kernel[grid](
+        x, q, scales, m, k,
+        x.stride(0), x.stride(1), q.stride(0), q.stride(1), scales.stride(0), scales.stride(1),
+        GROUP=group_size, BLOCK_M=cfg["BLOCK_M"], FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
+        EXACT_CAST=interpreter_enabled(),
+        num_warps=cfg["num_warps"],
+    )  # fmt: skip
+    return q, scales
+
+
+def quantize_act(
+    x: torch.Tensor, group_size: int = ACT_QUANT_GROUP
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K]. Returns x_fp8 [M, K] float8_e4m3fn and scales [M, ceil(K/group_size)] fp32."""
+    _check_float_2d("x", x)
+    if group_size < 16 or group_size & (group_size - 1):
+        raise ValueError(f"group_size={group_size}: expected a power of two >= 16")
+    return _quantize(x, group_size, scale_column_major=False)
+
+
+def _gemm_key(m: int) -> str:
+    for bound in (16, 32, 64, 128):
+        if m <= bound:
+            return f"m<={bound}"
+    return "m>128"
+
+
+def _check_weight(
+    w_fp8: torch.Tensor, w_scale_inv: torch.Tensor, k: int, device: torch.device
+) -> None:
+    if w_fp8.dim() != 2 or w_fp8.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"w_fp8: expected 2-D e4m3 [N, K], got {w_fp8.dtype} {tuple(w_fp8.shape)}")
+    n = w_fp8.shape[0]
+    if w_fp8.shape[1] != k:
+        raise ValueError(f"w_fp8 is [N, K]={tuple(w_fp8.shape)} but x has K={k}")
+    b = WEIGHT_QUANT_BLOCK
+    want = (triton.cdiv(n, b), triton.cdiv(k, b))
+    if w_scale_inv.dtype != torch.float32 or tuple(w_scale_inv.shape) != want:
+        raise ValueError(
+            f"w_scale_inv: expected fp32 {want} (one per {b}x{b} quant block), "
+            f"got {w_scale_inv.dtype} {tuple(w_scale_inv.shape)}"
+        )
+    if w_fp8.device != device or w_scale_inv.device != device:
+        raise ValueError(f"w_fp8 and w_scale_inv must be on {device}")
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA needs a unit last stride and 16-byte aligned base and row stride."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+
+
+def _launch_tma(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    out: torch.Tensor,
+    cfg: dict,
+) -> None:
+    m, k = a.shape
+    n = w_fp8.shape[0]
+    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], WEIGHT_QUANT_BLOCK
+    a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
+    b_desc = TensorDescriptor.from_tensor(w_fp8, [block_n, block_k])
+    uniform_b = WEIGHT_QUANT_BLOCK % block_n == 0
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _fp8_gemm_tma_kernel[grid](
+        a_desc, a_scales, b_desc, w_scale_inv, out, m, n, k,
+        a_scales.stride(0), a_scales.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
+        out.stride(0), out.stride(1),
+        UNIFORM_B=uniform_b, LAG=cfg.get("lag", False) and uniform_b,
+        WARP_SPECIALIZE=cfg.get("warp_specialize", False),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
+        SCALE_BLOCK=WEIGHT_QUANT_BLOCK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+
+
+def _launch_gemm(
+    a: torch.Tensor,
+    a_scales: torch.Tensor | None,
+    w_fp8: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    out: torch.Tensor,
+    cfg: dict,
+) -> None:
+    m, k = a.shape
+    n = w_fp8.shape[0]
+    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], WEIGHT_QUANT_BLOCK
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    k_tiles = triton.cdiv(k, block_k)
+    # Split K when the output tiles alone cannot fill the machine (decode shapes with small N).
+    splits = 1
+    if cfg.get("split_k_target_ctas"):
+        wanted = triton.cdiv(cfg["split_k_target_ctas"], tiles)
+        splits = max(1, min(wanted, k_tiles // cfg["min_k_tiles"]))
+    per_split = triton.cdiv(k_tiles, splits)
+    splits = triton.cdiv(k_tiles, per_split)
+    quant_a = a_scales is None
+    if cfg.get("tma") and not quant_a and splits == 1 and _tma_ok(a) and _tma_ok(w_fp8):
+        _launch_tma(a, a_scales, w_fp8, w_scale_inv, out, cfg)
+        return
+    if quant_a:
+        a_scales = torch.empty((1, 1), dtype=torch.float32, device=a.device)  # unread
+    if splits == 1:
+        target = out
+        stride_cs = 0
+    else:
+        target = torch.empty((splits, m, n), dtype=torch.float32, device=a.device)
+        stride_cs = target.stride(0)
+    _fp8_gemm_kernel[(tiles, splits)](
+        a, a_scales, w_fp8, w_scale_inv, target,
+        m, n, k, per_split,
+        a.stride(0), a.stride(1), a_scales.stride(0), a_scales.stride(1),
+        w_fp8.stride(0), w_fp8.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
+        stride_cs, target.stride(-2), target.stride(-1),
+        QUANT_A=quant_a, EVEN_K=k % block_k == 0, UNIFORM_B=WEIGHT_QUANT_BLOCK % block_n == 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
+        SCALE_BLOCK=WEIGHT_QUANT_BLOCK, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
+        EXACT_CAST=interpreter_enabled(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if splits > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            target, out, m * n, splits, target.stride(0), BLOCK=block, num_warps=4
+        )
+
+
+def scaled_gemm(
+    x_fp8: torch.Tensor,
+    x_scales: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The GEMM alone: x_fp8 [M, K] e4m3 with x_scales [M, ceil(K/128)] fp32 (any strides;
+    column-major loads fastest), w_fp8 [N, K] with w_scale_inv [ceil(N/128), ceil(K/128)].
+    Returns [M, N] in out_dtype."""
+    if x_fp8.dim() != 2 or x_fp8.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"x_fp8: expected 2-D e4m3, got {x_fp8.dtype} {tuple(x_fp8.shape)}")
+    m, k = x_fp8.shape
+    _check_weight(w_fp8, w_scale_inv, k, x_fp8.device)
+    want = (m, triton.cdiv(k, ACT_QUANT_GROUP))
+    if x_scales.dtype != torch.float32 or tuple(x_scales.shape) != want:
+        got = f"{x_scales.dtype} {tuple(x_scales.shape)}"
+        raise ValueError(f"x_scales: expected fp32 {want}, got {got}")
+    out = torch.empty((m, w_fp8.shape[0]), dtype=out_dtype, device=x_fp8.device)
+    if m == 0:
+        return out
+    cfg = tuning.lookup("fp8_gemm", _gemm_key(m), x_fp8.device)
+    _launch_gemm(x_fp8, x_scales, w_fp8, w_scale_inv, out, cfg)
+    return out
+
+
+def fp8_gemm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor) -> torch.Tensor:
+    """x: [M, K] float; w_fp8: [N, K] e4m3; w_scale_inv: [ceil(N/128), ceil(K/128)].
+    Returns [M, N] in x's dtype."""
+    _check_float_2d("x", x)
+    m, k = x.shape
+    _check_weight(w_fp8, w_scale_inv, k, x.device)
+    out = torch.empty((m, w_fp8.shape[0]), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    cfg = tuning.lookup("fp8_gemm", _gemm_key(m), x.device)
+    if cfg["fuse_quant"]:
+        _launch_gemm(x, None, w_fp8, w_scale_inv, out, cfg)
+    else:
+        x_fp8, x_scales = _quantize(x, ACT_QUANT_GROUP, scale_column_major=True)
+        _launch_gemm(x_fp8, x_scales, w_fp8, w_scale_inv, out, cfg)
+    return out

@@ -1,0 +1,155 @@
+"""Triton fp8_gemm / quantize_act against the torch reference.
+
+On CPU the kernels run in the Triton interpreter at tiny shapes with fp32/fp16 inputs (the
+interpreter's bf16 dot is wrong); on a GPU (`gpu` marker) at DeepSeek-V3 shapes in bf16.
+Tolerances (relative Frobenius error against the reference, which quantizes identically):
+fp32 out 1e-5 in the interpreter (only summation order differs) and 5e-4 on a GPU (Hopper's fp8
+MMA keeps about 14 bits while it sums each 128-deep k-tile); fp16 out 2e-3; bf16 out 1e-2 (output
+rounding). Quantization matches the reference bit for bit on CPU; on a GPU torch divides by the
+scalar 448 through a reciprocal, so its scales may differ from ours (correctly rounded) by one ulp,
+and the fp8 value of an element whose group scale differs by one e4m3 step at most.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _poison import poisoned_empty, rel_err
+from pdserve.kernels.fp8_gemm import ref
+from pdserve.kernels.fp8_gemm import triton as tri
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+TOL = {torch.float32: 5e-4 if CUDA else 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+gpu = pytest.mark.gpu
+
+
+def _act(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random activations whose 128-groups span six decades; one all-zero group when k > 128."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    decades = torch.empty(m, -(-k // 128)).uniform_(-3, 3, generator=g)
+    x *= (10.0**decades).repeat_interleave(128, dim=1)[:, :k]
+    if k > 128:
+        x[:, 128:256] = 0.0
+    return x.to(DEVICE, dtype)
+
+
+def _weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.02
+    blocks = torch.empty(-(-n // 128), -(-k // 128)).uniform_(-1, 1, generator=g)
+    w *= (10.0**blocks).repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+    w_fp8, scale_inv = ref.quantize_weight(w)
+    return w_fp8.to(DEVICE), scale_inv.to(DEVICE)
+
+
+QUANT_CASES = [
+    (1, 128),
+    (33, 300),
+    (70, 576),
+    pytest.param(4096, 7168, marks=gpu),
+    pytest.param(3, 16384, marks=gpu),
+    pytest.param(333, 1000, marks=gpu),
+]
+
+
+@pytest.mark.parametrize(("m", "k"), QUANT_CASES)
+def test_quantize_act_matches_reference_bitwise(m: int, k: int) -> None:
+    x = _act(m, k, torch.bfloat16 if CUDA else torch.float32, seed=m + k)
+    with poisoned_empty():
+        q, s = tri.quantize_act(x)
+    q_ref, s_ref = ref.quantize_act(x)
+    assert q.shape == q_ref.shape and s.shape == s_ref.shape
+    torch.testing.assert_close(s, s_ref, rtol=2**-23, atol=0)
+    same_scale = (s == s_ref).repeat_interleave(128, dim=1)[:, :k]
+    if not CUDA:
+        assert same_scale.all()
+    q, q_ref = q.float(), q_ref.float()
+    assert torch.equal(q[same_scale], q_ref[same_scale])
+    one_step = (q - q_ref).abs() <= q_ref.abs() / 8 + 2**-9  # e4m3: 3 mantissa bits
+    assert one_step.all()
+
+
+# (M, N, K, dtype): odd M, M=1, N=576 (kv_a), N and K off multiples of 128.
+GEMM_CASES = [
+    (1, 200, 300, torch.float32),
+    (33, 576, 256, torch.float32),
+    (70, 64, 384, torch.float16),
+    pytest.param(64, 576, 7168, torch.bfloat16, marks=gpu),
+    pytest.param(1, 24576, 1536, torch.bfloat16, marks=gpu),
+    pytest.param(17, 7168, 16384, torch.bfloat16, marks=gpu),
+    pytest.param(129, 1000, 1100, torch.bfloat16, marks=gpu),
+    pytest.param(2048, 4096, 7168, torch.bfloat16, marks=gpu),
+    pytest.param(300, 1536, 7168, torch.float32, marks=gpu),
+]
+
+
+@pytest.mark.parametrize(("m", "n", "k", "dtype"), GEMM_CASES)
+def test_fp8_gemm_matches_reference(m: int, n: int, k: int, dtype: torch.dtype) -> None:
+    x = _act(m, k, dtype, seed=m)
+    w_fp8, scale_inv = _weight(n, k, seed=n + k)
+    with poisoned_empty():
+        out = tri.fp8_gemm(x, w_fp8, scale_inv)
+    expected = ref.fp8_gemm(x, w_fp8, scale_inv)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, expected) < TOL[dtype]
+
+
+_BASE = {"GROUP_M": 4, "num_warps": 4, "num_stages": 2, "min_k_tiles": 1}
+PATH_CONFIGS = {
+    "fused-quant-split-k": {**_BASE, "BLOCK_M": 16, "BLOCK_N": 64, "split_k_target_ctas": 64},
+    "prequant-n256": {**_BASE, "BLOCK_M": 32, "BLOCK_N": 256, "split_k_target_ctas": 0},
+    "prequant-split-k-n32": {**_BASE, "BLOCK_M": 64, "BLOCK_N": 32, "split_k_target_ctas": 32},
+    "tma": {**_BASE, "BLOCK_M": 32, "BLOCK_N": 64, "split_k_target_ctas": 0, "tma": True},
+    "tma-lag": {**_BASE, "BLOCK_M": 64, "BLOCK_N": 128, "split_k_target_ctas": 0, "tma": True,
+                "lag": True},
+    "tma-n256": {**_BASE, "BLOCK_M": 16, "BLOCK_N": 256, "split_k_target_ctas": 0, "tma": True},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", sorted(PATH_CONFIGS))
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(19, 320, 720), pytest.param(200, 3000, 4000, marks=gpu)]
+)
+def test_gemm_code_paths(path: str, m: int, n: int, k: int) -> None:
+    """Each kernel variant (in-kernel quantization, split K, per-column weight scales, TMA).
+    K is a multiple of 16 (TMA's alignment) but not of 128."""
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x = _act(m, k, dtype, seed=k)
+    w_fp8, scale_inv = _weight(n, k, seed=n)
+    cfg = PATH_CONFIGS[path]
+    with poisoned_empty():
+        out = torch.empty((m, n), dtype=dtype, device=DEVICE)
+        if path.startswith("fused-quant"):
+            tri._launch_gemm(x, None, w_fp8, scale_inv, out, cfg)
+        else:
+            x_fp8, x_scales = tri._quantize(x, 128, scale_column_major=True)
+            tri._launch_gemm(x_fp8, x_scales, w_fp8, scale_inv, out, cfg)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref.fp8_gemm(x, w_fp8, scale_inv)) < TOL[dtype]
+
+
+def test_scaled_gemm_on_prequantized_input() -> None:
+    x = _act(45, 640, torch.float32, seed=3)
+    w_fp8, scale_inv = _weight(96, 640, seed=4)
+    x_fp8, x_scales = ref.quantize_act(x)
+    with poisoned_empty():
+        out = tri.scaled_gemm(x_fp8, x_scales, w_fp8, scale_inv, torch.float32)
+    assert rel_err(out, ref.fp8_gemm(x, w_fp8, scale_inv)) < TOL[torch.float32]
+
+
+def test_inputs_are_checked() -> None:
+    x = _act(4, 256, torch.float32, seed=0)
+    w_fp8, scale_inv = _weight(128, 256, seed=0)
+    with pytest.raises(ValueError, match="x:"):
+        tri.fp8_gemm(x.to(torch.int32), w_fp8, scale_inv)
+    with pytest.raises(ValueError, match="K=300"):
+        tri.fp8_gemm(_act(4, 300, torch.float32, seed=0), w_fp8, scale_inv)
+    with pytest.raises(ValueError, match="w_fp8"):
+        tri.fp8_gemm(x, w_fp8.float(), scale_inv)
+    with pytest.raises(ValueError, match="w_scale_inv"):
+        tri.fp8_gemm(x, w_fp8, scale_inv[:, :1])
+    with pytest.raises(ValueError, match="group_size"):
+        tri.quantize_act(x, group_size=100)

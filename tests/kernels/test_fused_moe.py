@@ -1,0 +1,176 @@
+"""Triton fused_moe against the torch reference, bf16-style and fp8 w8a8 weights.
+
+On CPU the kernels run in the Triton interpreter at tiny shapes with fp32/fp16 (the interpreter's
+bf16 dot is wrong); on a GPU (`gpu` marker) at DeepSeek-V3 expert shapes in bf16. Routing covers
+balanced and Zipf-skewed choices, experts with no tokens, ids of -1 and ids >= E (other ranks').
+Tolerances (relative Frobenius error): fp32 1e-5 (summation order); fp16 3e-3 and bf16 2e-2 (act
+and per-expert outputs are rounded to x's dtype between steps; the reference keeps fp32); fp8 adds
+rare one-step differences where act quantization sits on a rounding tie: 2e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _poison import poisoned_empty, rel_err
+from pdserve.kernels.fp8_gemm.ref import quantize_weight
+from pdserve.kernels.fused_moe import ref
+from pdserve.kernels.fused_moe import triton as tri
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+FP8_TOL = 2e-2
+gpu = pytest.mark.gpu
+
+
+def _routing(
+    num_tokens: int, num_experts: int, top_k: int, skew: str, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct experts per token (as the router picks them); expert 1 never chosen; some slots
+    -1 or >= E (experts of other ranks)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=g)
+    if skew == "zipf":  # expert e chosen with weight ~ 1 / (e + 1)
+        logits += 4.0 * -torch.log(torch.arange(1, num_experts + 1, dtype=torch.float32))
+    logits[:, 1] = -1e9
+    weights, ids = torch.topk(logits.softmax(-1), top_k, dim=-1)
+    foreign = torch.rand(num_tokens, top_k, generator=g) < 0.1
+    ids[foreign] = torch.where(torch.rand(int(foreign.sum()), generator=g) < 0.5, -1, num_experts)
+    return weights.float().to(DEVICE), ids.int().to(DEVICE)
+
+
+def _weights(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
+    return w13.to(DEVICE, dtype), w2.to(DEVICE, dtype)
+
+
+def _quantized(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs = [quantize_weight(w_e.float()) for w_e in w]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
+# (T, D, I, E, k, skew, dtype): M=1, ragged T, D and I off multiples of 128 on some cases.
+CASES = [
+    (1, 256, 128, 8, 4, "balanced", torch.float32),
+    (37, 192, 96, 8, 3, "zipf", torch.float32),
+    (29, 256, 128, 6, 2, "balanced", torch.float16),
+    pytest.param(64, 7168, 2048, 32, 8, "balanced", torch.bfloat16, marks=gpu),
+    pytest.param(512, 7168, 2048, 32, 8, "zipf", torch.bfloat16, marks=gpu),
+    pytest.param(1000, 1024, 320, 16, 6, "zipf", torch.bfloat16, marks=gpu),
+    pytest.param(3, 576, 200, 64, 8, "balanced", torch.float16, marks=gpu),
+]
+
+
+@pytest.mark.parametrize(("t", "d", "i", "e", "k", "skew", "dtype"), CASES)
+def test_fused_moe_matches_reference(t, d, i, e, k, skew, dtype) -> None:
+    weights, ids = _routing(t, e, k, skew, seed=t + e)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(t)).to(DEVICE, dtype)
+    w13, w2 = _weights(e, d, i, dtype, seed=d + i)
+    with poisoned_empty():
+        out = tri.fused_moe(x, w13, w2, weights, ids)
+    expected = ref.fused_moe(x, w13, w2, weights, ids)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert torch.isfinite(out).all()
+    assert rel_err(out, expected) < TOL[dtype]
+
+
+FP8_CASES = [
+    (5, 256, 128, 4, 2, "balanced"),
+    (23, 384, 256, 6, 3, "zipf"),
+    pytest.param(64, 7168, 2048, 32, 8, "balanced", marks=gpu),
+    pytest.param(777, 7168, 2048, 32, 8, "zipf", marks=gpu),
+    pytest.param(100, 1000, 200, 8, 4, "zipf", marks=gpu),
+]
+
+
+@pytest.mark.parametrize(("t", "d", "i", "e", "k", "skew"), FP8_CASES)
+def test_fused_moe_fp8_matches_reference(t, d, i, e, k, skew) -> None:
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    weights, ids = _routing(t, e, k, skew, seed=t)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(d)).to(DEVICE, dtype)
+    w13, w2 = _weights(e, d, i, torch.float32, seed=i)
+    (w13_q, w13_s), (w2_q, w2_s) = _quantized(w13), _quantized(w2)
+    with poisoned_empty():
+        out = tri.fused_moe(x, w13_q, w2_q, weights, ids, w13_s, w2_s)
+    expected = ref.fused_moe(x, w13_q, w2_q, weights, ids, w13_s, w2_s)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, expected) < FP8_TOL
+
+
+_PATH_BASE = {"GROUP_M": 2, "warps1": 4, "stages1": 2, "warps2": 4, "stages2": 2, "tma": True}
+PATH_CONFIGS = {
+    "tma": {**_PATH_BASE, "BLOCK_M": 16, "BLOCK_N1": 32, "BLOCK_K1": 64, "BLOCK_N2": 64,
+            "BLOCK_K2": 32},
+    "tma-fp8": {**_PATH_BASE, "BLOCK_M": 32, "BLOCK_N1": 128, "BLOCK_K1": 128, "BLOCK_N2": 256,
+                "BLOCK_K2": 128},
+    "permute-tma": {**_PATH_BASE, "BLOCK_M": 16, "BLOCK_N1": 64, "BLOCK_K1": 64, "BLOCK_N2": 64,
+                    "BLOCK_K2": 64, "permute_a": True},
+    "permute-tma-fp8": {**_PATH_BASE, "BLOCK_M": 16, "BLOCK_N1": 128, "BLOCK_K1": 128,
+                        "BLOCK_N2": 128, "BLOCK_K2": 128, "permute_a": True},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", sorted(PATH_CONFIGS))
+@pytest.mark.parametrize(("t", "d", "i"), [(21, 320, 192), pytest.param(300, 2048, 640, marks=gpu)])
+def test_weight_tma_paths(path: str, t: int, d: int, i: int) -> None:
+    """Weights through TMA descriptors (gate/up tiles that run past I into the up rows, a down
+    tile wider than a quant block), and x laid out by row first (permute_a), on a shape whose D
+    and I are not multiples of 128."""
+    e, k = 5, 3
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    weights, ids = _routing(t, e, k, "zipf", seed=i)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(i)).to(DEVICE, dtype)
+    w13, w2 = _weights(e, d, i, dtype, seed=d)
+    scales: tuple = (None, None)
+    if path.endswith("fp8"):
+        (w13, w13_s), (w2, w2_s) = _quantized(w13), _quantized(w2)
+        scales = (w13_s, w2_s)
+    with poisoned_empty():
+        out = torch.empty_like(x)
+        tri._fused_moe(x, w13, w2, weights, ids, *scales, PATH_CONFIGS[path], out)
+    expected = ref.fused_moe(x, w13, w2, weights, ids, *scales)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, expected) < (FP8_TOL if path.endswith("fp8") else TOL[dtype])
+
+
+def test_all_ids_foreign_gives_zeros() -> None:
+    x = torch.randn(7, 128, device=DEVICE)
+    w13, w2 = _weights(4, 128, 64, torch.float32, seed=0)
+    ids = torch.tensor([[-1, 4]] * 7, dtype=torch.int32, device=DEVICE)
+    with poisoned_empty():
+        out = tri.fused_moe(x, w13, w2, torch.rand(7, 2, device=DEVICE), ids)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_align_rows_pads_each_expert_to_the_tile() -> None:
+    ids = torch.tensor([[2, 0], [2, -1], [5, 2]], dtype=torch.int32, device=DEVICE)
+    with poisoned_empty():
+        sorted_ids, ends, row_of, max_rows = tri.align_rows(ids, num_experts=4, block_m=4)
+    assert ends.tolist() == [4, 4, 8, 8]  # expert 0: 1 row padded to 4; 1: none; 2: 3 rows -> 4
+    assert max_rows >= 8 and max_rows % 4 == 0
+    flat = ids.reshape(-1).tolist()
+    rows = row_of.tolist()
+    assert rows[3] == -1 and rows[4] == -1  # id -1 and id 5 >= E
+    for a, r in enumerate(rows):
+        if r >= 0:
+            assert sorted_ids[r].item() == a
+            assert (0 if flat[a] == 0 else 4) <= r < ends[flat[a]].item()
+    pads = [r for r in range(8) if r not in rows]
+    assert all(sorted_ids[r].item() == len(flat) for r in pads)
+
+
+def test_inputs_are_checked() -> None:
+    x = torch.randn(3, 128, device=DEVICE)
+    w13, w2 = _weights(4, 128, 64, torch.float32, seed=0)
+    weights, ids = _routing(3, 4, 2, "balanced", seed=0)
+    with pytest.raises(ValueError, match="w2"):
+        tri.fused_moe(x, w13, w2[:, :, :32], weights, ids)
+    with pytest.raises(ValueError, match="topk_ids"):
+        tri.fused_moe(x, w13, w2, weights, ids.float())
+    with pytest.raises(ValueError, match="dtype"):
+        tri.fused_moe(x.half(), w13, w2, weights, ids)
+    with pytest.raises(ValueError, match="both"):
+        tri.fused_moe(x, w13, w2, weights, ids, w13_scale_inv=torch.ones(4, 1, 1, device=DEVICE))
