@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from _bench import FP8_FLOPS, HBM_BYTES_PER_S, Row, time_ms
+
 from pdserve.kernels.fp8_gemm import ref
 from pdserve.kernels.fp8_gemm import triton as tri
 

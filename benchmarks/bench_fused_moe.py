@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from _bench import BF16_FLOPS, FP8_FLOPS, HBM_BYTES_PER_S, Row, time_ms
+
 from pdserve.kernels.fp8_gemm.ref import quantize_weight
 from pdserve.kernels.fused_moe import triton as tri
 

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench import time_ms  # noqa: E402
 from bench_fused_moe import EXPERTS, HIDDEN, INTER, TOP_K, _fp8, routing  # noqa: E402
+
 from pdserve.kernels import tuning  # noqa: E402
 from pdserve.kernels.fp8_gemm import ref as gemm_ref  # noqa: E402
 from pdserve.kernels.fp8_gemm import triton as gemm  # noqa: E402

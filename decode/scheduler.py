@@ -18,7 +18,11 @@ from collections.abc import Collection
 from pdserve.model.chunking import plan_prefill_chunks
 from pdserve.model.errors import CapacityError, InvalidRequestError
 from pdserve.model.pages import PageAllocator, pages_needed
-from pdserve.model.sampling_params import FinishReason, SamplingParams, check_stop
+from pdserve.model.sampling_params import (
+    FinishReason,
+    SamplingParams,
+    check_stop,
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

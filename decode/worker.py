@@ -19,7 +19,6 @@ from collections.abc import Callable
 from pdserve.kvtransfer import ExpectedTransfer, KVReceiver, WritePages
 from pdserve.model.batch import SeqChunk
 from pdserve.model.deepseek import Transformer
-from pdserve.model.kv_cache import KVCacheLayout, capacity_pages
 from pdserve.model.pages import PageAllocator
 from pdserve.model.runner import ModelRunner, SampleSpec
 
@@ -59,13 +58,14 @@ class DecodeWorker:
         make_receiver: Callable[[WritePages], KVReceiver] | None = None,
     ):
         self.worker_id, self.model, self.config = worker_id, model, config
-        device = model.embed.weight.device
-        layout = KVCacheLayout.for_model(model.args, config.page_size, model.dtype, model.num_mtp)
-        num_pages = capacity_pages(
-            layout, device, config.num_pages, config.gpu_memory_fraction, config.cpu_cache_bytes
+        self.runner = ModelRunner.sized(
+            model,
+            config.page_size,
+            config.num_pages,
+            config.gpu_memory_fraction,
+            config.cpu_cache_bytes,
         )
-        self.runner = ModelRunner(model, config.page_size, num_pages)
-        self.allocator = PageAllocator(num_pages)
+        self.allocator = PageAllocator(self.runner.num_pages)
         args = model.args
         self.scheduler = DecodeScheduler(
             self.allocator, config.page_size, config.max_running, config.max_num_batched_tokens,

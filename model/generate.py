@@ -14,7 +14,7 @@ from .errors import InvalidRequestError
 from .kv_cache import KVCacheLayout, PagedKVCache
 from .pages import pages_needed
 from .sampler import sample_tokens
-from .sampling_params import SamplingParams, check_stop
+from .sampling_params import SamplingParams, check_stop, validate_prompt_ids
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -33,13 +33,7 @@ class OfflineGenerator:
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         args = self.model.args
-        if not prompt_ids:
-            raise InvalidRequestError("prompt", "is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < args.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                "prompt_token_ids", f"id {bad[0]} outside the vocabulary [0, {args.vocab_size})"
-            )
+        validate_prompt_ids(prompt_ids, args.vocab_size)
         total = len(prompt_ids) + params.max_tokens
         if total > args.max_position_embeddings:
             raise InvalidRequestError(

@@ -10,7 +10,7 @@ import torch
 
 from .batch import SeqChunk, build_forward_batch
 from .deepseek import Transformer
-from .kv_cache import KVCacheLayout, PagedKVCache
+from .kv_cache import KVCacheLayout, PagedKVCache, capacity_pages
 from .sampler import sample_tokens
 from .sampling_params import SamplingParams
 
@@ -31,6 +31,25 @@ class ModelRunner:
             model.args, page_size, cache_dtype or model.dtype, model.num_mtp
         )
         self.cache = PagedKVCache(layout, num_pages, self.device)
+
+    @classmethod
+    def sized(
+        cls,
+        model: Transformer,
+        page_size: int,
+        num_pages: int | None,
+        gpu_memory_fraction: float,
+        cpu_cache_bytes: int,
+    ) -> ModelRunner:
+        """A runner whose cache has `num_pages`, or as many as `capacity_pages` finds room for."""
+        layout = KVCacheLayout.for_model(model.args, page_size, model.dtype, model.num_mtp)
+        device = model.embed.weight.device
+        pages = capacity_pages(layout, device, num_pages, gpu_memory_fraction, cpu_cache_bytes)
+        return cls(model, page_size, pages)
+
+    @property
+    def num_pages(self) -> int:
+        return self.cache.num_pages
 
     @torch.inference_mode()
     def prefill(

@@ -20,7 +20,6 @@ from pdserve.kvtransfer import KVSender
 from pdserve.model.batch import SeqChunk
 from pdserve.model.deepseek import Transformer
 from pdserve.model.errors import PdserveError
-from pdserve.model.kv_cache import KVCacheLayout, capacity_pages
 from pdserve.model.pages import PageAllocator
 from pdserve.model.runner import ModelRunner, SampleSpec
 
@@ -51,13 +50,14 @@ class PrefillStats:
 class PrefillWorker:
     def __init__(self, worker_id: str, model: Transformer, config: PrefillConfig, sender: KVSender):
         self.worker_id, self.model, self.config, self.sender = worker_id, model, config, sender
-        device = model.embed.weight.device
-        layout = KVCacheLayout.for_model(model.args, config.page_size, model.dtype, model.num_mtp)
-        num_pages = capacity_pages(
-            layout, device, config.num_pages, config.gpu_memory_fraction, config.cpu_cache_bytes
+        self.runner = ModelRunner.sized(
+            model,
+            config.page_size,
+            config.num_pages,
+            config.gpu_memory_fraction,
+            config.cpu_cache_bytes,
         )
-        self.runner = ModelRunner(model, config.page_size, num_pages)
-        self.allocator = PageAllocator(num_pages)
+        self.allocator = PageAllocator(self.runner.num_pages)
         self.scheduler = PrefillScheduler(
             self.allocator, config.page_size, config.max_num_batched_tokens,
             config.max_prefill_chunk, model.args.vocab_size,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _poison import poisoned_empty, rel_err
+
 from pdserve.kernels.fp8_gemm import ref
 from pdserve.kernels.fp8_gemm import triton as tri
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _poison import poisoned_empty, rel_err
+
 from pdserve.kernels.fp8_gemm.ref import quantize_weight
 from pdserve.kernels.fused_moe import ref
 from pdserve.kernels.fused_moe import triton as tri
