@@ -41,3 +41,25 @@ def lookup(op: str, key: str, device: torch.device) -> dict[str, Any]:
         if "default" in table:
             return table["default"]
     raise KeyError(f"no tuning entry for op {op!r} (key {key!r}, arch {arch})")
+
+
+# --- prefill-side kernels (mla_prefill, sampling, moe_route) ---------------------------------------------------
+# "cpu" entries are for the Triton interpreter (tests): small tiles keep it fast.
+register("mla_prefill", "cpu", {"default": {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}})
+register("mla_prefill", "any", {"default": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}})
+register(
+    "sampling",
+    "cpu",
+    {"default": {"BLOCK": 256, "THRESHOLD_BLOCK": 256, "programs_per_sm": 2, "num_warps": 4}},
+)
+register(
+    "sampling",
+    "any",
+    {"default": {"BLOCK": 2048, "THRESHOLD_BLOCK": 2048, "programs_per_sm": 4, "num_warps": 8}},
+)
+register("moe_route", "cpu", {"default": {"BLOCK_T": 8, "num_warps": 4}})
+register(
+    "moe_route",
+    "any",
+    {"default": {"BLOCK_T": 16, "num_warps": 4}, "experts=64": {"BLOCK_T": 32, "num_warps": 4}},
+)
