@@ -43,10 +43,18 @@ def lookup(op: str, key: str, device: torch.device) -> dict[str, Any]:
     raise KeyError(f"no tuning entry for op {op!r} (key {key!r}, arch {arch})")
 
 
-# --- prefill-side kernels (mla_prefill, sampling, moe_route) ---------------------------------------------------
+# --- prefill-side kernels (mla_prefill, sampling, moe_route) -----------------------------------
 # "cpu" entries are for the Triton interpreter (tests): small tiles keep it fast.
-register("mla_prefill", "cpu", {"default": {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}})
-register("mla_prefill", "any", {"default": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}})
+register(
+    "mla_prefill",
+    "cpu",
+    {"default": {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}},
+)
+register(
+    "mla_prefill",
+    "any",
+    {"default": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}},
+)
 register(
     "sampling",
     "cpu",

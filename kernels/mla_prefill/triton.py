@@ -1,13 +1,14 @@
 """MLA prefill attention in Triton: a flash-attention forward over a packed variable-length batch.
 
-Same contract as `ref.mla_prefill` / `ref.merge_attn_states`. One program computes a BLOCK_M tile of one
-sequence's queries for one head, streaming that sequence's keys in BLOCK_N tiles with an online softmax in the
-log2 domain. The q/k head dim (192 = nope 128 + rope 64 for V3) is split into a power-of-two part and a padded
-remainder, so the score tile is two chained dots. Causal masking is bottom-right aligned (query i of a sequence
-with Lq queries and Lk keys sees keys j <= i + Lk - Lq): key tiles every row of the query tile sees run in an
-unmasked loop, the diagonal tiles in a masked one. Programs find their sequence by a binary search over the
-cumulative query-tile counts, so the launch needs no host sync; within a sequence the heaviest (last) query tiles
-run first. fp32 inputs use IEEE fp32 dots; fp16/bf16 use the tensor cores with fp32 accumulation.
+Same contract as `ref.mla_prefill` / `ref.merge_attn_states`. One program computes a BLOCK_M tile of
+one sequence's queries for one head, streaming that sequence's keys in BLOCK_N tiles with an online
+softmax in the log2 domain. The q/k head dim (192 = nope 128 + rope 64 for V3) is split into a
+power-of-two part and a padded remainder, so the score tile is two chained dots. Causal masking is
+bottom-right aligned (query i of a sequence with Lq queries and Lk keys sees keys j <= i + Lk - Lq):
+key tiles every row of the query tile sees run in an unmasked loop, the diagonal tiles in a masked
+one. Programs find their sequence by a binary search over the cumulative query-tile counts, so the
+launch needs no host sync; within a sequence the heaviest (last) query tiles run first. fp32 inputs
+use IEEE fp32 dots; fp16/bf16 use the tensor cores with fp32 accumulation.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ def _attend_tile(
     D_QK_B: tl.constexpr, D_B: tl.constexpr, D_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One key tile: scores, online-softmax update, P @ V. MASKED tiles may hold keys past k_len or (CAUSAL)
-    keys after a row's diagonal; unmasked tiles are fully visible to every row of the query tile."""
+    """One key tile: scores, online-softmax update, P @ V. MASKED tiles may hold keys past k_len or
+    (CAUSAL) keys after a row's diagonal; unmasked tiles are fully visible to every row of the query
+    tile."""
     keys = start + offs_n  # [BN]
     koff = keys.to(tl.int64)[:, None] * stride_kt  # [BN, 1]
     voff = keys.to(tl.int64)[:, None] * stride_vt
@@ -64,7 +66,7 @@ def _attend_tile(
             visible = visible & (keys[None, :] <= offs_m[:, None] + diag_off)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no key yet keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
+        # A row that has seen no key keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -88,7 +90,7 @@ def _mla_prefill_kernel(
 ):  # fmt: skip
     pid = tl.program_id(0)
     head = tl.program_id(1)
-    # Sequence of this program: the first b with tiles_cum[b] > pid (tiles_cum: inclusive cumsum of tiles).
+    # This program's sequence: the first b with tiles_cum[b] > pid (inclusive cumsum of tiles).
     lo = pid * 0
     hi = lo + num_seqs
     for _ in tl.static_range(SEARCH_STEPS):
@@ -117,7 +119,9 @@ def _mla_prefill_kernel(
     q_rows = q_ptr + head * stride_qh + (q_start + offs_m).to(tl.int64)[:, None] * stride_qt
     qa = tl.load(q_rows + offs_da[None, :], mask=row_ok[:, None], other=0.0)  # [BM, D_A]
     qb = tl.load(
-        q_rows + D_A + offs_db[None, :], mask=row_ok[:, None] & (offs_db < D_QK_B)[None, :], other=0.0
+        q_rows + D_A + offs_db[None, :],
+        mask=row_ok[:, None] & (offs_db < D_QK_B)[None, :],
+        other=0.0,
     )  # [BM, D_B]
     k_base = k_ptr + head * stride_kh + k_start.to(tl.int64) * stride_kt
     k_ptrs_a = k_base + offs_da[None, :]  # [1, D_A]; + key offsets per tile
@@ -151,10 +155,14 @@ def _mla_prefill_kernel(
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that saw no key: acc is 0
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(
+        seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf")
+    )
     rows = (q_start + offs_m).to(tl.int64)
     o_ptrs = out_ptr + head * stride_oh + rows[:, None] * stride_ot + offs_dv[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < D_V)[None, :])
+    tl.store(
+        o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv < D_V)[None, :]
+    )
     tl.store(lse_ptr + head * stride_lh + rows * stride_lt, lse, mask=row_ok)
 
 
@@ -181,8 +189,12 @@ def _merge_kernel(
     lse = tl.where(finite, mx_use + tl.log(total), float("-inf"))
     wa = tl.where(finite, ea / total, 0.0)[:, None]
     wb = tl.where(finite, eb / total, 0.0)[:, None]
-    oa = tl.load(out_a_ptr + t * stride_at + heads[:, None] * stride_ah + dims[None, :], mask=tile_ok)
-    ob = tl.load(out_b_ptr + t * stride_bt + heads[:, None] * stride_bh + dims[None, :], mask=tile_ok)
+    oa = tl.load(
+        out_a_ptr + t * stride_at + heads[:, None] * stride_ah + dims[None, :], mask=tile_ok
+    )
+    ob = tl.load(
+        out_b_ptr + t * stride_bt + heads[:, None] * stride_bh + dims[None, :], mask=tile_ok
+    )
     out = oa.to(tl.float32) * wa + ob.to(tl.float32) * wb
     o_ptrs = out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=tile_ok)
@@ -191,7 +203,9 @@ def _merge_kernel(
 
 def _check_last_dim_contiguous(name: str, x: torch.Tensor) -> None:
     if x.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dim, got strides {tuple(x.stride())}")
+        raise ValueError(
+            f"{name} must be contiguous in its last dim, got strides {tuple(x.stride())}"
+        )
 
 
 def _check_attention_inputs(
@@ -233,7 +247,7 @@ def _check_attention_inputs(
 
 
 def _split_head_dim(d_qk: int) -> tuple[int, int, int]:
-    """(D_A, D_B, D_QK_B): a power-of-two part D_A and the remainder D_QK_B padded to D_B (>= 16)."""
+    """(D_A, D_B, D_QK_B): a power-of-two part D_A, the remainder D_QK_B padded to D_B (>= 16)."""
     d_a = 1 << (d_qk.bit_length() - 1)
     rest = d_qk - d_a
     d_b = max(16, triton.next_power_of_2(rest)) if rest else 16
@@ -249,8 +263,8 @@ def mla_prefill(
     softmax_scale: float,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See `ref.mla_prefill`. cu_seqlens_q[-1] must not exceed q's token count (nor cu_seqlens_k[-1] k's);
-    rows of q past cu_seqlens_q[-1] are left unwritten."""
+    """See `ref.mla_prefill`. cu_seqlens_q[-1] must not exceed q's token count (nor cu_seqlens_k[-1]
+    k's); rows of q past cu_seqlens_q[-1] are left unwritten."""
     _check_attention_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
     num_tokens, num_heads, d_qk = q.shape
     d_v = v.shape[2]
@@ -283,10 +297,13 @@ def merge_attn_states(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See `ref.merge_attn_states`. Returns out in out_a's dtype and lse fp32."""
     if out_a.dim() != 3 or out_b.shape != out_a.shape:
-        raise ValueError(f"out_a {tuple(out_a.shape)} and out_b {tuple(out_b.shape)}: expected equal [T, H, Dv]")
+        raise ValueError(
+            f"out_a {tuple(out_a.shape)} and out_b {tuple(out_b.shape)}: expected equal [T, H, Dv]"
+        )
     if lse_a.shape != out_a.shape[:2] or lse_b.shape != out_a.shape[:2]:
         raise ValueError(
-            f"lse_a {tuple(lse_a.shape)}, lse_b {tuple(lse_b.shape)}: expected {tuple(out_a.shape[:2])}"
+            f"lse_a {tuple(lse_a.shape)}, lse_b {tuple(lse_b.shape)}: "
+            f"expected {tuple(out_a.shape[:2])}"
         )
     if lse_a.dtype != torch.float32 or lse_b.dtype != torch.float32:
         raise ValueError(f"lse must be fp32, got {lse_a.dtype} and {lse_b.dtype}")
@@ -307,8 +324,9 @@ def merge_attn_states(
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
     _merge_kernel[grid](
         out_a, lse_a, out_b, lse_b, out, lse, num_heads,
-        out_a.stride(0), out_a.stride(1), out_b.stride(0), out_b.stride(1), out.stride(0), out.stride(1),
-        lse_a.stride(0), lse_a.stride(1), lse_b.stride(0), lse_b.stride(1), lse.stride(0), lse.stride(1),
+        out_a.stride(0), out_a.stride(1), out_b.stride(0), out_b.stride(1),
+        out.stride(0), out.stride(1), lse_a.stride(0), lse_a.stride(1),
+        lse_b.stride(0), lse_b.stride(1), lse.stride(0), lse.stride(1),
         D_V=d_v, BLOCK_H=block_h, BLOCK_DV=block_dv, num_warps=4,
     )  # fmt: skip
     return out, lse

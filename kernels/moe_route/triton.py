@@ -1,11 +1,13 @@
-"""noaux_tc expert routing in Triton: one program routes BLOCK_T tokens, holding their [BLOCK_T, E] scores.
+"""noaux_tc expert routing in Triton: one program routes BLOCK_T tokens, holding their [BLOCK_T, E]
+scores.
 
-Same contract as `ref.moe_route`. Per token: scores = sigmoid(logits) in fp32; biased = scores + bias (selection
-only); each group's score is the sum of its two best biased scores; a group is kept when fewer than `topk_group`
-groups beat it (a better score, or an equal score and a lower group id); the top_k best biased scores among the kept
-groups' experts are chosen one at a time (lowest expert id first on ties), so ids come out in descending biased
-score. Weights are the unbiased scores of the chosen experts, renormalised when `norm_topk_prob`, times
-`routed_scaling_factor`. Any expert count works (padded to a power of two); groups need not be a power of two wide.
+Same contract as `ref.moe_route`. Per token: scores = sigmoid(logits) in fp32; biased = scores +
+bias (selection only); each group's score is the sum of its two best biased scores; a group is kept
+when fewer than `topk_group` groups beat it (a better score, or an equal score and a lower group
+id); the top_k best biased scores among the kept groups' experts are chosen one at a time (lowest
+expert id first on ties), so ids come out in descending biased score. Weights are the unbiased
+scores of the chosen experts, renormalised when `norm_topk_prob`, times `routed_scaling_factor`. Any
+expert count works (padded to a power of two); groups need not be a power of two wide.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ def _moe_route_kernel(
     x = tl.load(ptrs, mask=token_ok[:, None] & expert_ok[None, :], other=0.0).to(tl.float32)
     scores = tl.sigmoid(x)  # [BT, BE]
     if HAS_BIAS:
-        biased = scores + tl.load(bias_ptr + experts, mask=expert_ok, other=0.0).to(tl.float32)[None, :]
+        biased = (
+            scores + tl.load(bias_ptr + experts, mask=expert_ok, other=0.0).to(tl.float32)[None, :]
+        )
     else:
         biased = scores
     biased = tl.where(expert_ok[None, :], biased, float("-inf"))
@@ -50,9 +54,13 @@ def _moe_route_kernel(
             member = (group_of == g)[None, :]
             in_group = tl.where(member, biased, float("-inf"))
             first = tl.max(in_group, 1)
-            first_id = tl.min(tl.where(member & (in_group == first[:, None]), experts[None, :], BLOCK_E), 1)
+            first_id = tl.min(
+                tl.where(member & (in_group == first[:, None]), experts[None, :], BLOCK_E), 1
+            )
             if GROUP_SIZE > 1:
-                second = tl.max(tl.where(experts[None, :] == first_id[:, None], float("-inf"), in_group), 1)
+                second = tl.max(
+                    tl.where(experts[None, :] == first_id[:, None], float("-inf"), in_group), 1
+                )
                 score = first + second
             else:
                 score = first
@@ -60,7 +68,9 @@ def _moe_route_kernel(
         # keep a group when fewer than TOPK_GROUP groups beat it; mask out the others' experts
         for g in tl.static_range(N_GROUP):
             mine = tl.sum(tl.where(groups[None, :] == g, group_scores, 0.0), 1)  # [BT]
-            beats = (group_scores > mine[:, None]) | ((group_scores == mine[:, None]) & (groups < g)[None, :])
+            beats = (group_scores > mine[:, None]) | (
+                (group_scores == mine[:, None]) & (groups < g)[None, :]
+            )
             dropped = tl.sum(beats.to(tl.int32), 1) >= TOPK_GROUP  # [BT]
             biased = tl.where(dropped[:, None] & (group_of == g)[None, :], float("-inf"), biased)
 
@@ -93,15 +103,17 @@ def moe_route(
     routed_scaling_factor: float,
     norm_topk_prob: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See `ref.moe_route`. Returns weights [T, top_k] fp32 and ids [T, top_k] int32, ids in descending biased
-    score (ties: lower expert id first)."""
+    """See `ref.moe_route`. Returns weights [T, top_k] fp32 and ids [T, top_k] int32, ids in
+    descending biased score (ties: lower expert id first)."""
     if router_logits.dim() != 2 or not router_logits.dtype.is_floating_point:
         raise ValueError(
             f"router_logits must be a float [T, E] tensor, got {router_logits.dtype} "
             f"{tuple(router_logits.shape)}"
         )
     if router_logits.stride(-1) != 1:
-        raise ValueError(f"router_logits must be contiguous in the expert dim, got {router_logits.stride()}")
+        raise ValueError(
+            f"router_logits must be contiguous in the expert dim, got {router_logits.stride()}"
+        )
     num_tokens, num_experts = router_logits.shape
     if n_group < 1 or num_experts % n_group:
         raise ValueError(f"n_group={n_group} must be >= 1 and divide the {num_experts} experts")
@@ -114,9 +126,13 @@ def moe_route(
         )
     if correction_bias is not None:
         if correction_bias.shape != (num_experts,):
-            raise ValueError(f"correction_bias must be [{num_experts}], got {tuple(correction_bias.shape)}")
+            raise ValueError(
+                f"correction_bias must be [{num_experts}], got {tuple(correction_bias.shape)}"
+            )
         if correction_bias.device != router_logits.device:
-            raise ValueError(f"correction_bias is on {correction_bias.device}, logits on {router_logits.device}")
+            raise ValueError(
+                f"correction_bias is on {correction_bias.device}, logits on {router_logits.device}"
+            )
         correction_bias = correction_bias.contiguous()
     weights = _empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = _empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)

@@ -1,18 +1,22 @@
-"""Batched sampling in Triton: the same token ids as `ref.sample` (ties aside), without materialising probs.
+"""Batched sampling in Triton: the same token ids as `ref.sample` (ties aside), without
+materialising probs.
 
-Every filter of the reference keeps the tokens whose probability reaches a per-row threshold tau (top-k: the k-th
-largest; top-p: the last token of the smallest prefix whose mass reaches p; min-p: min_p * p_max), so the kept set
-is {i: p_i >= tau} and the draw is the argmax of p_i / E_i over it. Passes:
+Every filter of the reference keeps the tokens whose probability reaches a per-row threshold tau
+(top-k: the k-th largest; top-p: the last token of the smallest prefix whose mass reaches p; min-p:
+min_p * p_max), so the kept set is {i: p_i >= tau} and the draw is the argmax of p_i / E_i over it.
+Passes:
 
-1. `_stats_kernel`, grid (B, S): each program scans 1/S of a row: max and first argmax of the raw logits (greedy),
-   and the online softmax statistics (max m, sum s of exp(z - m)) of z = logits / temperature.
-2. Only for rows with top-k or top-p on: torch sorts those rows' logits (the order of z for T > 0), and
-   `_threshold_kernel` walks the sorted row, recomputing p exactly as pass 3 does, accumulating the mass before each
-   rank, until the first rank that fails a filter; tau is the last kept p.
-3. `_race_kernel`, grid (B, S): p_i = exp(z_i - m) / s, the counter-based noise u_i (lowbias32 of seed, step and
-   token id, bit-exact with the reference), E_i = -log(u_i), and the first argmax of p_i / E_i over p_i >= tau.
-4. `_finalize_kernel`, grid (B,): combines the S partial winners per row (first index on ties) and picks the greedy
-   id for rows with temperature <= 0.
+1. `_stats_kernel`, grid (B, S): each program scans 1/S of a row: max and first argmax of the raw
+   logits (greedy), and the online softmax statistics (max m, sum s of exp(z - m)) of z = logits /
+   temperature.
+2. Only for rows with top-k or top-p on: torch sorts those rows' logits (the order of z for T > 0),
+   and `_threshold_kernel` walks the sorted row, recomputing p exactly as pass 3 does, accumulating
+   the mass before each rank, until the first rank that fails a filter; tau is the last kept p.
+3. `_race_kernel`, grid (B, S): p_i = exp(z_i - m) / s, the counter-based noise u_i (lowbias32 of
+   seed, step and token id, bit-exact with the reference), E_i = -log(u_i), and the first argmax of
+   p_i / E_i over p_i >= tau.
+4. `_finalize_kernel`, grid (B,): combines the S partial winners per row (first index on ties) and
+   picks the greedy id for rows with temperature <= 0.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ def _stats_kernel(
     logits_ptr, temperature_ptr, part_ptr, vocab, stride_row, cols_per_split,
     NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, T_FLOOR: tl.constexpr, BIG: tl.constexpr,
 ):  # fmt: skip
-    """part[row, split] = (raw max, raw first argmax, max of z, sum of exp(z - max z)) over the split's columns."""
+    """part[row, split] = (raw max, raw first argmax, max of z, sum of exp(z - max z)) over the
+    split's columns."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     temp = tl.maximum(tl.load(temperature_ptr + row).to(tl.float32), T_FLOOR)
@@ -103,7 +108,8 @@ def _threshold_kernel(
     vocab, stride_sorted,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, T_FLOOR: tl.constexpr,
 ):  # fmt: skip
-    """tau[row] = the smallest p among the ranks the reference keeps, for one row of descending sorted logits."""
+    """tau[row] = the smallest p among the ranks the reference keeps, from one row of logits sorted
+    in descending order."""
     i = tl.program_id(0)
     row = tl.load(rows_ptr + i)
     temp = tl.maximum(tl.load(temperature_ptr + row).to(tl.float32), T_FLOOR)
@@ -111,7 +117,9 @@ def _threshold_kernel(
     k = tl.where((k <= 0) | (k >= vocab), vocab, k)
     top_p = tl.load(top_p_ptr + row).to(tl.float32)
     m, s = _row_softmax_stats(part_ptr, row, NUM_SPLITS, BLOCK_S)
-    p_floor = tl.load(min_p_ptr + row).to(tl.float32) * (1.0 / s)  # min_p * p_max, p_max = exp(0) / s
+    p_floor = tl.load(min_p_ptr + row).to(tl.float32) * (
+        1.0 / s
+    )  # min_p * p_max, p_max = exp(0) / s
     offs = tl.arange(0, BLOCK)
     src = sorted_ptr + i.to(tl.int64) * stride_sorted
     mass = tl.zeros([], tl.float32)
@@ -138,7 +146,8 @@ def _race_kernel(
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, T_FLOOR: tl.constexpr,
     GOLDEN: tl.constexpr, BIG: tl.constexpr,
 ):  # fmt: skip
-    """race[row, split] = (best p / E, its first token id) among the split's kept tokens (-1, BIG if none)."""
+    """race[row, split] = (best p / E, its first token id) among the split's kept tokens (-1, BIG if
+    none)."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     out = race_ptr + (row * NUM_SPLITS + split) * 2
@@ -148,7 +157,9 @@ def _race_kernel(
     if temperature > 0.0:  # greedy rows take their id from the stats pass
         temp = tl.maximum(temperature, T_FLOOR)
         m, s = _row_softmax_stats(part_ptr, row, NUM_SPLITS, BLOCK_S)
-        tau = tl.maximum(tl.load(tau_ptr + row), tl.load(min_p_ptr + row).to(tl.float32) * (1.0 / s))
+        tau = tl.maximum(
+            tl.load(tau_ptr + row), tl.load(min_p_ptr + row).to(tl.float32) * (1.0 / s)
+        )
         seed = tl.load(seeds_ptr + row).to(tl.int64)
         step = tl.load(steps_ptr + row).to(tl.int64)
         h = _lowbias32(seed.to(tl.uint32))
@@ -203,9 +214,13 @@ def _check_inputs(
     steps: torch.Tensor,
 ) -> None:
     if logits.dim() != 2 or not logits.dtype.is_floating_point:
-        raise ValueError(f"logits must be a float [B, V] tensor, got {logits.dtype} {tuple(logits.shape)}")
+        raise ValueError(
+            f"logits must be a float [B, V] tensor, got {logits.dtype} {tuple(logits.shape)}"
+        )
     if logits.stride(-1) != 1:
-        raise ValueError(f"logits must be contiguous in the vocab dim, got strides {logits.stride()}")
+        raise ValueError(
+            f"logits must be contiguous in the vocab dim, got strides {logits.stride()}"
+        )
     if logits.shape[1] >= _INT_MAX:
         raise ValueError(f"vocab size {logits.shape[1]} too large")
     batch = logits.shape[0]
@@ -231,7 +246,8 @@ def sample(
     seeds: torch.Tensor,
     steps: torch.Tensor,
 ) -> torch.Tensor:
-    """See `ref.sample`. Syncs with the device once, to learn which rows need the sorted top-k/top-p path."""
+    """See `ref.sample`. Syncs with the device once, to learn which rows need the sorted
+    top-k/top-p path."""
     _check_inputs(logits, temperature, top_k, top_p, min_p, seeds, steps)
     batch, vocab = logits.shape
     out = _empty(batch, dtype=torch.int64, device=logits.device)
@@ -245,7 +261,9 @@ def sample(
         num_sms = torch.cuda.get_device_properties(logits.device).multi_processor_count
     else:
         num_sms = 1
-    num_splits = max(1, min(triton.cdiv(cfg["programs_per_sm"] * num_sms, batch), triton.cdiv(vocab, block)))
+    num_splits = max(
+        1, min(triton.cdiv(cfg["programs_per_sm"] * num_sms, batch), triton.cdiv(vocab, block))
+    )
     cols_per_split = triton.cdiv(triton.cdiv(vocab, num_splits), block) * block
     num_splits = triton.cdiv(vocab, cols_per_split)
     block_s = triton.next_power_of_2(num_splits)
