@@ -40,7 +40,18 @@ class Row:
         ]  # fmt: skip
 
 
-HEADER = ["op", "shape", "impl", "ms", "GB/s", "TFLOP/s", "of ceiling", "peer", "peer ms", "speedup"]
+HEADER = [
+    "op",
+    "shape",
+    "impl",
+    "ms",
+    "GB/s",
+    "TFLOP/s",
+    "of ceiling",
+    "peer",
+    "peer ms",
+    "speedup",
+]
 
 
 def time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50) -> float:
@@ -65,7 +76,9 @@ def time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50) -> floa
 def print_table(rows: list[Row]) -> str:
     cells = [HEADER] + [r.cells() for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
-    lines = ["| " + " | ".join(c[i].ljust(widths[i]) for i in range(len(HEADER))) + " |" for c in cells]
+    lines = [
+        "| " + " | ".join(c[i].ljust(widths[i]) for i in range(len(HEADER))) + " |" for c in cells
+    ]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     text = "\n".join(lines)
     print(text, flush=True)
