@@ -124,7 +124,7 @@ def _threshold_kernel(
     src = sorted_ptr + i.to(tl.int64) * stride_sorted
     mass = tl.zeros([], tl.float32)
     tau = tl.full([], float("inf"), tl.float32)
-    start = 0
+    start = tl.zeros([], tl.int32)
     keeping = start < vocab
     while keeping:  # the kept ranks are a prefix: stop at the first block that ends it
         ranks = start + offs
