@@ -23,8 +23,8 @@ ARCH = "sm90"
 def tune_mla_prefill() -> None:
     from bench_mla_prefill import _flops, time_triton
 
-    configs = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 2)]
-    shapes = [([4096] * 8, [4096] * 8, 128, True), ([1024] * 4, [8192] * 4, 128, False)]
+    configs = [(128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2)]
+    shapes = [([4096] * 8, [4096] * 8, 128, True)]
     for bm, bn, warps, stages in configs:
         cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
         tuning.register("mla_prefill", ARCH, {"default": cfg})

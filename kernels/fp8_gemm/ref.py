@@ -65,9 +65,7 @@ def dequantize_weight(
     return (w_fp8.float() * scales[..., :n, :k]).to(dtype)
 
 
-def fp8_gemm(
-    x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor
-) -> torch.Tensor:
+def fp8_gemm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor) -> torch.Tensor:
     """x: [M, K] float; w_fp8: [N, K] e4m3; w_scale_inv: [ceil(N/128), ceil(K/128)]. Returns [M, N] in x's dtype."""
     x_fp8, x_scales = quantize_act(x)
     out = dequantize_act(x_fp8, x_scales) @ dequantize_weight(w_fp8, w_scale_inv).t()

@@ -57,22 +57,22 @@ def _attend_tile(
             v = tl.load(v_ptrs + voff)
         else:
             v = tl.load(v_ptrs + voff, mask=(offs_dv < D_V)[None, :], other=0.0)
-    s = tl.dot(qa, tl.trans(ka), input_precision=DOT_PRECISION)  # [BM, BN]
+    s = tl.dot(qa, tl.trans(ka), input_precision=DOT_PRECISION)  # [BM, BN] raw scores
     s = tl.dot(qb, tl.trans(kb), s, input_precision=DOT_PRECISION)
-    s = s * qk_scale  # log2 domain
+    # m is kept in the scaled log2 domain; scaling inside exp2's argument makes one FMA per score.
     if MASKED:
         visible = key_ok[None, :]
         if CAUSAL:
             visible = visible & (keys[None, :] <= offs_m[:, None] + diag_off)
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         # A row that has seen no key keeps m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_use = m_new
     alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
+    p = tl.exp2(s * qk_scale - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)

@@ -18,7 +18,12 @@ def moe_route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See `ref.moe_route` for the contract."""
     return implementation(__name__, router_logits).moe_route(
-        router_logits, correction_bias, top_k, n_group, topk_group, routed_scaling_factor,
+        router_logits,
+        correction_bias,
+        top_k,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
         norm_topk_prob,
     )
 

@@ -1,23 +1,21 @@
 """Batched sampling in Triton: the same token ids as `ref.sample` (ties aside), without
 materialising probs.
 
-Every filter of the reference keeps the tokens whose probability reaches a per-row threshold tau
-(top-k: the k-th largest; top-p: the last token of the smallest prefix whose mass reaches p; min-p:
-min_p * p_max), so the kept set is {i: p_i >= tau} and the draw is the argmax of p_i / E_i over it.
-Passes:
+Every filter of the reference keeps the tokens whose probability reaches a per-row threshold (top-k:
+the k-th largest; top-p: the last token of the smallest prefix whose mass reaches p; min-p: min_p *
+p_max), and probability order is logit order, so the kept set is {i: logit_i >= tau, p_i >= min_p *
+p_max} with tau the logit at the last rank top-k and top-p keep, and the draw is the argmax of p_i /
+E_i over it. Passes:
 
 1. `_stats_kernel`, grid (B, S): each program scans 1/S of a row: max and first argmax of the raw
-   logits (greedy), and the online softmax statistics (max m, sum s of exp(z - m)) of z = logits /
-   temperature.
-2. Only for rows with top-k or top-p on: torch sorts those rows' logits (the order of z for T > 0),
-   and `_threshold_kernel` walks the sorted row, recomputing p exactly as pass 3 does, accumulating
-   the mass before each rank, until the first rank that fails a filter; tau is the last kept p.
-3. `_race_kernel`, grid (B, S): p_i = exp(z_i - m) / s, the counter-based noise u_i (lowbias32 of
-   seed, step and token id, bit-exact with the reference), E_i = -log(u_i), and the first argmax of
-   p_i / E_i over p_i >= tau.
-4. `_finalize_kernel`, grid (B,): combines the S partial winners per row (first index on ties) and
-   picks the greedy id for rows with temperature <= 0.
-"""
+logits (greedy), and the online softmax statistics (max m, sum s of exp(z - m)) of z = logits /
+temperature. 2. Only for rows with top-k or top-p on: torch sorts those rows' logits (the order of z
+for T > 0), and `_threshold_kernel` walks the sorted row, computing p from (m, s), accumulating the
+mass before each rank, until the first rank that fails a filter; tau is the last kept logit. 3.
+`_race_kernel`, grid (B, S): p_i = exp(z_i - m) / s, the counter-based noise u_i (lowbias32 of seed,
+step and token id, bit-exact with the reference), E_i = -log(u_i), and the first argmax of p_i / E_i
+over the kept tokens. 4. `_finalize_kernel`, grid (B,): combines the S partial winners per row
+(first index on ties) and picks the greedy id for rows with temperature <= 0."""
 
 from __future__ import annotations
 
@@ -108,8 +106,9 @@ def _threshold_kernel(
     vocab, stride_sorted,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, T_FLOOR: tl.constexpr,
 ):  # fmt: skip
-    """tau[row] = the smallest p among the ranks the reference keeps, from one row of logits sorted
-    in descending order."""
+    """tau[row] = the logit at the last rank the reference keeps, from one row of logits sorted in
+    descending order. A logit, not a probability: the race kernel's test (logit >= tau) is then
+    exact and does not rely on two kernels recomputing p (through s) bit-identically."""
     i = tl.program_id(0)
     row = tl.load(rows_ptr + i)
     temp = tl.maximum(tl.load(temperature_ptr + row).to(tl.float32), T_FLOOR)
@@ -123,7 +122,7 @@ def _threshold_kernel(
     offs = tl.arange(0, BLOCK)
     src = sorted_ptr + i.to(tl.int64) * stride_sorted
     mass = tl.zeros([], tl.float32)
-    tau = tl.full([], float("inf"), tl.float32)
+    tau = tl.full([], float("inf"), tl.float32)  # a logit
     start = tl.zeros([], tl.int32)
     keeping = start < vocab
     while keeping:  # the kept ranks are a prefix: stop at the first block that ends it
@@ -132,7 +131,7 @@ def _threshold_kernel(
         p = tl.exp(x / temp - m) / s
         mass_before = mass + tl.cumsum(p, 0) - p
         keep = (ranks < k) & ((mass_before < top_p) | (ranks == 0)) & (p >= p_floor)
-        tau = tl.minimum(tau, tl.min(tl.where(keep, p, float("inf")), 0))
+        tau = tl.minimum(tau, tl.min(tl.where(keep, x, float("inf")), 0))
         mass += tl.sum(p, 0)
         start += BLOCK
         keeping = (start < vocab) & (tl.sum(keep.to(tl.int32), 0) == BLOCK)
@@ -157,9 +156,8 @@ def _race_kernel(
     if temperature > 0.0:  # greedy rows take their id from the stats pass
         temp = tl.maximum(temperature, T_FLOOR)
         m, s = _row_softmax_stats(part_ptr, row, NUM_SPLITS, BLOCK_S)
-        tau = tl.maximum(
-            tl.load(tau_ptr + row), tl.load(min_p_ptr + row).to(tl.float32) * (1.0 / s)
-        )
+        tau = tl.load(tau_ptr + row)  # logit threshold of top-k / top-p (-inf when off)
+        p_floor = tl.load(min_p_ptr + row).to(tl.float32) * (1.0 / s)  # min_p * p_max
         seed = tl.load(seeds_ptr + row).to(tl.int64)
         step = tl.load(steps_ptr + row).to(tl.int64)
         h = _lowbias32(seed.to(tl.uint32))
@@ -176,7 +174,8 @@ def _race_kernel(
             p = tl.exp(x / temp - m) / s
             bits = _lowbias32(h ^ (cols.to(tl.uint32) * tl.full(cols.shape, GOLDEN, tl.uint32)))
             u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-            race = tl.where(ok & (p >= tau), p / -tl.log(u), -1.0)
+            keep = ok & (x >= tau) & (p >= p_floor)
+            race = tl.where(keep, p / -tl.log(u), -1.0)
             blk_best, blk_id = _first_argmax(race, tl.where(ok, cols, BIG), BIG)
             best_id = tl.where(blk_best > best, blk_id, best_id)
             best = tl.maximum(best, blk_best)
@@ -276,7 +275,7 @@ def sample(
         BLOCK=block, BIG=_INT_MAX, **common,
     )  # fmt: skip
 
-    tau = torch.zeros(batch, dtype=torch.float32, device=logits.device)
+    tau = torch.full((batch,), float("-inf"), dtype=torch.float32, device=logits.device)
     filtered = (temperature > 0) & ((top_p < 1.0) | ((top_k > 0) & (top_k < vocab)))
     rows = torch.nonzero(filtered).flatten().to(torch.int32)  # the one host sync
     if rows.numel():
