@@ -12,7 +12,7 @@ echo "commit $git_rev"
 timeout "${BENCH_S:-150}" python benchmarks/kernels.py --ops mla_prefill,sampling,moe_route \
   >"$OUT/bench.txt" 2>&1
 echo "bench rc=$?"; tail -n 40 "$OUT/bench.txt"
-timeout "${TEST_S:-120}" python -m pytest -q -x -m "${TEST_MARK:-gpu}" tests/kernels/test_mla_prefill.py \
+timeout "${TEST_S:-120}" python -m pytest -q -m "${TEST_MARK:-gpu}" tests/kernels/test_mla_prefill.py \
   tests/kernels/test_sampling.py tests/kernels/test_moe_route.py >"$OUT/tests.txt" 2>&1
 echo "tests rc=$?"; tail -n 8 "$OUT/tests.txt"
 if [ -n "${TUNE_OPS:-}" ]; then

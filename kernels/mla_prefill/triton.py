@@ -254,6 +254,31 @@ def _split_head_dim(d_qk: int) -> tuple[int, int, int]:
     return d_a, d_b, rest
 
 
+_SHARED_MEMORY_BYTES = 224 * 1024  # sm_90 allows 227 KiB per block; keep a little for scratch
+
+
+def _fit_shared_memory(
+    block_m: int, block_n: int, num_stages: int, d_qk: int, d_v: int, elem_bytes: int
+) -> tuple[int, int, int]:
+    """Shrinks the tuned tiles (stages, then BLOCK_N, then BLOCK_M) until the q tile plus the
+    pipelined K/V tiles fit in shared memory: the tuned entries are for V3's head dims; this keeps
+    other head dims and dtypes launchable rather than failing to compile."""
+
+    def need(bm: int, bn: int, stages: int) -> int:
+        return (bm * d_qk + stages * bn * (d_qk + d_v)) * elem_bytes
+
+    while need(block_m, block_n, num_stages) > _SHARED_MEMORY_BYTES:
+        if num_stages > 2:
+            num_stages -= 1
+        elif block_n > 16:
+            block_n //= 2
+        elif block_m > 16:
+            block_m //= 2
+        else:
+            break
+    return block_m, block_n, num_stages
+
+
 def mla_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -273,8 +298,10 @@ def mla_prefill(
     lse = _empty((num_tokens, num_heads), dtype=torch.float32, device=q.device)
     if num_seqs == 0 or num_tokens == 0 or num_heads == 0:
         return out, lse
-    cfg = lookup("mla_prefill", f"dqk={d_qk},dv={d_v},causal={int(causal)}", q.device)
-    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    cfg = lookup("mla_prefill", f"dtype={str(q.dtype).removeprefix('torch.')}", q.device)
+    block_m, block_n, num_stages = _fit_shared_memory(
+        cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_stages"], d_qk, d_v, q.element_size()
+    )
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]  # [B]
     tiles_cum = torch.cumsum((q_lens + block_m - 1) // block_m, 0).to(torch.int32)  # [B]
     d_a, d_b, d_qk_b = _split_head_dim(d_qk)
@@ -287,7 +314,7 @@ def mla_prefill(
         D_A=d_a, D_B=d_b, D_QK_B=d_qk_b, D_V=d_v, BLOCK_DV=triton.next_power_of_2(d_v),
         BLOCK_M=block_m, BLOCK_N=block_n, SEARCH_STEPS=num_seqs.bit_length() + 1,
         CAUSAL=bool(causal), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=num_stages,
     )  # fmt: skip
     return out, lse
 
