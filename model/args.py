@@ -124,7 +124,9 @@ class ModelArgs:
                 f"n_group={self.n_group}: must divide n_routed_experts={self.n_routed_experts}"
             )
         if not 1 <= self.topk_group <= self.n_group:
-            raise ConfigError(f"topk_group={self.topk_group}: must be in [1, n_group={self.n_group}]")
+            raise ConfigError(
+                f"topk_group={self.topk_group}: must be in [1, n_group={self.n_group}]"
+            )
         experts_in_groups = self.topk_group * (self.n_routed_experts // self.n_group)
         if self.num_experts_per_tok > experts_in_groups:
             raise ConfigError(
@@ -200,14 +202,20 @@ class ModelArgs:
         kwargs.pop("eos_token_ids", None)
         for name, value in list(kwargs.items()):
             default = next(f.default for f in dataclasses.fields(cls) if f.name == name)
-            if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+            if (
+                isinstance(default, float)
+                and isinstance(value, int)
+                and not isinstance(value, bool)
+            ):
                 kwargs[name] = float(value)
         rope_theta, rope_scaling = _parse_rope(config)
         kwargs["rope_theta"] = rope_theta
         kwargs["rope_scaling"] = rope_scaling
         kwargs["quantization"] = _parse_quantization(config.get("quantization_config"))
         eos = config.get("eos_token_id", 1)
-        kwargs["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
+        kwargs["eos_token_ids"] = (
+            tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
+        )
         try:
             return cls(**kwargs)
         except TypeError as e:

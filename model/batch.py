@@ -36,7 +36,9 @@ class ForwardBatch:
     page_table: torch.Tensor  # [B, max_pages] int32
     logits_indices: torch.Tensor  # [N] int64: rows of the hidden states that need logits
     num_queries_per_seq: int  # decode: query tokens per request; prefill: 0
-    prefix_slots: torch.Tensor | None  # [Tp] int64: slots of every request's cached prefix, in order
+    prefix_slots: (
+        torch.Tensor | None
+    )  # [Tp] int64: slots of every request's cached prefix, in order
     cu_seqlens_prefix: torch.Tensor | None  # [B + 1] int32
 
     @property
@@ -72,10 +74,14 @@ def build_forward_batch(
     for c in chunks:
         start, end = c.num_computed_tokens, c.num_computed_tokens + len(c.token_ids)
         if len(c.page_ids) * page_size < end:
-            raise ValueError(f"{len(c.page_ids)} pages cannot hold {end} tokens at page_size {page_size}")
+            raise ValueError(
+                f"{len(c.page_ids)} pages cannot hold {end} tokens at page_size {page_size}"
+            )
         input_ids.extend(c.token_ids)
         positions.extend(range(start, end))
-        slots.extend(c.page_ids[p // page_size] * page_size + p % page_size for p in range(start, end))
+        slots.extend(
+            c.page_ids[p // page_size] * page_size + p % page_size for p in range(start, end)
+        )
         if not decode:
             prefix_slots.extend(
                 c.page_ids[p // page_size] * page_size + p % page_size for p in range(start)

@@ -41,9 +41,14 @@ class Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         weight_dtype = torch.float8_e4m3fn if fp8 else dtype
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=weight_dtype), False)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=weight_dtype), False
+        )
         if fp8:
-            scale_shape = (math.ceil(out_features / QUANT_BLOCK), math.ceil(in_features / QUANT_BLOCK))
+            scale_shape = (
+                math.ceil(out_features / QUANT_BLOCK),
+                math.ceil(in_features / QUANT_BLOCK),
+            )
             self.weight_scale_inv = nn.Parameter(torch.empty(scale_shape), requires_grad=False)
         else:
             self.register_parameter("weight_scale_inv", None)
@@ -104,7 +109,9 @@ def rope_cos_sin(args: ModelArgs, device: torch.device | str | None = None) -> t
 class MLA(nn.Module):
     """Multi-head latent attention. `cache_layer` is this attention's layer in the paged cache."""
 
-    def __init__(self, args: ModelArgs, cache_layer: int, dtype: torch.dtype, is_fp8: IsFp8, path: str):
+    def __init__(
+        self, args: ModelArgs, cache_layer: int, dtype: torch.dtype, is_fp8: IsFp8, path: str
+    ):
         super().__init__()
         self.cache_layer = cache_layer
         self.n_heads = args.num_attention_heads
@@ -165,7 +172,8 @@ class MLA(nn.Module):
         if batch.prefix_slots is not None:
             prefix = cache.gather(self.cache_layer, batch.prefix_slots)  # [Tp, kv_lora + rope]
             k_p, v_p = self._expand(
-                prefix[:, : self.kv_lora_rank].to(q.dtype), prefix[:, self.kv_lora_rank :].to(q.dtype)
+                prefix[:, : self.kv_lora_rank].to(q.dtype),
+                prefix[:, self.kv_lora_rank :].to(q.dtype),
             )
             out_p, lse_p = kernels.mla_prefill(
                 q, k_p, v_p, cu_q, batch.cu_seqlens_prefix, self.softmax_scale, causal=False
@@ -214,7 +222,9 @@ class Gate(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype):
         super().__init__()
         self.args = args
-        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.hidden_size, dtype=dtype), False)
+        self.weight = nn.Parameter(
+            torch.empty(args.n_routed_experts, args.hidden_size, dtype=dtype), False
+        )
         self.bias = nn.Parameter(torch.empty(args.n_routed_experts, dtype=torch.float32), False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,7 +267,9 @@ class MoE(nn.Module):
         self.shared_experts = None
         if args.n_shared_experts:
             inter = args.moe_intermediate_size * args.n_shared_experts
-            self.shared_experts = MLP(args.hidden_size, inter, dtype, is_fp8, f"{path}.shared_experts")
+            self.shared_experts = MLP(
+                args.hidden_size, inter, dtype, is_fp8, f"{path}.shared_experts"
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -269,7 +281,13 @@ class Block(nn.Module):
     """Pre-norm transformer layer; carries the residual stream separately so norms can fuse the add."""
 
     def __init__(
-        self, args: ModelArgs, layer: int, cache_layer: int, dtype: torch.dtype, is_fp8: IsFp8, path: str
+        self,
+        args: ModelArgs,
+        layer: int,
+        cache_layer: int,
+        dtype: torch.dtype,
+        is_fp8: IsFp8,
+        path: str,
     ):
         super().__init__()
         self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
@@ -303,12 +321,16 @@ class MTP(nn.Module):
         self.embed.weight.requires_grad_(False)
         self.enorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.eh_proj = Linear(2 * args.hidden_size, args.hidden_size, dtype, is_fp8(f"{path}.eh_proj"))
+        self.eh_proj = Linear(
+            2 * args.hidden_size, args.hidden_size, dtype, is_fp8(f"{path}.eh_proj")
+        )
         self.block = Block(args, layer, layer, dtype, is_fp8, f"{path}.block")
         self.head_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.head = Linear(args.hidden_size, args.vocab_size, dtype, is_fp8(f"{path}.head"))
 
-    def forward(self, prev_hidden, next_token_ids, batch: ForwardBatch, cache: PagedKVCache, cos_sin):
+    def forward(
+        self, prev_hidden, next_token_ids, batch: ForwardBatch, cache: PagedKVCache, cos_sin
+    ):
         """prev_hidden: [T, D] main-model hidden at positions t; next_token_ids: [T] the tokens at t+1."""
         e = self.enorm(F.embedding(next_token_ids, self.embed.weight))
         x = self.eh_proj(torch.cat([e, self.hnorm(prev_hidden)], dim=-1))  # [T, D]

@@ -65,7 +65,9 @@ class PagedKVCache:
         """[num_pages, page_size, entry_dim] view of one layer's pool."""
         return self.data[layer]
 
-    def write(self, layer: int, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+    def write(
+        self, layer: int, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor
+    ) -> None:
         """Stores [c_kv | k_pe] of T tokens at flat slots (page * page_size + offset). slots: [T] int64."""
         flat = self.data[layer].view(-1, self.layout.entry_dim)
         r = self.layout.kv_lora_rank
@@ -83,3 +85,26 @@ class PagedKVCache:
     def write_pages(self, page_ids: torch.Tensor, pages: torch.Tensor) -> None:
         """Inverse of `read_pages`."""
         self.data.index_copy_(1, page_ids.to(self.device), pages.to(self.layout.dtype))
+
+
+def capacity_pages(
+    layout: KVCacheLayout,
+    device: torch.device | str,
+    num_pages: int | None,
+    gpu_memory_fraction: float,
+    cpu_cache_bytes: int,
+) -> int:
+    """How many pages a worker's cache gets: `num_pages` when set; on a GPU, the given fraction of the memory
+    free now (after the weights are loaded); on the CPU, `cpu_cache_bytes`."""
+    if num_pages is not None:
+        return num_pages
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * gpu_memory_fraction)
+    else:
+        budget = cpu_cache_bytes
+    pages = budget // layout.page_bytes
+    if pages < 1:
+        raise ValueError(f"no room for one KV page of {layout.page_bytes} bytes on {device}")
+    return pages

@@ -77,7 +77,9 @@ def read_checkpoint_tensors(path: Path) -> dict[str, StoredTensor]:
             stored[name] = tensor
     for name, file in weight_map.items():
         if name not in stored or stored[name].file != file:
-            raise CheckpointError(f"{name}: {INDEX_FILE} places it in {file}, which does not hold it")
+            raise CheckpointError(
+                f"{name}: {INDEX_FILE} places it in {file}, which does not hold it"
+            )
     return stored
 
 
@@ -88,7 +90,7 @@ def _read_header(path: Path, file: str) -> dict[str, StoredTensor]:
     try:
         with safe_open(full, framework="pt") as f:
             out = {}
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 sl = f.get_slice(name)
                 dtype_name = sl.get_dtype()
                 if dtype_name not in _DTYPES:
@@ -102,7 +104,9 @@ def _read_header(path: Path, file: str) -> dict[str, StoredTensor]:
     except CheckpointError:
         raise
     except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
-        raise CheckpointError(f"{full}: unreadable safetensors file, truncated or corrupt? ({e})") from e
+        raise CheckpointError(
+            f"{full}: unreadable safetensors file, truncated or corrupt? ({e})"
+        ) from e
 
 
 def plan_load(path: str | Path, use_mtp: bool = True) -> LoadPlan:
@@ -139,7 +143,9 @@ def plan_load(path: str | Path, use_mtp: bool = True) -> LoadPlan:
             scale = scale_spec(spec)
             scale_entry = stored.get(scale.name)
             if scale_entry is None:
-                raise CheckpointError(f"missing tensor {scale.name} (the scales of fp8 {spec.name})")
+                raise CheckpointError(
+                    f"missing tensor {scale.name} (the scales of fp8 {spec.name})"
+                )
             _check_shape(scale, scale_entry)
             specs[scale.name] = scale
             fp8_owners.add(spec.fp8_owner)
@@ -208,7 +214,9 @@ def load_model(
     return model.eval()
 
 
-def _copy_into(params: dict[str, torch.nn.Parameter], spec: WeightSpec, tensor: torch.Tensor) -> None:
+def _copy_into(
+    params: dict[str, torch.nn.Parameter], spec: WeightSpec, tensor: torch.Tensor
+) -> None:
     dst = params[spec.param].data
     if spec.expert is not None:
         dst = dst[spec.expert]

@@ -277,7 +277,9 @@ def _seed_name(spec: WeightSpec) -> str:
     return spec.name
 
 
-def _make_tensor(p: _Planned, seed: int, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+def _make_tensor(
+    p: _Planned, seed: int, dtype: torch.dtype, device: str
+) -> dict[str, torch.Tensor]:
     spec = p.spec
     gen = torch.Generator(device=device).manual_seed(_tensor_seed(seed, _seed_name(spec)))
     name = spec.name
@@ -290,7 +292,7 @@ def _make_tensor(p: _Planned, seed: int, dtype: torch.dtype, device: str) -> dic
     std = 1.0 if is_embedding else spec.shape[1] ** -0.5
     if not p.fp8:
         return {name: _randn_rows(spec.shape, std, dtype, gen, device)}
-    w = std * torch.randn(spec.shape, generator=gen, device=device)
+    w = _randn_rows(spec.shape, std, torch.float32, gen, device)  # the fp32 checkpoint's values
     w_fp8, scale_inv = kernels.quantize_weight(w)
     return {name: w_fp8.cpu(), scale_spec(spec).name: scale_inv.cpu()}
 
@@ -303,3 +305,41 @@ def _randn_rows(shape, std: float, dtype: torch.dtype, gen, device: str) -> torc
         chunk = torch.randn((n, shape[1]), generator=gen, device=device)
         out[start : start + n] = (chunk * std).to(dtype).cpu()
     return out
+
+
+def cache_dir() -> Path:
+    """Where pdserve keeps checkpoints it makes itself ($XDG_CACHE_HOME/pdserve, else ~/.cache/pdserve)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "pdserve"
+
+
+CACHED_PRESET_VERSION = 1
+"""Bump when a preset's weights or layout change, so stale cached copies are not reused."""
+
+
+def cached_preset(preset: str = "tiny", dtype: str = "bf16") -> Path:
+    """A random checkpoint of `preset` made once and reused from the cache dir (made atomically: concurrent
+    callers never see a half-written directory)."""
+    final = cache_dir() / "models" / f"{preset}-{dtype}-v{CACHED_PRESET_VERSION}"
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.{os.getpid()}.tmp"
+    make_checkpoint(tmp, preset, dtype=dtype, progress=False)
+    try:
+        os.rename(tmp, final)
+    except OSError:  # another process finished first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def resolve_model(model: str) -> Path:
+    """`--model` accepts a checkpoint directory or `tiny` (the embedded default, made once and cached)."""
+    if model == "tiny" and not Path(model).exists():
+        return cached_preset("tiny")
+    path = Path(model)
+    if not path.is_dir():
+        raise ConfigError(f"--model {model}: not a checkpoint directory (or 'tiny')")
+    return path

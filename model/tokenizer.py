@@ -25,7 +25,9 @@ class Tokenizer:
         path = Path(path)
         file = path / "tokenizer.json"
         if not file.is_file():
-            raise CheckpointError(f"{file}: missing (needed for text prompts; use token ids instead)")
+            raise CheckpointError(
+                f"{file}: missing (needed for text prompts; use token ids instead)"
+            )
         try:
             self._tok = tokenizers.Tokenizer.from_file(str(file))
         except Exception as e:

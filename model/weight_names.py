@@ -82,8 +82,10 @@ def _block(args: ModelArgs, layer: int, ckpt: str, param: str, is_mtp: bool) -> 
         w(f"{a}.kv_a_proj_with_mqa.weight", "attn.wkv_a.weight", (args.kv_cache_dim, d), True),
         w(f"{a}.kv_a_layernorm.weight", "attn.kv_norm.weight", (args.kv_lora_rank,)),
         w(
-            f"{a}.kv_b_proj.weight", "attn.wkv_b.weight",
-            (h * (args.qk_nope_head_dim + args.v_head_dim), args.kv_lora_rank), True,
+            f"{a}.kv_b_proj.weight",
+            "attn.wkv_b.weight",
+            (h * (args.qk_nope_head_dim + args.v_head_dim), args.kv_lora_rank),
+            True,
         ),  # fmt: skip
         w(f"{a}.o_proj.weight", "attn.wo.weight", (d, h * args.v_head_dim), True),
         w("post_attention_layernorm.weight", "ffn_norm.weight", (d,)),
@@ -104,8 +106,24 @@ def _block(args: ModelArgs, layer: int, ckpt: str, param: str, is_mtp: bool) -> 
     for x in range(e):
         p = f"mlp.experts.{x}"
         specs += [
-            w(f"{p}.gate_proj.weight", "ffn.experts.w13", (i, d), True, owner, expert=x, rows=(0, i)),
-            w(f"{p}.up_proj.weight", "ffn.experts.w13", (i, d), True, owner, expert=x, rows=(i, 2 * i)),
+            w(
+                f"{p}.gate_proj.weight",
+                "ffn.experts.w13",
+                (i, d),
+                True,
+                owner,
+                expert=x,
+                rows=(0, i),
+            ),
+            w(
+                f"{p}.up_proj.weight",
+                "ffn.experts.w13",
+                (i, d),
+                True,
+                owner,
+                expert=x,
+                rows=(i, 2 * i),
+            ),
             w(f"{p}.down_proj.weight", "ffn.experts.w2", (d, i), True, owner, expert=x),
         ]
     if args.n_shared_experts:
@@ -118,33 +136,37 @@ def _block(args: ModelArgs, layer: int, ckpt: str, param: str, is_mtp: bool) -> 
     return specs
 
 
+def _mtp(args: ModelArgs, depth: int) -> list[WeightSpec]:
+    """MTP module `depth`, stored as layer num_hidden_layers + depth with its own embedding and head copies."""
+    d, v = args.hidden_size, args.vocab_size
+    layer = args.num_hidden_layers + depth
+    ckpt, param = f"model.layers.{layer}", f"mtp.{depth}"
+
+    def m(name: str, p: str, shape: tuple[int, ...], quantizable: bool = False) -> WeightSpec:
+        owner = f"{param}.{p}".removesuffix(".weight")
+        return WeightSpec(
+            f"{ckpt}.{name}", f"{param}.{p}", shape, quantizable, False, owner, is_mtp=True
+        )
+
+    return [
+        m("embed_tokens.weight", "embed.weight", (v, d)),
+        m("enorm.weight", "enorm.weight", (d,)),
+        m("hnorm.weight", "hnorm.weight", (d,)),
+        m("eh_proj.weight", "eh_proj.weight", (d, 2 * d), quantizable=True),
+        *_block(args, layer, ckpt, f"{param}.block", is_mtp=True),
+        m("shared_head.norm.weight", "head_norm.weight", (d,)),
+        m("shared_head.head.weight", "head.weight", (v, d)),
+    ]
+
+
 def checkpoint_weights(args: ModelArgs, num_mtp: int) -> list[WeightSpec]:
     """Every weight tensor (not scales) of a checkpoint with `num_mtp` MTP modules, in storage order."""
     d, v = args.hidden_size, args.vocab_size
     specs = [WeightSpec("model.embed_tokens.weight", "embed.weight", (v, d))]
     for layer in range(args.num_hidden_layers):
         specs += _block(args, layer, f"model.layers.{layer}", f"layers.{layer}", is_mtp=False)
-    for j in range(num_mtp):
-        layer = args.num_hidden_layers + j
-        ckpt, param = f"model.layers.{layer}", f"mtp.{j}"
-
-        def m(name, p, shape, quantizable=False):
-            owner = f"{param}.{p}".removesuffix(".weight")
-            return WeightSpec(
-                f"{ckpt}.{name}", f"{param}.{p}", shape, quantizable, False, owner, is_mtp=True
-            )
-
-        specs += [
-            m("embed_tokens.weight", "embed.weight", (v, d)),
-            m("enorm.weight", "enorm.weight", (d,)),
-            m("hnorm.weight", "hnorm.weight", (d,)),
-            m("eh_proj.weight", "eh_proj.weight", (d, 2 * d), quantizable=True),
-        ]
-        specs += _block(args, layer, ckpt, f"{param}.block", is_mtp=True)
-        specs += [
-            m("shared_head.norm.weight", "head_norm.weight", (d,)),
-            m("shared_head.head.weight", "head.weight", (v, d)),
-        ]
+    for depth in range(num_mtp):
+        specs += _mtp(args, depth)
     specs += [
         WeightSpec("model.norm.weight", "norm.weight", (d,)),
         WeightSpec("lm_head.weight", "head.weight", (v, d)),

@@ -1,0 +1,107 @@
+"""Decode step time on one GPU against the memory roofline (weight bytes + KV bytes read, over 4.27 TB/s).
+
+    python benchmarks/decode_step.py MODEL_DIR [--batch 64] [--context 1024] [--steps 30] [--page-size 16]
+
+Fills the KV cache of `batch` requests with `context` random latent tokens each, then times full decode steps
+through the same `ModelRunner.decode` the decode worker calls (batch building, forward, logits, sampling), wall
+clock with the device synchronized, median over `steps`. Weight bytes count every parameter a decode step reads:
+all of them except the MTP module's and the embedding table (one row per token), with routed experts counted only
+when some token of the step is routed to them (measured on the step's actual routing)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench import HBM_BYTES_PER_S  # noqa: E402
+
+
+def main() -> None:
+    from pdserve.model.batch import SeqChunk
+    from pdserve.model.deepseek import Experts
+    from pdserve.model.loader import load_model
+    from pdserve.model.runner import ModelRunner, SampleSpec
+    from pdserve.model.sampling_params import SamplingParams
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("model")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--page-size", type=int, default=16)
+    args = parser.parse_args()
+    model = load_model(args.model, "cuda", torch.bfloat16)
+    pages_per_seq = -(-(args.context + args.steps + 8) // args.page_size)
+    runner = ModelRunner(model, args.page_size, args.batch * pages_per_seq)
+    runner.cache.data.normal_()
+    tables = [list(range(b * pages_per_seq, (b + 1) * pages_per_seq)) for b in range(args.batch)]
+    params = SamplingParams(max_tokens=10**6, seed=0)
+    tokens = torch.randint(3, model.args.vocab_size, (args.batch,)).tolist()
+
+    hits: set[tuple[int, int]] = set()
+
+    def record(module, inputs, output):
+        weights, ids = output
+        hits.update((id(module), e) for e in ids.flatten().tolist())
+
+    gates = [layer.ffn.gate for layer in model.layers if hasattr(layer.ffn, "gate")]
+    hooks = [g.register_forward_hook(record) for g in gates]
+    times = []
+    for step in range(args.steps + 5):
+        pos = args.context + step
+        chunks = [SeqChunk([t], pos, tables[b]) for b, t in enumerate(tokens)]
+        specs = [SampleSpec(params, step)] * args.batch
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        tokens = runner.decode(chunks, specs)
+        torch.cuda.synchronize()
+        if step >= 5:
+            times.append(time.perf_counter() - start)
+        if step == 5:
+            for h in hooks:
+                h.remove()
+    step_s = statistics.median(times)
+
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    expert_bytes = 0
+    experts_touched = 0
+    for layer in model.layers:
+        ffn = layer.ffn
+        if not hasattr(ffn, "gate"):
+            continue
+        per_expert = sum(nbytes(p[0]) for p in (ffn.experts.w13, ffn.experts.w2))
+        touched = sum(1 for (g, _) in hits if g == id(ffn.gate))
+        experts_touched += touched
+        expert_bytes += touched * per_expert
+    skip = {id(p) for m in model.mtp for p in m.parameters()} | {id(model.embed.weight)}
+    skip |= {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
+    other_bytes = sum(nbytes(p) for p in model.parameters() if id(p) not in skip)
+    kv_bytes = (
+        args.batch * args.context * model.args.num_hidden_layers * runner.cache.layout.entry_dim * 2
+    )
+    total = other_bytes + expert_bytes + kv_bytes
+    roofline_s = total / HBM_BYTES_PER_S
+    text = (
+        f"{torch.cuda.get_device_name()} | {args.model} | batch {args.batch} x context {args.context} | "
+        f"page {args.page_size}\n"
+        f"| step (median of {args.steps}) | weights read | experts touched | KV read | roofline | ratio |\n"
+        f"|---|---|---|---|---|---|\n"
+        f"| {1e3 * step_s:.2f} ms | {(other_bytes + expert_bytes) / 1e9:.2f} GB | {experts_touched} | "
+        f"{kv_bytes / 1e9:.2f} GB | {1e3 * roofline_s:.2f} ms | {step_s / roofline_s:.2f}x |"
+    )
+    print(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "decode_step.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

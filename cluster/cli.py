@@ -1,0 +1,210 @@
+"""The `pdserve` command line. Each subcommand parses its flags here and calls into the package that does the work;
+errors pdserve raises on purpose print as one line (`error: ...`) with exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from pdserve.model.errors import PdserveError
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=None, help="0 or unset: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 disables")
+    g.add_argument(
+        "--top-k", type=int, default=-1, help="keep the k most likely tokens; -1 disables"
+    )
+    g.add_argument(
+        "--min-p", type=float, default=0.0, help="drop tokens below min_p x the best; 0 disables"
+    )
+    g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    g.add_argument("--stop-token-ids", default="", help="comma-separated ids that end generation")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
+
+
+def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("runtime")
+    g.add_argument(
+        "--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when present)"
+    )
+    g.add_argument(
+        "--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+        help="activation dtype; auto: config.json's torch_dtype",
+    )  # fmt: skip
+    g.add_argument(
+        "--kernels", default="auto", choices=["auto", "ref", "triton"],
+        help="auto: Triton on CUDA, torch references on CPU; ref/triton force one",
+    )  # fmt: skip
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV cache page")
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise PdserveError(f"{flag}: expected comma-separated integers, got {text!r}") from e
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve",
+        description="Disaggregated prefill/decode serving for DeepSeek-V3/R1-class models.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    mk = sub.add_parser(
+        "make-checkpoint",
+        help="write a random-weight checkpoint in the official DeepSeek-V3 layout",
+        description="Writes random weights in the official DeepSeek-V3 layout (safetensors shards with an "
+        "index, per-expert names, fp8 weight_scale_inv, the MTP layer), config.json, "
+        "generation_config.json and a locally built tokenizer.",
+    )
+    mk.add_argument("out", help="output directory (created; must be empty)")
+    mk.add_argument("--preset", default="tiny", choices=["tiny", "v2-lite-shape", "v3-shape"])
+    mk.add_argument(
+        "--layers", type=int, default=None, help="number of main layers (default: preset's)"
+    )
+    mk.add_argument("--dtype", default="bf16", choices=["bf16", "fp8", "fp32"])
+    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--shard-size-mb", type=int, default=2048, help="largest shard, MiB")
+    mk.add_argument(
+        "--gen-device", default="cpu", help="where random numbers are drawn (cpu or cuda)"
+    )
+    mk.add_argument(
+        "--override", action="append", default=[], metavar="KEY=JSON",
+        help="set a config.json field, e.g. --override q_lora_rank=null (repeatable)",
+    )  # fmt: skip
+
+    off = sub.add_parser(
+        "offline",
+        help="generate in one process without Ray (the reference path)",
+        description="Loads the model in this process and generates for one prompt: prefill, then one "
+        "decode step per token over the paged KV cache. Greedy unless --temperature is given.",
+    )
+    off.add_argument("--model", required=True, help="checkpoint directory, or 'tiny'")
+    src = off.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (tokenized with the checkpoint's tokenizer)")
+    src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    off.add_argument("--max-new-tokens", type=int, default=32)
+    off.add_argument(
+        "--prefill-chunk", type=int, default=None, help="prefill in chunks of N tokens"
+    )
+    off.add_argument(
+        "--json", action="store_true", help='print {"token_ids": [...], "text": "..."}'
+    )
+    _add_sampling_flags(off)
+    _add_runtime_flags(off)
+    return parser
+
+
+def _resolve_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def _resolve_dtype(name: str):
+    """None for auto: the loader takes config.json's torch_dtype."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(name)
+
+
+def _sampling_params(args: argparse.Namespace, max_tokens: int):
+    from pdserve.model.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=args.temperature or 0.0,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop_token_ids=tuple(_int_list(args.stop_token_ids, "--stop-token-ids")),
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    from pdserve.model.random_checkpoint import make_checkpoint
+
+    overrides = {}
+    for item in args.override:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise PdserveError(f"--override {item!r}: expected KEY=JSON")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise PdserveError(f"--override {item!r}: value is not JSON ({e})") from e
+    start = time.perf_counter()
+    out = make_checkpoint(
+        args.out, args.preset, args.layers, args.dtype, args.seed, overrides,
+        shard_bytes=args.shard_size_mb << 20, device=args.gen_device,
+    )  # fmt: skip
+    print(f"wrote {args.preset} ({args.dtype}) to {out} in {time.perf_counter() - start:.1f}s")
+    return 0
+
+
+def cmd_offline(args: argparse.Namespace) -> int:
+    from pdserve.kernels import use_backend
+    from pdserve.model.generate import OfflineGenerator
+    from pdserve.model.loader import load_model
+    from pdserve.model.random_checkpoint import resolve_model
+    from pdserve.model.tokenizer import Tokenizer
+
+    model_dir = resolve_model(args.model)
+    params = _sampling_params(args, args.max_new_tokens)
+    has_tokenizer = (model_dir / "tokenizer.json").is_file()
+    tokenizer = Tokenizer(model_dir) if has_tokenizer or args.prompt is not None else None
+    if args.prompt is not None:
+        prompt_ids = tokenizer.encode(args.prompt)
+    else:
+        prompt_ids = _int_list(args.prompt_ids, "--prompt-ids")
+    with use_backend(args.kernels):
+        model = load_model(model_dir, _resolve_device(args.device), _resolve_dtype(args.dtype))
+        generator = OfflineGenerator(model, args.page_size, args.prefill_chunk)
+        start = time.perf_counter()
+        result = generator.generate(prompt_ids, params)
+        elapsed = time.perf_counter() - start
+    text = tokenizer.decode(result.token_ids) if tokenizer is not None else ""
+    if args.json:
+        print(json.dumps({"token_ids": result.token_ids, "text": text}))
+    else:
+        print(text)
+        print(
+            f"[{len(prompt_ids)} prompt tokens, {len(result.token_ids)} generated in {elapsed:.2f}s, "
+            f"finish_reason={result.finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+COMMANDS = {"make-checkpoint": cmd_make_checkpoint, "offline": cmd_offline}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return COMMANDS[args.command](args)
+    except PdserveError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

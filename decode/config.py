@@ -1,0 +1,36 @@
+"""`DecodeConfig`: the decode worker's knobs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    page_size: int = 16
+    """Tokens per KV page; must equal the prefill workers'."""
+    num_pages: int | None = None
+    """KV pages; None sizes the cache from memory (gpu_memory_fraction, cpu_cache_bytes)."""
+    gpu_memory_fraction: float = 0.85
+    """Share of the GPU memory left after loading the weights that the KV cache takes."""
+    cpu_cache_bytes: int = 1 << 30
+    """KV cache size on a CPU."""
+    max_running: int = 256
+    """Requests in the running batch at most."""
+    kv_wait_timeout_s: float = 120.0
+    """Longest a request waits for its KV pages from the prefill worker before it fails."""
+    max_num_batched_tokens: int = 8192
+    """Token budget of a local-prefill step (aggregated path)."""
+    max_prefill_chunk: int = 2048
+    """Longest piece of one prompt per local-prefill step."""
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "max_running", "max_num_batched_tokens", "max_prefill_chunk"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be positive")
+        if self.num_pages is not None and self.num_pages <= 0:
+            raise ValueError(f"num_pages={self.num_pages}: must be positive")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError(f"gpu_memory_fraction={self.gpu_memory_fraction}: must be in (0, 1]")
+        if self.kv_wait_timeout_s <= 0:
+            raise ValueError(f"kv_wait_timeout_s={self.kv_wait_timeout_s}: must be positive")

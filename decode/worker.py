@@ -1,0 +1,215 @@
+"""`DecodeWorker`: holds requests' KV pages, runs the continuous decode batch and streams tokens.
+
+A plain class (Ray wraps it in pdserve.cluster). Control calls (`add_request`, `abort`, `stats`) may come from any
+thread; `step` runs on the worker's loop thread and holds the worker's lock for the whole step, so a page is never
+freed while a forward pass may still write it. KV pages arrive through a `KVReceiver` writing straight into the
+cache; with no prefill peer the worker prefills the request itself (the aggregated path). Outputs of each step are
+queued as one batch for `poll_outputs`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from pdserve.kvtransfer import ExpectedTransfer, KVReceiver, WritePages
+from pdserve.model.batch import SeqChunk
+from pdserve.model.deepseek import Transformer
+from pdserve.model.kv_cache import KVCacheLayout, capacity_pages
+from pdserve.model.pages import PageAllocator
+from pdserve.model.runner import ModelRunner, SampleSpec
+
+from .config import DecodeConfig
+from .scheduler import DecodeRequest, DecodeScheduler, RequestOutput, RequestState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reservation:
+    """Where the prefill worker must send the request's KV: its transfer id here and the page count."""
+
+    transfer_id: int
+    num_pages: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DecodeStats:
+    worker_id: str
+    num_running: int
+    num_waiting: int
+    pages_used: int
+    pages_total: int
+    max_running: int
+    tokens_per_page: int
+    num_preemptions: int
+    """Since start."""
+
+
+class DecodeWorker:
+    def __init__(
+        self,
+        worker_id: str,
+        model: Transformer,
+        config: DecodeConfig,
+        make_receiver: Callable[[WritePages], KVReceiver] | None = None,
+    ):
+        self.worker_id, self.model, self.config = worker_id, model, config
+        device = model.embed.weight.device
+        layout = KVCacheLayout.for_model(model.args, config.page_size, model.dtype, model.num_mtp)
+        num_pages = capacity_pages(
+            layout, device, config.num_pages, config.gpu_memory_fraction, config.cpu_cache_bytes
+        )
+        self.runner = ModelRunner(model, config.page_size, num_pages)
+        self.allocator = PageAllocator(num_pages)
+        args = model.args
+        self.scheduler = DecodeScheduler(
+            self.allocator, config.page_size, config.max_running, config.max_num_batched_tokens,
+            config.max_prefill_chunk, args.vocab_size, args.max_position_embeddings, args.eos_token_ids,
+        )  # fmt: skip
+        self.receiver = make_receiver(self._write_pages) if make_receiver else None
+        self._lock = threading.Lock()
+        self._outputs: queue.SimpleQueue[list[RequestOutput]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    def _write_pages(self, page_ids: list[int], pages) -> None:
+        import torch
+
+        self.runner.cache.write_pages(torch.tensor(page_ids, dtype=torch.int64), pages)
+        if pages.is_cuda:
+            torch.cuda.current_stream(pages.device).synchronize()
+
+    def add_request(self, request: DecodeRequest) -> Reservation:
+        """Admits a request, taking pages for its prompt (and tokens generated before a preemption). With a
+        prefill peer the pages wait for that worker's transfer; without, this worker prefills them.
+        Raises InvalidRequestError (never fits) or CapacityError (full right now)."""
+        with self._lock:
+            if request.prefill_peer is not None and self.receiver is None:
+                raise ValueError(f"{self.worker_id} has no KV receiver: prefill_peer must be None")
+            seq = self.scheduler.admit(request)
+            if request.prefill_peer is not None:
+                deadline = time.monotonic() + self.config.kv_wait_timeout_s
+                self.receiver.expect(
+                    ExpectedTransfer(
+                        seq.transfer_id, request.prefill_peer, list(seq.pages), deadline
+                    )
+                )
+        self._wake.set()
+        return Reservation(seq.transfer_id, len(seq.pages))
+
+    def abort(self, request_id: str) -> None:
+        """Cancels a request and frees its pages; its last output says finish_reason=abort."""
+        with self._lock:
+            seq = self.scheduler.seqs.get(request_id)
+            if seq is None:
+                return
+            if seq.state is RequestState.WAITING_FOR_KV:
+                self.receiver.cancel(seq.transfer_id)  # no page write after this returns
+            outputs = self.scheduler.abort(request_id)
+        self._emit(outputs)
+
+    def poll_outputs(self, timeout_s: float = 0.0) -> list[RequestOutput]:
+        """Outputs since the last call, oldest first; waits up to timeout_s for the first batch."""
+        out: list[RequestOutput] = []
+        try:
+            out.extend(
+                self._outputs.get(timeout=timeout_s)
+                if timeout_s > 0
+                else self._outputs.get_nowait()
+            )
+        except queue.Empty:
+            return out
+        while True:
+            try:
+                out.extend(self._outputs.get_nowait())
+            except queue.Empty:
+                return out
+
+    def stats(self) -> DecodeStats:
+        with self._lock:
+            seqs = list(self.scheduler.seqs.values())
+            return DecodeStats(
+                self.worker_id,
+                sum(s.state is RequestState.RUNNING for s in seqs),
+                sum(s.state is not RequestState.RUNNING for s in seqs),
+                self.allocator.num_used,
+                self.allocator.num_pages,
+                self.config.max_running,
+                self.config.page_size,
+                self.scheduler.num_preemptions,
+            )
+
+    def can_admit(self, num_tokens: int) -> bool:
+        with self._lock:
+            return self.scheduler.can_admit(num_tokens)
+
+    def step(self) -> bool:
+        """Takes arrived KV, then runs one local-prefill pass and one decode pass. False when idle."""
+        with self._lock:
+            outputs: list[RequestOutput] = []
+            if self.receiver is not None:
+                for r in self.receiver.poll():
+                    if r.error is None:
+                        outputs += self.scheduler.kv_arrived(
+                            r.transfer_id, r.num_tokens, r.first_token
+                        )
+                    else:
+                        outputs += self.scheduler.kv_failed(r.transfer_id, r.error)
+            plan = self.scheduler.schedule()
+            outputs += plan.outputs
+            if plan.prefill:
+                outputs += self._run_prefill(plan.prefill)
+            if plan.decode:
+                outputs += self._run_decode(plan.decode)
+        self._emit(outputs)
+        return bool(plan.prefill or plan.decode or outputs)
+
+    def _run_prefill(self, chunks):
+        specs = []
+        for seq, start, length in chunks:
+            last = start + length == len(seq.token_ids)
+            specs.append(SampleSpec(seq.request.params, seq.num_generated) if last else None)
+        seq_chunks = [SeqChunk(s.token_ids[a : a + n], a, s.pages) for s, a, n in chunks]
+        try:
+            tokens = self.runner.prefill(seq_chunks, specs)
+        except Exception as e:  # fail these requests, keep serving
+            logger.error("local prefill failed", exc_info=True)
+            return [o for s, _, _ in chunks for o in self.scheduler.abort(s.request_id, str(e))]
+        outputs = []
+        for (seq, start, length), token in zip(chunks, tokens, strict=True):
+            outputs += self.scheduler.prefill_done(seq, start, length, token)
+        return outputs
+
+    def _run_decode(self, seqs):
+        chunks = [SeqChunk(s.token_ids[-1:], len(s.token_ids) - 1, s.pages) for s in seqs]
+        specs = [SampleSpec(s.request.params, s.num_generated) for s in seqs]
+        try:
+            tokens = self.runner.decode(chunks, specs)
+        except Exception as e:
+            logger.error("decode step failed", exc_info=True)
+            return [
+                o for s in seqs for o in self.scheduler.abort(s.request_id, f"decode failed: {e}")
+            ]
+        return self.scheduler.decode_done(seqs, tokens)
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        if outputs:
+            self._outputs.put(outputs)
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            if not self.step():
+                self._wake.wait(timeout=0.005)
+                self._wake.clear()
+
+    def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()

@@ -1,0 +1,18 @@
+"""Moving a request's KV pages from a prefill worker to a decode worker.
+
+`base` states the contract (`KVSender`, `KVReceiver`); `dist` implements it over torch.distributed (one process
+group per (P, D) pair, NCCL for CUDA tensors, gloo for CPU ones); `loopback` implements it in one process for
+tests. This package knows torch.distributed and the page layout, nothing else.
+"""
+
+from .base import ExpectedTransfer, KVReceiver, KVSender, TransferResult, WritePages
+from .config import KVTransferConfig
+
+__all__ = [
+    "ExpectedTransfer",
+    "KVReceiver",
+    "KVSender",
+    "KVTransferConfig",
+    "TransferResult",
+    "WritePages",
+]

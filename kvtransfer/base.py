@@ -1,0 +1,89 @@
+"""The KV transfer contract between a prefill worker (P) and a decode worker (D).
+
+Ownership. D owns its cache: before P sends, D reserves destination pages for the request and registers them with
+`KVReceiver.expect`. P owns its source pages until `KVSender.send` returns (acknowledged or failed); then P frees
+them, either way. D frees the destination pages itself if the transfer fails or the request is cancelled.
+
+Ordering. Transfers between one (P, D) pair travel in the order P sends them; different pairs are independent.
+A transfer is a header (the request's transfer id, page count, token count and first sampled token) followed by
+the pages as one page-contiguous tensor [num_layers, num_pages, page_size, entry_dim], never per-token messages.
+
+Acknowledgement. D acknowledges a transfer after its pages are in D's cache (written through the `WritePages`
+callback); `send` returns only then. A transfer D no longer expects (cancelled, timed out) is still received,
+then discarded and acknowledged, so the pair stays usable.
+
+Timeouts. Every wait has one. `send` raises `TransferError` after `timeout_s`; D reports a transfer that has not
+arrived by its deadline as failed (`TransferResult.error`). A pair whose link broke is rebuilt on next use; only
+the requests in flight on it fail.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+WritePages = Callable[[list[int], torch.Tensor], None]
+"""Decode side: writes received pages [num_layers, n, page_size, dim] into the cache at the given page ids. Must
+have completed (including device work) when it returns."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExpectedTransfer:
+    transfer_id: int
+    """Unique on the decode worker; P echoes it in the header."""
+    peer: str
+    """Worker id of the prefill worker that will send it."""
+    dest_pages: list[int]
+    deadline: float
+    """time.monotonic() by which the pages must have arrived."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TransferResult:
+    transfer_id: int
+    num_tokens: int = 0
+    """Tokens whose KV arrived (the prompt, plus any earlier output when recomputing)."""
+    first_token: int = -1
+    """The token P sampled after those tokens."""
+    error: str | None = None
+    """None when the pages are in the cache; otherwise what went wrong."""
+
+
+class KVSender(abc.ABC):
+    """Prefill side. Thread-safe: sends to different peers may run concurrently."""
+
+    @abc.abstractmethod
+    def send(
+        self, peer: str, transfer_id: int, pages: torch.Tensor, num_tokens: int, first_token: int
+    ) -> None:
+        """Sends `pages` [num_layers, n, page_size, dim] to decode worker `peer`; blocks until it acknowledged.
+        Raises TransferError (naming the peer and what happened) on failure or timeout."""
+
+    def connect(self, peer: str) -> None:  # noqa: B027 (optional hook)
+        """Starts building the link to `peer` in the background, so that it is up by the time a transfer is ready.
+        Called when a request for `peer` arrives; the decode side reads a peer that never joins as dead."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Releases the channels."""
+
+
+class KVReceiver(abc.ABC):
+    """Decode side. `expect`/`cancel` may be called from any thread; `poll` from the worker's loop."""
+
+    @abc.abstractmethod
+    def expect(self, transfer: ExpectedTransfer) -> None:
+        """Registers a transfer to receive into `dest_pages`."""
+
+    @abc.abstractmethod
+    def cancel(self, transfer_id: int) -> None:
+        """Stops expecting a transfer. After this returns its pages are never written; the caller may free them."""
+
+    @abc.abstractmethod
+    def poll(self) -> list[TransferResult]:
+        """Transfers that completed or failed since the last call (each reported once)."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Releases the channels."""

@@ -1,0 +1,75 @@
+"""An in-process implementation of the KV transfer contract, for unit tests and single-process setups: a hub
+connects senders to receivers by worker id and `send` writes straight into the receiver's cache."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from pdserve.model.errors import TransferError
+
+from .base import ExpectedTransfer, KVReceiver, KVSender, TransferResult, WritePages
+
+
+class LoopbackHub:
+    def __init__(self) -> None:
+        self.receivers: dict[str, LoopbackReceiver] = {}
+
+
+class LoopbackReceiver(KVReceiver):
+    def __init__(self, hub: LoopbackHub, worker_id: str, write_pages: WritePages):
+        self.write_pages = write_pages
+        self._expected: dict[int, ExpectedTransfer] = {}
+        self._results: list[TransferResult] = []
+        self._lock = threading.Lock()
+        hub.receivers[worker_id] = self
+
+    def expect(self, transfer: ExpectedTransfer) -> None:
+        with self._lock:
+            self._expected[transfer.transfer_id] = transfer
+
+    def cancel(self, transfer_id: int) -> None:
+        with self._lock:
+            self._expected.pop(transfer_id, None)
+
+    def poll(self) -> list[TransferResult]:
+        now = time.monotonic()
+        with self._lock:
+            for t in [t for t in self._expected.values() if t.deadline < now]:
+                del self._expected[t.transfer_id]
+                self._results.append(
+                    TransferResult(
+                        t.transfer_id, error=f"no KV pages from {t.peer} before the deadline"
+                    )
+                )
+            results, self._results = self._results, []
+        return results
+
+    def deliver(
+        self, transfer_id: int, pages: torch.Tensor, num_tokens: int, first_token: int
+    ) -> None:
+        with self._lock:
+            expected = self._expected.pop(transfer_id, None)
+            if expected is None:
+                return  # cancelled or timed out: discarded, still acknowledged
+            if len(expected.dest_pages) != pages.shape[1]:
+                raise TransferError(
+                    f"transfer {transfer_id}: {pages.shape[1]} pages for {len(expected.dest_pages)} reserved"
+                )
+            self.write_pages(expected.dest_pages, pages.clone())
+            self._results.append(TransferResult(transfer_id, num_tokens, first_token))
+
+
+class LoopbackSender(KVSender):
+    def __init__(self, hub: LoopbackHub):
+        self.hub = hub
+
+    def send(
+        self, peer: str, transfer_id: int, pages: torch.Tensor, num_tokens: int, first_token: int
+    ) -> None:
+        receiver = self.hub.receivers.get(peer)
+        if receiver is None:
+            raise TransferError(f"KV transfer {transfer_id}: no decode worker {peer!r}")
+        receiver.deliver(transfer_id, pages, num_tokens, first_token)

@@ -1,0 +1,30 @@
+"""`PrefillConfig`: the prefill worker's knobs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefillConfig:
+    page_size: int = 16
+    """Tokens per KV page; must equal the decode workers'."""
+    num_pages: int | None = None
+    """KV pages; None sizes the cache from memory (gpu_memory_fraction, cpu_cache_bytes)."""
+    gpu_memory_fraction: float = 0.5
+    """Share of the GPU memory left after loading the weights that the KV cache takes."""
+    cpu_cache_bytes: int = 1 << 30
+    """KV cache size on a CPU."""
+    max_num_batched_tokens: int = 8192
+    """Prompt tokens per forward pass (the token budget of a step)."""
+    max_prefill_chunk: int = 4096
+    """Longest piece of one prompt in one step; longer prompts are prefilled in chunks."""
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "max_num_batched_tokens", "max_prefill_chunk", "cpu_cache_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be positive")
+        if self.num_pages is not None and self.num_pages <= 0:
+            raise ValueError(f"num_pages={self.num_pages}: must be positive")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError(f"gpu_memory_fraction={self.gpu_memory_fraction}: must be in (0, 1]")

@@ -1,0 +1,232 @@
+"""A prefill worker and a decode worker in two OS processes, KV pages over real torch.distributed (gloo):
+outputs equal `pdserve offline`'s, pages all come back, and failures (a killed peer, a stalled transfer) fail only
+the requests involved, within the timeout, after which the survivor serves new requests."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+
+from pdserve.decode import DecodeConfig
+from pdserve.kvtransfer import KVTransferConfig
+from pdserve.model.generate import generate_greedy
+from pdserve.model.loader import load_model
+from pdserve.model.random_checkpoint import make_checkpoint
+from pdserve.model.sampling_params import SamplingParams
+from pdserve.prefill import PrefillConfig
+
+from .harness import MiniRouter
+from .procs import WorkerProcess
+
+PREFILL = PrefillConfig(num_pages=400, max_prefill_chunk=64, max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_checkpoint(
+        tmp_path_factory.mktemp("ck") / "tiny", "tiny", dtype="fp32", progress=False
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    model = load_model(model_dir, dtype=torch.float32, progress=False)
+    cache = {}
+
+    def expected(prompt: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in cache:
+            cache[key] = generate_greedy(model, prompt, max_tokens)
+        return cache[key]
+
+    return expected
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def workload(n: int, seed: int, max_len: int = 300) -> dict[str, tuple[list[int], int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(n):
+        length = 1 + int(torch.randint(0, max_len, (1,), generator=g))
+        prompt = [0, *torch.randint(3, 1000, (length - 1,), generator=g).tolist()]
+        out[f"req-{seed}-{i}"] = (prompt, 4 + (7 * i) % 29)
+    return out
+
+
+def submit_all(router: MiniRouter, requests) -> None:
+    for request_id, (prompt, max_tokens) in requests.items():
+        router.submit(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def assert_outputs_match(results, requests, reference) -> None:
+    for request_id, (prompt, max_tokens) in requests.items():
+        r = results[request_id]
+        assert r.error is None and r.finish_reason == "length", (request_id, r)
+        assert r.token_ids == reference(prompt, max_tokens), request_id
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def cluster(model_dir):
+    """Starts P and D processes on demand; stops them all after the test."""
+    started: list[WorkerProcess] = []
+    port = free_port()
+
+    def start(decode_pages=400, kv_timeout_s=30.0, kv_wait_timeout_s=60.0, prefill_id="p0"):
+        kv = KVTransferConfig(store_port=port, timeout_s=kv_timeout_s, connect_timeout_s=4)
+        master = not started
+        d = None
+        if master:
+            d = WorkerProcess(
+                "decode", "d0", model_dir,
+                DecodeConfig(num_pages=decode_pages, kv_wait_timeout_s=kv_wait_timeout_s), kv, True,
+            )  # fmt: skip
+            started.append(d)
+        p = WorkerProcess("prefill", prefill_id, model_dir, PREFILL, kv)
+        started.append(p)
+        return p, (d or started[0])
+
+    yield start
+    for w in started:
+        w.stop()
+
+
+def test_disaggregated_outputs_equal_offline(cluster, reference):
+    p, d = cluster()
+    requests = workload(16, seed=1)
+    router = MiniRouter(d, "d0", p, "p0")
+    submit_all(router, requests)
+    assert_outputs_match(router.run_until_done(120), requests, reference)
+    assert p.stats().pages_used == 0 and d.stats().pages_used == 0
+
+
+def growing_workload(seed: int) -> dict[str, tuple[list[int], int]]:
+    """Short prompts that all grow long: admitted together, they outgrow a small page pool."""
+    return {
+        k: (prompt, 70 + 5 * i) for i, (k, (prompt, _)) in enumerate(workload(16, seed, 60).items())
+    }
+
+
+def test_preemption_by_recompute_keeps_outputs(cluster, reference):
+    p, d = cluster(decode_pages=24)
+    requests = growing_workload(seed=2)
+    router = MiniRouter(d, "d0", p, "p0")
+    submit_all(router, requests)
+    results = router.run_until_done(180)
+    assert_outputs_match(results, requests, reference)
+    assert sum(r.preemptions for r in results.values()) > 0, "the small pool must force preemption"
+    assert d.stats().num_preemptions > 0
+    assert p.stats().pages_used == 0 and d.stats().pages_used == 0
+
+
+@pytest.mark.parametrize("decode_pages", [400, 24])
+def test_aggregated_outputs_equal_offline(model_dir, reference, decode_pages):
+    kv = KVTransferConfig(store_port=free_port())
+    config = DecodeConfig(num_pages=decode_pages, max_prefill_chunk=64, max_num_batched_tokens=256)
+    d = WorkerProcess("decode", "d0", model_dir, config, kv, True)
+    try:
+        requests = workload(16, seed=3) if decode_pages > 100 else growing_workload(seed=3)
+        router = MiniRouter(d, "d0")
+        submit_all(router, requests)
+        assert_outputs_match(router.run_until_done(180), requests, reference)
+        stats = d.stats()
+        assert stats.pages_used == 0
+        assert (stats.num_preemptions > 0) == (decode_pages < 100)
+    finally:
+        d.stop()
+
+
+def test_cancel_half_frees_every_page(cluster, reference):
+    p, d = cluster()
+    cancelled = set(list(workload(16, seed=4))[::2])
+    # Cancelled requests would run long; the others finish on their own.
+    requests = {
+        k: (prompt, 2000 if k in cancelled else 48)
+        for k, (prompt, _) in workload(16, seed=4).items()
+    }
+    router = MiniRouter(d, "d0", p, "p0")
+    submit_all(router, requests)
+
+    def cancel_once_started(r: MiniRouter) -> None:
+        for request_id in list(cancelled - r.cancel_sent):
+            if r.results[request_id].token_ids:
+                r.abort(request_id)
+                r.cancel_sent.add(request_id)
+
+    router.cancel_sent = set()
+    results = router.run_until_done(120, on_pump=cancel_once_started)
+    for request_id, (prompt, max_tokens) in requests.items():
+        if request_id in cancelled:
+            assert results[request_id].finish_reason == "abort"
+            assert 0 < len(results[request_id].token_ids) < max_tokens
+        else:
+            assert results[request_id].token_ids == reference(prompt, max_tokens)
+    wait_for(lambda: p.stats().pages_used == 0, 10, "prefill pages freed")
+    assert d.stats().pages_used == 0
+
+
+def test_killed_prefill_peer_fails_its_requests_then_new_peer_serves(cluster, reference):
+    p, d = cluster(kv_timeout_s=3.0)
+    p.set_send_delay(60.0)  # P sends a header, then stalls before the pages: killed mid-transfer
+    requests = workload(4, seed=5, max_len=40)
+    router = MiniRouter(d, "d0", p, "p0")
+    submit_all(router, requests)
+
+    def sending() -> bool:
+        router.pump()
+        return p.stats().num_sending > 0
+
+    wait_for(sending, 20, "a transfer under way")
+    p.kill()
+    start = time.monotonic()
+    router.prefill = None  # the router stops talking to the dead worker
+    results = router.run_until_done(30)
+    # Within the transfer timeout (3 s) plus the time a dead peer gets to rejoin (4 s).
+    assert time.monotonic() - start < 9, "survivor must fail the requests within the timeout"
+    for r in results.values():
+        assert r.finish_reason == "abort" and "p0" in r.error, r
+    assert d.stats().pages_used == 0
+    p1, _ = cluster(prefill_id="p1")
+    requests = workload(4, seed=6)
+    router = MiniRouter(d, "d0", p1, "p1")
+    submit_all(router, requests)
+    assert_outputs_match(router.run_until_done(60), requests, reference)
+    assert d.stats().pages_used == 0 and p1.stats().pages_used == 0
+
+
+def test_stalled_transfer_times_out_then_pair_recovers(cluster, reference):
+    p, d = cluster(kv_timeout_s=2.0)
+    p.set_send_delay(4.0)
+    requests = workload(2, seed=7, max_len=40)
+    router = MiniRouter(d, "d0", p, "p0")
+    submit_all(router, requests)
+    start = time.monotonic()
+    results = router.run_until_done(30)
+    assert time.monotonic() - start < 10
+    errors = [r.error for r in results.values()]
+    assert all(r.finish_reason == "abort" and "p0" in r.error for r in results.values()), errors
+    # The transfer under way times out; the one queued behind it fails when P does not rejoin in time.
+    assert any("timed out" in e for e in errors), errors
+    assert d.stats().pages_used == 0
+    wait_for(lambda: p.stats().pages_used == 0, 20, "prefill pages freed after its send failed")
+    p.set_send_delay(0.0)
+    requests = workload(6, seed=8)
+    router = MiniRouter(d, "d0", p, "p0")
+    submit_all(router, requests)
+    assert_outputs_match(router.run_until_done(60), requests, reference)
+    assert d.stats().pages_used == 0 and p.stats().pages_used == 0
