@@ -11,6 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_mla_prefill import HEAD_QK, _varlen  # noqa: E402
+
 from pdserve.kernels.mla_prefill import triton as tri  # noqa: E402
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench import time_ms  # noqa: E402
+
 from pdserve.kernels import tuning  # noqa: E402
 
 ARCH = "sm90"
@@ -41,6 +42,7 @@ def tune_mla_prefill() -> None:
 
 def tune_sampling() -> None:
     from bench_sampling import MIXED, NO_SORT, _args
+
     from pdserve.kernels.sampling import triton as tri
 
     for block, warps, per_sm in [(1024, 4, 4), (2048, 8, 4), (4096, 8, 4), (2048, 4, 8)]:

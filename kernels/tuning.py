@@ -53,8 +53,9 @@ register(
 register(
     "mla_prefill",
     "any",
-    # H200 sweep (2026-11-21, triton 3.6), 8 x 4096 causal h128, BM/BN/warps/stages: 128/128/8/2
-    # 12.6 ms, 128/64/8/3 13.1, 128/64/8/2 15.0, 64/64/4/3 17.3, 64/128/4/2 18.6 ms
+    # H200 sweeps (2026-11-21, triton 3.6), 8 x 4096 causal h128, BM/BN/warps/stages -> ms:
+    # 128/128/8/2 12.57 and 12.74, 128/64/8/3 13.05 and 13.14, 64/64/4/2 13.64, 128/64/8/2 15.05,
+    # 64/32/4/2 15.43, 64/64/4/3 17.31, 64/128/4/2 18.56 (benchmarks/RESULTS.md)
     # fp32 inputs (IEEE dots, tests only): 128/128/8/2 needs 320 KiB of shared memory on triton 3.6
     {
         "default": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},

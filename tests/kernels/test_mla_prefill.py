@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 import torch
 from _kernel_check import DEVICE, poison_outputs, rel_err
+
 from pdserve import kernels
 from pdserve.kernels.mla_prefill import ref
 from pdserve.kernels.mla_prefill import triton as tri

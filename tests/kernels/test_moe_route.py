@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 import torch
 from _kernel_check import DEVICE, poison_outputs
+
 from pdserve import kernels
 from pdserve.kernels.moe_route import ref
 from pdserve.kernels.moe_route import triton as tri

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _kernel_check import DEVICE, poison_outputs
+
 from pdserve import kernels
 from pdserve.kernels.sampling import ref
 from pdserve.kernels.sampling import triton as tri
