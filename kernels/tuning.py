@@ -129,3 +129,40 @@ register(
         },
     },
 )
+
+
+# --- prefill-side kernels (mla_prefill, sampling, moe_route) -----------------------------------
+# "cpu" entries are for the Triton interpreter (tests): small tiles keep it fast.
+register(
+    "mla_prefill",
+    "cpu",
+    {"default": {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}},
+)
+register(
+    "mla_prefill",
+    "any",
+    # H200 sweeps (2026-11-21, triton 3.6), 8 x 4096 causal h128, BM/BN/warps/stages -> ms:
+    # 128/128/8/2 12.57 and 12.74, 128/64/8/3 13.05 and 13.14, 64/64/4/2 13.64, 128/64/8/2 15.05,
+    # 64/32/4/2 15.43, 64/64/4/3 17.31, 64/128/4/2 18.56 (benchmarks/RESULTS.md)
+    # fp32 inputs (IEEE dots, tests only): 128/128/8/2 needs 320 KiB of shared memory on triton 3.6
+    {
+        "default": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+        "dtype=float32": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
+    },
+)
+register(
+    "sampling",
+    "cpu",
+    {"default": {"BLOCK": 256, "THRESHOLD_BLOCK": 256, "programs_per_sm": 2, "num_warps": 4}},
+)
+register(
+    "sampling",
+    "any",
+    {"default": {"BLOCK": 2048, "THRESHOLD_BLOCK": 2048, "programs_per_sm": 4, "num_warps": 8}},
+)
+register("moe_route", "cpu", {"default": {"BLOCK_T": 8, "num_warps": 4}})
+register(
+    "moe_route",
+    "any",
+    {"default": {"BLOCK_T": 16, "num_warps": 4}, "experts=64": {"BLOCK_T": 32, "num_warps": 4}},
+)
