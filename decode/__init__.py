@@ -1,17 +1,28 @@
 """The decode worker: admits requests by free KV pages, receives their KV from prefill workers (or prefills them
-itself: the aggregated path), runs continuous batching with preemption by recompute, and streams tokens."""
+itself: the aggregated path), runs continuous batching with preemption by recompute, and streams tokens.
 
-from .config import DecodeConfig
-from .scheduler import DecodeRequest, DecodeScheduler, RequestOutput, RequestState
-from .worker import DecodeStats, DecodeWorker, Reservation
+Names are imported lazily: the scheduler and its messages import without torch."""
 
-__all__ = [
-    "DecodeConfig",
-    "DecodeRequest",
-    "DecodeScheduler",
-    "DecodeStats",
-    "DecodeWorker",
-    "RequestOutput",
-    "RequestState",
-    "Reservation",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DecodeConfig": "config",
+    "DecodeRequest": "scheduler",
+    "DecodeScheduler": "scheduler",
+    "RequestOutput": "scheduler",
+    "RequestState": "scheduler",
+    "DecodeStats": "worker",
+    "DecodeWorker": "worker",
+    "Reservation": "worker",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

@@ -1,15 +1,26 @@
 """The prefill worker: batches prompts under a token budget (chunking long ones), samples each prompt's first token,
-and hands its KV pages to the decode worker that reserved room for it."""
+and hands its KV pages to the decode worker that reserved room for it.
 
-from .config import PrefillConfig
-from .scheduler import PrefillRequest, PrefillScheduler
-from .worker import PrefillFailure, PrefillStats, PrefillWorker
+Names are imported lazily: the scheduler and its messages import without torch."""
 
-__all__ = [
-    "PrefillConfig",
-    "PrefillFailure",
-    "PrefillRequest",
-    "PrefillScheduler",
-    "PrefillStats",
-    "PrefillWorker",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "PrefillConfig": "config",
+    "PrefillRequest": "scheduler",
+    "PrefillScheduler": "scheduler",
+    "PrefillFailure": "worker",
+    "PrefillStats": "worker",
+    "PrefillWorker": "worker",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
