@@ -45,7 +45,7 @@ def mla_decode(
     for b, seq_len in enumerate(seq_lens.tolist()):
         num_pages = -(-seq_len // page_size)
         pages = page_table[b, :num_pages].long()
-        kv = kv_cache[pages].reshape(num_pages * page_size, -1)[:seq_len].float()  # [L, Dk]
+        kv = kv_cache[pages].reshape(num_pages * page_size, head_dim)[:seq_len].float()  # [L, Dk]
         qb = q[b].float()  # [Q, H, Dk]
         scores = torch.einsum("qhd,ld->qhl", qb, kv) * softmax_scale  # [Q, H, L]
         visible = seq_len - num_q + 1 + torch.arange(num_q, device=q.device)  # [Q]
