@@ -2,14 +2,14 @@
 
 Every case runs on a shuffled page pool with ragged sequence lengths, Q = 1..4 query tokens per
 request (causal among them) and page sizes 1, 16 and 64; some requests have fewer positions than
-queries (their first queries see nothing: out 0, lse -inf). Tolerances, with the reference in
-fp32 from the same inputs: out ||out - ref|| / ||ref|| <= 1e-4 for fp32 (IEEE dots), 5e-3 for
-fp16 and
-1.5e-2 for bf16 (P is rounded to the input dtype before the P @ V dot); lse within 1e-3 absolute
-(the scores accumulate in fp32), and -inf exactly where the reference has it. An fp8 cache is
-checked against the reference on the same fp8 rows, so it has its q dtype's tolerance. On CPU the
-kernels run in the interpreter at tiny sizes in fp32 / fp16; bf16 and DeepSeek-V3 sizes are GPU
-cases."""
+queries (their first queries see nothing: out 0, lse -inf).
+
+Tolerances, with the reference in fp32 from the same inputs: out ||out - ref|| / ||ref|| <= 1e-4
+for fp32 (IEEE dots), 5e-3 for fp16 and 1.5e-2 for bf16 (P is rounded to the input dtype before the
+P @ V dot); lse within 1e-3 absolute (the scores accumulate in fp32), and -inf exactly where the
+reference has it. An fp8 cache is checked against the reference on the same fp8 rows, so it has
+its q dtype's tolerance. On CPU the kernels run in the interpreter at tiny sizes in fp32 / fp16;
+bf16 and DeepSeek-V3 sizes are GPU cases."""
 
 from __future__ import annotations
 
