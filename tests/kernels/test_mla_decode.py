@@ -115,20 +115,24 @@ LAYOUT_CASES = [
     pytest.param(Case((3, 50, 17), 2, 6, 16, torch.float32, True, 32, 16), id="f32-fp8"),
     pytest.param(Case((3, 1900, 257, 4096), 2, 16, 64, torch.bfloat16),
                  marks=pytest.mark.gpu, id="bf16"),
-    pytest.param(Case((3, 1900, 257, 4096), 1, 128, 16, torch.bfloat16, True),
+    pytest.param(Case((3, 1900, 257, 4096), 1, 128, 64, torch.bfloat16, True),
                  marks=pytest.mark.gpu, id="bf16-fp8"),
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize("use_tma", [False, True], ids=["ptr", "tma"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("layout", ["heads_major", "kv_major"])
 @pytest.mark.parametrize("case", LAYOUT_CASES)
-def test_mla_decode_layouts_and_splits(case: Case, layout: str, num_splits: int) -> None:
-    """Both split kernels, with and without the combine step, whatever the tuning table picks."""
+def test_mla_decode_layouts_and_splits(
+    case: Case, layout: str, num_splits: int, use_tma: bool
+) -> None:
+    """Both split kernels, pointer or TMA loads, with and without the combine step, whatever the
+    tuning table picks."""
     q, cache, page_table, seq_lens = _make(case, seed=7)
     scale = 0.1
     expected = ref.mla_decode(q, cache, page_table, seq_lens, scale, case.lora)
-    config = {"LAYOUT": layout}
+    config = {"LAYOUT": layout, "USE_TMA": use_tma}
     if DEVICE == "cpu":
         config |= {"BLOCK_M": 16, "BLOCK_N": 16}
     with poisoned_empty():
