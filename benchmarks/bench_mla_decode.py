@@ -21,9 +21,17 @@ SCALE = 192**-0.5
 
 
 def make_inputs(
-    batch: int, heads: int, num_q: int, seq_len: int, page_size: int, fp8: bool, seed: int = 0
+    batch: int,
+    heads: int,
+    num_q: int,
+    seq_len: int,
+    page_size: int,
+    fp8: bool,
+    seed: int = 0,
+    shuffle: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [B, Q, H, 576] bf16, cache (bf16 or fp8 rows) with shuffled pages, page_table, seq_lens."""
+    """q [B, Q, H, 576] bf16, cache (bf16 or fp8 rows), page_table (pages shuffled over the pool
+    unless `shuffle` is False: then each request's pages are back to back), seq_lens."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     pages_per_req = -(-seq_len // page_size)
     num_pages = batch * pages_per_req
@@ -34,6 +42,8 @@ def make_inputs(
     else:
         cache = kv.view(num_pages, page_size, LORA + ROPE)
     perm = torch.randperm(num_pages, device="cuda", generator=gen).int()
+    if not shuffle:
+        perm = torch.arange(num_pages, device="cuda", dtype=torch.int32)
     page_table = perm.view(batch, pages_per_req)
     seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, num_q, heads, LORA + ROPE, device="cuda", generator=gen).bfloat16()

@@ -29,39 +29,40 @@ def cfg(layout, bm, bn, warps, stages, tma, splits):
 
 
 KV16 = [
-    cfg("kv_major", 16, 64, 4, 1, True, 2), cfg("kv_major", 16, 64, 4, 1, True, 1),
-    cfg("kv_major", 16, 64, 4, 1, True, 3), cfg("kv_major", 16, 64, 4, 1, False, 2),
-    cfg("kv_major", 16, 64, 4, 2, True, 1), cfg("kv_major", 16, 64, 4, 2, False, 1),
-    cfg("kv_major", 16, 32, 4, 1, False, 2), cfg("kv_major", 16, 32, 4, 1, False, 3),
+    cfg("kv_major", 16, 64, 4, 2, True, 1), cfg("kv_major", 16, 64, 4, 2, True, 2),
+    cfg("kv_major", 16, 64, 4, 3, True, 1), cfg("kv_major", 16, 64, 4, 2, False, 1),
+    cfg("kv_major", 16, 64, 8, 2, True, 1), cfg("kv_major", 16, 32, 4, 3, False, 2),
     cfg("heads_major", 16, 32, 4, 3, False, 2),
 ]  # fmt: skip
 KV128 = [
-    cfg("heads_major", 64, 64, 8, 1, True, 1), cfg("heads_major", 64, 64, 8, 2, True, 1),
-    cfg("heads_major", 64, 64, 8, 2, False, 1), cfg("heads_major", 64, 32, 8, 1, True, 1),
-    cfg("heads_major", 64, 32, 8, 3, True, 1), cfg("kv_major", 64, 64, 8, 1, True, 1),
-    cfg("kv_major", 16, 64, 4, 1, True, 1),
+    cfg("heads_major", 64, 64, 8, 2, True, 1), cfg("heads_major", 64, 64, 8, 2, False, 1),
+    cfg("heads_major", 64, 64, 8, 2, True, 2), cfg("heads_major", 64, 32, 8, 2, True, 1),
+    cfg("heads_major", 64, 32, 8, 3, True, 1), cfg("kv_major", 64, 64, 8, 2, True, 1),
 ]  # fmt: skip
 FP8_16 = [
-    cfg("kv_major", 16, 64, 8, 1, True, 2), cfg("kv_major", 16, 64, 4, 1, True, 2),
-    cfg("kv_major", 16, 32, 8, 1, False, 2), cfg("heads_major", 16, 64, 8, 1, True, 2),
+    cfg("kv_major", 16, 64, 8, 2, True, 1), cfg("kv_major", 16, 64, 8, 2, True, 2),
+    cfg("kv_major", 16, 64, 4, 2, True, 2), cfg("heads_major", 16, 64, 8, 2, True, 2),
+    cfg("heads_major", 16, 32, 4, 2, False, 2), cfg("kv_major", 16, 32, 8, 2, False, 2),
 ]  # fmt: skip
 FP8_128 = [
-    cfg("heads_major", 64, 64, 8, 1, True, 1), cfg("heads_major", 64, 32, 8, 2, True, 1),
-    cfg("kv_major", 16, 64, 8, 1, True, 1),
+    cfg("heads_major", 64, 64, 8, 2, True, 1), cfg("heads_major", 64, 32, 8, 2, True, 1),
+    cfg("kv_major", 16, 64, 8, 2, True, 1),
 ]  # fmt: skip
 MTP16 = [
-    cfg("heads_major", 64, 64, 8, 1, True, 1), cfg("kv_major", 64, 64, 8, 1, True, 1),
-    cfg("kv_major", 32, 64, 8, 1, True, 1), cfg("kv_major", 16, 64, 4, 1, True, 1),
+    cfg("heads_major", 64, 64, 8, 2, True, 1), cfg("kv_major", 64, 64, 8, 2, True, 1),
+    cfg("kv_major", 32, 64, 8, 2, True, 1), cfg("kv_major", 16, 64, 4, 2, True, 1),
 ]  # fmt: skip
 
 SWEEPS = [
-    # (batch, heads, queries, cache length, fp8), candidates
-    ((128, 16, 1, 4096, False), KV16),
-    ((128, 16, 1, 8192, False), KV16[:3]),
-    ((128, 128, 1, 4096, False), KV128),
-    ((128, 16, 1, 4096, True), FP8_16),
-    ((128, 128, 1, 4096, True), FP8_128),
-    ((64, 16, 4, 4096, False), MTP16),
+    # (batch, heads, queries, cache length, fp8, pages shuffled), candidates
+    ((128, 16, 1, 4096, False, True), KV16),
+    ((128, 16, 1, 8192, False, True), [KV16[0], KV16[1], KV16[3]]),
+    ((128, 16, 1, 8192, False, False), [KV16[0]]),
+    ((128, 128, 1, 4096, False, True), KV128),
+    ((128, 128, 1, 8192, False, False), [KV128[0]]),
+    ((128, 16, 1, 4096, True, True), FP8_16),
+    ((128, 128, 1, 4096, True, True), FP8_128),
+    ((64, 16, 4, 4096, False, True), MTP16),
 ]
 
 
@@ -81,12 +82,15 @@ def main() -> None:
     parser.add_argument("--only", type=int, default=None, help="run one sweep (index)")
     args = parser.parse_args()
     results = []
-    for index, ((batch, heads, num_q, seq_len, fp8), candidates) in enumerate(SWEEPS):
+    for index, ((batch, heads, num_q, seq_len, fp8, shuffle), candidates) in enumerate(SWEEPS):
         if args.only is not None and index != args.only:
             continue
-        q, cache, page_table, seq_lens = make_inputs(batch, heads, num_q, seq_len, 64, fp8)
+        q, cache, page_table, seq_lens = make_inputs(
+            batch, heads, num_q, seq_len, 64, fp8, shuffle=shuffle
+        )
         expected, _ = ref.mla_decode(q, cache, page_table, seq_lens, SCALE, LORA)
-        shape = f"B={batch} H={heads} Q={num_q} L={seq_len} {'fp8' if fp8 else 'bf16'}"
+        shape = (f"B={batch} H={heads} Q={num_q} L={seq_len} {'fp8' if fp8 else 'bf16'} "
+                 f"{'shuffled' if shuffle else 'contiguous'} pages")  # fmt: skip
         lines = []
         for config, splits in candidates:
             label = (f"{config['LAYOUT']} m{config['BLOCK_M']} n{config['BLOCK_N']} "

@@ -4,9 +4,13 @@ Split kernels: program (m-block, split, request) attends BLOCK_M of the request'
 (row = query * H + head) to one chunk [start, end) of its cache positions with an online softmax,
 BLOCK_N positions per tile. A tile's keys are whole cache rows and its values the latent part of the
 same rows, loaded once. The full tiles of a chunk run unmasked (through TMA descriptors when
-USE_TMA: one page holds a whole tile); the chunk's last, partial tile runs once more with masked
-loads, so no position past `end` is ever read. Outputs are normalised with the chunk's natural-log
-lse; a chunk a row sees nothing of gives out 0 and lse -inf.
+USE_TMA: one page holds a whole tile); the chunk's last, partial tile runs in a second loop (of
+at most one trip) with masked loads, so no position past `end` is ever read. The tail is a loop,
+not an `if`, so that Triton's pipeliner stages its loads through asynchronous copies too: with
+Triton 3.6 on sm_90, a bf16 tile loaded into registers and stored to shared memory for the
+kv_major layout's transposed P @ V operand gave wrong results (see the launcher's stage floor).
+Outputs are normalised with the chunk's natural-log lse; a chunk a row sees nothing of gives out 0
+and lse -inf.
 
 Cache strides are in bytes for an fp8 cache (kv_ptr: uint8; kv16_ptr / kv32_ptr: the same memory
 viewed as bf16 / fp32), in elements otherwise. qk_scale = softmax_scale * log2(e).
@@ -193,10 +197,10 @@ def split_heads_major_kernel(
             q_lat, q_pe, kv, kpe, scale, offs_n, end, visible, m_i, l_i, acc, qk_scale,
             KV_FP8, DOT_PRECISION,
         )  # fmt: skip
-    if full_end < end:
+    for n0 in range(full_end, end, BLOCK_N):  # the partial last tile, if any: a loop of 0 or 1
         kv, kpe, scale, offs_n = _load_kv_tile(
-            kv_ptr, kv16_ptr, kv32_ptr, kv_desc, pe_desc, pt_row, full_end, end, stride_kvp,
-            stride_kvr, PAGE_SIZE, D_LATENT, D_ROPE, KV_FP8, BLOCK_N, q_lat.dtype, True, USE_TMA,
+            kv_ptr, kv16_ptr, kv32_ptr, kv_desc, pe_desc, pt_row, n0, end, stride_kvp, stride_kvr,
+            PAGE_SIZE, D_LATENT, D_ROPE, KV_FP8, BLOCK_N, q_lat.dtype, True, USE_TMA,
         )  # fmt: skip
         m_i, l_i, acc = _attend_heads_major(
             q_lat, q_pe, kv, kpe, scale, offs_n, end, visible, m_i, l_i, acc, qk_scale,
@@ -253,10 +257,10 @@ def split_kv_major_kernel(
             qt_lat, qt_pe, kv, kpe, scale, offs_n, end, visible, m_i, l_i, acc, qk_scale,
             KV_FP8, DOT_PRECISION,
         )  # fmt: skip
-    if full_end < end:
+    for n0 in range(full_end, end, BLOCK_N):  # the partial last tile, if any: a loop of 0 or 1
         kv, kpe, scale, offs_n = _load_kv_tile(
-            kv_ptr, kv16_ptr, kv32_ptr, kv_desc, pe_desc, pt_row, full_end, end, stride_kvp,
-            stride_kvr, PAGE_SIZE, D_LATENT, D_ROPE, KV_FP8, BLOCK_N, qt_lat.dtype, True, USE_TMA,
+            kv_ptr, kv16_ptr, kv32_ptr, kv_desc, pe_desc, pt_row, n0, end, stride_kvp, stride_kvr,
+            PAGE_SIZE, D_LATENT, D_ROPE, KV_FP8, BLOCK_N, qt_lat.dtype, True, USE_TMA,
         )  # fmt: skip
         m_i, l_i, acc = _attend_kv_major(
             qt_lat, qt_pe, kv, kpe, scale, offs_n, end, visible, m_i, l_i, acc, qk_scale,

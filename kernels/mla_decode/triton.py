@@ -47,9 +47,16 @@ _SPLIT_KERNELS = {
 _SPLIT_POLICY = {"CTAS_PER_SM": 1, "MAX_SPLITS": 64, "MIN_TILES_PER_SPLIT": 2}
 # Key: "<cache dtype>,m<16|32|64>" by the request's query rows Q * H (m64: 64 or more). LAYOUT picks
 # the split kernel; BLOCK_M is the query rows per program, BLOCK_N the cache positions per tile.
-_BF16_M16 = {"LAYOUT": "kv_major", "BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
-_BF16_M32 = {"LAYOUT": "kv_major", "BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
-_BF16_M64 = {"LAYOUT": "heads_major", "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+_BF16_M16 = {"LAYOUT": "kv_major", "BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
+             "USE_TMA": True}  # fmt: skip
+_BF16_M32 = {"LAYOUT": "kv_major", "BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
+             "USE_TMA": True}  # fmt: skip
+_BF16_M64 = {"LAYOUT": "heads_major", "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8,
+             "num_stages": 2}  # fmt: skip
+_FP8_M16 = {"LAYOUT": "kv_major", "BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
+            "USE_TMA": True}  # fmt: skip
+_FP8_M64 = {"LAYOUT": "heads_major", "BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2,
+            "USE_TMA": True}  # fmt: skip
 tuning.register(
     "mla_decode",
     "any",
@@ -64,9 +71,9 @@ tuning.register(
         "bf16,m16": {**_BF16_M16, **_SPLIT_POLICY},
         "bf16,m32": {**_BF16_M32, **_SPLIT_POLICY},
         "bf16,m64": {**_BF16_M64, **_SPLIT_POLICY},
-        "fp8,m16": {**_BF16_M16, **_SPLIT_POLICY},
-        "fp8,m32": {**_BF16_M32, **_SPLIT_POLICY},
-        "fp8,m64": {**_BF16_M64, **_SPLIT_POLICY},
+        "fp8,m16": {**_FP8_M16, **_SPLIT_POLICY},
+        "fp8,m32": {**_FP8_M16, "BLOCK_M": 32, **_SPLIT_POLICY},
+        "fp8,m64": {**_FP8_M64, **_SPLIT_POLICY},
     },
 )
 
@@ -115,6 +122,16 @@ def mla_decode_launch(
     if config is not None:
         cfg = {**cfg, **config}
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    num_stages = cfg["num_stages"]
+    if (
+        cfg["LAYOUT"] == "kv_major"
+        and kv_cache.dtype in (torch.bfloat16, torch.float16)
+        and q.is_cuda
+    ):
+        # Triton 3.6, sm_90: without pipelining (1 stage) the kv_major kernel's bf16 tile goes
+        # registers -> shared memory -> transposed wgmma operand, and the results came out wrong
+        # on an H200 (2026-11-21); pipelined, the tile lands in shared memory by async copy.
+        num_stages = max(num_stages, 2)
     m_blocks = triton.cdiv(num_rows, block_m)
     page_size = kv_cache.shape[1]
     if num_splits is None:

@@ -31,19 +31,19 @@ tuning.register(
 
 
 @triton.jit
-def _rotate(ptr, offs_h, mask_h, stride_h, stride_r, offs_i, cos, sin):
-    """Rotates pairs (2i, 2i+1) of rows ptr + h * stride_h in place. offs_i: [HALF]; cos, sin:
-    [HALF] fp32."""
-    p1 = ptr + offs_h[:, None] * stride_h + (2 * offs_i[None, :]) * stride_r  # [BLOCK_H, HALF]
-    p2 = p1 + stride_r
+def _rotate(ptr, offs_h, mask_h, stride_h, stride_r, cos, sin, ROPE: tl.constexpr):
+    """Rotates pairs (2i, 2i+1) of rows ptr + h * stride_h in place; cos, sin: [ROPE / 2] fp32. Each
+    row is read whole (contiguous along R) and split into its pairs in registers."""
+    offs_r = tl.arange(0, ROPE)
+    ptrs = ptr + offs_h[:, None] * stride_h + offs_r[None, :] * stride_r  # [BLOCK_H, R]
     mask = mask_h[:, None]
-    x1 = tl.load(p1, mask=mask, other=0.0)
-    x2 = tl.load(p2, mask=mask, other=0.0)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    pairs = tl.reshape(x.to(tl.float32), [x.shape[0], ROPE // 2, 2])
+    a, b = tl.split(pairs)  # [BLOCK_H, ROPE / 2] each
     out1 = a * cos[None, :] - b * sin[None, :]
     out2 = b * cos[None, :] + a * sin[None, :]
-    tl.store(p1, out1.to(x1.dtype), mask=mask)
-    tl.store(p2, out2.to(x2.dtype), mask=mask)
+    out = tl.reshape(tl.join(out1, out2), [x.shape[0], ROPE])
+    tl.store(ptrs, out.to(x.dtype), mask=mask)
 
 
 @triton.jit
@@ -51,8 +51,9 @@ def _rope_kernel(
     q_ptr, k_ptr, pos_ptr, cs_ptr,
     num_heads,
     stride_qt, stride_qh, stride_qr, stride_kt, stride_kr, stride_cs,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
+    HALF: tl.constexpr = ROPE // 2
     t = tl.program_id(0)
     hb = tl.program_id(1)
     t64 = t.to(tl.int64)
@@ -61,12 +62,11 @@ def _rope_kernel(
     cos = tl.load(cs_ptr + pos * stride_cs + offs_i).to(tl.float32)
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_i).to(tl.float32)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    _rotate(
-        q_ptr + t64 * stride_qt, offs_h, offs_h < num_heads, stride_qh, stride_qr, offs_i, cos, sin
-    )
+    q_row = q_ptr + t64 * stride_qt
+    _rotate(q_row, offs_h, offs_h < num_heads, stride_qh, stride_qr, cos, sin, ROPE)
     if hb == 0:
         offs_k = tl.arange(0, 1)
-        _rotate(k_ptr + t64 * stride_kt, offs_k, offs_k < 1, 0, stride_kr, offs_i, cos, sin)
+        _rotate(k_ptr + t64 * stride_kt, offs_k, offs_k < 1, 0, stride_kr, cos, sin, ROPE)
 
 
 def rope(
@@ -117,5 +117,5 @@ def rope(
         num_heads,
         q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), k_pe2.stride(0), k_pe2.stride(1),
         cos_sin.stride(0),
-        HALF=rope_dim // 2, BLOCK_H=block_h, num_warps=cfg["num_warps"],
+        ROPE=rope_dim, BLOCK_H=block_h, num_warps=cfg["num_warps"],
     )  # fmt: skip

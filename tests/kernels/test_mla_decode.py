@@ -184,7 +184,19 @@ def test_write_kv_fp8_matches_ref(tokens: int, lora: int, rope: int, page_size: 
     ref.write_kv_fp8(cache_ref, slots, c_kv, k_pe)
     tri.write_kv_fp8(cache, slots, c_kv, k_pe)
     used = fp8_format.scale_offset(lora, rope) + 4  # padding bytes are not part of the contract
-    assert torch.equal(cache[..., :used], cache_ref[..., :used])
+    diff = (cache[..., :used] != cache_ref[..., :used]).view(-1, used)  # [rows, used bytes]
+    if diff.any():
+        rows, cols = diff.nonzero(as_tuple=True)
+        parts = {"latent": (0, lora), "rope": (lora, lora + 2 * rope), "scale": (used - 4, used)}
+        counts = {k: int(diff[:, a:b].sum()) for k, (a, b) in parts.items()}
+        r, c = int(rows[0]), int(cols[0])
+        flat, flat_ref = cache.view(-1, row_bytes), cache_ref.view(-1, row_bytes)
+        pytest.fail(
+            f"{int(diff.sum())} bytes differ in {len(set(rows.tolist()))} rows {counts}; first at "
+            f"row {r} (slot? {r in slots.tolist()}) byte {c}: got {flat[r, c].item()} want "
+            f"{flat_ref[r, c].item()}; row got {flat[r, :used].tolist()} "
+            f"want {flat_ref[r, :used].tolist()}"
+        )
     deq = ref.dequantize_kv_fp8(cache.view(-1, row_bytes)[slots], lora, rope)
     assert rel_err(deq[:, :lora], c_kv) <= 0.05  # e4m3 keeps 3 mantissa bits
     assert torch.equal(deq[:, lora:], k_pe.to(torch.bfloat16).float())
