@@ -5,7 +5,7 @@ cache entry, by byte offset:
 
     [0, L)              c_kv in float8_e4m3fn: round_to_nearest_even(c_kv / scale)
     [L, L + 2R)         k_pe in bfloat16, unquantized (the rope dims would lose too much in fp8)
-    [L + 2R, L + 2R + 4) scale, float32: max(|c_kv|) / 448 over the row (1.0 for an all-zero row)
+    [L + 2R, L + 2R + 4) scale, float32: max(|c_kv|) / 448 correctly rounded (1.0 for a zero row)
     then padding up to a multiple of 16 bytes (zeros from the reference writer, never read)
 
 where L = kv_lora_rank and R = rope dims. c_kv is recovered as float(c_kv_fp8) * scale. For

@@ -66,7 +66,10 @@ def quantize_kv_fp8(c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     rope = k_pe.shape[-1]
     c = c_kv.float()
     amax = c.abs().amax(dim=-1, keepdim=True)  # [T, 1]
-    scale = torch.where(amax > 0, amax / fp8_format.FP8_E4M3_MAX, torch.ones_like(amax))
+    # a tensor divisor: torch's CUDA division by a Python scalar multiplies by its reciprocal, which
+    # is not the correctly rounded quotient the format (and the Triton writer) uses
+    fp8_max = torch.full_like(amax, fp8_format.FP8_E4M3_MAX)
+    scale = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
     c8 = (c / scale).clamp(-fp8_format.FP8_E4M3_MAX, fp8_format.FP8_E4M3_MAX)
     c8 = c8.to(torch.float8_e4m3fn)
     rows = torch.zeros(

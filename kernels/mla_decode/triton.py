@@ -44,19 +44,28 @@ _SPLIT_KERNELS = {
     "heads_major": _kernels.split_heads_major_kernel,
     "kv_major": _kernels.split_kv_major_kernel,
 }
-_SPLIT_POLICY = {"CTAS_PER_SM": 1, "MAX_SPLITS": 64, "MIN_TILES_PER_SPLIT": 2}
+_SPLIT_POLICY = {
+    "CTAS_PER_SM": 1,
+    "MAX_SPLITS": 128,
+    "MIN_TILES_PER_SPLIT": 2,
+    "SPLIT_OVERHEAD_TILES": 2,
+}
 # Key: "<cache dtype>,m<16|32|64>" by the request's query rows Q * H (m64: 64 or more). LAYOUT picks
 # the split kernel; BLOCK_M is the query rows per program, BLOCK_N the cache positions per tile.
+# Measured on one H200 (2026-11-21, Triton 3.6, benchmarks/tune_mla_decode.py): kv_major with TMA
+# for 16-32 query rows (72-76% of HBM at B=128, 16 heads); heads_major with TMA for 64+ rows
+# (270 TFLOP/s at 128 heads). fp8 caches: heads_major, whose MMA operands tolerate the in-register
+# fp8 -> bf16 conversion best (kv_major spilled heavily).
 _BF16_M16 = {"LAYOUT": "kv_major", "BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
              "USE_TMA": True}  # fmt: skip
 _BF16_M32 = {"LAYOUT": "kv_major", "BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
              "USE_TMA": True}  # fmt: skip
 _BF16_M64 = {"LAYOUT": "heads_major", "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8,
-             "num_stages": 2}  # fmt: skip
-_FP8_M16 = {"LAYOUT": "kv_major", "BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
-            "USE_TMA": True}  # fmt: skip
-_FP8_M64 = {"LAYOUT": "heads_major", "BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2,
-            "USE_TMA": True}  # fmt: skip
+             "num_stages": 2, "USE_TMA": True}  # fmt: skip
+_FP8_M16 = {"LAYOUT": "heads_major", "BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4,
+            "num_stages": 2, "USE_TMA": False}  # fmt: skip
+_FP8_M64 = {"LAYOUT": "heads_major", "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8,
+            "num_stages": 2, "USE_TMA": True}  # fmt: skip
 tuning.register(
     "mla_decode",
     "any",
@@ -72,7 +81,7 @@ tuning.register(
         "bf16,m32": {**_BF16_M32, **_SPLIT_POLICY},
         "bf16,m64": {**_BF16_M64, **_SPLIT_POLICY},
         "fp8,m16": {**_FP8_M16, **_SPLIT_POLICY},
-        "fp8,m32": {**_FP8_M16, "BLOCK_M": 32, **_SPLIT_POLICY},
+        "fp8,m32": {**_FP8_M16, **_SPLIT_POLICY},
         "fp8,m64": {**_FP8_M64, **_SPLIT_POLICY},
     },
 )
@@ -243,20 +252,21 @@ def _descriptors(
 def choose_num_splits(
     batch: int, m_blocks: int, max_seq_len: int, block_n: int, cfg: dict, num_sms: int
 ) -> int:
-    """Splits per request: the fewest that fill the GPU's CTA slots in full waves (within 3% of the
-    best fill), keeping at least MIN_TILES_PER_SPLIT tiles of BLOCK_N positions per split of the
-    longest request."""
+    """Splits per request, by a cost model in units of one tile's time: waves of programs times
+    (tiles per split + SPLIT_OVERHEAD_TILES, a program's fixed cost), plus that overhead once more
+    for the combine step when splitting. Fewest splits on ties; at least MIN_TILES_PER_SPLIT tiles
+    per split of the longest request."""
     tiles = triton.cdiv(max(max_seq_len, 1), block_n)
     limit = max(1, min(cfg["MAX_SPLITS"], tiles // cfg["MIN_TILES_PER_SPLIT"]))
     slots = num_sms * cfg["CTAS_PER_SM"]
-    ctas = batch * m_blocks
+    programs = batch * m_blocks
+    overhead = cfg["SPLIT_OVERHEAD_TILES"]
 
-    def fill(s: int) -> float:
-        total = ctas * s
-        return total / (triton.cdiv(total, slots) * slots)
+    def cost(s: int) -> int:
+        waves = triton.cdiv(programs * s, slots)
+        return waves * (triton.cdiv(tiles, s) + overhead) + (overhead if s > 1 else 0)
 
-    best = max(fill(s) for s in range(1, limit + 1))
-    return next(s for s in range(1, limit + 1) if fill(s) >= best - 0.03)
+    return min(range(1, limit + 1), key=lambda s: (cost(s), s))
 
 
 @functools.cache
