@@ -283,41 +283,40 @@ def combine_kernel(
     part_ptr, part_lse_ptr, out_ptr, lse_ptr,
     num_heads, num_rows, num_splits,
     stride_ob, stride_oq, stride_oh, stride_lb, stride_lq, stride_lh,
-    D_LATENT: tl.constexpr, BLOCK_M: tl.constexpr,
+    D_LATENT: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """Merges the splits of BLOCK_M rows. part: [B, num_splits, rows, D_LATENT] fp32; part_lse:
-    [B, num_splits, rows] fp32."""
-    pid_m = tl.program_id(0)
+    """Merges the splits of one query row over BLOCK_D latent dims: program (row, request, d-block).
+    part: [B, num_splits, rows, D_LATENT] fp32; part_lse: [B, num_splits, rows] fp32. The splits are
+    read SPLIT_CHUNK at a time, so a request cut into many splits (small batch, long cache) is not
+    a long serial loop."""
+    row = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < num_rows
-    offs_l = tl.arange(0, D_LATENT)
-    lse_base = part_lse_ptr + b * num_splits * num_rows + rows  # [BLOCK_M]
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(lse_base + s * num_rows, mask=row_ok, other=float("-inf")))
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    lse_base = part_lse_ptr + b * num_splits * num_rows + row
+    splits = tl.arange(0, SPLITS_P2)
+    lse_all = tl.load(lse_base + splits * num_rows, mask=splits < num_splits, other=float("-inf"))
+    m = tl.max(lse_all, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    denom = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_LATENT], tl.float32)
-    part_base = part_ptr + (b * num_splits * num_rows + rows) * D_LATENT  # [BLOCK_M]
-    for s in range(num_splits):
-        w = tl.exp(tl.load(lse_base + s * num_rows, mask=row_ok, other=float("-inf")) - m_safe)
-        o = tl.load(
-            part_base[:, None] + s * num_rows * D_LATENT + offs_l[None, :],
-            mask=row_ok[:, None],
-            other=0.0,
-        )
-        denom += w
-        acc += w[:, None] * o
+    denom = tl.sum(tl.exp(lse_all - m_safe), 0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    part_base = part_ptr + (b * num_splits * num_rows + row) * D_LATENT
+    for s0 in range(0, num_splits, SPLIT_CHUNK):
+        chunk = s0 + tl.arange(0, SPLIT_CHUNK)
+        ok = chunk < num_splits
+        w = tl.exp(tl.load(lse_base + chunk * num_rows, mask=ok, other=float("-inf")) - m_safe)
+        o_ptrs = part_base + chunk[:, None] * num_rows * D_LATENT + offs_d[None, :]
+        o = tl.load(o_ptrs, mask=ok[:, None], other=0.0)  # [SPLIT_CHUNK, BLOCK_D]
+        acc += tl.sum(w[:, None] * o, 0)
     has = denom > 0.0
     d_safe = tl.where(has, denom, 1.0)
-    qi = rows // num_heads
-    h = rows % num_heads
+    qi = row // num_heads
+    h = row % num_heads
     o_row = out_ptr + b * stride_ob + qi * stride_oq + h * stride_oh
-    out = (acc / d_safe[:, None]).to(out_ptr.dtype.element_ty)
-    tl.store(o_row[:, None] + offs_l[None, :], out, mask=row_ok[:, None])
-    lse = tl.where(has, m_safe + tl.log(d_safe), float("-inf"))
-    tl.store(lse_ptr + b * stride_lb + qi * stride_lq + h * stride_lh, lse, mask=row_ok)
+    tl.store(o_row + offs_d, (acc / d_safe).to(out_ptr.dtype.element_ty))
+    if tl.program_id(2) == 0:
+        lse = tl.where(has, m_safe + tl.log(d_safe), float("-inf"))
+        tl.store(lse_ptr + b * stride_lb + qi * stride_lq + h * stride_lh, lse)
 
 
 @triton.jit

@@ -63,7 +63,7 @@ _BF16_M32 = {"LAYOUT": "kv_major", "BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8,
 _BF16_M64 = {"LAYOUT": "heads_major", "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8,
              "num_stages": 2, "USE_TMA": True}  # fmt: skip
 _FP8_M16 = {"LAYOUT": "heads_major", "BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4,
-            "num_stages": 2, "USE_TMA": False}  # fmt: skip
+            "num_stages": 2, "USE_TMA": False, "CTAS_PER_SM": 2}  # fmt: skip
 _FP8_M64 = {"LAYOUT": "heads_major", "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8,
             "num_stages": 2, "USE_TMA": True}  # fmt: skip
 tuning.register(
@@ -80,8 +80,8 @@ tuning.register(
         "bf16,m16": {**_BF16_M16, **_SPLIT_POLICY},
         "bf16,m32": {**_BF16_M32, **_SPLIT_POLICY},
         "bf16,m64": {**_BF16_M64, **_SPLIT_POLICY},
-        "fp8,m16": {**_FP8_M16, **_SPLIT_POLICY},
-        "fp8,m32": {**_FP8_M16, **_SPLIT_POLICY},
+        "fp8,m16": {**_SPLIT_POLICY, **_FP8_M16},
+        "fp8,m32": {**_SPLIT_POLICY, **_FP8_M16},
         "fp8,m64": {**_FP8_M64, **_SPLIT_POLICY},
     },
 )
@@ -182,12 +182,14 @@ def mla_decode_launch(
         USE_TMA=kv_desc is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if num_splits > 1:
-        combine_m = 16
-        _kernels.combine_kernel[(triton.cdiv(num_rows, combine_m), batch)](
+        block_d = min(128, kv_lora_rank)
+        splits_p2 = triton.next_power_of_2(num_splits)
+        _kernels.combine_kernel[(num_rows, batch, kv_lora_rank // block_d)](
             part, part_lse, out, lse,
             num_heads, num_rows, num_splits,
             *out.stride()[:3], *lse.stride(),
-            D_LATENT=kv_lora_rank, BLOCK_M=combine_m, num_warps=4,
+            D_LATENT=kv_lora_rank, BLOCK_D=block_d, SPLITS_P2=splits_p2,
+            SPLIT_CHUNK=min(16, splits_p2), num_warps=4,
         )  # fmt: skip
     return out, lse
 
@@ -255,16 +257,23 @@ def choose_num_splits(
     """Splits per request, by a cost model in units of one tile's time: waves of programs times
     (tiles per split + SPLIT_OVERHEAD_TILES, a program's fixed cost), plus that overhead once more
     for the combine step when splitting. Fewest splits on ties; at least MIN_TILES_PER_SPLIT tiles
-    per split of the longest request."""
+    per split of the longest request. Cached: it runs on every decode step."""
     tiles = triton.cdiv(max(max_seq_len, 1), block_n)
-    limit = max(1, min(cfg["MAX_SPLITS"], tiles // cfg["MIN_TILES_PER_SPLIT"]))
-    slots = num_sms * cfg["CTAS_PER_SM"]
-    programs = batch * m_blocks
-    overhead = cfg["SPLIT_OVERHEAD_TILES"]
+    policy = (cfg["MAX_SPLITS"], cfg["MIN_TILES_PER_SPLIT"], cfg["CTAS_PER_SM"])
+    return _num_splits(batch * m_blocks, tiles, num_sms, *policy, cfg["SPLIT_OVERHEAD_TILES"])
+
+
+@functools.lru_cache(maxsize=4096)
+def _num_splits(
+    programs: int, tiles: int, num_sms: int, max_splits: int, min_tiles: int, ctas_per_sm: int,
+    overhead: int,
+) -> int:  # fmt: skip
+    limit = max(1, min(max_splits, tiles // min_tiles))
+    slots = num_sms * ctas_per_sm
 
     def cost(s: int) -> int:
-        waves = triton.cdiv(programs * s, slots)
-        return waves * (triton.cdiv(tiles, s) + overhead) + (overhead if s > 1 else 0)
+        waves = -(-programs * s // slots)
+        return waves * (-(-tiles // s) + overhead) + (overhead if s > 1 else 0)
 
     return min(range(1, limit + 1), key=lambda s: (cost(s), s))
 

@@ -121,7 +121,7 @@ LAYOUT_CASES = [
 
 
 @pytest.mark.parametrize("use_tma", [False, True], ids=["ptr", "tma"])
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits", [1, 3, 20])
 @pytest.mark.parametrize("layout", ["heads_major", "kv_major"])
 @pytest.mark.parametrize("case", LAYOUT_CASES)
 def test_mla_decode_layouts_and_splits(
