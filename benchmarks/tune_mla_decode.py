@@ -2,9 +2,8 @@
 
 For each DeepSeek-V3 shape below, times every candidate config (layout, BLOCK_M/N, warps, stages,
 TMA, split count) with the benchmark's inputs, checks its output against the torch reference
-(rel err <= 2e-2, else FAIL), and prints one table per shape, fastest first, with the compiled
-kernel's registers, spills and shared memory. The winners go into the tuning table in
-kernels/mla_decode/triton.py by hand; this script only measures."""
+(rel err <= 2e-2, else FAIL), and prints one table per shape, fastest first. The winners go into
+the tuning table in kernels/mla_decode/triton.py by hand; this script only measures."""
 
 from __future__ import annotations
 
@@ -66,16 +65,6 @@ SWEEPS = [
 ]
 
 
-def _compiled_info(kernel) -> str:
-    """Registers / spills / shared bytes of the most recently compiled variant of `kernel`."""
-    try:
-        cache = kernel.device_caches[torch.cuda.current_device()][0]
-        compiled = list(cache.values())[-1]
-        return f"{compiled.n_regs}r {compiled.n_spills}sp {compiled.metadata.shared // 1024}K"
-    except Exception as exc:  # introspection only: never fail the sweep on it
-        return f"? ({type(exc).__name__})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", default=None, help="write all measurements here")
@@ -103,8 +92,6 @@ def main() -> None:
             try:
                 out, _ = call()
                 err = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
-                kernel = tri._SPLIT_KERNELS[config["LAYOUT"]]
-                info = _compiled_info(kernel)
                 ms = time_ms(call, warmup=3, iters=20)
             except Exception as exc:  # a config that does not compile or launch is a result
                 lines.append((float("inf"), f"  {label:<44} ERROR {type(exc).__name__}: "
@@ -114,7 +101,7 @@ def main() -> None:
             ok = "ok" if err <= 2e-2 else "FAIL"
             lines.append((ms, f"  {label:<44} {ms:8.4f} ms {row.gbps:6.0f} GB/s "
                               f"{row.tflops:5.0f} TF/s {100 * row.ceiling_frac:4.0f}% "
-                              f"err {err:.1e} {ok}  [{info}]"))  # fmt: skip
+                              f"err {err:.1e} {ok}"))  # fmt: skip
             results.append(
                 {
                     "shape": shape,
@@ -124,7 +111,6 @@ def main() -> None:
                     "gbps": row.gbps,
                     "tflops": row.tflops,
                     "err": err,
-                    "info": info,
                 }
             )
         print(shape, flush=True)
