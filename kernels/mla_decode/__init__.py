@@ -1,10 +1,14 @@
-"""MLA decode attention (absorbed, paged latent cache): dispatches to Triton or the torch reference."""
+"""MLA decode attention (absorbed, paged latent cache, bf16 or fp8 cache) and the fp8 cache writer:
+dispatches to Triton or the torch reference. `quantize_kv_fp8` / `dequantize_kv_fp8` are the fp8 row
+format in plain torch (any device); `fp8_format` documents the format."""
 
 from __future__ import annotations
 
 import torch
 
 from .._backend import implementation
+from . import fp8_format
+from .ref import dequantize_kv_fp8, quantize_kv_fp8
 
 
 def mla_decode(
@@ -21,4 +25,11 @@ def mla_decode(
     )
 
 
-__all__ = ["mla_decode"]
+def write_kv_fp8(
+    kv_cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor
+) -> None:
+    """See `ref.write_kv_fp8` for the contract."""
+    implementation(__name__, kv_cache).write_kv_fp8(kv_cache, slots, c_kv, k_pe)
+
+
+__all__ = ["dequantize_kv_fp8", "fp8_format", "mla_decode", "quantize_kv_fp8", "write_kv_fp8"]

@@ -1,17 +1,26 @@
 """MLA decode attention in absorbed form over the paged latent KV cache (plain torch reference).
 
-Every head attends to the same cached latent: a token's cache row is [c_kv (kv_lora_rank) | k_pe (rope dims)].
-Keys are whole rows, values are the first `kv_lora_rank` entries, so the output is in latent space; the caller
-applies W_UV. The caller has already absorbed W_UK into q: q = [q_nope @ W_UK | q_pe].
+Every head attends to the same cached latent: a token's cache row is [c_kv (kv_lora_rank) | k_pe
+(rope dims)]. Keys are whole rows, values are the first `kv_lora_rank` entries, so the output is in
+latent space; the caller applies W_UV. The caller has already absorbed W_UK into q:
+q = [q_nope @ W_UK | q_pe].
 
-Each request has Q query tokens (1 for plain decode, up to 4 for MTP verification), the last Q tokens of its
-sequence, already written to the cache: query j of request b sees cache positions < seq_lens[b] - Q + 1 + j.
-Position p of request b lives in page page_table[b, p // page_size], row p % page_size.
+Each request has Q query tokens (1 for plain decode, up to 4 for MTP verification), the last Q
+tokens of its sequence, already written to the cache: query j of request b sees cache positions
+< seq_lens[b] - Q + 1 + j. Position p of request b lives in page page_table[b, p // page_size],
+row p % page_size. A query that sees no position (seq_lens[b] < Q - j, e.g. a padded batch slot
+with seq_len 0) gets out 0 and lse -inf.
+
+The cache is either float ([num_pages, page_size, kv_lora_rank + rope], the dtype of q) or fp8:
+uint8 [num_pages, page_size, fp8_format.row_bytes(...)] in the row format of `fp8_format` (e4m3
+latent with a per-token fp32 scale, bf16 rope), written by `write_kv_fp8`.
 """
 
 from __future__ import annotations
 
 import torch
+
+from . import fp8_format
 
 
 def mla_decode(
@@ -22,25 +31,73 @@ def mla_decode(
     softmax_scale: float,
     kv_lora_rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [B, Q, H, Dk]; kv_cache: [num_pages, page_size, Dk]; page_table: [B, max_pages] int; seq_lens: [B] int.
+    """q: [B, Q, H, Dk]; kv_cache: [num_pages, page_size, Dk] (or uint8 fp8 rows);
+    page_table: [B, max_pages] int; seq_lens: [B] int.
 
-    Returns out [B, Q, H, kv_lora_rank] in q's dtype and lse [B, Q, H] fp32.
+    Returns out [B, Q, H, kv_lora_rank] in q's dtype and lse [B, Q, H] fp32 (natural log).
     """
-    batch, num_q, num_heads, _ = q.shape
+    batch, num_q, num_heads, head_dim = q.shape
+    if kv_cache.dtype == torch.uint8:
+        kv_cache = dequantize_kv_fp8(kv_cache, kv_lora_rank, head_dim - kv_lora_rank)
     page_size = kv_cache.shape[1]
     out = torch.empty(batch, num_q, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, num_q, num_heads, dtype=torch.float32, device=q.device)
     for b, seq_len in enumerate(seq_lens.tolist()):
         num_pages = -(-seq_len // page_size)
         pages = page_table[b, :num_pages].long()
-        kv = kv_cache[pages].reshape(num_pages * page_size, -1)[:seq_len].float()  # [L, Dk]
+        kv = kv_cache[pages].reshape(num_pages * page_size, head_dim)[:seq_len].float()  # [L, Dk]
         qb = q[b].float()  # [Q, H, Dk]
         scores = torch.einsum("qhd,ld->qhl", qb, kv) * softmax_scale  # [Q, H, L]
         visible = seq_len - num_q + 1 + torch.arange(num_q, device=q.device)  # [Q]
         cols = torch.arange(seq_len, device=q.device)
         scores = scores.masked_fill(cols[None, None, :] >= visible[:, None, None], float("-inf"))
-        lse_b = torch.logsumexp(scores, dim=-1)  # [Q, H]
-        probs = torch.exp(scores - lse_b[..., None])
+        lse_b = torch.logsumexp(scores, dim=-1)  # [Q, H]; -inf where nothing is visible
+        lse_safe = lse_b.masked_fill(lse_b == float("-inf"), 0.0)  # rows that see nothing: probs 0
+        probs = torch.exp(scores - lse_safe[..., None])
         out[b] = torch.einsum("qhl,ld->qhd", probs, kv[:, :kv_lora_rank]).to(q.dtype)
         lse[b] = lse_b
     return out, lse
+
+
+def quantize_kv_fp8(c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """c_kv: [T, L]; k_pe: [T, R] (any float dtype). Returns [T, row_bytes] uint8 rows in the fp8
+    format."""
+    num_tokens, lora = c_kv.shape
+    rope = k_pe.shape[-1]
+    c = c_kv.float()
+    amax = c.abs().amax(dim=-1, keepdim=True)  # [T, 1]
+    # a tensor divisor: torch's CUDA division by a Python scalar multiplies by its reciprocal, which
+    # is not the correctly rounded quotient the format (and the Triton writer) uses
+    fp8_max = torch.full_like(amax, fp8_format.FP8_E4M3_MAX)
+    scale = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
+    c8 = (c / scale).clamp(-fp8_format.FP8_E4M3_MAX, fp8_format.FP8_E4M3_MAX)
+    c8 = c8.to(torch.float8_e4m3fn)
+    rows = torch.zeros(
+        num_tokens, fp8_format.row_bytes(lora, rope), dtype=torch.uint8, device=c_kv.device
+    )
+    rows[:, :lora] = c8.view(torch.uint8)
+    rope_at, scale_at = fp8_format.rope_offset(lora), fp8_format.scale_offset(lora, rope)
+    rows[:, rope_at:scale_at] = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8)
+    rows[:, scale_at : scale_at + 4] = scale.view(torch.uint8)
+    return rows
+
+
+def dequantize_kv_fp8(rows: torch.Tensor, kv_lora_rank: int, rope_dim: int) -> torch.Tensor:
+    """rows: [..., row_bytes] uint8, fp8 format. Returns fp32 [..., kv_lora_rank + rope_dim]."""
+    lora = kv_lora_rank
+    rope_at, scale_at = fp8_format.rope_offset(lora), fp8_format.scale_offset(lora, rope_dim)
+    rows = rows.contiguous()
+    c = rows[..., :lora].view(torch.float8_e4m3fn).float()
+    k_pe = rows[..., rope_at:scale_at].contiguous().view(torch.bfloat16).float()
+    scale = rows[..., scale_at : scale_at + 4].contiguous().view(torch.float32)
+    return torch.cat([c * scale, k_pe], dim=-1)
+
+
+def write_kv_fp8(
+    kv_cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor
+) -> None:
+    """Quantizes T tokens' [c_kv | k_pe] and stores them at flat slots (page * page_size + row) of
+    an fp8 cache [num_pages, page_size, row_bytes] uint8, in place. slots: [T] int; c_kv: [T, L];
+    k_pe: [T, R]."""
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    flat[slots.long()] = quantize_kv_fp8(c_kv, k_pe)

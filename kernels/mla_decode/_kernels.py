@@ -1,0 +1,343 @@
+"""The Triton kernels of MLA decode and of the fp8 cache writer; `triton.py` launches them.
+
+Split kernels: program (m-block, split, request) attends BLOCK_M of the request's Q * H query rows
+(row = query * H + head) to one chunk [start, end) of its cache positions with an online softmax,
+BLOCK_N positions per tile. A tile's keys are whole cache rows and its values the latent part of the
+same rows, loaded once. The full tiles of a chunk run unmasked (through TMA descriptors when
+USE_TMA: one page holds a whole tile); the chunk's last, partial tile runs in a second loop (of
+at most one trip) with masked loads, so no position past `end` is ever read. The tail is a loop,
+not an `if`, so that Triton's pipeliner stages its loads through asynchronous copies too: with
+Triton 3.6 on sm_90, a bf16 tile loaded into registers and stored to shared memory for the
+kv_major layout's transposed P @ V operand gave wrong results (see the launcher's stage floor).
+Outputs are normalised with the chunk's natural-log lse; a chunk a row sees nothing of gives out 0
+and lse -inf.
+
+Cache strides are in bytes for an fp8 cache (kv_ptr: uint8; kv16_ptr / kv32_ptr: the same memory
+viewed as bf16 / fp32), in elements otherwise. qk_scale = softmax_scale * log2(e).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _split_prologue(sl_ptr, num_heads, num_rows, num_splits, NUM_Q, BLOCK_M, BLOCK_N):
+    """This program's request, split, query rows and chunk [start, end) of cache positions."""
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    seq_len = tl.load(sl_ptr + b).to(tl.int32)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    row_ok = rows < num_rows
+    qi = rows // num_heads
+    h = rows % num_heads
+    visible = seq_len - NUM_Q + 1 + qi  # [BLOCK_M]: positions < visible are seen
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = pid_s * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    return b, pid_s, row_ok, qi, h, visible, start, end, full_end
+
+
+@triton.jit
+def _load_kv_tile(
+    kv_ptr, kv16_ptr, kv32_ptr, kv_desc, pe_desc, pt_row, n0, end, stride_kvp, stride_kvr,
+    PAGE_SIZE: tl.constexpr, D_LATENT: tl.constexpr, D_ROPE: tl.constexpr, KV_FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """Cache positions n0 .. n0 + BLOCK_N of a request: latent [BLOCK_N, D_LATENT] and rope
+    [BLOCK_N, D_ROPE] in DTYPE, and the fp8 scales [BLOCK_N] (ones for a float cache). MASKED: rows
+    at or past `end` read as zeros and are never touched. USE_TMA (unmasked tiles only): the tile
+    lies in one page and comes through the descriptors."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_l = tl.arange(0, D_LATENT)
+    offs_r = tl.arange(0, D_ROPE)
+    if USE_TMA and not MASKED:
+        page = tl.load(pt_row + n0 // PAGE_SIZE).to(tl.int32)
+        first = page * PAGE_SIZE + n0 % PAGE_SIZE  # the tile's first row in the flat cache
+        if KV_FP8:
+            kv = kv_desc.load([first, 0]).to(tl.float8e4nv, bitcast=True).to(DTYPE)
+            kpe = pe_desc.load([first, D_LATENT // 2]).to(DTYPE)
+        else:
+            kv = kv_desc.load([first, 0])
+            kpe = pe_desc.load([first, D_LATENT])
+        row_off = (
+            page.to(tl.int64) * stride_kvp + (n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)) * stride_kvr
+        )
+    else:
+        n_ok = offs_n < end
+        if MASKED:
+            page = tl.load(pt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+        else:
+            page = tl.load(pt_row + offs_n // PAGE_SIZE).to(tl.int64)
+        row_off = page * stride_kvp + (offs_n % PAGE_SIZE) * stride_kvr  # [BLOCK_N]
+        if KV_FP8:
+            row_off = tl.multiple_of(row_off, 16)
+            c8_ptrs = kv_ptr + row_off[:, None] + offs_l[None, :]
+            off16 = tl.multiple_of((row_off + D_LATENT) // 2, 8)
+            pe_ptrs = kv16_ptr + off16[:, None] + offs_r[None, :]
+            if MASKED:
+                c8 = tl.load(c8_ptrs, mask=n_ok[:, None], other=0)
+                kpe = tl.load(pe_ptrs, mask=n_ok[:, None], other=0.0)
+            else:
+                c8 = tl.load(c8_ptrs)
+                kpe = tl.load(pe_ptrs)
+            kv = c8.to(tl.float8e4nv, bitcast=True).to(DTYPE)
+            kpe = kpe.to(DTYPE)
+        else:
+            kv_ptrs = kv_ptr + row_off[:, None] + offs_l[None, :]
+            pe_ptrs = kv_ptr + row_off[:, None] + D_LATENT + offs_r[None, :]
+            if MASKED:
+                kv = tl.load(kv_ptrs, mask=n_ok[:, None], other=0.0)
+                kpe = tl.load(pe_ptrs, mask=n_ok[:, None], other=0.0)
+            else:
+                kv = tl.load(kv_ptrs)
+                kpe = tl.load(pe_ptrs)
+    if KV_FP8:
+        scale_ptrs = kv32_ptr + (row_off + D_LATENT + 2 * D_ROPE) // 4
+        if MASKED:
+            scale = tl.load(scale_ptrs, mask=offs_n < end, other=0.0)
+        else:
+            scale = tl.load(scale_ptrs)
+    else:
+        scale = tl.full([BLOCK_N], 1.0, tl.float32)
+    return kv, kpe, scale, offs_n
+
+
+@triton.jit
+def _attend_heads_major(
+    q_lat, q_pe, kv, kpe, scale, offs_n, end, visible, m_i, l_i, acc, qk_scale,
+    KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One tile of online softmax with query rows as M: S = Q K^T [M, N], O += P V [M, D_LATENT]."""
+    if KV_FP8:
+        qk = tl.dot(q_lat, tl.trans(kv), input_precision=DOT_PRECISION) * scale[None, :]
+        qk = tl.dot(q_pe, tl.trans(kpe), qk, input_precision=DOT_PRECISION)
+    else:
+        qk = tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
+        qk = tl.dot(q_lat, tl.trans(kv), qk, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+    seen = (offs_n[None, :] < visible[:, None]) & (offs_n < end)[None, :]
+    s = tl.where(seen, qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if KV_FP8:
+        p = p * scale[None, :]  # values are c8 * scale: fold the scale into p
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(kv.dtype), kv, acc, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_kv_major(
+    qt_lat, qt_pe, kv, kpe, scale, offs_n, end, visible, m_i, l_i, acc, qk_scale,
+    KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One tile with cache positions as M: S^T = K Q^T [N, M], O^T += V^T P^T [D_LATENT, M]."""
+    if KV_FP8:
+        st = tl.dot(kv, qt_lat, input_precision=DOT_PRECISION) * scale[:, None]
+        st = tl.dot(kpe, qt_pe, st, input_precision=DOT_PRECISION)
+    else:
+        st = tl.dot(kpe, qt_pe, input_precision=DOT_PRECISION)
+        st = tl.dot(kv, qt_lat, st, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+    seen = (offs_n[:, None] < visible[None, :]) & (offs_n < end)[:, None]
+    s = tl.where(seen, st * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[None, :])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 0)
+    if KV_FP8:
+        p = p * scale[:, None]
+    acc = acc * alpha[None, :]
+    acc = tl.dot(tl.trans(kv), p.to(kv.dtype), acc, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def split_heads_major_kernel(
+    q_ptr, kv_ptr, kv16_ptr, kv32_ptr, kv_desc, pe_desc, pt_ptr, sl_ptr, out_ptr, lse_ptr,
+    num_heads, num_rows, num_splits, qk_scale,
+    stride_qb, stride_qq, stride_qh,
+    stride_kvp, stride_kvr,
+    stride_ptb,
+    stride_ob, stride_os, stride_oq, stride_oh,
+    stride_lb, stride_ls, stride_lq, stride_lh,
+    NUM_Q: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    D_LATENT: tl.constexpr, D_ROPE: tl.constexpr, KV_FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """Split kernel with the query rows as the matrix M dimension (many rows: 128 heads, MTP)."""
+    b, pid_s, row_ok, qi, h, visible, start, end, full_end = _split_prologue(
+        sl_ptr, num_heads, num_rows, num_splits, NUM_Q, BLOCK_M, BLOCK_N
+    )
+    offs_l = tl.arange(0, D_LATENT)
+    offs_r = tl.arange(0, D_ROPE)
+    q_row = q_ptr + b * stride_qb + qi * stride_qq + h * stride_qh  # [BLOCK_M]
+    q_lat = tl.load(q_row[:, None] + offs_l[None, :], mask=row_ok[:, None], other=0.0)
+    q_pe = tl.load(q_row[:, None] + D_LATENT + offs_r[None, :], mask=row_ok[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_LATENT], tl.float32)
+    pt_row = pt_ptr + b * stride_ptb
+    for n0 in range(start, full_end, BLOCK_N):
+        kv, kpe, scale, offs_n = _load_kv_tile(
+            kv_ptr, kv16_ptr, kv32_ptr, kv_desc, pe_desc, pt_row, n0, end, stride_kvp, stride_kvr,
+            PAGE_SIZE, D_LATENT, D_ROPE, KV_FP8, BLOCK_N, q_lat.dtype, False, USE_TMA,
+        )  # fmt: skip
+        m_i, l_i, acc = _attend_heads_major(
+            q_lat, q_pe, kv, kpe, scale, offs_n, end, visible, m_i, l_i, acc, qk_scale,
+            KV_FP8, DOT_PRECISION,
+        )  # fmt: skip
+    for n0 in range(full_end, end, BLOCK_N):  # the partial last tile, if any: a loop of 0 or 1
+        kv, kpe, scale, offs_n = _load_kv_tile(
+            kv_ptr, kv16_ptr, kv32_ptr, kv_desc, pe_desc, pt_row, n0, end, stride_kvp, stride_kvr,
+            PAGE_SIZE, D_LATENT, D_ROPE, KV_FP8, BLOCK_N, q_lat.dtype, True, USE_TMA,
+        )  # fmt: skip
+        m_i, l_i, acc = _attend_heads_major(
+            q_lat, q_pe, kv, kpe, scale, offs_n, end, visible, m_i, l_i, acc, qk_scale,
+            KV_FP8, DOT_PRECISION,
+        )  # fmt: skip
+
+    has = l_i > 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(has, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    o_row = out_ptr + b * stride_ob + pid_s * stride_os + qi * stride_oq + h * stride_oh
+    o_ptrs = o_row[:, None] + offs_l[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    lse_row = lse_ptr + b * stride_lb + pid_s * stride_ls + qi * stride_lq + h * stride_lh
+    tl.store(lse_row, lse, mask=row_ok)
+
+
+@triton.jit
+def split_kv_major_kernel(
+    q_ptr, kv_ptr, kv16_ptr, kv32_ptr, kv_desc, pe_desc, pt_ptr, sl_ptr, out_ptr, lse_ptr,
+    num_heads, num_rows, num_splits, qk_scale,
+    stride_qb, stride_qq, stride_qh,
+    stride_kvp, stride_kvr,
+    stride_ptb,
+    stride_ob, stride_os, stride_oq, stride_oh,
+    stride_lb, stride_ls, stride_lq, stride_lh,
+    NUM_Q: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    D_LATENT: tl.constexpr, D_ROPE: tl.constexpr, KV_FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """Split kernel with cache positions as the matrix M dimension: with few query rows (16 heads)
+    the tensor-core tiles stay full (M = BLOCK_N positions, not 16 rows) and every operand stays in
+    shared memory, so nothing large but the accumulator is held in registers."""
+    b, pid_s, row_ok, qi, h, visible, start, end, full_end = _split_prologue(
+        sl_ptr, num_heads, num_rows, num_splits, NUM_Q, BLOCK_M, BLOCK_N
+    )
+    offs_l = tl.arange(0, D_LATENT)
+    offs_r = tl.arange(0, D_ROPE)
+    q_row = q_ptr + b * stride_qb + qi * stride_qq + h * stride_qh  # [BLOCK_M]
+    qt_lat = tl.load(q_row[None, :] + offs_l[:, None], mask=row_ok[None, :], other=0.0)  # [DL, M]
+    qt_pe = tl.load(q_row[None, :] + D_LATENT + offs_r[:, None], mask=row_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([D_LATENT, BLOCK_M], tl.float32)
+    pt_row = pt_ptr + b * stride_ptb
+    for n0 in range(start, full_end, BLOCK_N):
+        kv, kpe, scale, offs_n = _load_kv_tile(
+            kv_ptr, kv16_ptr, kv32_ptr, kv_desc, pe_desc, pt_row, n0, end, stride_kvp, stride_kvr,
+            PAGE_SIZE, D_LATENT, D_ROPE, KV_FP8, BLOCK_N, qt_lat.dtype, False, USE_TMA,
+        )  # fmt: skip
+        m_i, l_i, acc = _attend_kv_major(
+            qt_lat, qt_pe, kv, kpe, scale, offs_n, end, visible, m_i, l_i, acc, qk_scale,
+            KV_FP8, DOT_PRECISION,
+        )  # fmt: skip
+    for n0 in range(full_end, end, BLOCK_N):  # the partial last tile, if any: a loop of 0 or 1
+        kv, kpe, scale, offs_n = _load_kv_tile(
+            kv_ptr, kv16_ptr, kv32_ptr, kv_desc, pe_desc, pt_row, n0, end, stride_kvp, stride_kvr,
+            PAGE_SIZE, D_LATENT, D_ROPE, KV_FP8, BLOCK_N, qt_lat.dtype, True, USE_TMA,
+        )  # fmt: skip
+        m_i, l_i, acc = _attend_kv_major(
+            qt_lat, qt_pe, kv, kpe, scale, offs_n, end, visible, m_i, l_i, acc, qk_scale,
+            KV_FP8, DOT_PRECISION,
+        )  # fmt: skip
+
+    has = l_i > 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    out = acc / l_safe[None, :]  # [D_LATENT, BLOCK_M]
+    lse = tl.where(has, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    o_row = out_ptr + b * stride_ob + pid_s * stride_os + qi * stride_oq + h * stride_oh
+    o_ptrs = o_row[None, :] + offs_l[:, None]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
+    lse_row = lse_ptr + b * stride_lb + pid_s * stride_ls + qi * stride_lq + h * stride_lh
+    tl.store(lse_row, lse, mask=row_ok)
+
+
+@triton.jit
+def combine_kernel(
+    part_ptr, part_lse_ptr, out_ptr, lse_ptr,
+    num_heads, num_rows, num_splits,
+    stride_ob, stride_oq, stride_oh, stride_lb, stride_lq, stride_lh,
+    D_LATENT: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Merges the splits of one query row over BLOCK_D latent dims: program (row, request, d-block).
+    part: [B, num_splits, rows, D_LATENT] fp32; part_lse: [B, num_splits, rows] fp32. The splits are
+    read SPLIT_CHUNK at a time, so a request cut into many splits (small batch, long cache) is not
+    a long serial loop."""
+    row = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    lse_base = part_lse_ptr + b * num_splits * num_rows + row
+    splits = tl.arange(0, SPLITS_P2)
+    lse_all = tl.load(lse_base + splits * num_rows, mask=splits < num_splits, other=float("-inf"))
+    m = tl.max(lse_all, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.sum(tl.exp(lse_all - m_safe), 0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    part_base = part_ptr + (b * num_splits * num_rows + row) * D_LATENT
+    for s0 in range(0, num_splits, SPLIT_CHUNK):
+        chunk = s0 + tl.arange(0, SPLIT_CHUNK)
+        ok = chunk < num_splits
+        w = tl.exp(tl.load(lse_base + chunk * num_rows, mask=ok, other=float("-inf")) - m_safe)
+        o_ptrs = part_base + chunk[:, None] * num_rows * D_LATENT + offs_d[None, :]
+        o = tl.load(o_ptrs, mask=ok[:, None], other=0.0)  # [SPLIT_CHUNK, BLOCK_D]
+        acc += tl.sum(w[:, None] * o, 0)
+    has = denom > 0.0
+    d_safe = tl.where(has, denom, 1.0)
+    qi = row // num_heads
+    h = row % num_heads
+    o_row = out_ptr + b * stride_ob + qi * stride_oq + h * stride_oh
+    tl.store(o_row + offs_d, (acc / d_safe).to(out_ptr.dtype.element_ty))
+    if tl.program_id(2) == 0:
+        lse = tl.where(has, m_safe + tl.log(d_safe), float("-inf"))
+        tl.store(lse_ptr + b * stride_lb + qi * stride_lq + h * stride_lh, lse)
+
+
+@triton.jit
+def write_kv_fp8_kernel(
+    c_ptr, kpe_ptr, slot_ptr, cache8_ptr, cache16_ptr, cache32_ptr,
+    stride_c, stride_k, stride_page, stride_row,
+    PAGE_SIZE: tl.constexpr, D_LATENT: tl.constexpr, D_ROPE: tl.constexpr, FP8_MAX: tl.constexpr,
+):  # fmt: skip
+    """Quantizes one token's row into the fp8 format at its slot. Cache strides are in bytes."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    row_off = (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_row
+    row_off = tl.multiple_of(row_off, 16)
+    offs_l = tl.arange(0, D_LATENT)
+    offs_r = tl.arange(0, D_ROPE)
+    c = tl.load(c_ptr + t * stride_c + offs_l).to(tl.float32)
+    amax = tl.max(tl.abs(c), 0)
+    scale = tl.where(amax > 0.0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+    c8 = tl.clamp(tl.math.div_rn(c, scale), -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+    tl.store(cache8_ptr + row_off + offs_l, c8.to(tl.uint8, bitcast=True))
+    kpe = tl.load(kpe_ptr + t * stride_k + offs_r).to(tl.bfloat16)
+    off16 = tl.multiple_of((row_off + D_LATENT) // 2, 8)
+    tl.store(cache16_ptr + off16 + offs_r, kpe)
+    tl.store(cache32_ptr + (row_off + D_LATENT + 2 * D_ROPE) // 4, scale)

@@ -1,0 +1,345 @@
+"""MLA decode attention (absorbed, paged latent cache, split-KV) and the fp8 cache writer: the
+launchers of the Triton kernels in `_kernels.py`. Same contracts as `ref.py`.
+
+`mla_decode` runs in one or two launches: a split kernel, in which program (m-block, split,
+request) attends BLOCK_M of the request's Q * H query rows to one chunk of its cache positions;
+then, with more than one split, the combine kernel, which merges the splits' normalised outputs
+through their log-sum-exps. The split kernel comes in two layouts of the same math: `heads_major`
+(query rows are the MMA's M: many rows, 128 heads) and `kv_major` (cache positions are the MMA's M:
+keeps the tensor-core tiles full with few rows, 16 heads).
+
+The split count is picked on the host, with no device sync, from the batch, the m-blocks, the
+longest possible sequence (page_table columns * page_size) and the number of SMs, to fill the GPU
+in few, full waves; each request then cuts its own length into that many chunks (so short
+requests get short chunks). Launch configs (layout, BLOCK_M/N, warps, stages, TMA, split policy)
+come from `tuning` under the key "<cache dtype>,m<16|32|64>" (query rows per request, capped).
+The m-block is the fastest grid axis, so the programs that read the same chunk for different heads
+run together and the second read of a chunk comes from L2.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .. import tuning
+from . import _kernels, fp8_format
+
+LOG2E = 1.4426950408889634
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INT_DTYPES = (torch.int32, torch.int64)
+_CACHE_NAMES = {
+    torch.uint8: "fp8",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+}
+_INTERPRETER_SMS = 4
+"""SM count the split policy assumes without a GPU (the interpreter), so tests exercise splits."""
+
+_SPLIT_KERNELS = {
+    "heads_major": _kernels.split_heads_major_kernel,
+    "kv_major": _kernels.split_kv_major_kernel,
+}
+_SPLIT_POLICY = {
+    "CTAS_PER_SM": 1,
+    "MAX_SPLITS": 128,
+    "MIN_TILES_PER_SPLIT": 2,
+    "SPLIT_OVERHEAD_TILES": 2,
+}
+# Key: "<cache dtype>,m<16|32|64>" by the request's query rows Q * H (m64: 64 or more). LAYOUT picks
+# the split kernel; BLOCK_M is the query rows per program, BLOCK_N the cache positions per tile.
+# Measured on one H200 (2026-11-21, Triton 3.6, benchmarks/tune_mla_decode.py): kv_major with TMA
+# for 16-32 query rows (72-76% of HBM at B=128, 16 heads); heads_major with TMA for 64+ rows
+# (270 TFLOP/s at 128 heads). fp8 caches: heads_major, whose MMA operands tolerate the in-register
+# fp8 -> bf16 conversion best (kv_major spilled heavily).
+_BF16_M16 = {"LAYOUT": "kv_major", "BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
+             "USE_TMA": True}  # fmt: skip
+_BF16_M32 = {"LAYOUT": "kv_major", "BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
+             "USE_TMA": True}  # fmt: skip
+_BF16_M64 = {"LAYOUT": "heads_major", "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8,
+             "num_stages": 2, "USE_TMA": True}  # fmt: skip
+_FP8_M16 = {"LAYOUT": "heads_major", "BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4,
+            "num_stages": 2, "USE_TMA": False, "CTAS_PER_SM": 2}  # fmt: skip
+_FP8_M64 = {"LAYOUT": "heads_major", "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8,
+            "num_stages": 2, "USE_TMA": True}  # fmt: skip
+tuning.register(
+    "mla_decode",
+    "any",
+    {"default": {"LAYOUT": "heads_major", "BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4,
+                 "num_stages": 1, **_SPLIT_POLICY}},
+)  # fmt: skip
+tuning.register(
+    "mla_decode",
+    "sm90",
+    {
+        "default": {**_BF16_M16, **_SPLIT_POLICY},
+        "bf16,m16": {**_BF16_M16, **_SPLIT_POLICY},
+        "bf16,m32": {**_BF16_M32, **_SPLIT_POLICY},
+        "bf16,m64": {**_BF16_M64, **_SPLIT_POLICY},
+        "fp8,m16": {**_SPLIT_POLICY, **_FP8_M16},
+        "fp8,m32": {**_SPLIT_POLICY, **_FP8_M16},
+        "fp8,m64": {**_FP8_M64, **_SPLIT_POLICY},
+    },
+)
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    kv_lora_rank: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [B, Q, H, Dk]; kv_cache: [num_pages, page_size, Dk] in q's dtype, or uint8 fp8 rows;
+    page_table: [B, max_pages] int; seq_lens: [B] int. Returns out [B, Q, H, kv_lora_rank] (q's
+    dtype), lse [B, Q, H] fp32."""
+    return mla_decode_launch(q, kv_cache, page_table, seq_lens, softmax_scale, kv_lora_rank)
+
+
+def mla_decode_launch(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    kv_lora_rank: int,
+    num_splits: int | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mla_decode` with the split count forced (None: the policy's choice) and entries of the tuned
+    launch config overridden by `config`. For tests, benchmarks and tuning sweeps."""
+    _check(q, kv_cache, page_table, seq_lens, kv_lora_rank)
+    batch, num_q, num_heads, head_dim = q.shape
+    rope_dim = head_dim - kv_lora_rank
+    num_rows = num_q * num_heads
+    out = torch.empty(batch, num_q, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, num_q, num_heads, dtype=torch.float32, device=q.device)
+    if batch == 0 or num_rows == 0:
+        return out, lse
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if page_table.stride(1) != 1:
+        page_table = page_table.contiguous()
+    is_fp8 = kv_cache.dtype == torch.uint8
+    row_class = min(64, max(16, triton.next_power_of_2(num_rows)))
+    cfg = tuning.lookup("mla_decode", f"{_CACHE_NAMES[kv_cache.dtype]},m{row_class}", q.device)
+    if config is not None:
+        cfg = {**cfg, **config}
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    num_stages = cfg["num_stages"]
+    if (
+        cfg["LAYOUT"] == "kv_major"
+        and kv_cache.dtype in (torch.bfloat16, torch.float16)
+        and q.is_cuda
+    ):
+        # Triton 3.6, sm_90: without pipelining (1 stage) the kv_major kernel's bf16 tile goes
+        # registers -> shared memory -> transposed wgmma operand, and the results came out wrong
+        # on an H200 (2026-11-21); pipelined, the tile lands in shared memory by async copy.
+        num_stages = max(num_stages, 2)
+    m_blocks = triton.cdiv(num_rows, block_m)
+    page_size = kv_cache.shape[1]
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            batch, m_blocks, page_table.shape[1] * page_size, block_n, cfg, _num_sms(q.device)
+        )
+    if num_splits < 1:
+        raise ValueError(f"mla_decode: num_splits={num_splits} must be >= 1")
+
+    if is_fp8:
+        kv8, kv16, kv32 = kv_cache, kv_cache.view(torch.bfloat16), kv_cache.view(torch.float32)
+    else:
+        kv8 = kv16 = kv32 = kv_cache
+    if num_splits == 1:
+        part, part_lse = out, lse
+        o_strides = (out.stride(0), 0, out.stride(1), out.stride(2))
+        l_strides = (lse.stride(0), 0, lse.stride(1), lse.stride(2))
+    else:
+        part = torch.empty(
+            batch, num_splits, num_q, num_heads, kv_lora_rank, dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            batch, num_splits, num_q, num_heads, dtype=torch.float32, device=q.device
+        )
+        o_strides = part.stride()[:4]
+        l_strides = part_lse.stride()
+    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    kv_desc, pe_desc = _descriptors(kv_cache, kv_lora_rank, rope_dim, block_n, cfg)
+    _SPLIT_KERNELS[cfg["LAYOUT"]][(m_blocks, num_splits, batch)](
+        q, kv8, kv16, kv32, kv_desc, pe_desc, page_table, seq_lens, part, part_lse,
+        num_heads, num_rows, num_splits, softmax_scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1),
+        page_table.stride(0),
+        *o_strides, *l_strides,
+        NUM_Q=num_q, PAGE_SIZE=page_size,
+        D_LATENT=kv_lora_rank, D_ROPE=rope_dim, KV_FP8=is_fp8,
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
+        USE_TMA=kv_desc is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if num_splits > 1:
+        block_d = min(128, kv_lora_rank)
+        splits_p2 = triton.next_power_of_2(num_splits)
+        _kernels.combine_kernel[(num_rows, batch, kv_lora_rank // block_d)](
+            part, part_lse, out, lse,
+            num_heads, num_rows, num_splits,
+            *out.stride()[:3], *lse.stride(),
+            D_LATENT=kv_lora_rank, BLOCK_D=block_d, SPLITS_P2=splits_p2,
+            SPLIT_CHUNK=min(16, splits_p2), num_warps=4,
+        )  # fmt: skip
+    return out, lse
+
+
+def write_kv_fp8(
+    kv_cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor
+) -> None:
+    """Quantizes T tokens' [c_kv | k_pe] into an fp8 cache [num_pages, page_size, row_bytes] uint8
+    at flat slots (page * page_size + row), in place. Padding bytes of a row are left as they
+    are."""
+    if kv_cache.dim() != 3 or kv_cache.dtype != torch.uint8:
+        raise ValueError(
+            f"write_kv_fp8: kv_cache must be uint8 [P, S, row_bytes], got {kv_cache.dtype}"
+        )
+    if c_kv.dim() != 2 or k_pe.dim() != 2 or c_kv.shape[0] != k_pe.shape[0]:
+        raise ValueError(
+            f"write_kv_fp8: c_kv [T, L] and k_pe [T, R] expected, got {tuple(c_kv.shape)}, "
+            f"{tuple(k_pe.shape)}"
+        )
+    lora, rope = c_kv.shape[1], k_pe.shape[1]
+    _check_dims(lora, rope, "write_kv_fp8")
+    _check_fp8_cache(kv_cache, lora, rope, "write_kv_fp8")
+    if slots.shape != (c_kv.shape[0],) or slots.dtype not in _INT_DTYPES:
+        raise ValueError(f"write_kv_fp8: slots must be int [{c_kv.shape[0]}], got {slots.dtype}")
+    for name, t in (("slots", slots), ("c_kv", c_kv), ("k_pe", k_pe)):
+        if t.device != kv_cache.device:
+            raise ValueError(f"write_kv_fp8: {name} on {t.device}, kv_cache on {kv_cache.device}")
+    if c_kv.shape[0] == 0:
+        return
+    c_kv = c_kv if c_kv.stride(-1) == 1 else c_kv.contiguous()
+    k_pe = k_pe if k_pe.stride(-1) == 1 else k_pe.contiguous()
+    _kernels.write_kv_fp8_kernel[(c_kv.shape[0],)](
+        c_kv, k_pe, slots, kv_cache, kv_cache.view(torch.bfloat16), kv_cache.view(torch.float32),
+        c_kv.stride(0), k_pe.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+        PAGE_SIZE=kv_cache.shape[1], D_LATENT=lora, D_ROPE=rope, FP8_MAX=fp8_format.FP8_E4M3_MAX,
+        num_warps=4 if lora >= 512 else 1,
+    )  # fmt: skip
+
+
+def _descriptors(
+    kv_cache: torch.Tensor, lora: int, rope: int, block_n: int, cfg: dict
+) -> tuple[TensorDescriptor | None, TensorDescriptor | None]:
+    """TMA descriptors over the flat cache rows (latent, rope) when the config asks for them and
+    every full tile lies in one page of a cache whose pages are back to back; else (None, None)."""
+    num_pages, page_size, width = kv_cache.shape
+    stride_page, stride_row = kv_cache.stride(0), kv_cache.stride(1)
+    if not cfg.get("USE_TMA") or page_size % block_n or stride_page != page_size * stride_row:
+        return None, None
+    rows = num_pages * page_size
+    if kv_cache.dtype == torch.uint8:
+        pe_view = kv_cache.view(torch.bfloat16)
+        kv_desc = TensorDescriptor(kv_cache, [rows, width], [stride_row, 1], [block_n, lora])
+        pe_desc = TensorDescriptor(
+            pe_view, [rows, width // 2], [stride_row // 2, 1], [block_n, rope]
+        )
+    else:
+        kv_desc = TensorDescriptor(kv_cache, [rows, width], [stride_row, 1], [block_n, lora])
+        pe_desc = TensorDescriptor(kv_cache, [rows, width], [stride_row, 1], [block_n, rope])
+    return kv_desc, pe_desc
+
+
+def choose_num_splits(
+    batch: int, m_blocks: int, max_seq_len: int, block_n: int, cfg: dict, num_sms: int
+) -> int:
+    """Splits per request, by a cost model in units of one tile's time: waves of programs times
+    (tiles per split + SPLIT_OVERHEAD_TILES, a program's fixed cost), plus that overhead once more
+    for the combine step when splitting. Fewest splits on ties; at least MIN_TILES_PER_SPLIT tiles
+    per split of the longest request. Cached: it runs on every decode step."""
+    tiles = triton.cdiv(max(max_seq_len, 1), block_n)
+    policy = (cfg["MAX_SPLITS"], cfg["MIN_TILES_PER_SPLIT"], cfg["CTAS_PER_SM"])
+    return _num_splits(batch * m_blocks, tiles, num_sms, *policy, cfg["SPLIT_OVERHEAD_TILES"])
+
+
+@functools.lru_cache(maxsize=4096)
+def _num_splits(
+    programs: int, tiles: int, num_sms: int, max_splits: int, min_tiles: int, ctas_per_sm: int,
+    overhead: int,
+) -> int:  # fmt: skip
+    limit = max(1, min(max_splits, tiles // min_tiles))
+    slots = num_sms * ctas_per_sm
+
+    def cost(s: int) -> int:
+        waves = -(-programs * s // slots)
+        return waves * (-(-tiles // s) + overhead) + (overhead if s > 1 else 0)
+
+    return min(range(1, limit + 1), key=lambda s: (cost(s), s))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _check_dims(lora: int, rope: int, op: str) -> None:
+    for name, d in (("kv_lora_rank", lora), ("rope dims", rope)):
+        if d < 16 or d & (d - 1):
+            raise ValueError(f"{op}: {name}={d} must be a power of two >= 16")
+
+
+def _check_fp8_cache(kv_cache: torch.Tensor, lora: int, rope: int, op: str) -> None:
+    want = fp8_format.row_bytes(lora, rope)
+    if kv_cache.shape[-1] != want:
+        raise ValueError(
+            f"{op}: fp8 cache rows are {kv_cache.shape[-1]} bytes, the format needs {want} "
+            f"(kv_lora_rank={lora}, rope={rope})"
+        )
+    if kv_cache.stride(2) != 1 or kv_cache.stride(1) % 16 or kv_cache.stride(0) % 16:
+        raise ValueError(
+            f"{op}: fp8 cache strides {kv_cache.stride()} must be multiples of 16 bytes"
+        )
+    if kv_cache.data_ptr() % 16:
+        raise ValueError(f"{op}: fp8 cache must start 16-byte aligned")
+
+
+def _check(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_lora_rank: int,
+) -> None:
+    if q.dim() != 4 or q.dtype not in _FLOAT_DTYPES:
+        raise ValueError(
+            f"mla_decode: q must be float [B, Q, H, Dk], got {q.dtype} {tuple(q.shape)}"
+        )
+    batch, _, _, head_dim = q.shape
+    _check_dims(kv_lora_rank, head_dim - kv_lora_rank, "mla_decode")
+    if kv_cache.dim() != 3:
+        raise ValueError(
+            f"mla_decode: kv_cache must be [P, page_size, D], got {tuple(kv_cache.shape)}"
+        )
+    if kv_cache.dtype == torch.uint8:
+        _check_fp8_cache(kv_cache, kv_lora_rank, head_dim - kv_lora_rank, "mla_decode")
+    elif kv_cache.dtype != q.dtype or kv_cache.shape[-1] != head_dim or kv_cache.stride(-1) != 1:
+        raise ValueError(
+            f"mla_decode: kv_cache must be {q.dtype} [P, page_size, {head_dim}], unit stride last "
+            f"(or uint8 fp8 rows), got {kv_cache.dtype} {tuple(kv_cache.shape)} {kv_cache.stride()}"
+        )
+    if page_table.dim() != 2 or page_table.shape[0] != batch or page_table.dtype not in _INT_DTYPES:
+        raise ValueError(
+            f"mla_decode: page_table must be int [{batch}, max_pages], got {page_table.dtype} "
+            f"{tuple(page_table.shape)}"
+        )
+    if seq_lens.shape != (batch,) or seq_lens.dtype not in _INT_DTYPES:
+        raise ValueError(
+            f"mla_decode: seq_lens must be int [{batch}], got {seq_lens.dtype} "
+            f"{tuple(seq_lens.shape)}"
+        )
+    for name, t in (("kv_cache", kv_cache), ("page_table", page_table), ("seq_lens", seq_lens)):
+        if t.device != q.device:
+            raise ValueError(f"mla_decode: {name} on {t.device}, q on {q.device}")

@@ -1,0 +1,221 @@
+"""Triton mla_decode (bf16 / fp16 / fp32 and fp8 caches) and write_kv_fp8 against the references.
+
+Every case runs on a shuffled page pool with ragged sequence lengths, Q = 1..4 query tokens per
+request (causal among them) and page sizes 1, 16 and 64; some requests have fewer positions than
+queries (their first queries see nothing: out 0, lse -inf).
+
+Tolerances, with the reference in fp32 from the same inputs: out ||out - ref|| / ||ref|| <= 1e-4
+for fp32 (IEEE dots), 5e-3 for fp16 and 1.5e-2 for bf16 (P is rounded to the input dtype before the
+P @ V dot); lse within 1e-3 absolute (the scores accumulate in fp32), and -inf exactly where the
+reference has it. An fp8 cache is checked against the reference on the same fp8 rows, so it has
+its q dtype's tolerance. On CPU the kernels run in the interpreter at tiny sizes in fp32 / fp16;
+bf16 and DeepSeek-V3 sizes are GPU cases."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from _decode_check import DEVICE, poisoned_empty, rel_err
+from pdserve.kernels.mla_decode import fp8_format, ref
+from pdserve.kernels.mla_decode import mla_decode as mla_decode_dispatch
+from pdserve.kernels.mla_decode import triton as tri
+
+OUT_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1.5e-2}
+LSE_TOL = 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    seq_lens: tuple[int, ...]
+    num_q: int
+    heads: int
+    page_size: int
+    dtype: torch.dtype
+    fp8: bool = False
+    lora: int = 512
+    rope: int = 64
+
+
+CASES = [
+    # tiny, interpreter-sized
+    pytest.param(Case((1, 7, 20), 1, 3, 1, torch.float32, lora=32, rope=16), id="q1-h3-p1-f32"),
+    pytest.param(Case((2, 37), 4, 5, 16, torch.float16, lora=64, rope=16), id="q4-h5-p16-f16"),
+    pytest.param(Case((0, 70, 9, 130), 2, 16, 64, torch.float32, False, 32, 16), id="q2-h16-p64"),
+    pytest.param(Case((5, 41, 3), 3, 4, 16, torch.float32, True, 32, 16), id="q3-h4-p16-fp8"),
+    # DeepSeek-V3 sizes on the GPU
+    pytest.param(Case((1, 4000, 777, 2048, 64, 3001, 15, 1200), 1, 16, 64, torch.bfloat16),
+                 marks=pytest.mark.gpu, id="q1-h16-p64-bf16"),
+    pytest.param(Case((3, 2000, 517, 1025), 4, 128, 16, torch.bfloat16),
+                 marks=pytest.mark.gpu, id="q4-h128-p16-bf16"),
+    pytest.param(Case((700, 2, 333, 64, 1), 2, 16, 1, torch.bfloat16),
+                 marks=pytest.mark.gpu, id="q2-h16-p1-bf16"),
+    pytest.param(Case((1, 3000, 128, 999, 4097), 1, 128, 64, torch.bfloat16),
+                 marks=pytest.mark.gpu, id="q1-h128-p64-bf16"),
+    pytest.param(Case((1, 3000, 128, 999), 1, 128, 64, torch.bfloat16, True),
+                 marks=pytest.mark.gpu, id="q1-h128-p64-fp8"),
+    pytest.param(Case((2, 1500, 4096, 31), 3, 16, 16, torch.bfloat16, True),
+                 marks=pytest.mark.gpu, id="q3-h16-p16-fp8"),
+]  # fmt: skip
+
+
+def _make(case: Case, seed: int):
+    """q, cache, page_table (shuffled pages, unused entries point at a poisoned page), seq_lens."""
+    g = torch.Generator().manual_seed(seed)
+    batch, dk = len(case.seq_lens), case.lora + case.rope
+    pages_per_req = [max(1, -(-n // case.page_size)) for n in case.seq_lens]
+    max_pages = max(pages_per_req) + 1  # a spare column: the kernel must not read past seq_len
+    num_pages = sum(pages_per_req) + 1
+    order = torch.randperm(num_pages - 1, generator=g)  # page num_pages - 1 is never assigned
+    page_table = torch.full((batch, max_pages), num_pages - 1, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(pages_per_req):
+        page_table[b, :n] = order[start : start + n].int()
+        start += n
+    q = torch.randn(batch, case.num_q, case.heads, dk, generator=g)
+    c_kv = torch.randn(num_pages * case.page_size, case.lora, generator=g)
+    k_pe = torch.randn(num_pages * case.page_size, case.rope, generator=g)
+    if case.fp8:
+        cache = ref.quantize_kv_fp8(c_kv, k_pe).view(num_pages, case.page_size, -1)
+        cache[-1].view(torch.float32)[:, -4:] = float("nan")  # poison the spare page's scales
+    else:
+        cache = torch.cat([c_kv, k_pe], -1).view(num_pages, case.page_size, dk).to(case.dtype)
+        cache[-1] = float("nan")  # the spare page: any read of it poisons the output
+    seq_lens = torch.tensor(case.seq_lens, dtype=torch.int32)
+    to = {"device": DEVICE}
+    return (q.to(case.dtype).to(**to), cache.to(**to), page_table.to(**to), seq_lens.to(**to))
+
+
+def _check(case: Case, got: tuple[torch.Tensor, torch.Tensor], expected) -> None:
+    out, lse = got
+    out_ref, lse_ref = expected
+    assert out.shape == out_ref.shape and out.dtype == out_ref.dtype
+    assert lse.shape == lse_ref.shape and lse.dtype == torch.float32
+    err = rel_err(out, out_ref)
+    assert err <= OUT_TOL[case.dtype], f"out rel err {err:.2e}"
+    hidden = lse_ref == float("-inf")
+    assert torch.equal(lse == float("-inf"), hidden)
+    assert (lse[~hidden] - lse_ref[~hidden]).abs().max().item() <= LSE_TOL
+    assert torch.equal(out[hidden], torch.zeros_like(out[hidden]))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_mla_decode_matches_ref(case: Case) -> None:
+    q, cache, page_table, seq_lens = _make(case, seed=len(case.seq_lens) * 31 + case.heads)
+    scale = (case.lora + case.rope) ** -0.5
+    expected = ref.mla_decode(q, cache, page_table, seq_lens, scale, case.lora)
+    with poisoned_empty():
+        got = tri.mla_decode(q, cache, page_table, seq_lens, scale, case.lora)
+    _check(case, got, expected)
+
+
+LAYOUT_CASES = [
+    pytest.param(Case((3, 50, 17), 2, 6, 16, torch.float32, lora=32, rope=16), id="f32"),
+    pytest.param(Case((3, 50, 17), 2, 6, 16, torch.float32, True, 32, 16), id="f32-fp8"),
+    pytest.param(Case((3, 1900, 257, 4096), 2, 16, 64, torch.bfloat16),
+                 marks=pytest.mark.gpu, id="bf16"),
+    pytest.param(Case((3, 1900, 257, 4096), 1, 128, 64, torch.bfloat16, True),
+                 marks=pytest.mark.gpu, id="bf16-fp8"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("use_tma", [False, True], ids=["ptr", "tma"])
+@pytest.mark.parametrize("num_splits", [1, 3, 20])
+@pytest.mark.parametrize("layout", ["heads_major", "kv_major"])
+@pytest.mark.parametrize("case", LAYOUT_CASES)
+def test_mla_decode_layouts_and_splits(
+    case: Case, layout: str, num_splits: int, use_tma: bool
+) -> None:
+    """Both split kernels, pointer or TMA loads, with and without the combine step, whatever the
+    tuning table picks."""
+    q, cache, page_table, seq_lens = _make(case, seed=7)
+    scale = 0.1
+    expected = ref.mla_decode(q, cache, page_table, seq_lens, scale, case.lora)
+    config = {"LAYOUT": layout, "USE_TMA": use_tma}
+    if DEVICE == "cpu":
+        config |= {"BLOCK_M": 16, "BLOCK_N": 16}
+    with poisoned_empty():
+        got = tri.mla_decode_launch(
+            q, cache, page_table, seq_lens, scale, case.lora, num_splits, config
+        )
+    _check(case, got, expected)
+
+
+def _exact_fp8_rows(tokens: int, lora: int, rope: int, seed: int):
+    """c_kv whose quantization is exact (fp8 values times a power-of-two scale, row max exactly 448
+    times it) and bf16-valued k_pe: the interpreter's inexact fp8 / bf16 casts then never round."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 0x7F, (tokens, lora), generator=g, dtype=torch.uint8)  # no NaN codes
+    values = codes.view(torch.float8_e4m3fn).float()
+    values = values * torch.where(torch.rand(tokens, lora, generator=g) < 0.5, -1.0, 1.0)
+    values[:, 0] = fp8_format.FP8_E4M3_MAX
+    scales = 2.0 ** torch.randint(-12, 3, (tokens, 1), generator=g).float()
+    k_pe = torch.randn(tokens, rope, generator=g).to(torch.bfloat16)
+    return values * scales, k_pe
+
+
+@pytest.mark.parametrize(
+    "tokens,lora,rope,page_size",
+    [
+        pytest.param(7, 32, 16, 4, id="cpu-sized"),
+        pytest.param(300, 512, 64, 64, marks=pytest.mark.gpu, id="v3-p64"),
+        pytest.param(50, 512, 64, 1, marks=pytest.mark.gpu, id="v3-p1"),
+    ],
+)
+def test_write_kv_fp8_matches_ref(tokens: int, lora: int, rope: int, page_size: int) -> None:
+    if DEVICE == "cuda":  # the GPU casts round like torch: random data must match bit for bit
+        g = torch.Generator().manual_seed(tokens)
+        c_kv, k_pe = (
+            torch.randn(tokens, lora, generator=g) * 3,
+            torch.randn(tokens, rope, generator=g),
+        )
+        c_kv[0] = 0.0  # an all-zero row: scale 1
+    else:
+        c_kv, k_pe = _exact_fp8_rows(tokens, lora, rope, seed=tokens)
+    row_bytes = fp8_format.row_bytes(lora, rope)
+    num_pages = -(-2 * tokens // page_size)
+    slots = torch.randperm(num_pages * page_size)[:tokens].to(DEVICE)
+    c_kv, k_pe = c_kv.to(DEVICE), k_pe.to(DEVICE)
+    cache_ref = torch.full(
+        (num_pages, page_size, row_bytes), 0xA5, dtype=torch.uint8, device=DEVICE
+    )
+    cache = cache_ref.clone()
+    ref.write_kv_fp8(cache_ref, slots, c_kv, k_pe)
+    tri.write_kv_fp8(cache, slots, c_kv, k_pe)
+    used = fp8_format.scale_offset(lora, rope) + 4  # padding bytes are not part of the contract
+    diff = (cache[..., :used] != cache_ref[..., :used]).view(-1, used)  # [rows, used bytes]
+    if diff.any():
+        rows, cols = diff.nonzero(as_tuple=True)
+        parts = {"latent": (0, lora), "rope": (lora, lora + 2 * rope), "scale": (used - 4, used)}
+        counts = {k: int(diff[:, a:b].sum()) for k, (a, b) in parts.items()}
+        r, c = int(rows[0]), int(cols[0])
+        flat, flat_ref = cache.view(-1, row_bytes), cache_ref.view(-1, row_bytes)
+        pytest.fail(
+            f"{int(diff.sum())} bytes differ in {len(set(rows.tolist()))} rows {counts}; first at "
+            f"row {r} (slot? {r in slots.tolist()}) byte {c}: got {flat[r, c].item()} want "
+            f"{flat_ref[r, c].item()}; row got {flat[r, :used].tolist()} "
+            f"want {flat_ref[r, :used].tolist()}"
+        )
+    deq = ref.dequantize_kv_fp8(cache.view(-1, row_bytes)[slots], lora, rope)
+    assert rel_err(deq[:, :lora], c_kv) <= 0.05  # e4m3 keeps 3 mantissa bits
+    assert torch.equal(deq[:, lora:], k_pe.to(torch.bfloat16).float())
+
+
+def test_mla_decode_dispatch_and_checks() -> None:
+    case = Case((4, 9), 1, 2, 16, torch.float32, lora=32, rope=16)
+    q, cache, page_table, seq_lens = _make(case, seed=3)
+    with pytest.raises(ValueError, match="kv_cache"):
+        tri.mla_decode(q, cache.half(), page_table, seq_lens, 0.1, 32)
+    with pytest.raises(ValueError, match="fp8 cache rows"):
+        tri.mla_decode(q, torch.zeros(4, 16, 50, dtype=torch.uint8, device=DEVICE), page_table,
+                       seq_lens, 0.1, 32)  # fmt: skip
+    with pytest.raises(ValueError, match="power of two"):
+        tri.mla_decode(q, cache, page_table, seq_lens, 0.1, 24)
+    with pytest.raises(ValueError, match="seq_lens"):
+        tri.mla_decode(q, cache, page_table, seq_lens[:1], 0.1, 32)
+    with pytest.raises(ValueError, match="page_table"):
+        tri.mla_decode(q, cache, page_table.float(), seq_lens, 0.1, 32)
+    # the package entry point: the reference on CPU, Triton on CUDA
+    out, lse = mla_decode_dispatch(q, cache, page_table, seq_lens, 0.1, 32)
+    _check(case, (out, lse), ref.mla_decode(q, cache, page_table, seq_lens, 0.1, 32))

@@ -1,0 +1,68 @@
+"""Triton rmsnorm (+ fused residual add) against the torch reference.
+
+Tolerances: the new residual (x + residual, rounded once to x's dtype) must match exactly; the
+normalised output within 2 units in the last place of its dtype, relative (the kernel's sum of
+squares runs in another order, which can flip one rounding of x * rstd). On CPU the kernel runs in
+the interpreter, so CPU cases are fp32 / fp16; bf16 and DeepSeek-V3 widths are GPU cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _decode_check import DEVICE, poisoned_empty
+from pdserve.kernels.rmsnorm import ref
+from pdserve.kernels.rmsnorm import triton as tri
+
+ULP = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+
+CASES = [
+    pytest.param(1, 48, torch.float32, id="1x48-f32"),
+    pytest.param(7, 100, torch.float16, id="7x100-f16"),
+    pytest.param(5, 512, torch.float32, id="5x512-f32"),
+    pytest.param(256, 7168, torch.bfloat16, marks=pytest.mark.gpu, id="256x7168-bf16"),
+    pytest.param(33, 1536, torch.bfloat16, marks=pytest.mark.gpu, id="33x1536-bf16"),
+    pytest.param(129, 512, torch.float16, marks=pytest.mark.gpu, id="129x512-f16"),
+]
+
+
+def _check_out(out: torch.Tensor, expected: torch.Tensor) -> None:
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    assert torch.isfinite(out).all()
+    tol = 2 * ULP[out.dtype]
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("rows,dim,dtype", CASES)
+def test_rmsnorm_matches_ref(rows: int, dim: int, dtype: torch.dtype, with_residual: bool) -> None:
+    torch.manual_seed(rows * dim)
+    # x is a strided view (rows of a wider buffer), as a slice of a projection output would be
+    x = (torch.randn(rows, dim + 24, device=DEVICE) * 3).to(dtype)[:, :dim]
+    weight = (1 + 0.1 * torch.randn(dim, device=DEVICE)).to(dtype)
+    residual = torch.randn(rows, dim, device=DEVICE).to(dtype) if with_residual else None
+    expected = ref.rmsnorm(x, weight, 1e-6, residual)
+    with poisoned_empty():
+        got = tri.rmsnorm(x, weight, 1e-6, residual)
+    if residual is None:
+        _check_out(got, expected)
+    else:
+        _check_out(got[0], expected[0])
+        assert torch.equal(got[1], expected[1])
+
+
+def test_rmsnorm_leading_dims_and_fp32_weight() -> None:
+    x = torch.randn(2, 3, 64, device=DEVICE, dtype=torch.float16)
+    weight = torch.randn(64, device=DEVICE)  # fp32 weight with fp16 activations
+    with poisoned_empty():
+        got = tri.rmsnorm(x, weight, 1e-5)
+    _check_out(got, ref.rmsnorm(x, weight, 1e-5))
+
+
+def test_rmsnorm_rejects_bad_inputs() -> None:
+    x = torch.randn(4, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="weight"):
+        tri.rmsnorm(x, torch.ones(31, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        tri.rmsnorm(x, torch.ones(32, device=DEVICE), 1e-6, torch.randn(4, 32, dtype=torch.float16))
+    with pytest.raises(ValueError, match="float"):
+        tri.rmsnorm(x.int(), torch.ones(32, device=DEVICE), 1e-6)

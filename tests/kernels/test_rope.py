@@ -1,0 +1,63 @@
+"""Triton interleaved RoPE (in place) against the torch reference.
+
+q_pe is passed as the model passes it: the non-contiguous rope slice of q ([T, H, nope + rope]
+split on the last dim), and the test checks the nope part is left untouched. Tolerance: 1 unit in
+the last place of the dtype, relative (the GPU may fuse a multiply-add that the reference rounds
+twice); the CPU interpreter matches exactly in fp32. CPU cases are fp32 / fp16 (the interpreter
+truncates fp32 -> bf16 casts); bf16 at DeepSeek-V3 sizes runs on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _decode_check import DEVICE
+from pdserve.kernels.rope import ref
+from pdserve.kernels.rope import triton as tri
+
+ULP = {torch.float32: 2.0**-22, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+
+CASES = [
+    # tokens, heads, nope dims, rope dims, dtype, k_pe as [T, 1, R]
+    pytest.param(5, 3, 8, 16, torch.float32, False, id="5x3-f32"),
+    pytest.param(1, 1, 0, 64, torch.float16, True, id="1x1-f16-k3d"),
+    pytest.param(9, 17, 16, 32, torch.float16, False, id="9x17-f16"),
+    pytest.param(
+        256, 128, 128, 64, torch.bfloat16, False, marks=pytest.mark.gpu, id="256x128-bf16"
+    ),
+    pytest.param(33, 16, 128, 64, torch.bfloat16, True, marks=pytest.mark.gpu, id="33x16-bf16"),
+]
+
+
+@pytest.mark.parametrize("tokens,heads,nope,rope_dim,dtype,k_3d", CASES)
+def test_rope_matches_ref(tokens, heads, nope, rope_dim, dtype, k_3d) -> None:
+    torch.manual_seed(tokens * heads + rope_dim)
+    max_pos = 4096
+    q = torch.randn(tokens, heads, nope + rope_dim, device=DEVICE).to(dtype)
+    k_pe = torch.randn(tokens, 1, rope_dim, device=DEVICE).to(dtype)
+    if not k_3d:
+        k_pe = k_pe[:, 0]
+    positions = torch.randint(0, max_pos, (tokens,), device=DEVICE, dtype=torch.int64)
+    angles = torch.rand(max_pos, rope_dim // 2, device=DEVICE) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1) * 1.3  # an attention factor
+    q_ref, k_ref = q.clone(), k_pe.clone()
+    ref.rope(q_ref.split([nope, rope_dim], -1)[1], k_ref, positions, cos_sin)
+    q_pe = q.split([nope, rope_dim], -1)[1]
+    assert not q_pe.is_contiguous() or nope == 0
+    tri.rope(q_pe, k_pe, positions.int(), cos_sin)
+    tol = ULP[dtype]
+    torch.testing.assert_close(q.float(), q_ref.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(k_pe.float(), k_ref.float(), rtol=tol, atol=tol)
+    assert torch.equal(q[..., :nope], q_ref[..., :nope])
+
+
+def test_rope_rejects_bad_inputs() -> None:
+    q = torch.randn(3, 2, 16, device=DEVICE)
+    k = torch.randn(3, 16, device=DEVICE)
+    pos = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    cs = torch.randn(8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="k_pe"):
+        tri.rope(q, torch.randn(3, 8, device=DEVICE), pos, cs)
+    with pytest.raises(ValueError, match="positions"):
+        tri.rope(q, k, pos.float(), cs)
+    with pytest.raises(ValueError, match="cos_sin"):
+        tri.rope(q, k, pos, cs.double())
