@@ -13,6 +13,7 @@ import math
 
 import torch
 from _bench import BF16_FLOPS, HBM_BYTES_PER_S, Row, time_ms
+
 from pdserve.kernels.mla_decode import fp8_format, ref
 from pdserve.kernels.mla_decode import triton as tri
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 from _bench import HBM_BYTES_PER_S, Row, time_ms
+
 from pdserve.kernels.rope import ref
 from pdserve.kernels.rope import triton as tri
 

@@ -24,20 +24,50 @@ from _bench import HBM_BYTES_PER_S  # noqa: E402
 
 
 def main() -> None:
-    from pdserve.model.batch import SeqChunk
-    from pdserve.model.deepseek import Experts
     from pdserve.model.loader import load_model
-    from pdserve.model.runner import ModelRunner, SampleSpec
-    from pdserve.model.sampling_params import SamplingParams
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("model")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--page-size", default="16", help="one or more, comma-separated")
+    parser.add_argument(
+        "--device", default="cuda", help="cuda (the measurement) or cpu (a dry run)"
+    )
     args = parser.parse_args()
-    model = load_model(args.model, "cuda", torch.bfloat16)
+    model = load_model(args.model, args.device, torch.bfloat16)
+    lines = []
+    for page_size in [int(p) for p in args.page_size.split(",")]:
+        lines.append(measure(model, args, page_size))
+        torch.cuda.empty_cache()
+    header = (
+        f"{device_name(args.device)} | {args.model} | batch {args.batch} x context {args.context}\n"
+        f"| page | step (median of {args.steps}) | weights read | experts touched | KV read | roofline "
+        f"| ratio |\n|---|---|---|---|---|---|---|"
+    )
+    text = "\n".join([header, *lines])
+    print(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "decode_step.md").write_text(text + "\n")
+
+
+def device_name(device: str) -> str:
+    return "cpu" if device == "cpu" else torch.cuda.get_device_name()
+
+
+def measure(model, args, page_size: int) -> str:
+    from pdserve.model.batch import SeqChunk
+    from pdserve.model.deepseek import Experts
+    from pdserve.model.runner import ModelRunner, SampleSpec
+    from pdserve.model.sampling_params import SamplingParams
+
+    args.page_size = page_size
+
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
     pages_per_seq = -(-(args.context + args.steps + 8) // args.page_size)
     runner = ModelRunner(model, args.page_size, args.batch * pages_per_seq)
     runner.cache.data.normal_()
@@ -58,10 +88,10 @@ def main() -> None:
         pos = args.context + step
         chunks = [SeqChunk([t], pos, tables[b]) for b, t in enumerate(tokens)]
         specs = [SampleSpec(params, step)] * args.batch
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         tokens = runner.decode(chunks, specs)
-        torch.cuda.synchronize()
+        sync()
         if step >= 5:
             times.append(time.perf_counter() - start)
         if step == 5:
@@ -90,17 +120,11 @@ def main() -> None:
     )
     total = other_bytes + expert_bytes + kv_bytes
     roofline_s = total / HBM_BYTES_PER_S
-    text = (
-        f"{torch.cuda.get_device_name()} | {args.model} | batch {args.batch} x context {args.context} | "
-        f"page {args.page_size}\n"
-        f"| step (median of {args.steps}) | weights read | experts touched | KV read | roofline | ratio |\n"
-        f"|---|---|---|---|---|---|\n"
-        f"| {1e3 * step_s:.2f} ms | {(other_bytes + expert_bytes) / 1e9:.2f} GB | {experts_touched} | "
-        f"{kv_bytes / 1e9:.2f} GB | {1e3 * roofline_s:.2f} ms | {step_s / roofline_s:.2f}x |"
+    return (
+        f"| {page_size} | {1e3 * step_s:.2f} ms | {(other_bytes + expert_bytes) / 1e9:.2f} GB | "
+        f"{experts_touched} | {kv_bytes / 1e9:.2f} GB | {1e3 * roofline_s:.2f} ms | "
+        f"{step_s / roofline_s:.2f}x |"
     )
-    print(text)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "decode_step.md").write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_mla_decode import LORA, SCALE, make_inputs  # noqa: E402
+
 from pdserve.kernels.mla_decode import triton as tri  # noqa: E402
 
 

@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import time_ms  # noqa: E402
 from bench_mla_decode import LORA, SCALE, make_inputs, make_row  # noqa: E402
+
 from pdserve.kernels.mla_decode import ref  # noqa: E402
 from pdserve.kernels.mla_decode import triton as tri  # noqa: E402
 

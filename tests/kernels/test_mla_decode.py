@@ -18,6 +18,7 @@ import dataclasses
 import pytest
 import torch
 from _decode_check import DEVICE, poisoned_empty, rel_err
+
 from pdserve.kernels.mla_decode import fp8_format, ref
 from pdserve.kernels.mla_decode import mla_decode as mla_decode_dispatch
 from pdserve.kernels.mla_decode import triton as tri

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _decode_check import DEVICE, poisoned_empty
+
 from pdserve.kernels.rmsnorm import ref
 from pdserve.kernels.rmsnorm import triton as tri
 

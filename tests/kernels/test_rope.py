@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _decode_check import DEVICE
+
 from pdserve.kernels.rope import ref
 from pdserve.kernels.rope import triton as tri
 
