@@ -179,7 +179,7 @@ def mla_decode_launch(
         NUM_Q=num_q, PAGE_SIZE=page_size,
         D_LATENT=kv_lora_rank, D_ROPE=rope_dim, KV_FP8=is_fp8,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
-        USE_TMA=kv_desc is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        USE_TMA=kv_desc is not None, num_warps=cfg["num_warps"], num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         block_d = min(128, kv_lora_rank)

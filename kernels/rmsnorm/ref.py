@@ -2,6 +2,8 @@
 
 Normalises in fp32, casts back to the input dtype, then scales by `weight` (the order HF transformers and the
 DeepSeek reference use). With `residual`, first adds it: the sum is both normalised and returned as the new residual.
+The residual may be fp32 while x is bf16/fp16 (the model keeps its residual stream in fp32): the sum is formed in
+fp32, kept in the residual's dtype, and the output is in x's dtype.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import torch
 def rmsnorm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """x, residual: [T, D]; weight: [D]. Returns out [T, D], or (out, x + residual) when residual is given."""
+    """x, residual: [T, D]; weight: [D]. Returns out [T, D] in x's dtype, or (out, x + residual) when residual is
+    given (the sum in the residual's dtype)."""
     if residual is not None:
-        x = x + residual
-        residual = x
-    h = x.float()
+        residual = (x.float() + residual.float()).to(residual.dtype)
+        h = residual.float()
+    else:
+        h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     out = (weight * h.to(x.dtype)).to(x.dtype)
     return out if residual is None else (out, residual)

@@ -1,8 +1,8 @@
 """RMSNorm (+ fused residual add) in Triton: same contract and rounding order as `ref.rmsnorm`.
 
-One program normalises ROWS rows of D values. With a residual, the sum x + residual is rounded to
-x's dtype first (as the reference adds in that dtype), written out as the new residual, and
-normalised in fp32. The normalised value is rounded to x's dtype before the weight multiply, which
+One program normalises ROWS rows of D values. With a residual, the sum x + residual is formed in
+fp32 and rounded to the residual's dtype (x's, or fp32 for an fp32 residual stream), written out as
+the new residual, and normalised in fp32. The normalised value is rounded to x's dtype before the weight multiply, which
 is done in fp32 and rounded again, exactly as `weight * h.to(x.dtype)` does in torch. Any leading
 shape is accepted; rows may have any stride, the last dim must be contiguous (it is for every caller
 in the model).
@@ -50,11 +50,13 @@ def _rmsnorm_kernel(
             x = tl.load(x_ptr + row64 * stride_x + offs_d, mask=mask_d, other=0.0)
             if HAS_RESIDUAL:
                 r = tl.load(res_ptr + row64 * stride_res + offs_d, mask=mask_d, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded like torch's x + r
-                tl.store(res_out_ptr + row64 * stride_res_out + offs_d, x, mask=mask_d)
-            h = x.to(tl.float32)
+                s = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+                tl.store(res_out_ptr + row64 * stride_res_out + offs_d, s, mask=mask_d)
+                h = s.to(tl.float32)
+            else:
+                h = x.to(tl.float32)
             rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / dim + eps)
-            h = (h * rstd).to(x.dtype).to(tl.float32)
+            h = (h * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
             out = (w * h).to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + row64 * stride_out + offs_d, out, mask=mask_d)
 
@@ -76,17 +78,19 @@ def rmsnorm(
     if weight.device != x.device:
         raise ValueError(f"rmsnorm: weight on {weight.device}, x on {x.device}")
     if residual is not None and (
-        residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device
+        residual.shape != x.shape
+        or residual.dtype not in (x.dtype, torch.float32)
+        or residual.device != x.device
     ):
         raise ValueError(
-            f"rmsnorm: residual must match x ({x.dtype} {tuple(x.shape)} on {x.device}), got "
-            f"{residual.dtype} {tuple(residual.shape)} on {residual.device}"
+            f"rmsnorm: residual must match x ({x.dtype} or float32, {tuple(x.shape)} on {x.device}), "
+            f"got {residual.dtype} {tuple(residual.shape)} on {residual.device}"
         )
     x2 = _rows(x)  # [N, D]
     res2 = _rows(residual) if residual is not None else x2
     weight = weight.contiguous()
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    res_out = torch.empty_like(out) if residual is not None else out
+    res_out = torch.empty_like(out, dtype=residual.dtype) if residual is not None else out
     out2, res_out2 = out.view(-1, dim), res_out.view(-1, dim)
     num_rows = x2.shape[0]
     if num_rows == 0 or dim == 0:

@@ -1,6 +1,7 @@
 """Triton rmsnorm (+ fused residual add) against the torch reference.
 
-Tolerances: the new residual (x + residual, rounded once to x's dtype) must match exactly; the
+Tolerances: the new residual (x + residual, rounded once to the residual's dtype: x's, or fp32 for
+the model's fp32 residual stream) must match exactly; the
 normalised output within 2 units in the last place of its dtype, relative (the kernel's sum of
 squares runs in another order, which can flip one rounding of x * rstd). On CPU the kernel runs in
 the interpreter, so CPU cases are fp32 / fp16; bf16 and DeepSeek-V3 widths are GPU cases."""
@@ -33,14 +34,17 @@ def _check_out(out: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("residual_kind", ["none", "same", "fp32"])
 @pytest.mark.parametrize("rows,dim,dtype", CASES)
-def test_rmsnorm_matches_ref(rows: int, dim: int, dtype: torch.dtype, with_residual: bool) -> None:
+def test_rmsnorm_matches_ref(rows: int, dim: int, dtype: torch.dtype, residual_kind: str) -> None:
     torch.manual_seed(rows * dim)
     # x is a strided view (rows of a wider buffer), as a slice of a projection output would be
     x = (torch.randn(rows, dim + 24, device=DEVICE) * 3).to(dtype)[:, :dim]
     weight = (1 + 0.1 * torch.randn(dim, device=DEVICE)).to(dtype)
-    residual = torch.randn(rows, dim, device=DEVICE).to(dtype) if with_residual else None
+    residual_dtype = {"none": None, "same": dtype, "fp32": torch.float32}[residual_kind]
+    residual = None
+    if residual_dtype is not None:
+        residual = torch.randn(rows, dim, device=DEVICE).to(residual_dtype)
     expected = ref.rmsnorm(x, weight, 1e-6, residual)
     with poisoned_empty():
         got = tri.rmsnorm(x, weight, 1e-6, residual)
@@ -48,6 +52,7 @@ def test_rmsnorm_matches_ref(rows: int, dim: int, dtype: torch.dtype, with_resid
         _check_out(got, expected)
     else:
         _check_out(got[0], expected[0])
+        assert got[1].dtype == residual.dtype
         assert torch.equal(got[1], expected[1])
 
 
