@@ -42,7 +42,8 @@ def main() -> None:
         lines.append(measure(model, args, page_size))
         torch.cuda.empty_cache()
     header = (
-        f"{device_name(args.device)} | {args.model} | batch {args.batch} x context {args.context}\n"
+        f"{device_name(args.device)} | {args.model} | batch {args.batch} x context {args.context} | "
+        f"{'eager' if args.eager else 'CUDA graphs'}\n"
         f"| page | step (median of {args.steps}) | weights read | experts touched | KV read | roofline "
         f"| ratio |\n|---|---|---|---|---|---|---|"
     )
@@ -69,7 +70,9 @@ def measure(model, args, page_size: int) -> str:
             torch.cuda.synchronize()
 
     pages_per_seq = -(-(args.context + args.steps + 8) // args.page_size)
-    runner = ModelRunner(model, args.page_size, args.batch * pages_per_seq)
+    runner = ModelRunner(
+        model, args.page_size, args.batch * pages_per_seq, cuda_graphs=not args.eager
+    )
     runner.cache.data.normal_()
     tables = [list(range(b * pages_per_seq, (b + 1) * pages_per_seq)) for b in range(args.batch)]
     params = SamplingParams(max_tokens=10**6, seed=0)

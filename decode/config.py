@@ -23,6 +23,8 @@ class DecodeConfig:
     """Token budget of a local-prefill step (aggregated path)."""
     max_prefill_chunk: int = 2048
     """Longest piece of one prompt per local-prefill step."""
+    cuda_graphs: bool = True
+    """On a GPU, replay decode steps as CUDA graphs (one launch per step instead of hundreds)."""
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_running", "max_num_batched_tokens", "max_prefill_chunk"):

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from .batch import SeqChunk, build_forward_batch
+from .cuda_graphs import DecodeGraphs
 from .deepseek import Transformer
 from .kv_cache import KVCacheLayout, PagedKVCache, capacity_pages
 from .sampler import sample_tokens
@@ -24,13 +25,23 @@ class SampleSpec:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, page_size: int, num_pages: int, cache_dtype=None):
-        self.model, self.page_size = model, page_size
+    """`num_pages` usable pages (ids 0 .. num_pages - 1). On a GPU with `cuda_graphs`, decode steps replay CUDA
+    graphs and the cache holds one more page, the graphs' scratch page, which no request may own."""
+
+    def __init__(
+        self, model: Transformer, page_size: int, num_pages: int, cache_dtype=None,
+        cuda_graphs: bool = True,
+    ):  # fmt: skip
+        self.model, self.page_size, self._num_pages = model, page_size, num_pages
         self.device = model.embed.weight.device
         layout = KVCacheLayout.for_model(
             model.args, page_size, cache_dtype or model.dtype, model.num_mtp
         )
-        self.cache = PagedKVCache(layout, num_pages, self.device)
+        use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.cache = PagedKVCache(layout, num_pages + int(use_graphs), self.device)
+        self.graphs = (
+            DecodeGraphs(model, self.cache, scratch_page=num_pages) if use_graphs else None
+        )
 
     @classmethod
     def sized(
@@ -40,16 +51,20 @@ class ModelRunner:
         num_pages: int | None,
         gpu_memory_fraction: float,
         cpu_cache_bytes: int,
+        cuda_graphs: bool = True,
     ) -> ModelRunner:
         """A runner whose cache has `num_pages`, or as many as `capacity_pages` finds room for."""
         layout = KVCacheLayout.for_model(model.args, page_size, model.dtype, model.num_mtp)
         device = model.embed.weight.device
         pages = capacity_pages(layout, device, num_pages, gpu_memory_fraction, cpu_cache_bytes)
-        return cls(model, page_size, pages)
+        if num_pages is None and device.type == "cuda" and cuda_graphs:
+            pages -= 1  # room for the graphs' scratch page
+        return cls(model, page_size, pages, cuda_graphs=cuda_graphs)
 
     @property
     def num_pages(self) -> int:
-        return self.cache.num_pages
+        """Pages requests may own."""
+        return self._num_pages
 
     @torch.inference_mode()
     def prefill(
@@ -73,5 +88,8 @@ class ModelRunner:
     def decode(self, chunks: Sequence[SeqChunk], samples: Sequence[SampleSpec]) -> list[int]:
         """One decode step: each chunk is one request's last token; returns each request's next token."""
         batch = build_forward_batch(chunks, self.page_size, self.device, decode=True)
-        logits = self.model.compute_logits(self.model(batch, self.cache))
+        if self.graphs is not None:
+            logits = self.graphs.logits(batch)
+        else:
+            logits = self.model.compute_logits(self.model(batch, self.cache))
         return sample_tokens(logits, [s.params for s in samples], [s.step for s in samples])

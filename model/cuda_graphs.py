@@ -1,0 +1,114 @@
+"""CUDA graphs for the decode step: the forward from token ids to logits, captured once per (batch bucket,
+page-table bucket) and replayed, so a step costs one graph launch instead of hundreds of kernel launches from
+Python.
+
+A replay reads static input buffers: the step's tokens, positions, cache slots, sequence lengths and page tables
+are copied into them first. Batches smaller than their bucket are padded with rows that read and write only a
+scratch page that the worker's allocator never hands out; their logits are dropped. Shapes beyond the largest
+bucket run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+
+import torch
+
+from .batch import ForwardBatch
+from .deepseek import Transformer
+from .kv_cache import PagedKVCache
+
+logger = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+@dataclasses.dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    batch: ForwardBatch
+    logits: torch.Tensor  # [bucket, V] fp32, the graph's output buffer
+
+
+class DecodeGraphs:
+    def __init__(
+        self, model: Transformer, cache: PagedKVCache, scratch_page: int, max_batch: int = 256
+    ):
+        """`scratch_page`: a page id of `cache` no request ever owns (padding rows write there)."""
+        self.model, self.cache, self.scratch_page = model, cache, scratch_page
+        self.page_size = cache.layout.page_size
+        self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b <= max_batch)
+        self.device = cache.device
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def bucket(self, batch: ForwardBatch) -> tuple[int, int] | None:
+        """The (batch, pages) bucket of a decode batch of one query token per request, or None (run eagerly)."""
+        if not batch.is_decode or batch.num_queries_per_seq != 1:
+            return None
+        i = bisect.bisect_left(self.batch_buckets, batch.num_seqs)
+        if i == len(self.batch_buckets):
+            return None
+        pages = max(16, 1 << (batch.page_table.shape[1] - 1).bit_length())
+        return self.batch_buckets[i], pages
+
+    @torch.inference_mode()
+    def logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """Decode logits [B, V] fp32 for `batch`, through a graph when one fits."""
+        key = self.bucket(batch)
+        if key is None:
+            return self.model.compute_logits(self.model(batch, self.cache))
+        graph = self._graphs.get(key) or self._capture(*key)
+        b, width = batch.num_seqs, batch.page_table.shape[1]
+        s = graph.batch
+        s.input_ids[:b].copy_(batch.input_ids)
+        s.positions[:b].copy_(batch.positions)
+        s.slot_mapping[:b].copy_(batch.slot_mapping)
+        s.seq_lens[:b].copy_(batch.seq_lens)
+        s.page_table[:b, :width].copy_(batch.page_table)
+        self._pad(s, b)
+        graph.graph.replay()
+        return graph.logits[:b]
+
+    def _pad(self, s: ForwardBatch, start: int) -> None:
+        """Rows from `start` on attend to and write only the scratch page's first slot."""
+        s.input_ids[start:] = 0
+        s.positions[start:] = 0
+        s.slot_mapping[start:] = self.scratch_page * self.page_size
+        s.seq_lens[start:] = 1
+        s.page_table[start:] = self.scratch_page
+
+    def _capture(self, bucket: int, pages: int) -> _Graph:
+        def zeros(*shape, dtype):
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+        static = ForwardBatch(
+            is_decode=True,
+            input_ids=zeros(bucket, dtype=torch.int64),
+            positions=zeros(bucket, dtype=torch.int64),
+            slot_mapping=zeros(bucket, dtype=torch.int64),
+            cu_seqlens_q=torch.arange(bucket + 1, dtype=torch.int32, device=self.device),
+            seq_lens=zeros(bucket, dtype=torch.int32),
+            page_table=zeros(bucket, pages, dtype=torch.int32),
+            logits_indices=torch.arange(bucket, dtype=torch.int64, device=self.device),
+            num_queries_per_seq=1,
+            prefix_slots=None,
+            cu_seqlens_prefix=None,
+        )
+        self._pad(static, 0)
+        # Warm up on a side stream (compiles Triton kernels, fills lazy caches), then capture.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.model.compute_logits(self.model(static, self.cache))
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self.model.compute_logits(self.model(static, self.cache))
+        logger.debug("captured decode graph for batch %d x %d pages", bucket, pages)
+        captured = _Graph(graph, static, logits)
+        self._graphs[(bucket, pages)] = captured
+        return captured
