@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument(
         "--device", default="cuda", help="cuda (the measurement) or cpu (a dry run)"
     )
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     args = parser.parse_args()
     model = load_model(args.model, args.device, torch.bfloat16)
     lines = []
@@ -58,7 +59,7 @@ def device_name(device: str) -> str:
 
 
 def measure(model, args, page_size: int) -> str:
-    from pdserve.model.batch import SeqChunk
+    from pdserve.model.batch import SeqChunk, build_forward_batch
     from pdserve.model.deepseek import Experts
     from pdserve.model.runner import ModelRunner, SampleSpec
     from pdserve.model.sampling_params import SamplingParams
@@ -84,8 +85,18 @@ def measure(model, args, page_size: int) -> str:
         weights, ids = output
         hits.update((id(module), e) for e in ids.flatten().tolist())
 
+    # One eager step with hooks on the routers to see which experts a step touches (hooks cannot run inside
+    # graph capture); the timed steps run as the decode worker runs them.
     gates = [layer.ffn.gate for layer in model.layers if hasattr(layer.ffn, "gate")]
     hooks = [g.register_forward_hook(record) for g in gates]
+    probe = [SeqChunk([t], args.context, tables[b]) for b, t in enumerate(tokens)]
+    with torch.inference_mode():
+        model(
+            build_forward_batch(probe, args.page_size, model.embed.weight.device, True),
+            runner.cache,
+        )
+    for h in hooks:
+        h.remove()
     times = []
     for step in range(args.steps + 5):
         pos = args.context + step
@@ -97,9 +108,6 @@ def measure(model, args, page_size: int) -> str:
         sync()
         if step >= 5:
             times.append(time.perf_counter() - start)
-        if step == 5:
-            for h in hooks:
-                h.remove()
     step_s = statistics.median(times)
 
     def nbytes(t: torch.Tensor) -> int:
