@@ -206,6 +206,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     overrides = {
         "model": {"path": args.model, "dtype": args.dtype, "kernels": args.kernels},
+        "cluster": {"ray_address": "local"},
         "router": {"port": 0, "stats_interval_s": 0.0},
         "kvtransfer": {"store_port": free_port()},
     }

@@ -54,8 +54,8 @@ class ClusterConfig:
     cpus_per_worker: float = 1.0
     """Ray CPUs reserved per worker (fractions allowed); on CPU workers, also torch's thread count (at least 1)."""
     ray_address: str | None = None
-    """Ray cluster to join: `auto` (the one `ray start` or `ray up` started), an address, or None: RAY_ADDRESS if
-    set, else a new local Ray."""
+    """Ray cluster to join: `auto` (the one `ray start` or `ray up` started), an address, `local` (always a new
+    local Ray), or None: RAY_ADDRESS if set, else a new local Ray."""
     placement_timeout_s: float = 600.0
     """Longest a new worker may take to be placed, load the model and warm up."""
     actor_max_concurrency: int = 16

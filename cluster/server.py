@@ -45,14 +45,13 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def connect_ray(config: ServeConfig) -> None:
-    """Joins the configured Ray cluster (None: RAY_ADDRESS if set, else a new local Ray sized so that the
-    configured pools fit even on a machine with fewer cores); no-op when already connected."""
+    """Joins the configured Ray cluster (None: RAY_ADDRESS if set, else a new local Ray; a local Ray gets
+    enough logical CPUs for the configured pools even on a machine with fewer cores); no-op when connected."""
     if ray.is_initialized():
         return
-    address = config.cluster.ray_address or os.environ.get("RAY_ADDRESS")
+    address = config.cluster.ray_address or os.environ.get("RAY_ADDRESS") or "local"
     num_cpus = None
-    if address is None:
-        address = "local"
+    if address == "local":
         cluster = config.cluster
         demand = (cluster.num_prefill + cluster.num_decode) * cluster.cpus_per_worker
         num_cpus = max(os.cpu_count() or 1, math.ceil(demand))
