@@ -56,8 +56,10 @@ class ClusterConfig:
     ray_address: str | None = None
     """Ray cluster to join: `auto` (the one `ray start` or `ray up` started), an address, `local` (always a new
     local Ray), or None: RAY_ADDRESS if set, else a new local Ray."""
-    placement_timeout_s: float = 600.0
-    """Longest a new worker may take to be placed, load the model and warm up."""
+    placement_timeout_s: float = 300.0
+    """Longest a new worker may wait for free resources (its placement group) before it counts as failed."""
+    load_timeout_s: float = 1800.0
+    """Longest a placed worker may take to load the model and warm up."""
     actor_max_concurrency: int = 16
     """Threads per worker actor for control calls (submit, abort, stats, the output long-poll)."""
 
@@ -70,8 +72,8 @@ class ClusterConfig:
             raise ValueError(f"gpus_per_worker={self.gpus_per_worker}: must be >= 0")
         if self.cpus_per_worker <= 0:
             raise ValueError(f"cpus_per_worker={self.cpus_per_worker}: must be positive")
-        if self.placement_timeout_s <= 0:
-            raise ValueError(f"placement_timeout_s={self.placement_timeout_s}: must be positive")
+        if min(self.placement_timeout_s, self.load_timeout_s) <= 0:
+            raise ValueError("placement_timeout_s and load_timeout_s must be positive")
         if self.actor_max_concurrency < 4:
             raise ValueError(f"actor_max_concurrency={self.actor_max_concurrency}: must be >= 4")
 

@@ -28,6 +28,11 @@ def cpu_threads(num_cpus: float) -> int:
     return max(1, int(num_cpus))
 
 
+def fits_now(bundles: list[dict[str, float]], available: Mapping[str, float]) -> bool:
+    """Whether the cluster has the resources free now (summed over nodes: a hint for logs, not a promise)."""
+    return all(available.get(k, 0.0) >= sum(b.get(k, 0.0) for b in bundles) for k in bundles[0])
+
+
 def unplaceable_reason(
     bundles: list[dict[str, float]], node_totals: list[Mapping[str, float]]
 ) -> str | None:

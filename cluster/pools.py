@@ -73,6 +73,10 @@ class WorkerHandle:
         return len(self.requests)
 
 
+def _rounded(resources: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 2) for k, v in resources.items() if k in ("CPU", "GPU")}
+
+
 class Launcher:
     """Starts and stops worker actors. Each worker gets its own placement group and a unique id."""
 
@@ -94,13 +98,19 @@ class Launcher:
             bundles, strategy=placement.STRATEGY, name=f"pdserve-{worker_id}"
         )
         handle = WorkerHandle(worker_id, role, None, group, self.num_gpus)
+        if not placement.fits_now(bundles, ray.available_resources()):
+            logger.warning(
+                "%s waits up to %gs for %s (available now: %s)", worker_id,
+                cluster.placement_timeout_s, bundles[0], _rounded(ray.available_resources()),
+            )  # fmt: skip
         try:
             try:
                 await asyncio.wait_for(group.ready(), cluster.placement_timeout_s)
             except TimeoutError:
                 raise CapacityError(
                     f"cannot place {worker_id}: {bundles[0]} not free on any node within "
-                    f"{cluster.placement_timeout_s:g}s (available: {ray.available_resources()})"
+                    f"{cluster.placement_timeout_s:g}s (available: "
+                    f"{_rounded(ray.available_resources())})"
                 ) from None
             worker_config = self.config.prefill if role == PREFILL else self.config.decode
             handle.actor = _SHELLS[role].options(
@@ -113,12 +123,10 @@ class Launcher:
                 placement.cpu_threads(cluster.cpus_per_worker),
             )  # fmt: skip
             try:
-                ready = await asyncio.wait_for(
-                    handle.actor.ready.remote(), cluster.placement_timeout_s
-                )
+                ready = await asyncio.wait_for(handle.actor.ready.remote(), cluster.load_timeout_s)
             except TimeoutError:
                 raise CapacityError(
-                    f"{worker_id} did not load the model within {cluster.placement_timeout_s:g}s"
+                    f"{worker_id} did not load the model within {cluster.load_timeout_s:g}s"
                 ) from None
             info = wire.unwrap(dict, ready)
         except BaseException:

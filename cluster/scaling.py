@@ -77,7 +77,7 @@ class Scaler:
     async def _warm_up_pair(self, prefill: WorkerHandle | None, decode: WorkerHandle) -> None:
         start = time.monotonic()
         params = SamplingParams(max_tokens=_WARM_UP_TOKENS, ignore_eos=True, seed=0)
-        deadline = asyncio.get_running_loop().time() + self.config.cluster.placement_timeout_s
+        deadline = asyncio.get_running_loop().time() + self.config.cluster.load_timeout_s
         name = f"warm-up-{prefill.worker_id if prefill else 'local'}-{decode.worker_id}"
         r = self.router.open(name, self._warm_up_prompt, params, deadline)
         try:

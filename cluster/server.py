@@ -40,13 +40,15 @@ logger = logging.getLogger("pdserve.server")
 
 HEALTH_SERVICES = ("", "pdserve.v1.Generation")
 _REFRESH_S = 1.0
+_IDLE_LOG_S = 60.0
 _STATS_TIMEOUT_S = 5.0
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def connect_ray(config: ServeConfig) -> None:
-    """Joins the configured Ray cluster (None: RAY_ADDRESS if set, else a new local Ray; a local Ray gets
-    enough logical CPUs for the configured pools even on a machine with fewer cores); no-op when connected."""
+    """Joins the configured Ray cluster (None: RAY_ADDRESS if set, else a new local Ray). A local Ray gets
+    logical CPUs for twice the configured pools, so that they can be scaled up even on a machine with fewer
+    cores; no-op when already connected."""
     if ray.is_initialized():
         return
     address = config.cluster.ray_address or os.environ.get("RAY_ADDRESS") or "local"
@@ -54,7 +56,7 @@ def connect_ray(config: ServeConfig) -> None:
     if address == "local":
         cluster = config.cluster
         demand = (cluster.num_prefill + cluster.num_decode) * cluster.cpus_per_worker
-        num_cpus = max(os.cpu_count() or 1, math.ceil(demand))
+        num_cpus = max(os.cpu_count() or 1, math.ceil(2 * demand))
     ray.init(
         address=address, num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING
     )
@@ -203,7 +205,9 @@ class PdServer:
             except Exception:  # task boundary: keep the loop alive
                 logger.error("stats refresh failed", exc_info=True)
                 continue
-            if interval and time.monotonic() - last_log >= interval:
+            since = time.monotonic() - last_log
+            busy = self.router.requests or self.output_tokens_per_s > 0
+            if interval and since >= interval and (busy or since >= _IDLE_LOG_S):
                 last_log = time.monotonic()
                 logger.info("%s", self.stats_line())
 

@@ -110,3 +110,39 @@ def test_admin_errors_name_the_problem(client):
         client.scale("decode", 0)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert client.is_serving()
+
+
+def test_lost_decode_worker_fails_only_its_requests_and_serving_goes_on(server, client, reference):
+    import ray
+
+    (victim,) = client.scale("decode", 2, timeout_s=120).added
+    requests = [(prompt, 400) for prompt, _ in workload(6, seed=13, max_len=40)]
+
+    def run(i: int):
+        prompt, max_tokens = requests[i]
+        try:
+            return collect(client, greedy(prompt, max_tokens, request_id=f"lost{i}"))
+        except grpc.RpcError as e:
+            return e
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        futures = [pool.submit(run, i) for i in range(len(requests))]
+        wait_for(
+            lambda: {w.worker_id: w.num_requests for w in workers(client, admin_pb2.ROLE_DECODE)}
+            .get(victim, 0) > 0,
+            30, f"requests running on {victim}",
+        )  # fmt: skip
+        ray.kill(server.server.router.workers[victim].actor)
+        results = [f.result(timeout=120) for f in futures]
+    failed = [r for r in results if isinstance(r, grpc.RpcError)]
+    assert failed, "the killed worker's requests must fail"
+    for error in failed:
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and victim in error.details()
+    for (prompt, max_tokens), result in zip(requests, results, strict=True):
+        if not isinstance(result, grpc.RpcError):
+            assert tokens(result) == reference(prompt, max_tokens)
+    assert [w.worker_id for w in workers(client, admin_pb2.ROLE_DECODE)] == ["decode-0"]
+    assert client.is_serving()
+    chunks = collect(client, greedy([0, 5], 3))
+    assert tokens(chunks) == reference([0, 5], 3)
+    wait_for(lambda: all_pages_free(client), 15, "pages freed on the survivors")
