@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -48,7 +49,7 @@ def test_file_then_flags(tmp_path):
         ({"decoder": {}}, "unknown section 'decoder'"),
         ({"decode": {"max_runing": 4}}, "decode.max_runing"),
         ({"decode": {"max_running": "many"}}, "decode.max_running"),
-        ({"cluster": {"num_decode": 0}}, "num_decode=0"),
+        ({"cluster": {"num_decode": 0}}, "cluster.num_decode=0"),
         ({"prefill": {"page_size": 32}}, "page_size"),
         ({"model": {"dtype": "fp64"}}, "dtype='fp64'"),
     ],
@@ -72,6 +73,16 @@ def test_every_field_is_documented_and_has_a_flag():
         for name in (f.name for f in __import__("dataclasses").fields(cls)):
             assert docs.get(name), f"{section}.{name} has no docstring"
             assert f"--{section}.{name.replace('_', '-')}" in flags
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((Path(__file__).parents[2] / "deploy" / "configs").glob("*.yaml")),
+    ids=lambda p: p.name,
+)
+def test_deploy_configs_load(path):
+    config = parse(["--config", str(path)])
+    assert config.cluster.num_decode >= 1
 
 
 def test_print_config_round_trips(tmp_path):

@@ -63,8 +63,15 @@ def test_reflection_lists_the_services(server):
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         request = reflection_pb2.ServerReflectionRequest(list_services="")
         (reply,) = list(stub.ServerReflectionInfo(iter([request]), timeout=10))
+        request = reflection_pb2.ServerReflectionRequest(
+            file_containing_symbol="pdserve.v1.Generation"
+        )
+        (described,) = list(stub.ServerReflectionInfo(iter([request]), timeout=10))
     names = {s.name for s in reply.list_services_response.service}
     assert {"pdserve.v1.Generation", "pdserve.v1.Admin", "grpc.health.v1.Health"} <= names
+    # What grpcurl needs to call the API without the .proto: the file descriptor.
+    (proto,) = described.file_descriptor_response.file_descriptor_proto
+    assert b"pdserve/v1/generation.proto" in proto and b"GenerateRequest" in proto
 
 
 def test_32_concurrent_streams_equal_offline(client, reference):
