@@ -230,11 +230,13 @@ def build_config(
                         f"(expected one of {', '.join(annotations)})"
                     )
                 merged[section][name] = _check_type(value, annotations[name], f"{section}.{name}")
+    defaults, parts = ServeConfig(), {}
+    for name in SECTIONS:
+        try:
+            parts[name] = dataclasses.replace(getattr(defaults, name), **merged[name])
+        except ValueError as e:
+            raise ConfigError(f"{name}.{e}") from e
     try:
-        defaults = ServeConfig()
-        parts = {
-            name: dataclasses.replace(getattr(defaults, name), **merged[name]) for name in SECTIONS
-        }
         return ServeConfig(**parts)
     except ValueError as e:
         raise ConfigError(str(e)) from e
