@@ -14,7 +14,7 @@ from .conftest import start_server, wait_for
 from .test_generate import all_pages_free, collect, greedy
 
 NUM_PAGES = 64  # 1024 tokens of 16
-ADMISSION_TIMEOUT_S = 0.5
+ADMISSION_TIMEOUT_S = 0.3
 
 
 @pytest.fixture(scope="module")

@@ -62,7 +62,7 @@ def test_scale_decode_up_then_drain_without_failing_requests(client, reference):
         assert tokens(chunks) == reference(prompt, max_tokens)
 
     # Long requests on both workers, then shrink to one while they run: none fails.
-    long_requests = [(prompt, 120) for prompt, _ in workload(8, seed=12, max_len=40)]
+    long_requests = [(prompt, 300) for prompt, _ in workload(8, seed=12, max_len=40)]
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(run_all, client, long_requests, "drain")
         wait_for(
@@ -116,6 +116,9 @@ def test_lost_decode_worker_fails_only_its_requests_and_serving_goes_on(server, 
     import ray
 
     (victim,) = client.scale("decode", 2, timeout_s=120).added
+    survivors = [
+        w.worker_id for w in workers(client, admin_pb2.ROLE_DECODE) if w.worker_id != victim
+    ]
     requests = [(prompt, 400) for prompt, _ in workload(6, seed=13, max_len=40)]
 
     def run(i: int):
@@ -141,7 +144,7 @@ def test_lost_decode_worker_fails_only_its_requests_and_serving_goes_on(server, 
     for (prompt, max_tokens), result in zip(requests, results, strict=True):
         if not isinstance(result, grpc.RpcError):
             assert tokens(result) == reference(prompt, max_tokens)
-    assert [w.worker_id for w in workers(client, admin_pb2.ROLE_DECODE)] == ["decode-0"]
+    assert [w.worker_id for w in workers(client, admin_pb2.ROLE_DECODE)] == survivors
     assert client.is_serving()
     chunks = collect(client, greedy([0, 5], 3))
     assert tokens(chunks) == reference([0, 5], 3)
