@@ -24,17 +24,34 @@ if TYPE_CHECKING:
 
 DEFAULT_ADDR = "127.0.0.1:50051"
 _SHORT_FLAGS = {
-    # flag: (section, field, type, help)
-    "--model": ("model", "path", str, "checkpoint directory, or `tiny` (made once, cached)"),
-    "--dtype": ("model", "dtype", str, "activation dtype: auto, bf16, fp16, fp32"),
-    "--kernels": ("model", "kernels", str, "auto, ref (torch references) or triton"),
-    "--prefill": ("cluster", "num_prefill", int, "prefill workers; 0: decode workers prefill"),
-    "--decode": ("cluster", "num_decode", int, "decode workers"),
-    "--gpus-per-worker": ("cluster", "gpus_per_worker", int, "GPUs per worker (default: 1 if any)"),
-    "--ray-address": ("cluster", "ray_address", str, "auto (`ray start`/`ray up` cluster) or ADDR"),
-    "--host": ("router", "host", str, "listen address (default 127.0.0.1; 0.0.0.0: all)"),
-    "--port": ("router", "port", int, "gRPC port (default 50051; 0: any free port)"),
+    # flag: (section, field, type, metavar, help)
+    "--model": (
+        "model",
+        "path",
+        str,
+        "DIR|tiny",
+        "checkpoint directory, or `tiny` (made once, cached)",
+    ),
+    "--dtype": ("model", "dtype", str, "DTYPE", "activation dtype: auto, bf16, fp16, fp32"),
+    "--kernels": ("model", "kernels", str, "KIND", "auto, ref (torch references) or triton"),
+    "--prefill": ("cluster", "num_prefill", int, "N", "prefill workers; 0: decode workers prefill"),
+    "--decode": ("cluster", "num_decode", int, "M", "decode workers"),
+    "--gpus-per-worker": (
+        "cluster",
+        "gpus_per_worker",
+        int,
+        "K",
+        "GPUs per worker (default: 1 if any)",
+    ),
+    "--ray-address": ("cluster", "ray_address", str, "auto|ADDR", "join this Ray cluster"),
+    "--host": ("router", "host", str, "HOST", "listen address (default 127.0.0.1; 0.0.0.0: all)"),
+    "--port": ("router", "port", int, "PORT", "gRPC port (default 50051; 0: any free port)"),
 }
+SERVE_USAGE = (
+    "pdserve serve [--model DIR|tiny] [--prefill N] [--decode M] [--gpus-per-worker K] [--host HOST]\n"
+    "                     [--port PORT] [--config FILE.yaml] [--ray-address auto|ADDR]\n"
+    "                     [--SECTION.FIELD VALUE ...] [--print-config]"
+)
 logger = logging.getLogger("pdserve")
 
 
@@ -48,10 +65,11 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE.yaml", help="serve config (sections as below)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config, exit")
     short = p.add_argument_group("common")
-    for flag, (section, name, kind, text) in _SHORT_FLAGS.items():
+    for flag, (section, name, kind, metavar, text) in _SHORT_FLAGS.items():
         short.add_argument(
-            flag, dest=_flag_dest(section, name), type=kind, default=argparse.SUPPRESS, help=text
-        )
+            flag, dest=_flag_dest(section, name), type=kind, metavar=metavar,
+            default=argparse.SUPPRESS, help=text,
+        )  # fmt: skip
     defaults = ServeConfig()
     for section, cls in SECTIONS.items():
         group = p.add_argument_group(f"{section} (config section `{section}:`)")
@@ -222,6 +240,7 @@ def add_commands(sub, config_flags: bool = True) -> dict:
         "the gRPC API (pdserve.v1.Generation, pdserve.v1.Admin, grpc.health.v1, reflection). With no "
         "arguments: the tiny model on the CPU, one prefill and one decode worker, on 127.0.0.1:50051.",
         allow_abbrev=False,
+        usage=SERVE_USAGE,
     )
     if config_flags:
         add_config_flags(serve)

@@ -104,10 +104,10 @@ class PdServer:
         kv = self._kv_config()
         try:
             self._store = connect_store(kv, is_master=True)
-        except Exception as e:  # torch raises a bare RuntimeError/DistNetworkError on a busy port
+        except RuntimeError as e:  # torch.distributed.DistNetworkError (EADDRINUSE) on a busy port
             raise ConfigError(
                 f"cannot host the KV store on port {kv.store_port} ({e}); another pdserve serve? "
-                "set kvtransfer.store_port"
+                "set --kvtransfer.store-port"
             ) from e
         gpus = placement.resolve_gpus_per_worker(
             config.cluster.gpus_per_worker, ray.cluster_resources()
