@@ -140,11 +140,16 @@ def test_client_cancel_mid_stream_frees_pages_on_both_sides(client):
 
 
 def test_cancel_during_prefill_frees_pages_on_both_sides(client):
-    long_prompt = [0, *[(7 * i) % 900 + 3 for i in range(3000)]]
-    for _ in range(3):
-        call = client.generate(greedy(long_prompt, 50), timeout_s=120)
-        call.cancel()
-    wait_for(lambda: all_pages_free(client), 15, "pages freed after cancel during prefill")
+    # About half a second of prefill on a CPU, then 2000 decode steps (several seconds) if left alone.
+    long_prompt = [0, *[(7 * i) % 900 + 3 for i in range(2000)]]
+    call = client.generate(greedy(long_prompt, 2000), timeout_s=120)
+    held = wait_for(
+        lambda: (p := pages_in_use(client))["prefill-0"] > 0 and p, 30,
+        "the prompt on the prefill worker", interval_s=0.01,
+    )  # fmt: skip
+    assert held["decode-0"] > 0, held  # the decode worker reserved its pages first
+    call.cancel()
+    wait_for(lambda: all_pages_free(client), 3, "pages freed at once after cancel during prefill")
     chunks = collect(client, greedy([0, 1, 2], 4))  # still serving
     assert chunks[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
 
