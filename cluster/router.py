@@ -220,6 +220,8 @@ class Router:
         try:
             async with self._admission:
                 while not await self._try_admit(r, force):
+                    if force is None and not self.pool(DECODE, WorkerState.SERVING):
+                        raise UnavailableError("no decode worker is serving (all were lost)")
                     now = loop.time()
                     if r.deadline is not None and now >= r.deadline:
                         raise DeadlineExceededError("deadline exceeded while waiting for admission")
