@@ -27,6 +27,8 @@ def run_demo(config: ServeConfig, max_tokens: int = 32, out=sys.stdout) -> int:
     try:
         with ServerThread(config) as server:
             print(f"server up on {server.address} in {time.perf_counter() - start:.1f}s", file=out)
+            if config.model.path == "tiny":
+                print("(the tiny model has random weights: its text is noise)", file=out)
             with Client(server.address) as client:
                 for prompt in PROMPTS:
                     _generate(client, prompt, max_tokens, out)
