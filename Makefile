@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test lint
 demo: $(VENV)/.installed
-	$(BIN)/pdserve offline --model tiny --prompt "The quick brown fox" --max-new-tokens 24
+	$(BIN)/pdserve demo
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m "not gpu and not multi_gpu"

@@ -9,6 +9,9 @@ import logging
 import sys
 import time
 
+import grpc
+
+from pdserve.cluster.commands import add_commands
 from pdserve.model.errors import PdserveError
 
 
@@ -50,7 +53,9 @@ def _int_list(text: str, flag: str) -> list[int]:
         raise PdserveError(f"{flag}: expected comma-separated integers, got {text!r}") from e
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser(config_flags: bool = True) -> tuple[argparse.ArgumentParser, dict]:
+    """The parser and the handlers of the serving subcommands (`serve`'s per-field flags import torch:
+    `config_flags` leaves them out for the other commands)."""
     parser = argparse.ArgumentParser(
         prog="pdserve",
         description="Disaggregated prefill/decode serving for DeepSeek-V3/R1-class models.",
@@ -100,7 +105,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     _add_sampling_flags(off)
     _add_runtime_flags(off)
-    return parser
+    return parser, add_commands(sub, config_flags)
 
 
 def _resolve_device(name: str) -> str:
@@ -192,16 +197,24 @@ COMMANDS = {"make-checkpoint": cmd_make_checkpoint, "offline": cmd_offline}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser, serving = _build_parser(config_flags="serve" in argv)
+    args = parser.parse_args(argv)
+    commands = {**COMMANDS, **serving}
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        return COMMANDS[args.command](args)
+        return commands[args.command](args)
     except PdserveError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            print("(is `pdserve serve` running there? see --addr)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -9,5 +9,7 @@ for _d in "$_pdserve_root"/*/; do
   _n=$(basename "$_d")
   [ -f "$_d/__init__.py" ] && ln -sfn "$_pdserve_root/$_n" "$_pdserve_shim/pdserve/$_n"
 done
+# The generated gRPC stubs import as pdserve.v1 (pyproject maps pdserve.v1 to protos/pdserve/v1).
+ln -sfn "$_pdserve_root/protos/pdserve/v1" "$_pdserve_shim/pdserve/v1"
 export PYTHONPATH="$_pdserve_shim${PYTHONPATH:+:$PYTHONPATH}"
 unset _d _n

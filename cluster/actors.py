@@ -1,0 +1,159 @@
+"""Ray actor shells around `PrefillWorker` and `DecodeWorker`: plain classes here (`pools` applies `ray.remote`).
+
+A shell loads the model on its device (cuda:0 inside the actor when it has GPUs, else the CPU), joins the shared KV
+store the router hosts, builds its worker and runs the worker's loop in a thread. It is a threaded actor: control
+calls (submit, abort, stats) and the router's long-poll for outputs run on other threads while the loop steps.
+Every payload in or out is msgpack bytes (`wire`). The actor is a process boundary: unexpected exceptions are
+logged with their traceback and returned as a `WorkerError`; if the worker's loop itself dies, the process exits
+so that Ray reports the worker dead and the router fails its requests."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from pdserve.kvtransfer import KVTransferConfig
+
+from . import wire
+from .config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_POLL_EVENTS_S = 0.01
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(name)
+
+
+class _WorkerShell:
+    role = ""
+
+    def __init__(
+        self, worker_id: str, model: ModelConfig, worker_config, kv_config: KVTransferConfig,
+        num_gpus: int, cpu_threads: int,
+    ):  # fmt: skip
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        self.worker_id = worker_id
+        self.worker = None
+        self._init_error: BaseException | None = None
+        self._stop = threading.Event()
+        try:
+            self._start(model, worker_config, kv_config, num_gpus, cpu_threads)
+        except Exception as e:  # process boundary: reported by ready()
+            logger.error("%s failed to start", worker_id, exc_info=True)
+            self._init_error = e
+
+    def _start(self, model, worker_config, kv_config, num_gpus: int, cpu_threads: int) -> None:
+        os.environ["PDSERVE_KERNELS"] = model.kernels  # read by the kernel dispatcher on every call
+        import torch
+
+        from pdserve.kvtransfer.dist import connect_store
+        from pdserve.model.loader import load_model
+        from pdserve.model.random_checkpoint import resolve_model
+
+        if num_gpus > 0:
+            torch.cuda.set_device(0)
+            self.device = torch.device("cuda", 0)
+        else:
+            torch.set_num_threads(cpu_threads)
+            self.device = torch.device("cpu")
+        path = resolve_model(model.path)  # `tiny` is made on this node if its cache lacks it
+        self.model = load_model(path, self.device, _torch_dtype(model.dtype), progress=False)
+        self.store = connect_store(kv_config, is_master=False)
+        self.worker = self._build(worker_config, kv_config)
+        self._loop = threading.Thread(target=self._run, name=f"{self.worker_id}-loop", daemon=True)
+        self._loop.start()
+
+    def _build(self, worker_config, kv_config):
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        try:
+            self.worker.run(self._stop)
+        except BaseException:  # process boundary: the worker is unusable; let Ray report it dead
+            logger.critical("%s: worker loop died", self.worker_id, exc_info=True)
+            os._exit(1)
+
+    def _call(self, fn) -> bytes:
+        try:
+            return wire.reply(fn)
+        except Exception as e:  # process boundary: returned to the router as a WorkerError
+            logger.error("%s: call failed", self.worker_id, exc_info=True)
+            return wire.reply_error(e)
+
+    def ready(self) -> bytes:
+        """What the router needs to know once the model is loaded: node, device and KV capacity."""
+        import ray
+
+        if self._init_error is not None:
+            return wire.reply_error(self._init_error)
+        return self._call(lambda: {
+            "node_ip": ray.util.get_node_ip_address(),
+            "device": str(self.device),
+            "num_pages": self.worker.num_pages,
+            "page_size": self.worker.config.page_size,
+        })  # fmt: skip
+
+    def stats(self) -> bytes:
+        return self._call(self.worker.stats)
+
+    def abort(self, request_id: str) -> bytes:
+        return self._call(lambda: self.worker.abort(request_id))
+
+    def close(self) -> None:
+        self._stop.set()
+        if self.worker is not None:
+            self._loop.join(timeout=10)
+            self.worker.close()
+
+
+class PrefillShell(_WorkerShell):
+    role = "prefill"
+
+    def _build(self, worker_config, kv_config):
+        from pdserve.kvtransfer.dist import DistKVSender
+        from pdserve.prefill import PrefillWorker
+
+        sender = DistKVSender(kv_config, self.store, self.worker_id, self.device)
+        return PrefillWorker(self.worker_id, self.model, worker_config, sender)
+
+    def submit(self, request: bytes) -> bytes:
+        from pdserve.prefill import PrefillRequest
+
+        return self._call(lambda: self.worker.submit(wire.decode(PrefillRequest, request)))
+
+    def poll_events(self, timeout_s: float) -> bytes:
+        """Failures since the last call; waits up to timeout_s for the first (the router's long-poll)."""
+        deadline = time.monotonic() + timeout_s
+        while not (events := self.worker.poll_events()) and time.monotonic() < deadline:
+            time.sleep(_POLL_EVENTS_S)
+        return wire.encode(events)
+
+
+class DecodeShell(_WorkerShell):
+    role = "decode"
+
+    def _build(self, worker_config, kv_config):
+        from pdserve.decode import DecodeWorker
+        from pdserve.kvtransfer.dist import DistKVReceiver
+
+        def make_receiver(write_pages):
+            return DistKVReceiver(
+                kv_config, self.store, self.worker_id, self.device, write_pages, self.model.dtype
+            )
+
+        return DecodeWorker(self.worker_id, self.model, worker_config, make_receiver)
+
+    def add_request(self, request: bytes) -> bytes:
+        from pdserve.decode import DecodeRequest
+
+        return self._call(lambda: self.worker.add_request(wire.decode(DecodeRequest, request)))
+
+    def poll_outputs(self, timeout_s: float) -> bytes:
+        """Per-step output batches since the last call; waits up to timeout_s for the first."""
+        return wire.encode(self.worker.poll_outputs(timeout_s))

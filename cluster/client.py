@@ -1,0 +1,114 @@
+"""A small synchronous client of the pdserve gRPC API, used by `pdserve generate|status|scale|drain`, the demo
+and the serving benchmark. Any gRPC client built from protos/pdserve/v1/*.proto works the same way."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+
+ROLES = {"prefill": admin_pb2.ROLE_PREFILL, "decode": admin_pb2.ROLE_DECODE}
+FINISH_REASONS = {
+    generation_pb2.FINISH_REASON_STOP: "stop",
+    generation_pb2.FINISH_REASON_LENGTH: "length",
+    generation_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+def generate_request(
+    prompt: str | Sequence[int], *, request_id: str = "", max_tokens: int | None = None,
+    temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+    min_p: float | None = None, seed: int | None = None, stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+) -> generation_pb2.GenerateRequest:  # fmt: skip
+    """A GenerateRequest; None leaves a sampling field unset (the model's or the server's default)."""
+    sp = generation_pb2.SamplingParams(stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    for name, value in (
+        ("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
+        ("top_k", top_k), ("min_p", min_p), ("seed", seed),
+    ):  # fmt: skip
+        if value is not None:
+            setattr(sp, name, value)
+    request = generation_pb2.GenerateRequest(request_id=request_id, sampling_params=sp)
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.prompt_token_ids.ids.extend(prompt)
+    return request
+
+
+class Client:
+    def __init__(self, address: str = "127.0.0.1:50051"):
+        self.address = address
+        self.channel = grpc.insecure_channel(address)
+        self.generation = generation_pb2_grpc.GenerationStub(self.channel)
+        self.admin = admin_pb2_grpc.AdminStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def generate(
+        self, request: generation_pb2.GenerateRequest, timeout_s: float | None = None
+    ) -> Iterator[generation_pb2.GenerateResponse]:
+        """Streams the response chunks (the call is cancelled if the iterator is closed early)."""
+        return self.generation.Generate(request, timeout=timeout_s)
+
+    def is_serving(self, timeout_s: float = 5.0) -> bool:
+        try:
+            reply = self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def wait_until_serving(self, timeout_s: float) -> None:
+        """Blocks until health says SERVING; raises TimeoutError naming the address otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while not self.is_serving():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.address} was not SERVING within {timeout_s:g}s")
+            time.sleep(0.2)
+
+    def status(self, timeout_s: float = 30.0) -> admin_pb2.GetStatusResponse:
+        return self.admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=timeout_s)
+
+    def scale(
+        self, role: str, count: int, timeout_s: float | None = None
+    ) -> admin_pb2.ScalePoolResponse:
+        request = admin_pb2.ScalePoolRequest(role=ROLES[role], count=count)
+        return self.admin.ScalePool(request, timeout=timeout_s)
+
+    def drain(
+        self, worker_id: str, timeout_s: float | None = None
+    ) -> admin_pb2.DrainWorkerResponse:
+        request = admin_pb2.DrainWorkerRequest(worker_id=worker_id)
+        return self.admin.DrainWorker(request, timeout=timeout_s)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def format_status(status: admin_pb2.GetStatusResponse) -> str:
+    """A table of the pools for the terminal."""
+    lines = [
+        f"model {status.model}  requests {status.num_requests}  {status.output_tokens_per_s:.1f} tok/s  "
+        f"uptime {status.uptime_s:.0f}s{'  (aggregated)' if status.aggregated else ''}",
+        f"{'worker':<12}{'state':<10}{'node':<16}{'gpus':>5}{'reqs':>6}{'queued':>8}{'q.tokens':>10}"
+        f"{'running':>9}{'waiting':>9}{'KV pages':>18}",
+    ]
+    for pool in status.pools:
+        for w in pool.workers:
+            state = admin_pb2.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower()
+            used = f"{w.kv_pages_used}/{w.kv_pages_total}"
+            lines.append(
+                f"{w.worker_id:<12}{state:<10}{w.node_ip:<16}{w.num_gpus:>5}{w.num_requests:>6}"
+                f"{w.num_queued:>8}{w.queued_tokens:>10}{w.num_running:>9}{w.num_waiting:>9}{used:>18}"
+            )
+    return "\n".join(lines)

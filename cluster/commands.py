@@ -1,0 +1,299 @@
+"""The serving subcommands of `pdserve`: serve, generate, status, scale, drain, demo. `serve` gets one flag per
+config field (`--decode.max-running 128`; help from the field's docstring) besides its short flags; precedence:
+defaults < --config FILE.yaml < flags."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import signal
+import sys
+import time
+from typing import TYPE_CHECKING
+
+import yaml
+
+from pdserve.model.errors import PdserveError
+
+if TYPE_CHECKING:
+    from .config import ServeConfig
+
+
+DEFAULT_ADDR = "127.0.0.1:50051"
+_SHORT_FLAGS = {
+    # flag: (section, field, type, metavar, help)
+    "--model": (
+        "model",
+        "path",
+        str,
+        "DIR|tiny",
+        "checkpoint directory, or `tiny` (made once, cached)",
+    ),
+    "--dtype": ("model", "dtype", str, "DTYPE", "activation dtype: auto, bf16, fp16, fp32"),
+    "--kernels": ("model", "kernels", str, "KIND", "auto, ref (torch references) or triton"),
+    "--prefill": ("cluster", "num_prefill", int, "N", "prefill workers; 0: decode workers prefill"),
+    "--decode": ("cluster", "num_decode", int, "M", "decode workers"),
+    "--gpus-per-worker": (
+        "cluster",
+        "gpus_per_worker",
+        int,
+        "K",
+        "GPUs per worker (default: 1 if any)",
+    ),
+    "--ray-address": ("cluster", "ray_address", str, "auto|ADDR", "join this Ray cluster"),
+    "--host": ("router", "host", str, "HOST", "listen address (default 127.0.0.1; 0.0.0.0: all)"),
+    "--port": ("router", "port", int, "PORT", "gRPC port (default 50051; 0: any free port)"),
+}
+SERVE_USAGE = (
+    "pdserve serve [--model DIR|tiny] [--prefill N] [--decode M] [--gpus-per-worker K] [--host HOST]\n"
+    "                     [--port PORT] [--config FILE.yaml] [--ray-address auto|ADDR]\n"
+    "                     [--SECTION.FIELD VALUE ...] [--print-config]"
+)
+logger = logging.getLogger("pdserve")
+
+
+def _flag_dest(section: str, name: str) -> str:
+    return f"cfg__{section}__{name}"
+
+
+def add_config_flags(p: argparse.ArgumentParser) -> None:
+    from .config import SECTIONS, ServeConfig, field_docs
+
+    p.add_argument("--config", metavar="FILE.yaml", help="serve config (sections as below)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config, exit")
+    short = p.add_argument_group("common")
+    for flag, (section, name, kind, metavar, text) in _SHORT_FLAGS.items():
+        short.add_argument(
+            flag, dest=_flag_dest(section, name), type=kind, metavar=metavar,
+            default=argparse.SUPPRESS, help=text,
+        )  # fmt: skip
+    defaults = ServeConfig()
+    for section, cls in SECTIONS.items():
+        group = p.add_argument_group(f"{section} (config section `{section}:`)")
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            default = getattr(getattr(defaults, section), f.name)
+            group.add_argument(
+                f"--{section}.{f.name.replace('_', '-')}",
+                dest=f"raw__{section}__{f.name}",
+                metavar=str(f.type).replace(" ", ""),
+                default=argparse.SUPPRESS,
+                help=f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%"),
+            )
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    from .config import SECTIONS, build_config, load_yaml, parse_value
+
+    overrides: dict[str, dict] = {}
+    for key, value in vars(args).items():
+        kind, _, rest = key.partition("__")
+        if kind not in ("cfg", "raw"):
+            continue
+        section, name = rest.split("__")
+        if kind == "raw":
+            annotation = next(
+                str(f.type) for f in dataclasses.fields(SECTIONS[section]) if f.name == name
+            )
+            value = parse_value(value, annotation, f"--{section}.{name.replace('_', '-')}")
+        overrides.setdefault(section, {})[name] = value
+    file_values = load_yaml(args.config) if args.config else None
+    return build_config(file_values, overrides)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .config import to_dict
+
+    config = config_from_args(args)
+    if args.print_config:
+        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        return 0
+    from .server import PdServer, connect_ray
+
+    connect_ray(config)
+
+    async def serve() -> None:
+        server = PdServer(config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await server.start()
+            logger.info('ready: `pdserve generate --addr %s "Hello"`; Ctrl-C stops', server.address)
+            await stop.wait()
+            logger.info(
+                "shutting down (requests in flight get %gs)", config.router.shutdown_grace_s
+            )
+        finally:
+            await server.stop()
+
+    asyncio.run(serve())
+    return 0
+
+
+def _add_addr(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--addr", default=DEFAULT_ADDR, help=f"server address (default {DEFAULT_ADDR})")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .client import FINISH_REASONS, Client, generate_request
+
+    if args.prompt_ids is not None:
+        prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+    elif args.prompt is not None:
+        prompt = args.prompt
+    else:
+        raise PdserveError("give a PROMPT or --prompt-ids")
+    request = generate_request(
+        prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos,
+        stop_token_ids=[int(x) for x in args.stop_token_ids.split(",") if x.strip()],
+    )  # fmt: skip
+    with Client(args.addr) as client:
+        if args.wait_s:
+            client.wait_until_serving(args.wait_s)
+        sent, first, token_ids, pieces, last = time.perf_counter(), None, [], [], None
+        for chunk in client.generate(request, timeout_s=args.timeout):
+            if first is None and chunk.token_ids:
+                first = time.perf_counter()
+            token_ids.extend(chunk.token_ids)
+            pieces.append(chunk.text)
+            if not args.json:
+                print(chunk.text, end="", flush=True)
+            last = chunk
+    if args.json:
+        reason = FINISH_REASONS[last.finish_reason]
+        print(
+            json.dumps({"token_ids": token_ids, "text": "".join(pieces), "finish_reason": reason})
+        )
+        return 0
+    elapsed = time.perf_counter() - (first or sent)
+    n = last.usage.completion_tokens
+    print(
+        f"\n[{last.usage.prompt_tokens} prompt tokens, {n} generated, finish_reason="
+        f"{FINISH_REASONS.get(last.finish_reason, '?')}, TTFT {1e3 * ((first or sent) - sent):.0f} ms, "
+        f"{(n - 1) / elapsed if n > 1 and elapsed > 0 else 0:.1f} tokens/s]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from google.protobuf import json_format
+
+    from .client import Client, format_status
+
+    with Client(args.addr) as client:
+        status = client.status()
+    print(json_format.MessageToJson(status) if args.json else format_status(status))
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    from .client import Client
+
+    if args.prefill is None and args.decode is None:
+        raise PdserveError("give --prefill N and/or --decode M")
+    with Client(args.addr) as client:
+        for role in ("prefill", "decode"):
+            count = getattr(args, role)
+            if count is not None:
+                reply = client.scale(role, count)
+                print(f"{role}: {len(reply.pool.workers)} workers; added {list(reply.added)}, "
+                      f"removed {list(reply.removed)}")  # fmt: skip
+    return 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    from .client import Client
+
+    with Client(args.addr) as client:
+        reply = client.drain(args.worker_id)
+    print(f"drained and stopped {reply.worker_id} ({reply.num_requests_drained} requests finished)")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .config import build_config
+    from .demo import run_demo
+    from .server import free_port
+
+    overrides = {
+        "model": {"path": args.model, "dtype": args.dtype, "kernels": args.kernels},
+        "cluster": {"ray_address": "local"},
+        "router": {"port": 0, "stats_interval_s": 0.0},
+        "kvtransfer": {"store_port": free_port()},
+    }
+    return run_demo(build_config(None, overrides), args.max_tokens)
+
+
+def add_commands(sub, config_flags: bool = True) -> dict:
+    """Adds the serving subcommands to `pdserve`'s subparsers; returns {name: handler}."""
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model over gRPC with Ray prefill and decode pools",
+        description="Starts (or joins, --ray-address) a Ray cluster, places one actor per worker, and serves "
+        "the gRPC API (pdserve.v1.Generation, pdserve.v1.Admin, grpc.health.v1, reflection). With no "
+        "arguments: the tiny model on the CPU, one prefill and one decode worker, on 127.0.0.1:50051.",
+        allow_abbrev=False,
+        usage=SERVE_USAGE,
+    )
+    if config_flags:
+        add_config_flags(serve)
+
+    gen = sub.add_parser(
+        "generate",
+        help="stream a generation from a running server",
+        description="Streams the generated text to stdout; a summary (TTFT, tokens/s) goes to stderr. "
+        "Unset sampling flags take the model's generation_config.json values.",
+    )
+    _add_addr(gen)
+    gen.add_argument("prompt", nargs="?", help="prompt text")
+    gen.add_argument("--prompt-ids", help="comma-separated prompt token ids instead of text")
+    gen.add_argument("--max-tokens", type=int, default=None, help="default: the server's (256)")
+    gen.add_argument("--temperature", type=float, default=None, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--min-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop-token-ids", default="", help="comma-separated ids")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    gen.add_argument("--wait-s", type=float, default=0, help="first wait this long for SERVING")
+    gen.add_argument("--json", action="store_true", help="print token ids as JSON at the end")
+
+    status = sub.add_parser("status", help="pools, workers, queues and KV pages in use")
+    _add_addr(status)
+    status.add_argument("--json", action="store_true")
+
+    scale = sub.add_parser(
+        "scale",
+        help="grow or shrink the prefill and decode pools",
+        description="Returns when new workers serve and removed ones are drained (their requests done).",
+    )
+    _add_addr(scale)
+    scale.add_argument("--prefill", type=int, help="prefill workers wanted (0: aggregated)")
+    scale.add_argument("--decode", type=int, help="decode workers wanted (>= 1)")
+
+    drain = sub.add_parser("drain", help="stop one worker after its requests finish")
+    _add_addr(drain)
+    drain.add_argument("worker_id", help="as `pdserve status` lists it, e.g. decode-1")
+
+    demo = sub.add_parser(
+        "demo",
+        help="start the embedded default, stream a few generations, shut down",
+        description="Starts a local Ray and the server on free ports (tiny model, 1 prefill + 1 decode "
+        "worker), streams three generations with their TTFT and tokens/s, and stops.",
+    )
+    demo.add_argument("--model", default="tiny", help="checkpoint directory or tiny")
+    demo.add_argument("--dtype", default="auto", help="auto, bf16, fp16 or fp32")
+    demo.add_argument("--kernels", default="auto", help="auto, ref or triton")
+    demo.add_argument("--max-tokens", type=int, default=32)
+    return {
+        "serve": cmd_serve, "generate": cmd_generate, "status": cmd_status, "scale": cmd_scale,
+        "drain": cmd_drain, "demo": cmd_demo,
+    }  # fmt: skip

@@ -1,0 +1,260 @@
+"""Serve configuration: one frozen dataclass per component, composed into `ServeConfig`, loaded from defaults, a
+YAML file and command-line flags (in that order of precedence, last wins). Each component receives only its own
+piece; values found at run time (KV pages, the store's address) live in runtime objects, never in these."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdserve.decode import DecodeConfig
+from pdserve.kvtransfer import KVTransferConfig
+from pdserve.model.errors import ConfigError
+from pdserve.prefill import PrefillConfig
+
+DTYPES = ("auto", "bf16", "fp16", "fp32")
+KERNELS = ("auto", "ref", "triton")
+CPU_CACHE_BYTES = 256 << 20
+"""KV cache per worker on a CPU when serving (the workers' own default, 1 GiB, is more than a laptop wants)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelConfig:
+    path: str = "tiny"
+    """Checkpoint directory in the official DeepSeek-V3 layout, or `tiny`: a small random model made once under
+    ~/.cache/pdserve."""
+    dtype: str = "auto"
+    """Activation dtype: auto (config.json's torch_dtype), bf16, fp16 or fp32."""
+    kernels: str = "auto"
+    """Kernel implementation: auto (Triton on GPUs, torch references on CPU), ref or triton."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels={self.kernels!r}: expected one of {', '.join(KERNELS)}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    num_prefill: int = 1
+    """Prefill workers; 0 makes the decode workers prefill prompts themselves (aggregated serving)."""
+    num_decode: int = 1
+    """Decode workers (at least 1)."""
+    gpus_per_worker: int | None = None
+    """GPUs per worker, all on one node; the worker runs on the first. None: 1 when the Ray cluster has GPUs,
+    else 0 (the worker runs on the CPU)."""
+    cpus_per_worker: float = 1.0
+    """Ray CPUs reserved per worker (fractions allowed); on CPU workers, also torch's thread count (at least 1)."""
+    ray_address: str | None = None
+    """Ray cluster to join: `auto` (the one `ray start` or `ray up` started), an address, `local` (always a new
+    local Ray), or None: RAY_ADDRESS if set, else a new local Ray."""
+    placement_timeout_s: float = 300.0
+    """Longest a new worker may wait for free resources (its placement group) before it counts as failed."""
+    load_timeout_s: float = 1800.0
+    """Longest a placed worker may take to load the model and warm up."""
+    actor_max_concurrency: int = 16
+    """Threads per worker actor for control calls (submit, abort, stats, the output long-poll)."""
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 0:
+            raise ValueError(f"num_prefill={self.num_prefill}: must be >= 0")
+        if self.num_decode < 1:
+            raise ValueError(f"num_decode={self.num_decode}: must be >= 1")
+        if self.gpus_per_worker is not None and self.gpus_per_worker < 0:
+            raise ValueError(f"gpus_per_worker={self.gpus_per_worker}: must be >= 0")
+        if self.cpus_per_worker <= 0:
+            raise ValueError(f"cpus_per_worker={self.cpus_per_worker}: must be positive")
+        if min(self.placement_timeout_s, self.load_timeout_s) <= 0:
+            raise ValueError("placement_timeout_s and load_timeout_s must be positive")
+        if self.actor_max_concurrency < 4:
+            raise ValueError(f"actor_max_concurrency={self.actor_max_concurrency}: must be >= 4")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    """Address the gRPC server listens on (0.0.0.0: every interface)."""
+    port: int = 50051
+    """gRPC port; 0 picks a free one."""
+    default_max_tokens: int = 256
+    """max_tokens of a request that does not set it."""
+    max_tokens_limit: int | None = None
+    """Largest max_tokens accepted; None: the model's context length."""
+    admission_timeout_s: float = 30.0
+    """Longest a request waits for room on a decode worker before RESOURCE_EXHAUSTED."""
+    max_queued_requests: int = 4096
+    """Requests waiting for admission at most; more are refused at once with RESOURCE_EXHAUSTED."""
+    drain_timeout_s: float = 600.0
+    """Longest a draining worker's requests may run; those left then fail with UNAVAILABLE."""
+    poll_timeout_s: float = 0.5
+    """Long-poll wait of the router's output and event polls on each worker."""
+    stats_interval_s: float = 5.0
+    """Seconds between stats log lines (running/waiting, tokens/s, KV usage); 0 turns them off."""
+    shutdown_grace_s: float = 10.0
+    """On shutdown, how long requests in flight may still finish."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port={self.port}: not a port number")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens={self.default_max_tokens}: must be >= 1")
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise ValueError(f"max_tokens_limit={self.max_tokens_limit}: must be >= 1")
+        for name in ("admission_timeout_s", "drain_timeout_s", "poll_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be positive")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests={self.max_queued_requests}: must be >= 1")
+        if self.stats_interval_s < 0 or self.shutdown_grace_s < 0:
+            raise ValueError("stats_interval_s and shutdown_grace_s must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """Everything `pdserve serve` needs; YAML sections and flag prefixes are the field names."""
+
+    model: ModelConfig = ModelConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    router: RouterConfig = RouterConfig()
+    prefill: PrefillConfig = PrefillConfig(cpu_cache_bytes=CPU_CACHE_BYTES)
+    decode: DecodeConfig = DecodeConfig(cpu_cache_bytes=CPU_CACHE_BYTES)
+    kvtransfer: KVTransferConfig = KVTransferConfig()
+
+    def __post_init__(self) -> None:
+        if self.prefill.page_size != self.decode.page_size:
+            raise ValueError(
+                f"prefill.page_size={self.prefill.page_size} and decode.page_size="
+                f"{self.decode.page_size} must be equal"
+            )
+        if self.kvtransfer.idle_timeout_s <= self.decode.kv_wait_timeout_s:
+            raise ValueError(
+                f"kvtransfer.idle_timeout_s={self.kvtransfer.idle_timeout_s} must exceed "
+                f"decode.kv_wait_timeout_s={self.decode.kv_wait_timeout_s}"
+            )
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "cluster": ClusterConfig,
+    "router": RouterConfig,
+    "prefill": PrefillConfig,
+    "decode": DecodeConfig,
+    "kvtransfer": KVTransferConfig,
+}
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (read from its source), as one line."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def parse_value(text: str, annotation: str, where: str) -> Any:
+    """A flag's text as the field's type (`int`, `float | None`, ...); `none` gives None where allowed."""
+    kinds = [k.strip() for k in annotation.split("|")]
+    if "None" in kinds and text.strip().lower() in ("none", "null", ""):
+        return None
+    kind = next(k for k in kinds if k != "None")
+    try:
+        if kind == "bool":
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        return {"int": int, "float": float, "str": str}[kind](text)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"{where}: expected {annotation}, got {text!r}") from e
+
+
+def _check_type(value: Any, annotation: str, where: str) -> Any:
+    kinds = {k.strip() for k in annotation.split("|")}
+    if value is None and "None" in kinds:
+        return None
+    if isinstance(value, bool):
+        ok = "bool" in kinds
+    elif isinstance(value, int):
+        ok = "int" in kinds or "float" in kinds
+        value = float(value) if "int" not in kinds and ok else value
+    else:
+        ok = type(value).__name__ in kinds
+    if not ok:
+        raise ConfigError(f"{where}: expected {annotation}, got {value!r}")
+    return value
+
+
+def build_config(
+    file_values: dict[str, dict[str, Any]] | None = None,
+    overrides: dict[str, dict[str, Any]] | None = None,
+) -> ServeConfig:
+    """A ServeConfig from defaults, then `file_values` (a YAML mapping of sections), then `overrides` (flags).
+    Unknown sections or fields and bad values raise ConfigError naming them."""
+    merged: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    for source, values in (("config file", file_values or {}), ("flags", overrides or {})):
+        if not isinstance(values, dict):
+            raise ConfigError(
+                f"{source}: expected a mapping of sections, got {type(values).__name__}"
+            )
+        for section, fields in values.items():
+            if section not in SECTIONS:
+                raise ConfigError(
+                    f"{source}: unknown section {section!r} (expected {', '.join(SECTIONS)})"
+                )
+            if not isinstance(fields, dict):
+                raise ConfigError(f"{source}: section {section!r} must be a mapping")
+            annotations = {f.name: str(f.type) for f in dataclasses.fields(SECTIONS[section])}
+            for name, value in fields.items():
+                if name not in annotations:
+                    raise ConfigError(
+                        f"{source}: unknown field {section}.{name} "
+                        f"(expected one of {', '.join(annotations)})"
+                    )
+                merged[section][name] = _check_type(value, annotations[name], f"{section}.{name}")
+    defaults, parts = ServeConfig(), {}
+    for name in SECTIONS:
+        try:
+            parts[name] = dataclasses.replace(getattr(defaults, name), **merged[name])
+        except ValueError as e:
+            raise ConfigError(f"{name}.{e}") from e
+    try:
+        return ServeConfig(**parts)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def load_yaml(path: str | Path) -> dict[str, dict[str, Any]]:
+    path = Path(path)
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read ({e.strerror})") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML ({e})") from e
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of sections")
+    return values
+
+
+def to_dict(config: ServeConfig) -> dict[str, dict[str, Any]]:
+    """The config as YAML-ready sections (for `pdserve serve --print-config`)."""
+    return {name: dataclasses.asdict(getattr(config, name)) for name in SECTIONS}

@@ -1,0 +1,149 @@
+"""The worker pools' members: `WorkerHandle` (the router's view of one worker) and `Launcher`, which places a
+worker (its own placement group), starts its actor, waits for its model to load, and stops it again."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from pdserve.decode import DecodeStats
+from pdserve.kvtransfer import KVTransferConfig
+from pdserve.model.errors import CapacityError
+from pdserve.prefill import PrefillStats
+
+from . import placement, wire
+from .actors import DecodeShell, PrefillShell
+from .config import ServeConfig
+
+logger = logging.getLogger(__name__)
+
+PREFILL, DECODE = "prefill", "decode"
+ROLES = (PREFILL, DECODE)
+_SHELLS = {PREFILL: ray.remote(PrefillShell), DECODE: ray.remote(DecodeShell)}
+_STOP_TIMEOUT_S = 15.0
+
+
+class WorkerState:
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    DEAD = "dead"
+
+
+@dataclasses.dataclass(eq=False)
+class WorkerHandle:
+    """One worker as the router sees it. Touched only on the router's event loop."""
+
+    worker_id: str
+    role: str
+    actor: Any
+    placement_group: Any
+    num_gpus: int
+    state: str = WorkerState.STARTING
+    node_ip: str = ""
+    device: str = ""
+    num_pages: int = 0
+    page_size: int = 0
+    stats: PrefillStats | DecodeStats | None = None
+    """The latest stats the worker reported."""
+    requests: set[str] = dataclasses.field(default_factory=set)
+    """Requests on this worker: a decode worker's from admission to finish, a prefill worker's until their
+    first token arrives from the decode side."""
+    queued_tokens: int = 0
+    """Prefill: prompt tokens submitted here and not yet handed over (the router's load measure)."""
+    reserved_pages: int = 0
+    """Decode: pages reserved here since `stats` was taken."""
+    poller: asyncio.Task | None = None
+
+    @property
+    def free_pages(self) -> int:
+        """Decode: free pages, estimated from the latest stats and reservations since."""
+        used = self.stats.pages_used if self.stats is not None else 0
+        return self.num_pages - used - self.reserved_pages
+
+    @property
+    def num_running(self) -> int:
+        return len(self.requests)
+
+
+def _rounded(resources: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 2) for k, v in resources.items() if k in ("CPU", "GPU")}
+
+
+class Launcher:
+    """Starts and stops worker actors. Each worker gets its own placement group and a unique id."""
+
+    def __init__(self, config: ServeConfig, kv_config: KVTransferConfig, num_gpus: int):
+        self.config, self.kv_config, self.num_gpus = config, kv_config, num_gpus
+        self._ids = {role: itertools.count() for role in ROLES}
+
+    async def launch(self, role: str) -> WorkerHandle:
+        """A worker whose model is loaded (state STARTING: not yet warmed up). Raises CapacityError when the
+        cluster cannot place it within placement_timeout_s, or the error its actor failed to start with."""
+        cluster = self.config.cluster
+        worker_id = f"{role}-{next(self._ids[role])}"
+        bundles = placement.worker_bundles(self.num_gpus, cluster.cpus_per_worker)
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        reason = placement.unplaceable_reason(bundles, nodes)
+        if reason is not None:
+            raise CapacityError(f"cannot place {worker_id}: {reason}")
+        group = ray.util.placement_group(
+            bundles, strategy=placement.STRATEGY, name=f"pdserve-{worker_id}"
+        )
+        handle = WorkerHandle(worker_id, role, None, group, self.num_gpus)
+        if not placement.fits_now(bundles, ray.available_resources()):
+            logger.warning(
+                "%s waits up to %gs for %s (available now: %s)", worker_id,
+                cluster.placement_timeout_s, bundles[0], _rounded(ray.available_resources()),
+            )  # fmt: skip
+        try:
+            try:
+                await asyncio.wait_for(group.ready(), cluster.placement_timeout_s)
+            except TimeoutError:
+                raise CapacityError(
+                    f"cannot place {worker_id}: {bundles[0]} not free on any node within "
+                    f"{cluster.placement_timeout_s:g}s (available: "
+                    f"{_rounded(ray.available_resources())})"
+                ) from None
+            worker_config = self.config.prefill if role == PREFILL else self.config.decode
+            handle.actor = _SHELLS[role].options(
+                num_cpus=cluster.cpus_per_worker,
+                num_gpus=self.num_gpus,
+                max_concurrency=cluster.actor_max_concurrency,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, 0),
+            ).remote(
+                worker_id, self.config.model, worker_config, self.kv_config, self.num_gpus,
+                placement.cpu_threads(cluster.cpus_per_worker),
+            )  # fmt: skip
+            try:
+                ready = await asyncio.wait_for(handle.actor.ready.remote(), cluster.load_timeout_s)
+            except TimeoutError:
+                raise CapacityError(
+                    f"{worker_id} did not load the model within {cluster.load_timeout_s:g}s"
+                ) from None
+            info = wire.unwrap(dict, ready)
+        except BaseException:
+            await self.stop(handle)
+            raise
+        handle.node_ip, handle.device = info["node_ip"], info["device"]
+        handle.num_pages, handle.page_size = info["num_pages"], info["page_size"]
+        logger.info(
+            "%s up on %s (%s): %d KV pages = %d tokens", worker_id, handle.node_ip,
+            handle.device, handle.num_pages, handle.num_pages * handle.page_size,
+        )  # fmt: skip
+        return handle
+
+    async def stop(self, handle: WorkerHandle) -> None:
+        """Closes the worker (bounded), kills its actor and frees its placement group."""
+        if handle.actor is not None:
+            with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+                await asyncio.wait_for(handle.actor.close.remote(), _STOP_TIMEOUT_S)
+            ray.kill(handle.actor)
+        ray.util.remove_placement_group(handle.placement_group)

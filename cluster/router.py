@@ -1,0 +1,358 @@
+"""The router's request flow, on one asyncio loop: admission on a decode worker (D), dispatch to a prefill worker
+(P), relay of D's per-step outputs, resubmission after preemption, and cleanup on cancel, deadline or failure.
+
+For each request: reserve pages on a D (tried in order of most free pages, then fewest requests; requests wait
+in FIFO order while none has room, up to admission_timeout_s), submit the prompt to the P with the fewest queued
+prompt tokens together with D's transfer id (no P: D prefills itself), then stream D's outputs. One long-poll per
+worker brings back D's output batches and P's failures. A request that ends any other way than finishing (client
+cancel, deadline, failure) is aborted on every worker it touched, after its calls in flight have landed, so its
+pages are freed on both sides."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import ray
+
+from pdserve.decode import DecodeRequest, RequestOutput, Reservation
+from pdserve.model.errors import CapacityError, InvalidRequestError, PdserveError
+from pdserve.model.pages import pages_needed
+from pdserve.model.sampling_params import FinishReason, SamplingParams
+from pdserve.prefill import PrefillFailure, PrefillRequest
+
+from . import wire
+from .config import RouterConfig
+from .errors import DeadlineExceededError, UnavailableError, WorkerFailedError, WorkerLostError
+from .pools import DECODE, PREFILL, WorkerHandle, WorkerState
+
+logger = logging.getLogger(__name__)
+
+_ADMISSION_RETRY_S = 0.05
+_CLEANUP_WAIT_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Lost:
+    reason: str
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request in flight. Its events queue receives D's outputs, P's failures and worker losses."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    deadline: float | None
+    """loop.time() by which it must finish, or None."""
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
+    events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
+    generated: list[int] = dataclasses.field(default_factory=list)
+    decode: WorkerHandle | None = None
+    prefill: WorkerHandle | None = None
+    """Set while the prompt is on P (until the first token arrives from D)."""
+    prefill_tokens: int = 0
+    decode_worker: str = ""
+    prefill_worker: str = ""
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    touched: set[WorkerHandle] = dataclasses.field(default_factory=set)
+    calls: set[asyncio.Future] = dataclasses.field(default_factory=set)
+
+
+class Router:
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.workers: dict[str, WorkerHandle] = {}
+        self.requests: dict[str, Request] = {}
+        self.num_output_tokens = 0
+        """Generated tokens relayed since start."""
+        self.on_workers_changed: Callable[[], None] = lambda: None
+        self.on_worker_lost: Callable[[WorkerHandle], None] = lambda w: None
+        self._admission = asyncio.Lock()  # FIFO: requests are admitted in arrival order
+        self._num_waiting = 0
+        self._capacity = asyncio.Event()
+        self._background: set[asyncio.Task] = set()
+        self._closed = False
+
+    # Pools.
+
+    def pool(self, role: str, *states: str) -> list[WorkerHandle]:
+        states = states or (WorkerState.STARTING, WorkerState.SERVING, WorkerState.DRAINING)
+        return [w for w in self.workers.values() if w.role == role and w.state in states]
+
+    def add_worker(self, w: WorkerHandle) -> None:
+        """Starts relaying the worker's outputs (or failures); it gets requests once SERVING."""
+        self.workers[w.worker_id] = w
+        poll = self._poll_decode if w.role == DECODE else self._poll_prefill
+        w.poller = asyncio.create_task(poll(w), name=f"poll-{w.worker_id}")
+
+    def remove_worker(self, w: WorkerHandle) -> None:
+        self.workers.pop(w.worker_id, None)
+        if w.poller is not None:
+            w.poller.cancel()
+        self.on_workers_changed()
+
+    def worker_lost(self, w: WorkerHandle, reason: str) -> None:
+        """A worker died: fail its requests (their other side is aborted by their cleanup)."""
+        if w.state == WorkerState.DEAD:
+            return
+        logger.error("%s worker %s lost: %s", w.role, w.worker_id, reason)
+        w.state = WorkerState.DEAD
+        self.fail_requests(w, f"{w.role} worker {w.worker_id} died: {reason}")
+        self.remove_worker(w)
+        self.on_worker_lost(w)
+
+    def fail_requests(self, w: WorkerHandle, reason: str) -> None:
+        for request_id in list(w.requests):
+            if (r := self.requests.get(request_id)) is not None:
+                r.events.put_nowait(_Lost(reason))
+
+    # Requests.
+
+    def open(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+        deadline: float | None,
+    ) -> Request:  # fmt: skip
+        """Registers a request; the caller streams it with `next_tokens` and must `close` it."""
+        if self._closed:
+            raise UnavailableError("the server is shutting down")
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        r = Request(request_id, prompt_ids, params, deadline)
+        self.requests[request_id] = r
+        return r
+
+    async def next_tokens(
+        self, r: Request, force: tuple[WorkerHandle | None, WorkerHandle] | None = None
+    ) -> RequestOutput | None:
+        """The request's next output with tokens (or its finish), None once finished. `force` pins the
+        (P, D) pair (warm-up of new workers). Raises PdserveError subclasses on failure."""
+        if r.finish_reason is not None:
+            return None
+        if r.decode is None:
+            await self._place(r, force)
+        while True:
+            event = await self._next_event(r)
+            if isinstance(event, _Lost):
+                raise WorkerLostError(event.reason)
+            if isinstance(event, PrefillFailure):
+                raise WorkerFailedError(event.error)
+            if event.preempted:
+                r.num_preemptions += 1
+                self._detach(r)
+                await self._place(r, force)
+                continue
+            if event.finish_reason == FinishReason.ABORT:
+                raise WorkerFailedError(f"{r.decode_worker}: {event.error or 'request aborted'}")
+            self._prefill_done(r)
+            now = time.monotonic()
+            if event.token_ids and r.first_token_at is None:
+                r.first_token_at = now
+            r.generated.extend(event.token_ids)
+            if event.finish_reason is not None:
+                r.finish_reason, r.finished_at = event.finish_reason, now
+                self._detach(r)
+            if event.token_ids or event.finish_reason is not None:
+                return event
+
+    def close(self, r: Request) -> None:
+        """Forgets the request; unless it finished, aborts it on every worker it touched (in the background)."""
+        self.requests.pop(r.request_id, None)
+        self._detach(r)
+        if r.finish_reason is None and (r.touched or r.calls):
+            self.spawn(self._abort_everywhere(r))
+
+    async def _abort_everywhere(self, r: Request) -> None:
+        if r.calls:  # an add_request or submit still under way lands first, so the abort finds it
+            await asyncio.wait(list(r.calls), timeout=_CLEANUP_WAIT_S)
+        aborts = [
+            w.actor.abort.remote(r.request_id) for w in r.touched if w.state != WorkerState.DEAD
+        ]
+        for result in await asyncio.gather(*aborts, return_exceptions=True):
+            if isinstance(result, Exception):
+                logger.warning("abort of %s failed: %s", r.request_id, result)
+        self._capacity.set()
+
+    async def _next_event(self, r: Request):
+        timeout = None if r.deadline is None else r.deadline - asyncio.get_running_loop().time()
+        try:
+            return await asyncio.wait_for(r.events.get(), timeout)
+        except TimeoutError:
+            raise DeadlineExceededError(
+                f"deadline exceeded after {len(r.generated)} of {r.params.max_tokens} tokens"
+            ) from None
+
+    # Placement.
+
+    def _check_fits(self, r: Request, decodes: list[WorkerHandle]) -> None:
+        total = len(r.prompt_ids) + r.params.max_tokens
+        largest = max(w.num_pages for w in decodes)
+        need = pages_needed(total, decodes[0].page_size)
+        if need > largest:
+            raise InvalidRequestError(
+                "sampling_params.max_tokens",
+                f"prompt ({len(r.prompt_ids)} tokens) + max_tokens ({r.params.max_tokens}) need {need} "
+                f"KV pages; the largest decode worker holds {largest}",
+            )
+
+    async def _place(self, r: Request, force) -> None:
+        decodes = self.pool(DECODE, WorkerState.SERVING)
+        if force is None and not decodes:
+            raise UnavailableError("no decode worker is serving (starting up, or all were lost)")
+        self._check_fits(r, decodes or [force[1]])
+        if self._num_waiting >= self.config.max_queued_requests:
+            raise CapacityError(
+                f"{self._num_waiting} requests are already waiting for a decode worker "
+                f"(router.max_queued_requests)"
+            )
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.config.admission_timeout_s
+        self._num_waiting += 1
+        try:
+            async with self._admission:
+                while not await self._try_admit(r, force):
+                    if force is None and not self.pool(DECODE, WorkerState.SERVING):
+                        raise UnavailableError("no decode worker is serving (all were lost)")
+                    now = loop.time()
+                    if r.deadline is not None and now >= r.deadline:
+                        raise DeadlineExceededError("deadline exceeded while waiting for admission")
+                    if now >= give_up:
+                        raise CapacityError(
+                            f"no decode worker had room for {len(r.prompt_ids) + len(r.generated)} "
+                            f"tokens within {self.config.admission_timeout_s:g}s"
+                        )
+                    self._capacity.clear()
+                    wait = min(_ADMISSION_RETRY_S, give_up - now)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._capacity.wait(), wait)
+        finally:
+            self._num_waiting -= 1
+        if r.admitted_at is None:
+            r.admitted_at = time.monotonic()
+
+    async def _try_admit(self, r: Request, force) -> bool:
+        tokens = [*r.prompt_ids, *r.generated]
+        if force is not None:
+            prefill, decodes = force[0], [force[1]]
+        else:
+            need = pages_needed(len(tokens), self.pool(DECODE)[0].page_size)
+            prefills = [w for w in self.pool(PREFILL, WorkerState.SERVING) if w.num_pages >= need]
+            prefill = min(prefills, key=lambda w: w.queued_tokens, default=None)
+            decodes = sorted(
+                self.pool(DECODE, WorkerState.SERVING), key=lambda w: (-w.free_pages, w.num_running)
+            )
+        peer = prefill.worker_id if prefill is not None else None
+        payload = wire.encode(
+            DecodeRequest(r.request_id, r.prompt_ids, r.params, peer, r.generated)
+        )
+        for d in decodes:
+            try:
+                reply = await self._call(r, d, d.actor.add_request.remote(payload))
+                reservation = wire.unwrap(Reservation, reply)
+            except (CapacityError, WorkerLostError):
+                continue
+            r.decode, r.decode_worker = d, d.worker_id
+            d.requests.add(r.request_id)
+            d.reserved_pages += reservation.num_pages
+            break
+        else:
+            return False
+        r.prefill_worker = peer or ""
+        if prefill is None:
+            return True
+        r.prefill, r.prefill_tokens = prefill, len(tokens)
+        prefill.requests.add(r.request_id)
+        prefill.queued_tokens += len(tokens)
+        request = PrefillRequest(
+            r.request_id, tokens, r.params, len(r.generated), r.decode_worker,
+            reservation.transfer_id,
+        )  # fmt: skip
+        try:
+            wire.unwrap(
+                None,
+                await self._call(r, prefill, prefill.actor.submit.remote(wire.encode(request))),
+            )
+        except PdserveError:
+            await asyncio.gather(d.actor.abort.remote(r.request_id), return_exceptions=True)
+            self._detach(r)
+            raise
+        return True
+
+    async def _call(self, r: Request, w: WorkerHandle, ref) -> bytes:
+        """Awaits an actor call made for `r`. A cancelled caller leaves the call running; cleanup waits for it."""
+        future = asyncio.wrap_future(ref.future())
+        r.touched.add(w)
+        r.calls.add(future)
+        future.add_done_callback(r.calls.discard)
+        try:
+            return await asyncio.shield(future)
+        except ray.exceptions.RayError as e:
+            self.worker_lost(w, str(e).splitlines()[0])
+            raise WorkerLostError(f"{w.role} worker {w.worker_id} died") from e
+
+    def _prefill_done(self, r: Request) -> None:
+        if r.prefill is not None:
+            r.prefill.requests.discard(r.request_id)
+            r.prefill.queued_tokens -= r.prefill_tokens
+            r.prefill, r.prefill_tokens = None, 0
+
+    def _detach(self, r: Request) -> None:
+        self._prefill_done(r)
+        if r.decode is not None:
+            r.decode.requests.discard(r.request_id)
+            r.decode = None
+            self._capacity.set()
+
+    # Relaying.
+
+    async def _poll_decode(self, w: WorkerHandle) -> None:
+        while not self._closed:
+            try:
+                data = await w.actor.poll_outputs.remote(self.config.poll_timeout_s)
+            except ray.exceptions.RayError as e:
+                self.worker_lost(w, str(e).splitlines()[0])
+                return
+            for out in wire.decode(list[RequestOutput], data):
+                self.num_output_tokens += len(out.token_ids)
+                r = self.requests.get(out.request_id)
+                if r is not None and r.decode is w:
+                    r.events.put_nowait(out)
+                if out.finish_reason is not None or out.preempted:
+                    self._capacity.set()
+
+    async def _poll_prefill(self, w: WorkerHandle) -> None:
+        while not self._closed:
+            try:
+                data = await w.actor.poll_events.remote(self.config.poll_timeout_s)
+            except ray.exceptions.RayError as e:
+                self.worker_lost(w, str(e).splitlines()[0])
+                return
+            for failure in wire.decode(list[PrefillFailure], data):
+                r = self.requests.get(failure.request_id)
+                if r is not None and r.prefill is w:
+                    r.events.put_nowait(failure)
+
+    def spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close_all(self) -> None:
+        """Stops relaying; requests still open fail with UNAVAILABLE."""
+        self._closed = True
+        for r in list(self.requests.values()):
+            r.events.put_nowait(_Lost("the server is shutting down"))
+        for w in list(self.workers.values()):
+            if w.poller is not None:
+                w.poller.cancel()
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=_CLEANUP_WAIT_S)

@@ -1,0 +1,283 @@
+"""The serving process: joins (or starts) Ray, hosts the KV store, starts the gRPC server (Generation, Admin,
+grpc.health.v1, reflection), brings up the pools, and logs a startup summary and a stats line every few seconds.
+Health is NOT_SERVING until every worker is warm, and again from the start of a shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import socket
+import threading
+import time
+
+import grpc
+import ray
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve.decode import DecodeStats
+from pdserve.kvtransfer import KVTransferConfig
+from pdserve.kvtransfer.dist import connect_store
+from pdserve.model.errors import ConfigError
+from pdserve.model.random_checkpoint import resolve_model
+from pdserve.prefill import PrefillStats
+from pdserve.protos import SERVICE_NAMES
+from pdserve.v1 import admin_pb2_grpc, generation_pb2_grpc
+
+from . import placement, wire
+from .config import ServeConfig
+from .pools import DECODE, PREFILL, Launcher, WorkerState
+from .router import Router
+from .scaling import Scaler
+from .service import AdminServicer, GenerationServicer
+from .validation import ModelInfo
+
+logger = logging.getLogger("pdserve.server")
+
+HEALTH_SERVICES = ("", "pdserve.v1.Generation")
+_REFRESH_S = 1.0
+_IDLE_LOG_S = 60.0
+_STATS_TIMEOUT_S = 5.0
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def connect_ray(config: ServeConfig) -> None:
+    """Joins the configured Ray cluster (None: RAY_ADDRESS if set, else a new local Ray). A local Ray gets
+    logical CPUs for twice the configured pools, so that they can be scaled up even on a machine with fewer
+    cores; no-op when already connected."""
+    if ray.is_initialized():
+        return
+    address = config.cluster.ray_address or os.environ.get("RAY_ADDRESS") or "local"
+    num_cpus = None
+    if address == "local":
+        cluster = config.cluster
+        demand = (cluster.num_prefill + cluster.num_decode) * cluster.cpus_per_worker
+        num_cpus = max(os.cpu_count() or 1, math.ceil(2 * demand))
+    ray.init(
+        address=address, num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class PdServer:
+    """One serving deployment. `start` and `stop` run on the event loop the server lives on."""
+
+    def __init__(self, config: ServeConfig):
+        self.config = config
+        self.serving = False
+        self.port = 0
+        self._started_at = time.monotonic()
+        self._tasks: list[asyncio.Task] = []
+        self._rate = (time.monotonic(), 0)
+        self.output_tokens_per_s = 0.0
+
+    @property
+    def uptime_s(self) -> float:
+        return time.monotonic() - self._started_at
+
+    @property
+    def address(self) -> str:
+        host = self.config.router.host
+        return f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.port}"
+
+    def _kv_config(self) -> KVTransferConfig:
+        """The store address workers get: the router's node IP when the cluster spans several nodes."""
+        kv = self.config.kvtransfer
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        if kv.store_host in _LOOPBACK and len(nodes) > 1:
+            kv = dataclasses.replace(kv, store_host=ray.util.get_node_ip_address())
+        return kv
+
+    async def start(self) -> None:
+        config = self.config
+        self.model_dir = await asyncio.to_thread(resolve_model, config.model.path)
+        self.model = ModelInfo.load(self.model_dir, config.model.path)
+        kv = self._kv_config()
+        try:
+            self._store = connect_store(kv, is_master=True)
+        except RuntimeError as e:  # torch.distributed.DistNetworkError (EADDRINUSE) on a busy port
+            raise ConfigError(
+                f"cannot host the KV store on port {kv.store_port} ({e}); another pdserve serve? "
+                "set --kvtransfer.store-port"
+            ) from e
+        gpus = placement.resolve_gpus_per_worker(
+            config.cluster.gpus_per_worker, ray.cluster_resources()
+        )
+        self.router = Router(config.router)
+        self.router.on_workers_changed = self._update_health
+        self.scaler = Scaler(
+            config, self.router, Launcher(config, kv, gpus), self.model.bos_token_id
+        )
+        await self._start_grpc()
+        logger.info(
+            "starting %d prefill and %d decode workers (%d GPUs each) for %s",
+            config.cluster.num_prefill, config.cluster.num_decode, gpus, self.model_dir,
+        )  # fmt: skip
+        await self.scaler.start(config.cluster.num_prefill, config.cluster.num_decode)
+        self.serving = True
+        await self._set_health(True)
+        self._tasks.append(asyncio.create_task(self._refresh_loop(), name="stats"))
+        self._log_summary(gpus)
+
+    async def _start_grpc(self) -> None:
+        router_config = self.config.router
+        self.grpc_server = grpc.aio.server()
+        generation_pb2_grpc.add_GenerationServicer_to_server(
+            GenerationServicer(self), self.grpc_server
+        )
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self), self.grpc_server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
+        await self._set_health(False)
+        names = (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.grpc_server)
+        target = f"{router_config.host}:{router_config.port}"
+        try:
+            self.port = self.grpc_server.add_insecure_port(target)
+        except RuntimeError as e:
+            raise ConfigError(f"cannot listen on {target}: {e} (port in use? set --port)") from e
+        await self.grpc_server.start()
+        logger.info(
+            "gRPC listening on %s:%d (health: NOT_SERVING until the workers are warm)",
+            router_config.host, self.port,
+        )  # fmt: skip
+
+    async def _set_health(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in HEALTH_SERVICES:
+            await self.health.set(name, status)
+
+    def _update_health(self) -> None:
+        if self.serving:
+            up = bool(self.router.pool(DECODE, WorkerState.SERVING))
+            asyncio.get_running_loop().create_task(self._set_health(up))
+
+    def _log_summary(self, gpus: int) -> None:
+        decodes = self.router.pool(DECODE)
+        kv = ", ".join(f"{w.worker_id} {w.num_pages * w.page_size} tokens" for w in decodes)
+        mode = (
+            "aggregated (decode workers prefill)"
+            if not self.router.pool(PREFILL)
+            else "disaggregated"
+        )
+        logger.info(
+            "serving %s on %s: %d prefill + %d decode workers, %s, %s; KV capacity per decode worker: %s",
+            self.model_dir, self.address, len(self.router.pool(PREFILL)), len(decodes),
+            f"{gpus} GPU(s) each" if gpus else "CPU", mode, kv,
+        )  # fmt: skip
+
+    async def refresh_stats(self) -> None:
+        """Fetches every worker's stats (bounded wait); they steer admission and feed status and logs."""
+        workers = [w for w in self.router.workers.values() if w.state != WorkerState.DEAD]
+        calls = [asyncio.wait_for(w.actor.stats.remote(), _STATS_TIMEOUT_S) for w in workers]
+        for w, result in zip(
+            workers, await asyncio.gather(*calls, return_exceptions=True), strict=True
+        ):
+            if isinstance(result, bytes):
+                w.stats = wire.unwrap(PrefillStats if w.role == PREFILL else DecodeStats, result)
+                w.reserved_pages = 0
+        now, tokens = time.monotonic(), self.router.num_output_tokens
+        then, before = self._rate
+        if now - then >= _REFRESH_S:
+            self.output_tokens_per_s = (tokens - before) / (now - then)
+            self._rate = (now, tokens)
+
+    async def _refresh_loop(self) -> None:
+        interval = self.config.router.stats_interval_s
+        last_log = time.monotonic()
+        while True:
+            await asyncio.sleep(_REFRESH_S)
+            try:
+                await self.refresh_stats()
+            except Exception:  # task boundary: keep the loop alive
+                logger.error("stats refresh failed", exc_info=True)
+                continue
+            since = time.monotonic() - last_log
+            busy = self.router.requests or self.output_tokens_per_s > 0
+            if interval and since >= interval and (busy or since >= _IDLE_LOG_S):
+                last_log = time.monotonic()
+                logger.info("%s", self.stats_line())
+
+    def stats_line(self) -> str:
+        decodes = [w for w in self.router.pool(DECODE) if w.stats is not None]
+        prefills = [w for w in self.router.pool(PREFILL) if w.stats is not None]
+        used = sum(w.stats.pages_used for w in decodes)
+        total = sum(w.num_pages for w in decodes) or 1
+        line = (
+            f"requests {len(self.router.requests)} | decode running "
+            f"{sum(w.stats.num_running for w in decodes)} waiting {sum(w.stats.num_waiting for w in decodes)}"
+            f" | {self.output_tokens_per_s:.1f} tok/s | decode KV {100 * used / total:.1f}%"
+        )
+        if prefills:
+            line += (
+                f" | prefill queued {sum(w.stats.num_queued for w in prefills)} "
+                f"({sum(w.stats.queued_tokens for w in prefills)} tokens)"
+            )
+        return line
+
+    async def stop(self) -> None:
+        """Health NOT_SERVING, requests in flight get shutdown_grace_s to finish, then the workers stop."""
+        self.serving = False
+        if hasattr(self, "health"):
+            await self.health.enter_graceful_shutdown()
+        if hasattr(self, "grpc_server"):
+            await self.grpc_server.stop(self.config.router.shutdown_grace_s)
+        for task in self._tasks:
+            task.cancel()
+        if hasattr(self, "router"):
+            await self.router.close_all()
+            await self.scaler.stop_all()
+        logger.info("stopped")
+
+
+class ServerThread:
+    """A PdServer on its own event loop in a background thread (tests, `pdserve demo`); Ray must be connected."""
+
+    def __init__(self, config: ServeConfig):
+        self.server = PdServer(config)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="pdserve", daemon=True)
+
+    def start(self, timeout_s: float = 600.0) -> ServerThread:
+        self._thread.start()
+        future = asyncio.run_coroutine_threadsafe(self.server.start(), self._loop)
+        try:
+            future.result(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def call(self, coro, timeout_s: float = 60.0):
+        """Runs a coroutine on the server's loop (tests reach into the router through this)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            with contextlib.suppress(Exception):
+                self.call(self.server.stop(), timeout_s=120)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

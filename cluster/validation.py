@@ -1,0 +1,147 @@
+"""Checks a GenerateRequest at the router, before any worker sees it, and turns it into prompt token ids and
+`SamplingParams`. Every rejection is an InvalidRequestError naming the request field (`prompt`,
+`prompt_token_ids`, `sampling_params.max_tokens`, ...). Unset sampling fields take the model's
+generation_config.json values; unset max_tokens takes the router's default, capped by the context left."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from pdserve.model.args import ModelArgs
+from pdserve.model.errors import InvalidRequestError
+from pdserve.model.sampling_params import SamplingParams
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.v1 import generation_pb2 as pb
+
+from .config import RouterConfig
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GenerationDefaults:
+    """Sampling values a request inherits when it leaves them unset (from generation_config.json)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+
+    @classmethod
+    def from_file(cls, path: Path) -> GenerationDefaults:
+        if not path.is_file():
+            return cls()
+        config = json.loads(path.read_text())
+        greedy = config.get("do_sample") is False
+        return cls(
+            temperature=0.0 if greedy else float(config.get("temperature", 1.0)),
+            top_p=float(config.get("top_p", 1.0)),
+            top_k=int(config.get("top_k", 0)) or -1,
+            min_p=float(config.get("min_p", 0.0)),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What the router knows about the model it serves (it never loads the weights)."""
+
+    name: str
+    vocab_size: int
+    max_model_len: int
+    bos_token_id: int | None
+    defaults: GenerationDefaults
+    tokenizer: Tokenizer | None
+
+    @classmethod
+    def load(cls, model_dir: Path, name: str) -> ModelInfo:
+        args = ModelArgs.from_json(model_dir / "config.json")
+        tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+        defaults = GenerationDefaults.from_file(model_dir / "generation_config.json")
+        return cls(
+            name, args.vocab_size, args.max_position_embeddings, args.bos_token_id, defaults,
+            tokenizer,
+        )  # fmt: skip
+
+
+def _prompt_ids(request: pb.GenerateRequest, model: ModelInfo) -> tuple[str, list[int]]:
+    which = request.WhichOneof("input")
+    if which is None:
+        raise InvalidRequestError("prompt", "missing: set prompt (text) or prompt_token_ids")
+    if which == "prompt":
+        if not request.prompt:
+            raise InvalidRequestError("prompt", "is empty")
+        if model.tokenizer is None:
+            raise InvalidRequestError(
+                "prompt", f"{model.name} has no tokenizer.json: send prompt_token_ids instead"
+            )
+        return "prompt", model.tokenizer.encode(request.prompt)
+    ids = list(request.prompt_token_ids.ids)
+    if not ids:
+        raise InvalidRequestError("prompt_token_ids", "is empty")
+    for position, token in enumerate(ids):
+        if token >= model.vocab_size:
+            raise InvalidRequestError(
+                "prompt_token_ids",
+                f"id {token} at position {position} is outside the vocabulary [0, {model.vocab_size})",
+            )
+    return "prompt_token_ids", ids
+
+
+def _sampling_params(
+    sp: pb.SamplingParams, num_prompt_tokens: int, model: ModelInfo, router: RouterConfig
+) -> SamplingParams:
+    room = model.max_model_len - num_prompt_tokens
+    limit = min(router.max_tokens_limit or model.max_model_len, room)
+    if sp.HasField("max_tokens"):
+        max_tokens = sp.max_tokens
+        if max_tokens == 0:
+            raise InvalidRequestError("sampling_params.max_tokens", "must be >= 1, got 0")
+        if router.max_tokens_limit is not None and max_tokens > router.max_tokens_limit:
+            raise InvalidRequestError(
+                "sampling_params.max_tokens",
+                f"{max_tokens} exceeds this server's limit of {router.max_tokens_limit}",
+            )
+        if max_tokens > room:
+            raise InvalidRequestError(
+                "sampling_params.max_tokens",
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"model's context of {model.max_model_len}",
+            )
+    else:
+        max_tokens = min(router.default_max_tokens, limit)
+    for token in sp.stop_token_ids:
+        if token >= model.vocab_size:
+            raise InvalidRequestError(
+                "sampling_params.stop_token_ids",
+                f"id {token} is outside the vocabulary [0, {model.vocab_size})",
+            )
+    d = model.defaults
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=sp.temperature if sp.HasField("temperature") else d.temperature,
+            top_p=sp.top_p if sp.HasField("top_p") else d.top_p,
+            top_k=sp.top_k if sp.HasField("top_k") else d.top_k,
+            min_p=sp.min_p if sp.HasField("min_p") else d.min_p,
+            seed=sp.seed if sp.HasField("seed") else None,
+            stop_token_ids=tuple(sp.stop_token_ids),
+            ignore_eos=sp.ignore_eos,
+        ).with_seed()
+    except InvalidRequestError as e:
+        raise InvalidRequestError(
+            f"sampling_params.{e.field}", str(e).removeprefix(f"{e.field}: ")
+        ) from None
+
+
+def parse_request(
+    request: pb.GenerateRequest, model: ModelInfo, router: RouterConfig
+) -> tuple[list[int], SamplingParams]:
+    """The prompt's token ids and the request's sampling parameters (with a concrete seed)."""
+    field, prompt_ids = _prompt_ids(request, model)
+    if len(prompt_ids) >= model.max_model_len:
+        raise InvalidRequestError(
+            field,
+            f"{len(prompt_ids)} tokens; the model's context is {model.max_model_len} tokens, prompt "
+            "and output together",
+        )
+    return prompt_ids, _sampling_params(request.sampling_params, len(prompt_ids), model, router)

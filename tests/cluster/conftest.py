@@ -1,0 +1,88 @@
+"""Fixtures for the service tests: one local Ray for the session (2 CPUs, no dashboard), a tiny fp32 checkpoint,
+servers started on free ports with fractional-CPU workers, and the offline reference outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import ray
+import torch
+
+from pdserve.cluster.config import build_config
+from pdserve.cluster.server import ServerThread, free_port
+from pdserve.model.generate import generate_greedy
+from pdserve.model.loader import load_model
+from pdserve.model.random_checkpoint import make_checkpoint
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return make_checkpoint(
+        tmp_path_factory.mktemp("ck") / "tiny", "tiny", dtype="fp32", progress=False
+    )
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir):
+    """Greedy tokens of `pdserve offline` (the single-process path) for (prompt, max_tokens), cached."""
+    model = load_model(model_dir, dtype=torch.float32, progress=False)
+    cache: dict = {}
+
+    def expected(prompt: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in cache:
+            cache[key] = generate_greedy(model, prompt, max_tokens)
+        return cache[key]
+
+    return expected
+
+
+def serve_config(model_dir, **sections):
+    """A config for tests: free ports, fp32, small KV caches, quarter-CPU workers, quiet logs."""
+    values = {
+        "model": {"path": str(model_dir), "dtype": "fp32"},
+        "cluster": {"cpus_per_worker": 0.25, "placement_timeout_s": 60.0, "load_timeout_s": 120.0},
+        "router": {"port": 0, "stats_interval_s": 0.0, "admission_timeout_s": 20.0},
+        "prefill": {"num_pages": 512, "max_prefill_chunk": 128, "max_num_batched_tokens": 512},
+        "decode": {"num_pages": 512, "max_prefill_chunk": 128, "max_num_batched_tokens": 512},
+        "kvtransfer": {"store_port": free_port(), "connect_timeout_s": 20.0},
+    }
+    for name, fields in sections.items():
+        values.setdefault(name, {}).update(fields)
+    return build_config(None, values)
+
+
+def start_server(model_dir, **sections) -> ServerThread:
+    """Use as a context manager (Ray must be up: depend on the `ray_cluster` fixture)."""
+    return ServerThread(serve_config(model_dir, **sections))
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(interval_s)
+
+
+def workload(n: int, seed: int, max_len: int = 200) -> list[tuple[list[int], int]]:
+    """n (prompt ids, max_tokens) pairs of varied lengths."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = 1 + int(torch.randint(0, max_len, (1,), generator=g))
+        prompt = [0, *torch.randint(3, 1000, (length - 1,), generator=g).tolist()]
+        out.append((prompt, 4 + (7 * i) % 29))
+    return out

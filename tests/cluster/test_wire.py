@@ -1,0 +1,50 @@
+"""Actor-call payloads round-trip through msgpack, typed errors included (no pickle)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from pdserve.cluster import wire
+from pdserve.decode import DecodeRequest, DecodeStats, RequestOutput, Reservation
+from pdserve.model.errors import CapacityError, InvalidRequestError, TransferError
+from pdserve.model.sampling_params import SamplingParams
+from pdserve.prefill import PrefillFailure, PrefillRequest
+
+PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop_token_ids=(4, 5))
+
+
+@pytest.mark.parametrize(
+    "value, hint",
+    [
+        (PrefillRequest("r1", [0, 5, 6], PARAMS, 2, "decode-0", 9), PrefillRequest),
+        (DecodeRequest("r2", [0, 1], PARAMS, None, [3]), DecodeRequest),
+        (DecodeRequest("r3", [0, 1], PARAMS, "prefill-1"), DecodeRequest),
+        (Reservation(4, 2), Reservation),
+        (DecodeStats("decode-0", 1, 2, 3, 4, 5, 16, 0), DecodeStats),
+        (
+            [RequestOutput("a", [1, 2]), RequestOutput("b", [], "abort", "lost", False)],
+            list[RequestOutput],
+        ),
+        ([PrefillFailure("c", "prefill worker p: boom")], list[PrefillFailure]),
+    ],
+)
+def test_round_trip(value, hint):
+    data = wire.encode(value)
+    assert isinstance(msgpack.unpackb(data), dict | list)  # plain msgpack, readable anywhere
+    assert wire.decode(hint, data) == value
+
+
+def test_errors_are_raised_again_with_their_type_and_field():
+    def invalid():
+        raise InvalidRequestError("prompt_token_ids", "id 5000 outside [0, 1024)")
+
+    with pytest.raises(InvalidRequestError) as info:
+        wire.unwrap(Reservation, wire.reply(invalid))
+    assert info.value.field == "prompt_token_ids"
+    assert str(info.value) == "prompt_token_ids: id 5000 outside [0, 1024)"
+    for error in (CapacityError("full"), TransferError("link down")):
+        with pytest.raises(type(error), match=str(error)):
+            wire.unwrap(None, wire.reply_error(error))
+    with pytest.raises(wire.WorkerError, match="ZeroDivisionError"):
+        wire.unwrap(None, wire.reply_error(ZeroDivisionError("x")))
