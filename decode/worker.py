@@ -152,7 +152,9 @@ class DecodeWorker:
             return self.scheduler.can_admit(num_tokens)
 
     def step(self) -> bool:
-        """Takes arrived KV, then runs one local-prefill pass and one decode pass. False when idle."""
+        """Takes arrived KV, then runs one local-prefill pass and one decode pass. False when idle. Forward passes
+        run without the worker's lock (control calls never wait for them); pages freed meanwhile are held back
+        until the passes end, since they may still be written."""
         with self._lock:
             outputs: list[RequestOutput] = []
             if self.receiver is not None:
@@ -165,38 +167,62 @@ class DecodeWorker:
                         outputs += self.scheduler.kv_failed(r.transfer_id, r.error)
             plan = self.scheduler.schedule()
             outputs += plan.outputs
-            if plan.prefill:
-                outputs += self._run_prefill(plan.prefill)
-            if plan.decode:
-                outputs += self._run_decode(plan.decode)
+            prefill_work = self._prepare_prefill(plan.prefill) if plan.prefill else None
+            decode_work = self._prepare_decode(plan.decode) if plan.decode else None
+            if prefill_work or decode_work:
+                self.allocator.hold_frees()
+        prefill_result = self._forward(self.runner.prefill, prefill_work, "local prefill")
+        decode_result = self._forward(self.runner.decode, decode_work, "decode")
+        if prefill_work or decode_work:
+            with self._lock:
+                self.allocator.release_held()
+                if prefill_work:
+                    outputs += self._finish_prefill(plan.prefill, prefill_result)
+                if decode_work:
+                    outputs += self._finish_decode(plan.decode, decode_result)
         self._emit(outputs)
         return bool(plan.prefill or plan.decode or outputs)
 
-    def _run_prefill(self, chunks):
+    @staticmethod
+    def _forward(run, work, what: str):
+        """(tokens, None) or (None, error) for one pass; None when there is no work."""
+        if work is None:
+            return None
+        try:
+            return run(*work), None
+        except Exception as e:  # fail these requests, keep serving
+            logger.error("%s failed", what, exc_info=True)
+            return None, e
+
+    def _prepare_prefill(self, chunks):
         specs = []
         for seq, start, length in chunks:
             last = start + length == len(seq.token_ids)
             specs.append(SampleSpec(seq.request.params, seq.num_generated) if last else None)
-        seq_chunks = [SeqChunk(s.token_ids[a : a + n], a, s.pages) for s, a, n in chunks]
-        try:
-            tokens = self.runner.prefill(seq_chunks, specs)
-        except Exception as e:  # fail these requests, keep serving
-            logger.error("local prefill failed", exc_info=True)
-            return [o for s, _, _ in chunks for o in self.scheduler.abort(s.request_id, str(e))]
+        seq_chunks = [SeqChunk(s.token_ids[a : a + n], a, list(s.pages)) for s, a, n in chunks]
+        return seq_chunks, specs
+
+    def _finish_prefill(self, chunks, result):
+        tokens, error = result
+        if error is not None:
+            return [o for s, _, _ in chunks for o in self.scheduler.abort(s.request_id, str(error))]
         outputs = []
         for (seq, start, length), token in zip(chunks, tokens, strict=True):
             outputs += self.scheduler.prefill_done(seq, start, length, token)
         return outputs
 
-    def _run_decode(self, seqs):
-        chunks = [SeqChunk(s.token_ids[-1:], len(s.token_ids) - 1, s.pages) for s in seqs]
+    def _prepare_decode(self, seqs):
+        chunks = [SeqChunk(s.token_ids[-1:], len(s.token_ids) - 1, list(s.pages)) for s in seqs]
         specs = [SampleSpec(s.request.params, s.num_generated) for s in seqs]
-        try:
-            tokens = self.runner.decode(chunks, specs)
-        except Exception as e:
-            logger.error("decode step failed", exc_info=True)
+        return chunks, specs
+
+    def _finish_decode(self, seqs, result):
+        tokens, error = result
+        if error is not None:
             return [
-                o for s in seqs for o in self.scheduler.abort(s.request_id, f"decode failed: {e}")
+                o
+                for s in seqs
+                for o in self.scheduler.abort(s.request_id, f"decode failed: {error}")
             ]
         return self.scheduler.decode_done(seqs, tokens)
 

@@ -31,9 +31,13 @@ logger = logging.getLogger(__name__)
 _MAGIC = 0x4B565846  # "KVXF"
 _HEADER_LEN = 8
 _ACK_OK, _ACK_DISCARDED = 1, 2
-_POLL_S = 0.0001
+_POLL_S = 0.00002
 _IDLE_POLL_S = 0.002
+_FAST_POLL_WINDOW_S = 0.02
 _CHECK_S = 0.05
+_SENDER_EPOCH_TTL_S = 1.0
+"""How long the prefill side trusts its last read of a pair's epoch (a store round trip per send would cost
+~0.2 ms); a failed send re-reads it."""
 
 
 def connect_store(config: KVTransferConfig, is_master: bool) -> dist.TCPStore:
@@ -67,12 +71,18 @@ class _Pair:
         self.lock = threading.Lock()
         self.group: dist.ProcessGroup | None = None
         self.epoch = -1
+        self._epoch_read_at = -float("inf")
 
     def current_epoch(self) -> int:
+        self._epoch_read_at = time.monotonic()
         return int(self.store.add(f"{self.key}/epoch", 0))
 
-    def connect(self) -> dist.ProcessGroup:
-        """The pair's group for the current epoch, building it (meeting the peer) when needed."""
+    def connect(self, epoch_ttl_s: float = 0.0) -> dist.ProcessGroup:
+        """The pair's group for the current epoch, building it (meeting the peer) when needed. With
+        `epoch_ttl_s`, an epoch read that recently is trusted without asking the store."""
+        fresh = time.monotonic() - self._epoch_read_at < epoch_ttl_s
+        if self.group is not None and fresh:
+            return self.group
         epoch = self.current_epoch()
         if self.group is not None and epoch == self.epoch:
             return self.group
@@ -115,6 +125,7 @@ class _Pair:
     def fail(self) -> None:
         """The link is unusable: drop our side and move both sides to a new epoch."""
         self.drop()
+        self._epoch_read_at = -float("inf")
         self.store.add(f"{self.key}/epoch", 1)
 
 
@@ -163,7 +174,7 @@ def _wait(
             if check():
                 return False
             next_check = now + _CHECK_S
-        time.sleep(_POLL_S if now - start < 0.05 else _IDLE_POLL_S)
+        time.sleep(_POLL_S if now - start < _FAST_POLL_WINDOW_S else _IDLE_POLL_S)
     for w in works:
         try:
             w.wait()
@@ -210,7 +221,7 @@ class DistKVSender(KVSender):
         pair = self._pair(peer)
         what = f"KV transfer {transfer_id} ({pages.numel() * pages.element_size()} bytes) to {peer}"
         with pair.lock:
-            pair.connect()
+            pair.connect(epoch_ttl_s=_SENDER_EPOCH_TTL_S)
             deadline = time.monotonic() + self.config.timeout_s
             layers, num_pages, page_size, dim = pages.shape
             fields = [

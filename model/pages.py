@@ -18,6 +18,7 @@ class PageAllocator:
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
         self._used: set[int] = set()
+        self._held: list[int] | None = None
 
     @property
     def num_free(self) -> int:
@@ -25,6 +26,7 @@ class PageAllocator:
 
     @property
     def num_used(self) -> int:
+        """Pages owned by requests (pages freed but held back count as free here)."""
         return len(self._used)
 
     def can_allocate(self, n: int) -> bool:
@@ -42,7 +44,19 @@ class PageAllocator:
             if p not in self._used:
                 raise AssertionError(f"page {p} freed but not allocated")
             self._used.remove(p)
-            self._free.append(p)
+            if self._held is not None:
+                self._held.append(p)
+            else:
+                self._free.append(p)
+
+    def hold_frees(self) -> None:
+        """Until `release_held`, freed pages are not handed out again: a forward pass in flight may still write
+        pages of a request that was cancelled meanwhile."""
+        self._held = []
+
+    def release_held(self) -> None:
+        held, self._held = self._held or [], None
+        self._free.extend(held)
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:

@@ -3,6 +3,7 @@ samples. It holds no policy: which requests run, and when, is the scheduler's bu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 
@@ -66,12 +67,22 @@ class ModelRunner:
         """Pages requests may own."""
         return self._num_pages
 
+    def _on_device(self):
+        """Triton launches on the calling thread's current CUDA device, which is per thread: make it ours."""
+        if self.device.type == "cuda":
+            return torch.cuda.device(self.device)
+        return contextlib.nullcontext()
+
     @torch.inference_mode()
     def prefill(
         self, chunks: Sequence[SeqChunk], samples: Sequence[SampleSpec | None]
     ) -> list[int | None]:
         """Runs prompt chunks (writing their KV); samples the next token where `samples[i]` is given (the
         request's last chunk)."""
+        with self._on_device():
+            return self._prefill(chunks, samples)
+
+    def _prefill(self, chunks, samples) -> list[int | None]:
         batch = build_forward_batch(chunks, self.page_size, self.device, decode=False)
         hidden = self.model(batch, self.cache)
         rows = [i for i, s in enumerate(samples) if s is not None]
@@ -87,6 +98,10 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, chunks: Sequence[SeqChunk], samples: Sequence[SampleSpec]) -> list[int]:
         """One decode step: each chunk is one request's last token; returns each request's next token."""
+        with self._on_device():
+            return self._decode(chunks, samples)
+
+    def _decode(self, chunks, samples) -> list[int]:
         batch = build_forward_batch(chunks, self.page_size, self.device, decode=True)
         if self.graphs is not None:
             logits = self.graphs.logits(batch)

@@ -108,7 +108,8 @@ class PrefillWorker:
             )
 
     def step(self) -> bool:
-        """Runs one forward pass over the next chunks; returns False when there was nothing to do."""
+        """Runs one forward pass over the next chunks; returns False when there was nothing to do. The forward
+        runs without the worker's lock, so `submit` and `abort` never wait for it."""
         with self._lock:
             plan = self.scheduler.schedule()
             if not plan:
@@ -120,17 +121,25 @@ class PrefillWorker:
                     SeqChunk(r.token_ids[c.start : c.start + c.length], c.start, c.seq.pages)
                 )
                 samples.append(SampleSpec(r.params, r.num_generated) if c.is_last else None)
-            try:
-                tokens = self.runner.prefill(chunks, samples)
-            except Exception as e:  # fail this batch's requests, keep serving
-                logger.error("prefill forward failed", exc_info=True)
-                for c in plan:
-                    self._fail(c.seq.request.request_id, f"prefill failed: {e}")
-                return True
+            self.allocator.hold_frees()
+        try:
+            tokens = self.runner.prefill(chunks, samples)
+            error = None
+        except Exception as e:  # fail this batch's requests, keep serving
+            logger.error("prefill forward failed", exc_info=True)
+            tokens, error = [None] * len(plan), e
+        with self._lock:
+            self.allocator.release_held()
             for c, token in zip(plan, tokens, strict=True):
+                seq = c.seq
+                if self.scheduler.seqs.get(seq.request.request_id) is not seq:
+                    continue  # aborted while the forward ran
+                if error is not None:
+                    self._fail(seq.request.request_id, f"prefill failed: {error}")
+                    continue
                 self.scheduler.chunk_done(c)
                 if c.is_last:
-                    self._sends.submit(self._send, c.seq, token)
+                    self._sends.submit(self._send, seq, token)
         return True
 
     def run(self, stop: threading.Event) -> None:
