@@ -6,6 +6,11 @@ A replay reads static input buffers: the step's tokens, positions, cache slots, 
 are copied into them first. Batches smaller than their bucket are padded with rows that read and write only a
 scratch page that the worker's allocator never hands out; their logits are dropped. Shapes beyond the largest
 bucket run eagerly.
+
+Capture uses the thread-local capture mode: the decode worker's KV-receiver threads keep polling NCCL while a
+graph is captured, and the default (global) mode invalidates a capture whenever another thread makes such a
+CUDA call. If a capture fails anyway, graphs are switched off for this worker (with a warning) and steps run
+eagerly; no request fails for it.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class DecodeGraphs:
         self.device = cache.device
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        self.enabled = True
 
     def bucket(self, batch: ForwardBatch) -> tuple[int, int] | None:
         """The (batch, pages) bucket of a decode batch of one query token per request, or None (run eagerly)."""
@@ -57,10 +63,18 @@ class DecodeGraphs:
     @torch.inference_mode()
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
         """Decode logits [B, V] fp32 for `batch`, through a graph when one fits."""
-        key = self.bucket(batch)
+        key = self.bucket(batch) if self.enabled else None
         if key is None:
             return self.model.compute_logits(self.model(batch, self.cache))
-        graph = self._graphs.get(key) or self._capture(*key)
+        graph = self._graphs.get(key)
+        if graph is None:
+            try:
+                graph = self._capture(*key)
+            except RuntimeError:
+                logger.warning("CUDA graph capture failed: decode steps run eagerly", exc_info=True)
+                self.enabled = False
+                torch.cuda.synchronize(self.device)
+                return self.model.compute_logits(self.model(batch, self.cache))
         b, width = batch.num_seqs, batch.page_table.shape[1]
         s = graph.batch
         s.input_ids[:b].copy_(batch.input_ids)
@@ -106,7 +120,7 @@ class DecodeGraphs:
                 self.model.compute_logits(self.model(static, self.cache))
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self.model.compute_logits(self.model(static, self.cache))
         logger.debug("captured decode graph for batch %d x %d pages", bucket, pages)
         captured = _Graph(graph, static, logits)
