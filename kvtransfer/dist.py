@@ -322,18 +322,21 @@ class DistKVReceiver(KVReceiver):
         with self._lock:
             return [t for t in self._expected.values() if t.peer == peer]
 
-    def _fail_overdue(self, peer: str, reason: str) -> None:
+    def _fail_expected(self, peer: str, reason: str, overdue_only: bool) -> None:
+        """Reports as failed the transfers expected from `peer` (only those past their deadline, if asked)."""
         now = time.monotonic()
         with self._lock:
-            for t in [t for t in self._expected.values() if t.peer == peer and t.deadline < now]:
+            for t in [t for t in self._expected.values() if t.peer == peer]:
+                if overdue_only and t.deadline >= now:
+                    continue
                 del self._expected[t.transfer_id]
                 self._results.append(TransferResult(t.transfer_id, error=reason))
 
+    def _fail_overdue(self, peer: str, reason: str) -> None:
+        self._fail_expected(peer, reason, overdue_only=True)
+
     def _fail_all(self, peer: str, reason: str) -> None:
-        with self._lock:
-            for t in [t for t in self._expected.values() if t.peer == peer]:
-                del self._expected[t.transfer_id]
-                self._results.append(TransferResult(t.transfer_id, error=reason))
+        self._fail_expected(peer, reason, overdue_only=False)
 
     def _receive_loop(self, peer: str, pair: _Pair) -> None:
         header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
