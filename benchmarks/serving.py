@@ -117,7 +117,7 @@ async def run(args) -> dict:
 def check_offline(args, results: list[Result]) -> dict:
     import torch
 
-    from pdserve.kernels import use_backend
+    from pdserve.kernels import use_backend, use_batch_invariant
     from pdserve.model.generate import OfflineGenerator
     from pdserve.model.loader import load_model
     from pdserve.model.random_checkpoint import resolve_model
@@ -126,7 +126,7 @@ def check_offline(args, results: list[Result]) -> dict:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     identical, divergences = 0, []
-    with use_backend(args.kernels):
+    with use_backend(args.kernels), use_batch_invariant(args.batch_invariant):
         model = load_model(resolve_model(args.model), args.device, dtype, progress=False)
         generator = OfflineGenerator(model)
         for r in results:
@@ -160,6 +160,10 @@ def main() -> None:
     p.add_argument("--dtype", default="auto", help="for --check-offline: as served")
     p.add_argument("--kernels", default="auto", help="for --check-offline: as served")
     p.add_argument("--device", default="cpu", help="for --check-offline: cpu or cuda[:N]")
+    p.add_argument(
+        "--batch-invariant", action="store_true",
+        help="for --check-offline: as served with --model.batch-invariant true",
+    )  # fmt: skip
     args = p.parse_args()
     summary = asyncio.run(run(args))
     for key, value in summary.items():

@@ -50,6 +50,7 @@ class _WorkerShell:
 
     def _start(self, model, worker_config, kv_config, num_gpus: int, cpu_threads: int) -> None:
         os.environ["PDSERVE_KERNELS"] = model.kernels  # read by the kernel dispatcher on every call
+        os.environ["PDSERVE_BATCH_INVARIANT"] = "1" if model.batch_invariant else "0"
         import torch
 
         from pdserve.kvtransfer.dist import connect_store

@@ -44,6 +44,10 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
         help="auto: Triton on CUDA, torch references on CPU; ref/triton force one",
     )  # fmt: skip
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV cache page")
+    g.add_argument(
+        "--batch-invariant", action="store_true",
+        help="batch-invariant kernels, as `serve --model.batch-invariant true` runs them",
+    )  # fmt: skip
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -160,7 +164,7 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_offline(args: argparse.Namespace) -> int:
-    from pdserve.kernels import use_backend
+    from pdserve.kernels import use_backend, use_batch_invariant
     from pdserve.model.generate import OfflineGenerator
     from pdserve.model.loader import load_model
     from pdserve.model.random_checkpoint import resolve_model
@@ -174,7 +178,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
         prompt_ids = tokenizer.encode(args.prompt)
     else:
         prompt_ids = _int_list(args.prompt_ids, "--prompt-ids")
-    with use_backend(args.kernels):
+    with use_backend(args.kernels), use_batch_invariant(args.batch_invariant):
         model = load_model(model_dir, _resolve_device(args.device), _resolve_dtype(args.dtype))
         generator = OfflineGenerator(model, args.page_size, args.prefill_chunk)
         start = time.perf_counter()

@@ -34,6 +34,9 @@ class ModelConfig:
     """Activation dtype: auto (config.json's torch_dtype), bf16, fp16 or fp32."""
     kernels: str = "auto"
     """Kernel implementation: auto (Triton on GPUs, torch references on CPU), ref or triton."""
+    batch_invariant: bool = False
+    """Batch-invariant kernels: a request's tokens do not depend on the requests batched with it
+    (greedy outputs equal `pdserve offline --batch-invariant`'s), at some cost in speed."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

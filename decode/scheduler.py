@@ -101,8 +101,11 @@ class DecodeScheduler:
         vocab_size: int,
         max_model_len: int,
         eos_token_ids: Collection[int],
+        fixed_chunks: bool = False,
     ):
+        """fixed_chunks: cut prompts only at multiples of the chunk size (`plan_prefill_chunks`)."""
         self.allocator, self.page_size = allocator, page_size
+        self.fixed_chunks = fixed_chunks
         self.max_running, self.token_budget, self.max_chunk = max_running, token_budget, max_chunk
         self.vocab_size, self.max_model_len, self.eos_token_ids = (
             vocab_size,
@@ -234,7 +237,7 @@ class DecodeScheduler:
             s for s in self.seqs.values() if s.state is RequestState.PREFILLING and s.pages
         ]
         pending = [(s.request_id, s.num_computed, len(s.token_ids)) for s in prefilling]
-        chunks = plan_prefill_chunks(pending, self.token_budget, self.max_chunk)
+        chunks = plan_prefill_chunks(pending, self.token_budget, self.max_chunk, self.fixed_chunks)
         prefill = [(self.seqs[rid], start, length) for rid, start, length in chunks]
         decode = []
         running = sorted(

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from pdserve import kernels
 from pdserve.kvtransfer import ExpectedTransfer, KVReceiver, WritePages
 from pdserve.model.batch import SeqChunk
 from pdserve.model.deepseek import Transformer
@@ -70,6 +71,7 @@ class DecodeWorker:
         self.scheduler = DecodeScheduler(
             self.allocator, config.page_size, config.max_running, config.max_num_batched_tokens,
             config.max_prefill_chunk, args.vocab_size, args.max_position_embeddings, args.eos_token_ids,
+            fixed_chunks=kernels.batch_invariant(),
         )  # fmt: skip
         self.receiver = make_receiver(self._write_pages) if make_receiver else None
         self._lock = threading.Lock()

@@ -2,9 +2,17 @@
 implementation (`triton.py`), chosen per call by `_backend` (Triton on CUDA, the reference on CPU, or forced with
 `PDSERVE_KERNELS=ref|triton` / `use_backend`). No model logic lives here."""
 
-from ._backend import BACKEND_ENV, backend_for, use_backend
+from ._backend import (
+    BACKEND_ENV,
+    INVARIANT_ENV,
+    backend_for,
+    batch_invariant,
+    use_backend,
+    use_batch_invariant,
+)
 from .fp8_gemm import dequantize_weight, fp8_gemm, quantize_act, quantize_weight
 from .fused_moe import fused_moe
+from .matmul import head_matmul, linear
 from .mla_decode import mla_decode
 from .mla_prefill import merge_attn_states, mla_prefill
 from .moe_route import moe_route
@@ -14,10 +22,14 @@ from .sampling import sample
 
 __all__ = [
     "BACKEND_ENV",
+    "INVARIANT_ENV",
     "backend_for",
+    "batch_invariant",
     "dequantize_weight",
     "fp8_gemm",
     "fused_moe",
+    "head_matmul",
+    "linear",
     "merge_attn_states",
     "mla_decode",
     "mla_prefill",
@@ -28,4 +40,5 @@ __all__ = [
     "rope",
     "sample",
     "use_backend",
+    "use_batch_invariant",
 ]

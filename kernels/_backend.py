@@ -3,6 +3,13 @@
 The choice comes from (highest first): the `use_backend()` context, the `PDSERVE_KERNELS` environment variable
 (`auto`, `ref` or `triton`), then `auto`: Triton for CUDA tensors when Triton imports, the reference otherwise.
 Forcing `triton` on CPU tensors needs `TRITON_INTERPRET=1` (the interpreter runs the kernels on the CPU).
+
+Batch-invariant mode (`PDSERVE_BATCH_INVARIANT=1`, or the `use_batch_invariant()` context) makes every
+token's arithmetic independent of the batch it runs in: dense GEMMs go through `kernels.matmul`'s
+fixed-config Triton kernel instead of cuBLAS, and the Triton ops take one launch config and split
+policy for every batch size (see each op's launcher). Greedy outputs then do not depend on which
+requests share a step, at some cost in speed. It affects Triton paths only; the references are
+plain torch.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ Backend = Literal["ref", "triton"]
 BACKEND_ENV = "PDSERVE_KERNELS"
 _CHOICES = ("auto", "ref", "triton")
 _override: ContextVar[str | None] = ContextVar("pdserve_kernel_backend", default=None)
+INVARIANT_ENV = "PDSERVE_BATCH_INVARIANT"
+_invariant_override: ContextVar[bool | None] = ContextVar("pdserve_batch_invariant", default=None)
 
 
 @functools.cache
@@ -77,3 +86,24 @@ def implementation(package: str, tensor: torch.Tensor):
     import importlib
 
     return importlib.import_module(f"{package}.{backend_for(tensor)}")
+
+
+def batch_invariant() -> bool:
+    """Whether batch-invariant mode is on (the context first, then `PDSERVE_BATCH_INVARIANT`)."""
+    override = _invariant_override.get()
+    if override is not None:
+        return override
+    value = os.environ.get(INVARIANT_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{INVARIANT_ENV}={value!r}: expected 0 or 1")
+    return value == "1"
+
+
+@contextlib.contextmanager
+def use_batch_invariant(on: bool = True) -> Iterator[None]:
+    """Within the block, batch-invariant mode is `on` whatever the environment says."""
+    token = _invariant_override.set(bool(on))
+    try:
+        yield
+    finally:
+        _invariant_override.reset(token)

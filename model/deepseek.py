@@ -55,7 +55,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale_inv is None:
-            return F.linear(x, self.weight)
+            return kernels.linear(x, self.weight)
         y = kernels.fp8_gemm(x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv)
         return y.view(*x.shape[:-1], self.out_features)
 
@@ -192,7 +192,7 @@ class MLA(nn.Module):
     def _absorbed(self, q_nope, q_pe, batch: ForwardBatch, cache: PagedKVCache):
         w = self.wkv_b_dense()
         w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
-        q_latent = torch.einsum("thd,hdc->thc", q_nope, w_uk)  # [T, H, kv_lora]
+        q_latent = kernels.head_matmul(q_nope, w_uk)  # [T, H, kv_lora]
         q = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, kv_lora + rope]
         q = q.view(batch.num_seqs, batch.num_queries_per_seq, self.n_heads, -1)  # [B, Q, H, Dk]
         out_latent, _ = kernels.mla_decode(
@@ -200,7 +200,7 @@ class MLA(nn.Module):
             self.softmax_scale, self.kv_lora_rank,
         )  # fmt: skip
         out_latent = out_latent.view(-1, self.n_heads, self.kv_lora_rank)  # [T, H, kv_lora]
-        return torch.einsum("thc,hvc->thv", out_latent, w_uv)  # [T, H, v]
+        return kernels.head_matmul(out_latent, w_uv.transpose(1, 2))  # [T, H, v]
 
 
 class MLP(nn.Module):
@@ -229,7 +229,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.args
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        logits = kernels.linear(x.float(), self.weight.float())  # [T, E]
         return kernels.moe_route(
             logits, self.bias, a.num_experts_per_tok, a.n_group, a.topk_group,
             a.routed_scaling_factor, a.norm_topk_prob,

@@ -62,9 +62,11 @@ class PrefillChunk:
 class PrefillScheduler:
     def __init__(
         self, allocator: PageAllocator, page_size: int, token_budget: int, max_chunk: int,
-        vocab_size: int,
+        vocab_size: int, fixed_chunks: bool = False,
     ):  # fmt: skip
+        """fixed_chunks: cut prompts only at multiples of the chunk size (`plan_prefill_chunks`)."""
         self.allocator, self.page_size = allocator, page_size
+        self.fixed_chunks = fixed_chunks
         self.token_budget, self.max_chunk, self.vocab_size = token_budget, max_chunk, vocab_size
         self.seqs: dict[str, PrefillSeq] = {}
         self._order: deque[str] = deque()  # queued and prefilling, first come first served
@@ -107,7 +109,7 @@ class PrefillScheduler:
                 seq.pages = self.allocator.allocate(need)
                 seq.state = PrefillState.PREFILLING
             pending.append((request_id, seq.num_computed, seq.num_tokens))
-        plan = plan_prefill_chunks(pending, self.token_budget, self.max_chunk)
+        plan = plan_prefill_chunks(pending, self.token_budget, self.max_chunk, self.fixed_chunks)
         return [PrefillChunk(self.seqs[rid], start, length) for rid, start, length in plan]
 
     def chunk_done(self, chunk: PrefillChunk) -> None:

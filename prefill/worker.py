@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from pdserve import kernels
 from pdserve.kvtransfer import KVSender
 from pdserve.model.batch import SeqChunk
 from pdserve.model.deepseek import Transformer
@@ -60,7 +61,7 @@ class PrefillWorker:
         self.allocator = PageAllocator(self.runner.num_pages)
         self.scheduler = PrefillScheduler(
             self.allocator, config.page_size, config.max_num_batched_tokens,
-            config.max_prefill_chunk, model.args.vocab_size,
+            config.max_prefill_chunk, model.args.vocab_size, kernels.batch_invariant(),
         )  # fmt: skip
         self._lock = threading.Lock()
         self._aborted: set[str] = set()

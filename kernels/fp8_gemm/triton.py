@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import tuning
-from .._backend import interpreter_enabled
+from .._backend import batch_invariant, interpreter_enabled
 from .ref import ACT_QUANT_GROUP, FP8_E4M3_MAX, WEIGHT_QUANT_BLOCK
 
 _MIN_AMAX = 1e-12
@@ -255,6 +255,9 @@ def quantize_act(
 
 
 def _gemm_key(m: int) -> str:
+    """The shape class of M; one class for every M in batch-invariant mode (no split of K)."""
+    if batch_invariant():
+        return "invariant"
     for bound in (16, 32, 64, 128):
         if m <= bound:
             return f"m<={bound}"

@@ -25,8 +25,10 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _split_prologue(sl_ptr, num_heads, num_rows, num_splits, NUM_Q, BLOCK_M, BLOCK_N):
-    """This program's request, split, query rows and chunk [start, end) of cache positions."""
+def _split_prologue(sl_ptr, num_heads, num_rows, num_splits, split_tokens, NUM_Q, BLOCK_M, BLOCK_N):
+    """This program's request, split, query rows and chunk [start, end) of cache positions: the
+    request's cache cut into `num_splits` chunks, or into chunks of `split_tokens` when that is
+    > 0 (batch-invariant mode: the cut then depends on the request alone)."""
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -37,6 +39,8 @@ def _split_prologue(sl_ptr, num_heads, num_rows, num_splits, NUM_Q, BLOCK_M, BLO
     h = rows % num_heads
     visible = seq_len - NUM_Q + 1 + qi  # [BLOCK_M]: positions < visible are seen
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    if split_tokens > 0:
+        chunk = split_tokens
     start = pid_s * chunk
     end = tl.minimum(start + chunk, seq_len)
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
@@ -163,7 +167,7 @@ def _attend_kv_major(
 @triton.jit
 def split_heads_major_kernel(
     q_ptr, kv_ptr, kv16_ptr, kv32_ptr, kv_desc, pe_desc, pt_ptr, sl_ptr, out_ptr, lse_ptr,
-    num_heads, num_rows, num_splits, qk_scale,
+    num_heads, num_rows, num_splits, split_tokens, qk_scale,
     stride_qb, stride_qq, stride_qh,
     stride_kvp, stride_kvr,
     stride_ptb,
@@ -176,8 +180,10 @@ def split_heads_major_kernel(
 ):  # fmt: skip
     """Split kernel with the query rows as the matrix M dimension (many rows: 128 heads, MTP)."""
     b, pid_s, row_ok, qi, h, visible, start, end, full_end = _split_prologue(
-        sl_ptr, num_heads, num_rows, num_splits, NUM_Q, BLOCK_M, BLOCK_N
+        sl_ptr, num_heads, num_rows, num_splits, split_tokens, NUM_Q, BLOCK_M, BLOCK_N
     )
+    if (split_tokens > 0) & (start >= end):
+        return  # past the request's cache in fixed-size chunks: the combine does not read it
     offs_l = tl.arange(0, D_LATENT)
     offs_r = tl.arange(0, D_ROPE)
     q_row = q_ptr + b * stride_qb + qi * stride_qq + h * stride_qh  # [BLOCK_M]
@@ -221,7 +227,7 @@ def split_heads_major_kernel(
 @triton.jit
 def split_kv_major_kernel(
     q_ptr, kv_ptr, kv16_ptr, kv32_ptr, kv_desc, pe_desc, pt_ptr, sl_ptr, out_ptr, lse_ptr,
-    num_heads, num_rows, num_splits, qk_scale,
+    num_heads, num_rows, num_splits, split_tokens, qk_scale,
     stride_qb, stride_qq, stride_qh,
     stride_kvp, stride_kvr,
     stride_ptb,
@@ -236,8 +242,10 @@ def split_kv_major_kernel(
     the tensor-core tiles stay full (M = BLOCK_N positions, not 16 rows) and every operand stays in
     shared memory, so nothing large but the accumulator is held in registers."""
     b, pid_s, row_ok, qi, h, visible, start, end, full_end = _split_prologue(
-        sl_ptr, num_heads, num_rows, num_splits, NUM_Q, BLOCK_M, BLOCK_N
+        sl_ptr, num_heads, num_rows, num_splits, split_tokens, NUM_Q, BLOCK_M, BLOCK_N
     )
+    if (split_tokens > 0) & (start >= end):
+        return  # past the request's cache in fixed-size chunks: the combine does not read it
     offs_l = tl.arange(0, D_LATENT)
     offs_r = tl.arange(0, D_ROPE)
     q_row = q_ptr + b * stride_qb + qi * stride_qq + h * stride_qh  # [BLOCK_M]
@@ -308,6 +316,43 @@ def combine_kernel(
         o_ptrs = part_base + chunk[:, None] * num_rows * D_LATENT + offs_d[None, :]
         o = tl.load(o_ptrs, mask=ok[:, None], other=0.0)  # [SPLIT_CHUNK, BLOCK_D]
         acc += tl.sum(w[:, None] * o, 0)
+    has = denom > 0.0
+    d_safe = tl.where(has, denom, 1.0)
+    qi = row // num_heads
+    h = row % num_heads
+    o_row = out_ptr + b * stride_ob + qi * stride_oq + h * stride_oh
+    tl.store(o_row + offs_d, (acc / d_safe).to(out_ptr.dtype.element_ty))
+    if tl.program_id(2) == 0:
+        lse = tl.where(has, m_safe + tl.log(d_safe), float("-inf"))
+        tl.store(lse_ptr + b * stride_lb + qi * stride_lq + h * stride_lh, lse)
+
+
+@triton.jit
+def combine_invariant_kernel(
+    part_ptr, part_lse_ptr, sl_ptr, out_ptr, lse_ptr,
+    num_heads, num_rows, num_splits, split_tokens,
+    stride_ob, stride_oq, stride_oh, stride_lb, stride_lq, stride_lh,
+    D_LATENT: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """The combine of batch-invariant mode: merges the request's own splits (ceil(seq_len /
+    split_tokens) of them) one at a time in split order, so the sums never depend on the grid's
+    split count (the batch's longest request)."""
+    row = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    own = tl.cdiv(tl.load(sl_ptr + b).to(tl.int32), split_tokens)
+    lse_base = part_lse_ptr + b * num_splits * num_rows + row
+    part_base = part_ptr + (b * num_splits * num_rows + row) * D_LATENT
+    m = float("-inf")
+    for s in range(own):
+        m = tl.maximum(m, tl.load(lse_base + s * num_rows))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    denom = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(own):
+        w = tl.exp(tl.load(lse_base + s * num_rows) - m_safe)
+        denom += w
+        acc += w * tl.load(part_base + s * num_rows * D_LATENT + offs_d)
     has = denom > 0.0
     d_safe = tl.where(has, denom, 1.0)
     qi = row // num_heads

@@ -26,6 +26,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import tuning
+from .._backend import batch_invariant
 from . import _kernels, fp8_format
 
 LOG2E = 1.4426950408889634
@@ -49,6 +50,7 @@ _SPLIT_POLICY = {
     "MAX_SPLITS": 128,
     "MIN_TILES_PER_SPLIT": 2,
     "SPLIT_OVERHEAD_TILES": 2,
+    "INVARIANT_SPLIT_TOKENS": 512,  # batch-invariant mode: cache positions per split
 }
 # Key: "<cache dtype>,m<16|32|64>" by the request's query rows Q * H (m64: 64 or more). LAYOUT picks
 # the split kernel; BLOCK_M is the query rows per program, BLOCK_N the cache positions per tile.
@@ -70,7 +72,7 @@ tuning.register(
     "mla_decode",
     "any",
     {"default": {"LAYOUT": "heads_major", "BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4,
-                 "num_stages": 1, **_SPLIT_POLICY}},
+                 "num_stages": 1, **_SPLIT_POLICY, "INVARIANT_SPLIT_TOKENS": 32}},
 )  # fmt: skip
 tuning.register(
     "mla_decode",
@@ -143,6 +145,12 @@ def mla_decode_launch(
         num_stages = max(num_stages, 2)
     m_blocks = triton.cdiv(num_rows, block_m)
     page_size = kv_cache.shape[1]
+    split_tokens = 0
+    invariant = batch_invariant() and num_splits is None
+    if invariant:
+        # chunks of a fixed length, so that a request's arithmetic does not follow the batch
+        split_tokens = triton.cdiv(cfg["INVARIANT_SPLIT_TOKENS"], block_n) * block_n
+        num_splits = triton.cdiv(max(page_table.shape[1] * page_size, 1), split_tokens)
     if num_splits is None:
         num_splits = choose_num_splits(
             batch, m_blocks, page_table.shape[1] * page_size, block_n, cfg, _num_sms(q.device)
@@ -154,7 +162,7 @@ def mla_decode_launch(
         kv8, kv16, kv32 = kv_cache, kv_cache.view(torch.bfloat16), kv_cache.view(torch.float32)
     else:
         kv8 = kv16 = kv32 = kv_cache
-    if num_splits == 1:
+    if num_splits == 1 and not invariant:
         part, part_lse = out, lse
         o_strides = (out.stride(0), 0, out.stride(1), out.stride(2))
         l_strides = (lse.stride(0), 0, lse.stride(1), lse.stride(2))
@@ -171,7 +179,7 @@ def mla_decode_launch(
     kv_desc, pe_desc = _descriptors(kv_cache, kv_lora_rank, rope_dim, block_n, cfg)
     _SPLIT_KERNELS[cfg["LAYOUT"]][(m_blocks, num_splits, batch)](
         q, kv8, kv16, kv32, kv_desc, pe_desc, page_table, seq_lens, part, part_lse,
-        num_heads, num_rows, num_splits, softmax_scale * LOG2E,
+        num_heads, num_rows, num_splits, split_tokens, softmax_scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         kv_cache.stride(0), kv_cache.stride(1),
         page_table.stride(0),
@@ -181,7 +189,15 @@ def mla_decode_launch(
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
         USE_TMA=kv_desc is not None, num_warps=cfg["num_warps"], num_stages=num_stages,
     )  # fmt: skip
-    if num_splits > 1:
+    if invariant:
+        block_d = min(128, kv_lora_rank)
+        _kernels.combine_invariant_kernel[(num_rows, batch, kv_lora_rank // block_d)](
+            part, part_lse, seq_lens, out, lse,
+            num_heads, num_rows, num_splits, split_tokens,
+            *out.stride()[:3], *lse.stride(),
+            D_LATENT=kv_lora_rank, BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
+    elif num_splits > 1:
         block_d = min(128, kv_lora_rank)
         splits_p2 = triton.next_power_of_2(num_splits)
         _kernels.combine_kernel[(num_rows, batch, kv_lora_rank // block_d)](

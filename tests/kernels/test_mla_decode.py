@@ -19,6 +19,7 @@ import pytest
 import torch
 from _decode_check import DEVICE, poisoned_empty, rel_err
 
+from pdserve.kernels import use_batch_invariant
 from pdserve.kernels.mla_decode import fp8_format, ref
 from pdserve.kernels.mla_decode import mla_decode as mla_decode_dispatch
 from pdserve.kernels.mla_decode import triton as tri
@@ -220,3 +221,26 @@ def test_mla_decode_dispatch_and_checks() -> None:
     # the package entry point: the reference on CPU, Triton on CUDA
     out, lse = mla_decode_dispatch(q, cache, page_table, seq_lens, 0.1, 32)
     _check(case, (out, lse), ref.mla_decode(q, cache, page_table, seq_lens, 0.1, 32))
+
+
+@pytest.mark.parametrize("num_heads,num_q", [(4, 1), (16, 2)])
+def test_batch_invariant_mode_cuts_by_request(num_heads: int, num_q: int) -> None:
+    """In batch-invariant mode a request's output and lse are bit-for-bit the same alone or in a
+    batch, whatever the page-table width (the split grid), and still match the reference."""
+    torch.manual_seed(num_heads)
+    lora, rope, page = 64, 16, 16
+    lens = torch.tensor([2, 17, 70, 33, 100], dtype=torch.int32, device=DEVICE)
+    batch, width = lens.numel(), 8
+    kv = torch.randn(batch * width + 3, page, lora + rope, device=DEVICE)
+    table = torch.randperm(batch * width + 3, device=DEVICE)[: batch * width]
+    table = table.view(batch, width).to(torch.int32)
+    q = torch.randn(batch, num_q, num_heads, lora + rope, device=DEVICE)
+    with use_batch_invariant():
+        out, lse = tri.mla_decode(q, kv, table, lens, 0.125, lora)
+        for idx in ([1], [2, 0], [4, 3, 1]):
+            i = torch.tensor(idx, device=DEVICE)
+            for t in (table[i], torch.cat([table[i], table[i]], 1), table[i][:, :7]):
+                o, s = tri.mla_decode(q[i], kv, t, lens[i], 0.125, lora)
+                assert torch.equal(o, out[i]) and torch.equal(s, lse[i]), (idx, t.shape)
+    want, want_lse = ref.mla_decode(q, kv, table, lens, 0.125, lora)
+    assert rel_err(out, want) < 1e-5 and rel_err(lse, want_lse) < 1e-5

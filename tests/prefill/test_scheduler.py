@@ -38,6 +38,22 @@ def test_budget_and_chunks():
         assert len(s.release(rid)) > 0
 
 
+def test_fixed_chunks_cut_prompts_only_at_chunk_multiples():
+    """Batch-invariant mode: "c" is not cut where the budget ran out; it waits for the next step."""
+    s = PrefillScheduler(
+        PageAllocator(64), 4, token_budget=10, max_chunk=6, vocab_size=100, fixed_chunks=True
+    )
+    for rid, n in (("a", 9), ("b", 3), ("c", 5)):
+        s.add(request(rid, n))
+    steps = []
+    while s.queued_tokens:
+        plan = s.schedule()
+        steps.append([(c.seq.request.request_id, c.start, c.length) for c in plan])
+        for c in plan:
+            s.chunk_done(c)
+    assert steps == [[("a", 0, 6), ("b", 0, 3)], [("a", 6, 3), ("c", 0, 5)]]
+
+
 def test_pages_wait_at_the_head_of_the_line():
     alloc = PageAllocator(4)
     s = PrefillScheduler(alloc, 4, token_budget=100, max_chunk=100, vocab_size=100)

@@ -1,0 +1,31 @@
+"""Dense matmuls (projections, the router, the absorbed-MLA head products). By default they run in
+torch (cuBLAS on a GPU, whose kernel choice, split-K included, follows the batch size). In
+batch-invariant mode (`kernels.use_batch_invariant`, `PDSERVE_BATCH_INVARIANT=1`) and where the
+dispatcher picks Triton, they run in `triton.py`'s kernel, whose launch config and split of K depend
+on the weight's shape only, so a row's result is the same in any batch."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from .._backend import backend_for, batch_invariant
+
+
+def _impl(x: torch.Tensor):
+    name = "triton" if batch_invariant() and backend_for(x) == "triton" else "ref"
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """See `ref.linear` for the contract."""
+    return _impl(x).linear(x, w)
+
+
+def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """See `ref.head_matmul` for the contract."""
+    return _impl(x).head_matmul(x, w)
+
+
+__all__ = ["head_matmul", "linear"]

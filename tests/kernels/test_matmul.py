@@ -1,0 +1,82 @@
+"""The batch-invariant matmul (kernels/matmul/triton.py) against torch, and its invariance: a row's result
+is bit-for-bit the same in any batch (any M, any neighbours).
+
+Tolerances: fp32 products (IEEE on both sides) within 1e-5 relative to the row's scale; fp16 / bf16
+within 2 units in the last place of the output's dtype at that scale (the two sides round the fp32
+sum once, after summing in different orders). CPU cases run in the interpreter in fp32 / fp16; bf16 and
+DeepSeek-V3 widths run on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _decode_check import DEVICE, poisoned_empty
+
+from pdserve.kernels.matmul import ref
+from pdserve.kernels.matmul import triton as tri
+
+ULP = {torch.float32: 1e-5, torch.float16: 2.0**-9, torch.bfloat16: 2.0**-6}
+
+LINEAR_CASES = [
+    pytest.param(1, 100, 70, torch.float32, id="1x100x70-f32"),
+    pytest.param(37, 96, 33, torch.float16, id="37x96x33-f16"),
+    pytest.param(130, 257, 64, torch.float32, id="130x257x64-f32"),
+    pytest.param(64, 7168, 2112, torch.bfloat16, marks=pytest.mark.gpu, id="64x7168x2112-bf16"),
+    pytest.param(3, 2048, 102400, torch.bfloat16, marks=pytest.mark.gpu, id="3x2048x102400-bf16"),
+    pytest.param(4099, 2048, 576, torch.bfloat16, marks=pytest.mark.gpu, id="4099x2048x576-bf16"),
+    pytest.param(77, 7168, 256, torch.float32, marks=pytest.mark.gpu, id="77x7168x256-f32"),
+]
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor, k: int) -> None:
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    scale = expected.float().abs().amax().clamp_min(1.0)
+    err = (got.float() - expected.float()).abs().amax() / scale
+    assert err <= ULP[got.dtype] * 4, f"max error {err:.3g} of the scale (K={k})"
+
+
+@pytest.mark.parametrize("m,k,n,dtype", LINEAR_CASES)
+def test_linear_matches_torch_and_is_row_invariant(m, k, n, dtype) -> None:
+    torch.manual_seed(m + k + n)
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
+    with poisoned_empty():
+        got = tri.linear(x, w)
+    _close(got, ref.linear(x.float(), w.float()).to(dtype), k)
+    for rows in (slice(0, 1), slice(m // 3, m), slice(m - 1, m)):
+        assert torch.equal(tri.linear(x[rows], w), got[rows])
+    # the same rows in a bigger batch, behind other rows
+    padded = torch.cat([torch.randn(5, k, device=DEVICE).to(dtype), x])
+    assert torch.equal(tri.linear(padded, w)[5:], got)
+
+
+HEAD_CASES = [
+    pytest.param(9, 3, 40, 24, False, torch.float32, id="9x3x40x24-f32"),
+    pytest.param(5, 4, 32, 48, True, torch.float16, id="5x4x32x48-t-f16"),
+    pytest.param(1, 2, 64, 16, True, torch.float32, id="1x2x64x16-t-f32"),
+    pytest.param(
+        64, 16, 128, 512, False, torch.bfloat16, marks=pytest.mark.gpu, id="q-absorb-bf16"
+    ),
+    pytest.param(33, 16, 512, 128, True, torch.bfloat16, marks=pytest.mark.gpu, id="v-absorb-bf16"),
+]
+
+
+@pytest.mark.parametrize("t,h,k,n,transposed,dtype", HEAD_CASES)
+def test_head_matmul_matches_torch(t, h, k, n, transposed, dtype) -> None:
+    torch.manual_seed(t * h + k)
+    x = torch.randn(t, h, k, device=DEVICE).to(dtype)
+    w = (torch.randn(h, n, k, device=DEVICE) / k**0.5).to(dtype)
+    w = w.transpose(1, 2) if transposed else w.reshape(h, k, n)  # a strided view, or contiguous
+    with poisoned_empty():
+        got = tri.head_matmul(x, w)
+    _close(got, ref.head_matmul(x.float(), w.float()).to(dtype), k)
+    assert torch.equal(tri.head_matmul(x[t // 2 :], w), got[t // 2 :])
+
+
+def test_bad_inputs_are_named() -> None:
+    x = torch.randn(3, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="do not chain"):
+        tri.linear(x, torch.randn(4, 9, device=DEVICE))
+    with pytest.raises(ValueError, match="one float dtype"):
+        tri.linear(x, torch.randn(4, 8, device=DEVICE).half())
+    assert tri.linear(x[:0], torch.randn(4, 8, device=DEVICE)).shape == (0, 4)
