@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# End to end on a GPU host: `pdserve serve` with one prefill and one decode worker (one GPU each), then
+# benchmarks/serving.py against it, checking outputs against the offline path on the first GPU.
+#
+#   bash benchmarks/serving_gpu.sh [MODEL_DIR] [EXTRA SERVE FLAGS...]
+#
+# MODEL_DIR defaults to /tmp/v2l (made there as the v2-lite-shape random checkpoint when absent). Writes
+# serve.log and serving.json under $OUT (default /tmp). Environment: REQUESTS (128), CONCURRENCY (64),
+# INPUT_LEN (1024), OUTPUT_LEN (256), CHECK_N (8), INVARIANT (1: serve and check in batch-invariant mode).
+set -euo pipefail
+MODEL=${1:-/tmp/v2l}
+shift || true
+OUT=${OUT:-/tmp}
+export OUT
+INVARIANT=${INVARIANT:-1}
+if [ ! -f "$MODEL/config.json" ]; then
+    python -m pdserve.cluster.cli make-checkpoint "$MODEL" --preset v2-lite-shape --gen-device cuda
+fi
+flags=()
+check=()
+if [ "$INVARIANT" = 1 ]; then
+    flags+=(--model.batch-invariant true)
+    check+=(--batch-invariant)
+fi
+python -m pdserve.cluster.cli serve --model "$MODEL" --prefill 1 --decode 1 --gpus-per-worker 1 \
+    --port 50051 --prefill.gpu-memory-fraction 0.3 --decode.gpu-memory-fraction 0.5 \
+    "${flags[@]}" "$@" >"$OUT/serve.log" 2>&1 &
+SERVE=$!
+trap 'kill -INT $SERVE 2>/dev/null; wait $SERVE || true; tail -n 5 "$OUT/serve.log"' EXIT
+python -m pdserve.cluster.cli generate --wait-s 300 --max-tokens 8 "Hello" || {
+    tail -n 40 "$OUT/serve.log"
+    exit 1
+}
+python benchmarks/serving.py --num-requests "${REQUESTS:-128}" --concurrency "${CONCURRENCY:-64}" \
+    --input-len "${INPUT_LEN:-1024}" --output-len "${OUTPUT_LEN:-256}" --check-offline \
+    --model "$MODEL" --dtype auto --device cuda:0 --check-n "${CHECK_N:-8}" "${check[@]}"
+grep -E "stats|KV capacity|startup|pdserve serving" "$OUT/serve.log" | tail -n 4 || true
