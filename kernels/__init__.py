@@ -7,6 +7,7 @@ from ._backend import (
     INVARIANT_ENV,
     backend_for,
     batch_invariant,
+    forward_phase,
     use_backend,
     use_batch_invariant,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "batch_invariant",
     "dequantize_weight",
     "fp8_gemm",
+    "forward_phase",
     "fused_moe",
     "head_matmul",
     "linear",

@@ -9,7 +9,10 @@ token's arithmetic independent of the batch it runs in: dense GEMMs go through `
 fixed-config Triton kernel instead of cuBLAS, and the Triton ops take one launch config and split
 policy for every batch size (see each op's launcher). Greedy outputs then do not depend on which
 requests share a step, at some cost in speed. It affects Triton paths only; the references are
-plain torch.
+plain torch. The fixed configs come in two sets, by `forward_phase()`: "prefill" (prompt tokens;
+large tiles) and "decode" (generated tokens and anything outside a forward pass, such as the
+logits; small tiles, split K). A token is always computed in the same phase whichever path runs
+it, so invariance holds within each phase and outputs still match.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ _CHOICES = ("auto", "ref", "triton")
 _override: ContextVar[str | None] = ContextVar("pdserve_kernel_backend", default=None)
 INVARIANT_ENV = "PDSERVE_BATCH_INVARIANT"
 _invariant_override: ContextVar[bool | None] = ContextVar("pdserve_batch_invariant", default=None)
+PHASES = ("prefill", "decode")
+_phase: ContextVar[str] = ContextVar("pdserve_forward_phase", default="decode")
 
 
 @functools.cache
@@ -107,3 +112,21 @@ def use_batch_invariant(on: bool = True) -> Iterator[None]:
         yield
     finally:
         _invariant_override.reset(token)
+
+
+@contextlib.contextmanager
+def forward_phase(phase: str) -> Iterator[None]:
+    """Within the block, batch-invariant kernels take `phase`'s fixed configs ("prefill" or "decode";
+    "decode" outside any block)."""
+    if phase not in PHASES:
+        raise ValueError(f"forward phase {phase!r}: expected one of {', '.join(PHASES)}")
+    token = _phase.set(phase)
+    try:
+        yield
+    finally:
+        _phase.reset(token)
+
+
+def invariant_phase() -> str | None:
+    """None outside batch-invariant mode; in it, the phase whose fixed configs kernels take."""
+    return _phase.get() if batch_invariant() else None

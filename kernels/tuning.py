@@ -45,12 +45,12 @@ def lookup(op: str, key: str, device: torch.device) -> dict[str, Any]:
 
 # ---- fp8_gemm, quantize_act, fused_moe (kernels/fp8_gemm, kernels/fused_moe) ---------------------
 # "any": small tiles that keep the CPU interpreter quick; "sm90": tuned on H200 (see RESULTS.md).
-# fp8_gemm keys "m<=16|32|64|128", "m>128", "invariant" (batch-invariant mode).
+# fp8_gemm keys "m<=16|32|64|128", "m>128", "invariant-<phase>" (batch-invariant mode).
 # fuse_quant: quantize the activation inside the GEMM.
 # split_k_target_ctas / min_k_tiles: split K until tiles * splits reaches the target, each split
 # keeping at least min_k_tiles k-tiles of 128.
 # fused_moe keys "<bf16|fp8>,rows<=16|64|256" or ",rows>256" (mean rows per expert), or
-# ",invariant" (batch-invariant mode);
+# ",invariant-<prefill|decode>" (batch-invariant mode);
 # *1 = gate/up GEMM, *2 = down GEMM; fp8 needs BLOCK_N1 == BLOCK_K1 == BLOCK_K2 == 128.
 _FP8_GEMM_ANY = {
     "BLOCK_M": 32, "BLOCK_N": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 2,
@@ -107,7 +107,9 @@ register(
         "m<=64": _gemm_cfg(64, 64, 4, 4, False, 264),
         "m<=128": _gemm_cfg(64, 128, 4, 4, False, 132),
         "default": _gemm_cfg(128, 128, 8, 4, False, 0, GROUP_M=16, tma=True),
-        "invariant": _gemm_cfg(64, 64, 4, 4, False, 0),  # batch-invariant mode: no split of K
+        # batch-invariant mode, by forward phase: no split of K
+        "invariant-decode": _gemm_cfg(64, 64, 4, 4, False, 0),
+        "invariant-prefill": _gemm_cfg(128, 128, 8, 4, False, 0, GROUP_M=16, tma=True),
     },
 )
 register(
@@ -122,9 +124,19 @@ register(
             "tma": True,
             "permute_a": True,
         },
-        # batch-invariant mode: the decode configs for every batch
-        "bf16,invariant": _moe_cfg(32, (64, 128, 4, 4), (64, 128, 4, 4)),
-        "fp8,invariant": _moe_cfg(32, (128, 128, 4, 4), (64, 128, 4, 4)),
+        # batch-invariant mode, by forward phase: the decode and the prefill configs for every batch
+        "bf16,invariant-decode": _moe_cfg(32, (64, 128, 4, 4), (64, 128, 4, 4)),
+        "fp8,invariant-decode": _moe_cfg(32, (128, 128, 4, 4), (64, 128, 4, 4)),
+        "bf16,invariant-prefill": {
+            **_moe_cfg(128, (128, 64, 8, 3), (256, 64, 8, 3)),
+            "tma": True,
+            "permute_a": True,
+        },
+        "fp8,invariant-prefill": {
+            **_moe_cfg(128, (128, 128, 8, 3), (128, 128, 8, 4)),
+            "tma": True,
+            "permute_a": True,
+        },
         "fp8,rows<=16": _moe_cfg(32, (128, 128, 4, 4), (128, 128, 4, 4)),
         "fp8,rows<=64": _moe_cfg(32, (128, 128, 4, 4), (64, 128, 4, 4)),
         "fp8,rows<=256": _moe_cfg(64, (128, 128, 4, 4), (128, 128, 4, 4)),
@@ -173,14 +185,30 @@ register(
     {"default": {"BLOCK_T": 16, "num_warps": 4}, "experts=64": {"BLOCK_T": 32, "num_warps": 4}},
 )
 
-# --- matmul (kernels/matmul: the batch-invariant dense GEMM), keyed by dtype ----------------------
-# One config per dtype for every M, so that a row's arithmetic never depends on the batch.
-# MIN_K_TILES_PER_SPLIT bounds the split of K (see matmul/triton.py). "cpu": the interpreter.
-_MATMUL_16 = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4,
-              "num_stages": 4, "MIN_K_TILES_PER_SPLIT": 4}  # fmt: skip
-_MATMUL_32 = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4,
-              "num_stages": 2, "MIN_K_TILES_PER_SPLIT": 4}  # fmt: skip
-register("matmul", "any", {"bfloat16": _MATMUL_16, "float16": _MATMUL_16, "default": _MATMUL_32})
+# --- matmul (kernels/matmul: the batch-invariant dense GEMM), keyed "<dtype>,<phase>" ------------
+# One config per (dtype, forward phase) for every M, so that a row's arithmetic never depends on the
+# batch: decode splits K to fill the SMs (MIN_K_TILES_PER_SPLIT bounds the split; see
+# matmul/triton.py), prefill takes large tiles and no split (MIN_K_TILES_PER_SPLIT 0: never split).
+# "cpu": the interpreter.
+_MATMUL_16_DECODE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4,
+                     "num_stages": 4, "MIN_K_TILES_PER_SPLIT": 4}  # fmt: skip
+_MATMUL_16_PREFILL = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8,
+                      "num_stages": 3, "MIN_K_TILES_PER_SPLIT": 0}  # fmt: skip
+_MATMUL_32_DECODE = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4,
+                     "num_stages": 2, "MIN_K_TILES_PER_SPLIT": 4}  # fmt: skip
+_MATMUL_32_PREFILL = {**_MATMUL_32_DECODE, "BLOCK_M": 64, "MIN_K_TILES_PER_SPLIT": 0}
+register(
+    "matmul",
+    "any",
+    {
+        "bfloat16,decode": _MATMUL_16_DECODE,
+        "bfloat16,prefill": _MATMUL_16_PREFILL,
+        "float16,decode": _MATMUL_16_DECODE,
+        "float16,prefill": _MATMUL_16_PREFILL,
+        "float32,prefill": _MATMUL_32_PREFILL,
+        "default": _MATMUL_32_DECODE,
+    },
+)
 register(
     "matmul",
     "cpu",

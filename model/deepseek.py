@@ -367,10 +367,11 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
-        x, residual = F.embedding(batch.input_ids, self.embed.weight), None  # [T, D]
-        for layer in self.layers:
-            x, residual = layer(x, residual, batch, cache, self.cos_sin)
-        return self.norm(x, residual)[0]
+        with kernels.forward_phase("decode" if batch.is_decode else "prefill"):
+            x, residual = F.embedding(batch.input_ids, self.embed.weight), None  # [T, D]
+            for layer in self.layers:
+                x, residual = layer(x, residual, batch, cache, self.cos_sin)
+            return self.norm(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import tuning
-from .._backend import batch_invariant, interpreter_enabled
+from .._backend import interpreter_enabled, invariant_phase
 from .ref import ACT_QUANT_GROUP, FP8_E4M3_MAX, WEIGHT_QUANT_BLOCK
 
 _MIN_AMAX = 1e-12
@@ -255,9 +255,10 @@ def quantize_act(
 
 
 def _gemm_key(m: int) -> str:
-    """The shape class of M; one class for every M in batch-invariant mode (no split of K)."""
-    if batch_invariant():
-        return "invariant"
+    """The shape class of M; in batch-invariant mode one class per phase for every M."""
+    phase = invariant_phase()
+    if phase is not None:
+        return f"invariant-{phase}"
     for bound in (16, 32, 64, 128):
         if m <= bound:
             return f"m<={bound}"

@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import tuning
-from .._backend import batch_invariant, interpreter_enabled
+from .._backend import interpreter_enabled, invariant_phase
 from ..fp8_gemm.ref import ACT_QUANT_GROUP, FP8_E4M3_MAX, WEIGHT_QUANT_BLOCK
 from ..fp8_gemm.triton import _MIN_AMAX, _quantize, _tma_ok, quantize_tile, tile_of
 from ._triton_layout import align_rows, permute_rows
@@ -290,9 +290,10 @@ def _check_inputs(
 
 def _config_key(fp8: bool, num_assignments: int, num_experts: int) -> str:
     """Shape class: weight format and mean rows per expert (decode: a few; prefill: hundreds); in
-    batch-invariant mode one class for every batch."""
-    if batch_invariant():
-        return f"{'fp8' if fp8 else 'bf16'},invariant"
+    batch-invariant mode one class per phase for every batch."""
+    phase = invariant_phase()
+    if phase is not None:
+        return f"{'fp8' if fp8 else 'bf16'},invariant-{phase}"
     rows_per_expert = num_assignments / num_experts
     bound = next((f"rows<={b}" for b in (16, 64, 256) if rows_per_expert <= b), "rows>256")
     return f"{'fp8' if fp8 else 'bf16'},{bound}"

@@ -3,9 +3,11 @@ projection, G = heads for the absorbed-MLA products), fp32 accumulation, output 
 
 Invariance: program (m-tile, n-tile, split, g) reduces K in BLOCK_K steps, in order, within its
 split; a row's result depends on BLOCK_K, the splits of K and the MMA shape, and all three are fixed
-by (dtype, N, K, G, SM count), never by M. The split count tops up the programs of one m-tile to
-about one per SM (decode batches would otherwise leave most SMs idle on narrow projections); the
-splits' fp32 partials are summed in split order by a second kernel, with no atomics.
+by (dtype, forward phase, N, K, G, SM count), never by M. The phase (`kernels.forward_phase`) picks
+large tiles without a split of K for prompts, and for decode steps small tiles with K split so that
+one m-tile's programs come to about one per SM (decode batches would otherwise leave most SMs idle
+on narrow projections); the splits' fp32 partials are summed in split order by a second kernel,
+with no atomics.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .. import tuning
+from .._backend import invariant_phase
 
 _INTERPRETER_SMS = 4
 
@@ -128,7 +131,8 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
     if k == 0:
         c.zero_()
         return
-    cfg = tuning.lookup("matmul", str(a.dtype).removeprefix("torch."), a.device)
+    phase = invariant_phase() or "decode"
+    cfg = tuning.lookup("matmul", f"{str(a.dtype).removeprefix('torch.')},{phase}", a.device)
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     num_splits, k_per_split = _splits(
         groups * triton.cdiv(n, block_n), triton.cdiv(k, block_k), block_k,
@@ -160,8 +164,10 @@ def _splits(
     tiles_per_m_block: int, k_tiles: int, block_k: int, min_k_tiles: int, num_sms: int
 ) -> tuple[int, int]:
     """(splits of K, K elements per split): enough splits that one m-block's programs fill about
-    one per SM, each split keeping at least `min_k_tiles` tiles of K."""
-    splits = max(1, min(num_sms // max(tiles_per_m_block, 1), k_tiles // max(min_k_tiles, 1)))
+    one per SM, each split keeping at least `min_k_tiles` tiles of K (0: no split)."""
+    if min_k_tiles <= 0:
+        return 1, k_tiles * block_k
+    splits = max(1, min(num_sms // max(tiles_per_m_block, 1), k_tiles // min_k_tiles))
     tiles_per_split = triton.cdiv(k_tiles, splits)
     return triton.cdiv(k_tiles, tiles_per_split), tiles_per_split * block_k
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from _decode_check import DEVICE, poisoned_empty
 
+from pdserve.kernels import forward_phase, use_batch_invariant
 from pdserve.kernels.matmul import ref
 from pdserve.kernels.matmul import triton as tri
 
@@ -35,8 +36,15 @@ def _close(got: torch.Tensor, expected: torch.Tensor, k: int) -> None:
     assert err <= ULP[got.dtype] * 4, f"max error {err:.3g} of the scale (K={k})"
 
 
+@pytest.fixture(params=["decode", "prefill"])
+def phase(request):
+    """The forward phase whose fixed config the kernel takes (as inside the model's forward)."""
+    with use_batch_invariant(), forward_phase(request.param):
+        yield request.param
+
+
 @pytest.mark.parametrize("m,k,n,dtype", LINEAR_CASES)
-def test_linear_matches_torch_and_is_row_invariant(m, k, n, dtype) -> None:
+def test_linear_matches_torch_and_is_row_invariant(m, k, n, dtype, phase) -> None:
     torch.manual_seed(m + k + n)
     x = torch.randn(m, k, device=DEVICE).to(dtype)
     w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
@@ -62,7 +70,7 @@ HEAD_CASES = [
 
 
 @pytest.mark.parametrize("t,h,k,n,transposed,dtype", HEAD_CASES)
-def test_head_matmul_matches_torch(t, h, k, n, transposed, dtype) -> None:
+def test_head_matmul_matches_torch(t, h, k, n, transposed, dtype, phase) -> None:
     torch.manual_seed(t * h + k)
     x = torch.randn(t, h, k, device=DEVICE).to(dtype)
     w = (torch.randn(h, n, k, device=DEVICE) / k**0.5).to(dtype)
