@@ -53,6 +53,16 @@ MTP16 = [
     cfg("kv_major", 32, 64, 8, 2, True, 1), cfg("kv_major", 16, 64, 4, 2, True, 1),
 ]  # fmt: skip
 
+# More programs in flight per SM at 16 heads: 32-position tiles (36 KB a stage with TMA) leave room
+# for two or three programs per SM, each with its own loads outstanding.
+KV16_SMALL_TILES = [
+    KV16[0],
+    cfg("kv_major", 16, 32, 4, 2, True, 1), cfg("kv_major", 16, 32, 4, 2, True, 2),
+    cfg("kv_major", 16, 32, 4, 2, True, 3), cfg("kv_major", 16, 32, 4, 3, True, 2),
+    cfg("kv_major", 16, 32, 4, 4, True, 1), cfg("kv_major", 16, 32, 4, 3, True, 3),
+    cfg("kv_major", 16, 64, 4, 2, True, 3),
+]  # fmt: skip
+
 SWEEPS = [
     # (batch, heads, queries, cache length, fp8, pages shuffled), candidates
     ((128, 16, 1, 4096, False, True), KV16),
@@ -63,6 +73,8 @@ SWEEPS = [
     ((128, 16, 1, 4096, True, True), FP8_16),
     ((128, 128, 1, 4096, True, True), FP8_128),
     ((64, 16, 4, 4096, False, True), MTP16),
+    ((128, 16, 1, 4096, False, True), KV16_SMALL_TILES),
+    ((128, 16, 1, 8192, False, True), KV16_SMALL_TILES),
 ]
 
 
