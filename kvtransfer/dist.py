@@ -165,10 +165,10 @@ class DistKVSender(KVSender):
             pair.connect(epoch_ttl_s=_SENDER_EPOCH_TTL_S)
             deadline = time.monotonic() + self.config.timeout_s
             try:
-                header = _to_device(fields, self.device)
+                # The header first: D learns the size from it, and posts its receives while we gather.
+                ops = [pair.send(_to_device(fields, self.device), _TAG_HEADER)]
                 ids = _to_device(page_ids, self.device)
                 ack = torch.zeros(2, dtype=torch.int64, device=self.device)
-                ops = [pair.send(header, _TAG_HEADER)]
                 if self.delay_after_header_s:
                     wait_ops(ops, deadline, what)
                     time.sleep(self.delay_after_header_s)
@@ -361,7 +361,13 @@ class DistKVReceiver(KVReceiver):
             (layers, num_pages, page_size, dim), dtype=self.cache.dtype, device=self.device
         )
         ops = [pair.recv(staging[first:stop], _TAG_PAGES) for first, stop in plan]
+        # While the pieces travel: the page ids, both possible acks (built on the device: the host never
+        # waits), so that little is left to do after the last piece.
         dest = self._destination(transfer_id, num_pages, (layers, page_size, dim), what)
+        acks = {}
+        for status in (_ACK_OK, _ACK_DISCARDED):
+            acks[status] = header_dev[1:3].clone()  # [transfer_id, status]
+            acks[status][1].fill_(status)
         try:
             for op, (first, stop) in zip(ops, plan, strict=True):
                 wait_ops([op], deadline, what)  # the side stream now follows the piece's receive
@@ -374,10 +380,8 @@ class DistKVReceiver(KVReceiver):
                 if self._expected.pop(transfer_id, None) is not None:
                     self._results.append(TransferResult(transfer_id, error=str(e)))
             raise
-        status = _ACK_OK if dest is not None else _ACK_DISCARDED
-        ack = header_dev[1:3].clone()  # [transfer_id, _]; built on the device, the host never waits
-        ack[1].fill_(status)
-        ack_op = pair.send(ack, _TAG_ACK)  # NCCL queues it after the page writes on our stream
+        # NCCL queues the ack after the page writes on our stream.
+        ack_op = pair.send(acks[_ACK_OK if dest is not None else _ACK_DISCARDED], _TAG_ACK)
         with self._lock:
             write = self._writes.pop(transfer_id, None)
             if write is not None:
