@@ -3,7 +3,7 @@ gathered from scattered source pages piece by piece, sent, scattered into scatte
 next to a bare send/recv of the same bytes on a two-rank group (the peer).
 
     python benchmarks/kv_transfer.py [--tokens 8192] [--layers 27] [--page-size 16] [--iters 20]
-        [--chunk-mib 48,16,128,0] [--gap-ms 0,10]
+        [--chunk-mib 48,16,128,0] [--gap-ms 0,10] [--spin-ms 3]
     python benchmarks/kv_transfer.py --device cpu --tokens 256 --layers 4 --chunk-mib 0.25,0
 
 On CUDA it needs 2 GPUs (NCCL); on CPU it runs two processes over gloo (a functional check, not a bandwidth
@@ -26,6 +26,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from pdserve.kvtransfer import KVTransferConfig
 
 ENTRY_DIM = 576  # kv_lora_rank 512 + rope 64
 WARMUP = 3
@@ -68,7 +70,7 @@ def _bare_group(store, rank: int, device: torch.device):
 
 
 def _run(rank: int, args, port: int, results) -> None:
-    from pdserve.kvtransfer import ExpectedTransfer, KVTransferConfig
+    from pdserve.kvtransfer import ExpectedTransfer
     from pdserve.kvtransfer.dist import DistKVReceiver, DistKVSender, connect_store
 
     if args.device == "cuda":
@@ -80,7 +82,9 @@ def _run(rank: int, args, port: int, results) -> None:
     num_pages = -(-args.tokens // args.page_size)
     cache_shape = (args.layers, 2 * num_pages, args.page_size, ENTRY_DIM)
     payload_shape = (args.layers, num_pages, args.page_size, ENTRY_DIM)
-    config = KVTransferConfig(store_port=port, timeout_s=60, connect_timeout_s=60)
+    config = KVTransferConfig(
+        store_port=port, timeout_s=60, connect_timeout_s=60, spin_s=args.spin_ms / 1e3
+    )
     store = connect_store(config, is_master=rank == 1)
     num_transfers = len(_cases(args)) * (WARMUP + args.iters)
     g = torch.Generator().manual_seed(rank)
@@ -175,6 +179,10 @@ def main() -> None:
         "--gap-ms", type=_floats, default=[0.0, 10.0],
         help="idle time before each transfer, comma-separated",
     )  # fmt: skip
+    parser.add_argument(
+        "--spin-ms", type=float, default=1e3 * KVTransferConfig().spin_s,
+        help="KVTransferConfig.spin_s, in ms (both sides)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         raise SystemExit("needs 2 CUDA GPUs (or --device cpu)")
@@ -191,7 +199,7 @@ def main() -> None:
     lines = [
         f"{where} | {args.tokens} tokens x {args.layers} layers x {ENTRY_DIM} x bf16 = "
         f"{r['bytes'] / 2**20:.1f} MiB, page {args.page_size}, pages scattered on both sides | "
-        f"median of {args.iters} | pages checked: equal",
+        f"median of {args.iters} | spin {args.spin_ms:g} ms | pages checked: equal",
         "",
         "| path | pieces | idle before | ms | GB/s | / bare | all posted at (ms) |",
         "|---|---|---|---|---|---|---|",

@@ -28,9 +28,6 @@ from .config import KVTransferConfig
 
 logger = logging.getLogger(__name__)
 
-SPIN_S = 0.003
-"""How long a wait spins (yielding the GIL between polls) before it sleeps: a transfer of a few hundred MiB and
-its acknowledgement complete within it, so neither side adds a sleep's wake-up latency to them."""
 POLL_S = 0.00002
 """Sleep between polls after the spin, up to `_FAST_POLL_WINDOW_S`."""
 IDLE_POLL_S = 0.002
@@ -178,30 +175,30 @@ class Op:
 
 
 class Backoff:
-    """Pacing of a polling loop: spins for `SPIN_S` (each turn yields the GIL to the worker's threads), then
-    sleeps `POLL_S` until `_FAST_POLL_WINDOW_S`, then `idle_s`."""
+    """Pacing of a polling loop: spins for `spin_s` (`os.sched_yield` between polls, which releases the GIL),
+    then sleeps `POLL_S` until `_FAST_POLL_WINDOW_S`, then `idle_s`."""
 
-    def __init__(self, idle_s: float = IDLE_POLL_S):
-        self.start, self.idle_s = time.monotonic(), idle_s
+    def __init__(self, spin_s: float, idle_s: float = IDLE_POLL_S):
+        self.start, self.spin_s, self.idle_s = time.monotonic(), spin_s, idle_s
 
     def pause(self, now: float) -> None:
         waited = now - self.start
-        if waited < SPIN_S:
+        if waited < self.spin_s:
             os.sched_yield()
         else:
             time.sleep(POLL_S if waited < _FAST_POLL_WINDOW_S else self.idle_s)
 
 
 def wait_ops(
-    ops: list[Op], deadline: float, what: str, check: Callable[[], bool] | None = None,
-    idle_s: float = IDLE_POLL_S,
+    ops: list[Op], deadline: float, what: str, spin_s: float,
+    check: Callable[[], bool] | None = None, idle_s: float = IDLE_POLL_S,
 ) -> bool:  # fmt: skip
     """Polls `ops` until all complete, then waits on each (see `Op.wait`); raises TransferError at `deadline`
     or on a failed op. Every `CHECK_S`, `check()` may return True to give up waiting (the call then returns
     False). Ops that run in order are watched through the last one (each poll and wait costs microseconds)."""
     if ops and all(op.in_order for op in ops):
         ops = ops[-1:]
-    backoff = Backoff(idle_s)
+    backoff = Backoff(spin_s, idle_s)
     next_check = backoff.start + CHECK_S
     pending = list(ops)
     while pending:

@@ -36,7 +36,6 @@ from ._link import (
     CHECK_S,
     IDLE_POLL_S,
     POLL_S,
-    SPIN_S,
     Backoff,
     Op,
     Pair,
@@ -170,7 +169,7 @@ class DistKVSender(KVSender):
                 ids = _to_device(page_ids, self.device)
                 ack = torch.zeros(2, dtype=torch.int64, device=self.device)
                 if self.delay_after_header_s:
-                    wait_ops(ops, deadline, what)
+                    wait_ops(ops, deadline, what, self.config.spin_s)
                     time.sleep(self.delay_after_header_s)
                 pieces = []  # referenced until the sends complete
                 for first, stop in plan:
@@ -178,7 +177,7 @@ class DistKVSender(KVSender):
                     ops.append(pair.send(pieces[-1], _TAG_PAGES))
                 ops.append(pair.recv(ack, _TAG_ACK))
                 posted = time.perf_counter()
-                wait_ops(ops, deadline, what)
+                wait_ops(ops, deadline, what, self.config.spin_s)
                 ack_id, status = ack.tolist()
             except Exception as e:
                 pair.fail()
@@ -330,7 +329,7 @@ class DistKVReceiver(KVReceiver):
         """Waits for the next header; False when the wait ends for another reason (closing, the peer's epoch
         moved). Polls briskly while a transfer from `peer` is expected (the header's latency is a round trip
         every transfer pays), slowly otherwise; fails the expected transfers that pass their deadlines."""
-        backoff = Backoff()
+        backoff = Backoff(self.config.spin_s)
         next_check, expecting = backoff.start + CHECK_S, True
         while not header_op.is_completed():
             now = time.monotonic()
@@ -340,11 +339,11 @@ class DistKVReceiver(KVReceiver):
                     return False
                 expecting = self._expecting_from(peer)
                 next_check = now + CHECK_S
-            if now - backoff.start < SPIN_S:
+            if now - backoff.start < backoff.spin_s:
                 backoff.pause(now)
             else:
                 time.sleep(POLL_S if expecting else IDLE_POLL_S)
-        wait_ops([header_op], float("inf"), f"header from {peer}")
+        wait_ops([header_op], float("inf"), f"header from {peer}", 0.0)
         return True
 
     def _receive_one(self, peer: str, pair: Pair, header_dev: torch.Tensor) -> None:
@@ -370,7 +369,8 @@ class DistKVReceiver(KVReceiver):
             acks[status][1].fill_(status)
         try:
             for op, (first, stop) in zip(ops, plan, strict=True):
-                wait_ops([op], deadline, what)  # the side stream now follows the piece's receive
+                # After this wait our (side) stream follows the piece's receive.
+                wait_ops([op], deadline, what, self.config.spin_s)
                 if dest is not None:
                     dest = self._write_piece(transfer_id, dest, first, stop, staging)
         except TransferError as e:
@@ -388,7 +388,7 @@ class DistKVReceiver(KVReceiver):
                 write.synchronize()
             if dest is not None and self._expected.pop(transfer_id, None) is not None:
                 self._results.append(TransferResult(transfer_id, num_tokens, first_token))
-        wait_ops([ack_op], deadline, f"ack of {what}")
+        wait_ops([ack_op], deadline, f"ack of {what}", self.config.spin_s)
 
     def _destination(
         self, transfer_id: int, num_pages: int, layout: tuple[int, int, int], what: str
