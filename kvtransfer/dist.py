@@ -341,8 +341,11 @@ class DistKVReceiver(KVReceiver):
                 next_check = now + CHECK_S
             if now - backoff.start < backoff.spin_s:
                 backoff.pause(now)
+            elif expecting:
+                time.sleep(POLL_S)
             else:
-                time.sleep(POLL_S if expecting else IDLE_POLL_S)
+                time.sleep(IDLE_POLL_S)
+                expecting = self._expecting_from(peer)  # a request just admitted: speed up at once
         wait_ops([header_op], float("inf"), f"header from {peer}", 0.0)
         return True
 
