@@ -306,8 +306,7 @@ class DistKVReceiver(KVReceiver):
                         pair.drop()  # the peer moved to a new epoch; rebuild on the next pass
                     header_op = None
                     continue
-                header_op = None
-                self._receive_one(peer, pair, header)
+                header, header_op = self._receive_one(peer, pair, header)
             except PeerAbsent as e:
                 # It never joined: every transfer expected from it fails now.
                 logger.warning("%s", e)
@@ -349,7 +348,11 @@ class DistKVReceiver(KVReceiver):
         wait_ops([header_op], float("inf"), f"header from {peer}", 0.0)
         return True
 
-    def _receive_one(self, peer: str, pair: Pair, header_dev: torch.Tensor) -> None:
+    def _receive_one(
+        self, peer: str, pair: Pair, header_dev: torch.Tensor
+    ) -> tuple[torch.Tensor, Op]:
+        """Receives the transfer whose header arrived; returns the next header's buffer and its posted
+        receive."""
         header = header_dev.tolist()
         magic, transfer_id, num_pages, num_tokens, first_token = header[:5]
         layers, page_size, dim, itemsize, chunk_layers = header[5:]
@@ -383,8 +386,11 @@ class DistKVReceiver(KVReceiver):
                 if self._expected.pop(transfer_id, None) is not None:
                     self._results.append(TransferResult(transfer_id, error=str(e)))
             raise
-        # NCCL queues the ack after the page writes on our stream.
+        # NCCL queues the ack after the page writes on our stream; then the next header's receive, so that a
+        # transfer queued behind this one on P finds it posted.
         ack_op = pair.send(acks[_ACK_OK if dest is not None else _ACK_DISCARDED], _TAG_ACK)
+        next_header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
+        next_op = pair.recv(next_header, _TAG_HEADER)
         with self._lock:
             write = self._writes.pop(transfer_id, None)
             if write is not None:
@@ -392,6 +398,7 @@ class DistKVReceiver(KVReceiver):
             if dest is not None and self._expected.pop(transfer_id, None) is not None:
                 self._results.append(TransferResult(transfer_id, num_tokens, first_token))
         wait_ops([ack_op], deadline, f"ack of {what}", self.config.spin_s)
+        return next_header, next_op
 
     def _destination(
         self, transfer_id: int, num_pages: int, layout: tuple[int, int, int], what: str
