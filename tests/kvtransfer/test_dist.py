@@ -6,6 +6,7 @@ Killed peers and stalled transfers between two OS processes are in tests/workers
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from pdserve.kvtransfer import ExpectedTransfer, KVTransferConfig
 from pdserve.kvtransfer.dist import DistKVReceiver, DistKVSender, chunk_plan, connect_store
 from pdserve.kvtransfer.loopback import LoopbackHub, LoopbackReceiver, LoopbackSender
+from pdserve.model.errors import TransferError
 
 LAYERS, PAGES, PAGE_SIZE, DIM = 5, 40, 4, 8
 
@@ -136,3 +138,30 @@ def test_loopback_writes_the_reserved_pages():
     LoopbackSender(hub).send("d0", 1, source, [0, 5], 8, 3)
     assert [r.error for r in receiver.poll()] == [None]
     assert torch.equal(dest[:, [7, 2]], source[:, [0, 5]])
+
+
+def test_cancel_mid_transfer_returns_at_once_and_nothing_is_written(link):
+    sender, receiver, source, dest = link
+    expect(receiver, 1, [0])
+    sender.send("d0", 1, source, [0], PAGE_SIZE, 5)
+    wait_results(receiver, 1)
+    expect(receiver, 2, list(range(20, 33)))
+    sender.delay_after_header_s = 0.5  # the header is in, the pages come later
+    errors = []
+
+    def send() -> None:
+        try:
+            sender.send("d0", 2, source, list(range(13)), 13 * PAGE_SIZE, 5)
+        except TransferError as e:
+            errors.append(e)
+
+    sending = threading.Thread(target=send)
+    sending.start()
+    time.sleep(0.2)
+    start = time.monotonic()
+    receiver.cancel(2)
+    assert time.monotonic() - start < 0.1, "cancel must not wait for the link"
+    sending.join(10)
+    assert not sending.is_alive() and errors == []  # acknowledged as discarded
+    assert not dest[:, 20:33].any()
+    assert receiver.poll() == []
