@@ -146,7 +146,7 @@ def test_cancel_mid_transfer_returns_at_once_and_nothing_is_written(link):
     sender.send("d0", 1, source, [0], PAGE_SIZE, 5)
     wait_results(receiver, 1)
     expect(receiver, 2, list(range(20, 33)))
-    sender.delay_after_header_s = 0.5  # the header is in, the pages come later
+    sender.delay_after_header_s = 2.0  # the header is in, the pages come later
     errors = []
 
     def send() -> None:
@@ -157,10 +157,10 @@ def test_cancel_mid_transfer_returns_at_once_and_nothing_is_written(link):
 
     sending = threading.Thread(target=send)
     sending.start()
-    time.sleep(0.2)
+    time.sleep(0.5)
     start = time.monotonic()
     receiver.cancel(2)
-    assert time.monotonic() - start < 0.1, "cancel must not wait for the link"
+    assert time.monotonic() - start < 1.0, "cancel must not wait for the link"
     sending.join(10)
     assert not sending.is_alive() and errors == []  # acknowledged as discarded
     assert not dest[:, 20:33].any()
