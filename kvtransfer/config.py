@@ -27,7 +27,8 @@ class KVTransferConfig:
     thread competes for the GIL with the worker's loop thread; 0 never spins."""
     idle_timeout_s: float = 900.0
     """Timeout of a pair's process group itself: a receive posted for an expected transfer may wait this long;
-    past it the pair is rebuilt. Must exceed the decode workers' kv_wait_timeout_s."""
+    the decode side retires a link whose next header has not come for half of it (an idle pair is rebuilt on
+    next use). Must exceed the decode workers' kv_wait_timeout_s."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "nccl", "gloo"):

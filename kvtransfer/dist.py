@@ -22,6 +22,7 @@ microseconds), never for the link.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import threading
 import time
@@ -197,6 +198,12 @@ class DistKVSender(KVSender):
             self._pairs.clear()
 
 
+class _Wait(enum.Enum):
+    HEADER = "a header arrived"
+    STOPPED = "closing, or the peer's epoch moved"
+    STALE = "the receive has been posted for half the group's timeout"
+
+
 @dataclasses.dataclass
 class _Peer:
     pair: Pair
@@ -301,8 +308,14 @@ class DistKVReceiver(KVReceiver):
                         pair.connect()
                     header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
                     header_op = pair.recv(header, _TAG_HEADER)
-                if not self._wait_header(peer, pair, header_op, idle_reason):
-                    if not self._closed.is_set():
+                outcome = self._wait_header(peer, pair, header_op, idle_reason)
+                if outcome is not _Wait.HEADER:
+                    if outcome is _Wait.STALE:
+                        # A receive left posted past the group's timeout trips NCCL's watchdog, which by
+                        # default takes the whole process down: retire the link first. P, silent this long,
+                        # re-reads the epoch on its next send and rebuilds it with us.
+                        pair.fail()
+                    elif not self._closed.is_set():
                         pair.drop()  # the peer moved to a new epoch; rebuild on the next pass
                     header_op = None
                     continue
@@ -324,18 +337,21 @@ class DistKVReceiver(KVReceiver):
                 _sync(pair.stream)
                 self._fail_all(peer, f"KV receiver error: {e}")
 
-    def _wait_header(self, peer: str, pair: Pair, header_op: Op, idle_reason: str) -> bool:
-        """Waits for the next header; False when the wait ends for another reason (closing, the peer's epoch
-        moved). Polls briskly while a transfer from `peer` is expected (the header's latency is a round trip
-        every transfer pays), slowly otherwise; fails the expected transfers that pass their deadlines."""
+    def _wait_header(self, peer: str, pair: Pair, header_op: Op, idle_reason: str) -> _Wait:
+        """Waits for the next header (posted just before): how the wait ended. Polls briskly while a transfer
+        from `peer` is expected (the header's latency is a round trip every transfer pays), slowly otherwise;
+        fails the expected transfers that pass their deadlines."""
         backoff = Backoff(self.config.spin_s)
         next_check, expecting = backoff.start + CHECK_S, True
+        stale_at = backoff.start + self.config.idle_timeout_s / 2
         while not header_op.is_completed():
             now = time.monotonic()
             if now >= next_check:
                 self._fail_overdue(peer, idle_reason)
                 if self._closed.is_set() or pair.epoch_moved():
-                    return False
+                    return _Wait.STOPPED
+                if now >= stale_at:
+                    return _Wait.STALE
                 expecting = self._expecting_from(peer)
                 next_check = now + CHECK_S
             if now - backoff.start < backoff.spin_s:
@@ -346,7 +362,7 @@ class DistKVReceiver(KVReceiver):
                 time.sleep(IDLE_POLL_S)
                 expecting = self._expecting_from(peer)  # a request just admitted: speed up at once
         wait_ops([header_op], float("inf"), f"header from {peer}", 0.0)
-        return True
+        return _Wait.HEADER
 
     def _receive_one(
         self, peer: str, pair: Pair, header_dev: torch.Tensor

@@ -43,21 +43,34 @@ def test_chunk_plan_covers_every_layer_once(layers, chunk_layers, plan):
 
 
 @pytest.fixture
-def link():
-    """(sender, receiver, source cache, destination cache) over gloo, pieces of two layers for 13 pages."""
-    config = KVTransferConfig(
-        store_port=free_port(), timeout_s=10, connect_timeout_s=10,
-        chunk_bytes=2 * 13 * PAGE_SIZE * DIM * 4,
-    )  # fmt: skip
-    d_store = connect_store(config, is_master=True)
-    p_store = connect_store(config, is_master=False)
-    source = torch.randn(LAYERS, PAGES, PAGE_SIZE, DIM)
-    dest = torch.zeros(LAYERS, PAGES, PAGE_SIZE, DIM)
-    sender = DistKVSender(config, p_store, "p0", torch.device("cpu"))
-    receiver = DistKVReceiver(config, d_store, "d0", dest)
-    yield sender, receiver, source, dest
-    sender.close()
-    receiver.close()
+def make_link():
+    """Builds (sender, receiver, source cache, destination cache) over gloo, pieces of two layers for 13
+    pages; closes them after the test."""
+    built = []
+
+    def make(idle_timeout_s: float = 900.0):
+        config = KVTransferConfig(
+            store_port=free_port(), timeout_s=10, connect_timeout_s=10,
+            idle_timeout_s=idle_timeout_s, chunk_bytes=2 * 13 * PAGE_SIZE * DIM * 4,
+        )  # fmt: skip
+        d_store = connect_store(config, is_master=True)
+        p_store = connect_store(config, is_master=False)
+        source = torch.randn(LAYERS, PAGES, PAGE_SIZE, DIM)
+        dest = torch.zeros(LAYERS, PAGES, PAGE_SIZE, DIM)
+        sender = DistKVSender(config, p_store, "p0", torch.device("cpu"))
+        receiver = DistKVReceiver(config, d_store, "d0", dest)
+        built.append((sender, receiver))
+        return sender, receiver, source, dest
+
+    yield make
+    for sender, receiver in built:
+        sender.close()
+        receiver.close()
+
+
+@pytest.fixture
+def link(make_link):
+    return make_link()
 
 
 def wait_results(receiver, count: int, timeout_s: float = 10.0):
@@ -165,3 +178,18 @@ def test_cancel_mid_transfer_returns_at_once_and_nothing_is_written(link):
     assert not sending.is_alive() and errors == []  # acknowledged as discarded
     assert not dest[:, 20:33].any()
     assert receiver.poll() == []
+
+
+def test_idle_link_is_retired_before_its_timeout_then_rebuilt(make_link):
+    sender, receiver, source, dest = make_link(idle_timeout_s=1.0)
+    expect(receiver, 1, [0])
+    sender.send("d0", 1, source, [0], PAGE_SIZE, 5)
+    wait_results(receiver, 1)
+    [pair] = [peer.pair for peer in receiver._peers.values()]
+    epoch = pair.epoch
+    time.sleep(1.5)  # past half the group's timeout with a header receive posted: retired
+    assert pair.current_epoch() > epoch
+    expect(receiver, 2, [1, 2])
+    sender.send("d0", 2, source, [3, 4], 2 * PAGE_SIZE, 5)
+    assert [r.error for r in wait_results(receiver, 1)] == [None]
+    assert torch.equal(dest[:, [1, 2]], source[:, [3, 4]])
