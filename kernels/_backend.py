@@ -75,15 +75,21 @@ def backend_for(tensor: torch.Tensor) -> Backend:
 
 
 @contextlib.contextmanager
+def _set(var: ContextVar, value) -> Iterator[None]:
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+@contextlib.contextmanager
 def use_backend(choice: str) -> Iterator[None]:
     """Within the block, run every kernel with `choice` (`auto`, `ref` or `triton`)."""
     if choice not in _CHOICES:
         raise ValueError(f"kernel backend {choice!r}: expected one of {', '.join(_CHOICES)}")
-    token = _override.set(choice)
-    try:
+    with _set(_override, choice):
         yield
-    finally:
-        _override.reset(token)
 
 
 def implementation(package: str, tensor: torch.Tensor):
@@ -107,11 +113,8 @@ def batch_invariant() -> bool:
 @contextlib.contextmanager
 def use_batch_invariant(on: bool = True) -> Iterator[None]:
     """Within the block, batch-invariant mode is `on` whatever the environment says."""
-    token = _invariant_override.set(bool(on))
-    try:
+    with _set(_invariant_override, bool(on)):
         yield
-    finally:
-        _invariant_override.reset(token)
 
 
 @contextlib.contextmanager
@@ -120,11 +123,8 @@ def forward_phase(phase: str) -> Iterator[None]:
     "decode" outside any block)."""
     if phase not in PHASES:
         raise ValueError(f"forward phase {phase!r}: expected one of {', '.join(PHASES)}")
-    token = _phase.set(phase)
-    try:
+    with _set(_phase, phase):
         yield
-    finally:
-        _phase.reset(token)
 
 
 def invariant_phase() -> str | None:

@@ -287,6 +287,24 @@ def split_kv_major_kernel(
 
 
 @triton.jit
+def _store_combined(
+    out_ptr, lse_ptr, acc, denom, m_safe, row, b, offs_d, num_heads,
+    stride_ob, stride_oq, stride_oh, stride_lb, stride_lq, stride_lh,
+):  # fmt: skip
+    """A combine's epilogue: out = acc / denom (0 where no split saw anything), and the row's lse
+    from the first d-block's program."""
+    has = denom > 0.0
+    d_safe = tl.where(has, denom, 1.0)
+    qi = row // num_heads
+    h = row % num_heads
+    o_row = out_ptr + b * stride_ob + qi * stride_oq + h * stride_oh
+    tl.store(o_row + offs_d, (acc / d_safe).to(out_ptr.dtype.element_ty))
+    if tl.program_id(2) == 0:
+        lse = tl.where(has, m_safe + tl.log(d_safe), float("-inf"))
+        tl.store(lse_ptr + b * stride_lb + qi * stride_lq + h * stride_lh, lse)
+
+
+@triton.jit
 def combine_kernel(
     part_ptr, part_lse_ptr, out_ptr, lse_ptr,
     num_heads, num_rows, num_splits,
@@ -316,15 +334,10 @@ def combine_kernel(
         o_ptrs = part_base + chunk[:, None] * num_rows * D_LATENT + offs_d[None, :]
         o = tl.load(o_ptrs, mask=ok[:, None], other=0.0)  # [SPLIT_CHUNK, BLOCK_D]
         acc += tl.sum(w[:, None] * o, 0)
-    has = denom > 0.0
-    d_safe = tl.where(has, denom, 1.0)
-    qi = row // num_heads
-    h = row % num_heads
-    o_row = out_ptr + b * stride_ob + qi * stride_oq + h * stride_oh
-    tl.store(o_row + offs_d, (acc / d_safe).to(out_ptr.dtype.element_ty))
-    if tl.program_id(2) == 0:
-        lse = tl.where(has, m_safe + tl.log(d_safe), float("-inf"))
-        tl.store(lse_ptr + b * stride_lb + qi * stride_lq + h * stride_lh, lse)
+    _store_combined(
+        out_ptr, lse_ptr, acc, denom, m_safe, row, b, offs_d, num_heads,
+        stride_ob, stride_oq, stride_oh, stride_lb, stride_lq, stride_lh,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -353,15 +366,10 @@ def combine_invariant_kernel(
         w = tl.exp(tl.load(lse_base + s * num_rows) - m_safe)
         denom += w
         acc += w * tl.load(part_base + s * num_rows * D_LATENT + offs_d)
-    has = denom > 0.0
-    d_safe = tl.where(has, denom, 1.0)
-    qi = row // num_heads
-    h = row % num_heads
-    o_row = out_ptr + b * stride_ob + qi * stride_oq + h * stride_oh
-    tl.store(o_row + offs_d, (acc / d_safe).to(out_ptr.dtype.element_ty))
-    if tl.program_id(2) == 0:
-        lse = tl.where(has, m_safe + tl.log(d_safe), float("-inf"))
-        tl.store(lse_ptr + b * stride_lb + qi * stride_lq + h * stride_lh, lse)
+    _store_combined(
+        out_ptr, lse_ptr, acc, denom, m_safe, row, b, offs_d, num_heads,
+        stride_ob, stride_oq, stride_oh, stride_lb, stride_lq, stride_lh,
+    )  # fmt: skip
 
 
 @triton.jit
