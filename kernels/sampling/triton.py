@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._backend import batch_invariant
 from ..tuning import lookup
 
 _TEMPERATURE_FLOOR = 1e-6  # the reference clamps temperatures to this before dividing
@@ -236,6 +237,20 @@ def _check_inputs(
             raise ValueError(f"{name} must be {kind} tensor, got {x.dtype}")
 
 
+def vocab_splits(batch: int, vocab: int, cfg: dict, num_sms: int) -> tuple[int, int]:
+    """(programs per row, vocab columns per program): enough programs for the batch to fill the
+    SMs. In batch-invariant mode the vocab is cut as for a batch of one whatever the batch, so a
+    row's sums (and thresholds) come out the same in any batch."""
+    block = cfg["BLOCK"]
+    split_batch = 1 if batch_invariant() else batch
+    num_splits = max(
+        1,
+        min(triton.cdiv(cfg["programs_per_sm"] * num_sms, split_batch), triton.cdiv(vocab, block)),
+    )
+    cols_per_split = triton.cdiv(triton.cdiv(vocab, num_splits), block) * block
+    return triton.cdiv(vocab, cols_per_split), cols_per_split
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -260,11 +275,7 @@ def sample(
         num_sms = torch.cuda.get_device_properties(logits.device).multi_processor_count
     else:
         num_sms = 1
-    num_splits = max(
-        1, min(triton.cdiv(cfg["programs_per_sm"] * num_sms, batch), triton.cdiv(vocab, block))
-    )
-    cols_per_split = triton.cdiv(triton.cdiv(vocab, num_splits), block) * block
-    num_splits = triton.cdiv(vocab, cols_per_split)
+    num_splits, cols_per_split = vocab_splits(batch, vocab, cfg, num_sms)
     block_s = triton.next_power_of_2(num_splits)
     common = dict(NUM_SPLITS=num_splits, T_FLOOR=_TEMPERATURE_FLOOR, num_warps=cfg["num_warps"])
     temperature = temperature.contiguous()

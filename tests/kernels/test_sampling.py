@@ -85,6 +85,22 @@ def test_draw_depends_only_on_seed_and_step() -> None:
     assert torch.equal(shuffled, ids[perm])
 
 
+def test_batch_invariant_mode_draws_the_same_in_any_batch() -> None:
+    """In batch-invariant mode the vocab's cut does not follow the batch size, so a row draws the
+    same token alone as in a batch of twelve (with filters, temperature and seeds of its own)."""
+    cfg = {"BLOCK": 256, "programs_per_sm": 8}
+    assert tri.vocab_splits(1, 129280, cfg, 132) != tri.vocab_splits(64, 129280, cfg, 132)
+    with kernels.use_batch_invariant():
+        cuts = {tri.vocab_splits(b, 129280, cfg, 132) for b in (1, 7, 64, 256)}
+        assert len(cuts) == 1, cuts
+    args = _batch(12, 3000, torch.float32, 2.0, seed=11)
+    with kernels.use_batch_invariant():
+        ids = tri.sample(*args)
+        for i in (0, 3, 7, 11):
+            assert torch.equal(tri.sample(*(a[i : i + 1] for a in args)), ids[i : i + 1]), i
+    assert torch.equal(ids, ref.sample(*args))
+
+
 def test_dispatch_runs_triton() -> None:
     args = _batch(4, 300, torch.float32, 2.0, seed=9)
     with kernels.use_backend("triton"):
