@@ -92,6 +92,18 @@ def use_backend(choice: str) -> Iterator[None]:
         yield
 
 
+INTERPRETER_SMS = 4
+"""SM count the split policies assume without a GPU (the interpreter), so tests exercise splits."""
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """The device's SM count (INTERPRETER_SMS off CUDA), for launchers that size grids to it."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def implementation(package: str, tensor: torch.Tensor):
     """The `ref` or `triton` module of the op package `package` to run for `tensor`."""
     import importlib

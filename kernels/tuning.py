@@ -98,6 +98,7 @@ def _moe_cfg(bm: int, gate_up: tuple, down: tuple, group_m: int = 8) -> dict[str
 
 
 register("quantize_act", "sm90", {"default": {"BLOCK_M": 16, "num_warps": 4}})
+_FP8_GEMM_LARGE = _gemm_cfg(128, 128, 8, 4, False, 0, GROUP_M=16, tma=True)
 register(
     "fp8_gemm",
     "sm90",
@@ -106,45 +107,42 @@ register(
         "m<=32": _gemm_cfg(32, 64, 4, 4, True, 264),
         "m<=64": _gemm_cfg(64, 64, 4, 4, False, 264),
         "m<=128": _gemm_cfg(64, 128, 4, 4, False, 132),
-        "default": _gemm_cfg(128, 128, 8, 4, False, 0, GROUP_M=16, tma=True),
+        "default": _FP8_GEMM_LARGE,
         # batch-invariant mode, by forward phase: no split of K
         "invariant-decode": _gemm_cfg(64, 64, 4, 4, False, 0),
-        "invariant-prefill": _gemm_cfg(128, 128, 8, 4, False, 0, GROUP_M=16, tma=True),
+        "invariant-prefill": _FP8_GEMM_LARGE,
     },
 )
+# The bf16 / fp8 configs for decode-size batches and for prompts; batch-invariant mode takes them by
+# forward phase for every batch.
+_MOE_BF16_DECODE = _moe_cfg(32, (64, 128, 4, 4), (64, 128, 4, 4))
+_MOE_BF16_PREFILL = {
+    **_moe_cfg(128, (128, 64, 8, 3), (256, 64, 8, 3)),
+    "tma": True,
+    "permute_a": True,
+}
+_MOE_FP8_DECODE = _moe_cfg(32, (128, 128, 4, 4), (64, 128, 4, 4))
+_MOE_FP8_PREFILL = {
+    **_moe_cfg(128, (128, 128, 8, 3), (128, 128, 8, 4)),
+    "tma": True,
+    "permute_a": True,
+}
 register(
     "fused_moe",
     "sm90",
     {
-        "bf16,rows<=16": _moe_cfg(32, (64, 128, 4, 4), (64, 128, 4, 4)),
-        "bf16,rows<=64": _moe_cfg(32, (64, 128, 4, 4), (64, 128, 4, 4)),
+        "bf16,rows<=16": _MOE_BF16_DECODE,
+        "bf16,rows<=64": _MOE_BF16_DECODE,
         "bf16,rows<=256": _moe_cfg(64, (128, 64, 4, 4), (128, 64, 4, 4)),
-        "default": {
-            **_moe_cfg(128, (128, 64, 8, 3), (256, 64, 8, 3)),
-            "tma": True,
-            "permute_a": True,
-        },
-        # batch-invariant mode, by forward phase: the decode and the prefill configs for every batch
-        "bf16,invariant-decode": _moe_cfg(32, (64, 128, 4, 4), (64, 128, 4, 4)),
-        "fp8,invariant-decode": _moe_cfg(32, (128, 128, 4, 4), (64, 128, 4, 4)),
-        "bf16,invariant-prefill": {
-            **_moe_cfg(128, (128, 64, 8, 3), (256, 64, 8, 3)),
-            "tma": True,
-            "permute_a": True,
-        },
-        "fp8,invariant-prefill": {
-            **_moe_cfg(128, (128, 128, 8, 3), (128, 128, 8, 4)),
-            "tma": True,
-            "permute_a": True,
-        },
+        "default": _MOE_BF16_PREFILL,
+        "bf16,invariant-decode": _MOE_BF16_DECODE,
+        "bf16,invariant-prefill": _MOE_BF16_PREFILL,
         "fp8,rows<=16": _moe_cfg(32, (128, 128, 4, 4), (128, 128, 4, 4)),
-        "fp8,rows<=64": _moe_cfg(32, (128, 128, 4, 4), (64, 128, 4, 4)),
+        "fp8,rows<=64": _MOE_FP8_DECODE,
         "fp8,rows<=256": _moe_cfg(64, (128, 128, 4, 4), (128, 128, 4, 4)),
-        "fp8,rows>256": {
-            **_moe_cfg(128, (128, 128, 8, 3), (128, 128, 8, 4)),
-            "tma": True,
-            "permute_a": True,
-        },
+        "fp8,rows>256": _MOE_FP8_PREFILL,
+        "fp8,invariant-decode": _MOE_FP8_DECODE,
+        "fp8,invariant-prefill": _MOE_FP8_PREFILL,
     },
 )
 

@@ -19,9 +19,7 @@ import triton
 import triton.language as tl
 
 from .. import tuning
-from .._backend import invariant_phase
-
-_INTERPRETER_SMS = 4
+from .._backend import invariant_phase, num_sms
 
 
 @triton.jit
@@ -136,7 +134,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     num_splits, k_per_split = _splits(
         groups * triton.cdiv(n, block_n), triton.cdiv(k, block_k), block_k,
-        cfg["MIN_K_TILES_PER_SPLIT"], _num_sms(a.device),
+        cfg["MIN_K_TILES_PER_SPLIT"], num_sms(a.device),
     )  # fmt: skip
     if num_splits == 1:
         target, cs = c, (0,) + tuple(c.stride())
@@ -170,10 +168,3 @@ def _splits(
     splits = max(1, min(num_sms // max(tiles_per_m_block, 1), k_tiles // min_k_tiles))
     tiles_per_split = triton.cdiv(k_tiles, splits)
     return triton.cdiv(k_tiles, tiles_per_split), tiles_per_split * block_k
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -26,7 +26,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import tuning
-from .._backend import batch_invariant
+from .._backend import batch_invariant, num_sms
 from . import _kernels, fp8_format
 
 LOG2E = 1.4426950408889634
@@ -38,8 +38,6 @@ _CACHE_NAMES = {
     torch.float16: "fp16",
     torch.float32: "fp32",
 }
-_INTERPRETER_SMS = 4
-"""SM count the split policy assumes without a GPU (the interpreter), so tests exercise splits."""
 
 _SPLIT_KERNELS = {
     "heads_major": _kernels.split_heads_major_kernel,
@@ -153,7 +151,7 @@ def mla_decode_launch(
         num_splits = triton.cdiv(max(page_table.shape[1] * page_size, 1), split_tokens)
     if num_splits is None:
         num_splits = choose_num_splits(
-            batch, m_blocks, page_table.shape[1] * page_size, block_n, cfg, _num_sms(q.device)
+            batch, m_blocks, page_table.shape[1] * page_size, block_n, cfg, num_sms(q.device)
         )
     if num_splits < 1:
         raise ValueError(f"mla_decode: num_splits={num_splits} must be >= 1")
@@ -292,13 +290,6 @@ def _num_splits(
         return waves * (-(-tiles // s) + overhead) + (overhead if s > 1 else 0)
 
     return min(range(1, limit + 1), key=lambda s: (cost(s), s))
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check_dims(lora: int, rope: int, op: str) -> None:
