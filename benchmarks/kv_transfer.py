@@ -1,14 +1,23 @@
-"""KV transfer bandwidth between two GPUs, through pdserve's own path (DistKVSender -> DistKVReceiver over
-NCCL, page-contiguous payload, acknowledgement after the pages are in the receiver's cache), next to a bare NCCL
-send/recv of the same bytes on a two-rank group (the peer).
+"""KV transfer bandwidth between two ranks, through pdserve's own path (DistKVSender -> DistKVReceiver: pages
+gathered from scattered source pages piece by piece, sent, scattered into scattered cache pages, acknowledged),
+next to a bare send/recv of the same bytes on a two-rank group (the peer).
 
     python benchmarks/kv_transfer.py [--tokens 8192] [--layers 27] [--page-size 16] [--iters 20]
+        [--chunk-mib 48,16,128,0] [--gap-ms 0,10] [--spin-ms 3]
+    python benchmarks/kv_transfer.py --device cpu --tokens 256 --layers 4 --chunk-mib 0.25,0
 
-Needs 2 CUDA GPUs. Prints one table; writes it to $OUT/kv_transfer.md when OUT is set."""
+On CUDA it needs 2 GPUs (NCCL); on CPU it runs two processes over gloo (a functional check, not a bandwidth
+figure). pdserve's time runs from the call to `send` (the pages still scattered in P's cache) until the sender
+has read D's acknowledgement, which D sends once the pages are written in its cache: the first gather and the
+last scatter are in it. `--chunk-mib 0` sends each transfer as one piece. `--gap-ms` idles between transfers,
+so that the receiver's wait for the header has left its spin phase (how transfers arrive when serving); 0 runs
+them back to back. The transferred pages are checked at the end. Prints one table; writes it to
+$OUT/kv_transfer.md when OUT is set."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 import statistics
@@ -18,7 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pdserve.kvtransfer import KVTransferConfig
+
 ENTRY_DIM = 576  # kv_lora_rank 512 + rope 64
+WARMUP = 3
 
 
 def _port() -> int:
@@ -27,109 +39,184 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _cases(args) -> list[tuple[float, float]]:
+    return [(mib, gap) for mib in args.chunk_mib for gap in args.gap_ms]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _page_sums(cache: torch.Tensor, pages: list[int]) -> list[float]:
+    """One checksum per transferred page, in transfer order: [n]."""
+    ids = torch.tensor(pages, device=cache.device)
+    return cache.index_select(1, ids).float().sum(dim=(0, 2, 3)).tolist()
+
+
+def _bare_group(store, rank: int, device: torch.device):
+    prefixed = dist.PrefixStore("bare", store)
+    if device.type == "cuda":
+        return dist.ProcessGroupNCCL(prefixed, rank, 2)
+    return dist.ProcessGroupGloo(prefixed, rank, 2)
+
+
 def _run(rank: int, args, port: int, results) -> None:
-    from pdserve.kvtransfer import ExpectedTransfer, KVTransferConfig
+    from pdserve.kvtransfer import ExpectedTransfer
     from pdserve.kvtransfer.dist import DistKVReceiver, DistKVSender, connect_store
 
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
     num_pages = -(-args.tokens // args.page_size)
-    shape = (args.layers, num_pages, args.page_size, ENTRY_DIM)
-    config = KVTransferConfig(store_port=port, timeout_s=60, connect_timeout_s=60)
+    cache_shape = (args.layers, 2 * num_pages, args.page_size, ENTRY_DIM)
+    payload_shape = (args.layers, num_pages, args.page_size, ENTRY_DIM)
+    config = KVTransferConfig(
+        store_port=port, timeout_s=60, connect_timeout_s=60, spin_s=args.spin_ms / 1e3
+    )
     store = connect_store(config, is_master=rank == 1)
-    nbytes = torch.Size(shape).numel() * 2
-    if rank == 1:  # decode side: a cache twice the payload, pages scattered
-        cache = torch.zeros(args.layers, 2 * num_pages, args.page_size, ENTRY_DIM, dtype=torch.bfloat16,
-                            device=device)  # fmt: skip
-
-        def write(page_ids, pages):
-            cache.index_copy_(1, torch.tensor(page_ids, device=device), pages)
-            torch.cuda.current_stream().synchronize()
-
-        receiver = DistKVReceiver(config, store, "d0", device, write, torch.bfloat16)
-        dest = torch.randperm(2 * num_pages)[:num_pages].tolist()
-        for i in range(args.iters + 3):
-            receiver.expect(ExpectedTransfer(i + 1, "p0", dest, time.monotonic() + 60))
-        done = 0
-        while done < args.iters + 3:
+    num_transfers = len(_cases(args)) * (WARMUP + args.iters)
+    g = torch.Generator().manual_seed(rank)
+    pages = torch.randperm(2 * num_pages, generator=g)[:num_pages].tolist()  # scattered, both sides
+    if rank == 1:  # decode side: a cache twice the payload
+        cache = torch.zeros(cache_shape, dtype=torch.bfloat16, device=device)
+        receiver = DistKVReceiver(config, store, "d0", cache)
+        for i in range(num_transfers):
+            receiver.expect(ExpectedTransfer(i + 1, "p0", pages, time.monotonic() + 600))
+        done, deadline = 0, time.monotonic() + 600
+        while done < num_transfers:
             for r in receiver.poll():
                 assert r.error is None, r.error
                 done += 1
+            assert time.monotonic() < deadline, f"{done} of {num_transfers} transfers arrived"
             time.sleep(0.001)
-        torch.cuda.synchronize()
-        # Check the last transfer landed: page p of the payload went to dest[p].
-        expected_first = float(args.iters + 3)
-        assert cache[:, dest[0]].float().mean().item() == expected_first
+        results["d_sums"] = _page_sums(cache, pages)
         receiver.close()
-        bare_pg = dist.ProcessGroupNCCL(dist.PrefixStore("bare", store), 1, 2)
-        buf = torch.empty(shape, dtype=torch.bfloat16, device=device)
-        for _ in range(args.iters + 3):
-            bare_pg.recv([buf], 0, 0).wait()
-        torch.cuda.synchronize()
+        staging = torch.empty(payload_shape, dtype=torch.bfloat16, device=device)
+        ids = torch.tensor(pages, device=device)
+        scatter = [
+            _timed(lambda: cache.index_copy_(1, ids, staging), device) for _ in range(args.iters)
+        ]
+        results["scatter"] = statistics.median(scatter)
+        bare_pg = _bare_group(store, 1, device)
+        for _ in range(WARMUP + args.iters):
+            bare_pg.recv([staging], 0, 0).wait()
+            _sync(device)
         time.sleep(2)
         return
     sender = DistKVSender(config, store, "p0", device)
-    payload = torch.empty(shape, dtype=torch.bfloat16, device=device)
-    source = torch.randn(
-        args.layers, 2 * num_pages, args.page_size, ENTRY_DIM, device=device
-    ).bfloat16()
-    pages = torch.randperm(2 * num_pages, device=device)[:num_pages]
-    times, gather_times = [], []
-    for i in range(args.iters + 3):
-        payload.fill_(float(i + 1))
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        sender.send("d0", i + 1, payload, args.tokens, 0)
-        elapsed = time.perf_counter() - start
-        g0 = time.perf_counter()
-        source.index_select(1, pages)
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(elapsed)
-            gather_times.append(time.perf_counter() - g0)
-    bare_pg = dist.ProcessGroupNCCL(dist.PrefixStore("bare", store), 0, 2)
+    source = torch.randn(cache_shape, device=device).bfloat16()
+    transfer_id = 0
+    for mib, gap_ms in _cases(args):
+        chunk_bytes = int(mib * 2**20) if mib > 0 else 2**62
+        sender.config = dataclasses.replace(config, chunk_bytes=chunk_bytes)
+        times, posted = [], []
+        for i in range(WARMUP + args.iters):
+            source[:, pages[transfer_id % num_pages]].add_(1.0)  # later transfers carry other data
+            transfer_id += 1
+            time.sleep(gap_ms / 1e3)
+            elapsed = _timed(
+                lambda tid=transfer_id: sender.send("d0", tid, source, pages, args.tokens, 0),
+                device,
+            )
+            if i >= WARMUP:
+                times.append(elapsed)
+                posted.append(sender.last_profile["d0"].posted_s)
+        results[("ours", mib, gap_ms)] = (
+            statistics.median(times),
+            statistics.median(posted),
+            sender.last_profile["d0"].num_pieces,
+        )
+    results["p_sums"] = _page_sums(source, pages)
+    ids = torch.tensor(pages, device=device)
+    gather = [_timed(lambda: source.index_select(1, ids), device) for _ in range(args.iters)]
+    results["gather"] = statistics.median(gather)
+    payload = source.index_select(1, ids)
+    bare_pg = _bare_group(store, 0, device)
     bare = []
-    for i in range(args.iters + 3):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        bare_pg.send([payload], 1, 0).wait()
-        torch.cuda.synchronize()
-        if i >= 3:
-            bare.append(time.perf_counter() - start)
-    results["ours"] = statistics.median(times)
-    results["gather"] = statistics.median(gather_times)
+    for i in range(WARMUP + args.iters):
+        elapsed = _timed(lambda: bare_pg.send([payload], 1, 0).wait(), device)
+        if i >= WARMUP:
+            bare.append(elapsed)
     results["bare"] = statistics.median(bare)
-    results["bytes"] = nbytes
+    results["bytes"] = payload.numel() * payload.element_size()
     sender.close()
 
 
+def _rate(gb: float, seconds: float) -> str:
+    return f"{gb / seconds:.0f}" if gb / seconds >= 10 else f"{gb / seconds:.2f}"
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--layers", type=int, default=27)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument(
+        "--chunk-mib", type=_floats, default=[48.0, 16.0, 128.0, 0.0],
+        help="piece sizes to measure, comma-separated (KVTransferConfig.chunk_bytes; 0: one piece)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--gap-ms", type=_floats, default=[0.0, 10.0],
+        help="idle time before each transfer, comma-separated",
+    )  # fmt: skip
+    parser.add_argument(
+        "--spin-ms", type=float, default=1e3 * KVTransferConfig().spin_s,
+        help="KVTransferConfig.spin_s, in ms (both sides)",
+    )  # fmt: skip
     args = parser.parse_args()
-    if torch.cuda.device_count() < 2:
-        raise SystemExit("needs 2 CUDA GPUs")
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        raise SystemExit("needs 2 CUDA GPUs (or --device cpu)")
     port = _port()
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(_run, args=(args, port, results), nprocs=2, join=True)
         r = dict(results)
-    gb = r["bytes"] / 1e9
-    rows = [
-        ("pdserve send (header + pages + ack, into the cache)", r["ours"]),
-        ("bare NCCL send/recv, same bytes", r["bare"]),
-    ]
+    if r["p_sums"] != r["d_sums"]:
+        bad = sum(a != b for a, b in zip(r["p_sums"], r["d_sums"], strict=True))
+        raise SystemExit(f"transferred pages differ from the source: {bad} of {len(r['p_sums'])}")
+    gb, bare = r["bytes"] / 1e9, r["bare"]
+    where = torch.cuda.get_device_name(0) + " x2, NCCL" if args.device == "cuda" else "CPU, gloo"
     lines = [
-        f"{torch.cuda.get_device_name(0)} x2 | {args.tokens} tokens x {args.layers} layers x {ENTRY_DIM} "
-        f"x bf16 = {r['bytes'] / 2**20:.1f} MiB | median of {args.iters}",
-        "| path | ms | GB/s |",
-        "|---|---|---|",
+        f"{where} | {args.tokens} tokens x {args.layers} layers x {ENTRY_DIM} x bf16 = "
+        f"{r['bytes'] / 2**20:.1f} MiB, page {args.page_size}, pages scattered on both sides | "
+        f"median of {args.iters} | spin {args.spin_ms:g} ms | pages checked: equal",
+        "",
+        "| path | pieces | idle before | ms | GB/s | / bare | all posted at (ms) |",
+        "|---|---|---|---|---|---|---|",
+        f"| bare send/recv of the contiguous payload | 1 | 0 | {1e3 * bare:.3f} | {_rate(gb, bare)} "
+        "| 1.00 | |",
     ]
-    lines += [f"| {name} | {1e3 * t:.3f} | {gb / t:.0f} |" for name, t in rows]
-    lines.append(f"| (P-side page gather, not in the send) | {1e3 * r['gather']:.3f} | |")
+    for mib, gap in _cases(args):
+        t, posted, pieces = r[("ours", mib, gap)]
+        size = f"{mib:g} MiB" if mib > 0 else "whole"
+        lines.append(
+            f"| pdserve send -> ack, from scattered pages into scattered pages ({size}) | {pieces} "
+            f"| {gap:g} ms | {1e3 * t:.3f} | {_rate(gb, t)} | {bare / t:.2f} | {1e3 * posted:.3f} |"
+        )
+    lines += [
+        f"| (P: gather of all pages alone, for reference) | | | {1e3 * r['gather']:.3f} | | | |",
+        f"| (D: scatter of all pages alone, for reference) | | | {1e3 * r['scatter']:.3f} | | | |",
+    ]
     text = "\n".join(lines)
     print(text)
     if os.environ.get("OUT"):

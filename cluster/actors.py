@@ -143,10 +143,8 @@ class DecodeShell(_WorkerShell):
         from pdserve.decode import DecodeWorker
         from pdserve.kvtransfer.dist import DistKVReceiver
 
-        def make_receiver(write_pages):
-            return DistKVReceiver(
-                kv_config, self.store, self.worker_id, self.device, write_pages, self.model.dtype
-            )
+        def make_receiver(cache):
+            return DistKVReceiver(kv_config, self.store, self.worker_id, cache)
 
         return DecodeWorker(self.worker_id, self.model, worker_config, make_receiver)
 

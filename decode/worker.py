@@ -14,10 +14,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 
 from pdserve import kernels
-from pdserve.kvtransfer import ExpectedTransfer, KVReceiver, WritePages
+from pdserve.kvtransfer import ExpectedTransfer, KVReceiver, MakeReceiver
 from pdserve.model.batch import SeqChunk
 from pdserve.model.deepseek import Transformer
 from pdserve.model.pages import PageAllocator
@@ -56,7 +55,7 @@ class DecodeWorker:
         worker_id: str,
         model: Transformer,
         config: DecodeConfig,
-        make_receiver: Callable[[WritePages], KVReceiver] | None = None,
+        make_receiver: MakeReceiver | None = None,
     ):
         self.worker_id, self.model, self.config = worker_id, model, config
         self.runner = ModelRunner.sized(
@@ -73,7 +72,9 @@ class DecodeWorker:
             config.max_prefill_chunk, args.vocab_size, args.max_position_embeddings, args.eos_token_ids,
             fixed_chunks=kernels.batch_invariant(),
         )  # fmt: skip
-        self.receiver = make_receiver(self._write_pages) if make_receiver else None
+        self.receiver: KVReceiver | None = (
+            make_receiver(self.runner.cache.data) if make_receiver else None
+        )
         self._lock = threading.Lock()
         self._outputs: queue.SimpleQueue[list[RequestOutput]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -81,13 +82,6 @@ class DecodeWorker:
     @property
     def num_pages(self) -> int:
         return self.allocator.num_pages
-
-    def _write_pages(self, page_ids: list[int], pages) -> None:
-        import torch
-
-        self.runner.cache.write_pages(torch.tensor(page_ids, dtype=torch.int64), pages)
-        if pages.is_cuda:
-            torch.cuda.current_stream(pages.device).synchronize()
 
     def add_request(self, request: DecodeRequest) -> Reservation:
         """Admits a request, taking pages for its prompt (and tokens generated before a preemption). With a

@@ -5,7 +5,7 @@ group per (P, D) pair, NCCL for CUDA tensors, gloo for CPU ones); `loopback` imp
 tests. This package knows torch.distributed and the page layout, nothing else.
 """
 
-from .base import ExpectedTransfer, KVReceiver, KVSender, TransferResult, WritePages
+from .base import ExpectedTransfer, KVReceiver, KVSender, MakeReceiver, TransferResult
 from .config import KVTransferConfig
 
 __all__ = [
@@ -13,6 +13,6 @@ __all__ = [
     "KVReceiver",
     "KVSender",
     "KVTransferConfig",
+    "MakeReceiver",
     "TransferResult",
-    "WritePages",
 ]

@@ -1,16 +1,18 @@
 """The KV transfer contract between a prefill worker (P) and a decode worker (D).
 
 Ownership. D owns its cache: before P sends, D reserves destination pages for the request and registers them with
-`KVReceiver.expect`. P owns its source pages until `KVSender.send` returns (acknowledged or failed); then P frees
-them, either way. D frees the destination pages itself if the transfer fails or the request is cancelled.
+`KVReceiver.expect`; the receiver writes into D's cache at those pages and nowhere else. P owns its source pages
+until `KVSender.send` returns (acknowledged or failed); then P frees them, either way. D frees the destination
+pages itself if the transfer fails or the request is cancelled.
 
 Ordering. Transfers between one (P, D) pair travel in the order P sends them; different pairs are independent.
 A transfer is a header (the request's transfer id, page count, token count and first sampled token) followed by
-the pages as one page-contiguous tensor [num_layers, num_pages, page_size, entry_dim], never per-token messages.
+the pages, page-contiguous [num_layers, num_pages, page_size, entry_dim] in the request's page order (possibly
+cut into pieces along the layer axis), never per-token messages.
 
-Acknowledgement. D acknowledges a transfer after its pages are in D's cache (written through the `WritePages`
-callback); `send` returns only then. A transfer D no longer expects (cancelled, timed out) is still received,
-then discarded and acknowledged, so the pair stays usable.
+Acknowledgement. D acknowledges a transfer after its pages are in D's cache (device writes included); `send`
+returns only then, and D reports the transfer through `poll` only then. A transfer D no longer expects (cancelled,
+timed out) is still received, then discarded and acknowledged, so the pair stays usable.
 
 Timeouts. Every wait has one. `send` raises `TransferError` after `timeout_s`; D reports a transfer that has not
 arrived by its deadline as failed (`TransferResult.error`). A pair whose link broke is rebuilt on next use; only
@@ -24,10 +26,6 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
-
-WritePages = Callable[[list[int], torch.Tensor], None]
-"""Decode side: writes received pages [num_layers, n, page_size, dim] into the cache at the given page ids. Must
-have completed (including device work) when it returns."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -57,10 +55,13 @@ class KVSender(abc.ABC):
 
     @abc.abstractmethod
     def send(
-        self, peer: str, transfer_id: int, pages: torch.Tensor, num_tokens: int, first_token: int
-    ) -> None:
-        """Sends `pages` [num_layers, n, page_size, dim] to decode worker `peer`; blocks until it acknowledged.
-        Raises TransferError (naming the peer and what happened) on failure or timeout."""
+        self, peer: str, transfer_id: int, cache: torch.Tensor, page_ids: list[int],
+        num_tokens: int, first_token: int,
+    ) -> None:  # fmt: skip
+        """Sends pages `page_ids` (all layers, in that order) of `cache` [num_layers, num_pages, page_size,
+        dim] to decode worker `peer`; blocks until it acknowledged. The pages' device writes must have completed
+        when `send` is called; they are read until it returns. Raises TransferError (naming the peer and what
+        happened) on failure or timeout."""
 
     def connect(self, peer: str) -> None:  # noqa: B027 (optional hook)
         """Starts building the link to `peer` in the background, so that it is up by the time a transfer is ready.
@@ -87,3 +88,7 @@ class KVReceiver(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Releases the channels."""
+
+
+MakeReceiver = Callable[[torch.Tensor], KVReceiver]
+"""Decode side: builds the worker's receiver over its cache [num_layers, num_pages, page_size, entry_dim]."""

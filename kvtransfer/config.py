@@ -1,4 +1,4 @@
-"""`KVTransferConfig`: where the shared store is and how long transfers may take."""
+"""`KVTransferConfig`: where the shared store is, how long transfers may take, how they are cut up."""
 
 from __future__ import annotations
 
@@ -17,9 +17,18 @@ class KVTransferConfig:
     """Longest one transfer may take once its header is on the wire, acknowledgement included."""
     connect_timeout_s: float = 60.0
     """Longest the two sides of a pair may wait for each other when building their process group."""
+    chunk_bytes: int = 48 * 2**20
+    """Size of the pieces a transfer is cut into along the layer axis (whole layers, at least one; the first
+    and last piece one layer each): the gather of a piece overlaps the send of the one before, the scatter of a
+    piece into cache pages the receive of the next. A transfer smaller than this travels as one piece."""
+    spin_s: float = 0.003
+    """How long a wait for the link spins (polling, yielding between polls) before it sleeps between polls
+    (tens of microseconds per wake-up). Spinning keeps those wake-ups off a transfer's latency, but a spinning
+    thread competes for the GIL with the worker's loop thread; 0 never spins."""
     idle_timeout_s: float = 900.0
     """Timeout of a pair's process group itself: a receive posted for an expected transfer may wait this long;
-    past it the pair is rebuilt. Must exceed the decode workers' kv_wait_timeout_s."""
+    the decode side retires a link whose next header has not come for half of it (an idle pair is rebuilt on
+    next use). Must exceed the decode workers' kv_wait_timeout_s."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "nccl", "gloo"):
@@ -28,3 +37,7 @@ class KVTransferConfig:
             raise ValueError("timeout_s, connect_timeout_s and idle_timeout_s must be positive")
         if not 0 < self.store_port < 65536:
             raise ValueError(f"store_port={self.store_port}: not a port number")
+        if self.spin_s < 0:
+            raise ValueError(f"spin_s={self.spin_s}: must not be negative")
+        if self.chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes={self.chunk_bytes}: must be positive")

@@ -1,21 +1,31 @@
-"""The KV transfer over torch.distributed: one two-rank process group per (P, D) pair, P is rank 0, D is rank 1.
+"""The KV transfer over torch.distributed: one two-rank process group per (P, D) pair (see `_link`), NCCL for CUDA
+caches, gloo for CPU ones.
 
-Groups are built lazily from a shared TCPStore through a PrefixStore, never the default group, so pools grow and
-shrink without touching other pairs. Each pair has an epoch counter in the store: whichever side sees the link
-fail aborts its group and bumps the epoch, and both sides rebuild under the new epoch's prefix on next use. Before
-building, the two sides meet in the store (each sets a ready key and waits, with a timeout, for the other's), so a
-dead peer costs a timeout, never a hang. Operations are posted asynchronously and polled against a deadline.
+Wire format per transfer, in order on the pair:
+  1. header int64[10] P->D: magic, transfer id, page count, token count, first token, then the payload's layout
+     (layers, page size, entry dim, bytes per value) and its piece size in layers;
+  2. the pages P->D, page-contiguous, cut along the layer axis into pieces (`chunk_plan`): piece [l0, l1) is
+     the tensor [l1 - l0, num_pages, page_size, dim] of those layers of the pages, in the request's page order;
+  3. ack int64[2] D->P: transfer id, status.
 
-Wire format per transfer, in order: header int64[8] P->D, pages P->D, ack int64[2] D->P.
+Pipelining. P posts the header first, then gathers piece i from its scattered cache pages on a side stream and
+posts its send; NCCL runs the sends in order, so the gather of piece i + 1 overlaps the send of piece i. D posts
+the receives of all pieces as soon as the header is in, and scatters each piece into its cache pages (one kernel
+for all of a piece's layers) while the next is on the wire. Only the first gather and the last scatter are not
+hidden behind the link, and pieces start and end with a single layer to keep those short.
+
+D decides each piece's scatter on the host, after the piece arrived and under the receiver's lock, so a
+`cancel` stops all further writes at once; it then waits for the writes already queued (pieces that arrived:
+microseconds), never for the link.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -23,18 +33,26 @@ import torch.distributed as dist
 
 from pdserve.model.errors import TransferError
 
-from .base import ExpectedTransfer, KVReceiver, KVSender, TransferResult, WritePages
+from ._link import (
+    CHECK_S,
+    IDLE_POLL_S,
+    POLL_S,
+    Backoff,
+    Op,
+    Pair,
+    PeerAbsent,
+    lower_timer_slack,
+    wait_ops,
+)
+from .base import ExpectedTransfer, KVReceiver, KVSender, TransferResult
 from .config import KVTransferConfig
 
 logger = logging.getLogger(__name__)
 
 _MAGIC = 0x4B565846  # "KVXF"
-_HEADER_LEN = 8
+_HEADER_LEN = 10
+_TAG_HEADER, _TAG_PAGES, _TAG_ACK = 0, 1, 2
 _ACK_OK, _ACK_DISCARDED = 1, 2
-_POLL_S = 0.00002
-_IDLE_POLL_S = 0.002
-_FAST_POLL_WINDOW_S = 0.02
-_CHECK_S = 0.05
 _SENDER_EPOCH_TTL_S = 1.0
 """How long the prefill side trusts its last read of a pair's epoch (a store round trip per send would cost
 ~0.2 ms); a failed send re-reads it."""
@@ -57,130 +75,42 @@ def _backend(config: KVTransferConfig, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-class _PeerAbsent(TransferError):
-    """The other side of a pair did not join in time: presumed dead."""
+def chunk_plan(num_layers: int, chunk_layers: int) -> list[tuple[int, int]]:
+    """The layer ranges [start, stop) a transfer is cut into, in wire order: one layer first and last (the gather
+    of the first piece and the scatter of the last are the parts the link does not hide), `chunk_layers` in
+    between; a single piece when `chunk_layers` covers all layers. Both sides derive it from the header."""
+    if chunk_layers >= num_layers or num_layers <= 2:
+        return [(0, num_layers)]
+    bounds = [0, 1]
+    while bounds[-1] < num_layers - 1:
+        bounds.append(min(bounds[-1] + chunk_layers, num_layers - 1))
+    bounds.append(num_layers)
+    return list(zip(bounds[:-1], bounds[1:], strict=False))
 
 
-class _Pair:
-    """One side of the process group of a (P, D) pair. Not thread-safe: each user holds `lock`."""
-
-    def __init__(self, store, prefill_id: str, decode_id: str, rank: int, backend: str, config):
-        self.store, self.rank, self.backend, self.config = store, rank, backend, config
-        self.key = f"pdkv/{prefill_id}/{decode_id}"
-        self.peer = decode_id if rank == 0 else prefill_id
-        self.lock = threading.Lock()
-        self.group: dist.ProcessGroup | None = None
-        self.epoch = -1
-        self._epoch_read_at = -float("inf")
-
-    def current_epoch(self) -> int:
-        self._epoch_read_at = time.monotonic()
-        return int(self.store.add(f"{self.key}/epoch", 0))
-
-    def connect(self, epoch_ttl_s: float = 0.0) -> dist.ProcessGroup:
-        """The pair's group for the current epoch, building it (meeting the peer) when needed. With
-        `epoch_ttl_s`, an epoch read that recently is trusted without asking the store."""
-        fresh = time.monotonic() - self._epoch_read_at < epoch_ttl_s
-        if self.group is not None and fresh:
-            return self.group
-        epoch = self.current_epoch()
-        if self.group is not None and epoch == self.epoch:
-            return self.group
-        self.drop()
-        prefix = f"{self.key}/{epoch}"
-        self.store.set(f"{prefix}/ready{self.rank}", "1")
-        try:
-            self.store.wait(
-                [f"{prefix}/ready{1 - self.rank}"], timedelta(seconds=self.config.connect_timeout_s)
-            )
-        except Exception as e:  # the store raises on timeout
-            raise _PeerAbsent(
-                f"{self.peer} did not join the KV link within {self.config.connect_timeout_s:g}s"
-            ) from e
-        prefixed = dist.PrefixStore(prefix, self.store)
-        if self.backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timedelta(seconds=self.config.idle_timeout_s)
-            self.group = dist.ProcessGroupNCCL(prefixed, self.rank, 2, options)
-        else:
-            timeout = timedelta(seconds=self.config.idle_timeout_s)
-            self.group = dist.ProcessGroupGloo(prefixed, self.rank, 2, timeout)
-        self.epoch = epoch
-        return self.group
-
-    def send(self, tensor: torch.Tensor, tag: int) -> _Op:
-        return _Op(self.group.send([tensor], 1 - self.rank, tag), self.group, self.backend)
-
-    def recv(self, tensor: torch.Tensor, tag: int) -> _Op:
-        return _Op(self.group.recv([tensor], 1 - self.rank, tag), self.group, self.backend)
-
-    def drop(self) -> None:
-        if self.group is not None and self.backend == "nccl":
-            try:
-                self.group.abort()
-            except Exception:  # already broken: nothing more to release
-                logger.debug("abort of %s failed", self.key, exc_info=True)
-        self.group = None
-
-    def fail(self) -> None:
-        """The link is unusable: drop our side and move both sides to a new epoch."""
-        self.drop()
-        self._epoch_read_at = -float("inf")
-        self.store.add(f"{self.key}/epoch", 1)
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor on `device`, copied from pinned memory without blocking the host (ordered on the current
+    stream)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
-class _Op:
-    """A posted send or receive that can be polled. NCCL works report completion themselves; a gloo work only
-    completes inside `wait()` (and a timed-out wait closes the pair), so a helper thread waits on it."""
-
-    def __init__(self, work, group: dist.ProcessGroup, backend: str):
-        self.work, self.error = work, None
-        self._done: threading.Event | None = None
-        if backend == "gloo":
-            self._done = threading.Event()
-            # The thread holds the group: it stays alive until the wait ends, even if abandoned.
-            threading.Thread(target=self._wait_gloo, args=(group,), daemon=True).start()
-
-    def _wait_gloo(self, group: dist.ProcessGroup) -> None:
-        try:
-            self.work.wait()
-        except Exception as e:  # reported by wait()
-            self.error = e
-        finally:
-            self._done.set()
-
-    def is_completed(self) -> bool:
-        return self._done.is_set() if self._done is not None else self.work.is_completed()
-
-    def wait(self) -> None:
-        if self._done is None:
-            self.work.wait()
-        elif self.error is not None:
-            raise self.error
+def _sync(stream) -> None:
+    if stream is not None:
+        stream.synchronize()
 
 
-def _wait(
-    works: list[_Op], deadline: float, what: str, check: Callable[[], bool] | None = None
-) -> bool:
-    """Polls `works` until all complete; raises TransferError at `deadline` or on a failed op. Every
-    `_CHECK_S`, `check()` may return True to give up waiting (the call then returns False)."""
-    start = time.monotonic()
-    next_check = start + _CHECK_S
-    while not all(w.is_completed() for w in works):
-        now = time.monotonic()
-        if now > deadline:
-            raise TransferError(f"{what} timed out")
-        if check is not None and now >= next_check:
-            if check():
-                return False
-            next_check = now + _CHECK_S
-        time.sleep(_POLL_S if now - start < _FAST_POLL_WINDOW_S else _IDLE_POLL_S)
-    for w in works:
-        try:
-            w.wait()
-        except Exception as e:
-            raise TransferError(f"{what} failed: {e}") from e
-    return True
+@dataclasses.dataclass(frozen=True, slots=True)
+class SendProfile:
+    """Where the time of the last successful `send` to a peer went (host clock, seconds from entering `send`)."""
+
+    posted_s: float
+    """Every piece gathered (queued) and every operation posted."""
+    done_s: float
+    """The acknowledgement read."""
+    num_pieces: int
 
 
 class DistKVSender(KVSender):
@@ -192,14 +122,15 @@ class DistKVSender(KVSender):
     def __init__(self, config: KVTransferConfig, store, worker_id: str, device: torch.device):
         self.config, self.store, self.worker_id = config, store, worker_id
         self.device, self.backend = torch.device(device), _backend(config, torch.device(device))
-        self._pairs: dict[str, _Pair] = {}
+        self._pairs: dict[str, Pair] = {}
         self._lock = threading.Lock()
+        self.last_profile: dict[str, SendProfile] = {}
 
-    def _pair(self, peer: str) -> _Pair:
+    def _pair(self, peer: str) -> Pair:
         with self._lock:
             if peer not in self._pairs:
-                self._pairs[peer] = _Pair(
-                    self.store, self.worker_id, peer, 0, self.backend, self.config
+                self._pairs[peer] = Pair(
+                    self.store, self.worker_id, peer, 0, self.backend, self.config, self.device
                 )
             return self._pairs[peer]
 
@@ -207,7 +138,7 @@ class DistKVSender(KVSender):
         pair = self._pair(peer)
 
         def build() -> None:
-            with pair.lock:
+            with pair.lock, pair.on_device():
                 try:
                     pair.connect()
                 except TransferError as e:
@@ -216,42 +147,49 @@ class DistKVSender(KVSender):
         threading.Thread(target=build, daemon=True, name=f"kv-connect-{peer}").start()
 
     def send(
-        self, peer: str, transfer_id: int, pages: torch.Tensor, num_tokens: int, first_token: int
-    ) -> None:
+        self, peer: str, transfer_id: int, cache: torch.Tensor, page_ids: list[int],
+        num_tokens: int, first_token: int,
+    ) -> None:  # fmt: skip
+        start = time.perf_counter()
         pair = self._pair(peer)
-        what = f"KV transfer {transfer_id} ({pages.numel() * pages.element_size()} bytes) to {peer}"
-        with pair.lock:
+        num_layers, _, page_size, dim = cache.shape
+        layer_bytes = len(page_ids) * page_size * dim * cache.element_size()
+        what = f"KV transfer {transfer_id} ({num_layers * layer_bytes} bytes) to {peer}"
+        chunk_layers = max(1, self.config.chunk_bytes // max(layer_bytes, 1))
+        plan = chunk_plan(num_layers, chunk_layers)
+        fields = [
+            _MAGIC, transfer_id, len(page_ids), num_tokens, first_token,
+            num_layers, page_size, dim, cache.element_size(), chunk_layers,
+        ]  # fmt: skip
+        with pair.lock, pair.on_device():
             pair.connect(epoch_ttl_s=_SENDER_EPOCH_TTL_S)
             deadline = time.monotonic() + self.config.timeout_s
-            layers, num_pages, page_size, dim = pages.shape
-            fields = [
-                _MAGIC,
-                transfer_id,
-                num_pages,
-                num_tokens,
-                first_token,
-                layers,
-                page_size,
-                dim,
-            ]
-            header = torch.tensor(fields, dtype=torch.int64).to(self.device)
-            ack = torch.zeros(2, dtype=torch.int64, device=self.device)
             try:
-                works = [pair.send(header, 0)]
+                # The header first: D learns the size from it, and posts its receives while we gather.
+                ops = [pair.send(_to_device(fields, self.device), _TAG_HEADER)]
+                ids = _to_device(page_ids, self.device)
+                ack = torch.zeros(2, dtype=torch.int64, device=self.device)
                 if self.delay_after_header_s:
-                    _wait(works, deadline, what)
+                    wait_ops(ops, deadline, what, self.config.spin_s)
                     time.sleep(self.delay_after_header_s)
-                works += [pair.send(pages.contiguous(), 1), pair.recv(ack, 2)]
-                _wait(works, deadline, what)
-            except TransferError:
-                pair.fail()
-                raise
+                pieces = []  # referenced until the sends complete
+                for first, stop in plan:
+                    pieces.append(cache[first:stop].index_select(1, ids))  # [k, n, S, D]
+                    ops.append(pair.send(pieces[-1], _TAG_PAGES))
+                ops.append(pair.recv(ack, _TAG_ACK))
+                posted = time.perf_counter()
+                wait_ops(ops, deadline, what, self.config.spin_s)
+                ack_id, status = ack.tolist()
             except Exception as e:
                 pair.fail()
+                _sync(pair.stream)  # no gather may still read pages the caller frees on our return
+                if isinstance(e, TransferError):
+                    raise
                 raise TransferError(f"{what} failed: {e}") from e
-        ack_id, status = ack.tolist()
         if ack_id != transfer_id or status not in (_ACK_OK, _ACK_DISCARDED):
-            raise TransferError(f"{what}: bad acknowledgement {ack.tolist()}")
+            raise TransferError(f"{what}: bad acknowledgement {[ack_id, status]}")
+        now = time.perf_counter()
+        self.last_profile[peer] = SendProfile(posted - start, now - start, len(plan))
 
     def close(self) -> None:
         with self._lock:
@@ -260,30 +198,31 @@ class DistKVSender(KVSender):
             self._pairs.clear()
 
 
+class _Wait(enum.Enum):
+    HEADER = "a header arrived"
+    STOPPED = "closing, or the peer's epoch moved"
+    STALE = "the receive has been posted for half the group's timeout"
+
+
 @dataclasses.dataclass
 class _Peer:
-    pair: _Pair
+    pair: Pair
     thread: threading.Thread
 
 
 class DistKVReceiver(KVReceiver):
-    """Decode side: a receiving thread per prefill peer, started when the first transfer from it is expected."""
+    """Decode side: a receiving thread per prefill peer, started when the first transfer from it is expected.
+    Writes into `cache` [num_layers, num_pages, page_size, dim], only at expected transfers' pages."""
 
-    def __init__(
-        self,
-        config: KVTransferConfig,
-        store,
-        worker_id: str,
-        device: torch.device,
-        write_pages: WritePages,
-        dtype: torch.dtype,
-    ):
+    def __init__(self, config: KVTransferConfig, store, worker_id: str, cache: torch.Tensor):
         self.config, self.store, self.worker_id = config, store, worker_id
-        self.device, self.backend = torch.device(device), _backend(config, torch.device(device))
-        self.write_pages, self.dtype = write_pages, dtype
+        self.cache = cache
+        self.device, self.backend = cache.device, _backend(config, cache.device)
         self._expected: dict[int, ExpectedTransfer] = {}
+        self._writes: dict[int, torch.cuda.Event] = {}
+        """Last page write queued for a transfer under way (GPU only); guarded by _lock."""
         self._results: list[TransferResult] = []
-        self._lock = threading.Lock()  # guards _expected, _results and every page write
+        self._lock = threading.Lock()  # guards _expected, _writes, _results and queuing page writes
         self._peers: dict[str, _Peer] = {}
         self._closed = threading.Event()
 
@@ -291,9 +230,10 @@ class DistKVReceiver(KVReceiver):
         with self._lock:
             self._expected[transfer.transfer_id] = transfer
             if transfer.peer not in self._peers:
-                pair = _Pair(
-                    self.store, transfer.peer, self.worker_id, 1, self.backend, self.config
-                )
+                pair = Pair(
+                    self.store, transfer.peer, self.worker_id, 1, self.backend, self.config,
+                    self.device,
+                )  # fmt: skip
                 thread = threading.Thread(
                     target=self._receive_loop, args=(transfer.peer, pair), daemon=True,
                     name=f"kv-recv-{transfer.peer}",
@@ -302,8 +242,11 @@ class DistKVReceiver(KVReceiver):
                 thread.start()
 
     def cancel(self, transfer_id: int) -> None:
-        with self._lock:  # waits for a page write in progress
+        with self._lock:
             self._expected.pop(transfer_id, None)
+            write = self._writes.pop(transfer_id, None)
+        if write is not None:
+            write.synchronize()  # pieces that had arrived: no write is queued after this
 
     def poll(self) -> list[TransferResult]:
         with self._lock:
@@ -318,19 +261,25 @@ class DistKVReceiver(KVReceiver):
 
     # The receiving thread of one peer.
 
-    def _expecting_from(self, peer: str) -> list[ExpectedTransfer]:
+    def _expecting_from(self, peer: str) -> bool:
         with self._lock:
-            return [t for t in self._expected.values() if t.peer == peer]
+            return any(t.peer == peer for t in self._expected.values())
 
     def _fail_expected(self, peer: str, reason: str, overdue_only: bool) -> None:
-        """Reports as failed the transfers expected from `peer` (only those past their deadline, if asked)."""
+        """Reports as failed the transfers expected from `peer` (only those past their deadline, if asked).
+        Called from `peer`'s thread between transfers or after it stopped queuing writes."""
         now = time.monotonic()
+        writes = []
         with self._lock:
             for t in [t for t in self._expected.values() if t.peer == peer]:
                 if overdue_only and t.deadline >= now:
                     continue
                 del self._expected[t.transfer_id]
+                writes.append(self._writes.pop(t.transfer_id, None))
                 self._results.append(TransferResult(t.transfer_id, error=reason))
+        for write in writes:
+            if write is not None:
+                write.synchronize()
 
     def _fail_overdue(self, peer: str, reason: str) -> None:
         self._fail_expected(peer, reason, overdue_only=True)
@@ -338,77 +287,168 @@ class DistKVReceiver(KVReceiver):
     def _fail_all(self, peer: str, reason: str) -> None:
         self._fail_expected(peer, reason, overdue_only=False)
 
-    def _receive_loop(self, peer: str, pair: _Pair) -> None:
+    def _receive_loop(self, peer: str, pair: Pair) -> None:
+        lower_timer_slack()
+        with pair.on_device():
+            self._serve_peer(peer, pair)
+
+    def _serve_peer(self, peer: str, pair: Pair) -> None:
         header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
-        header_work = None
+        header_op: Op | None = None
         idle_reason = f"no KV pages from {peer} before the deadline"
-
-        def give_up() -> bool:
-            self._fail_overdue(peer, idle_reason)
-            return self._closed.is_set() or self._epoch_moved(pair)
-
         while not self._closed.is_set():
             try:
-                if header_work is None:
-                    if not self._expecting_from(peer):
-                        time.sleep(0.01)
-                        continue
-                    pair.connect()
-                    header_work = pair.recv(header, 0)
-                got = _wait([header_work], float("inf"), f"header from {peer}", give_up)
-                if not got:
-                    if not self._closed.is_set():
+                if header_op is None:
+                    # Once linked, a header receive stays posted: a transfer no longer expected is still
+                    # received (and discarded), so its sender is answered. Epoch moves are caught while waiting.
+                    if pair.group is None:
+                        if not self._expecting_from(peer):
+                            time.sleep(0.01)
+                            continue
+                        pair.connect()
+                    header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
+                    header_op = pair.recv(header, _TAG_HEADER)
+                outcome = self._wait_header(peer, pair, header_op, idle_reason)
+                if outcome is not _Wait.HEADER:
+                    if outcome is _Wait.STALE:
+                        # A receive left posted past the group's timeout trips NCCL's watchdog, which by
+                        # default takes the whole process down: retire the link first. P, silent this long,
+                        # re-reads the epoch on its next send and rebuilds it with us.
+                        pair.fail()
+                    elif not self._closed.is_set():
                         pair.drop()  # the peer moved to a new epoch; rebuild on the next pass
-                    header_work = None
+                    header_op = None
                     continue
-                header_work = None
-                self._receive_one(peer, pair, header.tolist())
-            except _PeerAbsent as e:
+                header, header_op = self._receive_one(peer, pair, header)
+            except PeerAbsent as e:
                 # It never joined: every transfer expected from it fails now.
                 logger.warning("%s", e)
-                header_work = None
+                header_op = None
                 self._fail_all(peer, str(e))
             except TransferError as e:
                 logger.warning("KV link from %s failed: %s", peer, e)
-                header_work = None
+                header_op = None
                 pair.fail()
                 self._fail_overdue(peer, str(e))
             except Exception as e:  # thread boundary: report, rebuild the link, keep serving
                 logger.error("KV receiver for %s crashed", peer, exc_info=True)
-                header_work = None
+                header_op = None
                 pair.fail()
+                _sync(pair.stream)
                 self._fail_all(peer, f"KV receiver error: {e}")
 
-    def _epoch_moved(self, pair: _Pair) -> bool:
-        return pair.current_epoch() != pair.epoch
+    def _wait_header(self, peer: str, pair: Pair, header_op: Op, idle_reason: str) -> _Wait:
+        """Waits for the next header (posted just before): how the wait ended. Polls briskly while a transfer
+        from `peer` is expected (the header's latency is a round trip every transfer pays), slowly otherwise;
+        fails the expected transfers that pass their deadlines."""
+        backoff = Backoff(self.config.spin_s)
+        next_check, expecting = backoff.start + CHECK_S, True
+        stale_at = backoff.start + self.config.idle_timeout_s / 2
+        while not header_op.is_completed():
+            now = time.monotonic()
+            if now >= next_check:
+                self._fail_overdue(peer, idle_reason)
+                if self._closed.is_set() or pair.epoch_moved():
+                    return _Wait.STOPPED
+                if now >= stale_at:
+                    return _Wait.STALE
+                expecting = self._expecting_from(peer)
+                next_check = now + CHECK_S
+            if now - backoff.start < backoff.spin_s:
+                backoff.pause(now)
+            elif expecting:
+                time.sleep(POLL_S)
+            else:
+                time.sleep(IDLE_POLL_S)
+                expecting = self._expecting_from(peer)  # a request just admitted: speed up at once
+        wait_ops([header_op], float("inf"), f"header from {peer}", 0.0)
+        return _Wait.HEADER
 
-    def _receive_one(self, peer: str, pair: _Pair, header: list[int]) -> None:
-        magic, transfer_id, num_pages, num_tokens, first_token, layers, page_size, dim = header
-        if magic != _MAGIC:
-            raise TransferError(f"garbled header from {peer}: {header}")
-        staging = torch.empty(
-            (layers, num_pages, page_size, dim), dtype=self.dtype, device=self.device
-        )
-        deadline = time.monotonic() + self.config.timeout_s
+    def _receive_one(
+        self, peer: str, pair: Pair, header_dev: torch.Tensor
+    ) -> tuple[torch.Tensor, Op]:
+        """Receives the transfer whose header arrived; returns the next header's buffer and its posted
+        receive."""
+        header = header_dev.tolist()
+        magic, transfer_id, num_pages, num_tokens, first_token = header[:5]
+        layers, page_size, dim, itemsize, chunk_layers = header[5:]
+        sizes = (num_pages, layers, page_size, dim, chunk_layers)
+        if magic != _MAGIC or itemsize != self.cache.element_size() or min(sizes) <= 0:
+            raise TransferError(f"garbled or incompatible header from {peer}: {header}")
         what = f"KV transfer {transfer_id} from {peer}"
+        deadline = time.monotonic() + self.config.timeout_s
+        plan = chunk_plan(layers, chunk_layers)
+        staging = torch.empty(
+            (layers, num_pages, page_size, dim), dtype=self.cache.dtype, device=self.device
+        )
+        ops = [pair.recv(staging[first:stop], _TAG_PAGES) for first, stop in plan]
+        # While the pieces travel: the page ids, both possible acks (built on the device: the host never
+        # waits), so that little is left to do after the last piece.
+        dest = self._destination(transfer_id, num_pages, (layers, page_size, dim), what)
+        acks = {}
+        for status in (_ACK_OK, _ACK_DISCARDED):
+            acks[status] = header_dev[1:3].clone()  # [transfer_id, status]
+            acks[status][1].fill_(status)
         try:
-            _wait([pair.recv(staging, 1)], deadline, what)
+            for op, (first, stop) in zip(ops, plan, strict=True):
+                # After this wait our (side) stream follows the piece's receive.
+                wait_ops([op], deadline, what, self.config.spin_s)
+                if dest is not None:
+                    dest = self._write_piece(transfer_id, dest, first, stop, staging)
         except TransferError as e:
+            _sync(pair.stream)
             with self._lock:
+                self._writes.pop(transfer_id, None)
                 if self._expected.pop(transfer_id, None) is not None:
                     self._results.append(TransferResult(transfer_id, error=str(e)))
             raise
+        # NCCL queues the ack after the page writes on our stream; then the next header's receive, so that a
+        # transfer queued behind this one on P finds it posted.
+        ack_op = pair.send(acks[_ACK_OK if dest is not None else _ACK_DISCARDED], _TAG_ACK)
+        next_header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
+        next_op = pair.recv(next_header, _TAG_HEADER)
         with self._lock:
-            expected = self._expected.pop(transfer_id, None)
-            if expected is not None:
-                if len(expected.dest_pages) != num_pages:
-                    self._results.append(TransferResult(
-                        transfer_id, error=f"{what}: {num_pages} pages for {len(expected.dest_pages)} reserved"
-                    ))  # fmt: skip
-                    expected = None
-                else:
-                    self.write_pages(expected.dest_pages, staging)
-                    self._results.append(TransferResult(transfer_id, num_tokens, first_token))
-        status = _ACK_OK if expected is not None else _ACK_DISCARDED
-        ack = torch.tensor([transfer_id, status], dtype=torch.int64).to(self.device)
-        _wait([pair.send(ack, 2)], deadline, f"ack of {what}")
+            write = self._writes.pop(transfer_id, None)
+            if write is not None:
+                write.synchronize()
+            if dest is not None and self._expected.pop(transfer_id, None) is not None:
+                self._results.append(TransferResult(transfer_id, num_tokens, first_token))
+        wait_ops([ack_op], deadline, f"ack of {what}", self.config.spin_s)
+        return next_header, next_op
+
+    def _destination(
+        self, transfer_id: int, num_pages: int, layout: tuple[int, int, int], what: str
+    ) -> torch.Tensor | None:
+        """The device page ids to write the transfer into; None to discard it (not expected, or not fitting:
+        then it is reported failed). Either way the pieces are received, so the pair stays usable."""
+        with self._lock:
+            expected = self._expected.get(transfer_id)
+            if expected is None:
+                return None
+            cache_layout = (self.cache.shape[0], self.cache.shape[2], self.cache.shape[3])
+            error = None
+            if len(expected.dest_pages) != num_pages:
+                error = f"{what}: {num_pages} pages for {len(expected.dest_pages)} reserved"
+            elif layout != cache_layout:
+                error = f"{what}: pages of layout {layout}, the cache's is {cache_layout}"
+            if error is not None:
+                del self._expected[transfer_id]
+                self._results.append(TransferResult(transfer_id, error=error))
+                return None
+            pages = expected.dest_pages
+        return _to_device(pages, self.device)
+
+    def _write_piece(
+        self, transfer_id: int, dest: torch.Tensor, first: int, stop: int, staging: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Queues the scatter of layers [first, stop) into the transfer's pages, unless it was cancelled or
+        failed meanwhile; returns `dest`, or None once the transfer is no longer expected."""
+        with self._lock:
+            if transfer_id not in self._expected:
+                return None
+            self.cache[first:stop].index_copy_(1, dest, staging[first:stop])
+            if self.device.type == "cuda":
+                write = torch.cuda.Event()
+                write.record()
+                self._writes[transfer_id] = write
+        return dest

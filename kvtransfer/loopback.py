@@ -10,7 +10,7 @@ import torch
 
 from pdserve.model.errors import TransferError
 
-from .base import ExpectedTransfer, KVReceiver, KVSender, TransferResult, WritePages
+from .base import ExpectedTransfer, KVReceiver, KVSender, TransferResult
 
 
 class LoopbackHub:
@@ -19,8 +19,8 @@ class LoopbackHub:
 
 
 class LoopbackReceiver(KVReceiver):
-    def __init__(self, hub: LoopbackHub, worker_id: str, write_pages: WritePages):
-        self.write_pages = write_pages
+    def __init__(self, hub: LoopbackHub, worker_id: str, cache: torch.Tensor):
+        self.cache = cache
         self._expected: dict[int, ExpectedTransfer] = {}
         self._results: list[TransferResult] = []
         self._lock = threading.Lock()
@@ -58,7 +58,10 @@ class LoopbackReceiver(KVReceiver):
                 raise TransferError(
                     f"transfer {transfer_id}: {pages.shape[1]} pages for {len(expected.dest_pages)} reserved"
                 )
-            self.write_pages(expected.dest_pages, pages.clone())
+            dest = torch.tensor(expected.dest_pages, dtype=torch.int64, device=self.cache.device)
+            self.cache.index_copy_(1, dest, pages.to(self.cache.device, self.cache.dtype))
+            if self.cache.is_cuda:
+                torch.cuda.current_stream(self.cache.device).synchronize()
             self._results.append(TransferResult(transfer_id, num_tokens, first_token))
 
 
@@ -67,9 +70,11 @@ class LoopbackSender(KVSender):
         self.hub = hub
 
     def send(
-        self, peer: str, transfer_id: int, pages: torch.Tensor, num_tokens: int, first_token: int
-    ) -> None:
+        self, peer: str, transfer_id: int, cache: torch.Tensor, page_ids: list[int],
+        num_tokens: int, first_token: int,
+    ) -> None:  # fmt: skip
         receiver = self.hub.receivers.get(peer)
         if receiver is None:
             raise TransferError(f"KV transfer {transfer_id}: no decode worker {peer!r}")
-        receiver.deliver(transfer_id, pages, num_tokens, first_token)
+        ids = torch.tensor(page_ids, dtype=torch.int64, device=cache.device)
+        receiver.deliver(transfer_id, cache.index_select(1, ids), num_tokens, first_token)

@@ -3,8 +3,8 @@
 A page holds `page_size` consecutive positions of one request in every layer; a request's page table lists its
 pages in position order. MLA caches one row per token per layer, [c_kv | k_pe], shared by all heads, so any
 attention-TP layout of a prefill worker can feed any layout of a decode worker. The pools of all layers live in one
-tensor [num_layers, num_pages, page_size, dim]; `read_pages` / `write_pages` move whole pages (all layers) for the
-KV transfer.
+tensor [num_layers, num_pages, page_size, dim], `data`; the KV transfer (pdserve.kvtransfer) moves whole pages
+(all layers) in and out of it.
 """
 
 from __future__ import annotations
@@ -77,14 +77,6 @@ class PagedKVCache:
     def gather(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Rows at flat slots of one layer: [N, entry_dim]."""
         return self.data[layer].view(-1, self.layout.entry_dim).index_select(0, slots)
-
-    def read_pages(self, page_ids: torch.Tensor) -> torch.Tensor:
-        """Copies whole pages out: [num_layers, n, page_size, entry_dim], contiguous."""
-        return self.data.index_select(1, page_ids.to(self.device))
-
-    def write_pages(self, page_ids: torch.Tensor, pages: torch.Tensor) -> None:
-        """Inverse of `read_pages`."""
-        self.data.index_copy_(1, page_ids.to(self.device), pages.to(self.layout.dtype))
 
 
 def capacity_pages(

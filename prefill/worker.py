@@ -14,8 +14,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
 from pdserve import kernels
 from pdserve.kvtransfer import KVSender
 from pdserve.model.batch import SeqChunk
@@ -165,10 +163,11 @@ class PrefillWorker:
     def _send(self, seq: PrefillSeq, first_token: int) -> None:
         r = seq.request
         try:
-            page_ids = torch.tensor(seq.pages, dtype=torch.int64)
-            pages = self.runner.cache.read_pages(page_ids)
             start = time.perf_counter()
-            self.sender.send(r.decode_peer, r.transfer_id, pages, len(r.token_ids), first_token)
+            self.sender.send(
+                r.decode_peer, r.transfer_id, self.runner.cache.data, list(seq.pages),
+                len(r.token_ids), first_token,
+            )  # fmt: skip
             logger.debug(
                 "sent %s: %d pages in %.1f ms", r.request_id, len(seq.pages),
                 1e3 * (time.perf_counter() - start),

@@ -38,7 +38,7 @@ def _serve(
     else:
         worker = DecodeWorker(
             worker_id, model, config,
-            lambda write: DistKVReceiver(kv_config, store, worker_id, dev, write, model.dtype),
+            lambda cache: DistKVReceiver(kv_config, store, worker_id, cache),
         )  # fmt: skip
     stop = threading.Event()
     threading.Thread(target=worker.run, args=(stop,), daemon=True).start()

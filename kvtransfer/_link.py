@@ -1,0 +1,221 @@
+"""The link of one (P, D) pair: its two-rank process group, rebuilt under a new epoch when it breaks, and the
+posted operations on it, polled against deadlines.
+
+Each pair has an epoch counter in the shared store: whichever side sees the link fail aborts its group and bumps
+the epoch, and both sides rebuild under the new epoch's prefix on next use. Before building, the two sides meet in
+the store (each sets a ready key and waits, with a timeout, for the other's), so a dead peer costs a timeout, never
+a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pdserve.model.errors import TransferError
+
+from .config import KVTransferConfig
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.00002
+"""Sleep between polls after the spin, up to `_FAST_POLL_WINDOW_S`."""
+IDLE_POLL_S = 0.002
+_FAST_POLL_WINDOW_S = 0.02
+CHECK_S = 0.05
+_PR_SET_TIMERSLACK = 29
+_TIMER_SLACK_NS = 1000
+
+
+def lower_timer_slack() -> None:
+    """Lets the calling thread's short sleeps last what they ask (Linux adds up to 50 us to each by default,
+    which a polling loop pays on every wake-up). Best effort: a no-op where prctl is missing."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        zero = ctypes.c_ulong(0)
+        ctypes.CDLL(None).prctl(
+            _PR_SET_TIMERSLACK, ctypes.c_ulong(_TIMER_SLACK_NS), zero, zero, zero
+        )
+
+
+class PeerAbsent(TransferError):
+    """The other side of a pair did not join in time: presumed dead."""
+
+
+class Pair:
+    """One side of the process group of a (P, D) pair, P is rank 0, D is rank 1. Not thread-safe: each user
+    holds `lock`. On a GPU it carries a side stream for the copies around the transfers, so that they never
+    queue behind the worker's forward passes (on the default stream)."""
+
+    def __init__(
+        self, store, prefill_id: str, decode_id: str, rank: int, backend: str,
+        config: KVTransferConfig, device: torch.device,
+    ):  # fmt: skip
+        self.store, self.rank, self.backend, self.config = store, rank, backend, config
+        self.key = f"pdkv/{prefill_id}/{decode_id}"
+        self.peer = decode_id if rank == 0 else prefill_id
+        self.lock = threading.Lock()
+        self.group: dist.ProcessGroup | None = None
+        self.epoch = -1
+        self._epoch_read_at = -float("inf")
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def on_device(self) -> contextlib.AbstractContextManager:
+        """Makes the pair's device and side stream current for the calling thread (both are per thread)."""
+        if self.stream is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.device))
+        stack.enter_context(torch.cuda.stream(self.stream))
+        return stack
+
+    def current_epoch(self) -> int:
+        self._epoch_read_at = time.monotonic()
+        return int(self.store.add(f"{self.key}/epoch", 0))
+
+    def epoch_moved(self) -> bool:
+        return self.current_epoch() != self.epoch
+
+    def connect(self, epoch_ttl_s: float = 0.0) -> dist.ProcessGroup:
+        """The pair's group for the current epoch, building it (meeting the peer) when needed. With
+        `epoch_ttl_s`, an epoch read that recently is trusted without asking the store."""
+        fresh = time.monotonic() - self._epoch_read_at < epoch_ttl_s
+        if self.group is not None and fresh:
+            return self.group
+        epoch = self.current_epoch()
+        if self.group is not None and epoch == self.epoch:
+            return self.group
+        self.drop()
+        prefix = f"{self.key}/{epoch}"
+        self.store.set(f"{prefix}/ready{self.rank}", "1")
+        try:
+            self.store.wait(
+                [f"{prefix}/ready{1 - self.rank}"], timedelta(seconds=self.config.connect_timeout_s)
+            )
+        except Exception as e:  # the store raises on timeout
+            raise PeerAbsent(
+                f"{self.peer} did not join the KV link within {self.config.connect_timeout_s:g}s"
+            ) from e
+        prefixed = dist.PrefixStore(prefix, self.store)
+        if self.backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timedelta(seconds=self.config.idle_timeout_s)
+            self.group = dist.ProcessGroupNCCL(prefixed, self.rank, 2, options)
+        else:
+            timeout = timedelta(seconds=self.config.idle_timeout_s)
+            self.group = dist.ProcessGroupGloo(prefixed, self.rank, 2, timeout)
+        self.epoch = epoch
+        return self.group
+
+    def send(self, tensor: torch.Tensor, tag: int) -> Op:
+        return Op(self.group.send([tensor], 1 - self.rank, tag), self.group, self.backend)
+
+    def recv(self, tensor: torch.Tensor, tag: int) -> Op:
+        return Op(self.group.recv([tensor], 1 - self.rank, tag), self.group, self.backend)
+
+    def drop(self) -> None:
+        if self.group is not None and self.backend == "nccl":
+            try:
+                self.group.abort()
+            except Exception:  # already broken: nothing more to release
+                logger.debug("abort of %s failed", self.key, exc_info=True)
+        self.group = None
+
+    def fail(self) -> None:
+        """The link is unusable: drop our side and move both sides to a new epoch."""
+        self.drop()
+        self._epoch_read_at = -float("inf")
+        self.store.add(f"{self.key}/epoch", 1)
+
+
+class Op:
+    """A posted send or receive that can be polled. NCCL works report completion themselves; a gloo work only
+    completes inside `wait()` (and a timed-out wait closes the pair), so a helper thread waits on it."""
+
+    def __init__(self, work, group: dist.ProcessGroup, backend: str):
+        self.work, self.error = work, None
+        self.in_order = backend == "nccl"
+        """NCCL runs a pair's operations on one stream in posting order: one completing implies that every
+        operation posted before it did."""
+        self._done: threading.Event | None = None
+        if backend == "gloo":
+            self._done = threading.Event()
+            # The thread holds the group: it stays alive until the wait ends, even if abandoned.
+            threading.Thread(target=self._wait_gloo, args=(group,), daemon=True).start()
+
+    def _wait_gloo(self, group: dist.ProcessGroup) -> None:
+        try:
+            self.work.wait()
+        except Exception as e:  # reported by wait()
+            self.error = e
+        finally:
+            self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set() if self._done is not None else self.work.is_completed()
+
+    def wait(self) -> None:
+        """After completion: raises the op's error; on NCCL, orders the current stream after the op."""
+        if self._done is None:
+            self.work.wait()
+        elif self.error is not None:
+            raise self.error
+
+
+class Backoff:
+    """Pacing of a polling loop: spins for `spin_s` (`os.sched_yield` between polls, which releases the GIL),
+    then sleeps `POLL_S` until `_FAST_POLL_WINDOW_S`, then `idle_s`."""
+
+    def __init__(self, spin_s: float, idle_s: float = IDLE_POLL_S):
+        self.start, self.spin_s, self.idle_s = time.monotonic(), spin_s, idle_s
+
+    def pause(self, now: float) -> None:
+        waited = now - self.start
+        if waited < self.spin_s:
+            os.sched_yield()
+        else:
+            time.sleep(POLL_S if waited < _FAST_POLL_WINDOW_S else self.idle_s)
+
+
+def wait_ops(
+    ops: list[Op], deadline: float, what: str, spin_s: float,
+    check: Callable[[], bool] | None = None, idle_s: float = IDLE_POLL_S,
+) -> bool:  # fmt: skip
+    """Polls `ops` until all complete, then waits on each (see `Op.wait`); raises TransferError at `deadline`
+    or on a failed op. Every `CHECK_S`, `check()` may return True to give up waiting (the call then returns
+    False). Ops that run in order are watched through the last one (each poll and wait costs microseconds)."""
+    if ops and all(op.in_order for op in ops):
+        ops = ops[-1:]
+    backoff = Backoff(spin_s, idle_s)
+    next_check = backoff.start + CHECK_S
+    pending = list(ops)
+    while pending:
+        pending = [op for op in pending if not op.is_completed()]
+        if not pending:
+            break
+        now = time.monotonic()
+        if now > deadline:
+            raise TransferError(f"{what} timed out")
+        if check is not None and now >= next_check:
+            if check():
+                return False
+            next_check = now + CHECK_S
+        backoff.pause(now)
+    for op in ops:
+        try:
+            op.wait()
+        except Exception as e:
+            raise TransferError(f"{what} failed: {e}") from e
+    return True

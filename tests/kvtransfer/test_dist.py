@@ -1,0 +1,195 @@
+"""DistKVSender -> DistKVReceiver over gloo, both ends in this process (each with its own store client): pages land
+at the reserved page ids and nowhere else, transfers cut into pieces reassemble, a cancelled or mismatched
+transfer is discarded while the pair stays usable, an expected transfer that never comes fails at its deadline.
+Killed peers and stalled transfers between two OS processes are in tests/workers/test_two_process.py."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from pdserve.kvtransfer import ExpectedTransfer, KVTransferConfig
+from pdserve.kvtransfer.dist import DistKVReceiver, DistKVSender, chunk_plan, connect_store
+from pdserve.kvtransfer.loopback import LoopbackHub, LoopbackReceiver, LoopbackSender
+from pdserve.model.errors import TransferError
+
+LAYERS, PAGES, PAGE_SIZE, DIM = 5, 40, 4, 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("layers", "chunk_layers", "plan"),
+    [
+        (27, 5, [(0, 1), (1, 6), (6, 11), (11, 16), (16, 21), (21, 26), (26, 27)]),
+        (27, 27, [(0, 27)]),
+        (27, 100, [(0, 27)]),
+        (5, 2, [(0, 1), (1, 3), (3, 4), (4, 5)]),
+        (4, 1, [(0, 1), (1, 2), (2, 3), (3, 4)]),
+        (2, 1, [(0, 2)]),
+        (1, 1, [(0, 1)]),
+    ],
+)
+def test_chunk_plan_covers_every_layer_once(layers, chunk_layers, plan):
+    assert chunk_plan(layers, chunk_layers) == plan
+
+
+@pytest.fixture
+def make_link():
+    """Builds (sender, receiver, source cache, destination cache) over gloo, pieces of two layers for 13
+    pages; closes them after the test."""
+    built = []
+
+    def make(idle_timeout_s: float = 900.0):
+        config = KVTransferConfig(
+            store_port=free_port(), timeout_s=10, connect_timeout_s=10,
+            idle_timeout_s=idle_timeout_s, chunk_bytes=2 * 13 * PAGE_SIZE * DIM * 4,
+        )  # fmt: skip
+        d_store = connect_store(config, is_master=True)
+        p_store = connect_store(config, is_master=False)
+        source = torch.randn(LAYERS, PAGES, PAGE_SIZE, DIM)
+        dest = torch.zeros(LAYERS, PAGES, PAGE_SIZE, DIM)
+        sender = DistKVSender(config, p_store, "p0", torch.device("cpu"))
+        receiver = DistKVReceiver(config, d_store, "d0", dest)
+        built.append((sender, receiver))
+        return sender, receiver, source, dest
+
+    yield make
+    for sender, receiver in built:
+        sender.close()
+        receiver.close()
+
+
+@pytest.fixture
+def link(make_link):
+    return make_link()
+
+
+def wait_results(receiver, count: int, timeout_s: float = 10.0):
+    deadline, results = time.monotonic() + timeout_s, []
+    while len(results) < count:
+        assert time.monotonic() < deadline, f"only {results} of {count} results"
+        results += receiver.poll()
+        time.sleep(0.005)
+    return results
+
+
+def expect(receiver, transfer_id: int, pages: list[int], deadline_s: float = 30.0) -> None:
+    receiver.expect(ExpectedTransfer(transfer_id, "p0", pages, time.monotonic() + deadline_s))
+
+
+def test_pages_land_scattered_in_pieces(link):
+    sender, receiver, source, dest = link
+    g = torch.Generator().manual_seed(0)
+    for transfer_id, num_pages in [(1, 13), (2, 1), (3, 13)]:
+        src_pages = torch.randperm(PAGES, generator=g)[:num_pages].tolist()
+        dst_pages = torch.randperm(PAGES, generator=g)[:num_pages].tolist()
+        before = dest.clone()
+        expect(receiver, transfer_id, dst_pages)
+        sender.send("d0", transfer_id, source, src_pages, num_tokens=7, first_token=42)
+        [result] = wait_results(receiver, 1)
+        assert (result.transfer_id, result.num_tokens, result.first_token) == (transfer_id, 7, 42)
+        assert result.error is None
+        assert torch.equal(dest[:, dst_pages], source[:, src_pages])
+        others = [p for p in range(PAGES) if p not in dst_pages]
+        assert torch.equal(dest[:, others], before[:, others])
+    assert sender.last_profile["d0"].num_pieces == 4  # 5 layers, 2 per piece: 1 + 2 + 1 + 1
+
+
+def test_cancelled_transfer_is_discarded_and_pair_stays_usable(link):
+    sender, receiver, source, dest = link
+    expect(receiver, 1, [0])
+    sender.send("d0", 1, source, [0], PAGE_SIZE, 5)
+    assert [r.error for r in wait_results(receiver, 1)] == [None]
+    # Linked and idle: nothing expected, yet a cancelled transfer's sender is answered (discarded).
+    expect(receiver, 2, list(range(13)))
+    receiver.cancel(2)
+    time.sleep(0.1)
+    sender.send("d0", 2, source, list(range(13)), 13 * PAGE_SIZE, 5)
+    assert not dest[:, 1:].any()
+    expect(receiver, 3, list(range(20, 33)))
+    sender.send("d0", 3, source, list(range(13)), 13 * PAGE_SIZE, 5)
+    assert [r.error for r in wait_results(receiver, 1)] == [None]
+    assert torch.equal(dest[:, 20:33], source[:, :13])
+    assert receiver.poll() == []
+
+
+def test_page_count_mismatch_fails_only_that_transfer(link):
+    sender, receiver, source, dest = link
+    expect(receiver, 1, [3, 4])
+    sender.send("d0", 1, source, [0, 1, 2], 3 * PAGE_SIZE, 5)
+    [result] = wait_results(receiver, 1)
+    assert result.transfer_id == 1 and "3 pages for 2 reserved" in result.error
+    assert not dest.any()
+    expect(receiver, 2, [3, 4])
+    sender.send("d0", 2, source, [0, 1], 2 * PAGE_SIZE, 5)
+    assert [r.error for r in wait_results(receiver, 1)] == [None]
+
+
+def test_transfer_never_sent_fails_at_its_deadline(link):
+    sender, receiver, _, _ = link
+    sender.connect("d0")
+    expect(receiver, 1, [0], deadline_s=0.3)
+    [result] = wait_results(receiver, 1, timeout_s=5)
+    assert result.transfer_id == 1 and "before the deadline" in result.error
+
+
+def test_loopback_writes_the_reserved_pages():
+    hub = LoopbackHub()
+    source = torch.randn(LAYERS, PAGES, PAGE_SIZE, DIM)
+    dest = torch.zeros(LAYERS, PAGES, PAGE_SIZE, DIM)
+    receiver = LoopbackReceiver(hub, "d0", dest)
+    expect(receiver, 1, [7, 2])
+    LoopbackSender(hub).send("d0", 1, source, [0, 5], 8, 3)
+    assert [r.error for r in receiver.poll()] == [None]
+    assert torch.equal(dest[:, [7, 2]], source[:, [0, 5]])
+
+
+def test_cancel_mid_transfer_returns_at_once_and_nothing_is_written(link):
+    sender, receiver, source, dest = link
+    expect(receiver, 1, [0])
+    sender.send("d0", 1, source, [0], PAGE_SIZE, 5)
+    wait_results(receiver, 1)
+    expect(receiver, 2, list(range(20, 33)))
+    sender.delay_after_header_s = 2.0  # the header is in, the pages come later
+    errors = []
+
+    def send() -> None:
+        try:
+            sender.send("d0", 2, source, list(range(13)), 13 * PAGE_SIZE, 5)
+        except TransferError as e:
+            errors.append(e)
+
+    sending = threading.Thread(target=send)
+    sending.start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    receiver.cancel(2)
+    assert time.monotonic() - start < 1.0, "cancel must not wait for the link"
+    sending.join(10)
+    assert not sending.is_alive() and errors == []  # acknowledged as discarded
+    assert not dest[:, 20:33].any()
+    assert receiver.poll() == []
+
+
+def test_idle_link_is_retired_before_its_timeout_then_rebuilt(make_link):
+    sender, receiver, source, dest = make_link(idle_timeout_s=1.0)
+    expect(receiver, 1, [0])
+    sender.send("d0", 1, source, [0], PAGE_SIZE, 5)
+    wait_results(receiver, 1)
+    [pair] = [peer.pair for peer in receiver._peers.values()]
+    epoch = pair.epoch
+    time.sleep(1.5)  # past half the group's timeout with a header receive posted: retired
+    assert pair.current_epoch() > epoch
+    expect(receiver, 2, [1, 2])
+    sender.send("d0", 2, source, [3, 4], 2 * PAGE_SIZE, 5)
+    assert [r.error for r in wait_results(receiver, 1)] == [None]
+    assert torch.equal(dest[:, [1, 2]], source[:, [3, 4]])
