@@ -11,13 +11,15 @@ figure). pdserve's time runs from the call to `send` (the pages still scattered 
 has read D's acknowledgement, which D sends once the pages are written in its cache: the first gather and the
 last scatter are in it. `--chunk-mib 0` sends each transfer as one piece. `--gap-ms` idles between transfers,
 so that the receiver's wait for the header has left its spin phase (how transfers arrive when serving); 0 runs
-them back to back. The transferred pages are checked at the end. Prints one table; writes it to
+them back to back. The transferred pages are checked at the end. PDSERVE_DUMP_AFTER_S=N prints every thread's
+stack and ends a rank still running after N seconds. Prints one table; writes it to
 $OUT/kv_transfer.md when OUT is set."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import os
 import socket
 import statistics
@@ -73,6 +75,10 @@ def _run(rank: int, args, port: int, results) -> None:
     from pdserve.kvtransfer import ExpectedTransfer
     from pdserve.kvtransfer.dist import DistKVReceiver, DistKVSender, connect_store
 
+    if os.environ.get(
+        "PDSERVE_DUMP_AFTER_S"
+    ):  # a hang prints every thread's stack and ends the rank
+        faulthandler.dump_traceback_later(float(os.environ["PDSERVE_DUMP_AFTER_S"]), exit=True)
     if args.device == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)

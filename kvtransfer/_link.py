@@ -33,6 +33,7 @@ POLL_S = 0.00002
 IDLE_POLL_S = 0.002
 _FAST_POLL_WINDOW_S = 0.02
 CHECK_S = 0.05
+_JOIN_POLL_S = 0.005
 _PR_SET_TIMERSLACK = 29
 _TIMER_SLACK_NS = 1000
 
@@ -100,14 +101,15 @@ class Pair:
         self.drop()
         prefix = f"{self.key}/{epoch}"
         self.store.set(f"{prefix}/ready{self.rank}", "1")
-        try:
-            self.store.wait(
-                [f"{prefix}/ready{1 - self.rank}"], timedelta(seconds=self.config.connect_timeout_s)
-            )
-        except Exception as e:  # the store raises on timeout
-            raise PeerAbsent(
-                f"{self.peer} did not join the KV link within {self.config.connect_timeout_s:g}s"
-            ) from e
+        # Polled, not one long store.wait: the store client is shared by the process's threads and serves one
+        # request at a time, so a long wait would hold up every other pair's epoch checks.
+        deadline = time.monotonic() + self.config.connect_timeout_s
+        while not self.store.check([f"{prefix}/ready{1 - self.rank}"]):
+            if time.monotonic() > deadline:
+                raise PeerAbsent(
+                    f"{self.peer} did not join the KV link within {self.config.connect_timeout_s:g}s"
+                )
+            time.sleep(_JOIN_POLL_S)
         prefixed = dist.PrefixStore(prefix, self.store)
         if self.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()

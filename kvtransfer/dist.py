@@ -56,6 +56,12 @@ _ACK_OK, _ACK_DISCARDED = 1, 2
 _SENDER_EPOCH_TTL_S = 1.0
 """How long the prefill side trusts its last read of a pair's epoch (a store round trip per send would cost
 ~0.2 ms); a failed send re-reads it."""
+_RETIRE_UNEXPECTED_S = 3.0
+"""How long D keeps a header receive posted once nothing is expected from its peer any more (the request was
+cancelled before P sent it) before it retires the link. A posted NCCL receive occupies D's device until it
+completes, so that a device-wide wait there (CUDA-graph capture, the allocator returning memory) would wait for
+a transfer that is not coming. Longer than `_SENDER_EPOCH_TTL_S`, so that P re-reads the epoch on its next
+send and rebuilds the link with D."""
 
 
 def connect_store(config: KVTransferConfig, is_master: bool) -> dist.TCPStore:
@@ -201,13 +207,15 @@ class DistKVSender(KVSender):
 class _Wait(enum.Enum):
     HEADER = "a header arrived"
     STOPPED = "closing, or the peer's epoch moved"
-    STALE = "the receive has been posted for half the group's timeout"
+    STALE = "the receive has been posted for half the group's timeout, or long after nothing was expected"
 
 
 @dataclasses.dataclass
 class _Peer:
     pair: Pair
     thread: threading.Thread
+    wake: threading.Event = dataclasses.field(default_factory=threading.Event)
+    """Set by `expect`: the idle receiving thread posts the header receive at once."""
 
 
 class DistKVReceiver(KVReceiver):
@@ -219,10 +227,14 @@ class DistKVReceiver(KVReceiver):
         self.cache = cache
         self.device, self.backend = cache.device, _backend(config, cache.device)
         self._expected: dict[int, ExpectedTransfer] = {}
+        self._dropped: dict[int, tuple[str, float]] = {}
+        """Transfers cancelled or failed here that P may still send: id -> (peer, until when we keep a header
+        receive posted for them, so that P is answered, not left to time out)."""
         self._writes: dict[int, torch.cuda.Event] = {}
         """Last page write queued for a transfer under way (GPU only); guarded by _lock."""
         self._results: list[TransferResult] = []
-        self._lock = threading.Lock()  # guards _expected, _writes, _results and queuing page writes
+        # Guards _expected, _dropped, _writes, _results and queuing page writes.
+        self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._closed = threading.Event()
 
@@ -240,10 +252,11 @@ class DistKVReceiver(KVReceiver):
                 )  # fmt: skip
                 self._peers[transfer.peer] = _Peer(pair, thread)
                 thread.start()
+            self._peers[transfer.peer].wake.set()
 
     def cancel(self, transfer_id: int) -> None:
         with self._lock:
-            self._expected.pop(transfer_id, None)
+            self._drop(transfer_id)
             write = self._writes.pop(transfer_id, None)
         if write is not None:
             write.synchronize()  # pieces that had arrived: no write is queued after this
@@ -261,9 +274,22 @@ class DistKVReceiver(KVReceiver):
 
     # The receiving thread of one peer.
 
-    def _expecting_from(self, peer: str) -> bool:
+    def _drop(self, transfer_id: int) -> None:
+        """No longer expects `transfer_id` (under _lock)."""
+        transfer = self._expected.pop(transfer_id, None)
+        if transfer is not None:
+            self._dropped[transfer_id] = (transfer.peer, time.monotonic() + _RETIRE_UNEXPECTED_S)
+
+    def _expecting_from(self, peer: str, besides: int | None = None) -> bool:
+        """Whether a transfer other than `besides` may still come from `peer`: expected, or dropped lately."""
+        now = time.monotonic()
         with self._lock:
-            return any(t.peer == peer for t in self._expected.values())
+            for transfer_id, (_, until) in list(self._dropped.items()):
+                if until < now:
+                    del self._dropped[transfer_id]
+            if any(t.peer == peer and t.transfer_id != besides for t in self._expected.values()):
+                return True
+            return any(p == peer and i != besides for i, (p, _) in self._dropped.items())
 
     def _fail_expected(self, peer: str, reason: str, overdue_only: bool) -> None:
         """Reports as failed the transfers expected from `peer` (only those past their deadline, if asked).
@@ -274,7 +300,7 @@ class DistKVReceiver(KVReceiver):
             for t in [t for t in self._expected.values() if t.peer == peer]:
                 if overdue_only and t.deadline >= now:
                     continue
-                del self._expected[t.transfer_id]
+                self._drop(t.transfer_id)
                 writes.append(self._writes.pop(t.transfer_id, None))
                 self._results.append(TransferResult(t.transfer_id, error=reason))
         for write in writes:
@@ -290,30 +316,31 @@ class DistKVReceiver(KVReceiver):
     def _receive_loop(self, peer: str, pair: Pair) -> None:
         lower_timer_slack()
         with pair.on_device():
-            self._serve_peer(peer, pair)
+            self._serve_peer(peer, pair, self._peers[peer].wake)
 
-    def _serve_peer(self, peer: str, pair: Pair) -> None:
+    def _serve_peer(self, peer: str, pair: Pair, wake: threading.Event) -> None:
         header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
         header_op: Op | None = None
         idle_reason = f"no KV pages from {peer} before the deadline"
         while not self._closed.is_set():
             try:
                 if header_op is None:
-                    # Once linked, a header receive stays posted: a transfer no longer expected is still
-                    # received (and discarded), so its sender is answered. Epoch moves are caught while waiting.
+                    # A header receive is posted only while a transfer from the peer is expected: a posted
+                    # NCCL receive holds D's device until its message comes (see _RETIRE_UNEXPECTED_S).
+                    if not self._expecting_from(peer):
+                        wake.wait(IDLE_POLL_S * 25)
+                        wake.clear()
+                        continue
                     if pair.group is None:
-                        if not self._expecting_from(peer):
-                            time.sleep(0.01)
-                            continue
                         pair.connect()
                     header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
                     header_op = pair.recv(header, _TAG_HEADER)
                 outcome = self._wait_header(peer, pair, header_op, idle_reason)
                 if outcome is not _Wait.HEADER:
                     if outcome is _Wait.STALE:
-                        # A receive left posted past the group's timeout trips NCCL's watchdog, which by
-                        # default takes the whole process down: retire the link first. P, silent this long,
-                        # re-reads the epoch on its next send and rebuilds it with us.
+                        # Retire the link, which withdraws the posted receive (and, past the group's timeout,
+                        # NCCL's watchdog would take the whole process down). P re-reads the epoch on its next
+                        # send and rebuilds the link with us.
                         pair.fail()
                     elif not self._closed.is_set():
                         pair.drop()  # the peer moved to a new epoch; rebuild on the next pass
@@ -344,15 +371,22 @@ class DistKVReceiver(KVReceiver):
         backoff = Backoff(self.config.spin_s)
         next_check, expecting = backoff.start + CHECK_S, True
         stale_at = backoff.start + self.config.idle_timeout_s / 2
+        unexpected_since = None
         while not header_op.is_completed():
             now = time.monotonic()
             if now >= next_check:
                 self._fail_overdue(peer, idle_reason)
                 if self._closed.is_set() or pair.epoch_moved():
                     return _Wait.STOPPED
-                if now >= stale_at:
-                    return _Wait.STALE
                 expecting = self._expecting_from(peer)
+                if expecting:
+                    unexpected_since = None
+                elif unexpected_since is None:
+                    unexpected_since = now
+                if now >= stale_at or (
+                    unexpected_since is not None and now - unexpected_since >= _RETIRE_UNEXPECTED_S
+                ):
+                    return _Wait.STALE
                 next_check = now + CHECK_S
             if now - backoff.start < backoff.spin_s:
                 backoff.pause(now)
@@ -366,9 +400,9 @@ class DistKVReceiver(KVReceiver):
 
     def _receive_one(
         self, peer: str, pair: Pair, header_dev: torch.Tensor
-    ) -> tuple[torch.Tensor, Op]:
+    ) -> tuple[torch.Tensor, Op | None]:
         """Receives the transfer whose header arrived; returns the next header's buffer and its posted
-        receive."""
+        receive (None when no other transfer from the peer is expected)."""
         header = header_dev.tolist()
         magic, transfer_id, num_pages, num_tokens, first_token = header[:5]
         layers, page_size, dim, itemsize, chunk_layers = header[5:]
@@ -376,6 +410,8 @@ class DistKVReceiver(KVReceiver):
         if magic != _MAGIC or itemsize != self.cache.element_size() or min(sizes) <= 0:
             raise TransferError(f"garbled or incompatible header from {peer}: {header}")
         what = f"KV transfer {transfer_id} from {peer}"
+        with self._lock:  # it came: no receive is kept posted for it any more
+            self._dropped.pop(transfer_id, None)
         deadline = time.monotonic() + self.config.timeout_s
         plan = chunk_plan(layers, chunk_layers)
         staging = torch.empty(
@@ -402,11 +438,13 @@ class DistKVReceiver(KVReceiver):
                 if self._expected.pop(transfer_id, None) is not None:
                     self._results.append(TransferResult(transfer_id, error=str(e)))
             raise
-        # NCCL queues the ack after the page writes on our stream; then the next header's receive, so that a
-        # transfer queued behind this one on P finds it posted.
+        # NCCL queues the ack after the page writes on our stream; then, if another transfer from the peer is
+        # expected, the next header's receive, so that a transfer queued behind this one on P finds it posted.
         ack_op = pair.send(acks[_ACK_OK if dest is not None else _ACK_DISCARDED], _TAG_ACK)
         next_header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
-        next_op = pair.recv(next_header, _TAG_HEADER)
+        next_op = None
+        if self._expecting_from(peer, besides=transfer_id):
+            next_op = pair.recv(next_header, _TAG_HEADER)
         with self._lock:
             write = self._writes.pop(transfer_id, None)
             if write is not None:

@@ -73,7 +73,7 @@ class DecodeGraphs:
             except RuntimeError:
                 logger.warning("CUDA graph capture failed: decode steps run eagerly", exc_info=True)
                 self.enabled = False
-                torch.cuda.synchronize(self.device)
+                torch.cuda.current_stream(self.device).synchronize()
                 return self.model.compute_logits(self.model(batch, self.cache))
         b, width = batch.num_seqs, batch.page_table.shape[1]
         s = graph.batch
@@ -118,10 +118,16 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             for _ in range(2):
                 self.model.compute_logits(self.model(static, self.cache))
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        # Capture on the same stream. Not through torch.cuda.graph(): it first synchronizes the whole device,
+        # which would also wait for the KV receiver's posted NCCL receives (a transfer may be seconds away).
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = self.model.compute_logits(self.model(static, self.cache))
+        with torch.cuda.stream(stream):
+            graph.capture_begin(self._pool, capture_error_mode="thread_local")
+            try:
+                logits = self.model.compute_logits(self.model(static, self.cache))
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         logger.debug("captured decode graph for batch %d x %d pages", bucket, pages)
         captured = _Graph(graph, static, logits)
         self._graphs[(bucket, pages)] = captured

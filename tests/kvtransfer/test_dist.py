@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pdserve.kvtransfer import ExpectedTransfer, KVTransferConfig
+from pdserve.kvtransfer import dist as dist_module
 from pdserve.kvtransfer.dist import DistKVReceiver, DistKVSender, chunk_plan, connect_store
 from pdserve.kvtransfer.loopback import LoopbackHub, LoopbackReceiver, LoopbackSender
 from pdserve.model.errors import TransferError
@@ -180,16 +181,46 @@ def test_cancel_mid_transfer_returns_at_once_and_nothing_is_written(link):
     assert receiver.poll() == []
 
 
+def test_header_receive_is_posted_only_while_a_transfer_may_come(link, monkeypatch):
+    """A posted NCCL receive holds the decode GPU until its message comes: none stays posted once nothing is
+    expected (no retirement follows a completed transfer); a cancelled transfer that is never sent has its
+    receive withdrawn by retiring the link, which is rebuilt on the next transfer."""
+    monkeypatch.setattr(dist_module, "_RETIRE_UNEXPECTED_S", 0.3)
+    sender, receiver, source, dest = link
+    expect(receiver, 1, [0])
+    sender.send("d0", 1, source, [0], PAGE_SIZE, 5)
+    wait_results(receiver, 1)
+    [pair] = [peer.pair for peer in receiver._peers.values()]
+    epoch = pair.epoch
+    time.sleep(
+        0.8
+    )  # idle, past the retirement delay twice over: nothing was posted, nothing retired
+    assert pair.current_epoch() == epoch
+    expect(receiver, 2, [1])
+    time.sleep(0.1)  # its header receive is posted
+    receiver.cancel(2)
+    time.sleep(1.2)  # kept for a late send 0.3 s, then retired 0.3 s later (checks every 0.05 s)
+    assert pair.current_epoch() > epoch
+    expect(receiver, 3, [1, 2])
+    sender.send("d0", 3, source, [3, 4], 2 * PAGE_SIZE, 5)
+    assert [r.error for r in wait_results(receiver, 1)] == [None]
+    assert torch.equal(dest[:, [1, 2]], source[:, [3, 4]])
+
+
 def test_idle_link_is_retired_before_its_timeout_then_rebuilt(make_link):
+    """A header receive left posted for half the group's timeout (NCCL's watchdog would end the process at the
+    full timeout) retires the link; the next transfer rebuilds it."""
     sender, receiver, source, dest = make_link(idle_timeout_s=1.0)
     expect(receiver, 1, [0])
     sender.send("d0", 1, source, [0], PAGE_SIZE, 5)
     wait_results(receiver, 1)
     [pair] = [peer.pair for peer in receiver._peers.values()]
     epoch = pair.epoch
-    time.sleep(1.5)  # past half the group's timeout with a header receive posted: retired
+    expect(receiver, 2, [1], deadline_s=60)  # expected, never sent
+    time.sleep(1.0)
     assert pair.current_epoch() > epoch
-    expect(receiver, 2, [1, 2])
-    sender.send("d0", 2, source, [3, 4], 2 * PAGE_SIZE, 5)
+    receiver.cancel(2)
+    expect(receiver, 3, [1, 2])
+    sender.send("d0", 3, source, [3, 4], 2 * PAGE_SIZE, 5)
     assert [r.error for r in wait_results(receiver, 1)] == [None]
     assert torch.equal(dest[:, [1, 2]], source[:, [3, 4]])
