@@ -3,16 +3,18 @@ gathered from scattered source pages piece by piece, sent, scattered into scatte
 next to a bare send/recv of the same bytes on a two-rank group (the peer).
 
     python benchmarks/kv_transfer.py [--tokens 8192] [--layers 27] [--page-size 16] [--iters 20]
-        [--chunk-mib 48,16,128,0] [--gap-ms 0,10] [--spin-ms 3]
-    python benchmarks/kv_transfer.py --device cpu --tokens 256 --layers 4 --chunk-mib 0.25,0
+        [--chunk-mib 256,48,0] [--gap-ms 0,10] [--spin-ms 3] [--pipeline-min-mib 32] [--trace DIR]
+    python benchmarks/kv_transfer.py --device cpu --tokens 256 --layers 4 --chunk-mib 0.25,0 --pipeline-min-mib 0
 
 On CUDA it needs 2 GPUs (NCCL); on CPU it runs two processes over gloo (a functional check, not a bandwidth
-figure). pdserve's time runs from the call to `send` (the pages still scattered in P's cache) until the sender
-has read D's acknowledgement, which D sends once the pages are written in its cache: the first gather and the
-last scatter are in it. `--chunk-mib 0` sends each transfer as one piece. `--gap-ms` idles between transfers,
-so that the receiver's wait for the header has left its spin phase (how transfers arrive when serving); 0 runs
-them back to back. The transferred pages are checked at the end. PDSERVE_DUMP_AFTER_S=N prints every thread's
-stack and ends a rank still running after N seconds. Prints one table; writes it to
+figure). Two times per transfer, both from the call to `send` (the pages still scattered in P's cache): until D
+has written the last page into its cache and reported the transfer (D's `TransferResult.completed_at`; both
+ranks read the same monotonic clock), which is when D can decode; and until P has read D's acknowledgement,
+which also pays the trip back. `--chunk-mib` is the largest piece (`KVTransferConfig.chunk_bytes`; 0 sends each
+transfer as one piece). `--gap-ms` idles between transfers, so that the receiver's wait for the header has left
+its spin phase (how transfers arrive when serving); 0 runs them back to back. The transferred pages are checked
+at the end. PDSERVE_DUMP_AFTER_S=N prints every thread's stack and ends a rank still running after N seconds.
+Prints one table; writes it to
 $OUT/kv_transfer.md when OUT is set."""
 
 from __future__ import annotations
@@ -72,12 +74,22 @@ def _bare_group(store, rank: int, device: torch.device):
 
 
 def _run(rank: int, args, port: int, results) -> None:
+    if not args.trace:
+        _measure(rank, args, port, results)
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _measure(rank, args, port, results)
+    prof.export_chrome_trace(os.path.join(args.trace, f"kv_transfer_rank{rank}.json"))
+
+
+def _measure(rank: int, args, port: int, results) -> None:
+    from pdserve import kernels
     from pdserve.kvtransfer import ExpectedTransfer
     from pdserve.kvtransfer.dist import DistKVReceiver, DistKVSender, connect_store
 
-    if os.environ.get(
-        "PDSERVE_DUMP_AFTER_S"
-    ):  # a hang prints every thread's stack and ends the rank
+    if os.environ.get("PDSERVE_DUMP_AFTER_S"):  # a hang: every thread's stack, then the rank ends
         faulthandler.dump_traceback_later(float(os.environ["PDSERVE_DUMP_AFTER_S"]), exit=True)
     if args.device == "cuda":
         torch.cuda.set_device(rank)
@@ -89,8 +101,9 @@ def _run(rank: int, args, port: int, results) -> None:
     cache_shape = (args.layers, 2 * num_pages, args.page_size, ENTRY_DIM)
     payload_shape = (args.layers, num_pages, args.page_size, ENTRY_DIM)
     config = KVTransferConfig(
-        store_port=port, timeout_s=60, connect_timeout_s=60, spin_s=args.spin_ms / 1e3
-    )
+        store_port=port, timeout_s=60, connect_timeout_s=60, spin_s=args.spin_ms / 1e3,
+        pipeline_min_bytes=int(args.pipeline_min_mib * 2**20),
+    )  # fmt: skip
     store = connect_store(config, is_master=rank == 1)
     num_transfers = len(_cases(args)) * (WARMUP + args.iters)
     g = torch.Generator().manual_seed(rank)
@@ -100,21 +113,24 @@ def _run(rank: int, args, port: int, results) -> None:
         receiver = DistKVReceiver(config, store, "d0", cache)
         for i in range(num_transfers):
             receiver.expect(ExpectedTransfer(i + 1, "p0", pages, time.monotonic() + 600))
-        done, deadline = 0, time.monotonic() + 600
-        while done < num_transfers:
+        completed, deadline = {}, time.monotonic() + 600
+        while len(completed) < num_transfers:
             for r in receiver.poll():
                 assert r.error is None, r.error
-                done += 1
+                completed[r.transfer_id] = r.completed_at
+            done = len(completed)
             assert time.monotonic() < deadline, f"{done} of {num_transfers} transfers arrived"
             time.sleep(0.001)
         results["d_sums"] = _page_sums(cache, pages)
+        results["completed_at"] = completed
         receiver.close()
         staging = torch.empty(payload_shape, dtype=torch.bfloat16, device=device)
         ids = torch.tensor(pages, device=device)
-        scatter = [
-            _timed(lambda: cache.index_copy_(1, ids, staging), device) for _ in range(args.iters)
-        ]
-        results["scatter"] = statistics.median(scatter)
+        for name, fn in [
+            ("scatter", lambda: kernels.scatter_pages(cache, 0, args.layers, ids, staging)),
+            ("scatter_torch", lambda: cache.index_copy_(1, ids, staging)),
+        ]:
+            results[name] = statistics.median(_timed(fn, device) for _ in range(args.iters))
         bare_pg = _bare_group(store, 1, device)
         for _ in range(WARMUP + args.iters):
             bare_pg.recv([staging], 0, 0).wait()
@@ -125,9 +141,11 @@ def _run(rank: int, args, port: int, results) -> None:
     source = torch.randn(cache_shape, device=device).bfloat16()
     transfer_id = 0
     for mib, gap_ms in _cases(args):
-        chunk_bytes = int(mib * 2**20) if mib > 0 else 2**62
-        sender.config = dataclasses.replace(config, chunk_bytes=chunk_bytes)
-        times, posted = [], []
+        if mib > 0:
+            sender.config = dataclasses.replace(config, chunk_bytes=int(mib * 2**20))
+        else:
+            sender.config = dataclasses.replace(config, pipeline_min_bytes=2**62)
+        times, posted, started = [], [], {}
         for i in range(WARMUP + args.iters):
             source[:, pages[transfer_id % num_pages]].add_(1.0)  # later transfers carry other data
             transfer_id += 1
@@ -139,15 +157,20 @@ def _run(rank: int, args, port: int, results) -> None:
             if i >= WARMUP:
                 times.append(elapsed)
                 posted.append(sender.last_profile["d0"].posted_s)
+                started[transfer_id] = sender.last_profile["d0"].started_at
         results[("ours", mib, gap_ms)] = (
             statistics.median(times),
             statistics.median(posted),
             sender.last_profile["d0"].num_pieces,
+            started,
         )
     results["p_sums"] = _page_sums(source, pages)
     ids = torch.tensor(pages, device=device)
-    gather = [_timed(lambda: source.index_select(1, ids), device) for _ in range(args.iters)]
-    results["gather"] = statistics.median(gather)
+    for name, fn in [
+        ("gather", lambda: kernels.gather_pages(source, 0, args.layers, ids)),
+        ("gather_torch", lambda: source.index_select(1, ids)),
+    ]:
+        results[name] = statistics.median(_timed(fn, device) for _ in range(args.iters))
     payload = source.index_select(1, ids)
     bare_pg = _bare_group(store, 0, device)
     bare = []
@@ -178,8 +201,8 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument(
-        "--chunk-mib", type=_floats, default=[48.0, 16.0, 128.0, 0.0],
-        help="piece sizes to measure, comma-separated (KVTransferConfig.chunk_bytes; 0: one piece)",
+        "--chunk-mib", type=_floats, default=[256.0, 48.0, 0.0],
+        help="largest piece sizes to measure, comma-separated (KVTransferConfig.chunk_bytes; 0: one piece)",
     )  # fmt: skip
     parser.add_argument(
         "--gap-ms", type=_floats, default=[0.0, 10.0],
@@ -188,6 +211,14 @@ def main() -> None:
     parser.add_argument(
         "--spin-ms", type=float, default=1e3 * KVTransferConfig().spin_s,
         help="KVTransferConfig.spin_s, in ms (both sides)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pipeline-min-mib", type=float, default=KVTransferConfig().pipeline_min_bytes / 2**20,
+        help="KVTransferConfig.pipeline_min_bytes, in MiB: smaller transfers travel as one piece",
+    )  # fmt: skip
+    parser.add_argument(
+        "--trace", metavar="DIR",
+        help="write each rank's torch.profiler trace (chrome format) there; use with few transfers",
     )  # fmt: skip
     args = parser.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < 2:
@@ -213,16 +244,21 @@ def main() -> None:
         "| 1.00 | |",
     ]
     for mib, gap in _cases(args):
-        t, posted, pieces = r[("ours", mib, gap)]
+        t, posted, pieces, started = r[("ours", mib, gap)]
+        landed = statistics.median(r["completed_at"][i] - t0 for i, t0 in started.items())
         size = f"{mib:g} MiB" if mib > 0 else "whole"
-        lines.append(
-            f"| pdserve send -> ack, from scattered pages into scattered pages ({size}) | {pieces} "
-            f"| {gap:g} ms | {1e3 * t:.3f} | {_rate(gb, t)} | {bare / t:.2f} | {1e3 * posted:.3f} |"
-        )
-    lines += [
-        f"| (P: gather of all pages alone, for reference) | | | {1e3 * r['gather']:.3f} | | | |",
-        f"| (D: scatter of all pages alone, for reference) | | | {1e3 * r['scatter']:.3f} | | | |",
-    ]
+        for what, sec, at in [("pages in D's cache", landed, ""), ("ack read by P", t, posted)]:
+            at = f"{1e3 * at:.3f}" if at != "" else ""
+            lines.append(
+                f"| pdserve send -> {what}, scattered pages to scattered pages ({size}) | {pieces} "
+                f"| {gap:g} ms | {1e3 * sec:.3f} | {_rate(gb, sec)} | {bare / sec:.2f} | {at} |"
+            )
+    for side, op in [("P", "gather"), ("D", "scatter")]:
+        for name, key in [("pdserve", op), ("torch index", f"{op}_torch")]:
+            lines.append(
+                f"| ({side}: {op} of all pages alone, {name}, for reference) | | | "
+                f"{1e3 * r[key]:.3f} | | | |"
+            )
     text = "\n".join(lines)
     print(text)
     if os.environ.get("OUT"):

@@ -48,6 +48,8 @@ class TransferResult:
     """The token P sampled after those tokens."""
     error: str | None = None
     """None when the pages are in the cache; otherwise what went wrong."""
+    completed_at: float | None = None
+    """time.monotonic() when the pages were in the cache (None on failure, or where the receiver does not say)."""
 
 
 class KVSender(abc.ABC):

@@ -17,10 +17,13 @@ class KVTransferConfig:
     """Longest one transfer may take once its header is on the wire, acknowledgement included."""
     connect_timeout_s: float = 60.0
     """Longest the two sides of a pair may wait for each other when building their process group."""
-    chunk_bytes: int = 48 * 2**20
-    """Size of the pieces a transfer is cut into along the layer axis (whole layers, at least one; the first
-    and last piece one layer each): the gather of a piece overlaps the send of the one before, the scatter of a
-    piece into cache pages the receive of the next. A transfer smaller than this travels as one piece."""
+    chunk_bytes: int = 256 * 2**20
+    """Largest piece a transfer is cut into along the layer axis (whole layers, at least one). A transfer over
+    `pipeline_min_bytes` is pipelined: its pieces ramp up from one layer and back down to one (`dist.chunk_plan`),
+    so that P's gather of a piece and D's scatter of one into cache pages overlap the link."""
+    pipeline_min_bytes: int = 32 * 2**20
+    """Transfers up to this size travel as one piece: per piece, NCCL and the host cost more than the overlap
+    saves."""
     spin_s: float = 0.003
     """How long a wait for the link spins (polling, yielding between polls) before it sleeps between polls
     (tens of microseconds per wake-up). Spinning keeps those wake-ups off a transfer's latency, but a spinning
@@ -41,3 +44,5 @@ class KVTransferConfig:
             raise ValueError(f"spin_s={self.spin_s}: must not be negative")
         if self.chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes={self.chunk_bytes}: must be positive")
+        if self.pipeline_min_bytes < 0:
+            raise ValueError(f"pipeline_min_bytes={self.pipeline_min_bytes}: must not be negative")

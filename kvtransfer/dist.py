@@ -31,6 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pdserve import kernels
 from pdserve.model.errors import TransferError
 
 from ._link import (
@@ -53,6 +54,7 @@ _MAGIC = 0x4B565846  # "KVXF"
 _HEADER_LEN = 10
 _TAG_HEADER, _TAG_PAGES, _TAG_ACK = 0, 1, 2
 _ACK_OK, _ACK_DISCARDED = 1, 2
+_RAMP = 4
 _SENDER_EPOCH_TTL_S = 1.0
 """How long the prefill side trusts its last read of a pair's epoch (a store round trip per send would cost
 ~0.2 ms); a failed send re-reads it."""
@@ -82,25 +84,34 @@ def _backend(config: KVTransferConfig, device: torch.device) -> str:
 
 
 def chunk_plan(num_layers: int, chunk_layers: int) -> list[tuple[int, int]]:
-    """The layer ranges [start, stop) a transfer is cut into, in wire order: one layer first and last (the gather
-    of the first piece and the scatter of the last are the parts the link does not hide), `chunk_layers` in
-    between; a single piece when `chunk_layers` covers all layers. Both sides derive it from the header."""
+    """The layer ranges [start, stop) a transfer is cut into, in wire order; both sides derive it from the header.
+
+    One piece when `chunk_layers` covers all layers. Otherwise the pieces ramp up from one layer by a factor of
+    `_RAMP` and back down to one at the end, with pieces of at most `chunk_layers` in between: P gathers piece i + 1
+    while piece i is on the wire and D scatters piece i while piece i + 1 is, and a gather or scatter moves a layer
+    about five times faster than the link (benchmarks/RESULTS.md), so each piece hides the copy of a neighbour
+    `_RAMP` times its size, and only one layer's gather and one layer's scatter are left in the open."""
     if chunk_layers >= num_layers or num_layers <= 2:
         return [(0, num_layers)]
-    bounds = [0, 1]
-    while bounds[-1] < num_layers - 1:
-        bounds.append(min(bounds[-1] + chunk_layers, num_layers - 1))
-    bounds.append(num_layers)
+    ramp: list[int] = []
+    size = 1
+    while size < chunk_layers and 2 * (sum(ramp) + size) <= num_layers:
+        ramp.append(size)
+        size *= _RAMP
+    middle = num_layers - 2 * sum(ramp)
+    count = -(-middle // chunk_layers)
+    sizes = ramp + [middle // count + (i < middle % count) for i in range(count)] + ramp[::-1]
+    bounds = [0]
+    for size in sizes:
+        if size:
+            bounds.append(bounds[-1] + size)
     return list(zip(bounds[:-1], bounds[1:], strict=False))
 
 
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 tensor on `device`, copied from pinned memory without blocking the host (ordered on the current
-    stream)."""
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+def _check_pages(page_ids: list[int], num_pages: int, what: str) -> None:
+    """The page copies index the cache without bounds checks on the device: check the ids here."""
+    if page_ids and not (min(page_ids) >= 0 and max(page_ids) < num_pages):
+        raise ValueError(f"{what}: page ids outside the cache's {num_pages} pages")
 
 
 def _sync(stream) -> None:
@@ -112,6 +123,8 @@ def _sync(stream) -> None:
 class SendProfile:
     """Where the time of the last successful `send` to a peer went (host clock, seconds from entering `send`)."""
 
+    started_at: float
+    """time.monotonic() on entering `send` (the same clock as `TransferResult.completed_at` on D's host)."""
     posted_s: float
     """Every piece gathered (queued) and every operation posted."""
     done_s: float
@@ -156,12 +169,16 @@ class DistKVSender(KVSender):
         self, peer: str, transfer_id: int, cache: torch.Tensor, page_ids: list[int],
         num_tokens: int, first_token: int,
     ) -> None:  # fmt: skip
-        start = time.perf_counter()
+        start = time.monotonic()
         pair = self._pair(peer)
-        num_layers, _, page_size, dim = cache.shape
+        num_layers, num_cache_pages, page_size, dim = cache.shape
         layer_bytes = len(page_ids) * page_size * dim * cache.element_size()
         what = f"KV transfer {transfer_id} ({num_layers * layer_bytes} bytes) to {peer}"
-        chunk_layers = max(1, self.config.chunk_bytes // max(layer_bytes, 1))
+        _check_pages(page_ids, num_cache_pages, what)
+        if num_layers * layer_bytes <= self.config.pipeline_min_bytes:
+            chunk_layers = num_layers
+        else:
+            chunk_layers = min(num_layers - 1, max(1, self.config.chunk_bytes // layer_bytes))
         plan = chunk_plan(num_layers, chunk_layers)
         fields = [
             _MAGIC, transfer_id, len(page_ids), num_tokens, first_token,
@@ -171,19 +188,21 @@ class DistKVSender(KVSender):
             pair.connect(epoch_ttl_s=_SENDER_EPOCH_TTL_S)
             deadline = time.monotonic() + self.config.timeout_s
             try:
-                # The header first: D learns the size from it, and posts its receives while we gather.
-                ops = [pair.send(_to_device(fields, self.device), _TAG_HEADER)]
-                ids = _to_device(page_ids, self.device)
-                ack = torch.zeros(2, dtype=torch.int64, device=self.device)
+                # The header and the page ids in one copy to the device; the header goes first: D learns the
+                # size from it, and posts its receives while we gather.
+                fields_dev = torch.tensor(fields + page_ids, dtype=torch.int64, device=self.device)
+                ops = [pair.send(fields_dev[:_HEADER_LEN], _TAG_HEADER)]
+                ids = fields_dev[_HEADER_LEN:]
+                ack = torch.empty(2, dtype=torch.int64, device=self.device)
                 if self.delay_after_header_s:
                     wait_ops(ops, deadline, what, self.config.spin_s)
                     time.sleep(self.delay_after_header_s)
                 pieces = []  # referenced until the sends complete
                 for first, stop in plan:
-                    pieces.append(cache[first:stop].index_select(1, ids))  # [k, n, S, D]
+                    pieces.append(kernels.gather_pages(cache, first, stop, ids))  # [k, n, S, D]
                     ops.append(pair.send(pieces[-1], _TAG_PAGES))
                 ops.append(pair.recv(ack, _TAG_ACK))
-                posted = time.perf_counter()
+                posted = time.monotonic()
                 wait_ops(ops, deadline, what, self.config.spin_s)
                 ack_id, status = ack.tolist()
             except Exception as e:
@@ -194,8 +213,8 @@ class DistKVSender(KVSender):
                 raise TransferError(f"{what} failed: {e}") from e
         if ack_id != transfer_id or status not in (_ACK_OK, _ACK_DISCARDED):
             raise TransferError(f"{what}: bad acknowledgement {[ack_id, status]}")
-        now = time.perf_counter()
-        self.last_profile[peer] = SendProfile(posted - start, now - start, len(plan))
+        now = time.monotonic()
+        self.last_profile[peer] = SendProfile(start, posted - start, now - start, len(plan))
 
     def close(self) -> None:
         with self._lock:
@@ -239,6 +258,7 @@ class DistKVReceiver(KVReceiver):
         self._closed = threading.Event()
 
     def expect(self, transfer: ExpectedTransfer) -> None:
+        _check_pages(transfer.dest_pages, self.cache.shape[1], f"transfer {transfer.transfer_id}")
         with self._lock:
             self._expected[transfer.transfer_id] = transfer
             if transfer.peer not in self._peers:
@@ -450,7 +470,11 @@ class DistKVReceiver(KVReceiver):
             if write is not None:
                 write.synchronize()
             if dest is not None and self._expected.pop(transfer_id, None) is not None:
-                self._results.append(TransferResult(transfer_id, num_tokens, first_token))
+                self._results.append(
+                    TransferResult(
+                        transfer_id, num_tokens, first_token, completed_at=time.monotonic()
+                    )
+                )
         wait_ops([ack_op], deadline, f"ack of {what}", self.config.spin_s)
         return next_header, next_op
 
@@ -474,7 +498,7 @@ class DistKVReceiver(KVReceiver):
                 self._results.append(TransferResult(transfer_id, error=error))
                 return None
             pages = expected.dest_pages
-        return _to_device(pages, self.device)
+        return torch.tensor(pages, dtype=torch.int64, device=self.device)
 
     def _write_piece(
         self, transfer_id: int, dest: torch.Tensor, first: int, stop: int, staging: torch.Tensor
@@ -484,7 +508,7 @@ class DistKVReceiver(KVReceiver):
         with self._lock:
             if transfer_id not in self._expected:
                 return None
-            self.cache[first:stop].index_copy_(1, dest, staging[first:stop])
+            kernels.scatter_pages(self.cache, first, stop, dest, staging[first:stop])
             if self.device.type == "cuda":
                 write = torch.cuda.Event()
                 write.record()

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from pdserve import kernels
 from pdserve.model.errors import TransferError
 
 from .base import ExpectedTransfer, KVReceiver, KVSender, TransferResult
@@ -59,10 +60,13 @@ class LoopbackReceiver(KVReceiver):
                     f"transfer {transfer_id}: {pages.shape[1]} pages for {len(expected.dest_pages)} reserved"
                 )
             dest = torch.tensor(expected.dest_pages, dtype=torch.int64, device=self.cache.device)
-            self.cache.index_copy_(1, dest, pages.to(self.cache.device, self.cache.dtype))
+            packed = pages.to(self.cache.device, self.cache.dtype).contiguous()
+            kernels.scatter_pages(self.cache, 0, self.cache.shape[0], dest, packed)
             if self.cache.is_cuda:
                 torch.cuda.current_stream(self.cache.device).synchronize()
-            self._results.append(TransferResult(transfer_id, num_tokens, first_token))
+            self._results.append(
+                TransferResult(transfer_id, num_tokens, first_token, completed_at=time.monotonic())
+            )
 
 
 class LoopbackSender(KVSender):
@@ -77,4 +81,5 @@ class LoopbackSender(KVSender):
         if receiver is None:
             raise TransferError(f"KV transfer {transfer_id}: no decode worker {peer!r}")
         ids = torch.tensor(page_ids, dtype=torch.int64, device=cache.device)
-        receiver.deliver(transfer_id, cache.index_select(1, ids), num_tokens, first_token)
+        pages = kernels.gather_pages(cache, 0, cache.shape[0], ids)
+        receiver.deliver(transfer_id, pages, num_tokens, first_token)

@@ -30,7 +30,9 @@ def free_port() -> int:
 @pytest.mark.parametrize(
     ("layers", "chunk_layers", "plan"),
     [
-        (27, 5, [(0, 1), (1, 6), (6, 11), (11, 16), (16, 21), (21, 26), (26, 27)]),
+        (27, 5, [(0, 1), (1, 5), (5, 10), (10, 14), (14, 18), (18, 22), (22, 26), (26, 27)]),
+        (27, 26, [(0, 1), (1, 5), (5, 22), (22, 26), (26, 27)]),
+        (61, 60, [(0, 1), (1, 5), (5, 21), (21, 40), (40, 56), (56, 60), (60, 61)]),
         (27, 27, [(0, 27)]),
         (27, 100, [(0, 27)]),
         (5, 2, [(0, 1), (1, 3), (3, 4), (4, 5)]),
@@ -52,7 +54,7 @@ def make_link():
     def make(idle_timeout_s: float = 900.0):
         config = KVTransferConfig(
             store_port=free_port(), timeout_s=10, connect_timeout_s=10,
-            idle_timeout_s=idle_timeout_s, chunk_bytes=2 * 13 * PAGE_SIZE * DIM * 4,
+            idle_timeout_s=idle_timeout_s, chunk_bytes=2 * 13 * PAGE_SIZE * DIM * 4, pipeline_min_bytes=0,
         )  # fmt: skip
         d_store = connect_store(config, is_master=True)
         p_store = connect_store(config, is_master=False)
