@@ -85,9 +85,9 @@ def _run(rank: int, args, port: int, results) -> None:
 
 
 def _measure(rank: int, args, port: int, results) -> None:
-    from pdserve import kernels
     from pdserve.kvtransfer import ExpectedTransfer
     from pdserve.kvtransfer.dist import DistKVReceiver, DistKVSender, connect_store
+    from pdserve.kvtransfer.pages import gather_pages, scatter_pages
 
     if os.environ.get("PDSERVE_DUMP_AFTER_S"):  # a hang: every thread's stack, then the rank ends
         faulthandler.dump_traceback_later(float(os.environ["PDSERVE_DUMP_AFTER_S"]), exit=True)
@@ -127,7 +127,7 @@ def _measure(rank: int, args, port: int, results) -> None:
         staging = torch.empty(payload_shape, dtype=torch.bfloat16, device=device)
         ids = torch.tensor(pages, device=device)
         for name, fn in [
-            ("scatter", lambda: kernels.scatter_pages(cache, 0, args.layers, ids, staging)),
+            ("scatter", lambda: scatter_pages(cache, 0, args.layers, ids, staging)),
             ("scatter_torch", lambda: cache.index_copy_(1, ids, staging)),
         ]:
             results[name] = statistics.median(_timed(fn, device) for _ in range(args.iters))
@@ -167,7 +167,7 @@ def _measure(rank: int, args, port: int, results) -> None:
     results["p_sums"] = _page_sums(source, pages)
     ids = torch.tensor(pages, device=device)
     for name, fn in [
-        ("gather", lambda: kernels.gather_pages(source, 0, args.layers, ids)),
+        ("gather", lambda: gather_pages(source, 0, args.layers, ids)),
         ("gather_torch", lambda: source.index_select(1, ids)),
     ]:
         results[name] = statistics.median(_timed(fn, device) for _ in range(args.iters))

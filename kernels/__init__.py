@@ -17,7 +17,6 @@ from .matmul import head_matmul, linear
 from .mla_decode import mla_decode
 from .mla_prefill import merge_attn_states, mla_prefill
 from .moe_route import moe_route
-from .page_copy import gather_pages, scatter_pages
 from .rmsnorm import rmsnorm
 from .rope import rope
 from .sampling import sample
@@ -31,7 +30,6 @@ __all__ = [
     "fp8_gemm",
     "forward_phase",
     "fused_moe",
-    "gather_pages",
     "head_matmul",
     "linear",
     "merge_attn_states",
@@ -43,7 +41,6 @@ __all__ = [
     "rmsnorm",
     "rope",
     "sample",
-    "scatter_pages",
     "use_backend",
     "use_batch_invariant",
 ]

@@ -31,7 +31,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pdserve import kernels
 from pdserve.model.errors import TransferError
 
 from ._link import (
@@ -47,6 +46,7 @@ from ._link import (
 )
 from .base import ExpectedTransfer, KVReceiver, KVSender, TransferResult
 from .config import KVTransferConfig
+from .pages import device_ids, gather_pages, scatter_pages
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class DistKVSender(KVSender):
             try:
                 # The header and the page ids in one copy to the device; the header goes first: D learns the
                 # size from it, and posts its receives while we gather.
-                fields_dev = torch.tensor(fields + page_ids, dtype=torch.int64, device=self.device)
+                fields_dev = device_ids(fields + page_ids, self.device)
                 ops = [pair.send(fields_dev[:_HEADER_LEN], _TAG_HEADER)]
                 ids = fields_dev[_HEADER_LEN:]
                 ack = torch.empty(2, dtype=torch.int64, device=self.device)
@@ -199,7 +199,7 @@ class DistKVSender(KVSender):
                     time.sleep(self.delay_after_header_s)
                 pieces = []  # referenced until the sends complete
                 for first, stop in plan:
-                    pieces.append(kernels.gather_pages(cache, first, stop, ids))  # [k, n, S, D]
+                    pieces.append(gather_pages(cache, first, stop, ids))  # [k, n, S, D]
                     ops.append(pair.send(pieces[-1], _TAG_PAGES))
                 ops.append(pair.recv(ack, _TAG_ACK))
                 posted = time.monotonic()
@@ -458,13 +458,8 @@ class DistKVReceiver(KVReceiver):
                 if self._expected.pop(transfer_id, None) is not None:
                     self._results.append(TransferResult(transfer_id, error=str(e)))
             raise
-        # NCCL queues the ack after the page writes on our stream; then, if another transfer from the peer is
-        # expected, the next header's receive, so that a transfer queued behind this one on P finds it posted.
-        ack_op = pair.send(acks[_ACK_OK if dest is not None else _ACK_DISCARDED], _TAG_ACK)
-        next_header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
-        next_op = None
-        if self._expecting_from(peer, besides=transfer_id):
-            next_op = pair.recv(next_header, _TAG_HEADER)
+        # Report first (the decode worker waits on it), then acknowledge; then, if another transfer from the peer
+        # is expected, post the next header's receive, so that a transfer queued behind this one on P finds it.
         with self._lock:
             write = self._writes.pop(transfer_id, None)
             if write is not None:
@@ -475,6 +470,11 @@ class DistKVReceiver(KVReceiver):
                         transfer_id, num_tokens, first_token, completed_at=time.monotonic()
                     )
                 )
+        ack_op = pair.send(acks[_ACK_OK if dest is not None else _ACK_DISCARDED], _TAG_ACK)
+        next_header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
+        next_op = None
+        if self._expecting_from(peer, besides=transfer_id):
+            next_op = pair.recv(next_header, _TAG_HEADER)
         wait_ops([ack_op], deadline, f"ack of {what}", self.config.spin_s)
         return next_header, next_op
 
@@ -498,7 +498,7 @@ class DistKVReceiver(KVReceiver):
                 self._results.append(TransferResult(transfer_id, error=error))
                 return None
             pages = expected.dest_pages
-        return torch.tensor(pages, dtype=torch.int64, device=self.device)
+        return device_ids(pages, self.device)
 
     def _write_piece(
         self, transfer_id: int, dest: torch.Tensor, first: int, stop: int, staging: torch.Tensor
@@ -508,7 +508,7 @@ class DistKVReceiver(KVReceiver):
         with self._lock:
             if transfer_id not in self._expected:
                 return None
-            kernels.scatter_pages(self.cache, first, stop, dest, staging[first:stop])
+            scatter_pages(self.cache, first, stop, dest, staging[first:stop])
             if self.device.type == "cuda":
                 write = torch.cuda.Event()
                 write.record()

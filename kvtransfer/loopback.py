@@ -8,10 +8,10 @@ import time
 
 import torch
 
-from pdserve import kernels
 from pdserve.model.errors import TransferError
 
 from .base import ExpectedTransfer, KVReceiver, KVSender, TransferResult
+from .pages import gather_pages, scatter_pages
 
 
 class LoopbackHub:
@@ -61,7 +61,7 @@ class LoopbackReceiver(KVReceiver):
                 )
             dest = torch.tensor(expected.dest_pages, dtype=torch.int64, device=self.cache.device)
             packed = pages.to(self.cache.device, self.cache.dtype).contiguous()
-            kernels.scatter_pages(self.cache, 0, self.cache.shape[0], dest, packed)
+            scatter_pages(self.cache, 0, self.cache.shape[0], dest, packed)
             if self.cache.is_cuda:
                 torch.cuda.current_stream(self.cache.device).synchronize()
             self._results.append(
@@ -81,5 +81,5 @@ class LoopbackSender(KVSender):
         if receiver is None:
             raise TransferError(f"KV transfer {transfer_id}: no decode worker {peer!r}")
         ids = torch.tensor(page_ids, dtype=torch.int64, device=cache.device)
-        pages = kernels.gather_pages(cache, 0, cache.shape[0], ids)
+        pages = gather_pages(cache, 0, cache.shape[0], ids)
         receiver.deliver(transfer_id, pages, num_tokens, first_token)

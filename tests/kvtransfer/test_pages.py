@@ -1,21 +1,21 @@
-"""Whole-page gather and scatter (the KV transfer's copies), Triton and the reference, against plain torch
-indexing of the cache. Copies are exact. The CPU cases run the kernel in the interpreter on small caches; a page
-row longer than one block (page_size * dim > 1024) takes several programs per row."""
+"""Whole-page gather and scatter (the KV transfer's copies) against plain torch indexing of the cache: exact, in
+8-byte words where a page row allows and in elements otherwise."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _decode_check import DEVICE, poisoned_empty
 
-from pdserve.kernels.page_copy import ref
-from pdserve.kernels.page_copy import triton as tri
+from pdserve.kvtransfer.pages import device_ids, gather_pages, scatter_pages
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 CASES = [
     # layers, cache pages, page_size, dim, dtype, first, stop, n pages
     pytest.param(3, 10, 4, 24, torch.float32, 0, 3, 5, id="3L-row96-f32"),
     pytest.param(5, 9, 4, 576, torch.float16, 1, 4, 4, id="5L-row2304-f16-mid-layers"),
     pytest.param(2, 6, 1, 8, torch.float32, 1, 2, 6, id="all-pages-reordered"),
+    pytest.param(3, 7, 1, 3, torch.bfloat16, 0, 3, 4, id="row-of-6-bytes-elementwise"),
     pytest.param(
         27, 1024, 16, 576, torch.bfloat16, 0, 27, 512, marks=pytest.mark.gpu, id="v2lite-8k"
     ),
@@ -23,8 +23,6 @@ CASES = [
         61, 700, 64, 576, torch.bfloat16, 5, 61, 300, marks=pytest.mark.gpu, id="v3-page64"
     ),
 ]
-
-IMPLS = [pytest.param(ref, id="ref"), pytest.param(tri, id="triton")]
 
 
 def _setup(layers, num_pages, page_size, dim, dtype, n):
@@ -34,42 +32,36 @@ def _setup(layers, num_pages, page_size, dim, dtype, n):
     return cache, ids
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("layers,num_pages,page_size,dim,dtype,first,stop,n", CASES)
-def test_gather_matches_indexing(impl, layers, num_pages, page_size, dim, dtype, first, stop, n):
+def test_gather_matches_indexing(layers, num_pages, page_size, dim, dtype, first, stop, n):
     cache, ids = _setup(layers, num_pages, page_size, dim, dtype, n)
-    with poisoned_empty():
-        packed = impl.gather_pages(cache, first, stop, ids)
+    packed = gather_pages(cache, first, stop, ids)
     assert packed.is_contiguous()
     assert torch.equal(packed, cache[first:stop][:, ids])
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("layers,num_pages,page_size,dim,dtype,first,stop,n", CASES)
-def test_scatter_writes_those_pages_only(
-    impl, layers, num_pages, page_size, dim, dtype, first, stop, n
-):
+def test_scatter_writes_those_pages_only(layers, num_pages, page_size, dim, dtype, first, stop, n):
     cache, ids = _setup(layers, num_pages, page_size, dim, dtype, n)
     packed = torch.randn(stop - first, n, page_size, dim).to(dtype).to(DEVICE)
     expected = cache.clone()
     expected[first:stop, ids] = packed
-    impl.scatter_pages(cache, first, stop, ids, packed)
+    scatter_pages(cache, first, stop, ids, packed)
     assert torch.equal(cache, expected)
 
 
-def test_round_trip_through_the_dispatcher():
-    from pdserve import kernels
-
+def test_round_trip_with_ids_from_a_list():
     cache, ids = _setup(4, 12, 2, 16, torch.float32, 7)
     dest = torch.zeros_like(cache)
-    dest_ids = torch.randperm(12)[:7].to(DEVICE)
-    kernels.scatter_pages(dest, 0, 4, dest_ids, kernels.gather_pages(cache, 0, 4, ids))
+    dest_ids = device_ids([11, 0, 5, 3, 2, 9, 8], torch.device(DEVICE))
+    assert dest_ids.dtype == torch.int64 and dest_ids.tolist() == [11, 0, 5, 3, 2, 9, 8]
+    scatter_pages(dest, 0, 4, dest_ids, gather_pages(cache, 0, 4, ids))
     assert torch.equal(dest[:, dest_ids], cache[:, ids])
 
 
-def test_triton_rejects_page_ids_it_cannot_index_with():
+def test_packed_pages_that_do_not_fit_are_refused():
     cache, ids = _setup(2, 6, 2, 8, torch.float32, 3)
-    with pytest.raises(ValueError, match="int64"):
-        tri.gather_pages(cache, 0, 2, ids.int())
     with pytest.raises(ValueError, match="do not fit"):
-        tri.scatter_pages(cache, 0, 2, ids, torch.zeros(2, 3, 2, 9, device=DEVICE))
+        scatter_pages(cache, 0, 2, ids, torch.zeros(2, 3, 2, 9, device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous"):
+        gather_pages(cache.transpose(0, 1), 0, 2, ids)
