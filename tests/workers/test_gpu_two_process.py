@@ -93,7 +93,10 @@ def test_nccl_two_gpu_outputs_match_single_gpu(model_dir, monkeypatch):
     expected = {k: reference(model, p) for batch in work.values() for k, p in batch.items()}
     del model
     torch.cuda.empty_cache()
-    kv = KVTransferConfig(store_port=free_port(), timeout_s=60)
+    # Every transfer cut into pieces of at most 2 MiB (these prompts are under 20 MB): the pipelined path.
+    kv = KVTransferConfig(
+        store_port=free_port(), timeout_s=60, pipeline_min_bytes=0, chunk_bytes=2 * 2**20
+    )
     d = WorkerProcess("decode", "d0", model_dir, DecodeConfig(gpu_memory_fraction=0.5), kv, True,
                       device="cuda:1", dtype="bfloat16")  # fmt: skip
     p = WorkerProcess("prefill", "p0", model_dir, PrefillConfig(gpu_memory_fraction=0.3), kv,
