@@ -1,12 +1,7 @@
 """The KV transfer over torch.distributed: one two-rank process group per (P, D) pair (see `_link`), NCCL for CUDA
 caches, gloo for CPU ones.
 
-Wire format per transfer, in order on the pair:
-  1. header int64[10] P->D: magic, transfer id, page count, token count, first token, then the payload's layout
-     (layers, page size, entry dim, bytes per value) and its piece size in layers;
-  2. the pages P->D, page-contiguous, cut along the layer axis into pieces (`chunk_plan`): piece [l0, l1) is
-     the tensor [l1 - l0, num_pages, page_size, dim] of those layers of the pages, in the request's page order;
-  3. ack int64[2] D->P: transfer id, status.
+Wire format: see `_wire`.
 
 Pipelining. P posts the header first, then gathers piece i from its scattered cache pages on a side stream and
 posts its send; NCCL runs the sends in order, so the gather of piece i + 1 overlaps the send of piece i. D posts
@@ -44,17 +39,22 @@ from ._link import (
     lower_timer_slack,
     wait_ops,
 )
+from ._wire import (
+    ACK_DISCARDED,
+    ACK_OK,
+    HEADER_LEN,
+    MAGIC,
+    TAG_ACK,
+    TAG_HEADER,
+    TAG_PAGES,
+    chunk_plan,
+)
 from .base import ExpectedTransfer, KVReceiver, KVSender, TransferResult
 from .config import KVTransferConfig
 from .pages import device_ids, gather_pages, scatter_pages
 
 logger = logging.getLogger(__name__)
 
-_MAGIC = 0x4B565846  # "KVXF"
-_HEADER_LEN = 10
-_TAG_HEADER, _TAG_PAGES, _TAG_ACK = 0, 1, 2
-_ACK_OK, _ACK_DISCARDED = 1, 2
-_RAMP = 4
 _SENDER_EPOCH_TTL_S = 1.0
 """How long the prefill side trusts its last read of a pair's epoch (a store round trip per send would cost
 ~0.2 ms); a failed send re-reads it."""
@@ -81,31 +81,6 @@ def _backend(config: KVTransferConfig, device: torch.device) -> str:
     if config.backend != "auto":
         return config.backend
     return "nccl" if device.type == "cuda" else "gloo"
-
-
-def chunk_plan(num_layers: int, chunk_layers: int) -> list[tuple[int, int]]:
-    """The layer ranges [start, stop) a transfer is cut into, in wire order; both sides derive it from the header.
-
-    One piece when `chunk_layers` covers all layers. Otherwise the pieces ramp up from one layer by a factor of
-    `_RAMP` and back down to one at the end, with pieces of at most `chunk_layers` in between: P gathers piece i + 1
-    while piece i is on the wire and D scatters piece i while piece i + 1 is, and a gather or scatter moves a layer
-    about five times faster than the link (benchmarks/RESULTS.md), so each piece hides the copy of a neighbour
-    `_RAMP` times its size, and only one layer's gather and one layer's scatter are left in the open."""
-    if chunk_layers >= num_layers or num_layers <= 2:
-        return [(0, num_layers)]
-    ramp: list[int] = []
-    size = 1
-    while size < chunk_layers and 2 * (sum(ramp) + size) <= num_layers:
-        ramp.append(size)
-        size *= _RAMP
-    middle = num_layers - 2 * sum(ramp)
-    count = -(-middle // chunk_layers)
-    sizes = ramp + [middle // count + (i < middle % count) for i in range(count)] + ramp[::-1]
-    bounds = [0]
-    for size in sizes:
-        if size:
-            bounds.append(bounds[-1] + size)
-    return list(zip(bounds[:-1], bounds[1:], strict=False))
 
 
 def _check_pages(page_ids: list[int], num_pages: int, what: str) -> None:
@@ -181,7 +156,7 @@ class DistKVSender(KVSender):
             chunk_layers = min(num_layers - 1, max(1, self.config.chunk_bytes // layer_bytes))
         plan = chunk_plan(num_layers, chunk_layers)
         fields = [
-            _MAGIC, transfer_id, len(page_ids), num_tokens, first_token,
+            MAGIC, transfer_id, len(page_ids), num_tokens, first_token,
             num_layers, page_size, dim, cache.element_size(), chunk_layers,
         ]  # fmt: skip
         with pair.lock, pair.on_device():
@@ -191,8 +166,8 @@ class DistKVSender(KVSender):
                 # The header and the page ids in one copy to the device; the header goes first: D learns the
                 # size from it, and posts its receives while we gather.
                 fields_dev = device_ids(fields + page_ids, self.device)
-                ops = [pair.send(fields_dev[:_HEADER_LEN], _TAG_HEADER)]
-                ids = fields_dev[_HEADER_LEN:]
+                ops = [pair.send(fields_dev[:HEADER_LEN], TAG_HEADER)]
+                ids = fields_dev[HEADER_LEN:]
                 ack = torch.empty(2, dtype=torch.int64, device=self.device)
                 if self.delay_after_header_s:
                     wait_ops(ops, deadline, what, self.config.spin_s)
@@ -200,8 +175,8 @@ class DistKVSender(KVSender):
                 pieces = []  # referenced until the sends complete
                 for first, stop in plan:
                     pieces.append(gather_pages(cache, first, stop, ids))  # [k, n, S, D]
-                    ops.append(pair.send(pieces[-1], _TAG_PAGES))
-                ops.append(pair.recv(ack, _TAG_ACK))
+                    ops.append(pair.send(pieces[-1], TAG_PAGES))
+                ops.append(pair.recv(ack, TAG_ACK))
                 posted = time.monotonic()
                 wait_ops(ops, deadline, what, self.config.spin_s)
                 ack_id, status = ack.tolist()
@@ -211,7 +186,7 @@ class DistKVSender(KVSender):
                 if isinstance(e, TransferError):
                     raise
                 raise TransferError(f"{what} failed: {e}") from e
-        if ack_id != transfer_id or status not in (_ACK_OK, _ACK_DISCARDED):
+        if ack_id != transfer_id or status not in (ACK_OK, ACK_DISCARDED):
             raise TransferError(f"{what}: bad acknowledgement {[ack_id, status]}")
         now = time.monotonic()
         self.last_profile[peer] = SendProfile(start, posted - start, now - start, len(plan))
@@ -338,9 +313,13 @@ class DistKVReceiver(KVReceiver):
         with pair.on_device():
             self._serve_peer(peer, pair, self._peers[peer].wake)
 
+    def _post_header(self, pair: Pair) -> tuple[torch.Tensor, Op]:
+        """Posts the receive of the next header: its buffer and the operation."""
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        return header, pair.recv(header, TAG_HEADER)
+
     def _serve_peer(self, peer: str, pair: Pair, wake: threading.Event) -> None:
-        header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
-        header_op: Op | None = None
+        header, header_op = None, None
         idle_reason = f"no KV pages from {peer} before the deadline"
         while not self._closed.is_set():
             try:
@@ -353,8 +332,7 @@ class DistKVReceiver(KVReceiver):
                         continue
                     if pair.group is None:
                         pair.connect()
-                    header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
-                    header_op = pair.recv(header, _TAG_HEADER)
+                    header, header_op = self._post_header(pair)
                 outcome = self._wait_header(peer, pair, header_op, idle_reason)
                 if outcome is not _Wait.HEADER:
                     if outcome is _Wait.STALE:
@@ -420,14 +398,14 @@ class DistKVReceiver(KVReceiver):
 
     def _receive_one(
         self, peer: str, pair: Pair, header_dev: torch.Tensor
-    ) -> tuple[torch.Tensor, Op | None]:
+    ) -> tuple[torch.Tensor | None, Op | None]:
         """Receives the transfer whose header arrived; returns the next header's buffer and its posted
-        receive (None when no other transfer from the peer is expected)."""
+        receive (both None when no other transfer from the peer is expected)."""
         header = header_dev.tolist()
         magic, transfer_id, num_pages, num_tokens, first_token = header[:5]
         layers, page_size, dim, itemsize, chunk_layers = header[5:]
         sizes = (num_pages, layers, page_size, dim, chunk_layers)
-        if magic != _MAGIC or itemsize != self.cache.element_size() or min(sizes) <= 0:
+        if magic != MAGIC or itemsize != self.cache.element_size() or min(sizes) <= 0:
             raise TransferError(f"garbled or incompatible header from {peer}: {header}")
         what = f"KV transfer {transfer_id} from {peer}"
         with self._lock:  # it came: no receive is kept posted for it any more
@@ -437,14 +415,11 @@ class DistKVReceiver(KVReceiver):
         staging = torch.empty(
             (layers, num_pages, page_size, dim), dtype=self.cache.dtype, device=self.device
         )
-        ops = [pair.recv(staging[first:stop], _TAG_PAGES) for first, stop in plan]
-        # While the pieces travel: the page ids, both possible acks (built on the device: the host never
-        # waits), so that little is left to do after the last piece.
+        ops = [pair.recv(staging[first:stop], TAG_PAGES) for first, stop in plan]
+        # While the pieces travel: the page ids and both possible acks, so that little is left to do after
+        # the last piece.
         dest = self._destination(transfer_id, num_pages, (layers, page_size, dim), what)
-        acks = {}
-        for status in (_ACK_OK, _ACK_DISCARDED):
-            acks[status] = header_dev[1:3].clone()  # [transfer_id, status]
-            acks[status][1].fill_(status)
+        acks = device_ids([transfer_id, ACK_OK, transfer_id, ACK_DISCARDED], self.device).view(2, 2)
         try:
             for op, (first, stop) in zip(ops, plan, strict=True):
                 # After this wait our (side) stream follows the piece's receive.
@@ -470,13 +445,12 @@ class DistKVReceiver(KVReceiver):
                         transfer_id, num_tokens, first_token, completed_at=time.monotonic()
                     )
                 )
-        ack_op = pair.send(acks[_ACK_OK if dest is not None else _ACK_DISCARDED], _TAG_ACK)
-        next_header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device)
-        next_op = None
+        ack_op = pair.send(acks[0 if dest is not None else 1], TAG_ACK)
+        next_header = None, None
         if self._expecting_from(peer, besides=transfer_id):
-            next_op = pair.recv(next_header, _TAG_HEADER)
+            next_header = self._post_header(pair)
         wait_ops([ack_op], deadline, f"ack of {what}", self.config.spin_s)
-        return next_header, next_op
+        return next_header
 
     def _destination(
         self, transfer_id: int, num_pages: int, layout: tuple[int, int, int], what: str
