@@ -1,21 +1,23 @@
-"""KV transfer bandwidth between two ranks, through pdserve's own path (DistKVSender -> DistKVReceiver: pages
-gathered from scattered source pages piece by piece, sent, scattered into scattered cache pages, acknowledged),
-next to a bare send/recv of the same bytes on a two-rank group (the peer).
+"""KV transfer bandwidth between two ranks, through pdserve's own path (DistKVSender -> DistKVReceiver, page-major
+caches), next to a bare send/recv of the same bytes on a two-rank group (the peer).
 
     python benchmarks/kv_transfer.py [--tokens 8192] [--layers 27] [--page-size 16] [--iters 20]
-        [--chunk-mib 256,48,0] [--gap-ms 0,10] [--spin-ms 3] [--pipeline-min-mib 32] [--trace DIR]
+        [--pages runs,scattered] [--chunk-mib 256,48,0] [--gap-ms 0,10] [--spin-ms 3]
+        [--pipeline-min-mib 32] [--trace DIR]
     python benchmarks/kv_transfer.py --device cpu --tokens 256 --layers 4 --chunk-mib 0.25,0 --pipeline-min-mib 0
 
-On CUDA it needs 2 GPUs (NCCL); on CPU it runs two processes over gloo (a functional check, not a bandwidth
-figure). Two times per transfer, both from the call to `send` (the pages still scattered in P's cache): until D
-has written the last page into its cache and reported the transfer (D's `TransferResult.completed_at`; both
-ranks read the same monotonic clock), which is when D can decode; and until P has read D's acknowledgement,
-which also pays the trip back. `--chunk-mib` is the largest piece (`KVTransferConfig.chunk_bytes`; 0 sends each
-transfer as one piece). `--gap-ms` idles between transfers, so that the receiver's wait for the header has left
-its spin phase (how transfers arrive when serving); 0 runs them back to back. The transferred pages are checked
-at the end. PDSERVE_DUMP_AFTER_S=N prints every thread's stack and ends a rank still running after N seconds.
-Prints one table; writes it to
-$OUT/kv_transfer.md when OUT is set."""
+`--pages runs`: the request's pages are one run of consecutive ids in both caches (what the allocators hand out
+while they can): the pages travel in place, one message, no copy. `--pages scattered`: random pages on both
+sides: P packs them piece by piece, D unpacks them. On CUDA it needs 2 GPUs (NCCL); on CPU it runs two processes
+over gloo (a functional check, not a bandwidth figure; gloo packs every piece). Two times per transfer, both from
+the call to `send`: until D has the last page in its cache and reported the transfer (D's
+`TransferResult.completed_at`; both ranks read the same monotonic clock), which is when D can decode; and until
+P has read D's acknowledgement, which also pays the trip back. `--chunk-mib` is the largest piece of scattered
+pages (`KVTransferConfig.chunk_bytes`; 0 sends each transfer as one piece). `--gap-ms` idles between transfers,
+so that the receiver's wait for the header has left its spin phase (how transfers arrive when serving); 0 runs
+them back to back. The transferred pages are checked at the end. PDSERVE_DUMP_AFTER_S=N prints every thread's
+stack and ends a rank still running after N seconds. Prints one table; writes it to $OUT/kv_transfer.md when
+OUT is set."""
 
 from __future__ import annotations
 
@@ -43,8 +45,22 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _cases(args) -> list[tuple[float, float]]:
-    return [(mib, gap) for mib in args.chunk_mib for gap in args.gap_ms]
+def _cases(args) -> list[tuple[str, float, float]]:
+    """(pages, largest piece in MiB, gap in ms); a run travels as one piece whatever the largest."""
+    cases = []
+    for mode in args.pages:
+        for mib in args.chunk_mib if mode == "scattered" else args.chunk_mib[:1]:
+            cases += [(mode, mib, gap) for gap in args.gap_ms]
+    return cases
+
+
+def _pages(mode: str, rank: int, num_pages: int) -> list[int]:
+    """A request's pages in a cache of 3 * num_pages pages: random ones among the first 2 * num_pages (other ones
+    on each rank), or the run of the last num_pages."""
+    if mode == "runs":
+        return list(range(2 * num_pages, 3 * num_pages))
+    g = torch.Generator().manual_seed(rank)
+    return torch.randperm(2 * num_pages, generator=g)[:num_pages].tolist()
 
 
 def _sync(device: torch.device) -> None:
@@ -63,7 +79,7 @@ def _timed(fn, device: torch.device) -> float:
 def _page_sums(cache: torch.Tensor, pages: list[int]) -> list[float]:
     """One checksum per transferred page, in transfer order: [n]."""
     ids = torch.tensor(pages, device=cache.device)
-    return cache.index_select(1, ids).float().sum(dim=(0, 2, 3)).tolist()
+    return cache.index_select(0, ids).float().sum(dim=(1, 2, 3)).tolist()
 
 
 def _bare_group(store, rank: int, device: torch.device):
@@ -98,21 +114,27 @@ def _measure(rank: int, args, port: int, results) -> None:
         torch.set_num_threads(1)
         device = torch.device("cpu")
     num_pages = -(-args.tokens // args.page_size)
-    cache_shape = (args.layers, 2 * num_pages, args.page_size, ENTRY_DIM)
-    payload_shape = (args.layers, num_pages, args.page_size, ENTRY_DIM)
+    cache_shape = (3 * num_pages, args.layers, args.page_size, ENTRY_DIM)
+    payload_shape = (num_pages, args.layers, args.page_size, ENTRY_DIM)
     config = KVTransferConfig(
         store_port=port, timeout_s=60, connect_timeout_s=60, spin_s=args.spin_ms / 1e3,
         pipeline_min_bytes=int(args.pipeline_min_mib * 2**20),
     )  # fmt: skip
     store = connect_store(config, is_master=rank == 1)
     num_transfers = len(_cases(args)) * (WARMUP + args.iters)
-    g = torch.Generator().manual_seed(rank)
-    pages = torch.randperm(2 * num_pages, generator=g)[:num_pages].tolist()  # scattered, both sides
-    if rank == 1:  # decode side: a cache twice the payload
+    pages = _pages("scattered", rank, num_pages)
+    if rank == 1:  # decode side
         cache = torch.zeros(cache_shape, dtype=torch.bfloat16, device=device)
         receiver = DistKVReceiver(config, store, "d0", cache)
-        for i in range(num_transfers):
-            receiver.expect(ExpectedTransfer(i + 1, "p0", pages, time.monotonic() + 600))
+        transfer_id = 0
+        for mode, _, _ in _cases(args):
+            for _ in range(WARMUP + args.iters):
+                transfer_id += 1
+                receiver.expect(
+                    ExpectedTransfer(
+                        transfer_id, "p0", _pages(mode, 1, num_pages), time.monotonic() + 600
+                    )
+                )  # fmt: skip
         completed, deadline = {}, time.monotonic() + 600
         while len(completed) < num_transfers:
             for r in receiver.poll():
@@ -121,14 +143,14 @@ def _measure(rank: int, args, port: int, results) -> None:
             done = len(completed)
             assert time.monotonic() < deadline, f"{done} of {num_transfers} transfers arrived"
             time.sleep(0.001)
-        results["d_sums"] = _page_sums(cache, pages)
+        results["d_sums"] = {m: _page_sums(cache, _pages(m, 1, num_pages)) for m in args.pages}
         results["completed_at"] = completed
         receiver.close()
         staging = torch.empty(payload_shape, dtype=torch.bfloat16, device=device)
         ids = torch.tensor(pages, device=device)
         for name, fn in [
-            ("scatter", lambda: scatter_pages(cache, 0, args.layers, ids, staging)),
-            ("scatter_torch", lambda: cache.index_copy_(1, ids, staging)),
+            ("scatter", lambda: scatter_pages(cache, ids, staging)),
+            ("scatter_torch", lambda: cache.index_copy_(0, ids, staging)),
         ]:
             results[name] = statistics.median(_timed(fn, device) for _ in range(args.iters))
         bare_pg = _bare_group(store, 1, device)
@@ -140,38 +162,41 @@ def _measure(rank: int, args, port: int, results) -> None:
     sender = DistKVSender(config, store, "p0", device)
     source = torch.randn(cache_shape, device=device).bfloat16()
     transfer_id = 0
-    for mib, gap_ms in _cases(args):
+    for mode, mib, gap_ms in _cases(args):
+        src_pages = _pages(mode, 0, num_pages)
         if mib > 0:
             sender.config = dataclasses.replace(config, chunk_bytes=int(mib * 2**20))
         else:
             sender.config = dataclasses.replace(config, pipeline_min_bytes=2**62)
         times, posted, started = [], [], {}
         for i in range(WARMUP + args.iters):
-            source[:, pages[transfer_id % num_pages]].add_(1.0)  # later transfers carry other data
+            source[src_pages[transfer_id % num_pages]].add_(1.0)  # later transfers carry other data
             transfer_id += 1
             time.sleep(gap_ms / 1e3)
             elapsed = _timed(
-                lambda tid=transfer_id: sender.send("d0", tid, source, pages, args.tokens, 0),
+                lambda tid=transfer_id, pages=src_pages: sender.send(
+                    "d0", tid, source, pages, args.tokens, 0
+                ),
                 device,
             )
             if i >= WARMUP:
                 times.append(elapsed)
                 posted.append(sender.last_profile["d0"].posted_s)
                 started[transfer_id] = sender.last_profile["d0"].started_at
-        results[("ours", mib, gap_ms)] = (
+        results[("ours", mode, mib, gap_ms)] = (
             statistics.median(times),
             statistics.median(posted),
             sender.last_profile["d0"].num_pieces,
             started,
         )
-    results["p_sums"] = _page_sums(source, pages)
+    results["p_sums"] = {m: _page_sums(source, _pages(m, 0, num_pages)) for m in args.pages}
     ids = torch.tensor(pages, device=device)
     for name, fn in [
-        ("gather", lambda: gather_pages(source, 0, args.layers, ids)),
-        ("gather_torch", lambda: source.index_select(1, ids)),
+        ("gather", lambda: gather_pages(source, ids)),
+        ("gather_torch", lambda: source.index_select(0, ids)),
     ]:
         results[name] = statistics.median(_timed(fn, device) for _ in range(args.iters))
-    payload = source.index_select(1, ids)
+    payload = source.index_select(0, ids)
     bare_pg = _bare_group(store, 0, device)
     bare = []
     for i in range(WARMUP + args.iters):
@@ -201,6 +226,10 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument(
+        "--pages", type=lambda text: text.split(","), default=["runs", "scattered"],
+        help="where the request's pages lie in both caches, comma-separated: runs, scattered",
+    )  # fmt: skip
+    parser.add_argument(
         "--chunk-mib", type=_floats, default=[256.0, 48.0, 0.0],
         help="largest piece sizes to measure, comma-separated (KVTransferConfig.chunk_bytes; 0: one piece)",
     )  # fmt: skip
@@ -221,6 +250,8 @@ def main() -> None:
         help="write each rank's torch.profiler trace (chrome format) there; use with few transfers",
     )  # fmt: skip
     args = parser.parse_args()
+    if not set(args.pages) <= {"runs", "scattered"}:
+        parser.error(f"--pages {','.join(args.pages)}: expected runs and/or scattered")
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         raise SystemExit("needs 2 CUDA GPUs (or --device cpu)")
     port = _port()
@@ -228,14 +259,18 @@ def main() -> None:
         results = manager.dict()
         mp.spawn(_run, args=(args, port, results), nprocs=2, join=True)
         r = dict(results)
-    if r["p_sums"] != r["d_sums"]:
-        bad = sum(a != b for a, b in zip(r["p_sums"], r["d_sums"], strict=True))
-        raise SystemExit(f"transferred pages differ from the source: {bad} of {len(r['p_sums'])}")
+    for mode in args.pages:
+        p_sums, d_sums = r["p_sums"][mode], r["d_sums"][mode]
+        if p_sums != d_sums:
+            bad = sum(a != b for a, b in zip(p_sums, d_sums, strict=True))
+            raise SystemExit(
+                f"{mode}: transferred pages differ from the source: {bad} of {len(p_sums)}"
+            )
     gb, bare = r["bytes"] / 1e9, r["bare"]
     where = torch.cuda.get_device_name(0) + " x2, NCCL" if args.device == "cuda" else "CPU, gloo"
     lines = [
         f"{where} | {args.tokens} tokens x {args.layers} layers x {ENTRY_DIM} x bf16 = "
-        f"{r['bytes'] / 2**20:.1f} MiB, page {args.page_size}, pages scattered on both sides | "
+        f"{r['bytes'] / 2**20:.1f} MiB, page {args.page_size}, page-major caches | "
         f"median of {args.iters} | spin {args.spin_ms:g} ms | pages checked: equal",
         "",
         "| path | pieces | idle before | ms | GB/s | / bare | all posted at (ms) |",
@@ -243,14 +278,17 @@ def main() -> None:
         f"| bare send/recv of the contiguous payload | 1 | 0 | {1e3 * bare:.3f} | {_rate(gb, bare)} "
         "| 1.00 | |",
     ]
-    for mib, gap in _cases(args):
-        t, posted, pieces, started = r[("ours", mib, gap)]
+    for mode, mib, gap in _cases(args):
+        t, posted, pieces, started = r[("ours", mode, mib, gap)]
         landed = statistics.median(r["completed_at"][i] - t0 for i, t0 in started.items())
-        size = f"{mib:g} MiB" if mib > 0 else "whole"
+        if mode == "runs":
+            how = "a run of pages to a run of pages"
+        else:
+            how = f"scattered pages to scattered pages ({f'{mib:g} MiB' if mib > 0 else 'whole'})"
         for what, sec, at in [("pages in D's cache", landed, ""), ("ack read by P", t, posted)]:
             at = f"{1e3 * at:.3f}" if at != "" else ""
             lines.append(
-                f"| pdserve send -> {what}, scattered pages to scattered pages ({size}) | {pieces} "
+                f"| pdserve send -> {what}, {how} | {pieces} "
                 f"| {gap:g} ms | {1e3 * sec:.3f} | {_rate(gb, sec)} | {bare / sec:.2f} | {at} |"
             )
     for side, op in [("P", "gather"), ("D", "scatter")]:

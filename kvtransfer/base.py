@@ -7,8 +7,9 @@ pages itself if the transfer fails or the request is cancelled.
 
 Ordering. Transfers between one (P, D) pair travel in the order P sends them; different pairs are independent.
 A transfer is a header (the request's transfer id, page count, token count and first sampled token) followed by
-the pages, page-contiguous [num_layers, num_pages, page_size, entry_dim] in the request's page order (possibly
-cut into pieces along the layer axis), never per-token messages.
+the pages, whole pages [num_pages, num_layers, page_size, entry_dim] in the request's page order (possibly cut
+into pieces along the page axis), never per-token messages. Caches are page-major, so a run of consecutive pages
+is sent from, and received into, the cache in place.
 
 Acknowledgement. D acknowledges a transfer after its pages are in D's cache (device writes included); `send`
 returns only then, and D reports the transfer through `poll` only then. A transfer D no longer expects (cancelled,
@@ -60,10 +61,10 @@ class KVSender(abc.ABC):
         self, peer: str, transfer_id: int, cache: torch.Tensor, page_ids: list[int],
         num_tokens: int, first_token: int,
     ) -> None:  # fmt: skip
-        """Sends pages `page_ids` (all layers, in that order) of `cache` [num_layers, num_pages, page_size,
-        dim] to decode worker `peer`; blocks until it acknowledged. The pages' device writes must have completed
-        when `send` is called; they are read until it returns. Raises TransferError (naming the peer and what
-        happened) on failure or timeout."""
+        """Sends pages `page_ids` (all layers, in that order) of the page-major `cache` [num_pages, num_layers,
+        page_size, dim] to decode worker `peer`; blocks until it acknowledged. The pages' device writes must have
+        completed when `send` is called; they are read until it returns. Raises TransferError (naming the peer
+        and what happened) on failure or timeout."""
 
     def connect(self, peer: str) -> None:  # noqa: B027 (optional hook)
         """Starts building the link to `peer` in the background, so that it is up by the time a transfer is ready.
@@ -93,4 +94,5 @@ class KVReceiver(abc.ABC):
 
 
 MakeReceiver = Callable[[torch.Tensor], KVReceiver]
-"""Decode side: builds the worker's receiver over its cache [num_layers, num_pages, page_size, entry_dim]."""
+"""Decode side: builds the worker's receiver over its page-major cache [num_pages, num_layers, page_size,
+entry_dim]."""

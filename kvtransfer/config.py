@@ -18,9 +18,13 @@ class KVTransferConfig:
     connect_timeout_s: float = 60.0
     """Longest the two sides of a pair may wait for each other when building their process group."""
     chunk_bytes: int = 256 * 2**20
-    """Largest piece a transfer is cut into along the layer axis (whole layers, at least one). A transfer over
-    `pipeline_min_bytes` is pipelined: its pieces ramp up from one layer and back down to one (`dist.chunk_plan`),
-    so that P's gather of a piece and D's scatter of one into cache pages overlap the link."""
+    """Largest piece a transfer is cut into along the page axis (whole pages, at least one), when P's pages are
+    not one run of consecutive ids and the transfer is over `pipeline_min_bytes`: its pieces then ramp up from
+    `first_piece_bytes` and back down (`_wire.chunk_plan`), so that P's packing of a piece and D's unpacking of
+    one overlap the link. A run of pages travels as one piece, in place."""
+    first_piece_bytes: int = 8 * 2**20
+    """Size of the first and last pieces of a pipelined transfer (whole pages, at least one): the packing and
+    unpacking left in the open."""
     pipeline_min_bytes: int = 32 * 2**20
     """Transfers up to this size travel as one piece: per piece, NCCL and the host cost more than the overlap
     saves."""
@@ -42,7 +46,9 @@ class KVTransferConfig:
             raise ValueError(f"store_port={self.store_port}: not a port number")
         if self.spin_s < 0:
             raise ValueError(f"spin_s={self.spin_s}: must not be negative")
-        if self.chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes={self.chunk_bytes}: must be positive")
+        if self.chunk_bytes <= 0 or self.first_piece_bytes <= 0:
+            raise ValueError(
+                f"chunk_bytes={self.chunk_bytes}, first_piece_bytes={self.first_piece_bytes}: must be positive"
+            )
         if self.pipeline_min_bytes < 0:
             raise ValueError(f"pipeline_min_bytes={self.pipeline_min_bytes}: must not be negative")

@@ -3,19 +3,24 @@ caches, gloo for CPU ones.
 
 Wire format: see `_wire`.
 
-Pipelining. P posts the header first, then gathers piece i from its scattered cache pages on a side stream and
-posts its send; NCCL runs the sends in order, so the gather of piece i + 1 overlaps the send of piece i. D posts
-the receives of all pieces as soon as the header is in, and scatters each piece into its cache pages (one kernel
-for all of a piece's layers) while the next is on the wire. Only the first gather and the last scatter are not
-hidden behind the link, and pieces start and end with a single layer to keep those short.
+In place. The caches are page-major, so a run of consecutive pages is one contiguous block. P sends a piece whose
+pages are a run straight from its cache, and D receives a piece whose pages are a run straight into its cache:
+a request whose pages are one run on both sides (what the allocators hand out while they can) travels as one
+message with no copy, as fast as a bare send of its bytes.
 
-D decides each piece's scatter on the host, after the piece arrived and under the receiver's lock, so a
-`cancel` stops all further writes at once; it then waits for the writes already queued (pieces that arrived:
-microseconds), never for the link.
+Pipelining, for pages that are not in a run. P posts the header first, then packs piece i on a side stream and
+posts its send; NCCL runs the sends in order, so the packing of piece i + 1 overlaps the send of piece i. D posts
+the receives of all pieces as soon as the header is in, and unpacks each packed piece into its cache pages while
+the next is on the wire. D decides each unpacking on the host, after the piece arrived and under the receiver's
+lock, so a `cancel` stops all further writes at once; it then waits for the writes already queued.
+
+A cancel while pieces are arriving in place waits for them (normally a millisecond); if P stalls mid-transfer,
+D gives up after `_CANCEL_GRACE_S` and tears down the link, which stops the writes.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
 import logging
@@ -51,7 +56,7 @@ from ._wire import (
 )
 from .base import ExpectedTransfer, KVReceiver, KVSender, TransferResult
 from .config import KVTransferConfig
-from .pages import device_ids, gather_pages, scatter_pages
+from .pages import device_ids, gather_pages, run_start, run_view, scatter_pages
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +69,9 @@ cancelled before P sent it) before it retires the link. A posted NCCL receive oc
 completes, so that a device-wide wait there (CUDA-graph capture, the allocator returning memory) would wait for
 a transfer that is not coming. Longer than `_SENDER_EPOCH_TTL_S`, so that P re-reads the epoch on its next
 send and rebuilds the link with D."""
+_CANCEL_GRACE_S = 0.5
+"""How long D lets pieces of a cancelled transfer keep arriving in place before it tears down the link to stop
+them (only when P stalls mid-transfer: the rest of a transfer takes milliseconds)."""
 
 
 def connect_store(config: KVTransferConfig, is_master: bool) -> dist.TCPStore:
@@ -87,6 +95,19 @@ def _check_pages(page_ids: list[int], num_pages: int, what: str) -> None:
     """The page copies index the cache without bounds checks on the device: check the ids here."""
     if page_ids and not (min(page_ids) >= 0 and max(page_ids) < num_pages):
         raise ValueError(f"{what}: page ids outside the cache's {num_pages} pages")
+
+
+def _run_breaks(pages: list[int]) -> list[int]:
+    """Indices i where pages[i] does not follow pages[i - 1]: a piece [a, b) lies in one run when none falls in
+    (a, b)."""
+    if run_start(pages) is not None:
+        return []
+    return [i for i in range(1, len(pages)) if pages[i] != pages[i - 1] + 1]
+
+
+def _in_run(breaks: list[int], a: int, b: int) -> bool:
+    i = bisect.bisect_right(breaks, a)
+    return i == len(breaks) or breaks[i] >= b
 
 
 def _sync(stream) -> None:
@@ -116,6 +137,9 @@ class DistKVSender(KVSender):
     def __init__(self, config: KVTransferConfig, store, worker_id: str, device: torch.device):
         self.config, self.store, self.worker_id = config, store, worker_id
         self.device, self.backend = torch.device(device), _backend(config, torch.device(device))
+        self.in_place = self.backend == "nccl"
+        """Send runs of pages straight from the cache. Only where a failed link can be torn down under a posted
+        send (NCCL's abort; gloo cannot withdraw one), so that no send reads pages after `send` returned."""
         self._pairs: dict[str, Pair] = {}
         self._lock = threading.Lock()
         self.last_profile: dict[str, SendProfile] = {}
@@ -146,26 +170,29 @@ class DistKVSender(KVSender):
     ) -> None:  # fmt: skip
         start = time.monotonic()
         pair = self._pair(peer)
-        num_layers, num_cache_pages, page_size, dim = cache.shape
-        layer_bytes = len(page_ids) * page_size * dim * cache.element_size()
-        what = f"KV transfer {transfer_id} ({num_layers * layer_bytes} bytes) to {peer}"
+        num_cache_pages, num_layers, page_size, dim = cache.shape
+        page_bytes = num_layers * page_size * dim * cache.element_size()
+        n = len(page_ids)
+        what = f"KV transfer {transfer_id} ({n * page_bytes} bytes) to {peer}"
         _check_pages(page_ids, num_cache_pages, what)
-        if num_layers * layer_bytes <= self.config.pipeline_min_bytes:
-            chunk_layers = num_layers
+        breaks = _run_breaks(page_ids) if self.in_place else None
+        if breaks == [] or n * page_bytes <= self.config.pipeline_min_bytes:
+            largest, first = n, n  # in place, or too small to gain from pieces: one piece
         else:
-            chunk_layers = min(num_layers - 1, max(1, self.config.chunk_bytes // layer_bytes))
-        plan = chunk_plan(num_layers, chunk_layers)
+            largest = max(1, self.config.chunk_bytes // page_bytes)
+            first = max(1, self.config.first_piece_bytes // page_bytes)
+        plan = chunk_plan(n, largest, first)
         fields = [
-            MAGIC, transfer_id, len(page_ids), num_tokens, first_token,
-            num_layers, page_size, dim, cache.element_size(), chunk_layers,
+            MAGIC, transfer_id, n, num_tokens, first_token,
+            num_layers, page_size, dim, cache.element_size(), largest, first,
         ]  # fmt: skip
         with pair.lock, pair.on_device():
             pair.connect(epoch_ttl_s=_SENDER_EPOCH_TTL_S)
             deadline = time.monotonic() + self.config.timeout_s
             try:
-                # The header and the page ids in one copy to the device; the header goes first: D learns the
-                # size from it, and posts its receives while we gather.
-                fields_dev = device_ids(fields + page_ids, self.device)
+                # The header and (to pack pages) the page ids in one copy to the device; the header goes first:
+                # D learns the size from it, and posts its receives while we pack.
+                fields_dev = device_ids(fields + (page_ids if breaks != [] else []), self.device)
                 ops = [pair.send(fields_dev[:HEADER_LEN], TAG_HEADER)]
                 ids = fields_dev[HEADER_LEN:]
                 ack = torch.empty(2, dtype=torch.int64, device=self.device)
@@ -173,8 +200,11 @@ class DistKVSender(KVSender):
                     wait_ops(ops, deadline, what, self.config.spin_s)
                     time.sleep(self.delay_after_header_s)
                 pieces = []  # referenced until the sends complete
-                for first, stop in plan:
-                    pieces.append(gather_pages(cache, first, stop, ids))  # [k, n, S, D]
+                for a, b in plan:
+                    if breaks is not None and _in_run(breaks, a, b):
+                        pieces.append(run_view(cache, page_ids[a], b - a))  # [k, L, S, D], in place
+                    else:
+                        pieces.append(gather_pages(cache, ids[a:b]))
                     ops.append(pair.send(pieces[-1], TAG_PAGES))
                 ops.append(pair.recv(ack, TAG_ACK))
                 posted = time.monotonic()
@@ -214,26 +244,30 @@ class _Peer:
 
 class DistKVReceiver(KVReceiver):
     """Decode side: a receiving thread per prefill peer, started when the first transfer from it is expected.
-    Writes into `cache` [num_layers, num_pages, page_size, dim], only at expected transfers' pages."""
+    Writes into `cache` [num_pages, num_layers, page_size, dim] (page-major), only at expected transfers' pages."""
 
     def __init__(self, config: KVTransferConfig, store, worker_id: str, cache: torch.Tensor):
         self.config, self.store, self.worker_id = config, store, worker_id
         self.cache = cache
         self.device, self.backend = cache.device, _backend(config, cache.device)
+        self.in_place = self.backend == "nccl"
+        """Receive runs of pages straight into the cache; as `DistKVSender.in_place`."""
         self._expected: dict[int, ExpectedTransfer] = {}
         self._dropped: dict[int, tuple[str, float]] = {}
         """Transfers cancelled or failed here that P may still send: id -> (peer, until when we keep a header
         receive posted for them, so that P is answered, not left to time out)."""
         self._writes: dict[int, torch.cuda.Event] = {}
         """Last page write queued for a transfer under way (GPU only); guarded by _lock."""
+        self._arriving: dict[int, threading.Event] = {}
+        """Set once no piece of a transfer under way can write its pages any more; guarded by _lock."""
         self._results: list[TransferResult] = []
-        # Guards _expected, _dropped, _writes, _results and queuing page writes.
+        # Guards _expected, _dropped, _writes, _arriving, _results and queuing page writes.
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._closed = threading.Event()
 
     def expect(self, transfer: ExpectedTransfer) -> None:
-        _check_pages(transfer.dest_pages, self.cache.shape[1], f"transfer {transfer.transfer_id}")
+        _check_pages(transfer.dest_pages, self.cache.shape[0], f"transfer {transfer.transfer_id}")
         with self._lock:
             self._expected[transfer.transfer_id] = transfer
             if transfer.peer not in self._peers:
@@ -253,8 +287,13 @@ class DistKVReceiver(KVReceiver):
         with self._lock:
             self._drop(transfer_id)
             write = self._writes.pop(transfer_id, None)
+            arriving = self._arriving.get(transfer_id)
         if write is not None:
             write.synchronize()  # pieces that had arrived: no write is queued after this
+        if arriving is not None and not arriving.wait(_CANCEL_GRACE_S + 10 * CHECK_S + 5.0):
+            logger.error(
+                "transfer %d: pieces may still arrive in its pages after its cancel", transfer_id
+            )
 
     def poll(self) -> list[TransferResult]:
         with self._lock:
@@ -403,88 +442,134 @@ class DistKVReceiver(KVReceiver):
         receive (both None when no other transfer from the peer is expected)."""
         header = header_dev.tolist()
         magic, transfer_id, num_pages, num_tokens, first_token = header[:5]
-        layers, page_size, dim, itemsize, chunk_layers = header[5:]
-        sizes = (num_pages, layers, page_size, dim, chunk_layers)
+        layers, page_size, dim, itemsize, largest, first = header[5:]
+        sizes = (num_pages, layers, page_size, dim, largest, first)
         if magic != MAGIC or itemsize != self.cache.element_size() or min(sizes) <= 0:
             raise TransferError(f"garbled or incompatible header from {peer}: {header}")
         what = f"KV transfer {transfer_id} from {peer}"
+        deadline = time.monotonic() + self.config.timeout_s
+        plan = chunk_plan(num_pages, largest, first)
         with self._lock:  # it came: no receive is kept posted for it any more
             self._dropped.pop(transfer_id, None)
-        deadline = time.monotonic() + self.config.timeout_s
-        plan = chunk_plan(layers, chunk_layers)
-        staging = torch.empty(
-            (layers, num_pages, page_size, dim), dtype=self.cache.dtype, device=self.device
-        )
-        ops = [pair.recv(staging[first:stop], TAG_PAGES) for first, stop in plan]
-        # While the pieces travel: the page ids and both possible acks, so that little is left to do after
-        # the last piece.
-        dest = self._destination(transfer_id, num_pages, (layers, page_size, dim), what)
+            dest = self._destination(transfer_id, num_pages, (layers, page_size, dim), what)
+        breaks = _run_breaks(dest) if dest is not None and self.in_place else None
+        in_place = [breaks is not None and _in_run(breaks, a, b) for a, b in plan]
+        if any(in_place):
+            with (
+                self._lock
+            ):  # from here on, a cancel waits until no piece can write in place any more
+                if transfer_id in self._expected:
+                    self._arriving[transfer_id] = threading.Event()
+                else:  # cancelled meanwhile
+                    dest, in_place = None, [False] * len(plan)
+        ops, staged = [], []
+        for (a, b), here in zip(plan, in_place, strict=True):
+            if here:
+                buffer = run_view(self.cache, dest[a], b - a)  # in place
+            else:
+                buffer = torch.empty(
+                    (b - a, layers, page_size, dim), dtype=self.cache.dtype, device=self.device
+                )
+                staged.append((len(ops), a, b, buffer))
+            ops.append(pair.recv(buffer, TAG_PAGES))
+        # While the pieces travel: the page ids to unpack into and both possible acks, so that little is left
+        # to do after the last piece.
+        dest_dev = device_ids(dest, self.device) if dest is not None and staged else None
         acks = device_ids([transfer_id, ACK_OK, transfer_id, ACK_DISCARDED], self.device).view(2, 2)
+        ok = dest is not None
         try:
-            for op, (first, stop) in zip(ops, plan, strict=True):
+            give_up = self._give_up_check(transfer_id) if any(in_place) else None
+            for i, a, b, buffer in staged:
                 # After this wait our (side) stream follows the piece's receive.
-                wait_ops([op], deadline, what, self.config.spin_s)
-                if dest is not None:
-                    dest = self._write_piece(transfer_id, dest, first, stop, staging)
+                self._wait_pieces(ops[i], deadline, what, give_up)
+                if ok:
+                    ok = self._write_piece(transfer_id, dest_dev[a:b], buffer)
+            self._wait_pieces(ops[-1], deadline, what, give_up)
         except TransferError as e:
+            # Tear the link down before anyone may free the pages: that stops pieces still arriving in place.
+            pair.drop()
             _sync(pair.stream)
             with self._lock:
                 self._writes.pop(transfer_id, None)
                 if self._expected.pop(transfer_id, None) is not None:
                     self._results.append(TransferResult(transfer_id, error=str(e)))
             raise
+        finally:
+            with self._lock:
+                arriving = self._arriving.pop(transfer_id, None)
+            if arriving is not None:
+                arriving.set()
         # Report first (the decode worker waits on it), then acknowledge; then, if another transfer from the peer
         # is expected, post the next header's receive, so that a transfer queued behind this one on P finds it.
         with self._lock:
             write = self._writes.pop(transfer_id, None)
             if write is not None:
                 write.synchronize()
-            if dest is not None and self._expected.pop(transfer_id, None) is not None:
+            ok = ok and self._expected.pop(transfer_id, None) is not None
+            if ok:
                 self._results.append(
                     TransferResult(
                         transfer_id, num_tokens, first_token, completed_at=time.monotonic()
                     )
                 )
-        ack_op = pair.send(acks[0 if dest is not None else 1], TAG_ACK)
+        ack_op = pair.send(acks[0 if ok else 1], TAG_ACK)
         next_header = None, None
         if self._expecting_from(peer, besides=transfer_id):
             next_header = self._post_header(pair)
         wait_ops([ack_op], deadline, f"ack of {what}", self.config.spin_s)
         return next_header
 
+    def _give_up_check(self, transfer_id: int):
+        """For waits on a transfer arriving in place: True once it has been cancelled for `_CANCEL_GRACE_S`."""
+        cancelled_at = None
+
+        def check() -> bool:
+            nonlocal cancelled_at
+            with self._lock:
+                if transfer_id in self._expected:
+                    return False
+            now = time.monotonic()
+            cancelled_at = cancelled_at or now
+            return now - cancelled_at >= _CANCEL_GRACE_S
+
+        return check
+
+    def _wait_pieces(self, op: Op, deadline: float, what: str, give_up) -> None:
+        if not wait_ops([op], deadline, what, self.config.spin_s, check=give_up):
+            raise TransferError(
+                f"{what} was cancelled while its pages arrived in place, and they stopped coming for "
+                f"{_CANCEL_GRACE_S:g}s; the link is rebuilt"
+            )
+
     def _destination(
         self, transfer_id: int, num_pages: int, layout: tuple[int, int, int], what: str
-    ) -> torch.Tensor | None:
-        """The device page ids to write the transfer into; None to discard it (not expected, or not fitting:
-        then it is reported failed). Either way the pieces are received, so the pair stays usable."""
-        with self._lock:
-            expected = self._expected.get(transfer_id)
-            if expected is None:
-                return None
-            cache_layout = (self.cache.shape[0], self.cache.shape[2], self.cache.shape[3])
-            error = None
-            if len(expected.dest_pages) != num_pages:
-                error = f"{what}: {num_pages} pages for {len(expected.dest_pages)} reserved"
-            elif layout != cache_layout:
-                error = f"{what}: pages of layout {layout}, the cache's is {cache_layout}"
-            if error is not None:
-                del self._expected[transfer_id]
-                self._results.append(TransferResult(transfer_id, error=error))
-                return None
-            pages = expected.dest_pages
-        return device_ids(pages, self.device)
+    ) -> list[int] | None:
+        """(Under _lock.) The page ids to write the transfer into; None to discard it (not expected, or not
+        fitting: then it is reported failed). Either way the pieces are received, so the pair stays usable."""
+        expected = self._expected.get(transfer_id)
+        if expected is None:
+            return None
+        cache_layout = tuple(self.cache.shape[1:])
+        error = None
+        if len(expected.dest_pages) != num_pages:
+            error = f"{what}: {num_pages} pages for {len(expected.dest_pages)} reserved"
+        elif layout != cache_layout:
+            error = f"{what}: pages of layout {layout}, the cache's is {cache_layout}"
+        if error is not None:
+            del self._expected[transfer_id]
+            self._results.append(TransferResult(transfer_id, error=error))
+            return None
+        return list(expected.dest_pages)
 
-    def _write_piece(
-        self, transfer_id: int, dest: torch.Tensor, first: int, stop: int, staging: torch.Tensor
-    ) -> torch.Tensor | None:
-        """Queues the scatter of layers [first, stop) into the transfer's pages, unless it was cancelled or
-        failed meanwhile; returns `dest`, or None once the transfer is no longer expected."""
+    def _write_piece(self, transfer_id: int, dest: torch.Tensor, packed: torch.Tensor) -> bool:
+        """Queues the unpacking of a packed piece into pages `dest`, unless the transfer was cancelled or failed
+        meanwhile; returns whether it is still expected."""
         with self._lock:
             if transfer_id not in self._expected:
-                return None
-            scatter_pages(self.cache, first, stop, dest, staging[first:stop])
+                return False
+            scatter_pages(self.cache, dest, packed)
             if self.device.type == "cuda":
                 write = torch.cuda.Event()
                 write.record()
                 self._writes[transfer_id] = write
-        return dest
+        return True

@@ -55,13 +55,13 @@ class LoopbackReceiver(KVReceiver):
             expected = self._expected.pop(transfer_id, None)
             if expected is None:
                 return  # cancelled or timed out: discarded, still acknowledged
-            if len(expected.dest_pages) != pages.shape[1]:
+            if len(expected.dest_pages) != pages.shape[0]:
                 raise TransferError(
-                    f"transfer {transfer_id}: {pages.shape[1]} pages for {len(expected.dest_pages)} reserved"
+                    f"transfer {transfer_id}: {pages.shape[0]} pages for {len(expected.dest_pages)} reserved"
                 )
             dest = torch.tensor(expected.dest_pages, dtype=torch.int64, device=self.cache.device)
             packed = pages.to(self.cache.device, self.cache.dtype).contiguous()
-            scatter_pages(self.cache, 0, self.cache.shape[0], dest, packed)
+            scatter_pages(self.cache, dest, packed)
             if self.cache.is_cuda:
                 torch.cuda.current_stream(self.cache.device).synchronize()
             self._results.append(
@@ -81,5 +81,5 @@ class LoopbackSender(KVSender):
         if receiver is None:
             raise TransferError(f"KV transfer {transfer_id}: no decode worker {peer!r}")
         ids = torch.tensor(page_ids, dtype=torch.int64, device=cache.device)
-        pages = gather_pages(cache, 0, cache.shape[0], ids)
+        pages = gather_pages(cache, ids)
         receiver.deliver(transfer_id, pages, num_tokens, first_token)

@@ -1,11 +1,11 @@
-"""Whole-page copies between a paged KV cache and a packed tensor: the transfer's gather (P) and scatter (D).
+"""Whole-page copies between a page-major KV cache and a packed tensor: the transfer's gather (P) and scatter (D),
+for the pages that do not lie in one run.
 
-`cache` is [num_layers, num_pages, page_size, dim], contiguous (the model's `PagedKVCache.data`); a packed tensor
-holds layers [first, stop) of n pages in the order of `page_ids` (int64, on the cache's device): [stop - first, n,
-page_size, dim], contiguous. The copies run as row gathers / scatters over the cache seen as rows of one page of
-one layer, in 8-byte words where the row allows: torch's index_copy_ along the page axis of a bf16 cache runs at
-a third of copy speed on an H200, as 8-byte words at copy speed, with a host cost of a few microseconds (a Triton
-kernel matched the speed at three times the launch cost; benchmarks/RESULTS.md).
+`cache` is [num_pages, num_layers, page_size, dim], contiguous (the model's `PagedKVCache.data`): a page is one
+contiguous block across its layers, and a run of consecutive page ids is one contiguous block, which the transfer
+sends or receives in place (`run_view`). Pages that do not lie in a run are packed: [n, num_layers, page_size, dim]
+in the order of `page_ids` (int64, on the cache's device). The copies are row gathers / scatters over the cache
+seen as one row per page, in 8-byte words where the row allows.
 """
 
 from __future__ import annotations
@@ -24,38 +24,42 @@ def device_ids(values: list[int], device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True) if device.type != "cpu" else host
 
 
-def _rows(cache: torch.Tensor, first: int, stop: int, page_ids: torch.Tensor):
-    """Layers [first, stop) of the cache as rows [k * num_pages, row words], and the rows of the pages."""
+def run_start(page_ids: list[int]) -> int | None:
+    """The first id when `page_ids` are consecutive ids in increasing order (one run), else None."""
+    if page_ids and page_ids[-1] - page_ids[0] == len(page_ids) - 1:
+        first = page_ids[0]
+        if all(p == first + i for i, p in enumerate(page_ids)):
+            return first
+    return None
+
+
+def run_view(cache: torch.Tensor, first: int, n: int) -> torch.Tensor:
+    """Pages [first, first + n) of the cache, in place: [n, num_layers, page_size, dim], contiguous."""
+    return cache[first : first + n]
+
+
+def _rows(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as one row per page, in 8-byte words where a page allows."""
     if not cache.is_contiguous():
         raise ValueError("page copies need a contiguous cache")
-    k, num_pages = stop - first, cache.shape[1]
-    flat = cache[first:stop].view(k * num_pages, -1)
+    flat = cache.view(cache.shape[0], -1)
     if flat.shape[1] * flat.element_size() % 8 == 0 and flat.data_ptr() % 8 == 0:
         flat = flat.view(torch.int64)
-    layer_base = torch.arange(k, device=cache.device, dtype=torch.int64)[:, None] * num_pages
-    return flat, (layer_base + page_ids[None, :]).flatten()
+    return flat
 
 
-def gather_pages(
-    cache: torch.Tensor, first: int, stop: int, page_ids: torch.Tensor
-) -> torch.Tensor:
-    """Layers [first, stop) of pages `page_ids`, packed: a new tensor [stop - first, n, page_size, dim]."""
-    flat, rows = _rows(cache, first, stop, page_ids)
-    packed = flat.index_select(0, rows)
-    return packed.view(cache.dtype).view(stop - first, len(page_ids), *cache.shape[2:])
+def gather_pages(cache: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+    """Pages `page_ids`, packed: a new tensor [n, num_layers, page_size, dim]."""
+    packed = _rows(cache).index_select(0, page_ids)
+    return packed.view(cache.dtype).view(len(page_ids), *cache.shape[1:])
 
 
-def scatter_pages(
-    cache: torch.Tensor, first: int, stop: int, page_ids: torch.Tensor, packed: torch.Tensor
-) -> None:
-    """Writes `packed` [stop - first, n, page_size, dim] into layers [first, stop) of the cache at `page_ids`."""
-    if (
-        packed.shape != (stop - first, len(page_ids), *cache.shape[2:])
-        or packed.dtype != cache.dtype
-    ):
+def scatter_pages(cache: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor) -> None:
+    """Writes `packed` [n, num_layers, page_size, dim] into the cache at pages `page_ids`."""
+    if packed.shape != (len(page_ids), *cache.shape[1:]) or packed.dtype != cache.dtype:
         raise ValueError(
-            f"packed pages {tuple(packed.shape)} {packed.dtype} do not fit layers [{first}, {stop}) of "
-            f"{len(page_ids)} pages of the cache {tuple(cache.shape)} {cache.dtype}"
+            f"packed pages {tuple(packed.shape)} {packed.dtype} do not fit {len(page_ids)} pages of the cache "
+            f"{tuple(cache.shape)} {cache.dtype}"
         )
-    flat, rows = _rows(cache, first, stop, page_ids)
-    flat.index_copy_(0, rows, packed.contiguous().view(len(rows), -1).view(flat.dtype))
+    flat = _rows(cache)
+    flat.index_copy_(0, page_ids, packed.contiguous().view(len(page_ids), -1).view(flat.dtype))

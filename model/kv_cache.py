@@ -1,10 +1,13 @@
-"""The paged latent KV cache: per layer a page pool [num_pages, page_size, kv_lora_rank + qk_rope_head_dim].
+"""The paged latent KV cache: one pool of pages, each holding `page_size` consecutive positions of one request in
+every layer, as rows [c_kv | k_pe] of kv_lora_rank + qk_rope_head_dim; a request's page table lists its pages in
+position order. MLA caches one row per token per layer, shared by all heads, so any attention-TP layout of a
+prefill worker can feed any layout of a decode worker.
 
-A page holds `page_size` consecutive positions of one request in every layer; a request's page table lists its
-pages in position order. MLA caches one row per token per layer, [c_kv | k_pe], shared by all heads, so any
-attention-TP layout of a prefill worker can feed any layout of a decode worker. The pools of all layers live in one
-tensor [num_layers, num_pages, page_size, dim], `data`; the KV transfer (pdserve.kvtransfer) moves whole pages
-(all layers) in and out of it.
+The pool is page-major: `data` is [num_pages, num_layers, page_size, dim], so a page is one contiguous block
+across all layers, and a run of consecutive pages is one contiguous block too. The KV transfer
+(pdserve.kvtransfer) sends such a run as one message, straight from P's cache into D's, with no copy on either
+side (the layout of TensorRT-LLM's block pool). A layer's view, `layer(i)`, is [num_pages, page_size, dim] with
+pages num_layers * page_size rows apart; the attention kernels take the page stride.
 """
 
 from __future__ import annotations
@@ -50,11 +53,13 @@ class KVCacheLayout:
 
 
 class PagedKVCache:
-    """Owns the cache memory of one worker. Page ids are handed out by a `PageAllocator`, not here."""
+    """Owns the cache memory of one worker. Page ids are handed out by a `PageAllocator`, not here.
+
+    Slots, as in `ForwardBatch.slot_mapping`, number positions page by page: page * page_size + offset."""
 
     def __init__(self, layout: KVCacheLayout, num_pages: int, device: torch.device | str):
         self.layout, self.num_pages = layout, num_pages
-        shape = (layout.num_layers, num_pages, layout.page_size, layout.entry_dim)
+        shape = (num_pages, layout.num_layers, layout.page_size, layout.entry_dim)
         self.data = torch.zeros(shape, dtype=layout.dtype, device=device)
 
     @property
@@ -62,21 +67,34 @@ class PagedKVCache:
         return self.data.device
 
     def layer(self, layer: int) -> torch.Tensor:
-        """[num_pages, page_size, entry_dim] view of one layer's pool."""
-        return self.data[layer]
+        """[num_pages, page_size, entry_dim] view of one layer's rows (pages num_layers * page_size rows
+        apart)."""
+        return self.data[:, layer]
+
+    def _rows(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache as rows [*, dim] starting at page 0 of `layer`, and the rows of `slots` in it."""
+        page_size, num_layers = self.layout.page_size, self.layout.num_layers
+        flat = self.data.view(-1, self.layout.entry_dim)[layer * page_size :]
+        rows = torch.add(
+            slots,
+            torch.div(slots, page_size, rounding_mode="floor"),
+            alpha=(num_layers - 1) * page_size,
+        )  # page * num_layers * page_size + offset
+        return flat, rows
 
     def write(
         self, layer: int, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor
     ) -> None:
-        """Stores [c_kv | k_pe] of T tokens at flat slots (page * page_size + offset). slots: [T] int64."""
-        flat = self.data[layer].view(-1, self.layout.entry_dim)
+        """Stores [c_kv | k_pe] of T tokens at `slots` of one layer. slots: [T] int64."""
+        flat, rows = self._rows(layer, slots)
         r = self.layout.kv_lora_rank
-        flat[slots, :r] = c_kv.to(self.layout.dtype)
-        flat[slots, r:] = k_pe.to(self.layout.dtype)
+        flat[rows, :r] = c_kv.to(self.layout.dtype)
+        flat[rows, r:] = k_pe.to(self.layout.dtype)
 
     def gather(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """Rows at flat slots of one layer: [N, entry_dim]."""
-        return self.data[layer].view(-1, self.layout.entry_dim).index_select(0, slots)
+        """Rows at `slots` of one layer: [N, entry_dim]."""
+        flat, rows = self._rows(layer, slots)
+        return flat.index_select(0, rows)
 
 
 def capacity_pages(

@@ -3,26 +3,33 @@ that use it are tested without a GPU."""
 
 from __future__ import annotations
 
-from collections import deque
-
 from .errors import CapacityError
+
+_FREE, _TAKEN = 1, 0
 
 
 class PageAllocator:
-    """Free-list allocator. Every page is either free or owned by exactly one holder; freeing a page that is not
-    allocated is a bug and raises."""
+    """First-fit allocator over a map of the pages. Every page is either free or owned by exactly one holder;
+    freeing a page that is not allocated is a bug and raises.
+
+    A request's pages come as one run of consecutive ids wherever a free run is long enough (the lowest such
+    run), else as the lowest free ids: a run of pages is one contiguous block of the page-major cache, which the
+    KV transfer sends as one message without copying it (pdserve.kvtransfer). Single pages (a decode step's
+    growth) fill the lowest holes first, which keeps the long free runs whole."""
 
     def __init__(self, num_pages: int):
         if num_pages <= 0:
             raise ValueError(f"num_pages={num_pages}: must be positive")
         self.num_pages = num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        self._map = bytearray([_FREE]) * num_pages
+        """_FREE where a page can be handed out (searched with bytearray.find, at C speed)."""
+        self._num_free = num_pages
         self._used: set[int] = set()
         self._held: list[int] | None = None
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_used(self) -> int:
@@ -30,12 +37,25 @@ class PageAllocator:
         return len(self._used)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self._num_free
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise CapacityError(f"need {n} KV pages, {len(self._free)} free of {self.num_pages}")
-        pages = [self._free.popleft() for _ in range(n)]
+        if n > self._num_free:
+            raise CapacityError(f"need {n} KV pages, {self._num_free} free of {self.num_pages}")
+        if n <= 0:
+            return []
+        start = self._map.find(bytes([_FREE]) * n)
+        if start >= 0:
+            pages = list(range(start, start + n))
+            self._map[start : start + n] = bytes([_TAKEN]) * n
+        else:
+            pages, at = [], 0
+            for _ in range(n):
+                at = self._map.find(_FREE, at)
+                pages.append(at)
+                self._map[at] = _TAKEN
+                at += 1
+        self._num_free -= n
         self._used.update(pages)
         return pages
 
@@ -47,7 +67,8 @@ class PageAllocator:
             if self._held is not None:
                 self._held.append(p)
             else:
-                self._free.append(p)
+                self._map[p] = _FREE
+                self._num_free += 1
 
     def hold_frees(self) -> None:
         """Until `release_held`, freed pages are not handed out again: a forward pass in flight may still write
@@ -56,8 +77,21 @@ class PageAllocator:
 
     def release_held(self) -> None:
         held, self._held = self._held or [], None
-        self._free.extend(held)
+        for p in held:
+            self._map[p] = _FREE
+        self._num_free += len(held)
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
+
+
+def page_runs(pages: list[int]) -> list[tuple[int, int]]:
+    """`pages` as runs of consecutive ids: [(first id, length)], in order."""
+    runs: list[tuple[int, int]] = []
+    for p in pages:
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((p, 1))
+    return runs

@@ -62,7 +62,8 @@ def _load_kv_tile(
     offs_r = tl.arange(0, D_ROPE)
     if USE_TMA and not MASKED:
         page = tl.load(pt_row + n0 // PAGE_SIZE).to(tl.int32)
-        first = page * PAGE_SIZE + n0 % PAGE_SIZE  # the tile's first row in the flat cache
+        # the tile's first row in the descriptors' rows (pages are stride_kvp // stride_kvr rows apart)
+        first = page * (stride_kvp // stride_kvr) + n0 % PAGE_SIZE
         if KV_FP8:
             kv = kv_desc.load([first, 0]).to(tl.float8e4nv, bitcast=True).to(DTYPE)
             kpe = pe_desc.load([first, D_LATENT // 2]).to(DTYPE)

@@ -99,5 +99,6 @@ def write_kv_fp8(
     """Quantizes T tokens' [c_kv | k_pe] and stores them at flat slots (page * page_size + row) of
     an fp8 cache [num_pages, page_size, row_bytes] uint8, in place. slots: [T] int; c_kv: [T, L];
     k_pe: [T, R]."""
-    flat = kv_cache.view(-1, kv_cache.shape[-1])
-    flat[slots.long()] = quantize_kv_fp8(c_kv, k_pe)
+    slots = slots.long()
+    page_size = kv_cache.shape[1]
+    kv_cache[slots // page_size, slots % page_size] = quantize_kv_fp8(c_kv, k_pe)

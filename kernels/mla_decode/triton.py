@@ -246,13 +246,19 @@ def write_kv_fp8(
 def _descriptors(
     kv_cache: torch.Tensor, lora: int, rope: int, block_n: int, cfg: dict
 ) -> tuple[TensorDescriptor | None, TensorDescriptor | None]:
-    """TMA descriptors over the flat cache rows (latent, rope) when the config asks for them and
-    every full tile lies in one page of a cache whose pages are back to back; else (None, None)."""
+    """TMA descriptors over the cache's rows (latent, rope) when the config asks for them and every
+    full tile lies in one page; else (None, None). Pages may lie apart (a layer of a page-major
+    cache): the descriptors then span the rows from the first page's to the last page's end."""
     num_pages, page_size, width = kv_cache.shape
     stride_page, stride_row = kv_cache.stride(0), kv_cache.stride(1)
-    if not cfg.get("USE_TMA") or page_size % block_n or stride_page != page_size * stride_row:
+    if (
+        not cfg.get("USE_TMA")
+        or page_size % block_n
+        or stride_page % stride_row
+        or stride_page < page_size * stride_row
+    ):
         return None, None
-    rows = num_pages * page_size
+    rows = (num_pages - 1) * (stride_page // stride_row) + page_size
     if kv_cache.dtype == torch.uint8:
         pe_view = kv_cache.view(torch.bfloat16)
         kv_desc = TensorDescriptor(kv_cache, [rows, width], [stride_row, 1], [block_n, lora])

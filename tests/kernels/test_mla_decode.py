@@ -144,6 +144,39 @@ def test_mla_decode_layouts_and_splits(
     _check(case, got, expected)
 
 
+def _layer_of_page_major(cache: torch.Tensor, layers: int = 3, layer: int = 1) -> torch.Tensor:
+    """`cache` [P, S, W] as layer `layer` of a page-major cache [P, layers, S, W] whose other layers
+    are poison (NaN, or 0xFF bytes: NaN codes and scales): pages lie layers * S rows apart."""
+    poison = 0xFF if cache.dtype == torch.uint8 else float("nan")
+    big = torch.full((cache.shape[0], layers, *cache.shape[1:]), poison, dtype=cache.dtype)
+    big = big.to(cache.device)
+    big[:, layer] = cache
+    return big[:, layer]
+
+
+@pytest.mark.parametrize("use_tma", [False, True], ids=["ptr", "tma"])
+@pytest.mark.parametrize("layout", ["heads_major", "kv_major"])
+@pytest.mark.parametrize("case", LAYOUT_CASES)
+def test_mla_decode_reads_a_layer_of_a_page_major_cache(
+    case: Case, layout: str, use_tma: bool
+) -> None:
+    """The worker's cache is page-major ([pages, layers, page_size, width], kv_cache.PagedKVCache):
+    one layer's pages lie apart, by the page stride, and the TMA descriptors span them."""
+    q, cache, page_table, seq_lens = _make(case, seed=11)
+    expected = ref.mla_decode(q, cache, page_table, seq_lens, 0.1, case.lora)
+    layer = _layer_of_page_major(cache)
+    assert layer.stride(0) == 3 * layer.stride(0) // 3 > layer.shape[1] * layer.stride(1)
+    config = {"LAYOUT": layout, "USE_TMA": use_tma}
+    if DEVICE == "cpu":
+        config |= {"BLOCK_M": 16, "BLOCK_N": 16}
+    with poisoned_empty():
+        got = tri.mla_decode_launch(q, layer, page_table, seq_lens, 0.1, case.lora, 3, config)
+    _check(case, got, expected)
+    assert torch.equal(
+        ref.mla_decode(q, layer, page_table, seq_lens, 0.1, case.lora)[1], expected[1]
+    )
+
+
 def _exact_fp8_rows(tokens: int, lora: int, rope: int, seed: int):
     """c_kv whose quantization is exact (fp8 values times a power-of-two scale, row max exactly 448
     times it) and bf16-valued k_pe: the interpreter's inexact fp8 / bf16 casts then never round."""

@@ -27,21 +27,19 @@ def test_graph_decode_equals_eager(tmp_path, batch):
     prompts = [torch.randint(3, 1000, (ctx - b % 5,), generator=g).tolist() for b in range(batch)]
     prefill = [SeqChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)]
     runner.model(build_forward_batch(prefill, page, "cuda", decode=False), runner.cache)
-    snapshot = runner.cache.data[:, : batch * pages_per].clone()
+    snapshot = runner.cache.data[: batch * pages_per].clone()
     for step in range(2):
         chunks = [
             SeqChunk([7 + step], len(p) + step, t) for p, t in zip(prompts, tables, strict=True)
         ]
         fb = build_forward_batch(chunks, page, "cuda", decode=True)
         eager = model.compute_logits(model(fb, runner.cache))
-        snapshot_after_eager = runner.cache.data[:, : batch * pages_per].clone()
+        snapshot_after_eager = runner.cache.data[: batch * pages_per].clone()
         graphed = runner.graphs.logits(fb)
         rel = ((graphed - eager).norm(dim=-1) / eager.norm(dim=-1)).max().item()
         assert rel < 2e-2, rel
         # The replay wrote the same tokens' KV again (same values up to rounding) and nothing else.
-        diff = (
-            runner.cache.data[:, : batch * pages_per].float() - snapshot_after_eager.float()
-        ).abs()
+        diff = (runner.cache.data[: batch * pages_per].float() - snapshot_after_eager.float()).abs()
         assert diff.max().item() < 0.1
-    changed = (runner.cache.data[:, : batch * pages_per] != snapshot).any(-1)  # [L, pages, page]
+    changed = (runner.cache.data[: batch * pages_per] != snapshot).any(-1)  # [pages, L, page]
     assert changed.sum().item() == 2 * batch * model.num_cache_layers - 2 * batch * model.num_mtp

@@ -1,0 +1,50 @@
+"""PageAllocator: a request's pages come as one run while a free run is long enough, single pages fill the lowest
+holes, frees held back during a forward pass come back after it, misuse raises."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.model.errors import CapacityError
+from pdserve.model.pages import PageAllocator, page_runs
+
+
+def test_requests_get_runs_and_single_pages_fill_the_lowest_holes():
+    a = PageAllocator(20)
+    first, second, third = a.allocate(4), a.allocate(5), a.allocate(3)
+    assert (first, second, third) == ([0, 1, 2, 3], [4, 5, 6, 7, 8], [9, 10, 11])
+    a.free(second)  # a hole of 5 at 4..8
+    assert a.allocate(6) == list(range(12, 18))  # does not fit the hole: the first run that fits
+    assert a.allocate(1) == [4] and a.allocate(1) == [5]  # growth fills the hole from its low end
+    assert a.allocate(3) == [6, 7, 8]
+    assert (a.num_free, a.num_used) == (2, 18)
+
+
+def test_no_run_long_enough_takes_the_lowest_free_pages():
+    a = PageAllocator(8)
+    pages = a.allocate(8)
+    a.free([pages[1], pages[2], pages[5], pages[7]])
+    assert a.allocate(3) == [1, 2, 5]
+    assert page_runs([1, 2, 5, 6, 9, 3]) == [(1, 2), (5, 2), (9, 1), (3, 1)]
+    with pytest.raises(CapacityError, match="need 2 KV pages, 1 free of 8"):
+        a.allocate(2)
+    assert a.allocate(0) == [] and a.allocate(1) == [7] and a.num_free == 0
+
+
+def test_frees_held_during_a_pass_come_back_after_it():
+    a = PageAllocator(4)
+    pages = a.allocate(4)
+    a.hold_frees()
+    a.free(pages[:2])
+    assert (a.num_free, a.num_used) == (0, 2) and not a.can_allocate(1)
+    a.release_held()
+    assert a.num_free == 2 and a.allocate(2) == [0, 1]
+
+
+def test_misuse_raises():
+    with pytest.raises(ValueError, match="num_pages=0"):
+        PageAllocator(0)
+    a = PageAllocator(3)
+    a.allocate(1)
+    with pytest.raises(AssertionError, match="page 2 freed but not allocated"):
+        a.free([2])
