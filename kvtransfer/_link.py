@@ -72,6 +72,7 @@ class Pair:
         self._epoch_read_at = -float("inf")
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def on_device(self) -> contextlib.AbstractContextManager:
         """Makes the pair's device and side stream current for the calling thread (both are per thread)."""
@@ -81,6 +82,22 @@ class Pair:
         stack.enter_context(torch.cuda.device(self.device))
         stack.enter_context(torch.cuda.stream(self.stream))
         return stack
+
+    def scratch(self, host_len: int, dev_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """int64 buffers kept for the pair's small messages (header, ack): a host one (pinned on a GPU) and a
+        device one. A pair carries one transfer at a time, and a transfer's operations are complete (or, after a
+        failure, its stream synchronized) before the next begins, so they are free to reuse."""
+        if (
+            self._scratch is None
+            or self._scratch[0].numel() < host_len
+            or self._scratch[1].numel() < dev_len
+        ):
+            pinned = self.stream is not None
+            host = torch.empty(host_len, dtype=torch.int64, pin_memory=pinned)
+            dev = torch.empty(dev_len, dtype=torch.int64, device=self.device)
+            self._scratch = (host, dev)
+        host, dev = self._scratch
+        return host[:host_len], dev[:dev_len]
 
     def current_epoch(self) -> int:
         self._epoch_read_at = time.monotonic()

@@ -196,12 +196,20 @@ class DistKVSender(KVSender):
             pair.connect(epoch_ttl_s=_SENDER_EPOCH_TTL_S)
             deadline = time.monotonic() + self.config.timeout_s
             try:
-                # The header and (to pack pages) the page ids in one copy to the device; the header goes first:
-                # D learns the size from it, and posts its receives while we pack.
-                fields_dev = device_ids(fields + (page_ids if breaks != [] else []), self.device)
-                ops = [pair.send(fields_dev[:HEADER_LEN], TAG_HEADER)]
-                ids = fields_dev[HEADER_LEN:]
-                ack = torch.empty(2, dtype=torch.int64, device=self.device)
+                # The header goes first: D learns the size from it, and posts its receives while we pack.
+                host, dev = pair.scratch(HEADER_LEN, HEADER_LEN + 2)
+                header, ack = dev[:HEADER_LEN], dev[HEADER_LEN:]
+                if (
+                    breaks == []
+                ):  # one run, nothing to pack: the header through the pair's pinned buffer
+                    host.numpy()[:] = fields
+                    header.copy_(host, non_blocking=True)
+                    ids = None
+                else:  # the header and the page ids to pack in one copy to the device
+                    fields_dev = device_ids(fields + page_ids, self.device)
+                    header.copy_(fields_dev[:HEADER_LEN])
+                    ids = fields_dev[HEADER_LEN:]
+                ops = [pair.send(header, TAG_HEADER)]
                 if self.delay_after_header_s:
                     wait_ops(ops, deadline, what, self.config.spin_s)
                     time.sleep(self.delay_after_header_s)
