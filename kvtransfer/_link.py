@@ -34,6 +34,9 @@ IDLE_POLL_S = 0.002
 _FAST_POLL_WINDOW_S = 0.02
 CHECK_S = 0.05
 _JOIN_POLL_S = 0.005
+SENDER_EPOCH_TTL_S = 1.0
+"""How long the prefill side trusts its last read of a pair's epoch (a store round trip per send would cost
+~0.2 ms); a failed send re-reads it."""
 _PR_SET_TIMERSLACK = 29
 _TIMER_SLACK_NS = 1000
 
@@ -238,3 +241,14 @@ def wait_ops(
         except Exception as e:
             raise TransferError(f"{what} failed: {e}") from e
     return True
+
+
+def backend_for(config: KVTransferConfig, device: torch.device) -> str:
+    if config.backend != "auto":
+        return config.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def sync(stream) -> None:
+    if stream is not None:
+        stream.synchronize()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdserve.kvtransfer import ExpectedTransfer, KVTransferConfig
-from pdserve.kvtransfer import dist as dist_module
+from pdserve.kvtransfer import _receiver as receiver_module
 from pdserve.kvtransfer.dist import DistKVReceiver, DistKVSender, chunk_plan, connect_store
 from pdserve.kvtransfer.loopback import LoopbackHub, LoopbackReceiver, LoopbackSender
 from pdserve.model.errors import TransferError
@@ -219,7 +219,7 @@ def test_header_receive_is_posted_only_while_a_transfer_may_come(link, monkeypat
     """A posted NCCL receive holds the decode GPU until its message comes: none stays posted once nothing is
     expected (no retirement follows a completed transfer); a cancelled transfer that is never sent has its
     receive withdrawn by retiring the link, which is rebuilt on the next transfer."""
-    monkeypatch.setattr(dist_module, "_RETIRE_UNEXPECTED_S", 0.3)
+    monkeypatch.setattr(receiver_module, "_RETIRE_UNEXPECTED_S", 0.3)
     sender, receiver, source, dest = link
     expect(receiver, 1, [0])
     sender.send("d0", 1, source, [0], PAGE_SIZE, 5)
