@@ -85,7 +85,7 @@ class DistKVReceiver(KVReceiver):
         self._writes: dict[int, torch.cuda.Event] = {}
         """Last page write queued for a transfer under way (GPU only); guarded by _lock."""
         self._breaks: dict[int, list[int] | None] = {}
-        """`_run_breaks` of each expected transfer's pages (None: not moved in place); guarded by _lock."""
+        """`run_breaks` of each expected transfer's pages (None: not moved in place); guarded by _lock."""
         self._arriving: dict[int, threading.Event] = {}
         """Set once no piece of a transfer under way can write its pages any more; guarded by _lock."""
         self._results: list[TransferResult] = []
@@ -95,9 +95,11 @@ class DistKVReceiver(KVReceiver):
         self._closed = threading.Event()
 
     def expect(self, transfer: ExpectedTransfer) -> None:
-        check_pages(transfer.dest_pages, self.cache.shape[0], f"transfer {transfer.transfer_id}")
         # Where its pages break runs, worked out now rather than once its header is in.
         breaks = run_breaks(transfer.dest_pages) if self.in_place else None
+        check_pages(
+            transfer.dest_pages, self.cache.shape[0], f"transfer {transfer.transfer_id}", breaks
+        )
         with self._lock:
             self._expected[transfer.transfer_id] = transfer
             self._breaks[transfer.transfer_id] = breaks

@@ -122,8 +122,8 @@ class DistKVSender(KVSender):
         page_bytes = num_layers * page_size * dim * cache.element_size()
         n = len(page_ids)
         what = f"KV transfer {transfer_id} ({n * page_bytes} bytes) to {peer}"
-        check_pages(page_ids, num_cache_pages, what)
         breaks = run_breaks(page_ids) if self.in_place else None
+        check_pages(page_ids, num_cache_pages, what, breaks)
         if breaks == [] or n * page_bytes <= self.config.pipeline_min_bytes:
             largest, first = n, n  # in place, or too small to gain from pieces: one piece
         else:
@@ -140,17 +140,16 @@ class DistKVSender(KVSender):
             try:
                 # The header goes first: D learns the size from it, and posts its receives while we pack.
                 host, dev = pair.scratch(HEADER_LEN, HEADER_LEN + 2)
-                header, ack = dev[:HEADER_LEN], dev[HEADER_LEN:]
+                ack = dev[HEADER_LEN:]
                 if (
                     breaks == []
                 ):  # one run, nothing to pack: the header through the pair's pinned buffer
                     host.numpy()[:] = fields
-                    header.copy_(host, non_blocking=True)
+                    header = dev[:HEADER_LEN].copy_(host, non_blocking=True)
                     ids = None
                 else:  # the header and the page ids to pack in one copy to the device
                     fields_dev = device_ids(fields + page_ids, self.device)
-                    header.copy_(fields_dev[:HEADER_LEN])
-                    ids = fields_dev[HEADER_LEN:]
+                    header, ids = fields_dev[:HEADER_LEN], fields_dev[HEADER_LEN:]
                 ops = [pair.send(header, TAG_HEADER)]
                 if self.delay_after_header_s:
                     wait_ops(ops, deadline, what, self.config.spin_s)

@@ -67,24 +67,27 @@ def scatter_pages(cache: torch.Tensor, page_ids: torch.Tensor, packed: torch.Ten
     flat.index_copy_(0, page_ids, packed.contiguous().view(len(page_ids), -1).view(flat.dtype))
 
 
-def check_pages(page_ids: list[int], num_pages: int, what: str) -> None:
-    """The page copies index the cache without bounds checks on the device: check the ids here."""
-    if not page_ids:
-        return
-    first = run_start(page_ids)
-    low, high = (
-        (first, first + len(page_ids) - 1) if first is not None else (min(page_ids), max(page_ids))
-    )
-    if not (low >= 0 and high < num_pages):
-        raise ValueError(f"{what}: page ids outside the cache's {num_pages} pages")
-
-
 def run_breaks(pages: list[int]) -> list[int]:
     """Indices i where pages[i] does not follow pages[i - 1]: a piece [a, b) lies in one run when none falls in
     (a, b). Empty for one run."""
     if run_start(pages) is not None:
         return []
     return [i for i in range(1, len(pages)) if pages[i] != pages[i - 1] + 1]
+
+
+def check_pages(
+    page_ids: list[int], num_pages: int, what: str, breaks: list[int] | None = None
+) -> None:
+    """The page copies index the cache without bounds checks on the device: check the ids here. `breaks`, when
+    the caller has them (`run_breaks`), spare the scan of a run: its ends bound it."""
+    if not page_ids:
+        return
+    if breaks == []:
+        low, high = page_ids[0], page_ids[-1]
+    else:
+        low, high = min(page_ids), max(page_ids)
+    if not (low >= 0 and high < num_pages):
+        raise ValueError(f"{what}: page ids outside the cache's {num_pages} pages")
 
 
 def in_run(breaks: list[int], a: int, b: int) -> bool:

@@ -84,14 +84,3 @@ class PageAllocator:
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
-
-
-def page_runs(pages: list[int]) -> list[tuple[int, int]]:
-    """`pages` as runs of consecutive ids: [(first id, length)], in order."""
-    runs: list[tuple[int, int]] = []
-    for p in pages:
-        if runs and runs[-1][0] + runs[-1][1] == p:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((p, 1))
-    return runs
