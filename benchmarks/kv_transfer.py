@@ -145,6 +145,7 @@ def _measure(rank: int, args, port: int, results) -> None:
             time.sleep(0.001)
         results["d_sums"] = {m: _page_sums(cache, _pages(m, 1, num_pages)) for m in args.pages}
         results["completed_at"] = completed
+        results["timeline"] = {t: (seen, posted) for t, seen, posted in receiver.timeline}
         receiver.close()
         staging = torch.empty(payload_shape, dtype=torch.bfloat16, device=device)
         ids = torch.tensor(pages, device=device)
@@ -168,7 +169,7 @@ def _measure(rank: int, args, port: int, results) -> None:
             sender.config = dataclasses.replace(config, chunk_bytes=int(mib * 2**20))
         else:
             sender.config = dataclasses.replace(config, pipeline_min_bytes=2**62)
-        times, posted, started = [], [], {}
+        times, posted, started, header = [], [], {}, {}
         for i in range(WARMUP + args.iters):
             source[src_pages[transfer_id % num_pages]].add_(1.0)  # later transfers carry other data
             transfer_id += 1
@@ -183,11 +184,13 @@ def _measure(rank: int, args, port: int, results) -> None:
                 times.append(elapsed)
                 posted.append(sender.last_profile["d0"].posted_s)
                 started[transfer_id] = sender.last_profile["d0"].started_at
+                header[transfer_id] = sender.last_profile["d0"].header_s
         results[("ours", mode, mib, gap_ms)] = (
             statistics.median(times),
             statistics.median(posted),
             sender.last_profile["d0"].num_pieces,
             started,
+            header,
         )
     results["p_sums"] = {m: _page_sums(source, _pages(m, 0, num_pages)) for m in args.pages}
     ids = torch.tensor(pages, device=device)
@@ -287,8 +290,27 @@ def main() -> None:
             f"| bare send/recv of the contiguous payload (receive posted) | 1 | {gap:g} ms | {1e3 * sec:.3f} "
             f"| {_rate(gb, sec)} | 1.00 | |"
         )
+    steps = [
+        "",
+        "Where the time goes (medians, ms from P's call to `send`; both ranks read one monotonic clock):",
+        "",
+        "| pages | idle before | P posted the header | D saw the header | D posted the receives | "
+        "pages in D's cache |",
+        "|---|---|---|---|---|---|",
+    ]
     for mode, mib, gap in _cases(args):
-        t, posted, pieces, started = r[("ours", mode, mib, gap)]
+        t, posted, pieces, started, header = r[("ours", mode, mib, gap)]
+        seen = [r["timeline"][i][0] - t0 for i, t0 in started.items() if i in r["timeline"]]
+        recv = [r["timeline"][i][1] - t0 for i, t0 in started.items() if i in r["timeline"]]
+        done = [r["completed_at"][i] - t0 for i, t0 in started.items()]
+        cells = [
+            statistics.median(x) if x else float("nan") for x in (header.values(), seen, recv, done)
+        ]
+        steps.append(
+            f"| {mode} ({mib:g} MiB) | {gap:g} ms | "
+            + " | ".join(f"{1e3 * c:.3f}" for c in cells)
+            + " |"
+        )
         landed = statistics.median(r["completed_at"][i] - t0 for i, t0 in started.items())
         if mode == "runs":
             how = "a run of pages to a run of pages"
@@ -306,7 +328,7 @@ def main() -> None:
                 f"| ({side}: {op} of all pages alone, {name}, for reference) | | | "
                 f"{1e3 * r[key]:.3f} | | | |"
             )
-    text = "\n".join(lines)
+    text = "\n".join(lines + steps)
     print(text)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "kv_transfer.md"), "w") as f:

@@ -53,7 +53,20 @@ GEMM_DECODE = [
     _g(64, 64, 4, 4, split=264), _g(64, 64, 4, 6, split=264), _g(64, 64, 4, 5, split=528),
     _t(_g(64, 64, 4, 4, split=264), tma=True), _t(_g(64, 64, 4, 6, split=264), tma=True),
     _g(64, 128, 4, 4, fuse=True, split=264), _g(64, 128, 8, 4, fuse=True, split=264),
+    *[_g(64, bn, 4, s, split=t, min_k=2) for bn in (32, 64) for s in (4, 6) for t in (528, 1056)],
 ]  # fmt: skip
+GEMM_DECODE1 = [
+    _g(16, bn, 4, s, fuse=True, split=t, min_k=mk)
+    for bn in (32, 64, 128) for s in (4, 6) for t in (264, 1056, 2112) for mk in (2, 4)
+]  # fmt: skip
+DECODE_SHAPES = (
+    (1536, 24576),
+    (16384, 7168),
+    (7168, 576),
+    (7168, 18432),
+    (18432, 7168),
+    (7168, 1536),
+)
 MOE_BF16_BIG = [
     _m(128, 128, 64, 8, 3, 256, 64, 8, 3),
     _t(_m(128, 128, 64, 8, 3, 256, 64, 8, 3), permute_a=True),
@@ -109,12 +122,16 @@ def _jobs(groups: set[str]):
             jobs.append(("gemm_large", str(cfg), "fp8_gemm", "m>128", cfg,
                          lambda xq=xq, xs=xs, w=w, s=s: gemm.scaled_gemm(xq, xs, w, s),
                          ("TFLOP/s", 2 * 8192**3)))  # fmt: skip
-    if "gemm_decode" in groups:
-        for k, n in ((1536, 24576), (16384, 7168), (7168, 576), (7168, 18432)):
-            x, w, s = _gemm_case(64, k, n)
-            for cfg in GEMM_DECODE:
+    for group, m, key, cands in (
+        ("gemm_decode", 64, "m<=64", GEMM_DECODE), ("gemm_decode1", 1, "m<=16", GEMM_DECODE1)
+    ):  # fmt: skip
+        if group not in groups:
+            continue
+        for k, n in DECODE_SHAPES:
+            x, w, s = _gemm_case(m, k, n)
+            for cfg in cands:
                 fn = lambda x=x, w=w, s=s: gemm.fp8_gemm(x, w, s)  # noqa: E731
-                jobs.append((f"gemm_decode {k}->{n}", str(cfg), "fp8_gemm", "m<=64", cfg, fn,
+                jobs.append((f"{group} {k}->{n}", str(cfg), "fp8_gemm", key, cfg, fn,
                              ("GB/s", n * k)))  # fmt: skip
     for group, tokens, key, cands, fp8 in (
         ("moe_bf16_big", 4096, "bf16,rows>256", MOE_BF16_BIG, False),
@@ -199,6 +216,19 @@ def _profile() -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 
 
+def _print_totals(totals: dict[str, dict[str, list[float]]]) -> None:
+    """For groups swept over several shapes: each candidate's summed time, best first (a tuning key holds
+    one config for all the shapes of its class)."""
+    for group, by_label in totals.items():
+        full = max(len(t) for t in by_label.values())
+        if full < 2:
+            continue
+        ranked = sorted((sum(t), label) for label, t in by_label.items() if len(t) == full)
+        print(f"\n{group}: summed over {full} shapes, best 5")
+        for total, label in ranked[:5]:
+            print(f"  {total:8.4f} ms  {label}")
+
+
 def main() -> None:
     all_groups = "gemm_large,gemm_decode,moe_bf16_big,moe_fp8_big,moe_bf16_decode,moe_fp8_decode"
     parser = argparse.ArgumentParser()
@@ -213,6 +243,7 @@ def main() -> None:
     part, parts = map(int, args.part.split("/"))
     jobs = _jobs(set(args.groups.split(",")))
     best: dict[str, tuple[float, str]] = {}
+    totals: dict[str, dict[str, list[float]]] = {}
     for index, (group, label, op, key, cfg, fn, (unit, work)) in enumerate(jobs):
         if args.compile_only and index % parts != part:
             continue
@@ -230,8 +261,10 @@ def main() -> None:
         print(f"{group:28s} {ms:8.4f} ms {rate:7.0f} {unit}  {label}", flush=True)
         if group not in best or ms < best[group][0]:
             best[group] = (ms, label)
+        totals.setdefault(group.split()[0], {}).setdefault(label, []).append(ms)
     if args.compile_only:
         return
+    _print_totals(totals)
     print("\nbest per group:")
     for group, (ms, label) in best.items():
         print(f"  {group:28s} {ms:8.4f} ms  {label}")

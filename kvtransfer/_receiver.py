@@ -4,6 +4,7 @@ receives, in place or packed, and acknowledges."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import logging
@@ -61,6 +62,22 @@ class _Wait(enum.Enum):
 
 
 @dataclasses.dataclass
+class _Header:
+    """A posted header receive. On a GPU the header's copy to pinned host memory is queued behind the receive
+    when it is posted, so that once it arrives reading it costs no device round trip."""
+
+    op: Op
+    data: torch.Tensor
+    """Where the header is read: the pinned host copy on a GPU, the received buffer on a CPU."""
+    copied: torch.cuda.Event | None
+
+    def fields(self) -> list[int]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.data.tolist()
+
+
+@dataclasses.dataclass
 class _Peer:
     pair: Pair
     thread: threading.Thread
@@ -93,6 +110,9 @@ class DistKVReceiver(KVReceiver):
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._closed = threading.Event()
+        self.timeline: collections.deque[tuple[int, float, float]] = collections.deque(maxlen=4096)
+        """(transfer id, header seen, every receive of its pages posted) in time.monotonic(), for the last
+        transfers received: where D's time goes before the pages move (benchmarks/kv_transfer.py)."""
 
     def expect(self, transfer: ExpectedTransfer) -> None:
         # Where its pages break runs, worked out now rather than once its header is in.
@@ -186,17 +206,25 @@ class DistKVReceiver(KVReceiver):
         with pair.on_device():
             self._serve_peer(peer, pair, self._peers[peer].wake)
 
-    def _post_header(self, pair: Pair) -> tuple[torch.Tensor, Op]:
-        """Posts the receive of the next header: its buffer and the operation."""
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        return header, pair.recv(header, TAG_HEADER)
+    def _post_header(self, pair: Pair) -> _Header:
+        """Posts the receive of the next header (into the pair's scratch buffer: a pair carries one transfer
+        at a time, and a header is read before the next one's receive is posted)."""
+        host, dev = pair.scratch(HEADER_LEN, HEADER_LEN)
+        op = pair.recv(dev, TAG_HEADER)
+        if pair.stream is None:
+            return _Header(op, dev, None)
+        op.wait()  # our side stream follows the receive (NCCL: no host wait)
+        host.copy_(dev, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return _Header(op, host, copied)
 
     def _serve_peer(self, peer: str, pair: Pair, wake: threading.Event) -> None:
-        header, header_op = None, None
+        header: _Header | None = None
         idle_reason = f"no KV pages from {peer} before the deadline"
         while not self._closed.is_set():
             try:
-                if header_op is None:
+                if header is None:
                     # A header receive is posted only while a transfer from the peer is expected: a posted
                     # NCCL receive holds D's device until its message comes (see _RETIRE_UNEXPECTED_S).
                     if not self._expecting_from(peer):
@@ -205,8 +233,8 @@ class DistKVReceiver(KVReceiver):
                         continue
                     if pair.group is None:
                         pair.connect()
-                    header, header_op = self._post_header(pair)
-                outcome = self._wait_header(peer, pair, header_op, idle_reason)
+                    header = self._post_header(pair)
+                outcome = self._wait_header(peer, pair, header.op, idle_reason)
                 if outcome is not _Wait.HEADER:
                     if outcome is _Wait.STALE:
                         # Retire the link, which withdraws the posted receive (and, past the group's timeout,
@@ -215,22 +243,22 @@ class DistKVReceiver(KVReceiver):
                         pair.fail()
                     elif not self._closed.is_set():
                         pair.drop()  # the peer moved to a new epoch; rebuild on the next pass
-                    header_op = None
+                    header = None
                     continue
-                header, header_op = self._receive_one(peer, pair, header)
+                header = self._receive_one(peer, pair, header)
             except PeerAbsent as e:
                 # It never joined: every transfer expected from it fails now.
                 logger.warning("%s", e)
-                header_op = None
+                header = None
                 self._fail_all(peer, str(e))
             except TransferError as e:
                 logger.warning("KV link from %s failed: %s", peer, e)
-                header_op = None
+                header = None
                 pair.fail()
                 self._fail_overdue(peer, str(e))
             except Exception as e:  # thread boundary: report, rebuild the link, keep serving
                 logger.error("KV receiver for %s crashed", peer, exc_info=True)
-                header_op = None
+                header = None
                 pair.fail()
                 sync(pair.stream)
                 self._fail_all(peer, f"KV receiver error: {e}")
@@ -269,12 +297,11 @@ class DistKVReceiver(KVReceiver):
         wait_ops([header_op], float("inf"), f"header from {peer}", 0.0)
         return _Wait.HEADER
 
-    def _receive_one(
-        self, peer: str, pair: Pair, header_dev: torch.Tensor
-    ) -> tuple[torch.Tensor | None, Op | None]:
-        """Receives the transfer whose header arrived; returns the next header's buffer and its posted
-        receive (both None when no other transfer from the peer is expected)."""
-        header = header_dev.tolist()
+    def _receive_one(self, peer: str, pair: Pair, posted: _Header) -> _Header | None:
+        """Receives the transfer whose header arrived; returns the next header's posted receive (None when no
+        other transfer from the peer is expected)."""
+        seen_at = time.monotonic()
+        header = posted.fields()
         magic, transfer_id, num_pages, num_tokens, first_token = header[:5]
         layers, page_size, dim, itemsize, largest, first = header[5:]
         sizes = (num_pages, layers, page_size, dim, largest, first)
@@ -308,6 +335,7 @@ class DistKVReceiver(KVReceiver):
                 )
                 staged.append((len(ops), a, b, buffer))
             ops.append(pair.recv(buffer, TAG_PAGES))
+        self.timeline.append((transfer_id, seen_at, time.monotonic()))
         # While the pieces travel: the page ids to unpack into and both possible acks, so that little is left
         # to do after the last piece.
         dest_dev = device_ids(dest, self.device) if dest is not None and staged else None
@@ -349,7 +377,7 @@ class DistKVReceiver(KVReceiver):
                     )
                 )
         ack_op = pair.send(acks[0 if ok else 1], TAG_ACK)
-        next_header = None, None
+        next_header = None
         if self._expecting_from(peer, besides=transfer_id):
             next_header = self._post_header(pair)
         wait_ops([ack_op], deadline, f"ack of {what}", self.config.spin_s)

@@ -69,6 +69,8 @@ class SendProfile:
 
     started_at: float
     """time.monotonic() on entering `send` (the same clock as `TransferResult.completed_at` on D's host)."""
+    header_s: float
+    """The header's send posted."""
     posted_s: float
     """Every piece gathered (queued) and every operation posted."""
     done_s: float
@@ -151,6 +153,7 @@ class DistKVSender(KVSender):
                     fields_dev = device_ids(fields + page_ids, self.device)
                     header, ids = fields_dev[:HEADER_LEN], fields_dev[HEADER_LEN:]
                 ops = [pair.send(header, TAG_HEADER)]
+                header_at = time.monotonic()
                 if self.delay_after_header_s:
                     wait_ops(ops, deadline, what, self.config.spin_s)
                     time.sleep(self.delay_after_header_s)
@@ -174,7 +177,9 @@ class DistKVSender(KVSender):
         if ack_id != transfer_id or status not in (ACK_OK, ACK_DISCARDED):
             raise TransferError(f"{what}: bad acknowledgement {[ack_id, status]}")
         now = time.monotonic()
-        self.last_profile[peer] = SendProfile(start, posted - start, now - start, len(plan))
+        self.last_profile[peer] = SendProfile(
+            start, header_at - start, posted - start, now - start, len(plan)
+        )
 
     def close(self) -> None:
         with self._lock:
