@@ -50,14 +50,14 @@ GEMM_LARGE = [
     _t(_g(64, 128, 4, 3, gm=16), tma=True), _t(_g(128, 64, 4, 4, gm=16), tma=True),
 ]  # fmt: skip
 GEMM_DECODE = [
-    _g(64, 64, 4, 4, split=264), _g(64, 64, 4, 6, split=264), _g(64, 64, 4, 5, split=528),
-    _t(_g(64, 64, 4, 4, split=264), tma=True), _t(_g(64, 64, 4, 6, split=264), tma=True),
-    _g(64, 128, 4, 4, fuse=True, split=264), _g(64, 128, 8, 4, fuse=True, split=264),
-    *[_g(64, bn, 4, s, split=t, min_k=2) for bn in (32, 64) for s in (4, 6) for t in (528, 1056)],
+    _g(64, 64, 4, 4, split=264), _g(64, 64, 4, 4, split=264, min_k=2), _g(64, 64, 4, 5, split=264),
+    _g(64, 128, 4, 4, split=264, min_k=2), _g(64, 128, 8, 4, split=264),
+    _g(64, 128, 8, 4, fuse=True, split=264), _g(64, 64, 4, 4, fuse=True, split=264),
 ]  # fmt: skip
 GEMM_DECODE1 = [
-    _g(16, bn, 4, s, fuse=True, split=t, min_k=mk)
-    for bn in (32, 64, 128) for s in (4, 6) for t in (264, 1056, 2112) for mk in (2, 4)
+    _g(16, 128, 4, 4, fuse=True, split=264, min_k=2), _g(16, 128, 8, 4, fuse=True, split=264, min_k=2),
+    *[_g(16, 128, 4, s, split=t, min_k=2) for s in (3, 4, 6) for t in (264, 1056)],
+    *[_g(16, 256, 8, s, fuse=f, split=264, min_k=2) for s in (3, 4) for f in (True, False)],
 ]  # fmt: skip
 DECODE_SHAPES = (
     (1536, 24576),

@@ -103,7 +103,7 @@ register(
     "fp8_gemm",
     "sm90",
     {
-        "m<=16": _gemm_cfg(16, 64, 4, 4, True, 264),
+        "m<=16": _gemm_cfg(16, 128, 4, 4, True, 264),
         "m<=32": _gemm_cfg(32, 64, 4, 4, True, 264),
         "m<=64": _gemm_cfg(64, 64, 4, 4, False, 264),
         "m<=128": _gemm_cfg(64, 128, 4, 4, False, 132),

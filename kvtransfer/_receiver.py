@@ -31,7 +31,6 @@ from ._link import (
 from ._wire import (
     ACK_DISCARDED,
     ACK_OK,
-    HEADER_LEN,
     MAGIC,
     TAG_ACK,
     TAG_HEADER,
@@ -209,15 +208,15 @@ class DistKVReceiver(KVReceiver):
     def _post_header(self, pair: Pair) -> _Header:
         """Posts the receive of the next header (into the pair's scratch buffer: a pair carries one transfer
         at a time, and a header is read before the next one's receive is posted)."""
-        host, dev = pair.scratch(HEADER_LEN, HEADER_LEN)
-        op = pair.recv(dev, TAG_HEADER)
+        scratch = pair.scratch()
+        op = pair.recv(scratch.header, TAG_HEADER)
         if pair.stream is None:
-            return _Header(op, dev, None)
+            return _Header(op, scratch.header, None)
         op.wait()  # our side stream follows the receive (NCCL: no host wait)
-        host.copy_(dev, non_blocking=True)
+        scratch.host.copy_(scratch.header, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return _Header(op, host, copied)
+        return _Header(op, scratch.host, copied)
 
     def _serve_peer(self, peer: str, pair: Pair, wake: threading.Event) -> None:
         header: _Header | None = None
@@ -314,17 +313,13 @@ class DistKVReceiver(KVReceiver):
             self._dropped.pop(transfer_id, None)
             dest = self._destination(transfer_id, num_pages, (layers, page_size, dim), what)
             breaks = self._breaks.pop(transfer_id, None)
-        if dest is None:
-            breaks = None
-        in_place = [breaks is not None and in_run(breaks, a, b) for a, b in plan]
-        if any(in_place):
-            with (
-                self._lock
+            if dest is None:
+                breaks = None
+            in_place = [breaks is not None and in_run(breaks, a, b) for a, b in plan]
+            if any(
+                in_place
             ):  # from here on, a cancel waits until no piece can write in place any more
-                if transfer_id in self._expected:
-                    self._arriving[transfer_id] = threading.Event()
-                else:  # cancelled meanwhile
-                    dest, in_place = None, [False] * len(plan)
+                self._arriving[transfer_id] = threading.Event()
         ops, staged = [], []
         for (a, b), here in zip(plan, in_place, strict=True):
             if here:

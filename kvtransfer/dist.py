@@ -141,13 +141,11 @@ class DistKVSender(KVSender):
             deadline = time.monotonic() + self.config.timeout_s
             try:
                 # The header goes first: D learns the size from it, and posts its receives while we pack.
-                host, dev = pair.scratch(HEADER_LEN, HEADER_LEN + 2)
-                ack = dev[HEADER_LEN:]
-                if (
-                    breaks == []
-                ):  # one run, nothing to pack: the header through the pair's pinned buffer
-                    host.numpy()[:] = fields
-                    header = dev[:HEADER_LEN].copy_(host, non_blocking=True)
+                scratch = pair.scratch()
+                ack = scratch.ack
+                if breaks == []:  # one run, nothing to pack: the header through the pinned buffer
+                    scratch.host_np[:] = fields
+                    header = scratch.header.copy_(scratch.host, non_blocking=True)
                     ids = None
                 else:  # the header and the page ids to pack in one copy to the device
                     fields_dev = device_ids(fields + page_ids, self.device)

@@ -258,3 +258,25 @@ def test_idle_link_is_retired_before_its_timeout_then_rebuilt(make_link):
     sender.send("d0", 3, source, [3, 4], 2 * PAGE_SIZE, 5)
     assert [r.error for r in wait_results(receiver, 1)] == [None]
     assert torch.equal(dest[[1, 2]], source[[3, 4]])
+
+
+@pytest.mark.gpu
+def test_pair_makes_its_stream_current_and_restores_the_threads_own():
+    """Pair.on_device switches device and stream through torch's lower-level calls: on leaving, the thread has
+    its device back, and that device its stream (on two GPUs the pair lives on the other one)."""
+    from pdserve.kvtransfer._link import Pair
+
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    pair = Pair(None, "p0", "d0", 0, "nccl", KVTransferConfig(), device)
+    own = torch.cuda.Stream(device)
+    start_device = torch.cuda.current_device()
+    with torch.cuda.device(device), torch.cuda.stream(own):
+        torch.cuda.set_device(start_device)
+        with pair.on_device():
+            assert torch.cuda.current_device() == device.index
+            assert torch.cuda.current_stream(device) == pair.stream
+            with pair.on_device():  # re-entered, as the receiving thread does around its transfers
+                assert torch.cuda.current_stream(device) == pair.stream
+            assert torch.cuda.current_stream(device) == pair.stream
+        assert torch.cuda.current_device() == start_device
+        assert torch.cuda.current_stream(device) == own
