@@ -91,7 +91,7 @@ def _fp8_gemm_kernel(
     stride_am, stride_ak, stride_asm, stride_ask,
     stride_bn, stride_bk, stride_bsn, stride_bsk,
     stride_cs, stride_cm, stride_cn,
-    QUANT_A: tl.constexpr, EVEN_K: tl.constexpr, UNIFORM_B: tl.constexpr,
+    QUANT_A: tl.constexpr, EVEN_K: tl.constexpr, UNIFORM_B: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
     EXACT_CAST: tl.constexpr,
@@ -100,7 +100,10 @@ def _fp8_gemm_kernel(
 
     A: [M, K] fp8 with a_scale [M, K/128] (or a float type quantized here when QUANT_A);
     B: [N, K] fp8 with b_scale [N/128, K/128]. BLOCK_K == SCALE_BLOCK: one scale per operand row
-    per k-tile.
+    per k-tile. SWAP_AB computes the tile transposed, C^T = B @ A^T, so that a few rows of A are
+    the MMA's narrow N side and the weight tile its M side: Hopper's wgmma needs M >= 64 but takes
+    N down to 8, and keeps fp8 operands in fp8 (without the swap a 16-row tile falls back to
+    mma.sync on fp8 converted to fp16).
     """
     pid_m, pid_n = tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     split = tl.program_id(1)
@@ -115,7 +118,10 @@ def _fp8_gemm_kernel(
 
     offs_k0 = kt0 * BLOCK_K + offs_k
     a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k0[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k0[:, None] * stride_bk
+    if SWAP_AB:  # B tile as [BLOCK_N, BLOCK_K]
+        b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k0[None, :] * stride_bk
+    else:  # [BLOCK_K, BLOCK_N]
+        b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k0[:, None] * stride_bk
     as_ptrs = as_ptr + offs_m * stride_asm + kt0 * stride_ask
     # UNIFORM_B: the tile lies inside one 128-row quant block, so one weight scale per k-tile.
     if UNIFORM_B:
@@ -123,7 +129,10 @@ def _fp8_gemm_kernel(
     else:
         bs_ptrs = bs_ptr + (offs_n // SCALE_BLOCK) * stride_bsn + kt0 * stride_bsk
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kt in range(kt0, kt1):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -131,13 +140,21 @@ def _fp8_gemm_kernel(
         else:
             k_mask = kt * BLOCK_K + offs_k < K
             a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+            if SWAP_AB:
+                b = tl.load(b_ptrs, mask=k_mask[None, :], other=0.0)
+            else:
+                b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
         if QUANT_A:
             a, a_s = quantize_tile(a.to(tl.float32), FP8_MAX, MIN_AMAX, EXACT_CAST)
         else:
             a_s = tl.load(as_ptrs)
         b_s = tl.load(bs_ptrs)
-        if UNIFORM_B:
+        if SWAP_AB:
+            if UNIFORM_B:
+                acc += tl.dot(b, tl.trans(a)) * (a_s * b_s)[None, :]
+            else:
+                acc += tl.dot(b, tl.trans(a)) * (b_s[:, None] * a_s[None, :])
+        elif UNIFORM_B:
             acc += tl.dot(a, b) * (a_s * b_s)[:, None]
         else:
             acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
@@ -147,9 +164,13 @@ def _fp8_gemm_kernel(
         bs_ptrs += stride_bsk
     out_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     out_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_ptrs = c_ptr + split * stride_cs + out_m.to(tl.int64)[:, None] * stride_cm
-    c_ptrs += out_n[None, :] * stride_cn
-    mask = (out_m < M)[:, None] & (out_n < N)[None, :]
+    c_ptrs = c_ptr + split * stride_cs
+    if SWAP_AB:
+        c_ptrs += out_m.to(tl.int64)[None, :] * stride_cm + out_n[:, None] * stride_cn
+        mask = (out_m < M)[None, :] & (out_n < N)[:, None]
+    else:
+        c_ptrs += out_m.to(tl.int64)[:, None] * stride_cm + out_n[None, :] * stride_cn
+        mask = (out_m < M)[:, None] & (out_n < N)[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
@@ -354,6 +375,7 @@ def _launch_gemm(
         w_fp8.stride(0), w_fp8.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
         stride_cs, target.stride(-2), target.stride(-1),
         QUANT_A=quant_a, EVEN_K=k % block_k == 0, UNIFORM_B=WEIGHT_QUANT_BLOCK % block_n == 0,
+        SWAP_AB=cfg.get("swap_ab", False),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
         SCALE_BLOCK=WEIGHT_QUANT_BLOCK, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
         EXACT_CAST=interpreter_enabled(),

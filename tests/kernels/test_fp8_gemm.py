@@ -101,6 +101,10 @@ def test_fp8_gemm_matches_reference(m: int, n: int, k: int, dtype: torch.dtype) 
 _BASE = {"GROUP_M": 4, "num_warps": 4, "num_stages": 2, "min_k_tiles": 1}
 PATH_CONFIGS = {
     "fused-quant-split-k": {**_BASE, "BLOCK_M": 16, "BLOCK_N": 64, "split_k_target_ctas": 64},
+    "fused-quant-swap-ab-split-k": {**_BASE, "BLOCK_M": 16, "BLOCK_N": 64, "split_k_target_ctas": 64,
+                                     "swap_ab": True},
+    "prequant-swap-ab-n256": {**_BASE, "BLOCK_M": 32, "BLOCK_N": 256, "split_k_target_ctas": 0,
+                              "swap_ab": True},
     "prequant-n256": {**_BASE, "BLOCK_M": 32, "BLOCK_N": 256, "split_k_target_ctas": 0},
     "prequant-split-k-n32": {**_BASE, "BLOCK_M": 64, "BLOCK_N": 32, "split_k_target_ctas": 32},
     "tma": {**_BASE, "BLOCK_M": 32, "BLOCK_N": 64, "split_k_target_ctas": 0, "tma": True},
