@@ -73,6 +73,21 @@ def time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50) -> floa
     return statistics.median(times)
 
 
+def time_graph_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50) -> float:
+    """As `time_ms`, for fn captured once in a CUDA graph and replayed: how a decode step runs its kernels
+    (no host launch cost between them)."""
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay, warmup, iters)
+
+
 def print_table(rows: list[Row]) -> str:
     cells = [HEADER] + [r.cells() for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(HEADER))]
