@@ -55,11 +55,10 @@ GEMM_DECODE = [
     _g(64, 128, 8, 4, fuse=True, split=264), _g(64, 64, 4, 4, fuse=True, split=264),
 ]  # fmt: skip
 GEMM_DECODE1 = [
-    _t(_g(16, 128, 4, 3, fuse=True, split=264), swap_ab=True),
-    _t(_g(16, 128, 4, 3, split=264), swap_ab=True),
-    *[_t(_g(16, 128, 4, s, fuse=f, split=t), swap_ab=True, tma_b=True)
-      for s in (3, 4, 6) for f in (True, False) for t in (264, 528)],
-    *[_t(_g(16, 64, 4, s, fuse=True, split=t), swap_ab=True, tma_b=True) for s in (4, 6) for t in (264, 528)],
+    _g(16, 128, 4, 4, fuse=True, split=264),
+    *[_t(_g(16, bn, 4, s, fuse=f, split=264), swap_ab=True)
+      for bn in (64, 128) for s in (3, 4, 6) for f in (True, False)],
+    *[_t(_g(16, 256, 8, s, fuse=True, split=264), swap_ab=True) for s in (3, 4)],
     *[_t(_g(16, 128, 4, 3, fuse=True, split=t, min_k=2), swap_ab=True) for t in (528, 1056)],
 ]  # fmt: skip
 DECODE_SHAPES = (

@@ -62,7 +62,13 @@ register(
     "any",
     {
         "default": _FP8_GEMM_ANY,
-        "m<=16": {**_FP8_GEMM_ANY, "BLOCK_M": 16, "fuse_quant": True, "split_k_target_ctas": 8},
+        "m<=16": {
+            **_FP8_GEMM_ANY,
+            "BLOCK_M": 16,
+            "fuse_quant": True,
+            "split_k_target_ctas": 8,
+            "swap_ab": True,
+        },
     },
 )
 _FUSED_MOE_ANY = {
@@ -82,7 +88,7 @@ register(
 def _gemm_cfg(
     bm: int, bn: int, warps: int, stages: int, fuse: bool, split: int, **extra: Any
 ) -> dict[str, Any]:
-    """extra: GROUP_M (default 8), tma, lag, warp_specialize (see fp8_gemm/triton.py)."""
+    """extra: GROUP_M (default 8), tma, lag, warp_specialize, swap_ab (see fp8_gemm/triton.py)."""
     return {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": warps, "num_stages": stages,
             "fuse_quant": fuse, "split_k_target_ctas": split, "min_k_tiles": 4,
             **extra}  # fmt: skip
@@ -103,7 +109,7 @@ register(
     "fp8_gemm",
     "sm90",
     {
-        "m<=16": _gemm_cfg(16, 128, 4, 4, True, 264),
+        "m<=16": _gemm_cfg(16, 128, 4, 3, True, 264, swap_ab=True),
         "m<=32": _gemm_cfg(32, 64, 4, 4, True, 264),
         "m<=64": _gemm_cfg(64, 64, 4, 4, False, 264),
         "m<=128": _gemm_cfg(64, 128, 4, 4, False, 132),

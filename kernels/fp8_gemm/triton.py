@@ -86,7 +86,7 @@ def tile_of(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _fp8_gemm_kernel(
-    a_ptr, as_ptr, b_ptr, b_desc, bs_ptr, c_ptr,
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr,
     M, N, K, k_tiles_per_split,
     stride_am, stride_ak, stride_asm, stride_ask,
     stride_bn, stride_bk, stride_bsn, stride_bsk,
@@ -100,13 +100,10 @@ def _fp8_gemm_kernel(
 
     A: [M, K] fp8 with a_scale [M, K/128] (or a float type quantized here when QUANT_A);
     B: [N, K] fp8 with b_scale [N/128, K/128]. BLOCK_K == SCALE_BLOCK: one scale per operand row
-    per k-tile.
-
-    SWAP_AB computes the tile transposed, C^T = B @ A^T, so that a few rows of A are the MMA's
-    narrow N side and the weight tile its M side: Hopper's wgmma needs M >= 64 but takes N down
-    to 8, and keeps fp8 operands in fp8 (without the swap a 16-row tile falls back to mma.sync on
-    fp8 converted to fp16). With a TMA descriptor `b_desc` (SWAP_AB only) B's tiles come through
-    TMA, zero-filled past the edges, instead of pointer loads.
+    per k-tile. SWAP_AB computes the tile transposed, C^T = B @ A^T, so that a few rows of A are
+    the MMA's narrow N side and the weight tile its M side: Hopper's wgmma needs M >= 64 but takes
+    N down to 8, and keeps fp8 operands in fp8 (without the swap a 16-row tile falls back to
+    mma.sync on fp8 converted to fp16).
     """
     pid_m, pid_n = tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     split = tl.program_id(1)
@@ -139,17 +136,14 @@ def _fp8_gemm_kernel(
     for kt in range(kt0, kt1):
         if EVEN_K:
             a = tl.load(a_ptrs)
-            if b_desc is None:
-                b = tl.load(b_ptrs)
+            b = tl.load(b_ptrs)
         else:
             k_mask = kt * BLOCK_K + offs_k < K
             a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-            if b_desc is None and SWAP_AB:
+            if SWAP_AB:
                 b = tl.load(b_ptrs, mask=k_mask[None, :], other=0.0)
-            elif b_desc is None:
+            else:
                 b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
-        if b_desc is not None:
-            b = b_desc.load([pid_n * BLOCK_N, kt * BLOCK_K])
         if QUANT_A:
             a, a_s = quantize_tile(a.to(tl.float32), FP8_MAX, MIN_AMAX, EXACT_CAST)
         else:
@@ -368,10 +362,6 @@ def _launch_gemm(
         return
     if quant_a:
         a_scales = torch.empty((1, 1), dtype=torch.float32, device=a.device)  # unread
-    swap_ab = cfg.get("swap_ab", False)
-    b_desc = None
-    if swap_ab and cfg.get("tma_b") and _tma_ok(w_fp8):
-        b_desc = TensorDescriptor.from_tensor(w_fp8, [block_n, block_k])
     if splits == 1:
         target = out
         stride_cs = 0
@@ -379,13 +369,13 @@ def _launch_gemm(
         target = torch.empty((splits, m, n), dtype=torch.float32, device=a.device)
         stride_cs = target.stride(0)
     _fp8_gemm_kernel[(tiles, splits)](
-        a, a_scales, w_fp8, b_desc, w_scale_inv, target,
+        a, a_scales, w_fp8, w_scale_inv, target,
         m, n, k, per_split,
         a.stride(0), a.stride(1), a_scales.stride(0), a_scales.stride(1),
         w_fp8.stride(0), w_fp8.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
         stride_cs, target.stride(-2), target.stride(-1),
         QUANT_A=quant_a, EVEN_K=k % block_k == 0, UNIFORM_B=WEIGHT_QUANT_BLOCK % block_n == 0,
-        SWAP_AB=swap_ab,
+        SWAP_AB=cfg.get("swap_ab", False),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
         SCALE_BLOCK=WEIGHT_QUANT_BLOCK, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
         EXACT_CAST=interpreter_enabled(),

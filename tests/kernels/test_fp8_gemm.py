@@ -103,8 +103,6 @@ PATH_CONFIGS = {
     "fused-quant-split-k": {**_BASE, "BLOCK_M": 16, "BLOCK_N": 64, "split_k_target_ctas": 64},
     "fused-quant-swap-ab-split-k": {**_BASE, "BLOCK_M": 16, "BLOCK_N": 64, "split_k_target_ctas": 64,
                                      "swap_ab": True},
-    "fused-quant-swap-ab-tma-b": {**_BASE, "BLOCK_M": 16, "BLOCK_N": 128, "split_k_target_ctas": 32,
-                                  "swap_ab": True, "tma_b": True},
     "prequant-swap-ab-n256": {**_BASE, "BLOCK_M": 32, "BLOCK_N": 256, "split_k_target_ctas": 0,
                               "swap_ab": True},
     "prequant-n256": {**_BASE, "BLOCK_M": 32, "BLOCK_N": 256, "split_k_target_ctas": 0},
