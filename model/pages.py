@@ -3,9 +3,12 @@ that use it are tested without a GPU."""
 
 from __future__ import annotations
 
+import re
+
 from .errors import CapacityError
 
 _FREE, _TAKEN = 1, 0
+_FREE_RUNS = re.compile(b"\x01+")
 
 
 class PageAllocator:
@@ -13,9 +16,10 @@ class PageAllocator:
     freeing a page that is not allocated is a bug and raises.
 
     A request's pages come as one run of consecutive ids wherever a free run is long enough (the lowest such
-    run), else as the lowest free ids: a run of pages is one contiguous block of the page-major cache, which the
-    KV transfer sends as one message without copying it (pdserve.kvtransfer). Single pages (a decode step's
-    growth) fill the lowest holes first, which keeps the long free runs whole."""
+    run), else as few runs as the free space allows (the longest free runs first). A run of pages is one
+    contiguous block of the page-major cache, which the KV transfer moves as one message without copying it
+    (pdserve.kvtransfer). Single pages (a decode step's growth) fill the lowest holes first, which keeps the
+    long free runs whole."""
 
     def __init__(self, num_pages: int):
         if num_pages <= 0:
@@ -48,13 +52,18 @@ class PageAllocator:
         if start >= 0:
             pages = list(range(start, start + n))
             self._map[start : start + n] = bytes([_TAKEN]) * n
-        else:
-            pages, at = [], 0
-            for _ in range(n):
-                at = self._map.find(_FREE, at)
-                pages.append(at)
-                self._map[at] = _TAKEN
-                at += 1
+        else:  # the longest free runs first (lowest first among equals), until n pages
+            runs = sorted(
+                ((m.start(), m.end()) for m in _FREE_RUNS.finditer(self._map)),
+                key=lambda run: (run[0] - run[1], run[0]),
+            )
+            pages = []
+            for a, b in runs:
+                b = min(b, a + n - len(pages))
+                pages.extend(range(a, b))
+                self._map[a:b] = bytes([_TAKEN]) * (b - a)
+                if len(pages) == n:
+                    break
         self._num_free -= n
         self._used.update(pages)
         return pages

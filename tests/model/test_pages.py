@@ -1,5 +1,6 @@
-"""PageAllocator: a request's pages come as one run while a free run is long enough, single pages fill the lowest
-holes, frees held back during a forward pass come back after it, misuse raises."""
+"""PageAllocator: a request's pages come as one run while a free run is long enough, else as few runs as the free
+space allows; single pages fill the lowest holes, frees held back during a forward pass come back after it,
+misuse raises."""
 
 from __future__ import annotations
 
@@ -20,11 +21,21 @@ def test_requests_get_runs_and_single_pages_fill_the_lowest_holes():
     assert (a.num_free, a.num_used) == (2, 18)
 
 
-def test_no_run_long_enough_takes_the_lowest_free_pages():
+def test_no_run_long_enough_takes_the_longest_free_runs():
+    a = PageAllocator(10)
+    a.allocate(10)
+    a.free([0, 2, 3, 4, 6, 7, 9])  # free runs of 1, 3, 2 and 1 pages
+    assert a.allocate(5) == [
+        2,
+        3,
+        4,
+        6,
+        7,
+    ]  # two runs, where the lowest free pages would make three
     a = PageAllocator(8)
-    pages = a.allocate(8)
-    a.free([pages[1], pages[2], pages[5], pages[7]])
-    assert a.allocate(3) == [1, 2, 5]
+    a.allocate(8)
+    a.free([1, 2, 5, 7])
+    assert a.allocate(3) == [1, 2, 5]  # among runs of one page, the lowest first
     with pytest.raises(CapacityError, match="need 2 KV pages, 1 free of 8"):
         a.allocate(2)
     assert a.allocate(0) == [] and a.allocate(1) == [7] and a.num_free == 0
