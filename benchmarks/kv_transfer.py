@@ -8,7 +8,10 @@ caches), next to a bare send/recv of the same bytes on a two-rank group (the pee
 
 `--pages runs`: the request's pages are one run of consecutive ids in both caches (what the allocators hand out
 while they can): the pages travel in place, one message, no copy. `--pages scattered`: random pages on both
-sides: P packs them piece by piece, D unpacks them. On CUDA it needs 2 GPUs (NCCL); on CPU it runs two processes
+sides: P packs them piece by piece, D unpacks them. `run-to-runs`: one run on P, four on D (a fuller decode
+pool): P cuts the transfer where D advised (`KVReceiver.expect`, as the router passes it on), every piece lands
+in place. `run-to-scattered`: one run on P, random pages on D: D unpacks. On CUDA it needs 2 GPUs (NCCL); on
+CPU it runs two processes
 over gloo (a functional check, not a bandwidth figure; gloo packs every piece). Two times per transfer, both from
 the call to `send`: until D has the last page in its cache and reported the transfer (D's
 `TransferResult.completed_at`; both ranks read the same monotonic clock), which is when D can decode; and until
@@ -54,11 +57,23 @@ def _cases(args) -> list[tuple[str, float, float]]:
     return cases
 
 
+MODES = ("runs", "scattered", "run-to-runs", "run-to-scattered")
+
+
 def _pages(mode: str, rank: int, num_pages: int) -> list[int]:
-    """A request's pages in a cache of 3 * num_pages pages: random ones among the first 2 * num_pages (other ones
-    on each rank), or the run of the last num_pages."""
-    if mode == "runs":
+    """A request's pages in a cache of 5 * num_pages pages: the run 2 * num_pages .. 3 * num_pages - 1, or random ones
+    among the first 2 * num_pages (other ones on each rank), or four runs among the last 2 * num_pages (D's in
+    run-to-runs; the last quarter first), so that the modes write disjoint pages and each can be checked."""
+    if mode == "runs" or (rank == 0 and mode.startswith("run-to-")):
         return list(range(2 * num_pages, 3 * num_pages))
+    if mode == "run-to-runs":
+        bounds = [i * num_pages // 4 for i in range(5)]
+        gap = num_pages // 4 + 1
+        starts = [3 * num_pages + gap * i for i in (3, 0, 1, 2)]
+        pages = []
+        for start, a, b in zip(starts, bounds, bounds[1:], strict=False):
+            pages += range(start, start + b - a)
+        return pages
     g = torch.Generator().manual_seed(rank)
     return torch.randperm(2 * num_pages, generator=g)[:num_pages].tolist()
 
@@ -114,7 +129,7 @@ def _measure(rank: int, args, port: int, results) -> None:
         torch.set_num_threads(1)
         device = torch.device("cpu")
     num_pages = -(-args.tokens // args.page_size)
-    cache_shape = (3 * num_pages, args.layers, args.page_size, ENTRY_DIM)
+    cache_shape = (5 * num_pages, args.layers, args.page_size, ENTRY_DIM)
     payload_shape = (num_pages, args.layers, args.page_size, ENTRY_DIM)
     config = KVTransferConfig(
         store_port=port, timeout_s=60, connect_timeout_s=60, spin_s=args.spin_ms / 1e3,
@@ -130,20 +145,29 @@ def _measure(rank: int, args, port: int, results) -> None:
         for mode, _, _ in _cases(args):
             for _ in range(WARMUP + args.iters):
                 transfer_id += 1
-                receiver.expect(
+                cuts = receiver.expect(
                     ExpectedTransfer(
                         transfer_id, "p0", _pages(mode, 1, num_pages), time.monotonic() + 600
                     )
                 )  # fmt: skip
+                store.set(f"cuts/{transfer_id}", ",".join(map(str, cuts)))
         completed, deadline = {}, time.monotonic() + 600
+        per_case, checked, d_sums = WARMUP + args.iters, 0, []
         while len(completed) < num_transfers:
             for r in receiver.poll():
                 assert r.error is None, r.error
                 completed[r.transfer_id] = r.completed_at
+            # A case's pages are checked once all its transfers are in, before P starts the next case.
+            while checked < len(_cases(args)) and all(
+                i in completed for i in range(checked * per_case + 1, (checked + 1) * per_case + 1)
+            ):
+                d_sums.append(_page_sums(cache, _pages(_cases(args)[checked][0], 1, num_pages)))
+                store.set(f"checked/{checked}", "1")
+                checked += 1
             done = len(completed)
             assert time.monotonic() < deadline, f"{done} of {num_transfers} transfers arrived"
             time.sleep(0.001)
-        results["d_sums"] = {m: _page_sums(cache, _pages(m, 1, num_pages)) for m in args.pages}
+        results["d_sums"] = d_sums
         results["completed_at"] = completed
         results["timeline"] = {t: (seen, posted) for t, seen, posted in receiver.timeline}
         receiver.close()
@@ -162,8 +186,8 @@ def _measure(rank: int, args, port: int, results) -> None:
         return
     sender = DistKVSender(config, store, "p0", device)
     source = torch.randn(cache_shape, device=device).bfloat16()
-    transfer_id = 0
-    for mode, mib, gap_ms in _cases(args):
+    transfer_id, p_sums = 0, []
+    for case, (mode, mib, gap_ms) in enumerate(_cases(args)):
         src_pages = _pages(mode, 0, num_pages)
         if mib > 0:
             sender.config = dataclasses.replace(config, chunk_bytes=int(mib * 2**20))
@@ -173,10 +197,12 @@ def _measure(rank: int, args, port: int, results) -> None:
         for i in range(WARMUP + args.iters):
             source[src_pages[transfer_id % num_pages]].add_(1.0)  # later transfers carry other data
             transfer_id += 1
+            # D's advice, as the router would pass it on (read before the clock starts)
+            cuts = tuple(int(c) for c in store.get(f"cuts/{transfer_id}").decode().split(",") if c)
             time.sleep(gap_ms / 1e3)
             elapsed = _timed(
-                lambda tid=transfer_id, pages=src_pages: sender.send(
-                    "d0", tid, source, pages, args.tokens, 0
+                lambda tid=transfer_id, pages=src_pages, cuts=cuts: sender.send(
+                    "d0", tid, source, pages, args.tokens, 0, cuts
                 ),
                 device,
             )
@@ -192,7 +218,9 @@ def _measure(rank: int, args, port: int, results) -> None:
             started,
             header,
         )
-    results["p_sums"] = {m: _page_sums(source, _pages(m, 0, num_pages)) for m in args.pages}
+        p_sums.append(_page_sums(source, src_pages))
+        store.wait([f"checked/{case}"])  # D has checked its pages: the next case may write them
+    results["p_sums"] = p_sums
     ids = torch.tensor(pages, device=device)
     for name, fn in [
         ("gather", lambda: gather_pages(source, ids)),
@@ -259,8 +287,8 @@ def main() -> None:
         help="write each rank's torch.profiler trace (chrome format) there; use with few transfers",
     )  # fmt: skip
     args = parser.parse_args()
-    if not set(args.pages) <= {"runs", "scattered"}:
-        parser.error(f"--pages {','.join(args.pages)}: expected runs and/or scattered")
+    if not set(args.pages) <= set(MODES):
+        parser.error(f"--pages {','.join(args.pages)}: expected some of {', '.join(MODES)}")
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         raise SystemExit("needs 2 CUDA GPUs (or --device cpu)")
     port = _port()
@@ -268,12 +296,14 @@ def main() -> None:
         results = manager.dict()
         mp.spawn(_run, args=(args, port, results), nprocs=2, join=True)
         r = dict(results)
-    for mode in args.pages:
-        p_sums, d_sums = r["p_sums"][mode], r["d_sums"][mode]
+    for (mode, mib, gap), p_sums, d_sums in zip(
+        _cases(args), r["p_sums"], r["d_sums"], strict=True
+    ):
         if p_sums != d_sums:
             bad = sum(a != b for a, b in zip(p_sums, d_sums, strict=True))
             raise SystemExit(
-                f"{mode}: transferred pages differ from the source: {bad} of {len(p_sums)}"
+                f"{mode} ({mib:g} MiB, {gap:g} ms idle): transferred pages differ from the source: "
+                f"{bad} of {len(p_sums)}"
             )
     gb, bare = r["bytes"] / 1e9, r["bare"]
     where = torch.cuda.get_device_name(0) + " x2, NCCL" if args.device == "cuda" else "CPU, gloo"
@@ -314,6 +344,10 @@ def main() -> None:
         landed = statistics.median(r["completed_at"][i] - t0 for i, t0 in started.items())
         if mode == "runs":
             how = "a run of pages to a run of pages"
+        elif mode == "run-to-runs":
+            how = "a run of pages to four runs, cut where D advised"
+        elif mode == "run-to-scattered":
+            how = "a run of pages to scattered pages"
         else:
             how = f"scattered pages to scattered pages ({f'{mib:g} MiB' if mib > 0 else 'whole'})"
         for what, sec, at in [("pages in D's cache", landed, ""), ("ack read by P", t, posted)]:

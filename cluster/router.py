@@ -274,7 +274,7 @@ class Router:
         prefill.queued_tokens += len(tokens)
         request = PrefillRequest(
             r.request_id, tokens, r.params, len(r.generated), r.decode_worker,
-            reservation.transfer_id,
+            reservation.transfer_id, reservation.dest_cuts,
         )  # fmt: skip
         try:
             wire.unwrap(

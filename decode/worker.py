@@ -34,6 +34,8 @@ class Reservation:
 
     transfer_id: int
     num_pages: int
+    dest_cuts: tuple[int, ...] = ()
+    """The KV receiver's advice to the sender (`KVReceiver.expect`): where to cut the transfer's pages."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,13 +95,15 @@ class DecodeWorker:
             seq = self.scheduler.admit(request)
             if request.prefill_peer is not None:
                 deadline = time.monotonic() + self.config.kv_wait_timeout_s
-                self.receiver.expect(
+                cuts = self.receiver.expect(
                     ExpectedTransfer(
                         seq.transfer_id, request.prefill_peer, list(seq.pages), deadline
                     )
                 )
+            else:
+                cuts = ()
         self._wake.set()
-        return Reservation(seq.transfer_id, len(seq.pages))
+        return Reservation(seq.transfer_id, len(seq.pages), tuple(cuts))
 
     def abort(self, request_id: str) -> None:
         """Cancels a request and frees its pages; its last output says finish_reason=abort."""

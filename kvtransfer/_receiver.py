@@ -31,11 +31,13 @@ from ._link import (
 from ._wire import (
     ACK_DISCARDED,
     ACK_OK,
+    CUT_AT_RECEIVER_RUNS,
     MAGIC,
     TAG_ACK,
     TAG_HEADER,
     TAG_PAGES,
     chunk_plan,
+    pieces_at,
 )
 from .base import ExpectedTransfer, KVReceiver, TransferResult
 from .config import KVTransferConfig
@@ -102,6 +104,9 @@ class DistKVReceiver(KVReceiver):
         """Last page write queued for a transfer under way (GPU only); guarded by _lock."""
         self._breaks: dict[int, list[int] | None] = {}
         """`run_breaks` of each expected transfer's pages (None: not moved in place); guarded by _lock."""
+        self._advised: dict[int, tuple[int, ...]] = {}
+        """The cuts `expect` returned, by transfer, until its header comes or it is forgotten (dropped ones
+        included: P may still send them cut so, and D must receive every piece); guarded by _lock."""
         self._arriving: dict[int, threading.Event] = {}
         """Set once no piece of a transfer under way can write its pages any more; guarded by _lock."""
         self._results: list[TransferResult] = []
@@ -113,15 +118,20 @@ class DistKVReceiver(KVReceiver):
         """(transfer id, header seen, every receive of its pages posted) in time.monotonic(), for the last
         transfers received: where D's time goes before the pages move (benchmarks/kv_transfer.py)."""
 
-    def expect(self, transfer: ExpectedTransfer) -> None:
+    def expect(self, transfer: ExpectedTransfer) -> tuple[int, ...]:
+        """Returns, when the pages form 2 .. `max_receiver_runs` runs, where they break runs: P cuts the
+        transfer there (see `DistKVSender.send`)."""
         # Where its pages break runs, worked out now rather than once its header is in.
         breaks = run_breaks(transfer.dest_pages) if self.in_place else None
         check_pages(
             transfer.dest_pages, self.cache.shape[0], f"transfer {transfer.transfer_id}", breaks
         )
+        cuts = tuple(breaks) if breaks and len(breaks) < self.config.max_receiver_runs else ()
         with self._lock:
             self._expected[transfer.transfer_id] = transfer
             self._breaks[transfer.transfer_id] = breaks
+            if cuts:
+                self._advised[transfer.transfer_id] = cuts
             if transfer.peer not in self._peers:
                 pair = Pair(
                     self.store, transfer.peer, self.worker_id, 1, self.backend, self.config,
@@ -134,6 +144,7 @@ class DistKVReceiver(KVReceiver):
                 self._peers[transfer.peer] = _Peer(pair, thread)
                 thread.start()
             self._peers[transfer.peer].wake.set()
+        return cuts
 
     def cancel(self, transfer_id: int) -> None:
         with self._lock:
@@ -174,6 +185,7 @@ class DistKVReceiver(KVReceiver):
             for transfer_id, (_, until) in list(self._dropped.items()):
                 if until < now:
                     del self._dropped[transfer_id]
+                    self._advised.pop(transfer_id, None)
             if any(t.peer == peer and t.transfer_id != besides for t in self._expected.values()):
                 return True
             return any(p == peer and i != besides for i, (p, _) in self._dropped.items())
@@ -303,14 +315,27 @@ class DistKVReceiver(KVReceiver):
         header = posted.fields()
         magic, transfer_id, num_pages, num_tokens, first_token = header[:5]
         layers, page_size, dim, itemsize, largest, first = header[5:]
-        sizes = (num_pages, layers, page_size, dim, largest, first)
+        cut_at_runs = largest == CUT_AT_RECEIVER_RUNS
+        sizes = (num_pages, layers, page_size, dim, first) + (() if cut_at_runs else (largest,))
         if magic != MAGIC or itemsize != self.cache.element_size() or min(sizes) <= 0:
             raise TransferError(f"garbled or incompatible header from {peer}: {header}")
         what = f"KV transfer {transfer_id} from {peer}"
         deadline = time.monotonic() + self.config.timeout_s
-        plan = chunk_plan(num_pages, largest, first)
         with self._lock:  # it came: no receive is kept posted for it any more
             self._dropped.pop(transfer_id, None)
+            advised = self._advised.pop(transfer_id, None)
+            if not cut_at_runs:
+                plan = chunk_plan(num_pages, largest, first)
+            elif advised is not None and len(advised) + 1 == first and advised[-1] < num_pages:
+                plan = pieces_at(advised, num_pages)
+            else:  # the pieces' sizes are unknown here: the link cannot be kept
+                error = (
+                    f"{what}: cut into {first} pieces at runs of ours, where we advised {advised}"
+                )
+                if self._expected.pop(transfer_id, None) is not None:
+                    self._breaks.pop(transfer_id, None)
+                    self._results.append(TransferResult(transfer_id, error=error))
+                raise TransferError(error)
             dest = self._destination(transfer_id, num_pages, (layers, page_size, dim), what)
             breaks = self._breaks.pop(transfer_id, None)
             if dest is None:

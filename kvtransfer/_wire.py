@@ -2,7 +2,8 @@
 
 1. header int64[HEADER_LEN] P->D: MAGIC, transfer id, page count, token count, first token, then the payload's
    layout (layers, page size, entry dim, bytes per value) and how it is cut: the largest piece and the first
-   piece, in pages;
+   piece, in pages (`chunk_plan`), or CUT_AT_RECEIVER_RUNS and the number of pieces: one piece per run of D's
+   pages for the transfer, as D advised (`pieces_at` D's `run_breaks`);
 2. the pages P->D, cut along the page axis into pieces (`chunk_plan`): piece [a, b) is the tensor
    [b - a, num_layers, page_size, dim] of the request's pages a .. b - 1 (in the request's page order), all layers
    of a page together (the page-major cache's layout);
@@ -19,6 +20,14 @@ HEADER_LEN = 11
 TAG_HEADER, TAG_PAGES, TAG_ACK = 0, 1, 2
 ACK_OK, ACK_DISCARDED = 1, 2
 _RAMP = 4
+CUT_AT_RECEIVER_RUNS = 0
+"""In the header's largest-piece field: the pieces end where D's pages break runs."""
+
+
+def pieces_at(cuts: list[int] | tuple[int, ...], total: int) -> list[tuple[int, int]]:
+    """The pieces [start, stop) of `total` pages cut at `cuts` (increasing, inside (0, total))."""
+    bounds = [0, *cuts, total]
+    return list(zip(bounds[:-1], bounds[1:], strict=False))
 
 
 def chunk_plan(total: int, largest: int, first: int) -> list[tuple[int, int]]:

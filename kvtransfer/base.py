@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -59,12 +59,13 @@ class KVSender(abc.ABC):
     @abc.abstractmethod
     def send(
         self, peer: str, transfer_id: int, cache: torch.Tensor, page_ids: list[int],
-        num_tokens: int, first_token: int,
+        num_tokens: int, first_token: int, dest_cuts: Sequence[int] = (),
     ) -> None:  # fmt: skip
         """Sends pages `page_ids` (all layers, in that order) of the page-major `cache` [num_pages, num_layers,
         page_size, dim] to decode worker `peer`; blocks until it acknowledged. The pages' device writes must have
-        completed when `send` is called; they are read until it returns. Raises TransferError (naming the peer
-        and what happened) on failure or timeout."""
+        completed when `send` is called; they are read until it returns. `dest_cuts`: what the receiver's
+        `expect` returned for this transfer, passed on unchanged (an implementation may ignore it). Raises
+        TransferError (naming the peer and what happened) on failure or timeout."""
 
     def connect(self, peer: str) -> None:  # noqa: B027 (optional hook)
         """Starts building the link to `peer` in the background, so that it is up by the time a transfer is ready.
@@ -78,8 +79,9 @@ class KVReceiver(abc.ABC):
     """Decode side. `expect`/`cancel` may be called from any thread; `poll` from the worker's loop."""
 
     @abc.abstractmethod
-    def expect(self, transfer: ExpectedTransfer) -> None:
-        """Registers a transfer to receive into `dest_pages`."""
+    def expect(self, transfer: ExpectedTransfer) -> tuple[int, ...]:
+        """Registers a transfer to receive into `dest_pages`. Returns advice for the sender (its `dest_cuts`):
+        indices into `dest_pages` where the sender should cut the pages into pieces, empty for none."""
 
     @abc.abstractmethod
     def cancel(self, transfer_id: int) -> None:

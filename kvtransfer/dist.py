@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
@@ -36,12 +37,14 @@ from ._receiver import DistKVReceiver
 from ._wire import (
     ACK_DISCARDED,
     ACK_OK,
+    CUT_AT_RECEIVER_RUNS,
     HEADER_LEN,
     MAGIC,
     TAG_ACK,
     TAG_HEADER,
     TAG_PAGES,
     chunk_plan,
+    pieces_at,
 )
 from .base import KVSender
 from .config import KVTransferConfig
@@ -76,6 +79,17 @@ class SendProfile:
     done_s: float
     """The acknowledgement read."""
     num_pieces: int
+
+
+def _checked_cuts(cuts: Sequence[int], n: int, what: str) -> list[int]:
+    cuts = list(cuts)
+    if any(not 0 < b < n for b in cuts) or any(
+        a >= b for a, b in zip(cuts, cuts[1:], strict=False)
+    ):
+        raise TransferError(
+            f"{what}: the receiver's cuts {cuts} are not increasing inside (0, {n})"
+        )
+    return cuts
 
 
 class DistKVSender(KVSender):
@@ -116,7 +130,7 @@ class DistKVSender(KVSender):
 
     def send(
         self, peer: str, transfer_id: int, cache: torch.Tensor, page_ids: list[int],
-        num_tokens: int, first_token: int,
+        num_tokens: int, first_token: int, dest_cuts: Sequence[int] = (),
     ) -> None:  # fmt: skip
         start = time.monotonic()
         pair = self._pair(peer)
@@ -126,12 +140,18 @@ class DistKVSender(KVSender):
         what = f"KV transfer {transfer_id} ({n * page_bytes} bytes) to {peer}"
         breaks = run_breaks(page_ids) if self.in_place else None
         check_pages(page_ids, num_cache_pages, what, breaks)
-        if breaks == [] or n * page_bytes <= self.config.pipeline_min_bytes:
-            largest, first = n, n  # in place, or too small to gain from pieces: one piece
+        if (
+            breaks == [] and dest_cuts
+        ):  # a run here, a few there: a piece per run of D's pages, all in place
+            plan = pieces_at(_checked_cuts(dest_cuts, n, what), n)
+            largest, first = CUT_AT_RECEIVER_RUNS, len(plan)
         else:
-            largest = max(1, self.config.chunk_bytes // page_bytes)
-            first = max(1, self.config.first_piece_bytes // page_bytes)
-        plan = chunk_plan(n, largest, first)
+            if breaks == [] or n * page_bytes <= self.config.pipeline_min_bytes:
+                largest, first = n, n  # in place, or too small to gain from pieces: one piece
+            else:
+                largest = max(1, self.config.chunk_bytes // page_bytes)
+                first = max(1, self.config.first_piece_bytes // page_bytes)
+            plan = chunk_plan(n, largest, first)
         fields = [
             MAGIC, transfer_id, n, num_tokens, first_token,
             num_layers, page_size, dim, cache.element_size(), largest, first,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -27,9 +28,10 @@ class LoopbackReceiver(KVReceiver):
         self._lock = threading.Lock()
         hub.receivers[worker_id] = self
 
-    def expect(self, transfer: ExpectedTransfer) -> None:
+    def expect(self, transfer: ExpectedTransfer) -> tuple[int, ...]:
         with self._lock:
             self._expected[transfer.transfer_id] = transfer
+        return ()
 
     def cancel(self, transfer_id: int) -> None:
         with self._lock:
@@ -75,7 +77,7 @@ class LoopbackSender(KVSender):
 
     def send(
         self, peer: str, transfer_id: int, cache: torch.Tensor, page_ids: list[int],
-        num_tokens: int, first_token: int,
+        num_tokens: int, first_token: int, dest_cuts: Sequence[int] = (),
     ) -> None:  # fmt: skip
         receiver = self.hub.receivers.get(peer)
         if receiver is None:

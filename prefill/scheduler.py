@@ -28,6 +28,8 @@ class PrefillRequest:
     """Worker id of the decode worker that reserved pages for this request."""
     transfer_id: int
     """Its id for the transfer, issued by that decode worker."""
+    dest_cuts: tuple[int, ...] = ()
+    """That decode worker's advice on cutting the transfer (`Reservation.dest_cuts`)."""
 
 
 class PrefillState(enum.Enum):

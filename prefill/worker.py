@@ -166,7 +166,7 @@ class PrefillWorker:
             start = time.perf_counter()
             self.sender.send(
                 r.decode_peer, r.transfer_id, self.runner.cache.data, list(seq.pages),
-                len(r.token_ids), first_token,
+                len(r.token_ids), first_token, r.dest_cuts,
             )  # fmt: skip
             logger.debug(
                 "sent %s: %d pages in %.1f ms", r.request_id, len(seq.pages),

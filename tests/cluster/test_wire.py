@@ -18,9 +18,11 @@ PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop_to
     "value, hint",
     [
         (PrefillRequest("r1", [0, 5, 6], PARAMS, 2, "decode-0", 9), PrefillRequest),
+        (PrefillRequest("r1", [0, 5, 6], PARAMS, 2, "decode-0", 9, (4, 40)), PrefillRequest),
         (DecodeRequest("r2", [0, 1], PARAMS, None, [3]), DecodeRequest),
         (DecodeRequest("r3", [0, 1], PARAMS, "prefill-1"), DecodeRequest),
         (Reservation(4, 2), Reservation),
+        (Reservation(4, 50, (4, 40)), Reservation),
         (DecodeStats("decode-0", 1, 2, 3, 4, 5, 16, 0), DecodeStats),
         (
             [RequestOutput("a", [1, 2]), RequestOutput("b", [], "abort", "lost", False)],

@@ -139,6 +139,67 @@ def test_runs_of_pages_move_in_place(make_link, src_pages, dst_pages, pieces):
     assert sender.last_profile["d0"].num_pieces == pieces
 
 
+def test_a_run_moves_into_a_few_runs_in_place_cut_where_the_receiver_advised(make_link):
+    sender, receiver, source, dest = make_link(in_place=True)
+    dst_pages = [30, 31, 32, 33, 0, 1, 2, 3, 4, 20, 21, 22, 23]  # three runs
+    cuts = receiver.expect(ExpectedTransfer(1, "p0", dst_pages, time.monotonic() + 30))
+    assert cuts == (4, 9)
+    before = dest.clone()
+    sender.send("d0", 1, source, list(range(3, 16)), 50, 42, dest_cuts=cuts)
+    [result] = wait_results(receiver, 1)
+    assert (result.transfer_id, result.num_tokens, result.first_token, result.error) == (
+        1,
+        50,
+        42,
+        None,
+    )
+    assert torch.equal(dest[dst_pages], source[3:16])
+    others = [p for p in range(PAGES) if p not in dst_pages]
+    assert torch.equal(dest[others], before[others])
+    assert sender.last_profile["d0"].num_pieces == 3
+    # Cancelled before its pages came: D still takes every piece (discarded), and the link stays usable.
+    cuts = receiver.expect(ExpectedTransfer(2, "p0", dst_pages, time.monotonic() + 30))
+    receiver.cancel(2)
+    sender.send("d0", 2, source, list(range(20, 33)), 50, 42, dest_cuts=cuts)
+    assert torch.equal(dest[dst_pages], source[3:16])
+    # Where P's pages are not one run, it cuts as it likes and D unpacks what is not in place.
+    cuts = receiver.expect(ExpectedTransfer(3, "p0", dst_pages, time.monotonic() + 30))
+    src_pages = [9, 2, 5, 1, 0, 3, 4, 6, 7, 8, 10, 11, 12]
+    sender.send("d0", 3, source, src_pages, 50, 42, dest_cuts=cuts)
+    assert [r.error for r in wait_results(receiver, 1)] == [None]
+    assert torch.equal(dest[dst_pages], source[src_pages])
+    assert receiver.poll() == []
+
+
+def test_the_receiver_advises_cuts_only_for_a_few_runs(make_link):
+    _, receiver, _, _ = make_link(in_place=True)
+    deadline = time.monotonic() + 30
+    assert (
+        receiver.expect(ExpectedTransfer(1, "p0", list(range(20, 33)), deadline)) == ()
+    )  # one run
+    eight = [0, 2, 4, 6, 8, 10, 12, 14]  # eight runs: KVTransferConfig.max_receiver_runs
+    assert receiver.expect(ExpectedTransfer(2, "p0", eight, deadline)) == (1, 2, 3, 4, 5, 6, 7)
+    nine = [*eight, 16]
+    assert receiver.expect(ExpectedTransfer(3, "p0", nine, deadline)) == ()
+    _, over_gloo, _, _ = make_link()  # pages not moved in place: no advice
+    assert over_gloo.expect(ExpectedTransfer(1, "p0", eight, deadline)) == ()
+
+
+def test_cuts_out_of_order_fail_before_anything_is_sent(make_link):
+    """(D's side of a wrong cut, a header cut at runs it did not advise, fails that transfer and tears the link
+    down; over gloo, which cannot withdraw a posted send, that cannot run in one process, and no test covers it
+    over NCCL.)"""
+    sender, receiver, source, dest = make_link(in_place=True)
+    with pytest.raises(TransferError, match="not increasing"):
+        sender.send("d0", 9, source, list(range(3, 16)), 50, 42, dest_cuts=(5, 5))
+    with pytest.raises(TransferError, match="not increasing"):
+        sender.send("d0", 9, source, list(range(3, 16)), 50, 42, dest_cuts=(4, 13))
+    expect(receiver, 2, list(range(20, 33)))
+    sender.send("d0", 2, source, list(range(13)), 13 * PAGE_SIZE, 5)
+    assert [r.error for r in wait_results(receiver, 1)] == [None]
+    assert torch.equal(dest[20:33], source[:13])
+
+
 def test_cancelled_transfer_is_discarded_and_pair_stays_usable(link):
     sender, receiver, source, dest = link
     expect(receiver, 1, [0])
