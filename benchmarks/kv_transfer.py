@@ -61,21 +61,26 @@ MODES = ("runs", "scattered", "run-to-runs", "run-to-scattered")
 
 
 def _pages(mode: str, rank: int, num_pages: int) -> list[int]:
-    """A request's pages in a cache of 5 * num_pages pages: the run 2 * num_pages .. 3 * num_pages - 1, or random ones
-    among the first 2 * num_pages (other ones on each rank), or four runs among the last 2 * num_pages (D's in
-    run-to-runs; the last quarter first), so that the modes write disjoint pages and each can be checked."""
+    """A request's pages in a cache of 7 * num_pages pages; each mode has pages of its own on each side, so that
+    every mode's pages can be checked at the end (checking in between would sync D's device while a header
+    receive is posted). Runs are n pages from 2n, 3n or 4n; random pages are drawn from the first 2n (scattered)
+    or from the last 2n (D's in run-to-scattered); D's four runs in run-to-runs lie in 3n .. 5n, the last
+    quarter first."""
+    n = num_pages
     if mode == "runs" or (rank == 0 and mode.startswith("run-to-")):
-        return list(range(2 * num_pages, 3 * num_pages))
+        start = {"runs": 2 * n, "run-to-runs": 3 * n, "run-to-scattered": 4 * n}[mode]
+        return list(range(start, start + n))
     if mode == "run-to-runs":
-        bounds = [i * num_pages // 4 for i in range(5)]
-        gap = num_pages // 4 + 1
-        starts = [3 * num_pages + gap * i for i in (3, 0, 1, 2)]
+        bounds = [i * n // 4 for i in range(5)]
+        gap = n // 4 + 1
+        starts = [3 * n + gap * i for i in (3, 0, 1, 2)]
         pages = []
         for start, a, b in zip(starts, bounds, bounds[1:], strict=False):
             pages += range(start, start + b - a)
         return pages
     g = torch.Generator().manual_seed(rank)
-    return torch.randperm(2 * num_pages, generator=g)[:num_pages].tolist()
+    base = 5 * n if mode == "run-to-scattered" else 0
+    return [base + p for p in torch.randperm(2 * n, generator=g)[:n].tolist()]
 
 
 def _sync(device: torch.device) -> None:
@@ -129,7 +134,7 @@ def _measure(rank: int, args, port: int, results) -> None:
         torch.set_num_threads(1)
         device = torch.device("cpu")
     num_pages = -(-args.tokens // args.page_size)
-    cache_shape = (5 * num_pages, args.layers, args.page_size, ENTRY_DIM)
+    cache_shape = (7 * num_pages, args.layers, args.page_size, ENTRY_DIM)
     payload_shape = (num_pages, args.layers, args.page_size, ENTRY_DIM)
     config = KVTransferConfig(
         store_port=port, timeout_s=60, connect_timeout_s=60, spin_s=args.spin_ms / 1e3,
@@ -152,22 +157,14 @@ def _measure(rank: int, args, port: int, results) -> None:
                 )  # fmt: skip
                 store.set(f"cuts/{transfer_id}", ",".join(map(str, cuts)))
         completed, deadline = {}, time.monotonic() + 600
-        per_case, checked, d_sums = WARMUP + args.iters, 0, []
         while len(completed) < num_transfers:
             for r in receiver.poll():
                 assert r.error is None, r.error
                 completed[r.transfer_id] = r.completed_at
-            # A case's pages are checked once all its transfers are in, before P starts the next case.
-            while checked < len(_cases(args)) and all(
-                i in completed for i in range(checked * per_case + 1, (checked + 1) * per_case + 1)
-            ):
-                d_sums.append(_page_sums(cache, _pages(_cases(args)[checked][0], 1, num_pages)))
-                store.set(f"checked/{checked}", "1")
-                checked += 1
             done = len(completed)
             assert time.monotonic() < deadline, f"{done} of {num_transfers} transfers arrived"
             time.sleep(0.001)
-        results["d_sums"] = d_sums
+        results["d_sums"] = {m: _page_sums(cache, _pages(m, 1, num_pages)) for m in args.pages}
         results["completed_at"] = completed
         results["timeline"] = {t: (seen, posted) for t, seen, posted in receiver.timeline}
         receiver.close()
@@ -186,8 +183,8 @@ def _measure(rank: int, args, port: int, results) -> None:
         return
     sender = DistKVSender(config, store, "p0", device)
     source = torch.randn(cache_shape, device=device).bfloat16()
-    transfer_id, p_sums = 0, []
-    for case, (mode, mib, gap_ms) in enumerate(_cases(args)):
+    transfer_id = 0
+    for mode, mib, gap_ms in _cases(args):
         src_pages = _pages(mode, 0, num_pages)
         if mib > 0:
             sender.config = dataclasses.replace(config, chunk_bytes=int(mib * 2**20))
@@ -218,9 +215,7 @@ def _measure(rank: int, args, port: int, results) -> None:
             started,
             header,
         )
-        p_sums.append(_page_sums(source, src_pages))
-        store.wait([f"checked/{case}"])  # D has checked its pages: the next case may write them
-    results["p_sums"] = p_sums
+    results["p_sums"] = {m: _page_sums(source, _pages(m, 0, num_pages)) for m in args.pages}
     ids = torch.tensor(pages, device=device)
     for name, fn in [
         ("gather", lambda: gather_pages(source, ids)),
@@ -296,14 +291,12 @@ def main() -> None:
         results = manager.dict()
         mp.spawn(_run, args=(args, port, results), nprocs=2, join=True)
         r = dict(results)
-    for (mode, mib, gap), p_sums, d_sums in zip(
-        _cases(args), r["p_sums"], r["d_sums"], strict=True
-    ):
+    for mode in args.pages:
+        p_sums, d_sums = r["p_sums"][mode], r["d_sums"][mode]
         if p_sums != d_sums:
             bad = sum(a != b for a, b in zip(p_sums, d_sums, strict=True))
             raise SystemExit(
-                f"{mode} ({mib:g} MiB, {gap:g} ms idle): transferred pages differ from the source: "
-                f"{bad} of {len(p_sums)}"
+                f"{mode}: transferred pages differ from the source: {bad} of {len(p_sums)}"
             )
     gb, bare = r["bytes"] / 1e9, r["bare"]
     where = torch.cuda.get_device_name(0) + " x2, NCCL" if args.device == "cuda" else "CPU, gloo"
