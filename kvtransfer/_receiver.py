@@ -119,14 +119,17 @@ class DistKVReceiver(KVReceiver):
         transfers received: where D's time goes before the pages move (benchmarks/kv_transfer.py)."""
 
     def expect(self, transfer: ExpectedTransfer) -> tuple[int, ...]:
-        """Returns, when the pages form 2 .. `max_receiver_runs` runs, where they break runs: P cuts the
-        transfer there (see `DistKVSender.send`)."""
+        """Returns, when the pages form 2 .. `max_receiver_runs` runs and the transfer is over
+        `pipeline_min_bytes`, where they break runs: P cuts the transfer there (see `DistKVSender.send`). Below
+        that size unpacking a copy costs less than a message per run."""
         # Where its pages break runs, worked out now rather than once its header is in.
         breaks = run_breaks(transfer.dest_pages) if self.in_place else None
         check_pages(
             transfer.dest_pages, self.cache.shape[0], f"transfer {transfer.transfer_id}", breaks
         )
-        cuts = tuple(breaks) if breaks and len(breaks) < self.config.max_receiver_runs else ()
+        size = len(transfer.dest_pages) * self.cache[0].numel() * self.cache.element_size()
+        few = breaks and len(breaks) < self.config.max_receiver_runs
+        cuts = tuple(breaks) if few and size > self.config.pipeline_min_bytes else ()
         with self._lock:
             self._expected[transfer.transfer_id] = transfer
             self._breaks[transfer.transfer_id] = breaks

@@ -5,6 +5,7 @@ Killed peers and stalled transfers between two OS processes are in tests/workers
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -183,6 +184,13 @@ def test_the_receiver_advises_cuts_only_for_a_few_runs(make_link):
     assert receiver.expect(ExpectedTransfer(3, "p0", nine, deadline)) == ()
     _, over_gloo, _, _ = make_link()  # pages not moved in place: no advice
     assert over_gloo.expect(ExpectedTransfer(1, "p0", eight, deadline)) == ()
+    _, receiver, _, _ = make_link(in_place=True)
+    receiver.config = dataclasses.replace(
+        receiver.config, pipeline_min_bytes=8 * 4 * LAYERS * PAGE_SIZE * DIM
+    )
+    assert (
+        receiver.expect(ExpectedTransfer(1, "p0", eight, deadline)) == ()
+    )  # small: unpacked instead
 
 
 def test_cuts_out_of_order_fail_before_anything_is_sent(make_link):
