@@ -55,6 +55,11 @@ GEMM_DECODE = [
     _g(64, 128, 8, 4, fuse=True, split=264), _g(64, 64, 4, 4, fuse=True, split=264),
 ]  # fmt: skip
 GEMM_DECODE1 = [
+    _t(_g(16, 128, 4, 3, fuse=True, split=396), swap_ab=True, one_wave=True),
+    _t(_g(16, 128, 4, 2, fuse=True, split=660), swap_ab=True, one_wave=True),
+    _t(_g(16, 128, 4, 4, fuse=True, split=264), swap_ab=True, one_wave=True),
+    _t(_g(16, 64, 4, 3, fuse=True, split=660), swap_ab=True, one_wave=True),
+    _t(_g(16, 64, 4, 4, fuse=True, split=528), swap_ab=True, one_wave=True),
     _g(16, 128, 4, 4, fuse=True, split=264),
     *[_t(_g(16, bn, 4, s, fuse=f, split=264), swap_ab=True)
       for bn in (64, 128) for s in (3, 4, 6) for f in (True, False)],

@@ -48,7 +48,8 @@ def lookup(op: str, key: str, device: torch.device) -> dict[str, Any]:
 # fp8_gemm keys "m<=16|32|64|128", "m>128", "invariant-<phase>" (batch-invariant mode).
 # fuse_quant: quantize the activation inside the GEMM.
 # split_k_target_ctas / min_k_tiles: split K until tiles * splits reaches the target, each split
-# keeping at least min_k_tiles k-tiles of 128.
+# keeping at least min_k_tiles k-tiles of 128; one_wave: at most the target instead (set it to the
+# CTAs the GPU holds at once: H200 m<=16, 132 SMs x 3 by shared memory).
 # fused_moe keys "<bf16|fp8>,rows<=16|64|256" or ",rows>256" (mean rows per expert), or
 # ",invariant-<prefill|decode>" (batch-invariant mode);
 # *1 = gate/up GEMM, *2 = down GEMM; fp8 needs BLOCK_N1 == BLOCK_K1 == BLOCK_K2 == 128.
@@ -88,7 +89,7 @@ register(
 def _gemm_cfg(
     bm: int, bn: int, warps: int, stages: int, fuse: bool, split: int, **extra: Any
 ) -> dict[str, Any]:
-    """extra: GROUP_M (default 8), tma, lag, warp_specialize, swap_ab (see fp8_gemm/triton.py)."""
+    """extra: GROUP_M (default 8), tma, lag, warp_specialize, swap_ab, one_wave (see fp8_gemm/triton.py)."""
     return {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": warps, "num_stages": stages,
             "fuse_quant": fuse, "split_k_target_ctas": split, "min_k_tiles": 4,
             **extra}  # fmt: skip
@@ -109,7 +110,7 @@ register(
     "fp8_gemm",
     "sm90",
     {
-        "m<=16": _gemm_cfg(16, 128, 4, 3, True, 264, swap_ab=True),
+        "m<=16": _gemm_cfg(16, 128, 4, 3, True, 396, swap_ab=True, one_wave=True),
         "m<=32": _gemm_cfg(32, 64, 4, 4, True, 264),
         "m<=64": _gemm_cfg(64, 64, 4, 4, False, 264),
         "m<=128": _gemm_cfg(64, 128, 4, 4, False, 132),

@@ -352,7 +352,11 @@ def _launch_gemm(
     # Split K when the output tiles alone cannot fill the machine (decode shapes with small N).
     splits = 1
     if cfg.get("split_k_target_ctas"):
-        wanted = triton.cdiv(cfg["split_k_target_ctas"], tiles)
+        # "one_wave": at most the target (the CTAs the GPU holds at once), so that no CTA waits for a slot
+        if cfg.get("one_wave"):
+            wanted = cfg["split_k_target_ctas"] // tiles
+        else:
+            wanted = triton.cdiv(cfg["split_k_target_ctas"], tiles)
         splits = max(1, min(wanted, k_tiles // cfg["min_k_tiles"]))
     per_split = triton.cdiv(k_tiles, splits)
     splits = triton.cdiv(k_tiles, per_split)

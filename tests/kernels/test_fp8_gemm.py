@@ -102,7 +102,7 @@ _BASE = {"GROUP_M": 4, "num_warps": 4, "num_stages": 2, "min_k_tiles": 1}
 PATH_CONFIGS = {
     "fused-quant-split-k": {**_BASE, "BLOCK_M": 16, "BLOCK_N": 64, "split_k_target_ctas": 64},
     "fused-quant-swap-ab-split-k": {**_BASE, "BLOCK_M": 16, "BLOCK_N": 64, "split_k_target_ctas": 64,
-                                     "swap_ab": True},
+                                     "swap_ab": True, "one_wave": True},
     "prequant-swap-ab-n256": {**_BASE, "BLOCK_M": 32, "BLOCK_N": 256, "split_k_target_ctas": 0,
                               "swap_ab": True},
     "prequant-n256": {**_BASE, "BLOCK_M": 32, "BLOCK_N": 256, "split_k_target_ctas": 0},
