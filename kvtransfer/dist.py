@@ -6,7 +6,9 @@ Wire format: see `_wire`. The decode side lives in `_receiver` (re-exported here
 In place. The caches are page-major, so a run of consecutive pages is one contiguous block. P sends a piece whose
 pages are a run straight from its cache, and D receives a piece whose pages are a run straight into its cache:
 a request whose pages are one run on both sides (what the allocators hand out while they can) travels as one
-message with no copy, as fast as a bare send of its bytes.
+message with no copy, as fast as a bare send of its bytes. When D's pages are a few runs (a fuller decode pool),
+D's `expect` returns where they break; that advice reaches P through the router (`dest_cuts`), and a P whose
+pages are one run sends one piece per run of D's, each landing in place.
 
 Pipelining, for pages that are not in a run. P posts the header first, then packs piece i on a side stream and
 posts its send; NCCL runs the sends in order, so the packing of piece i + 1 overlaps the send of piece i. D posts
