@@ -56,15 +56,11 @@ GEMM_DECODE = [
 ]  # fmt: skip
 GEMM_DECODE1 = [
     _t(_g(16, 128, 4, 3, fuse=True, split=396), swap_ab=True, one_wave=True),
-    _t(_g(16, 128, 4, 2, fuse=True, split=660), swap_ab=True, one_wave=True),
-    _t(_g(16, 128, 4, 4, fuse=True, split=264), swap_ab=True, one_wave=True),
-    _t(_g(16, 64, 4, 3, fuse=True, split=660), swap_ab=True, one_wave=True),
-    _t(_g(16, 64, 4, 4, fuse=True, split=528), swap_ab=True, one_wave=True),
-    _g(16, 128, 4, 4, fuse=True, split=264),
-    *[_t(_g(16, bn, 4, s, fuse=f, split=264), swap_ab=True)
-      for bn in (64, 128) for s in (3, 4, 6) for f in (True, False)],
-    *[_t(_g(16, 256, 8, s, fuse=True, split=264), swap_ab=True) for s in (3, 4)],
-    *[_t(_g(16, 128, 4, 3, fuse=True, split=t, min_k=2), swap_ab=True) for t in (528, 1056)],
+    _t(_g(16, 128, 4, 3, fuse=True, split=264), swap_ab=True),
+    *[_t(_g(16, 128, 4, s, fuse=True, split=132), swap_ab=True, one_wave=True) for s in (8, 10)],
+    *[_t(_g(16, 128, 4, s, fuse=True, split=264), swap_ab=True, one_wave=True) for s in (5,)],
+    *[_t(_g(16, 128, 4, s, split=132), swap_ab=True, one_wave=True) for s in (8, 10)],
+    *[_t(_g(16, 128, 8, s, fuse=True, split=132), swap_ab=True, one_wave=True) for s in (8,)],
 ]  # fmt: skip
 DECODE_SHAPES = (
     (1536, 24576),
