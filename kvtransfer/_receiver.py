@@ -103,10 +103,9 @@ class DistKVReceiver(KVReceiver):
         self._writes: dict[int, torch.cuda.Event] = {}
         """Last page write queued for a transfer under way (GPU only); guarded by _lock."""
         self._breaks: dict[int, list[int] | None] = {}
-        """`run_breaks` of each expected transfer's pages (None: not moved in place); guarded by _lock."""
-        self._advised: dict[int, tuple[int, ...]] = {}
-        """The cuts `expect` returned, by transfer, until its header comes or it is forgotten (dropped ones
-        included: P may still send them cut so, and D must receive every piece); guarded by _lock."""
+        """`run_breaks` of each expected transfer's pages (None: not moved in place), kept until its header
+        comes or, once dropped, until it is forgotten: P may still send a dropped transfer cut at them (the
+        cuts `expect` advised), and D must receive every piece; guarded by _lock."""
         self._arriving: dict[int, threading.Event] = {}
         """Set once no piece of a transfer under way can write its pages any more; guarded by _lock."""
         self._results: list[TransferResult] = []
@@ -133,8 +132,6 @@ class DistKVReceiver(KVReceiver):
         with self._lock:
             self._expected[transfer.transfer_id] = transfer
             self._breaks[transfer.transfer_id] = breaks
-            if cuts:
-                self._advised[transfer.transfer_id] = cuts
             if transfer.peer not in self._peers:
                 pair = Pair(
                     self.store, transfer.peer, self.worker_id, 1, self.backend, self.config,
@@ -177,7 +174,6 @@ class DistKVReceiver(KVReceiver):
     def _drop(self, transfer_id: int) -> None:
         """No longer expects `transfer_id` (under _lock)."""
         transfer = self._expected.pop(transfer_id, None)
-        self._breaks.pop(transfer_id, None)
         if transfer is not None:
             self._dropped[transfer_id] = (transfer.peer, time.monotonic() + _RETIRE_UNEXPECTED_S)
 
@@ -188,7 +184,7 @@ class DistKVReceiver(KVReceiver):
             for transfer_id, (_, until) in list(self._dropped.items()):
                 if until < now:
                     del self._dropped[transfer_id]
-                    self._advised.pop(transfer_id, None)
+                    self._breaks.pop(transfer_id, None)
             if any(t.peer == peer and t.transfer_id != besides for t in self._expected.values()):
                 return True
             return any(p == peer and i != besides for i, (p, _) in self._dropped.items())
@@ -326,27 +322,22 @@ class DistKVReceiver(KVReceiver):
         deadline = time.monotonic() + self.config.timeout_s
         with self._lock:  # it came: no receive is kept posted for it any more
             self._dropped.pop(transfer_id, None)
-            advised = self._advised.pop(transfer_id, None)
+            breaks = self._breaks.pop(transfer_id, None)
             if not cut_at_runs:
                 plan = chunk_plan(num_pages, largest, first)
-            elif advised is not None and len(advised) + 1 == first and advised[-1] < num_pages:
-                plan = pieces_at(advised, num_pages)
+            elif breaks and len(breaks) + 1 == first and breaks[-1] < num_pages:
+                plan = pieces_at(breaks, num_pages)
             else:  # the pieces' sizes are unknown here: the link cannot be kept
-                error = (
-                    f"{what}: cut into {first} pieces at runs of ours, where we advised {advised}"
-                )
+                error = f"{what}: cut into {first} pieces at runs of ours, which break at {breaks}"
                 if self._expected.pop(transfer_id, None) is not None:
-                    self._breaks.pop(transfer_id, None)
                     self._results.append(TransferResult(transfer_id, error=error))
                 raise TransferError(error)
             dest = self._destination(transfer_id, num_pages, (layers, page_size, dim), what)
-            breaks = self._breaks.pop(transfer_id, None)
             if dest is None:
                 breaks = None
             in_place = [breaks is not None and in_run(breaks, a, b) for a, b in plan]
-            if any(
-                in_place
-            ):  # from here on, a cancel waits until no piece can write in place any more
+            # From here on, a cancel waits until no piece can write in place any more.
+            if any(in_place):
                 self._arriving[transfer_id] = threading.Event()
         ops, staged = [], []
         for (a, b), here in zip(plan, in_place, strict=True):

@@ -54,4 +54,4 @@ def chunk_plan(total: int, largest: int, first: int) -> list[tuple[int, int]]:
     for size in sizes:
         if size:
             bounds.append(bounds[-1] + size)
-    return list(zip(bounds[:-1], bounds[1:], strict=False))
+    return pieces_at(bounds[1:-1], total)

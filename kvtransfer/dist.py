@@ -142,9 +142,8 @@ class DistKVSender(KVSender):
         what = f"KV transfer {transfer_id} ({n * page_bytes} bytes) to {peer}"
         breaks = run_breaks(page_ids) if self.in_place else None
         check_pages(page_ids, num_cache_pages, what, breaks)
-        if (
-            breaks == [] and dest_cuts
-        ):  # a run here, a few there: a piece per run of D's pages, all in place
+        # A run here, a few there: a piece per run of D's pages, all in place.
+        if breaks == [] and dest_cuts:
             plan = pieces_at(_checked_cuts(dest_cuts, n, what), n)
             largest, first = CUT_AT_RECEIVER_RUNS, len(plan)
         else:
