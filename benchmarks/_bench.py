@@ -54,16 +54,36 @@ HEADER = [
 ]
 
 
+_FLUSH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def flush_l2() -> None:
+    """Reads 256 MiB, so that no input of the next run is still in L2.
+
+    The flush only reads: a flush that writes (zeroing the buffer, as up to 2026-11-21's sixth
+    session) leaves L2 full of dirty lines, which the timed kernel then writes back to HBM while it
+    reads its own inputs. That cost 8-10 us per call, 5-20% of a 50-120 MB memory-bound kernel;
+    `l2_flush_probe.py` measures it against weights rotated through copies that no longer fit in L2.
+    """
+    device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _FLUSH:
+        _FLUSH[device] = (
+            torch.zeros(64 << 20, dtype=torch.float32, device=device),
+            torch.empty((), dtype=torch.float32, device=device),
+        )
+    buffer, sink = _FLUSH[device]
+    torch.sum(buffer, dim=0, out=sink)
+
+
 def time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50) -> float:
     """Median milliseconds of fn() over `iters` runs, each timed by CUDA events, after `warmup` runs.
-    A 256 MiB buffer is cleared before every run so no input stays in L2 between runs."""
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    L2 is flushed (`flush_l2`) before every run so no input stays in L2 between runs."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
-        flush.zero_()
+        flush_l2()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

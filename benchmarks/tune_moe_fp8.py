@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import time_ms  # noqa: E402
+from _bench import time_graph_ms, time_ms  # noqa: E402
 from bench_fused_moe import EXPERTS, HIDDEN, INTER, TOP_K, _fp8, routing  # noqa: E402
 
 from pdserve.kernels import tuning  # noqa: E402
@@ -62,6 +62,16 @@ GEMM_DECODE1 = [
     *[_t(_g(16, 128, 4, s, split=132), swap_ab=True, one_wave=True) for s in (8, 10)],
     *[_t(_g(16, 128, 8, s, fuse=True, split=132), swap_ab=True, one_wave=True) for s in (8,)],
 ]  # fmt: skip
+GEMV = [
+    {"gemv": True, "max_m": 4, "fuse_quant": True, "BLOCK_N": bn, "GROUPS": g, "num_warps": w,
+     "num_stages": 1, "split_k_target_ctas": split, "min_k_tiles": 4, "prefetch": pre}
+    for bn, g, w, split, pre in (
+        (16, 4, 4, 528, False), (16, 2, 2, 1056, False), (16, 4, 4, 528, True),
+        (16, 4, 4, 1056, True), (16, 2, 2, 1056, True), (16, 2, 4, 1056, True),
+        (8, 4, 2, 1056, True), (32, 2, 4, 528, True), (16, 8, 4, 528, True),
+        (8, 8, 4, 1056, True), (8, 2, 1, 2112, True),
+    )
+] + [_t(_g(16, 128, 4, 3, fuse=True, split=396), swap_ab=True, one_wave=True)]  # fmt: skip
 DECODE_SHAPES = (
     (1536, 24576),
     (16384, 7168),
@@ -126,7 +136,8 @@ def _jobs(groups: set[str]):
                          lambda xq=xq, xs=xs, w=w, s=s: gemm.scaled_gemm(xq, xs, w, s),
                          ("TFLOP/s", 2 * 8192**3)))  # fmt: skip
     for group, m, key, cands in (
-        ("gemm_decode", 64, "m<=64", GEMM_DECODE), ("gemm_decode1", 1, "m<=16", GEMM_DECODE1)
+        ("gemm_decode", 64, "m<=64", GEMM_DECODE), ("gemm_decode1", 1, "m<=16", GEMM_DECODE1),
+        ("gemv1", 1, "m<=1", GEMV), ("gemv2", 2, "m<=16", GEMV), ("gemv4", 4, "m<=16", GEMV),
     ):  # fmt: skip
         if group not in groups:
             continue
@@ -239,6 +250,7 @@ def main() -> None:
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--part", default="0/1")
     parser.add_argument("--profile", action="store_true", help="per-kernel times, tuned table")
+    parser.add_argument("--graph", action="store_true", help="time CUDA-graph replays")
     args = parser.parse_args()
     if args.profile:
         _profile()
@@ -259,7 +271,7 @@ def main() -> None:
             continue
         if args.compile_only:
             continue
-        ms = time_ms(fn, warmup=3, iters=15)
+        ms = (time_graph_ms if args.graph else time_ms)(fn, warmup=3, iters=15)
         rate = work / ms / 1e9 if unit == "TFLOP/s" else work / ms / 1e6
         print(f"{group:28s} {ms:8.4f} ms {rate:7.0f} {unit}  {label}", flush=True)
         if group not in best or ms < best[group][0]:
@@ -272,8 +284,8 @@ def main() -> None:
     for group, (ms, label) in best.items():
         print(f"  {group:28s} {ms:8.4f} ms  {label}")
     print("\ncompiled kernels:")
-    for fn in (gemm._fp8_gemm_kernel, gemm._quantize_act_kernel, moe._gate_up_kernel,
-               moe._down_kernel):  # fmt: skip
+    for fn in (gemm._fp8_gemm_kernel, gemm._quantize_act_kernel, gemm.gemv._fp8_gemv_kernel,
+               moe._gate_up_kernel, moe._down_kernel):  # fmt: skip
         for line in _kernel_report(fn):
             print(line)
 

@@ -45,7 +45,9 @@ def lookup(op: str, key: str, device: torch.device) -> dict[str, Any]:
 
 # ---- fp8_gemm, quantize_act, fused_moe (kernels/fp8_gemm, kernels/fused_moe) ---------------------
 # "any": small tiles that keep the CPU interpreter quick; "sm90": tuned on H200 (see RESULTS.md).
-# fp8_gemm keys "m<=16|32|64|128", "m>128", "invariant-<phase>" (batch-invariant mode).
+# fp8_gemm keys "m<=1|16|32|64|128", "m>128", "invariant-<phase>" (batch-invariant mode).
+# gemv: the CUDA-core kernel of fp8_gemm/gemv.py: BLOCK_N weight rows (dividing 128) by GROUPS
+# groups of 128 along K per loop step; past max_m rows or max_k the key `otherwise` is used.
 # fuse_quant: quantize the activation inside the GEMM.
 # split_k_target_ctas / min_k_tiles: split K until tiles * splits reaches the target, each split
 # keeping at least min_k_tiles k-tiles of 128; one_wave: at most the target instead (set it to the
@@ -57,12 +59,22 @@ _FP8_GEMM_ANY = {
     "BLOCK_M": 32, "BLOCK_N": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 2,
     "fuse_quant": False, "split_k_target_ctas": 0, "min_k_tiles": 1,
 }  # fmt: skip
+
+
+def _gemv_cfg(bn: int, groups: int, warps: int, split: int, min_k: int = 4, **extra: Any):
+    """extra: max_k (default: any K)."""
+    return {"gemv": True, "max_m": 1, "otherwise": "m<=16", "fuse_quant": True, "BLOCK_N": bn,
+            "GROUPS": groups, "num_warps": warps, "num_stages": 1, "split_k_target_ctas": split,
+            "min_k_tiles": min_k, **extra}  # fmt: skip
+
+
 register("quantize_act", "any", {"default": {"BLOCK_M": 32, "num_warps": 4}})
 register(
     "fp8_gemm",
     "any",
     {
         "default": _FP8_GEMM_ANY,
+        "m<=1": _gemv_cfg(32, 2, 4, 8, min_k=1),
         "m<=16": {
             **_FP8_GEMM_ANY,
             "BLOCK_M": 16,
@@ -110,6 +122,9 @@ register(
     "fp8_gemm",
     "sm90",
     {
+        # M = 1: the CUDA-core kernel up to K = 8192 (q_a, q_b, kv_a, mlp_w1); past it (o, mlp_w2)
+        # the MMA entry is faster (benchmarks/RESULTS.md, sixth session of 2026-11-21)
+        "m<=1": _gemv_cfg(16, 4, 4, 528, max_k=8192),
         "m<=16": _gemm_cfg(16, 128, 4, 3, True, 396, swap_ab=True, one_wave=True),
         "m<=32": _gemm_cfg(32, 64, 4, 4, True, 264),
         "m<=64": _gemm_cfg(64, 64, 4, 4, False, 264),

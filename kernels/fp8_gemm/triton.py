@@ -5,7 +5,8 @@
 scales match the reference bit for bit. `fp8_gemm` multiplies by the block-scaled weight
 (W = W_fp8 * scale_inv, 128x128 quant blocks), accumulates in fp32 and returns x's dtype. For small
 M it quantizes the activation inside the GEMM (one launch); for large M it quantizes once, then runs
-the GEMM on fp8 operands. Neither N nor K need be multiples of 128. `scaled_gemm` is the GEMM alone
+the GEMM on fp8 operands; at M = 1 the tuned entry may name the CUDA-core kernel of `gemv.py`
+instead (no tensor cores). Neither N nor K need be multiples of 128. `scaled_gemm` is the GEMM alone
 on already-quantized activations.
 
 Each 128-deep k-tile's product starts from zero and is scaled into the fp32 accumulator
@@ -22,36 +23,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import tuning
 from .._backend import interpreter_enabled, invariant_phase
+from . import gemv
+from ._quant import quantize_tile
 from .ref import ACT_QUANT_GROUP, FP8_E4M3_MAX, WEIGHT_QUANT_BLOCK
 
 _MIN_AMAX = 1e-12
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@triton.jit
-def _round_to_e4m3_grid(v):
-    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32."""
-    # e4m3 normals start at 2^-6; below that the spacing stays 2^-9
-    exponent = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
-    ulp = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
-    inv_ulp = ((127 - exponent + 3) << 23).to(tl.float32, bitcast=True)
-    magic = 12582912.0  # 1.5 * 2^23: adding, then subtracting it rounds |r| < 2^22, ties to even
-    return ((v * inv_ulp + magic) - magic) * ulp
-
-
-@triton.jit
-def quantize_tile(x, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, EXACT_CAST: tl.constexpr):
-    """x: [R, G] fp32, one quant group per row. Returns (x_fp8 [R, G], scale [R]).
-
-    EXACT_CAST rounds to the e4m3 grid in fp32 first: the Triton 3.9 interpreter's fp32 -> fp8
-    cast rounds half up and drops the carry into the exponent (127 becomes 64); the GPU's is right.
-    """
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.math.div_rn(tl.maximum(amax, MIN_AMAX), FP8_MAX)  # `/` is approximate on GPUs
-    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -FP8_MAX, FP8_MAX)
-    if EXACT_CAST:
-        q = _round_to_e4m3_grid(q)
-    return q.to(tl.float8e4nv), scale
 
 
 @triton.jit
@@ -280,10 +257,19 @@ def _gemm_key(m: int) -> str:
     phase = invariant_phase()
     if phase is not None:
         return f"invariant-{phase}"
-    for bound in (16, 32, 64, 128):
+    for bound in (1, 16, 32, 64, 128):
         if m <= bound:
             return f"m<={bound}"
     return "m>128"
+
+
+def _gemm_config(m: int, k: int, device: torch.device) -> dict:
+    """The tuned config for an [M, K] activation; a CUDA-core (gemv) entry names the shape class
+    to use instead past its max_m / max_k."""
+    cfg = tuning.lookup("fp8_gemm", _gemm_key(m), device)
+    if cfg.get("gemv") and (m > cfg["max_m"] or k > cfg.get("max_k", k)):
+        cfg = tuning.lookup("fp8_gemm", cfg["otherwise"], device)
+    return cfg
 
 
 def _check_weight(
@@ -346,6 +332,14 @@ def _launch_gemm(
 ) -> None:
     m, k = a.shape
     n = w_fp8.shape[0]
+    if cfg.get("gemv"):
+        splits, per_split = gemv.gemv_splits(n, k, cfg)
+        target = _split_target(out, splits)
+        gemv.launch_gemv(
+            a, a_scales, w_fp8, w_scale_inv, target, per_split, cfg, FP8_E4M3_MAX, _MIN_AMAX
+        )
+        _sum_splits(target, out)
+        return
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], WEIGHT_QUANT_BLOCK
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, block_k)
@@ -366,12 +360,8 @@ def _launch_gemm(
         return
     if quant_a:
         a_scales = torch.empty((1, 1), dtype=torch.float32, device=a.device)  # unread
-    if splits == 1:
-        target = out
-        stride_cs = 0
-    else:
-        target = torch.empty((splits, m, n), dtype=torch.float32, device=a.device)
-        stride_cs = target.stride(0)
+    target = _split_target(out, splits)
+    stride_cs = target.stride(0) if splits > 1 else 0
     _fp8_gemm_kernel[(tiles, splits)](
         a, a_scales, w_fp8, w_scale_inv, target,
         m, n, k, per_split,
@@ -385,11 +375,24 @@ def _launch_gemm(
         EXACT_CAST=interpreter_enabled(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    if splits > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
-            target, out, m * n, splits, target.stride(0), BLOCK=block, num_warps=4
-        )
+    _sum_splits(target, out)
+
+
+def _split_target(out: torch.Tensor, splits: int) -> torch.Tensor:
+    """Where a GEMM split `splits` ways writes: `out` itself, or fp32 partial sums [splits, M, N]."""
+    if splits == 1:
+        return out
+    return torch.empty((splits, *out.shape), dtype=torch.float32, device=out.device)
+
+
+def _sum_splits(target: torch.Tensor, out: torch.Tensor) -> None:
+    """Adds the partial sums of `_split_target` into `out` (nothing when it was `out`)."""
+    if target is out:
+        return
+    numel, block = out.numel(), 1024
+    _sum_splits_kernel[(triton.cdiv(numel, block),)](
+        target, out, numel, target.shape[0], target.stride(0), BLOCK=block, num_warps=4
+    )
 
 
 def scaled_gemm(
@@ -413,7 +416,7 @@ def scaled_gemm(
     out = torch.empty((m, w_fp8.shape[0]), dtype=out_dtype, device=x_fp8.device)
     if m == 0:
         return out
-    cfg = tuning.lookup("fp8_gemm", _gemm_key(m), x_fp8.device)
+    cfg = _gemm_config(m, k, x_fp8.device)
     _launch_gemm(x_fp8, x_scales, w_fp8, w_scale_inv, out, cfg)
     return out
 
@@ -427,7 +430,7 @@ def fp8_gemm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor) ->
     out = torch.empty((m, w_fp8.shape[0]), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = tuning.lookup("fp8_gemm", _gemm_key(m), x.device)
+    cfg = _gemm_config(m, k, x.device)
     if cfg["fuse_quant"]:
         _launch_gemm(x, None, w_fp8, w_scale_inv, out, cfg)
     else:

@@ -79,6 +79,7 @@ GEMM_CASES = [
     (70, 64, 384, torch.float16),
     pytest.param(64, 576, 7168, torch.bfloat16, marks=gpu),
     pytest.param(1, 24576, 1536, torch.bfloat16, marks=gpu),
+    pytest.param(4, 18432, 7168, torch.bfloat16, marks=gpu),
     pytest.param(17, 7168, 16384, torch.bfloat16, marks=gpu),
     pytest.param(129, 1000, 1100, torch.bfloat16, marks=gpu),
     pytest.param(2048, 4096, 7168, torch.bfloat16, marks=gpu),
@@ -134,6 +135,51 @@ def test_gemm_code_paths(path: str, m: int, n: int, k: int) -> None:
             tri._launch_gemm(x_fp8, x_scales, w_fp8, scale_inv, out, cfg)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref.fp8_gemm(x, w_fp8, scale_inv)) < TOL[dtype]
+
+
+GEMV_CONFIGS = {
+    "split-k": {"gemv": True, "max_m": 4, "BLOCK_N": 32, "GROUPS": 2, "num_warps": 4,
+                "num_stages": 1, "split_k_target_ctas": 64, "min_k_tiles": 1},
+    "one-split-n8-g4": {"gemv": True, "max_m": 4, "BLOCK_N": 8, "GROUPS": 4, "num_warps": 2,
+                        "num_stages": 2, "split_k_target_ctas": 0, "min_k_tiles": 1},
+    "n16-g2-split-k": {"gemv": True, "max_m": 4, "BLOCK_N": 16, "GROUPS": 2, "num_warps": 4,
+                       "num_stages": 1, "split_k_target_ctas": 40, "min_k_tiles": 1},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", sorted(GEMV_CONFIGS))
+@pytest.mark.parametrize("prequant", [False, True])
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 200, 720), (3, 72, 1000), (4, 130, 256),
+     pytest.param(1, 7168, 16384, marks=gpu), pytest.param(3, 576, 7168, marks=gpu),
+     pytest.param(2, 1000, 1100, marks=gpu)],
+)  # fmt: skip
+def test_gemv_paths(path: str, prequant: bool, m: int, n: int, k: int) -> None:
+    """The CUDA-core kernel for M <= 4: K split or whole, N and K off its tiles, M padded to 4."""
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x = _act(m, k, dtype, seed=k + m)
+    w_fp8, scale_inv = _weight(n, k, seed=n)
+    cfg = GEMV_CONFIGS[path]
+    with poisoned_empty():
+        out = torch.empty((m, n), dtype=dtype, device=DEVICE)
+        if prequant:
+            x_fp8, x_scales = tri._quantize(x, 128, scale_column_major=True)
+            tri._launch_gemm(x_fp8, x_scales, w_fp8, scale_inv, out, cfg)
+        else:
+            tri._launch_gemm(x, None, w_fp8, scale_inv, out, cfg)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref.fp8_gemm(x, w_fp8, scale_inv)) < TOL[dtype]
+
+
+def test_gemv_entry_hands_over_past_its_bounds() -> None:
+    """A gemv entry serves M = 1 up to its max_k; other shapes take the entry it names."""
+    dev = torch.device("cuda", 0) if CUDA else torch.device("cpu")
+    gemv = tri._gemm_config(1, 512, dev)
+    assert gemv.get("gemv") and gemv["max_m"] == 1
+    assert not tri._gemm_config(2, 512, dev).get("gemv")
+    if "max_k" in gemv:
+        assert not tri._gemm_config(1, gemv["max_k"] + 128, dev).get("gemv")
 
 
 def test_scaled_gemm_on_prequantized_input() -> None:

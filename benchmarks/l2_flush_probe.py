@@ -1,0 +1,125 @@
+"""How the L2 flush before each timed run changes memory-bound timings.
+
+`_bench.time_ms` zeroed a 256 MiB buffer before every run. That leaves L2 full of dirty lines, which
+the timed kernel must write back to HBM while it reads its own inputs. This probe times the same
+memory-bound calls three ways and prints them side by side:
+  zero    - the zeroing flush (as `time_ms` did until this probe);
+  read    - a flush that only reads 256 MiB (L2 left holding clean lines; `time_ms` now);
+  rotate  - no flush: each run uses the next of enough weight copies that none is still in L2.
+
+    python benchmarks/l2_flush_probe.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench import HBM_BYTES_PER_S  # noqa: E402
+
+from pdserve.kernels import tuning  # noqa: E402
+from pdserve.kernels.fp8_gemm import ref  # noqa: E402
+from pdserve.kernels.fp8_gemm import triton as tri  # noqa: E402
+
+FLUSH_BYTES = 256 << 20
+
+
+def _graph(fn):
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def _median_ms(run, before, iters=40, warmup=20) -> float:
+    for _ in range(warmup):
+        before()
+        run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _cases():
+    """(name, weight bytes, make(copy index) -> fn) for memory-bound calls."""
+    cases = []
+    mma = tuning.lookup("fp8_gemm", "m<=16", torch.device("cuda", 0))
+    gemv = tuning.lookup("fp8_gemm", "m<=1", torch.device("cuda", 0))
+    for name, m, k, n, cfg in (
+        ("fp8_gemm o, MMA", 1, 16384, 7168, mma), ("fp8_gemm o, gemv", 1, 16384, 7168, gemv),
+        ("fp8_gemm mlp_w1, MMA", 1, 7168, 18432, mma),
+        ("fp8_gemm mlp_w1, gemv", 1, 7168, 18432, gemv), ("fp8_gemm o", 64, 16384, 7168, None),
+    ):  # fmt: skip
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+
+        def make(_i, x=x, n=n, k=k, cfg=cfg):
+            w, s = ref.quantize_weight(torch.randn(n, k, device="cuda") * 0.02)
+            if cfg is None:
+                return lambda: tri.fp8_gemm(x, w, s)
+            out = torch.empty((x.shape[0], n), device="cuda", dtype=x.dtype)
+            return lambda: tri._launch_gemm(x, None, w, s, out, cfg)
+
+        cases.append((f"{name} M={m}", n * k, make))
+
+    for mib in (128, 1024):
+
+        def make_sum(_i, mib=mib):
+            t = torch.randn(mib << 19, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty((), device="cuda", dtype=torch.float32)
+            return lambda: torch.sum(t, dim=0, dtype=torch.float32, out=out)
+
+        cases.append((f"torch.sum of {mib} MiB bf16", mib << 20, make_sum))
+    return cases
+
+
+def main() -> None:
+    flush = torch.zeros(FLUSH_BYTES // 4, device="cuda", dtype=torch.float32)
+    sink = torch.empty((), device="cuda", dtype=torch.float32)
+    zero = flush.zero_
+    read = lambda: torch.sum(flush, dim=0, out=sink)  # noqa: E731
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(200):  # about a second of GEMMs: clocks up before the first timing
+        a @ a
+    del a
+    print(
+        f"{torch.cuda.get_device_name()}, CUDA graphs, median of 40 | GB/s counts the bytes read once"
+    )
+    print("| call | zero flush | read flush | rotating copies, no flush |")
+    print("|---|---|---|---|")
+    for name, nbytes, make in _cases():
+        copies = max(2, -(-3 * FLUSH_BYTES // nbytes))  # together well over L2
+        fns = [make(i) for i in range(copies)]  # they hold the tensors the graphs read
+        graphs = [_graph(fn) for fn in fns]
+        cells = []
+        for before in (zero, read):
+            ms = _median_ms(graphs[0].replay, before)
+            cells.append(f"{ms * 1e3:.1f} us, {nbytes / ms / 1e6:.0f} GB/s")
+        turn = iter(range(10**9))
+        ms = _median_ms(lambda g=graphs, t=turn, c=copies: g[next(t) % c].replay(), lambda: None)
+        cells.append(f"{ms * 1e3:.1f} us, {nbytes / ms / 1e6:.0f} GB/s")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+        del graphs, fns
+        torch.cuda.empty_cache()
+    print(f"(ceiling in DESIGN.md: {HBM_BYTES_PER_S / 1e9:.0f} GB/s)")
+
+
+if __name__ == "__main__":
+    main()
