@@ -75,15 +75,25 @@ def flush_l2() -> None:
     torch.sum(buffer, dim=0, out=sink)
 
 
+# GPU cycles of the spin between the flush and the timed run (about 100 us at 1.98 GHz).
+_HOST_COVER_CYCLES = 200_000
+
+
 def time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50) -> float:
     """Median milliseconds of fn() over `iters` runs, each timed by CUDA events, after `warmup` runs.
-    L2 is flushed (`flush_l2`) before every run so no input stays in L2 between runs."""
+
+    L2 is flushed (`flush_l2`) before every run so no input stays in L2 between runs. A spin
+    kernel of about 100 us then keeps the GPU busy while the host enqueues fn's launches, so the
+    time is the GPU's (kernels and the gaps between them), not the host's launch cost; before
+    that spin, a launcher slower than the flush had the GPU's idle wait counted, by how much
+    depending on the machine."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
         flush_l2()
+        torch.cuda._sleep(_HOST_COVER_CYCLES)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

@@ -19,11 +19,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_fused_moe  # noqa: E402
+import bench_mla_decode  # noqa: E402
+import tune_moe_fp8  # noqa: E402
 from _bench import HBM_BYTES_PER_S  # noqa: E402
 
 from pdserve.kernels import tuning  # noqa: E402
 from pdserve.kernels.fp8_gemm import ref  # noqa: E402
 from pdserve.kernels.fp8_gemm import triton as tri  # noqa: E402
+from pdserve.kernels.fused_moe import triton as moe  # noqa: E402
+from pdserve.kernels.mla_decode import triton as mla  # noqa: E402
 
 FLUSH_BYTES = 256 << 20
 
@@ -79,6 +84,19 @@ def _cases():
 
         cases.append((f"{name} M={m}", n * k, make))
 
+    def make_mla(_i):
+        q, cache, page_table, seq_lens = bench_mla_decode.make_inputs(128, 16, 1, 4096, 64, False)
+        return lambda: mla.mla_decode(q, cache, page_table, seq_lens, bench_mla_decode.SCALE, 512)
+
+    cases.append(("mla_decode B=128 H=16 L=4096 bf16", 128 * 4096 * 576 * 2, make_mla))
+
+    def make_moe(_i):
+        x, weights, ids = tune_moe_fp8._moe_inputs(64)
+        w13, w2 = tune_moe_fp8._MOE["w"]
+        return lambda: moe.fused_moe(x, w13, w2, weights, ids)
+
+    touched = 32 * 3 * bench_fused_moe.HIDDEN * bench_fused_moe.INTER * 2
+    cases.append(("fused_moe bf16 T=64 (32 experts touched)", touched, make_moe))
     for mib in (128, 1024):
 
         def make_sum(_i, mib=mib):
@@ -102,14 +120,14 @@ def main() -> None:
     print(
         f"{torch.cuda.get_device_name()}, CUDA graphs, median of 40 | GB/s counts the bytes read once"
     )
-    print("| call | zero flush | read flush | rotating copies, no flush |")
-    print("|---|---|---|---|")
+    print("| call | zero flush | read flush | zero flush again | rotating copies, no flush |")
+    print("|---|---|---|---|---|")
     for name, nbytes, make in _cases():
         copies = max(2, -(-3 * FLUSH_BYTES // nbytes))  # together well over L2
         fns = [make(i) for i in range(copies)]  # they hold the tensors the graphs read
         graphs = [_graph(fn) for fn in fns]
         cells = []
-        for before in (zero, read):
+        for before in (zero, read, zero):
             ms = _median_ms(graphs[0].replay, before)
             cells.append(f"{ms * 1e3:.1f} us, {nbytes / ms / 1e6:.0f} GB/s")
         turn = iter(range(10**9))
