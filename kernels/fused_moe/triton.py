@@ -15,6 +15,8 @@ M-tiles past the padded total find no expert and exit, so grids are sized from T
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -151,12 +153,15 @@ def _down_kernel(
     stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk,
     stride_ym, stride_yn,
     FP8: tl.constexpr, EVEN_K: tl.constexpr, UNIFORM_B: tl.constexpr, TMA_B: tl.constexpr,
+    TMA_A: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     E_POW2: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """y[rows, n] = act[rows] @ w2[e, n] for one M-tile of one expert's rows.
+    """y[rows, n] = act[rows] @ w2[e, n] for one M-tile of one expert's rows: the down GEMM, and
+    the gate/up GEMM unfused (act = x by row, w2 = w13, y = [rows, 2I]; see `_silu_mul_kernel`).
 
-    TMA_B: w_ptr is a TMA descriptor over w2 viewed as [E * D, I] (block [BLOCK_N, BLOCK_K])."""
+    TMA_B: w_ptr is a TMA descriptor over w2 viewed as [E * D, I] (block [BLOCK_N, BLOCK_K]).
+    TMA_A: act_ptr is a TMA descriptor over act (block [BLOCK_M, BLOCK_K])."""
     pid_m, pid_n = tile_of(tl.program_id(0), num_pid_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     row0 = pid_m * BLOCK_M
     e = _expert_of(ends_ptr, row0, num_experts, E_POW2)
@@ -166,7 +171,8 @@ def _down_kernel(
     rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % hidden
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = act_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    if not TMA_A:
+        a_ptrs = act_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     if not TMA_B:
         b_ptrs = w_ptr + e64 * stride_we + offs_n[None, :] * stride_wn
         b_ptrs += offs_k[:, None] * stride_wk
@@ -180,10 +186,13 @@ def _down_kernel(
             bs_ptrs = ws_ptr + e64 * stride_wse + (offs_n // SCALE_BLOCK) * stride_wsn
 
     for kt in range(tl.cdiv(inter, BLOCK_K)):
-        if EVEN_K:
+        if not EVEN_K:
+            k_mask = kt * BLOCK_K + offs_k < inter
+        if TMA_A:
+            a = act_ptr.load([row0, kt * BLOCK_K])
+        elif EVEN_K:
             a = tl.load(a_ptrs)
         else:
-            k_mask = kt * BLOCK_K + offs_k < inter
             a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
         if TMA_B:
             b = w_ptr.load([b_row, kt * BLOCK_K]).T
@@ -200,12 +209,37 @@ def _down_kernel(
                 acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
         else:
             acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K * stride_ak
+        if not TMA_A:
+            a_ptrs += BLOCK_K * stride_ak
         if not TMA_B:
             b_ptrs += BLOCK_K * stride_wk
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(cols < hidden)[None, :])
+
+
+@triton.jit
+def _silu_mul_kernel(
+    y_ptr, act_ptr, acts_ptr, ends_ptr, num_experts, inter,
+    stride_ym, stride_am, stride_asm, stride_asg,
+    BLOCK_R: tl.constexpr, GROUP: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, EXACT_CAST: tl.constexpr,
+):  # fmt: skip
+    """act[rows] = silu(y[rows, :I]) * y[rows, I:], quantized in 1x128 groups (the unfused gate/up
+    GEMM's epilogue). Rows past the padded total are left unwritten; the down GEMM never reads them."""
+    row0 = tl.program_id(0) * BLOCK_R
+    total = tl.load(ends_ptr + num_experts - 1)
+    if row0 >= total:
+        return
+    rows = (row0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    mask = (rows < total)[:, None] & (cols < inter)[None, :]
+    g_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+    gate = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(g_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
+    q, scale = quantize_tile(gate * tl.sigmoid(gate) * up, FP8_MAX, MIN_AMAX, EXACT_CAST)
+    tl.store(act_ptr + rows[:, None] * stride_am + cols[None, :], q, mask=mask)
+    tl.store(acts_ptr + rows * stride_asm + tl.program_id(1) * stride_asg, scale, mask=rows < total)
 
 
 # ---- 5. combine ----------------------------------------------------------------------------------
@@ -334,6 +368,42 @@ def _weight_operand(
     return w, False
 
 
+def _grouped_gemm(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    w: torch.Tensor,
+    w_s: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    ends: torch.Tensor,
+    num_pid_m: int,
+    fp8: bool,
+    cfg: dict,
+    tiles: tuple[int, int, int, int],
+    tma_a: bool,
+) -> None:
+    """y[rows] = a[rows] @ w[expert of the row]^T over the row layout (`_down_kernel`); tiles:
+    (BLOCK_N, BLOCK_K, num_warps, num_stages); tma_a reads a through a TMA descriptor."""
+    num_experts, n, k = w.shape
+    bn, bk, warps, stages = tiles
+    block_m = cfg["BLOCK_M"]
+    w_arg, tma_b = _weight_operand(w, bn, bk, cfg.get("tma", False))
+    tma_a = tma_a and _tma_ok(a)
+    a_arg = TensorDescriptor.from_tensor(a, [block_m, bk]) if tma_a else a
+    sb = WEIGHT_QUANT_BLOCK
+    _down_kernel[(num_pid_m * triton.cdiv(n, bn),)](
+        a_arg, a_scales, w_arg, w_s, y, ends,
+        num_experts, n, k, num_pid_m,
+        a.stride(0), a.stride(1), a_scales.stride(0), a_scales.stride(1),
+        *w.stride(), *w_s.stride(),
+        y.stride(0), y.stride(1),
+        FP8=fp8, EVEN_K=k % bk == 0, UNIFORM_B=sb % bn == 0, TMA_B=tma_b, TMA_A=tma_a,
+        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+        E_POW2=triton.next_power_of_2(num_experts), SCALE_BLOCK=sb,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
 def _fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -378,36 +448,40 @@ def _fused_moe(
         w13_s = w2_s = torch.empty((1, 1, 1), dtype=torch.float32, device=x.device)
 
     bn1, bk1 = cfg["BLOCK_N1"], cfg["BLOCK_K1"]
-    w13_arg, tma1 = _weight_operand(w13, bn1, bk1, cfg.get("tma", False))
-    x_arg = TensorDescriptor.from_tensor(x_in, [block_m, bk1]) if permuted else x_in
-    _gate_up_kernel[(num_pid_m * triton.cdiv(inter, bn1),)](
-        x_arg, x_scales, w13_arg, w13_s, act, act_scales, sorted_ids, ends,
-        num_experts, num_tokens * top_k, top_k, inter, hidden, num_pid_m,
-        x_in.stride(0), x_in.stride(1), x_scales.stride(0), x_scales.stride(1),
-        *w13.stride(), *w13_s.stride(),
-        act.stride(0), act.stride(1), act_scales.stride(0), act_scales.stride(1),
-        FP8=fp8, EVEN_K=hidden % bk1 == 0, UNIFORM_B=sb % bn1 == 0 and inter % sb == 0, TMA_B=tma1,
-        PERMUTED_A=permuted,
-        BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk1, GROUP_M=cfg["GROUP_M"],
-        E_POW2=e_pow2, SCALE_BLOCK=sb, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
-        EXACT_CAST=interpreter_enabled(),
-        num_warps=cfg["warps1"], num_stages=cfg["stages1"],
-    )  # fmt: skip
+    grouped = functools.partial(_grouped_gemm, ends=ends, num_pid_m=num_pid_m, fp8=fp8, cfg=cfg)
+    if fp8 and permuted and cfg.get("split_gate_up") and inter % sb == 0:
+        # gate/up as one plain grouped GEMM into [rows, 2I] (one accumulator a tile), then SiLU-mul
+        # and quantization in a second kernel
+        y13 = torch.empty((max_rows, 2 * inter), dtype=x.dtype, device=x.device)
+        grouped(x_in, x_scales, w13, w13_s, y13, tiles=(bn1, bk1, cfg["warps1"], cfg["stages1"]),
+                tma_a=True)  # fmt: skip
+        block_r = 32
+        _silu_mul_kernel[(triton.cdiv(max_rows, block_r), triton.cdiv(inter, sb))](
+            y13, act, act_scales, ends, num_experts, inter,
+            y13.stride(0), act.stride(0), act_scales.stride(0), act_scales.stride(1),
+            BLOCK_R=block_r, GROUP=sb, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
+            EXACT_CAST=interpreter_enabled(), num_warps=4,
+        )  # fmt: skip
+    else:
+        w13_arg, tma1 = _weight_operand(w13, bn1, bk1, cfg.get("tma", False))
+        x_arg = TensorDescriptor.from_tensor(x_in, [block_m, bk1]) if permuted else x_in
+        _gate_up_kernel[(num_pid_m * triton.cdiv(inter, bn1),)](
+            x_arg, x_scales, w13_arg, w13_s, act, act_scales, sorted_ids, ends,
+            num_experts, num_tokens * top_k, top_k, inter, hidden, num_pid_m,
+            x_in.stride(0), x_in.stride(1), x_scales.stride(0), x_scales.stride(1),
+            *w13.stride(), *w13_s.stride(),
+            act.stride(0), act.stride(1), act_scales.stride(0), act_scales.stride(1),
+            FP8=fp8, EVEN_K=hidden % bk1 == 0, UNIFORM_B=sb % bn1 == 0 and inter % sb == 0,
+            TMA_B=tma1, PERMUTED_A=permuted,
+            BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk1, GROUP_M=cfg["GROUP_M"],
+            E_POW2=e_pow2, SCALE_BLOCK=sb, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
+            EXACT_CAST=interpreter_enabled(),
+            num_warps=cfg["warps1"], num_stages=cfg["stages1"],
+        )  # fmt: skip
 
     y = torch.empty((max_rows, hidden), dtype=x.dtype, device=x.device)
-    bn2, bk2 = cfg["BLOCK_N2"], cfg["BLOCK_K2"]
-    w2_arg, tma2 = _weight_operand(w2, bn2, bk2, cfg.get("tma", False))
-    _down_kernel[(num_pid_m * triton.cdiv(hidden, bn2),)](
-        act, act_scales, w2_arg, w2_s, y, ends,
-        num_experts, hidden, inter, num_pid_m,
-        act.stride(0), act.stride(1), act_scales.stride(0), act_scales.stride(1),
-        *w2.stride(), *w2_s.stride(),
-        y.stride(0), y.stride(1),
-        FP8=fp8, EVEN_K=inter % bk2 == 0, UNIFORM_B=sb % bn2 == 0, TMA_B=tma2,
-        BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk2, GROUP_M=cfg["GROUP_M"],
-        E_POW2=e_pow2, SCALE_BLOCK=sb,
-        num_warps=cfg["warps2"], num_stages=cfg["stages2"],
-    )  # fmt: skip
+    tiles2 = (cfg["BLOCK_N2"], cfg["BLOCK_K2"], cfg["warps2"], cfg["stages2"])
+    grouped(act, act_scales, w2, w2_s, y, tiles=tiles2, tma_a=cfg.get("tma_act", False))
 
     block_d = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
