@@ -87,16 +87,7 @@ MOE_BF16_BIG = [
     _t(_m(128, 128, 64, 8, 4, 256, 64, 8, 3), permute_a=True),
 ]  # fmt: skip
 _FP8_PREFILL = _t(_m(128, 128, 128, 8, 3, 128, 128, 8, 4), tma=True, permute_a=True)
-MOE_FP8_BIG = [
-    _FP8_PREFILL, _t(_FP8_PREFILL, tma_act=True), _t(_FP8_PREFILL, split_gate_up=True),
-    _t(_FP8_PREFILL, split_gate_up=True, tma_act=True),
-    _t(_m(128, 128, 128, 8, 4, 128, 128, 8, 4), tma=True, permute_a=True, split_gate_up=True,
-       tma_act=True),
-    _t(_m(64, 128, 128, 4, 4, 128, 128, 4, 4), tma=True, permute_a=True, split_gate_up=True,
-       tma_act=True),
-    _t(_m(128, 128, 128, 8, 3, 128, 128, 8, 3), tma=True, permute_a=True, split_gate_up=True,
-       tma_act=True),
-]  # fmt: skip
+MOE_FP8_BIG = [_FP8_PREFILL, _t(_FP8_PREFILL, tma_act=True)]
 MOE_BF16_DECODE = [
     _m(32, 64, 128, 4, 4, 64, 128, 4, 4), _m(32, 64, 128, 4, 5, 64, 128, 4, 6),
     _m(32, 128, 64, 4, 6, 128, 64, 4, 6), _t(_m(32, 64, 128, 4, 4, 64, 128, 4, 4), tma=True),

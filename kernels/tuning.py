@@ -109,7 +109,8 @@ def _gemm_cfg(
 
 def _moe_cfg(bm: int, gate_up: tuple, down: tuple, group_m: int = 8) -> dict[str, Any]:
     """gate_up / down: (BLOCK_N, BLOCK_K, num_warps, num_stages). Optional keys added by callers:
-    tma (weights through TMA descriptors), permute_a (x laid out by row, read through TMA)."""
+    tma (weights through TMA descriptors), permute_a (x laid out by row, read through TMA),
+    tma_act (the down GEMM reads the activation through TMA)."""
     n1, k1, w1, s1 = gate_up
     n2, k2, w2, s2 = down
     return {"BLOCK_M": bm, "GROUP_M": group_m, "BLOCK_N1": n1, "BLOCK_K1": k1, "warps1": w1,
@@ -148,6 +149,7 @@ _MOE_FP8_PREFILL = {
     **_moe_cfg(128, (128, 128, 8, 3), (128, 128, 8, 4)),
     "tma": True,
     "permute_a": True,
+    "tma_act": True,
 }
 register(
     "fused_moe",

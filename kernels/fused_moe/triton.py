@@ -15,8 +15,6 @@ M-tiles past the padded total find no expert and exit, so grids are sized from T
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -157,8 +155,7 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     E_POW2: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """y[rows, n] = act[rows] @ w2[e, n] for one M-tile of one expert's rows: the down GEMM, and
-    the gate/up GEMM unfused (act = x by row, w2 = w13, y = [rows, 2I]; see `_silu_mul_kernel`).
+    """y[rows, n] = act[rows] @ w2[e, n] for one M-tile of one expert's rows.
 
     TMA_B: w_ptr is a TMA descriptor over w2 viewed as [E * D, I] (block [BLOCK_N, BLOCK_K]).
     TMA_A: act_ptr is a TMA descriptor over act (block [BLOCK_M, BLOCK_K])."""
@@ -216,30 +213,6 @@ def _down_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(cols < hidden)[None, :])
-
-
-@triton.jit
-def _silu_mul_kernel(
-    y_ptr, act_ptr, acts_ptr, ends_ptr, num_experts, inter,
-    stride_ym, stride_am, stride_asm, stride_asg,
-    BLOCK_R: tl.constexpr, GROUP: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, EXACT_CAST: tl.constexpr,
-):  # fmt: skip
-    """act[rows] = silu(y[rows, :I]) * y[rows, I:], quantized in 1x128 groups (the unfused gate/up
-    GEMM's epilogue). Rows past the padded total are left unwritten; the down GEMM never reads them."""
-    row0 = tl.program_id(0) * BLOCK_R
-    total = tl.load(ends_ptr + num_experts - 1)
-    if row0 >= total:
-        return
-    rows = (row0 + tl.arange(0, BLOCK_R)).to(tl.int64)
-    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
-    mask = (rows < total)[:, None] & (cols < inter)[None, :]
-    g_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
-    gate = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(g_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
-    q, scale = quantize_tile(gate * tl.sigmoid(gate) * up, FP8_MAX, MIN_AMAX, EXACT_CAST)
-    tl.store(act_ptr + rows[:, None] * stride_am + cols[None, :], q, mask=mask)
-    tl.store(acts_ptr + rows * stride_asm + tl.program_id(1) * stride_asg, scale, mask=rows < total)
 
 
 # ---- 5. combine ----------------------------------------------------------------------------------
@@ -382,7 +355,7 @@ def _grouped_gemm(
     tiles: tuple[int, int, int, int],
     tma_a: bool,
 ) -> None:
-    """y[rows] = a[rows] @ w[expert of the row]^T over the row layout (`_down_kernel`); tiles:
+    """Step 4: y[rows] = a[rows] @ w[expert of the row]^T over the row layout; tiles:
     (BLOCK_N, BLOCK_K, num_warps, num_stages); tma_a reads a through a TMA descriptor."""
     num_experts, n, k = w.shape
     bn, bk, warps, stages = tiles
@@ -448,40 +421,26 @@ def _fused_moe(
         w13_s = w2_s = torch.empty((1, 1, 1), dtype=torch.float32, device=x.device)
 
     bn1, bk1 = cfg["BLOCK_N1"], cfg["BLOCK_K1"]
-    grouped = functools.partial(_grouped_gemm, ends=ends, num_pid_m=num_pid_m, fp8=fp8, cfg=cfg)
-    if fp8 and permuted and cfg.get("split_gate_up") and inter % sb == 0:
-        # gate/up as one plain grouped GEMM into [rows, 2I] (one accumulator a tile), then SiLU-mul
-        # and quantization in a second kernel
-        y13 = torch.empty((max_rows, 2 * inter), dtype=x.dtype, device=x.device)
-        grouped(x_in, x_scales, w13, w13_s, y13, tiles=(bn1, bk1, cfg["warps1"], cfg["stages1"]),
-                tma_a=True)  # fmt: skip
-        block_r = 32
-        _silu_mul_kernel[(triton.cdiv(max_rows, block_r), triton.cdiv(inter, sb))](
-            y13, act, act_scales, ends, num_experts, inter,
-            y13.stride(0), act.stride(0), act_scales.stride(0), act_scales.stride(1),
-            BLOCK_R=block_r, GROUP=sb, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
-            EXACT_CAST=interpreter_enabled(), num_warps=4,
-        )  # fmt: skip
-    else:
-        w13_arg, tma1 = _weight_operand(w13, bn1, bk1, cfg.get("tma", False))
-        x_arg = TensorDescriptor.from_tensor(x_in, [block_m, bk1]) if permuted else x_in
-        _gate_up_kernel[(num_pid_m * triton.cdiv(inter, bn1),)](
-            x_arg, x_scales, w13_arg, w13_s, act, act_scales, sorted_ids, ends,
-            num_experts, num_tokens * top_k, top_k, inter, hidden, num_pid_m,
-            x_in.stride(0), x_in.stride(1), x_scales.stride(0), x_scales.stride(1),
-            *w13.stride(), *w13_s.stride(),
-            act.stride(0), act.stride(1), act_scales.stride(0), act_scales.stride(1),
-            FP8=fp8, EVEN_K=hidden % bk1 == 0, UNIFORM_B=sb % bn1 == 0 and inter % sb == 0,
-            TMA_B=tma1, PERMUTED_A=permuted,
-            BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk1, GROUP_M=cfg["GROUP_M"],
-            E_POW2=e_pow2, SCALE_BLOCK=sb, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
-            EXACT_CAST=interpreter_enabled(),
-            num_warps=cfg["warps1"], num_stages=cfg["stages1"],
-        )  # fmt: skip
+    w13_arg, tma1 = _weight_operand(w13, bn1, bk1, cfg.get("tma", False))
+    x_arg = TensorDescriptor.from_tensor(x_in, [block_m, bk1]) if permuted else x_in
+    _gate_up_kernel[(num_pid_m * triton.cdiv(inter, bn1),)](
+        x_arg, x_scales, w13_arg, w13_s, act, act_scales, sorted_ids, ends,
+        num_experts, num_tokens * top_k, top_k, inter, hidden, num_pid_m,
+        x_in.stride(0), x_in.stride(1), x_scales.stride(0), x_scales.stride(1),
+        *w13.stride(), *w13_s.stride(),
+        act.stride(0), act.stride(1), act_scales.stride(0), act_scales.stride(1),
+        FP8=fp8, EVEN_K=hidden % bk1 == 0, UNIFORM_B=sb % bn1 == 0 and inter % sb == 0,
+        TMA_B=tma1, PERMUTED_A=permuted,
+        BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk1, GROUP_M=cfg["GROUP_M"],
+        E_POW2=e_pow2, SCALE_BLOCK=sb, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
+        EXACT_CAST=interpreter_enabled(),
+        num_warps=cfg["warps1"], num_stages=cfg["stages1"],
+    )  # fmt: skip
 
     y = torch.empty((max_rows, hidden), dtype=x.dtype, device=x.device)
     tiles2 = (cfg["BLOCK_N2"], cfg["BLOCK_K2"], cfg["warps2"], cfg["stages2"])
-    grouped(act, act_scales, w2, w2_s, y, tiles=tiles2, tma_a=cfg.get("tma_act", False))
+    _grouped_gemm(act, act_scales, w2, w2_s, y, ends=ends, num_pid_m=num_pid_m, fp8=fp8, cfg=cfg,
+                  tiles=tiles2, tma_a=cfg.get("tma_act", False))  # fmt: skip
 
     block_d = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block_d))](

@@ -111,12 +111,8 @@ PATH_CONFIGS = {
                     "BLOCK_K2": 64, "permute_a": True},
     "permute-tma-fp8": {**_PATH_BASE, "BLOCK_M": 16, "BLOCK_N1": 128, "BLOCK_K1": 128,
                         "BLOCK_N2": 128, "BLOCK_K2": 128, "permute_a": True},
-    "split-gate-up-fp8": {**_PATH_BASE, "BLOCK_M": 16, "BLOCK_N1": 128, "BLOCK_K1": 128,
-                          "BLOCK_N2": 128, "BLOCK_K2": 128, "permute_a": True,
-                          "split_gate_up": True, "tma_act": True},
-    "split-gate-up-no-tma-fp8": {**_PATH_BASE, "BLOCK_M": 32, "BLOCK_N1": 128, "BLOCK_K1": 128,
-                                 "BLOCK_N2": 64, "BLOCK_K2": 128, "permute_a": True,
-                                 "split_gate_up": True, "tma": False},
+    "tma-act-fp8": {**_PATH_BASE, "BLOCK_M": 16, "BLOCK_N1": 128, "BLOCK_K1": 128,
+                    "BLOCK_N2": 64, "BLOCK_K2": 128, "permute_a": True, "tma_act": True},
 }  # fmt: skip
 
 
@@ -128,9 +124,9 @@ PATH_CONFIGS = {
 )  # fmt: skip
 def test_weight_tma_paths(path: str, t: int, d: int, i: int) -> None:
     """Weights through TMA descriptors (gate/up tiles that run past I into the up rows, a down
-    tile wider than a quant block), x laid out by row first (permute_a), and gate/up unfused
-    (split_gate_up: taken when I is a multiple of 128, else the fused kernel), on shapes whose D
-    (and some I) are not multiples of 128."""
+    tile wider than a quant block), x laid out by row first (permute_a), and the activation read
+    by the down GEMM through TMA (tma_act), on shapes whose D (and some I) are not multiples of
+    128."""
     e, k = 5, 3
     dtype = torch.bfloat16 if CUDA else torch.float32
     weights, ids = _routing(t, e, k, "zipf", seed=i)
