@@ -79,6 +79,32 @@ def flush_l2() -> None:
 _HOST_COVER_CYCLES = 200_000
 
 
+def median_ms(
+    run: Callable[[], object], before: Callable[[], object], warmup: int, iters: int
+) -> float:
+    """Median milliseconds of run() over `iters` runs timed by CUDA events, each after before() (not
+    timed), following `warmup` untimed rounds."""
+    for _ in range(warmup):
+        before()
+        run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _flush_and_cover() -> None:
+    flush_l2()
+    torch.cuda._sleep(_HOST_COVER_CYCLES)
+
+
 def time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50) -> float:
     """Median milliseconds of fn() over `iters` runs, each timed by CUDA events, after `warmup` runs.
 
@@ -87,25 +113,12 @@ def time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50) -> floa
     time is the GPU's (kernels and the gaps between them), not the host's launch cost; before
     that spin, a launcher slower than the flush had the GPU's idle wait counted, by how much
     depending on the machine."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        flush_l2()
-        torch.cuda._sleep(_HOST_COVER_CYCLES)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_ms(fn, _flush_and_cover, warmup, iters)
 
 
-def time_graph_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50) -> float:
-    """As `time_ms`, for fn captured once in a CUDA graph and replayed: how a decode step runs its kernels
-    (no host launch cost between them)."""
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """fn captured once in a CUDA graph (after a run on the current stream and one on a side
+    stream, which compile and allocate outside the capture)."""
     fn()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -115,7 +128,13 @@ def time_graph_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50) -
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return time_ms(graph.replay, warmup, iters)
+    return graph
+
+
+def time_graph_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50) -> float:
+    """As `time_ms`, for fn captured once in a CUDA graph and replayed: how a decode step runs its kernels
+    (no host launch cost between them)."""
+    return time_ms(capture_graph(fn).replay, warmup, iters)
 
 
 def print_table(rows: list[Row]) -> str:

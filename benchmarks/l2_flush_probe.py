@@ -12,7 +12,6 @@ memory-bound calls three ways and prints them side by side:
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_fused_moe  # noqa: E402
 import bench_mla_decode  # noqa: E402
 import tune_moe_fp8  # noqa: E402
-from _bench import HBM_BYTES_PER_S  # noqa: E402
+from _bench import HBM_BYTES_PER_S, capture_graph, median_ms  # noqa: E402
 
 from pdserve.kernels import tuning  # noqa: E402
 from pdserve.kernels.fp8_gemm import ref  # noqa: E402
@@ -31,36 +30,6 @@ from pdserve.kernels.fused_moe import triton as moe  # noqa: E402
 from pdserve.kernels.mla_decode import triton as mla  # noqa: E402
 
 FLUSH_BYTES = 256 << 20
-
-
-def _graph(fn):
-    fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def _median_ms(run, before, iters=40, warmup=20) -> float:
-    for _ in range(warmup):
-        before()
-        run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        before()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _cases():
@@ -125,13 +94,15 @@ def main() -> None:
     for name, nbytes, make in _cases():
         copies = max(2, -(-3 * FLUSH_BYTES // nbytes))  # together well over L2
         fns = [make(i) for i in range(copies)]  # they hold the tensors the graphs read
-        graphs = [_graph(fn) for fn in fns]
+        graphs = [capture_graph(fn) for fn in fns]
         cells = []
         for before in (zero, read, zero):
-            ms = _median_ms(graphs[0].replay, before)
+            ms = median_ms(graphs[0].replay, before, warmup=20, iters=40)
             cells.append(f"{ms * 1e3:.1f} us, {nbytes / ms / 1e6:.0f} GB/s")
         turn = iter(range(10**9))
-        ms = _median_ms(lambda g=graphs, t=turn, c=copies: g[next(t) % c].replay(), lambda: None)
+        ms = median_ms(
+            lambda g=graphs, t=turn, c=copies: g[next(t) % c].replay(), lambda: None, 20, 40
+        )
         cells.append(f"{ms * 1e3:.1f} us, {nbytes / ms / 1e6:.0f} GB/s")
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
         del graphs, fns
