@@ -119,11 +119,11 @@ def launch_gemv(
     block_m = triton.next_power_of_2(m)
     if block_m > cfg["max_m"] or GEMV_GROUP % cfg["BLOCK_N"]:
         raise ValueError(f"gemv: M={m} over max_m={cfg['max_m']} or BLOCK_N not dividing 128")
-    splits = triton.cdiv(triton.cdiv(k, GEMV_GROUP), per_split)
+    splits = target.shape[0] if target.dim() == 3 else 1
     quant_a = a_scales is None
     if quant_a:
         a_scales = torch.empty((1, 1), dtype=torch.float32, device=a.device)  # unread
-    stride_cs = target.stride(0) if target.dim() == 3 else 0
+    stride_cs = target.stride(0) if splits > 1 else 0
     _fp8_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), splits)](
         a, a_scales, w_fp8, w_scale_inv, target, m, n, k, per_split,
         a.stride(0), a.stride(1), a_scales.stride(0), a_scales.stride(1),
