@@ -48,6 +48,10 @@ GEMM_LARGE = [
     _t(_g(128, 128, 8, 4, gm=16), tma=True), _t(_g(128, 128, 8, 5, gm=16), tma=True),
     _t(_g(128, 128, 8, 4, gm=8), tma=True), _t(_g(64, 128, 4, 4, gm=16), tma=True),
     _t(_g(64, 128, 4, 3, gm=16), tma=True), _t(_g(128, 64, 4, 4, gm=16), tma=True),
+    # four warpgroups over a 256-row or 256-column tile: 64 accumulator registers a thread, as at
+    # 128x128 with 8 warps, but twice the MMA work per byte of shared memory read
+    *[_t(_g(bm, bn, 16, s, gm=16), tma=True) for bm, bn in ((256, 128), (128, 256)) for s in (3, 4)],
+    _t(_g(128, 256, 8, 3, gm=16), tma=True),
 ]  # fmt: skip
 GEMM_DECODE = [
     _g(64, 64, 4, 4, split=264), _g(64, 64, 4, 4, split=264, min_k=2), _g(64, 64, 4, 5, split=264),

@@ -24,10 +24,14 @@ ARCH = "sm90"
 def tune_mla_prefill() -> None:
     from bench_mla_prefill import _flops, time_triton
 
-    configs = [(128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 2)]
-    shapes = [([4096] * 8, [4096] * 8, 128, True)]
-    for bm, bn, warps, stages in configs:
-        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+    # BLOCK_M, BLOCK_N, warps, stages, tma (sweeps: benchmarks/RESULTS.md)
+    configs = [
+        (128, 128, 8, 2, False), (128, 64, 8, 3, True), (128, 128, 8, 2, True),
+        (128, 64, 8, 2, True), (64, 64, 4, 3, True),
+    ]  # fmt: skip
+    shapes = [([4096] * 8, [4096] * 8, 128, True), ([4096] * 8, [4096] * 8, 16, True)]
+    for bm, bn, warps, stages, tma in configs:
+        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "tma": tma}
         tuning.register("mla_prefill", ARCH, {"default": cfg})
         cells = []
         for q_lens, k_lens, heads, causal in shapes:
@@ -37,7 +41,8 @@ def tune_mla_prefill() -> None:
                 cells.append(f"{ms:8.3f} ms {tflops:5.0f} TF")
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile is skipped
                 cells.append(f"failed: {type(exc).__name__}: {str(exc)[:60]}")
-        print(f"mla_prefill BM={bm} BN={bn} w={warps} s={stages}: " + " | ".join(cells), flush=True)
+        label = f"BM={bm} BN={bn} w={warps} s={stages} tma={tma}"
+        print(f"mla_prefill {label}: " + " | ".join(cells), flush=True)
 
 
 def tune_sampling() -> None:

@@ -184,9 +184,11 @@ register(
     # H200 sweeps (2026-11-21, triton 3.6), 8 x 4096 causal h128, BM/BN/warps/stages -> ms:
     # 128/128/8/2 12.57 and 12.74, 128/64/8/3 13.05 and 13.14, 64/64/4/2 13.64, 128/64/8/2 15.05,
     # 64/32/4/2 15.43, 64/64/4/3 17.31, 64/128/4/2 18.56 (benchmarks/RESULTS.md)
+    # K and V through TMA (seventh session): 128/64/8/3 12.43 and 12.58, 128/128/8/2 12.62 and
+    # 12.69, pointer loads 128/128/8/2 12.74 and 12.88 in the same sweeps; 128/64/8/2 15.49
     # fp32 inputs (IEEE dots, tests only): 128/128/8/2 needs 320 KiB of shared memory on triton 3.6
     {
-        "default": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+        "default": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "tma": True},
         "dtype=float32": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
     },
 )

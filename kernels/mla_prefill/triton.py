@@ -8,7 +8,9 @@ bottom-right aligned (query i of a sequence with Lq queries and Lk keys sees key
 key tiles every row of the query tile sees run in an unmasked loop, the diagonal tiles in a masked
 one. Programs find their sequence by a binary search over the cumulative query-tile counts, so the
 launch needs no host sync; within a sequence the heaviest (last) query tiles run first. fp32 inputs
-use IEEE fp32 dots; fp16/bf16 use the tensor cores with fp32 accumulation.
+use IEEE fp32 dots; fp16/bf16 use the tensor cores with fp32 accumulation. With `tma` in the tuned
+entry (and contiguous k, v whose head dims are whole tiles) K and V tiles come through TMA
+descriptors over [tokens, heads * dim].
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..tuning import lookup
 
@@ -32,22 +35,34 @@ _empty = torch.empty
 @triton.jit
 def _attend_tile(
     acc, m_i, l_i, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, start, offs_m, offs_n, offs_db, offs_dv,
-    k_len, diag_off, stride_kt, stride_vt, qk_scale,
-    D_QK_B: tl.constexpr, D_B: tl.constexpr, D_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    k_len, diag_off, stride_kt, stride_vt, qk_scale, k_row0, col_k, col_v,
+    D_A: tl.constexpr, D_QK_B: tl.constexpr, D_B: tl.constexpr, D_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One key tile: scores, online-softmax update, P @ V. MASKED tiles may hold keys past k_len or
     (CAUSAL) keys after a row's diagonal; unmasked tiles are fully visible to every row of the query
-    tile."""
+    tile. TMA: k_ptrs_a / k_ptrs_b / v_ptrs are descriptors over k and v as [tokens, heads * dim]
+    (this head's columns start at col_k / col_v); rows past the sequence come from whatever follows
+    it, so masked tiles zero those value rows (their scores are masked to -inf)."""
     keys = start + offs_n  # [BN]
-    koff = keys.to(tl.int64)[:, None] * stride_kt  # [BN, 1]
-    voff = keys.to(tl.int64)[:, None] * stride_vt
-    if MASKED:
+    if TMA:
+        ka = k_ptrs_a.load([k_row0 + start, col_k])  # [BN, D_A]
+        kb = k_ptrs_b.load([k_row0 + start, col_k + D_A])  # [BN, D_B]
+        v = v_ptrs.load([k_row0 + start, col_v])  # [BN, BLOCK_DV]
+        if MASKED:
+            key_ok = keys < k_len
+            v = tl.where(key_ok[:, None], v, 0.0)
+    elif MASKED:
+        koff = keys.to(tl.int64)[:, None] * stride_kt  # [BN, 1]
+        voff = keys.to(tl.int64)[:, None] * stride_vt
         key_ok = keys < k_len
         ka = tl.load(k_ptrs_a + koff, mask=key_ok[:, None], other=0.0)  # [BN, D_A]
         kb = tl.load(k_ptrs_b + koff, mask=key_ok[:, None] & (offs_db < D_QK_B)[None, :], other=0.0)
         v = tl.load(v_ptrs + voff, mask=key_ok[:, None] & (offs_dv < D_V)[None, :], other=0.0)
     else:
+        koff = keys.to(tl.int64)[:, None] * stride_kt
+        voff = keys.to(tl.int64)[:, None] * stride_vt
         ka = tl.load(k_ptrs_a + koff)
         if D_QK_B == D_B:
             kb = tl.load(k_ptrs_b + koff)
@@ -81,13 +96,16 @@ def _attend_tile(
 
 @triton.jit
 def _mla_prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, tiles_cum_ptr,
+    q_ptr, k_ptr, kb_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, tiles_cum_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_lt, stride_lh, num_seqs, qk_scale,
     D_A: tl.constexpr, D_B: tl.constexpr, D_QK_B: tl.constexpr, D_V: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """TMA: k_ptr / kb_ptr are descriptors over k as [tokens, heads * D_QK] with blocks of D_A and
+    D_B columns, v_ptr one over v as [tokens, heads * D_V]; otherwise kb_ptr is unused."""
     pid = tl.program_id(0)
     head = tl.program_id(1)
     # This program's sequence: the first b with tiles_cum[b] > pid (inclusive cumsum of tiles).
@@ -123,10 +141,17 @@ def _mla_prefill_kernel(
         mask=row_ok[:, None] & (offs_db < D_QK_B)[None, :],
         other=0.0,
     )  # [BM, D_B]
-    k_base = k_ptr + head * stride_kh + k_start.to(tl.int64) * stride_kt
-    k_ptrs_a = k_base + offs_da[None, :]  # [1, D_A]; + key offsets per tile
-    k_ptrs_b = k_base + D_A + offs_db[None, :]
-    v_ptrs = v_ptr + head * stride_vh + k_start.to(tl.int64) * stride_vt + offs_dv[None, :]
+    if TMA:
+        k_ptrs_a = k_ptr
+        k_ptrs_b = kb_ptr
+        v_ptrs = v_ptr
+    else:
+        k_base = k_ptr + head * stride_kh + k_start.to(tl.int64) * stride_kt
+        k_ptrs_a = k_base + offs_da[None, :]  # [1, D_A]; + key offsets per tile
+        k_ptrs_b = k_base + D_A + offs_db[None, :]
+        v_ptrs = v_ptr + head * stride_vh + k_start.to(tl.int64) * stride_vt + offs_dv[None, :]
+    col_k = head * stride_kh
+    col_v = head * stride_vh
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -143,14 +168,14 @@ def _mla_prefill_kernel(
     for start in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, start, offs_m, offs_n, offs_db,
-            offs_dv, k_len, diag_off, stride_kt, stride_vt, qk_scale,
-            D_QK_B, D_B, D_V, BLOCK_DV, False, CAUSAL, DOT_PRECISION,
+            offs_dv, k_len, diag_off, stride_kt, stride_vt, qk_scale, k_start, col_k, col_v,
+            D_A, D_QK_B, D_B, D_V, BLOCK_DV, False, CAUSAL, TMA, DOT_PRECISION,
         )  # fmt: skip
     for start in range(full_end, end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, qa, qb, k_ptrs_a, k_ptrs_b, v_ptrs, start, offs_m, offs_n, offs_db,
-            offs_dv, k_len, diag_off, stride_kt, stride_vt, qk_scale,
-            D_QK_B, D_B, D_V, BLOCK_DV, True, CAUSAL, DOT_PRECISION,
+            offs_dv, k_len, diag_off, stride_kt, stride_vt, qk_scale, k_start, col_k, col_v,
+            D_A, D_QK_B, D_B, D_V, BLOCK_DV, True, CAUSAL, TMA, DOT_PRECISION,
         )  # fmt: skip
 
     seen = l_i > 0.0
@@ -279,6 +304,20 @@ def _fit_shared_memory(
     return block_m, block_n, num_stages
 
 
+def _tma_fits(k: torch.Tensor, v: torch.Tensor, whole_blocks: bool) -> bool:
+    """Whether k and v can be read through TMA descriptors over their [tokens, heads * dim] rows:
+    both contiguous, 16-byte aligned, non-empty, and the head dims whole blocks (D_QK_B == D_B,
+    D_V a power of two) so that a box never reads into the next head's columns."""
+    return (
+        whole_blocks
+        and all(
+            x.is_contiguous() and x.numel() > 0 and x.data_ptr() % 16 == 0
+            and x.stride(0) * x.element_size() % 16 == 0
+            for x in (k, v)
+        )
+    )  # fmt: skip
+
+
 def mla_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -305,15 +344,23 @@ def mla_prefill(
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]  # [B]
     tiles_cum = torch.cumsum((q_lens + block_m - 1) // block_m, 0).to(torch.int32)  # [B]
     d_a, d_b, d_qk_b = _split_head_dim(d_qk)
+    block_dv = triton.next_power_of_2(d_v)
+    tma = cfg.get("tma", False) and _tma_fits(k, v, d_qk_b == d_b and d_v == block_dv)
+    if tma:
+        k_arg = TensorDescriptor(k, [k.shape[0], k.stride(0)], [k.stride(0), 1], [block_n, d_a])
+        kb_arg = TensorDescriptor(k, [k.shape[0], k.stride(0)], [k.stride(0), 1], [block_n, d_b])
+        v_arg = TensorDescriptor(v, [v.shape[0], v.stride(0)], [v.stride(0), 1], [block_n, d_v])
+    else:
+        k_arg, kb_arg, v_arg = k, k, v
     grid = (triton.cdiv(num_tokens, block_m) + num_seqs, num_heads)
     _mla_prefill_kernel[grid](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, tiles_cum,
+        q, k_arg, kb_arg, v_arg, out, lse, cu_seqlens_q, cu_seqlens_k, tiles_cum,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         num_seqs, softmax_scale * LOG2E,
-        D_A=d_a, D_B=d_b, D_QK_B=d_qk_b, D_V=d_v, BLOCK_DV=triton.next_power_of_2(d_v),
+        D_A=d_a, D_B=d_b, D_QK_B=d_qk_b, D_V=d_v, BLOCK_DV=block_dv,
         BLOCK_M=block_m, BLOCK_N=block_n, SEARCH_STEPS=num_seqs.bit_length() + 1,
-        CAUSAL=bool(causal), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        CAUSAL=bool(causal), TMA=tma, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=num_stages,
     )  # fmt: skip
     return out, lse

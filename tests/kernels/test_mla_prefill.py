@@ -95,6 +95,41 @@ def test_mla_prefill_matches_ref(case: Case, monkeypatch: pytest.MonkeyPatch) ->
     _check(out, lse, ref_out, ref_lse, case.dtype)
 
 
+TMA_CASES = [
+    pytest.param(Case((1, 17, 40), (1, 17, 40), 2, torch.float32, True), id="causal-f32"),
+    pytest.param(Case((1, 5, 20), (0, 13, 40), 3, torch.float16, False), id="prefix-f16"),
+    pytest.param(
+        Case((1, 300, 1024, 77), (0, 2000, 513, 1), 128, torch.bfloat16, False),
+        marks=pytest.mark.gpu, id="prefix-bf16-h128",
+    ),
+    pytest.param(
+        Case((1, 257, 2048), (1, 257, 2048), 16, torch.bfloat16, True),
+        marks=pytest.mark.gpu, id="causal-bf16-h16",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", TMA_CASES)
+def test_tma_path_ignores_rows_past_the_keys(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """K and V through TMA descriptors over [tokens, heads * dim]: a key tile reads rows past its
+    sequence (the next sequence's, or NaN rows past cu_seqlens_k[-1] here) and must not let them
+    into the result."""
+    poison_outputs(monkeypatch, tri)
+    tiles = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+    if DEVICE != "cpu":
+        tiles = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
+    monkeypatch.setattr(tri, "lookup", lambda *_: {**tiles, "tma": True})
+    q, k, v, cu_q, cu_k = _inputs(case, seed=5)
+    nan_rows = 7
+    k = torch.cat([k, torch.full_like(k[:nan_rows], float("nan"))])
+    v = torch.cat([v, torch.full_like(v[:nan_rows], float("nan"))])
+    assert tri._tma_fits(k, v, True)
+    scale = case.dqk**-0.5
+    out, lse = tri.mla_prefill(q, k, v, cu_q, cu_k, scale, case.causal)
+    ref_out, ref_lse = ref.mla_prefill(q, k, v, cu_q, cu_k, scale, case.causal)
+    _check(out, lse, ref_out, ref_lse, case.dtype)
+
+
 CHUNK_CASES = [
     pytest.param((2, 9, 1), (0, 20, 5), 3, torch.float32, 48, 32, id="f32"),
     pytest.param((700, 1, 64), (1000, 5, 0), 128, torch.bfloat16, 192, 128, marks=pytest.mark.gpu,
