@@ -141,28 +141,36 @@ def _attend_heads_major(
 
 @triton.jit
 def _attend_kv_major(
-    qt_lat, qt_pe, kv, kpe, scale, offs_n, end, visible, m_i, l_i, acc, qk_scale,
-    KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    qt_lat, qt_pe, kv, kpe, scale, offs_n, end, visible, m_i, l_part, acc, qk_scale,
+    KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, ALL_SEEN: tl.constexpr,
 ):  # fmt: skip
-    """One tile with cache positions as M: S^T = K Q^T [N, M], O^T += V^T P^T [D_LATENT, M]."""
+    """One tile with cache positions as M: S^T = K Q^T [N, M], O^T += V^T P^T [D_LATENT, M].
+    l_part [N, M] holds per-position partial sums of P (rescaled with the running max), summed over
+    positions once after the last tile: a cross-warp reduction fewer per tile. ALL_SEEN: every
+    row sees every position of the tile (a full tile, one query per request), so no mask."""
     if KV_FP8:
         st = tl.dot(kv, qt_lat, input_precision=DOT_PRECISION) * scale[:, None]
         st = tl.dot(kpe, qt_pe, st, input_precision=DOT_PRECISION)
     else:
         st = tl.dot(kpe, qt_pe, input_precision=DOT_PRECISION)
         st = tl.dot(kv, qt_lat, st, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-    seen = (offs_n[:, None] < visible[None, :]) & (offs_n < end)[:, None]
-    s = tl.where(seen, st * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 0))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if ALL_SEEN:
+        s = st * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        m_safe = m_new
+    else:
+        seen = (offs_n[:, None] < visible[None, :]) & (offs_n < end)[:, None]
+        s = tl.where(seen, st * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[None, :])
     alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 0)
+    l_part = l_part * alpha[None, :] + p
     if KV_FP8:
         p = p * scale[:, None]
     acc = acc * alpha[None, :]
     acc = tl.dot(tl.trans(kv), p.to(kv.dtype), acc, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    return m_new, l_part, acc
 
 
 @triton.jit
@@ -254,7 +262,7 @@ def split_kv_major_kernel(
     qt_pe = tl.load(q_row[None, :] + D_LATENT + offs_r[:, None], mask=row_ok[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    l_part = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc = tl.zeros([D_LATENT, BLOCK_M], tl.float32)
     pt_row = pt_ptr + b * stride_ptb
     for n0 in range(start, full_end, BLOCK_N):
@@ -262,20 +270,21 @@ def split_kv_major_kernel(
             kv_ptr, kv16_ptr, kv32_ptr, kv_desc, pe_desc, pt_row, n0, end, stride_kvp, stride_kvr,
             PAGE_SIZE, D_LATENT, D_ROPE, KV_FP8, BLOCK_N, qt_lat.dtype, False, USE_TMA,
         )  # fmt: skip
-        m_i, l_i, acc = _attend_kv_major(
-            qt_lat, qt_pe, kv, kpe, scale, offs_n, end, visible, m_i, l_i, acc, qk_scale,
-            KV_FP8, DOT_PRECISION,
+        m_i, l_part, acc = _attend_kv_major(
+            qt_lat, qt_pe, kv, kpe, scale, offs_n, end, visible, m_i, l_part, acc, qk_scale,
+            KV_FP8, DOT_PRECISION, NUM_Q == 1,
         )  # fmt: skip
     for n0 in range(full_end, end, BLOCK_N):  # the partial last tile, if any: a loop of 0 or 1
         kv, kpe, scale, offs_n = _load_kv_tile(
             kv_ptr, kv16_ptr, kv32_ptr, kv_desc, pe_desc, pt_row, n0, end, stride_kvp, stride_kvr,
             PAGE_SIZE, D_LATENT, D_ROPE, KV_FP8, BLOCK_N, qt_lat.dtype, True, USE_TMA,
         )  # fmt: skip
-        m_i, l_i, acc = _attend_kv_major(
-            qt_lat, qt_pe, kv, kpe, scale, offs_n, end, visible, m_i, l_i, acc, qk_scale,
-            KV_FP8, DOT_PRECISION,
+        m_i, l_part, acc = _attend_kv_major(
+            qt_lat, qt_pe, kv, kpe, scale, offs_n, end, visible, m_i, l_part, acc, qk_scale,
+            KV_FP8, DOT_PRECISION, False,
         )  # fmt: skip
 
+    l_i = tl.sum(l_part, 0)
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
     out = acc / l_safe[None, :]  # [D_LATENT, BLOCK_M]
