@@ -32,9 +32,14 @@ def main() -> None:
     for op in args.ops.split(","):
         module = importlib.import_module(f"bench_{op}")
         rows.extend(module.run(args.quick))
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
-    ).stdout.strip()
+    # PDSERVE_COMMIT: the commit measured, where the checkout's own .git is stale or absent (the
+    # device machine gets a copy of the working tree)
+    commit = (
+        os.environ.get("PDSERVE_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
+        ).stdout.strip()
+    )
     title = (
         f"{torch.cuda.get_device_name()} | {datetime.date.today()} | torch {torch.__version__} | "
         f"commit {commit or 'unknown'}"
