@@ -104,6 +104,12 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def tma_ok(t: torch.Tensor) -> bool:
+    """Whether a 2-D view of t can back a TMA descriptor: unit last stride, 16-byte aligned base
+    and row stride."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+
+
 def implementation(package: str, tensor: torch.Tensor):
     """The `ref` or `triton` module of the op package `package` to run for `tensor`."""
     import importlib

@@ -22,7 +22,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import tuning
-from .._backend import interpreter_enabled, invariant_phase
+from .._backend import interpreter_enabled, invariant_phase, tma_ok
 from . import gemv
 from ._quant import quantize_tile
 from .ref import ACT_QUANT_GROUP, FP8_E4M3_MAX, WEIGHT_QUANT_BLOCK
@@ -291,11 +291,6 @@ def _check_weight(
         raise ValueError(f"w_fp8 and w_scale_inv must be on {device}")
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
-    """TMA needs a unit last stride and 16-byte aligned base and row stride."""
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
-
-
 def _launch_tma(
     a: torch.Tensor,
     a_scales: torch.Tensor,
@@ -355,7 +350,7 @@ def _launch_gemm(
     per_split = triton.cdiv(k_tiles, splits)
     splits = triton.cdiv(k_tiles, per_split)
     quant_a = a_scales is None
-    if cfg.get("tma") and not quant_a and splits == 1 and _tma_ok(a) and _tma_ok(w_fp8):
+    if cfg.get("tma") and not quant_a and splits == 1 and tma_ok(a) and tma_ok(w_fp8):
         _launch_tma(a, a_scales, w_fp8, w_scale_inv, out, cfg)
         return
     if quant_a:

@@ -21,9 +21,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import tuning
-from .._backend import interpreter_enabled, invariant_phase
+from .._backend import interpreter_enabled, invariant_phase, tma_ok
 from ..fp8_gemm.ref import ACT_QUANT_GROUP, FP8_E4M3_MAX, WEIGHT_QUANT_BLOCK
-from ..fp8_gemm.triton import _MIN_AMAX, _quantize, _tma_ok, quantize_tile, tile_of
+from ..fp8_gemm.triton import _MIN_AMAX, _quantize, quantize_tile, tile_of
 from ._triton_layout import align_rows, permute_rows
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -336,7 +336,7 @@ def _weight_operand(
 ) -> tuple[torch.Tensor | TensorDescriptor, bool]:
     """The weight as the GEMM kernels take it: a TMA descriptor over its [E * rows, K] view when
     asked for and possible, else the tensor itself. Returns (operand, is_descriptor)."""
-    if use_tma and w.is_contiguous() and _tma_ok(w.view(-1, w.shape[-1])):
+    if use_tma and w.is_contiguous() and tma_ok(w.view(-1, w.shape[-1])):
         return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k]), True
     return w, False
 
@@ -361,7 +361,7 @@ def _grouped_gemm(
     bn, bk, warps, stages = tiles
     block_m = cfg["BLOCK_M"]
     w_arg, tma_b = _weight_operand(w, bn, bk, cfg.get("tma", False))
-    tma_a = tma_a and _tma_ok(a)
+    tma_a = tma_a and tma_ok(a)
     a_arg = TensorDescriptor.from_tensor(a, [block_m, bk]) if tma_a else a
     sb = WEIGHT_QUANT_BLOCK
     _down_kernel[(num_pid_m * triton.cdiv(n, bn),)](

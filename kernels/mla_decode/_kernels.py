@@ -154,14 +154,13 @@ def _attend_kv_major(
     else:
         st = tl.dot(kpe, qt_pe, input_precision=DOT_PRECISION)
         st = tl.dot(kv, qt_lat, st, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-    if ALL_SEEN:
-        s = st * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        m_safe = m_new
-    else:
+    s = st * qk_scale
+    if not ALL_SEEN:
         seen = (offs_n[:, None] < visible[None, :]) & (offs_n < end)[:, None]
-        s = tl.where(seen, st * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
+        s = tl.where(seen, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    m_safe = m_new
+    if not ALL_SEEN:
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[None, :])
     alpha = tl.exp2(m_i - m_safe)

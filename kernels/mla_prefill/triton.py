@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .._backend import tma_ok
 from ..tuning import lookup
 
 LN2 = math.log(2.0)
@@ -46,6 +47,8 @@ def _attend_tile(
     (this head's columns start at col_k / col_v); rows past the sequence come from whatever follows
     it, so masked tiles zero those value rows (their scores are masked to -inf)."""
     keys = start + offs_n  # [BN]
+    koff = keys.to(tl.int64)[:, None] * stride_kt  # [BN, 1] (pointer loads only)
+    voff = keys.to(tl.int64)[:, None] * stride_vt
     if TMA:
         ka = k_ptrs_a.load([k_row0 + start, col_k])  # [BN, D_A]
         kb = k_ptrs_b.load([k_row0 + start, col_k + D_A])  # [BN, D_B]
@@ -54,15 +57,11 @@ def _attend_tile(
             key_ok = keys < k_len
             v = tl.where(key_ok[:, None], v, 0.0)
     elif MASKED:
-        koff = keys.to(tl.int64)[:, None] * stride_kt  # [BN, 1]
-        voff = keys.to(tl.int64)[:, None] * stride_vt
         key_ok = keys < k_len
         ka = tl.load(k_ptrs_a + koff, mask=key_ok[:, None], other=0.0)  # [BN, D_A]
         kb = tl.load(k_ptrs_b + koff, mask=key_ok[:, None] & (offs_db < D_QK_B)[None, :], other=0.0)
         v = tl.load(v_ptrs + voff, mask=key_ok[:, None] & (offs_dv < D_V)[None, :], other=0.0)
     else:
-        koff = keys.to(tl.int64)[:, None] * stride_kt
-        voff = keys.to(tl.int64)[:, None] * stride_vt
         ka = tl.load(k_ptrs_a + koff)
         if D_QK_B == D_B:
             kb = tl.load(k_ptrs_b + koff)
@@ -308,14 +307,7 @@ def _tma_fits(k: torch.Tensor, v: torch.Tensor, whole_blocks: bool) -> bool:
     """Whether k and v can be read through TMA descriptors over their [tokens, heads * dim] rows:
     both contiguous, 16-byte aligned, non-empty, and the head dims whole blocks (D_QK_B == D_B,
     D_V a power of two) so that a box never reads into the next head's columns."""
-    return (
-        whole_blocks
-        and all(
-            x.is_contiguous() and x.numel() > 0 and x.data_ptr() % 16 == 0
-            and x.stride(0) * x.element_size() % 16 == 0
-            for x in (k, v)
-        )
-    )  # fmt: skip
+    return whole_blocks and all(x.is_contiguous() and x.numel() > 0 and tma_ok(x) for x in (k, v))
 
 
 def mla_prefill(
