@@ -49,6 +49,9 @@ _SPLIT_POLICY = {
     "MIN_TILES_PER_SPLIT": 2,
     "SPLIT_OVERHEAD_TILES": 2,
     "INVARIANT_SPLIT_TOKENS": 512,  # batch-invariant mode: cache positions per split
+    # the combine's tiles (see combine_tiles; H200 sweep in benchmarks/RESULTS.md, eighth session)
+    "COMBINE_PROGRAMS_PER_SM": 4,
+    "COMBINE_TILE": 4096,
 }
 # Key: "<cache dtype>,m<16|32|64>" by the request's query rows Q * H (m64: 64 or more). LAYOUT picks
 # the split kernel; BLOCK_M is the query rows per program, BLOCK_N the cache positions per tile.
@@ -196,14 +199,16 @@ def mla_decode_launch(
             D_LATENT=kv_lora_rank, BLOCK_D=block_d, num_warps=4,
         )  # fmt: skip
     elif num_splits > 1:
-        block_d = min(128, kv_lora_rank)
         splits_p2 = triton.next_power_of_2(num_splits)
+        block_d, chunk = combine_tiles(
+            batch * num_rows, splits_p2, kv_lora_rank, cfg, num_sms(q.device)
+        )
         _kernels.combine_kernel[(num_rows, batch, kv_lora_rank // block_d)](
             part, part_lse, out, lse,
             num_heads, num_rows, num_splits,
             *out.stride()[:3], *lse.stride(),
             D_LATENT=kv_lora_rank, BLOCK_D=block_d, SPLITS_P2=splits_p2,
-            SPLIT_CHUNK=min(16, splits_p2), num_warps=4,
+            SPLIT_CHUNK=chunk, num_warps=4,
         )  # fmt: skip
     return out, lse
 
@@ -281,6 +286,17 @@ def choose_num_splits(
     tiles = triton.cdiv(max(max_seq_len, 1), block_n)
     policy = (cfg["MAX_SPLITS"], cfg["MIN_TILES_PER_SPLIT"], cfg["CTAS_PER_SM"])
     return _num_splits(batch * m_blocks, tiles, num_sms, *policy, cfg["SPLIT_OVERHEAD_TILES"])
+
+
+def combine_tiles(rows: int, splits_p2: int, lora: int, cfg: dict, num_sms: int) -> tuple[int, int]:
+    """(BLOCK_D, SPLIT_CHUNK) of the combine for `rows` query rows over the whole batch: latent
+    blocks of 128 dims, halved (down to 16) until the programs reach COMBINE_PROGRAMS_PER_SM per SM
+    (a few rows of a long cache, cut into many splits, would otherwise leave most SMs idle while
+    each program walks its splits), and chunks of about COMBINE_TILE elements read at once."""
+    block_d = min(128, lora)
+    while block_d > 16 and rows * (lora // block_d) < cfg["COMBINE_PROGRAMS_PER_SM"] * num_sms:
+        block_d //= 2
+    return block_d, max(1, min(splits_p2, cfg["COMBINE_TILE"] // block_d))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -130,11 +130,13 @@ def test_mla_decode_layouts_and_splits(
     case: Case, layout: str, num_splits: int, use_tma: bool
 ) -> None:
     """Both split kernels, pointer or TMA loads, with and without the combine step, whatever the
-    tuning table picks."""
+    tuning table picks; at 20 splits the combine reads them a few at a time (a loop of chunks)."""
     q, cache, page_table, seq_lens = _make(case, seed=7)
     scale = 0.1
     expected = ref.mla_decode(q, cache, page_table, seq_lens, scale, case.lora)
     config = {"LAYOUT": layout, "USE_TMA": use_tma}
+    if num_splits == 20:
+        config |= {"COMBINE_TILE": 64}
     if DEVICE == "cpu":
         config |= {"BLOCK_M": 16, "BLOCK_N": 16}
     with poisoned_empty():
@@ -142,6 +144,17 @@ def test_mla_decode_layouts_and_splits(
             q, cache, page_table, seq_lens, scale, case.lora, num_splits, config
         )
     _check(case, got, expected)
+
+
+def test_combine_tiles_narrow_for_few_rows() -> None:
+    """Few rows (batch 1, a long cache cut into many splits): latent blocks shrink until the
+    programs fill the SMs; many rows keep 128-dim blocks. Chunks hold about COMBINE_TILE elements
+    and never more splits than there are."""
+    cfg = {"COMBINE_PROGRAMS_PER_SM": 4, "COMBINE_TILE": 4096}
+    assert tri.combine_tiles(16, 128, 512, cfg, 132) == (16, 128)  # 512 programs
+    assert tri.combine_tiles(128, 64, 512, cfg, 132) == (64, 64)  # 1024 programs
+    assert tri.combine_tiles(4096, 4, 512, cfg, 132) == (128, 4)
+    assert tri.combine_tiles(1, 2, 512, cfg, 132) == (16, 2)  # never under 16 dims
 
 
 def _layer_of_page_major(cache: torch.Tensor, layers: int = 3, layer: int = 1) -> torch.Tensor:
