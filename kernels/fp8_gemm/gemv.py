@@ -8,7 +8,7 @@ row. The arithmetic is the one `ref.fp8_gemm` and the MMA kernels do: the activa
 1x128 groups (inside the kernel, or given), each group's fp8 x fp8 products summed in fp32 (exact
 products; the tensor cores' sum keeps fewer bits) and scaled by a_scale[m, g] * w_scale[n // 128,
 g] into the fp32 accumulator. K is split across programs when N alone gives too few of them; the
-splits' fp32 partial sums are then added by `_sum_splits_kernel`.
+splits' fp32 partial sums are then added by the last program of each tile (`_splitk.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .._backend import interpreter_enabled
+from . import _splitk
 from ._quant import quantize_tile
 
 GEMV_GROUP = 128
@@ -36,12 +37,12 @@ def _step_mask(kt, kt1, K, offs_g, offs_k, GROUP: tl.constexpr, EVEN_K: tl.const
 
 @triton.jit
 def _fp8_gemv_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr,
-    M, N, K, k_tiles_per_split,
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, out_ptr, cnt_ptr,
+    M, N, K, k_tiles_per_split, num_splits,
     stride_am, stride_ak, stride_asm, stride_ask,
     stride_bn, stride_bk, stride_bsn, stride_bsk,
-    stride_cs, stride_cm, stride_cn,
-    QUANT_A: tl.constexpr, EVEN_K: tl.constexpr,
+    stride_cs, stride_cm, stride_cn, stride_om, stride_on,
+    QUANT_A: tl.constexpr, EVEN_K: tl.constexpr, FOLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, EXACT_CAST: tl.constexpr,
 ):  # fmt: skip
@@ -80,10 +81,13 @@ def _fp8_gemv_kernel(
         b_ptrs += GROUPS * GROUP * stride_bk
         bs_ptrs += GROUPS * stride_bsk
     out_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_ptrs = (c_ptr + split * stride_cs + offs_mm.to(tl.int64)[None, :] * stride_cm
-              + out_n[:, None] * stride_cn)  # fmt: skip
+    rows, cols = offs_mm.to(tl.int64)[None, :], out_n[:, None]
     mask = (offs_mm < M)[None, :] & (out_n < N)[:, None]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    _splitk.finish_tile(
+        acc, c_ptr + rows * stride_cm + cols * stride_cn,
+        out_ptr + rows * stride_om + cols * stride_on, mask,
+        cnt_ptr + pid_n, split, num_splits, stride_cs, FOLD,
+    )  # fmt: skip
 
 
 def gemv_splits(n: int, k: int, cfg: dict) -> tuple[int, int]:
@@ -107,13 +111,15 @@ def launch_gemv(
     w_fp8: torch.Tensor,
     w_scale_inv: torch.Tensor,
     target: torch.Tensor,
+    out: torch.Tensor,
+    counters: torch.Tensor | None,
     per_split: int,
     cfg: dict,
     fp8_max: float,
     min_amax: float,
 ) -> None:
-    """target: [M, N] (one split) or [splits, M, N] fp32 partial sums; a_scales None quantizes a
-    (a float type) inside the kernel."""
+    """target: `out` [M, N] (one split) or [splits, M, N] fp32 partial sums, which the launch adds
+    into `out` when given tile counters; a_scales None quantizes a (a float type) in the kernel."""
     m, k = a.shape
     n = w_fp8.shape[0]
     block_m = triton.next_power_of_2(m)
@@ -125,11 +131,12 @@ def launch_gemv(
         a_scales = torch.empty((1, 1), dtype=torch.float32, device=a.device)  # unread
     stride_cs = target.stride(0) if splits > 1 else 0
     _fp8_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), splits)](
-        a, a_scales, w_fp8, w_scale_inv, target, m, n, k, per_split,
+        a, a_scales, w_fp8, w_scale_inv, target, out,
+        counters if counters is not None else out, m, n, k, per_split, splits,
         a.stride(0), a.stride(1), a_scales.stride(0), a_scales.stride(1),
         w_fp8.stride(0), w_fp8.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
-        stride_cs, target.stride(-2), target.stride(-1),
-        QUANT_A=quant_a, EVEN_K=k % GEMV_GROUP == 0, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
+        stride_cs, target.stride(-2), target.stride(-1), out.stride(0), out.stride(1),
+        QUANT_A=quant_a, EVEN_K=k % GEMV_GROUP == 0, FOLD=counters is not None, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
         GROUPS=cfg["GROUPS"], GROUP=GEMV_GROUP, FP8_MAX=fp8_max, MIN_AMAX=min_amax,
         EXACT_CAST=interpreter_enabled(), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

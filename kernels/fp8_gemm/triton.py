@@ -23,7 +23,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import tuning
 from .._backend import interpreter_enabled, invariant_phase, tma_ok
-from . import gemv
+from . import _splitk, gemv
 from ._quant import quantize_tile
 from .ref import ACT_QUANT_GROUP, FP8_E4M3_MAX, WEIGHT_QUANT_BLOCK
 
@@ -63,12 +63,13 @@ def tile_of(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _fp8_gemm_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr,
-    M, N, K, k_tiles_per_split,
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, out_ptr, cnt_ptr,
+    M, N, K, k_tiles_per_split, num_splits,
     stride_am, stride_ak, stride_asm, stride_ask,
     stride_bn, stride_bk, stride_bsn, stride_bsk,
-    stride_cs, stride_cm, stride_cn,
+    stride_cs, stride_cm, stride_cn, stride_om, stride_on,
     QUANT_A: tl.constexpr, EVEN_K: tl.constexpr, UNIFORM_B: tl.constexpr, SWAP_AB: tl.constexpr,
+    FOLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
     EXACT_CAST: tl.constexpr,
@@ -80,7 +81,8 @@ def _fp8_gemm_kernel(
     per k-tile. SWAP_AB computes the tile transposed, C^T = B @ A^T, so that a few rows of A are
     the MMA's narrow N side and the weight tile its M side: Hopper's wgmma needs M >= 64 but takes
     N down to 8, and keeps fp8 operands in fp8 (without the swap a 16-row tile falls back to
-    mma.sync on fp8 converted to fp16).
+    mma.sync on fp8 converted to fp16). C is `out` itself when K is not split; otherwise fp32
+    partials [splits, M, N], which FOLD adds into `out` in this launch (see _splitk.py).
     """
     pid_m, pid_n = tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     split = tl.program_id(1)
@@ -141,14 +143,17 @@ def _fp8_gemm_kernel(
         bs_ptrs += stride_bsk
     out_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     out_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_ptrs = c_ptr + split * stride_cs
     if SWAP_AB:
-        c_ptrs += out_m.to(tl.int64)[None, :] * stride_cm + out_n[:, None] * stride_cn
+        rows, cols = out_m.to(tl.int64)[None, :], out_n[:, None]
         mask = (out_m < M)[None, :] & (out_n < N)[:, None]
     else:
-        c_ptrs += out_m.to(tl.int64)[:, None] * stride_cm + out_n[None, :] * stride_cn
+        rows, cols = out_m.to(tl.int64)[:, None], out_n[None, :]
         mask = (out_m < M)[:, None] & (out_n < N)[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    _splitk.finish_tile(
+        acc, c_ptr + rows * stride_cm + cols * stride_cn,
+        out_ptr + rows * stride_om + cols * stride_on, mask,
+        cnt_ptr + tl.program_id(0), split, num_splits, stride_cs, FOLD,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -199,18 +204,6 @@ def _fp8_gemm_tma_kernel(
     c_ptrs = c_ptr + out_m.to(tl.int64)[:, None] * stride_cm + out_n[None, :] * stride_cn
     mask = (out_m < M)[:, None] & (out_n < N)[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _sum_splits_kernel(
-    p_ptr, c_ptr, numel, splits, stride_ps, BLOCK: tl.constexpr
-):  # fmt: skip
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(splits):
-        acc += tl.load(p_ptr + s * stride_ps + offs, mask=mask, other=0.0)
-    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_float_2d(name: str, t: torch.Tensor) -> None:
@@ -330,10 +323,12 @@ def _launch_gemm(
     if cfg.get("gemv"):
         splits, per_split = gemv.gemv_splits(n, k, cfg)
         target = _split_target(out, splits)
+        cnt = _fold_counters(out, splits, triton.cdiv(n, cfg["BLOCK_N"]))
         gemv.launch_gemv(
-            a, a_scales, w_fp8, w_scale_inv, target, per_split, cfg, FP8_E4M3_MAX, _MIN_AMAX
-        )
-        _sum_splits(target, out)
+            a, a_scales, w_fp8, w_scale_inv, target, out, cnt, per_split, cfg, FP8_E4M3_MAX,
+            _MIN_AMAX,
+        )  # fmt: skip
+        _sum_splits(target, out, cnt)
         return
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], WEIGHT_QUANT_BLOCK
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
@@ -357,20 +352,21 @@ def _launch_gemm(
         a_scales = torch.empty((1, 1), dtype=torch.float32, device=a.device)  # unread
     target = _split_target(out, splits)
     stride_cs = target.stride(0) if splits > 1 else 0
+    cnt = _fold_counters(out, splits, tiles)
     _fp8_gemm_kernel[(tiles, splits)](
-        a, a_scales, w_fp8, w_scale_inv, target,
-        m, n, k, per_split,
+        a, a_scales, w_fp8, w_scale_inv, target, out, cnt if cnt is not None else out,
+        m, n, k, per_split, splits,
         a.stride(0), a.stride(1), a_scales.stride(0), a_scales.stride(1),
         w_fp8.stride(0), w_fp8.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
-        stride_cs, target.stride(-2), target.stride(-1),
+        stride_cs, target.stride(-2), target.stride(-1), out.stride(0), out.stride(1),
         QUANT_A=quant_a, EVEN_K=k % block_k == 0, UNIFORM_B=WEIGHT_QUANT_BLOCK % block_n == 0,
-        SWAP_AB=cfg.get("swap_ab", False),
+        SWAP_AB=cfg.get("swap_ab", False), FOLD=cnt is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
         SCALE_BLOCK=WEIGHT_QUANT_BLOCK, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
         EXACT_CAST=interpreter_enabled(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    _sum_splits(target, out)
+    _sum_splits(target, out, cnt)
 
 
 def _split_target(out: torch.Tensor, splits: int) -> torch.Tensor:
@@ -380,14 +376,16 @@ def _split_target(out: torch.Tensor, splits: int) -> torch.Tensor:
     return torch.empty((splits, *out.shape), dtype=torch.float32, device=out.device)
 
 
-def _sum_splits(target: torch.Tensor, out: torch.Tensor) -> None:
-    """Adds the partial sums of `_split_target` into `out` (nothing when it was `out`)."""
-    if target is out:
-        return
-    numel, block = out.numel(), 1024
-    _sum_splits_kernel[(triton.cdiv(numel, block),)](
-        target, out, numel, target.shape[0], target.stride(0), BLOCK=block, num_warps=4
-    )
+def _fold_counters(out: torch.Tensor, splits: int, tiles: int) -> torch.Tensor | None:
+    """The tile counters with which a split launch adds its own partials, or None (not split, or
+    a second kernel adds them: see _splitk.py)."""
+    return _splitk.counters(out.device, tiles) if splits > 1 else None
+
+
+def _sum_splits(target: torch.Tensor, out: torch.Tensor, cnt: torch.Tensor | None) -> None:
+    """Adds the partial sums of `_split_target` into `out` unless the launch did (or it was `out`)."""
+    if target is not out and cnt is None:
+        _splitk.sum_splits(target, out)
 
 
 def scaled_gemm(

@@ -16,7 +16,7 @@ import pytest
 import torch
 from _poison import poisoned_empty, rel_err
 
-from pdserve.kernels.fp8_gemm import ref
+from pdserve.kernels.fp8_gemm import _splitk, ref
 from pdserve.kernels.fp8_gemm import triton as tri
 
 CUDA = torch.cuda.is_available()
@@ -170,6 +170,35 @@ def test_gemv_paths(path: str, prequant: bool, m: int, n: int, k: int) -> None:
             tri._launch_gemm(x, None, w_fp8, scale_inv, out, cfg)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref.fp8_gemm(x, w_fp8, scale_inv)) < TOL[dtype]
+
+
+@pytest.mark.parametrize(
+    "cfg", [GEMV_CONFIGS["split-k"], PATH_CONFIGS["fused-quant-swap-ab-split-k"],
+            PATH_CONFIGS["prequant-split-k-n32"]], ids=["gemv", "mma-swap-ab", "mma"],
+)  # fmt: skip
+def test_split_k_sum_in_the_launch_matches_the_second_kernel(cfg: dict, monkeypatch) -> None:
+    """With tile counters the last program of each tile adds the splits' partials; the sum (in
+    split order) equals the two-kernel path's bit for bit, and the counters are zero again after
+    each call."""
+    m, n, k = (1, 200, 2000) if cfg.get("gemv") else (19, 320, 2000)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x = _act(m, k, dtype, seed=3)
+    w_fp8, scale_inv = _weight(n, k, seed=4)
+    if cfg is PATH_CONFIGS["prequant-split-k-n32"]:
+        x, x_scales = tri._quantize(x, 128, scale_column_major=True)
+    else:
+        x_scales = None
+    runs = []
+    for fold in (True, True, False):
+        if not fold:
+            monkeypatch.setattr(_splitk, "counters", lambda device, tiles: None)
+        with poisoned_empty():
+            out = torch.empty((m, n), dtype=dtype, device=DEVICE)
+            tri._launch_gemm(x, x_scales, w_fp8, scale_inv, out, cfg)
+        runs.append(out)
+        if fold:
+            assert not _splitk._COUNTERS[out.device].any()
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
 
 
 def test_gemv_entry_hands_over_past_its_bounds() -> None:
