@@ -116,25 +116,32 @@ def _load_kv_tile(
 @triton.jit
 def _attend_heads_major(
     q_lat, q_pe, kv, kpe, scale, offs_n, end, visible, m_i, l_i, acc, qk_scale,
-    KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr, DOT_PRECISION: tl.constexpr, ALL_SEEN: tl.constexpr,
 ):  # fmt: skip
-    """One tile of online softmax with query rows as M: S = Q K^T [M, N], O += P V [M, D_LATENT]."""
+    """One tile of online softmax with query rows as M: S = Q K^T [M, N], O += P V [M, D_LATENT].
+    ALL_SEEN: every row sees every position of the tile (see _attend_kv_major), so no mask."""
     if KV_FP8:
         qk = tl.dot(q_lat, tl.trans(kv), input_precision=DOT_PRECISION) * scale[None, :]
         qk = tl.dot(q_pe, tl.trans(kpe), qk, input_precision=DOT_PRECISION)
     else:
         qk = tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
         qk = tl.dot(q_lat, tl.trans(kv), qk, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-    seen = (offs_n[None, :] < visible[:, None]) & (offs_n < end)[None, :]
-    s = tl.where(seen, qk * qk_scale, float("-inf"))
+    # the running max m_i is kept in unscaled units (qk_scale > 0): scaling and subtracting it
+    # is then one FMA per score
+    s = qk
+    if not ALL_SEEN:
+        seen = (offs_n[None, :] < visible[:, None]) & (offs_n < end)[None, :]
+        s = tl.where(seen, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
+    m_safe = m_new
+    if not ALL_SEEN:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+    p = tl.exp2(s * qk_scale - (m_safe * qk_scale)[:, None])
+    alpha = tl.exp2((m_i - m_safe) * qk_scale)
     l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
     if KV_FP8:
         p = p * scale[None, :]  # values are c8 * scale: fold the scale into p
-    acc = acc * alpha[:, None]
     acc = tl.dot(p.to(kv.dtype), kv, acc, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -209,7 +216,7 @@ def split_heads_major_kernel(
         )  # fmt: skip
         m_i, l_i, acc = _attend_heads_major(
             q_lat, q_pe, kv, kpe, scale, offs_n, end, visible, m_i, l_i, acc, qk_scale,
-            KV_FP8, DOT_PRECISION,
+            KV_FP8, DOT_PRECISION, NUM_Q == 1,
         )  # fmt: skip
     for n0 in range(full_end, end, BLOCK_N):  # the partial last tile, if any: a loop of 0 or 1
         kv, kpe, scale, offs_n = _load_kv_tile(
@@ -218,13 +225,13 @@ def split_heads_major_kernel(
         )  # fmt: skip
         m_i, l_i, acc = _attend_heads_major(
             q_lat, q_pe, kv, kpe, scale, offs_n, end, visible, m_i, l_i, acc, qk_scale,
-            KV_FP8, DOT_PRECISION,
+            KV_FP8, DOT_PRECISION, False,
         )  # fmt: skip
 
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
     out = acc / l_safe[:, None]
-    lse = tl.where(has, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
+    lse = tl.where(has, (m_i * qk_scale + tl.log2(l_safe)) * LN2, float("-inf"))
     o_row = out_ptr + b * stride_ob + pid_s * stride_os + qi * stride_oq + h * stride_oh
     o_ptrs = o_row[:, None] + offs_l[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])

@@ -117,6 +117,8 @@ def mla_decode_launch(
     """`mla_decode` with the split count forced (None: the policy's choice) and entries of the tuned
     launch config overridden by `config`. For tests, benchmarks and tuning sweeps."""
     _check(q, kv_cache, page_table, seq_lens, kv_lora_rank)
+    if not softmax_scale > 0:
+        raise ValueError(f"mla_decode: softmax_scale={softmax_scale} must be > 0")
     batch, num_q, num_heads, head_dim = q.shape
     rope_dim = head_dim - kv_lora_rank
     num_rows = num_q * num_heads

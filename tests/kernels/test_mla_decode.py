@@ -146,6 +146,24 @@ def test_mla_decode_layouts_and_splits(
     _check(case, got, expected)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_heads_major_running_max_across_tiles(num_splits: int) -> None:
+    """Scores that climb along the cache, steeply (0.5 a position) and slowly (0.05): the running
+    max (kept unscaled, in the units of Q K^T) rises at every tile and the accumulator follows."""
+    case = Case((200, 150), 1, 4, 16, torch.float32, lora=32, rope=16)
+    q, cache, page_table, seq_lens = _make(case, seed=11)
+    q, cache = q.clone(), cache.clone()
+    q[..., 0] = 1.0
+    for b, slope in enumerate((0.5, 0.05)):
+        pos = torch.arange(case.seq_lens[b], device=cache.device)
+        page = page_table[b, pos // case.page_size].long()
+        cache[page, pos % case.page_size, 0] = slope * pos.to(cache.dtype)
+    expected = ref.mla_decode(q, cache, page_table, seq_lens, 1.0, case.lora)
+    config = {"LAYOUT": "heads_major", "BLOCK_M": 16, "BLOCK_N": 16, "USE_TMA": False}
+    got = tri.mla_decode_launch(q, cache, page_table, seq_lens, 1.0, case.lora, num_splits, config)
+    _check(case, got, expected)
+
+
 def test_combine_tiles_narrow_for_few_rows() -> None:
     """Few rows (batch 1, a long cache cut into many splits): latent blocks shrink until the
     programs fill the SMs; many rows keep 128-dim blocks. Chunks hold about COMBINE_TILE elements
