@@ -30,7 +30,10 @@ def device_arch(device_index: int | None) -> str:
 
 def lookup(op: str, key: str, device: torch.device) -> dict[str, Any]:
     """The tuned config for `op` at shape class `key` on `device`, falling back to the op's defaults."""
-    arch = device_arch(device.index if device.type == "cuda" else None)
+    index = None
+    if device.type == "cuda":  # torch.device("cuda") names the current device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+    arch = device_arch(index)
     tables = _TABLES.get(op, {})
     for candidate in (arch, "any"):
         table = tables.get(candidate, {})
