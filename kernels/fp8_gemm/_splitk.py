@@ -64,9 +64,23 @@ def counters(device: torch.device, tiles: int) -> torch.Tensor | None:
     return _COUNTERS[device]
 
 
-def sum_splits(part: torch.Tensor, out: torch.Tensor) -> None:
-    """out = part.sum(0) in split order, for launches that did not fold (part [splits, M, N])."""
+def prepare(out: torch.Tensor, splits: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """For a launch whose `tiles` output tiles are each split `splits` ways: where it writes (`out`
+    itself, or fp32 partials [splits, M, N]), the tile counters to pass (any tensor when unused) and
+    whether it adds the partials itself (FOLD)."""
+    if splits == 1:
+        return out, out, False
+    part = torch.empty((splits, *out.shape), dtype=torch.float32, device=out.device)
+    cnt = counters(out.device, tiles)
+    return part, (out if cnt is None else cnt), cnt is not None
+
+
+def finish(target: torch.Tensor, out: torch.Tensor, fold: bool) -> None:
+    """After a launch set up by `prepare`: out = the partials' sum in split order, unless the
+    launch wrote `out` or added them itself."""
+    if target is out or fold:
+        return
     numel, block = out.numel(), 1024
     _sum_splits_kernel[(triton.cdiv(numel, block),)](
-        part, out, numel, part.shape[0], part.stride(0), BLOCK=block, num_warps=4
+        target, out, numel, target.shape[0], target.stride(0), BLOCK=block, num_warps=4
     )

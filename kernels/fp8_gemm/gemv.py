@@ -112,14 +112,15 @@ def launch_gemv(
     w_scale_inv: torch.Tensor,
     target: torch.Tensor,
     out: torch.Tensor,
-    counters: torch.Tensor | None,
+    counters: torch.Tensor,
+    fold: bool,
     per_split: int,
     cfg: dict,
     fp8_max: float,
     min_amax: float,
 ) -> None:
-    """target: `out` [M, N] (one split) or [splits, M, N] fp32 partial sums, which the launch adds
-    into `out` when given tile counters; a_scales None quantizes a (a float type) in the kernel."""
+    """target, counters, fold: as `_splitk.prepare` gives them (the launch adds the partials into
+    `out` when fold); a_scales None quantizes a (a float type) in the kernel."""
     m, k = a.shape
     n = w_fp8.shape[0]
     block_m = triton.next_power_of_2(m)
@@ -131,13 +132,12 @@ def launch_gemv(
         a_scales = torch.empty((1, 1), dtype=torch.float32, device=a.device)  # unread
     stride_cs = target.stride(0) if splits > 1 else 0
     _fp8_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), splits)](
-        a, a_scales, w_fp8, w_scale_inv, target, out,
-        counters if counters is not None else out, m, n, k, per_split, splits,
+        a, a_scales, w_fp8, w_scale_inv, target, out, counters, m, n, k, per_split, splits,
         a.stride(0), a.stride(1), a_scales.stride(0), a_scales.stride(1),
         w_fp8.stride(0), w_fp8.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
         stride_cs, target.stride(-2), target.stride(-1), out.stride(0), out.stride(1),
-        QUANT_A=quant_a, EVEN_K=k % GEMV_GROUP == 0, FOLD=counters is not None, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
-        GROUPS=cfg["GROUPS"], GROUP=GEMV_GROUP, FP8_MAX=fp8_max, MIN_AMAX=min_amax,
+        QUANT_A=quant_a, EVEN_K=k % GEMV_GROUP == 0, FOLD=fold, BLOCK_M=block_m,
+        BLOCK_N=cfg["BLOCK_N"], GROUPS=cfg["GROUPS"], GROUP=GEMV_GROUP, FP8_MAX=fp8_max, MIN_AMAX=min_amax,
         EXACT_CAST=interpreter_enabled(), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )  # fmt: skip

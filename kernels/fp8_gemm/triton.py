@@ -322,13 +322,12 @@ def _launch_gemm(
     n = w_fp8.shape[0]
     if cfg.get("gemv"):
         splits, per_split = gemv.gemv_splits(n, k, cfg)
-        target = _split_target(out, splits)
-        cnt = _fold_counters(out, splits, triton.cdiv(n, cfg["BLOCK_N"]))
+        target, cnt, fold = _splitk.prepare(out, splits, triton.cdiv(n, cfg["BLOCK_N"]))
         gemv.launch_gemv(
-            a, a_scales, w_fp8, w_scale_inv, target, out, cnt, per_split, cfg, FP8_E4M3_MAX,
-            _MIN_AMAX,
+            a, a_scales, w_fp8, w_scale_inv, target, out, cnt, fold, per_split, cfg,
+            FP8_E4M3_MAX, _MIN_AMAX,
         )  # fmt: skip
-        _sum_splits(target, out, cnt)
+        _splitk.finish(target, out, fold)
         return
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], WEIGHT_QUANT_BLOCK
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
@@ -350,42 +349,22 @@ def _launch_gemm(
         return
     if quant_a:
         a_scales = torch.empty((1, 1), dtype=torch.float32, device=a.device)  # unread
-    target = _split_target(out, splits)
+    target, cnt, fold = _splitk.prepare(out, splits, tiles)
     stride_cs = target.stride(0) if splits > 1 else 0
-    cnt = _fold_counters(out, splits, tiles)
     _fp8_gemm_kernel[(tiles, splits)](
-        a, a_scales, w_fp8, w_scale_inv, target, out, cnt if cnt is not None else out,
+        a, a_scales, w_fp8, w_scale_inv, target, out, cnt,
         m, n, k, per_split, splits,
         a.stride(0), a.stride(1), a_scales.stride(0), a_scales.stride(1),
         w_fp8.stride(0), w_fp8.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
         stride_cs, target.stride(-2), target.stride(-1), out.stride(0), out.stride(1),
         QUANT_A=quant_a, EVEN_K=k % block_k == 0, UNIFORM_B=WEIGHT_QUANT_BLOCK % block_n == 0,
-        SWAP_AB=cfg.get("swap_ab", False), FOLD=cnt is not None,
+        SWAP_AB=cfg.get("swap_ab", False), FOLD=fold,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
         SCALE_BLOCK=WEIGHT_QUANT_BLOCK, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
         EXACT_CAST=interpreter_enabled(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    _sum_splits(target, out, cnt)
-
-
-def _split_target(out: torch.Tensor, splits: int) -> torch.Tensor:
-    """Where a GEMM split `splits` ways writes: `out` itself, or fp32 partial sums [splits, M, N]."""
-    if splits == 1:
-        return out
-    return torch.empty((splits, *out.shape), dtype=torch.float32, device=out.device)
-
-
-def _fold_counters(out: torch.Tensor, splits: int, tiles: int) -> torch.Tensor | None:
-    """The tile counters with which a split launch adds its own partials, or None (not split, or
-    a second kernel adds them: see _splitk.py)."""
-    return _splitk.counters(out.device, tiles) if splits > 1 else None
-
-
-def _sum_splits(target: torch.Tensor, out: torch.Tensor, cnt: torch.Tensor | None) -> None:
-    """Adds the partial sums of `_split_target` into `out` unless the launch did (or it was `out`)."""
-    if target is not out and cnt is None:
-        _splitk.sum_splits(target, out)
+    _splitk.finish(target, out, fold)
 
 
 def scaled_gemm(
