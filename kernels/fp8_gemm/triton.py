@@ -6,7 +6,8 @@ scales match the reference bit for bit. `fp8_gemm` multiplies by the block-scale
 (W = W_fp8 * scale_inv, 128x128 quant blocks), accumulates in fp32 and returns x's dtype. For small
 M it quantizes the activation inside the GEMM (one launch); for large M it quantizes once, then runs
 the GEMM on fp8 operands; at M = 1 the tuned entry may name the CUDA-core kernel of `gemv.py`
-instead (no tensor cores). Neither N nor K need be multiples of 128. `scaled_gemm` is the GEMM alone
+instead (no tensor cores), and for large M on Hopper the Gluon kernel of `gluon_sm90.py` (wgmma
+overlapped with the scaling). Neither N nor K need be multiples of 128. `scaled_gemm` is the GEMM alone
 on already-quantized activations.
 
 Each 128-deep k-tile's product starts from zero and is scaled into the fp32 accumulator
@@ -23,7 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import tuning
 from .._backend import interpreter_enabled, invariant_phase, tma_ok
-from . import _splitk, gemv
+from . import _splitk, gemv, gluon_sm90
 from ._quant import quantize_tile
 from .ref import ACT_QUANT_GROUP, FP8_E4M3_MAX, WEIGHT_QUANT_BLOCK
 
@@ -344,9 +345,13 @@ def _launch_gemm(
     per_split = triton.cdiv(k_tiles, splits)
     splits = triton.cdiv(k_tiles, per_split)
     quant_a = a_scales is None
-    if cfg.get("tma") and not quant_a and splits == 1 and tma_ok(a) and tma_ok(w_fp8):
-        _launch_tma(a, a_scales, w_fp8, w_scale_inv, out, cfg)
-        return
+    if not quant_a and splits == 1 and tma_ok(a) and tma_ok(w_fp8):
+        if cfg.get("gluon") and gluon_sm90.available(a.device):
+            gluon_sm90.launch(a, a_scales, w_fp8, w_scale_inv, out, cfg, WEIGHT_QUANT_BLOCK)
+            return
+        if cfg.get("tma"):
+            _launch_tma(a, a_scales, w_fp8, w_scale_inv, out, cfg)
+            return
     if quant_a:
         a_scales = torch.empty((1, 1), dtype=torch.float32, device=a.device)  # unread
     target, cnt, fold = _splitk.prepare(out, splits, tiles)
