@@ -105,7 +105,7 @@ def _gemm_cfg(
     bm: int, bn: int, warps: int, stages: int, fuse: bool, split: int, **extra: Any
 ) -> dict[str, Any]:
     """extra: GROUP_M (default 8), tma, lag, warp_specialize, swap_ab, one_wave (see fp8_gemm/triton.py);
-    gluon (+ unroll): the Gluon kernel of fp8_gemm/gluon_sm90.py where it runs (Hopper), else tma."""
+    gluon: the Gluon kernel of fp8_gemm/gluon_sm90.py where it runs (Hopper), else tma."""
     return {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": warps, "num_stages": stages,
             "fuse_quant": fuse, "split_k_target_ctas": split, "min_k_tiles": 4,
             **extra}  # fmt: skip
@@ -122,7 +122,7 @@ def _moe_cfg(bm: int, gate_up: tuple, down: tuple, group_m: int = 8) -> dict[str
 
 
 register("quantize_act", "sm90", {"default": {"BLOCK_M": 16, "num_warps": 4}})
-_FP8_GEMM_LARGE = _gemm_cfg(128, 128, 8, 4, False, 0, GROUP_M=16, tma=True, gluon=True, unroll=2)
+_FP8_GEMM_LARGE = _gemm_cfg(128, 128, 8, 4, False, 0, GROUP_M=16, tma=True, gluon=True)
 register(
     "fp8_gemm",
     "sm90",

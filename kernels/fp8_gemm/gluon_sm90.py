@@ -2,21 +2,23 @@
 
 Why a second kernel: each 128-deep k-tile's product must be scaled before it joins the fp32
 accumulator (acc += (A_k @ B_k^T) * a_scale_k * b_scale_k). Triton's `tl.dot` version therefore
-waits for every k-tile's wgmma before its FMAs, and the tensor cores idle meanwhile. Here each
-warpgroup has two sets of product registers and issues k-tile i's wgmma before it waits for k-tile
-i-1's (wgmma_wait(1)), so the tensor cores run tile i while the warps scale tile i-1 in.
+waits for every k-tile's wgmma before its FMAs, with the tensor cores idle meanwhile, and both of
+its warpgroups wait together.
 
-ptxas serializes every wgmma of the kernel if a wgmma in flight on one register set crosses a loop
-back-edge while the other set is read (C7514), so the overlap runs inside groups of UNROLL k-tiles
-(unrolled; the group ends with every wgmma waited for) and one scaling per group is not overlapped.
-UNROLL = 2 is what fits 128x128 tiles in the registers (4 spills). K is padded to whole groups:
-the padding k-tiles lie past K, where TMA fills zeros.
+Here the CTA is warp-specialized: one producer warp issues the TMA loads into a ring of STAGES
+shared-memory slots (a `ready` mbarrier per slot, which the TMA completes, and an `empty` one,
+which each consumer arrives at when its wgmma has read the slot), and two consumer warpgroups each
+own 64 rows of the 128-row output tile. A consumer has two sets of product registers: per pair of
+k-tiles it issues both wgmmas, scales the first product into the accumulator while the second
+runs (wgmma_wait(1)), then the second. The consumers do not wait for each other, so one's scaling
+overlaps the other's wgmmas.
 
-Operands come through TMA into a ring of STAGES shared-memory buffers, one mbarrier each; a buffer
-is refilled once both warpgroups have waited for the wgmma that read it (a CTA barrier). A: [M, K]
-e4m3 with a_scale [M, K/128]; B: [N, K] e4m3 with b_scale [N/128, K/128]; BLOCK_N divides 128, so
-a tile's weight scale is one number per k-tile. Needs Triton >= 3.6 (Gluon with Hopper wgmma) and
-an sm_90 GPU: `available()` says whether this process has both.
+The pairs are the loop's step because ptxas serializes every wgmma of a kernel when a wgmma in
+flight on one register set crosses a loop back-edge while the other set is read (its note C7514);
+K is padded to whole pairs with a k-tile past K, which TMA fills with zeros. A: [M, K] e4m3 with
+a_scale [M, K/128]; B: [N, K] e4m3 with b_scale [N/128, K/128]; BLOCK_N divides 128, so a tile's
+weight scale is one number per k-tile. Needs Triton >= 3.6 (Gluon with Hopper wgmma and warp
+specialization) and an sm_90 GPU: `available()` says whether this process has both.
 """
 
 from __future__ import annotations
@@ -55,19 +57,20 @@ def available(device: torch.device) -> bool:
 if _IMPORTED:
 
     @gluon.jit
-    def _load_tile(a_desc, b_desc, a_bufs, b_bufs, bars, kt, off_m, off_n, n_k,
-                   STAGES: gl.constexpr, BLOCK_K: gl.constexpr):  # fmt: skip
-        """Starts the TMA loads of k-tile kt into its ring slot (nothing past the last k-tile)."""
-        s = kt % STAGES
-        bar = bars.index(s)
-        live = kt < n_k
-        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=live)
-        tma.async_copy_global_to_shared(
-            a_desc, [off_m, kt * BLOCK_K], bar, a_bufs.index(s), pred=live
-        )
-        tma.async_copy_global_to_shared(
-            b_desc, [off_n, kt * BLOCK_K], bar, b_bufs.index(s), pred=live
-        )
+    def _producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, off_m, off_n, n_pad):
+        """One warp: the TMA loads of k-tile i into ring slot i % STAGES (A as two 64-row halves,
+        one per consumer), once both consumers have released the slot's previous k-tile."""
+        STAGES: gl.constexpr = b_bufs.shape[0]
+        HALF: gl.constexpr = a_lo.shape[1]
+        BLOCK_K: gl.constexpr = a_lo.shape[2]
+        for i in range(0, n_pad):
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first round passes
+            bar = ready.index(s)
+            mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, i * BLOCK_K], bar, a_lo.index(s))
+            tma.async_copy_global_to_shared(a_desc, [off_m + HALF, i * BLOCK_K], bar, a_hi.index(s))
+            tma.async_copy_global_to_shared(b_desc, [off_n, i * BLOCK_K], bar, b_bufs.index(s))
 
     @gluon.jit
     def _scale_of(as_ptrs, bs_ptr, kt, stride_ask, stride_bsk):
@@ -75,98 +78,93 @@ if _IMPORTED:
         return gl.load(as_ptrs + kt * stride_ask) * gl.load(bs_ptr + kt * stride_bsk)
 
     @gluon.jit
-    def _fp8_gemm_sm90_kernel(
-        a_desc, b_desc, as_ptr, bs_ptr, c_ptr, M, N, K,
-        stride_asm, stride_ask, stride_bsn, stride_bsk, stride_cm, stride_cn,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-        GROUP_M: gl.constexpr, STAGES: gl.constexpr, SCALE_BLOCK: gl.constexpr, UNROLL: gl.constexpr,
-        num_warps: gl.constexpr,
-    ):  # fmt: skip
-        # The program's output tile: GROUP_M M-tiles sweep N together (L2 reuse of B).
-        pid = gl.program_id(0)
-        num_pid_m = gl.cdiv(M, BLOCK_M)
-        group_size = GROUP_M * gl.cdiv(N, BLOCK_N)
-        first_m = (pid // group_size) * GROUP_M
-        rows_in_group = gl.minimum(num_pid_m - first_m, GROUP_M)
-        off_m = (first_m + (pid % group_size) % rows_in_group) * BLOCK_M
-        off_n = ((pid % group_size) // rows_in_group) * BLOCK_N
-        n_k = gl.cdiv(K, BLOCK_K)
-        n_pad = gl.cdiv(n_k, UNROLL) * UNROLL  # tiles past n_k read zeros (TMA fill)
-
-        # One warpgroup per 64 rows; the instruction is m64 n=BLOCK_N k32 (fp8).
+    def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, M, N, n_k, n_pad,
+                  off_m, off_n, stride_asm, stride_ask, stride_bsn, stride_bsk, stride_cm,
+                  stride_cn):  # fmt: skip
+        """One warpgroup: 64 rows of the output tile. Per pair of k-tiles it issues both wgmmas,
+        scales the first product into acc while the second runs, then the second."""
+        STAGES: gl.constexpr = b_bufs.shape[0]
+        BLOCK_N: gl.constexpr = b_bufs.shape[1]
+        BLOCK_M: gl.constexpr = a_bufs.shape[1]
+        SCALE_BLOCK: gl.constexpr = a_bufs.shape[2]  # = BLOCK_K
         mma: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 32]
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
         )
         row_layout: gl.constexpr = gl.SliceLayout(1, mma)
         col_layout: gl.constexpr = gl.SliceLayout(0, mma)
-
-        a_bufs = gl.allocate_shared_memory(
-            a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout
-        )
-        b_bufs = gl.allocate_shared_memory(
-            b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout
-        )
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for slot in gl.static_range(STAGES):
-            mbarrier.init(bars.index(slot), count=1)
-        for kt in gl.static_range(STAGES):
-            _load_tile(
-                a_desc, b_desc, a_bufs, b_bufs, bars, kt, off_m, off_n, n_pad, STAGES, BLOCK_K
-            )
-
         rows = gl.minimum(off_m + gl.arange(0, BLOCK_M, layout=row_layout), M - 1)
         as_ptrs = as_ptr + rows * stride_asm
         bs_tile = bs_ptr + (off_n // SCALE_BLOCK) * stride_bsn
-
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
         prod_a = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
         prod_b = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
-        scale_prev = gl.zeros((BLOCK_M,), gl.float32, row_layout)  # set before its first use
-
-        # Groups of UNROLL k-tiles (past K the TMA reads zeros): in a group, tile u's wgmma is
-        # issued before tile u-1's product is scaled into acc; a group ends with all waited.
-        for g in range(0, n_pad // UNROLL):
-            for u in gl.static_range(UNROLL):
-                i = g * UNROLL + u
-                s = i % STAGES
-                mbarrier.wait(bars.index(s), (i // STAGES) & 1)
-                if u % 2 == 0:
-                    prod_a = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), prod_a,
-                                           use_acc=False, is_async=True)  # fmt: skip
-                else:
-                    prod_b = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), prod_b,
-                                           use_acc=False, is_async=True)  # fmt: skip
-                scale_cur = _scale_of(
-                    as_ptrs, bs_tile, gl.minimum(i, n_k - 1), stride_ask, stride_bsk
-                )
-                if u > 0:
-                    if u % 2 == 0:
-                        prod_b = warpgroup_mma_wait(num_outstanding=1, deps=(prod_b,))
-                        acc += prod_b * scale_prev[:, None]
-                    else:
-                        prod_a = warpgroup_mma_wait(num_outstanding=1, deps=(prod_a,))
-                        acc += prod_a * scale_prev[:, None]
-                    gl.thread_barrier()  # both warpgroups are done with k-tile i-1's slot
-                    _load_tile(a_desc, b_desc, a_bufs, b_bufs, bars, i - 1 + STAGES, off_m, off_n,
-                               n_pad, STAGES, BLOCK_K)  # fmt: skip
-                scale_prev = scale_cur
-            if (UNROLL - 1) % 2 == 0:
-                prod_a = warpgroup_mma_wait(num_outstanding=0, deps=(prod_a,))
-                acc += prod_a * scale_prev[:, None]
-            else:
-                prod_b = warpgroup_mma_wait(num_outstanding=0, deps=(prod_b,))
-                acc += prod_b * scale_prev[:, None]
-            gl.thread_barrier()
-            _load_tile(a_desc, b_desc, a_bufs, b_bufs, bars, g * UNROLL + UNROLL - 1 + STAGES,
-                       off_m, off_n, n_pad, STAGES, BLOCK_K)  # fmt: skip
-        for slot in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(slot))
-
+        for i in range(0, n_pad, 2):
+            s0 = i % STAGES
+            mbarrier.wait(ready.index(s0), (i // STAGES) & 1)
+            prod_a = warpgroup_mma(a_bufs.index(s0), b_bufs.index(s0).permute((1, 0)), prod_a,
+                                   use_acc=False, is_async=True)  # fmt: skip
+            scale_a = _scale_of(as_ptrs, bs_tile, gl.minimum(i, n_k - 1), stride_ask, stride_bsk)
+            s1 = (i + 1) % STAGES
+            mbarrier.wait(ready.index(s1), ((i + 1) // STAGES) & 1)
+            prod_b = warpgroup_mma(a_bufs.index(s1), b_bufs.index(s1).permute((1, 0)), prod_b,
+                                   use_acc=False, is_async=True)  # fmt: skip
+            scale_b = _scale_of(
+                as_ptrs, bs_tile, gl.minimum(i + 1, n_k - 1), stride_ask, stride_bsk
+            )
+            prod_a = warpgroup_mma_wait(num_outstanding=1, deps=(prod_a,))
+            mbarrier.arrive(empty.index(s0), count=1)
+            acc += prod_a * scale_a[:, None]
+            prod_b = warpgroup_mma_wait(num_outstanding=0, deps=(prod_b,))
+            mbarrier.arrive(empty.index(s1), count=1)
+            acc += prod_b * scale_b[:, None]
         out_m = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
         out_n = off_n + gl.arange(0, BLOCK_N, layout=col_layout)
         c_ptrs = c_ptr + out_m.to(gl.int64)[:, None] * stride_cm + out_n[None, :] * stride_cn
         mask = (out_m < M)[:, None] & (out_n < N)[None, :]
         gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+    @gluon.jit
+    def _fp8_gemm_sm90_kernel(
+        a_desc, b_desc, as_ptr, bs_ptr, c_ptr, M, N, K,
+        stride_asm, stride_ask, stride_bsn, stride_bsk, stride_cm, stride_cn,
+        GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    ):  # fmt: skip
+        HALF: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        BLOCK_M: gl.constexpr = 2 * HALF
+        # The program's output tile: GROUP_M M-tiles sweep N together (L2 reuse of B).
+        pid = gl.program_id(0)
+        group_size = GROUP_M * gl.cdiv(N, BLOCK_N)
+        first_m = (pid // group_size) * GROUP_M
+        rows_in_group = gl.minimum(gl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+        off_m = (first_m + (pid % group_size) % rows_in_group) * BLOCK_M
+        off_n = ((pid % group_size) // rows_in_group) * BLOCK_N
+        n_k = gl.cdiv(K, BLOCK_K)
+        n_pad = gl.cdiv(n_k, 2) * 2  # a k-tile past K reads zeros (TMA fill)
+
+        a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF, BLOCK_K], a_desc.layout)
+        a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF, BLOCK_K], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for slot in gl.static_range(STAGES):
+            mbarrier.init(ready.index(slot), count=1)
+            mbarrier.init(empty.index(slot), count=2)  # one arrival per consumer
+        shared = (ready, empty, as_ptr, bs_ptr, c_ptr, M, N, n_k, n_pad)
+        strides = (stride_asm, stride_ask, stride_bsn, stride_bsk, stride_cm, stride_cn)
+        gl.warp_specialize(
+            [
+                (_consumer, (a_lo, b_bufs) + shared + (off_m, off_n) + strides),
+                (_consumer, (a_hi, b_bufs) + shared + (off_m + HALF, off_n) + strides),
+                (
+                    _producer,
+                    (a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, off_m, off_n, n_pad),
+                ),
+            ],
+            [4, 1],
+            [232, 40],
+        )
 
 
 def launch(
@@ -179,24 +177,25 @@ def launch(
     scale_block: int,
 ) -> None:
     """out = (a * a_scales) @ (w_fp8 * w_scale_inv)^T on an sm_90 GPU; a and w_fp8 must suit TMA
-    (16-byte aligned rows). cfg: BLOCK_M (64 per 4 warps), BLOCK_N (divides 128), GROUP_M,
-    num_stages, num_warps."""
+    (16-byte aligned rows). cfg: BLOCK_M (128: two consumer warpgroups of 64 rows), BLOCK_N
+    (dividing 128), GROUP_M, num_stages. The CTA has 4 + 4 + 1 warps whatever cfg's num_warps
+    (that one is for the tl.dot kernel)."""
     m, k = a.shape
     n = w_fp8.shape[0]
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], scale_block
-    if scale_block % block_n or block_m != 16 * cfg["num_warps"]:
-        raise ValueError(f"gluon fp8_gemm config {cfg}: BLOCK_N must divide {scale_block}, "
-                         "BLOCK_M must be 16 x num_warps")  # fmt: skip
-    a_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.float8e4nv)
+    if scale_block % block_n or block_m != 128:
+        raise ValueError(
+            f"gluon fp8_gemm config {cfg}: BLOCK_N must divide {scale_block}, BLOCK_M must be 128"
+        )
+    half = block_m // 2
+    a_layout = gl.NVMMASharedLayout.get_default_for([half, block_k], gl.float8e4nv)
     b_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.float8e4nv)
-    a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k], a_layout)
+    a_desc = TensorDescriptor.from_tensor(a, [half, block_k], a_layout)
     b_desc = TensorDescriptor.from_tensor(w_fp8, [block_n, block_k], b_layout)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _fp8_gemm_sm90_kernel[grid](
         a_desc, b_desc, a_scales, w_scale_inv, out, m, n, k,
         a_scales.stride(0), a_scales.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
         out.stride(0), out.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
-        STAGES=cfg["num_stages"], SCALE_BLOCK=scale_block, UNROLL=cfg.get("unroll", 2),
-        num_warps=cfg["num_warps"],
+        GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"], num_warps=4,
     )  # fmt: skip
