@@ -39,6 +39,8 @@ try:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    # the TMA load's name: async_copy_global_to_shared in Triton 3.6, async_load from 3.7 or so
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _IMPORTED = True
 except ImportError:  # older Triton: no Gluon, or no Hopper wgmma in it
     _IMPORTED = False
@@ -68,9 +70,9 @@ if _IMPORTED:
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first round passes
             bar = ready.index(s)
             mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [off_m, i * BLOCK_K], bar, a_lo.index(s))
-            tma.async_copy_global_to_shared(a_desc, [off_m + HALF, i * BLOCK_K], bar, a_hi.index(s))
-            tma.async_copy_global_to_shared(b_desc, [off_n, i * BLOCK_K], bar, b_bufs.index(s))
+            _tma_load(a_desc, [off_m, i * BLOCK_K], bar, a_lo.index(s))
+            _tma_load(a_desc, [off_m + HALF, i * BLOCK_K], bar, a_hi.index(s))
+            _tma_load(b_desc, [off_n, i * BLOCK_K], bar, b_bufs.index(s))
 
     @gluon.jit
     def _scale_of(as_ptrs, bs_ptr, kt, stride_ask, stride_bsk):
