@@ -28,6 +28,8 @@ import functools
 import torch
 import triton
 
+from ._tiles import tile_of
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -135,13 +137,9 @@ if _IMPORTED:
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
         BLOCK_M: gl.constexpr = 2 * HALF
-        # The program's output tile: GROUP_M M-tiles sweep N together (L2 reuse of B).
-        pid = gl.program_id(0)
-        group_size = GROUP_M * gl.cdiv(N, BLOCK_N)
-        first_m = (pid // group_size) * GROUP_M
-        rows_in_group = gl.minimum(gl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
-        off_m = (first_m + (pid % group_size) % rows_in_group) * BLOCK_M
-        off_n = ((pid % group_size) // rows_in_group) * BLOCK_N
+        pid_m, pid_n = tile_of(gl.program_id(0), gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N), GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
         n_k = gl.cdiv(K, BLOCK_K)
         n_pad = gl.cdiv(n_k, 2) * 2  # a k-tile past K reads zeros (TMA fill)
 

@@ -26,6 +26,7 @@ from .. import tuning
 from .._backend import interpreter_enabled, invariant_phase, tma_ok
 from . import _splitk, gemv, gluon_sm90
 from ._quant import quantize_tile
+from ._tiles import tile_of
 from .ref import ACT_QUANT_GROUP, FP8_E4M3_MAX, WEIGHT_QUANT_BLOCK
 
 _MIN_AMAX = 1e-12
@@ -49,17 +50,6 @@ def _quantize_act_kernel(
     q, scale = quantize_tile(x.to(tl.float32), FP8_MAX, MIN_AMAX, EXACT_CAST)
     tl.store(q_ptr + rows * stride_qm + offs_k[None, :] * stride_qk, q, mask=mask)
     tl.store(s_ptr + offs_m * stride_sm + g * stride_sg, scale, mask=offs_m < M)
-
-
-@triton.jit
-def tile_of(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of program `pid`, GROUP_M M-tiles sweeping N together (L2 reuse of B)."""
-    group_size = GROUP_M * num_pid_n
-    first_m = (pid // group_size) * GROUP_M
-    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % rows_in_group
-    pid_n = (pid % group_size) // rows_in_group
-    return pid_m, pid_n
 
 
 @triton.jit
