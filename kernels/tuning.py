@@ -114,7 +114,8 @@ def _gemm_cfg(
 def _moe_cfg(bm: int, gate_up: tuple, down: tuple, group_m: int = 8) -> dict[str, Any]:
     """gate_up / down: (BLOCK_N, BLOCK_K, num_warps, num_stages). Optional keys added by callers:
     tma (weights through TMA descriptors), permute_a (x laid out by row, read through TMA),
-    tma_act (the down GEMM reads the activation through TMA)."""
+    tma_act (the down GEMM reads the activation through TMA), gluon / gluon_stages (fp8: the Gluon
+    kernels of fused_moe/gluon_sm90.py on Hopper)."""
     n1, k1, w1, s1 = gate_up
     n2, k2, w2, s2 = down
     return {"BLOCK_M": bm, "GROUP_M": group_m, "BLOCK_N1": n1, "BLOCK_K1": k1, "warps1": w1,
@@ -154,6 +155,8 @@ _MOE_FP8_PREFILL = {
     "tma": True,
     "permute_a": True,
     "tma_act": True,
+    "gluon": True,  # fused_moe/gluon_sm90.py where it runs (Hopper); the keys above elsewhere
+    "gluon_stages": (4, 4),
 }
 register(
     "fused_moe",

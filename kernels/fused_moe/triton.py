@@ -9,6 +9,8 @@ Five steps on the device, with no host sync (a CUDA graph can capture them):
 3. gate/up grouped GEMM over the rows (x gathered by token), SiLU(gate) * up in the epilogue:
    act [rows, I] (fp8: quantized in the same epilogue; a 128-column tile is one quant group).
 4. down grouped GEMM: y [rows, D] in x's dtype.
+   (fp8 on Hopper with `gluon` in the config: steps 3 and 4 are the Gluon kernels of
+   `gluon_sm90.py`, which overlap each k-tile's block scaling with the next k-tile's wgmma.)
 5. combine: out[t] = sum_j topk_weights[t, j] * y[row_of[t, j]] in fp32, then x's dtype.
 M-tiles past the padded total find no expert and exit, so grids are sized from T*k alone.
 """
@@ -24,6 +26,7 @@ from .. import tuning
 from .._backend import interpreter_enabled, invariant_phase, tma_ok
 from ..fp8_gemm.ref import ACT_QUANT_GROUP, FP8_E4M3_MAX, WEIGHT_QUANT_BLOCK
 from ..fp8_gemm.triton import _MIN_AMAX, _quantize, quantize_tile, tile_of
+from . import gluon_sm90
 from ._triton_layout import align_rows, permute_rows
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -420,6 +423,12 @@ def _fused_moe(
         act_scales = x_scales
         w13_s = w2_s = torch.empty((1, 1, 1), dtype=torch.float32, device=x.device)
 
+    if fp8 and permuted and gluon_sm90.usable(x_in, w13, w2, cfg):
+        y = torch.empty((max_rows, hidden), dtype=x.dtype, device=x.device)
+        gluon_sm90.gate_up(x_in, x_scales, w13, w13_s, act, act_scales, ends, cfg)
+        gluon_sm90.down(act, act_scales, w2, w2_s, y, ends, cfg)
+        return _combine(y, row_of, topk_weights, out)
+
     bn1, bk1 = cfg["BLOCK_N1"], cfg["BLOCK_K1"]
     w13_arg, tma1 = _weight_operand(w13, bn1, bk1, cfg.get("tma", False))
     x_arg = TensorDescriptor.from_tensor(x_in, [block_m, bk1]) if permuted else x_in
@@ -441,7 +450,15 @@ def _fused_moe(
     tiles2 = (cfg["BLOCK_N2"], cfg["BLOCK_K2"], cfg["warps2"], cfg["stages2"])
     _grouped_gemm(act, act_scales, w2, w2_s, y, ends=ends, num_pid_m=num_pid_m, fp8=fp8, cfg=cfg,
                   tiles=tiles2, tma_a=cfg.get("tma_act", False))  # fmt: skip
+    return _combine(y, row_of, topk_weights, out)
 
+
+def _combine(
+    y: torch.Tensor, row_of: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Step 5: out[t] = sum_j topk_weights[t, j] * y[row_of[t, j]]."""
+    num_tokens, hidden = out.shape
+    top_k = topk_weights.shape[1]
     block_d = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
         y, row_of, topk_weights, out, hidden, top_k,
