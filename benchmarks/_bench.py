@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -77,6 +78,7 @@ def flush_l2() -> None:
 
 # GPU cycles of the spin between the flush and the timed run (about 100 us at 1.98 GHz).
 _HOST_COVER_CYCLES = 200_000
+_SPIN_CYCLES_PER_S = 2.0e9  # the spin counts SM clock cycles; the H200's boost clock is 1.98 GHz
 
 
 def median_ms(
@@ -100,20 +102,36 @@ def median_ms(
     return statistics.median(times)
 
 
-def _flush_and_cover() -> None:
+def _flush_and_cover(cycles: int = _HOST_COVER_CYCLES) -> None:
     flush_l2()
-    torch.cuda._sleep(_HOST_COVER_CYCLES)
+    torch.cuda._sleep(cycles)
+
+
+def _host_launch_s(fn: Callable[[], object]) -> float:
+    """Host seconds to enqueue one fn(), measured behind a long spin so that nothing waits on it."""
+    torch.cuda._sleep(50 * _HOST_COVER_CYCLES)
+    start = time.perf_counter()
+    fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed
 
 
 def time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50) -> float:
     """Median milliseconds of fn() over `iters` runs, each timed by CUDA events, after `warmup` runs.
 
     L2 is flushed (`flush_l2`) before every run so no input stays in L2 between runs. A spin
-    kernel of about 100 us then keeps the GPU busy while the host enqueues fn's launches, so the
-    time is the GPU's (kernels and the gaps between them), not the host's launch cost; before
-    that spin, a launcher slower than the flush had the GPU's idle wait counted, by how much
-    depending on the machine."""
-    return median_ms(fn, _flush_and_cover, warmup, iters)
+    kernel then keeps the GPU busy while the host enqueues fn's launches, so the time is the GPU's
+    (kernels and the gaps between them), not the host's launch cost; before that spin, a launcher
+    slower than the flush had the GPU's idle wait counted, by how much depending on the machine.
+    The spin lasts about 100 us, or twice fn's host launch time where that is longer (fused_moe's
+    dozen launches take 0.5-0.8 ms of host time: benchmarks/RESULTS.md, tenth session)."""
+    for _ in range(warmup):
+        _flush_and_cover()
+        fn()
+    host_s = min(_host_launch_s(fn) for _ in range(3))
+    cycles = max(_HOST_COVER_CYCLES, int(2 * host_s * _SPIN_CYCLES_PER_S))
+    return median_ms(fn, lambda: _flush_and_cover(cycles), 0, iters)
 
 
 def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:

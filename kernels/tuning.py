@@ -114,8 +114,9 @@ def _gemm_cfg(
 def _moe_cfg(bm: int, gate_up: tuple, down: tuple, group_m: int = 8) -> dict[str, Any]:
     """gate_up / down: (BLOCK_N, BLOCK_K, num_warps, num_stages). Optional keys added by callers:
     tma (weights through TMA descriptors), permute_a (x laid out by row, read through TMA),
-    tma_act (the down GEMM reads the activation through TMA), gluon / gluon_stages (fp8: the Gluon
-    kernels of fused_moe/gluon_sm90.py on Hopper)."""
+    tma_act (the down GEMM reads the activation through TMA), prequant (fp8: quantize x once per
+    token, then permute the fp8 rows), gluon / gluon_stages / gluon_down (fp8: the Gluon kernels of
+    fused_moe/gluon_sm90.py on Hopper; gluon_down False keeps the tl.dot down GEMM)."""
     n1, k1, w1, s1 = gate_up
     n2, k2, w2, s2 = down
     return {"BLOCK_M": bm, "GROUP_M": group_m, "BLOCK_N1": n1, "BLOCK_K1": k1, "warps1": w1,
@@ -155,8 +156,9 @@ _MOE_FP8_PREFILL = {
     "tma": True,
     "permute_a": True,
     "tma_act": True,
+    "prequant": True,
     "gluon": True,  # fused_moe/gluon_sm90.py where it runs (Hopper); the keys above elsewhere
-    "gluon_stages": (4, 4),
+    "gluon_stages": (4, 6),
 }
 register(
     "fused_moe",

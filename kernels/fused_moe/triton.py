@@ -406,13 +406,18 @@ def _fused_moe(
     if fp8:
         for name in ("BLOCK_K1", "BLOCK_K2", "BLOCK_N1"):
             assert cfg[name] == sb, f"fused_moe fp8 config needs {name} == {sb}"
-        if permuted:
+        if permuted and cfg.get("prequant"):
+            xq, xs = _quantize(x, ACT_QUANT_GROUP, scale_column_major=False)
+            x_in, _ = permute_rows(xq, sorted_ids, ends, num_a, top_k, max_rows, False)
+            x_scales, _ = permute_rows(xs, sorted_ids, ends, num_a, top_k, max_rows, False)
+        elif permuted:
             x_in, x_scales = permute_rows(x, sorted_ids, ends, num_a, top_k, max_rows, True)
         else:
             x_in, x_scales = _quantize(x, ACT_QUANT_GROUP, scale_column_major=False)
         act = torch.empty((max_rows, inter), dtype=torch.float8_e4m3fn, device=x.device)
         num_groups = triton.cdiv(inter, sb)
-        act_scales = torch.empty((max_rows, num_groups), dtype=torch.float32, device=x.device)
+        # column-major: a tile's 128 rows read (and write) their scale of a k-tile contiguously
+        act_scales = torch.empty((num_groups, max_rows), dtype=torch.float32, device=x.device).t()
         w13_s, w2_s = w13_scale_inv, w2_scale_inv
     else:
         if permuted:
@@ -426,27 +431,28 @@ def _fused_moe(
     if fp8 and permuted and gluon_sm90.usable(x_in, w13, w2, cfg):
         y = torch.empty((max_rows, hidden), dtype=x.dtype, device=x.device)
         gluon_sm90.gate_up(x_in, x_scales, w13, w13_s, act, act_scales, ends, cfg)
-        gluon_sm90.down(act, act_scales, w2, w2_s, y, ends, cfg)
-        return _combine(y, row_of, topk_weights, out)
+        if cfg.get("gluon_down", True):
+            gluon_sm90.down(act, act_scales, w2, w2_s, y, ends, cfg)
+            return _combine(y, row_of, topk_weights, out)
+    else:
+        bn1, bk1 = cfg["BLOCK_N1"], cfg["BLOCK_K1"]
+        w13_arg, tma1 = _weight_operand(w13, bn1, bk1, cfg.get("tma", False))
+        x_arg = TensorDescriptor.from_tensor(x_in, [block_m, bk1]) if permuted else x_in
+        _gate_up_kernel[(num_pid_m * triton.cdiv(inter, bn1),)](
+            x_arg, x_scales, w13_arg, w13_s, act, act_scales, sorted_ids, ends,
+            num_experts, num_tokens * top_k, top_k, inter, hidden, num_pid_m,
+            x_in.stride(0), x_in.stride(1), x_scales.stride(0), x_scales.stride(1),
+            *w13.stride(), *w13_s.stride(),
+            act.stride(0), act.stride(1), act_scales.stride(0), act_scales.stride(1),
+            FP8=fp8, EVEN_K=hidden % bk1 == 0, UNIFORM_B=sb % bn1 == 0 and inter % sb == 0,
+            TMA_B=tma1, PERMUTED_A=permuted,
+            BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk1, GROUP_M=cfg["GROUP_M"],
+            E_POW2=e_pow2, SCALE_BLOCK=sb, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
+            EXACT_CAST=interpreter_enabled(),
+            num_warps=cfg["warps1"], num_stages=cfg["stages1"],
+        )  # fmt: skip
+        y = torch.empty((max_rows, hidden), dtype=x.dtype, device=x.device)
 
-    bn1, bk1 = cfg["BLOCK_N1"], cfg["BLOCK_K1"]
-    w13_arg, tma1 = _weight_operand(w13, bn1, bk1, cfg.get("tma", False))
-    x_arg = TensorDescriptor.from_tensor(x_in, [block_m, bk1]) if permuted else x_in
-    _gate_up_kernel[(num_pid_m * triton.cdiv(inter, bn1),)](
-        x_arg, x_scales, w13_arg, w13_s, act, act_scales, sorted_ids, ends,
-        num_experts, num_tokens * top_k, top_k, inter, hidden, num_pid_m,
-        x_in.stride(0), x_in.stride(1), x_scales.stride(0), x_scales.stride(1),
-        *w13.stride(), *w13_s.stride(),
-        act.stride(0), act.stride(1), act_scales.stride(0), act_scales.stride(1),
-        FP8=fp8, EVEN_K=hidden % bk1 == 0, UNIFORM_B=sb % bn1 == 0 and inter % sb == 0,
-        TMA_B=tma1, PERMUTED_A=permuted,
-        BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk1, GROUP_M=cfg["GROUP_M"],
-        E_POW2=e_pow2, SCALE_BLOCK=sb, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
-        EXACT_CAST=interpreter_enabled(),
-        num_warps=cfg["warps1"], num_stages=cfg["stages1"],
-    )  # fmt: skip
-
-    y = torch.empty((max_rows, hidden), dtype=x.dtype, device=x.device)
     tiles2 = (cfg["BLOCK_N2"], cfg["BLOCK_K2"], cfg["warps2"], cfg["stages2"])
     _grouped_gemm(act, act_scales, w2, w2_s, y, ends=ends, num_pid_m=num_pid_m, fp8=fp8, cfg=cfg,
                   tiles=tiles2, tma_a=cfg.get("tma_act", False))  # fmt: skip
