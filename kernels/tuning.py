@@ -158,7 +158,7 @@ _MOE_FP8_PREFILL = {
     "tma_act": True,
     "prequant": True,
     "gluon": True,  # fused_moe/gluon_sm90.py where it runs (Hopper); the keys above elsewhere
-    "gluon_stages": (4, 6),
+    "gluon_stages": (4, 5),
 }
 register(
     "fused_moe",

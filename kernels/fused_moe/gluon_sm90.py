@@ -26,6 +26,8 @@ from ..fp8_gemm import gluon_sm90 as dense
 from ..fp8_gemm._tiles import tile_of
 
 if dense._IMPORTED:
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
+
     from ..fp8_gemm.gluon_sm90 import (
         TensorDescriptor,
         _tma_load,
@@ -36,7 +38,15 @@ if dense._IMPORTED:
         warpgroup_mma_wait,
     )
 
+    # the TMA store's name: async_copy_shared_to_global in Triton 3.6, async_store later
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
 available = dense.available
+_GL_DTYPE = (
+    {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+    if dense._IMPORTED
+    else {}
+)
 BLOCK_M = 128  # two consumer warpgroups of 64 rows
 
 
@@ -77,10 +87,9 @@ if dense._IMPORTED:
                 c += n_pad
 
     @gluon.jit
-    def _down_consumer(a_bufs, b_bufs, ready, empty, tile_expert_ptr, as_ptr, bs_ptr, c_ptr,
-                       num_experts, num_pid_n, num_tiles, N, n_k, n_pad, row_off, stride_asm,
-                       stride_ask, stride_bse, stride_bsn, stride_bsk, stride_cm,
-                       stride_cn):  # fmt: skip
+    def _down_consumer(a_bufs, b_bufs, ready, empty, tile_expert_ptr, as_ptr, bs_ptr, c_desc,
+                       c_smem, num_experts, num_pid_n, num_tiles, n_k, n_pad, row_off,
+                       stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk):  # fmt: skip
         """One warpgroup: rows row_off..row_off+63 of each of this CTA's tiles, k-tiles in pairs
         as in fp8_gemm/gluon_sm90.py's consumer."""
         STAGES: gl.constexpr = b_bufs.shape[0]
@@ -127,14 +136,18 @@ if dense._IMPORTED:
                     mbarrier.arrive(empty.index(s1), count=1)
                     acc += prod_b * scale_b[:, None]
                 c += n_pad
-                out_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-                c_ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + out_n[None, :] * stride_cn
-                gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_n < N)[None, :])
+                tma.store_wait(0)  # the previous tile's store has read c_smem
+                gl.thread_barrier()
+                c_smem.store(acc.to(c_desc.dtype))
+                fence_async_shared()
+                gl.thread_barrier()
+                _tma_store(c_desc, [off_m, off_n], c_smem)
+        tma.store_wait(0)
 
     @gluon.jit
     def _down_kernel(
-        a_desc, b_desc, as_ptr, bs_ptr, c_ptr, tile_expert_ptr, num_experts, M, N, K,
-        stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_cm, stride_cn,
+        a_desc, b_desc, c_desc, as_ptr, bs_ptr, tile_expert_ptr, num_experts, M, N, K,
+        stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
         STAGES: gl.constexpr,
     ):  # fmt: skip
         """Persistent: CTA p takes tiles p, p + grid, ... (M-tile major, all N-tiles of an M-tile
@@ -154,14 +167,18 @@ if dense._IMPORTED:
         for slot in gl.static_range(STAGES):
             mbarrier.init(ready.index(slot), count=1)
             mbarrier.init(empty.index(slot), count=2)
+        c_lo = gl.allocate_shared_memory(c_desc.dtype, [HALF, BLOCK_N], c_desc.layout)
+        c_hi = gl.allocate_shared_memory(c_desc.dtype, [HALF, BLOCK_N], c_desc.layout)
         sched = (tile_expert_ptr, num_experts, num_pid_n, num_tiles, N)
-        tail = (stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_cm, stride_cn)
-        consumer = (ready, empty, tile_expert_ptr, as_ptr, bs_ptr, c_ptr, num_experts, num_pid_n,
-                    num_tiles, N, n_k, n_pad)  # fmt: skip
+        tail = (stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk)
+        consumer = (ready, empty, tile_expert_ptr, as_ptr, bs_ptr, c_desc)
+        rest = (num_experts, num_pid_n, num_tiles, n_k, n_pad)
         gl.warp_specialize(
             [
-                (_down_consumer, (a_lo, b_bufs) + consumer + (gl.to_tensor(0),) + tail),
-                (_down_consumer, (a_hi, b_bufs) + consumer + (gl.to_tensor(HALF),) + tail),
+                (_down_consumer,
+                 (a_lo, b_bufs) + consumer + (c_lo,) + rest + (gl.to_tensor(0),) + tail),
+                (_down_consumer,
+                 (a_hi, b_bufs) + consumer + (c_hi,) + rest + (gl.to_tensor(HALF),) + tail),
                 (_down_producer, (a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty) + sched
                  + (n_pad,)),
             ],
@@ -377,9 +394,11 @@ def down(
     tile_expert = torch.searchsorted(ends, tile_starts, right=True, out_int32=True)
     tiles = (rows // BLOCK_M) * triton.cdiv(hidden, block_n)
     grid = (min(tiles, _num_sms(act.device.index)),)
+    c_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, block_n], _GL_DTYPE[y.dtype])
+    c_desc = TensorDescriptor.from_tensor(y, [BLOCK_M // 2, block_n], c_layout)
     _down_kernel[grid](
-        a_desc, b_desc, act_scales, w2_s, y, tile_expert, num_experts, rows, hidden, inter,
-        act_scales.stride(0), act_scales.stride(1), *w2_s.stride(), y.stride(0), y.stride(1),
+        a_desc, b_desc, c_desc, act_scales, w2_s, tile_expert, num_experts, rows, hidden, inter,
+        act_scales.stride(0), act_scales.stride(1), *w2_s.stride(),
         STAGES=cfg.get("gluon_stages", (4, 4))[1], num_warps=4,
     )  # fmt: skip
 
