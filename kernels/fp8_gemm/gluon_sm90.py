@@ -34,6 +34,7 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -43,9 +44,17 @@ try:
 
     # the TMA load's name: async_copy_global_to_shared in Triton 3.6, async_load from 3.7 or so
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     _IMPORTED = True
 except ImportError:  # older Triton: no Gluon, or no Hopper wgmma in it
     _IMPORTED = False
+
+
+_GL_DTYPE = (
+    {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+    if _IMPORTED
+    else {}
+)
 
 
 @functools.cache
@@ -82,11 +91,12 @@ if _IMPORTED:
         return gl.load(as_ptrs + kt * stride_ask) * gl.load(bs_ptr + kt * stride_bsk)
 
     @gluon.jit
-    def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, M, N, n_k, n_pad,
-                  off_m, off_n, stride_asm, stride_ask, stride_bsn, stride_bsk, stride_cm,
-                  stride_cn):  # fmt: skip
+    def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_desc, c_smem, M, n_k, n_pad,
+                  off_m, off_n, stride_asm, stride_ask, stride_bsn, stride_bsk):  # fmt: skip
         """One warpgroup: 64 rows of the output tile. Per pair of k-tiles it issues both wgmmas,
-        scales the first product into acc while the second runs, then the second."""
+        scales the first product into acc while the second runs, then the second. The tile
+        leaves through shared memory and a TMA store (which clips rows past M and columns past N):
+        pointer stores from the wgmma layout, 4 bytes a thread, were slower."""
         STAGES: gl.constexpr = b_bufs.shape[0]
         BLOCK_N: gl.constexpr = b_bufs.shape[1]
         BLOCK_M: gl.constexpr = a_bufs.shape[1]
@@ -95,7 +105,6 @@ if _IMPORTED:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
         )
         row_layout: gl.constexpr = gl.SliceLayout(1, mma)
-        col_layout: gl.constexpr = gl.SliceLayout(0, mma)
         rows = gl.minimum(off_m + gl.arange(0, BLOCK_M, layout=row_layout), M - 1)
         as_ptrs = as_ptr + rows * stride_asm
         bs_tile = bs_ptr + (off_n // SCALE_BLOCK) * stride_bsn
@@ -121,16 +130,16 @@ if _IMPORTED:
             prod_b = warpgroup_mma_wait(num_outstanding=0, deps=(prod_b,))
             mbarrier.arrive(empty.index(s1), count=1)
             acc += prod_b * scale_b[:, None]
-        out_m = off_m + gl.arange(0, BLOCK_M, layout=row_layout)
-        out_n = off_n + gl.arange(0, BLOCK_N, layout=col_layout)
-        c_ptrs = c_ptr + out_m.to(gl.int64)[:, None] * stride_cm + out_n[None, :] * stride_cn
-        mask = (out_m < M)[:, None] & (out_n < N)[None, :]
-        gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        c_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        _tma_store(c_desc, [off_m, off_n], c_smem)
+        tma.store_wait(0)
 
     @gluon.jit
     def _fp8_gemm_sm90_kernel(
-        a_desc, b_desc, as_ptr, bs_ptr, c_ptr, M, N, K,
-        stride_asm, stride_ask, stride_bsn, stride_bsk, stride_cm, stride_cn,
+        a_desc, b_desc, c_desc, as_ptr, bs_ptr, M, N, K,
+        stride_asm, stride_ask, stride_bsn, stride_bsk,
         GROUP_M: gl.constexpr, STAGES: gl.constexpr,
     ):  # fmt: skip
         HALF: gl.constexpr = a_desc.block_type.shape[0]
@@ -151,12 +160,26 @@ if _IMPORTED:
         for slot in gl.static_range(STAGES):
             mbarrier.init(ready.index(slot), count=1)
             mbarrier.init(empty.index(slot), count=2)  # one arrival per consumer
-        shared = (ready, empty, as_ptr, bs_ptr, c_ptr, M, N, n_k, n_pad)
-        strides = (stride_asm, stride_ask, stride_bsn, stride_bsk, stride_cm, stride_cn)
+        c_lo = gl.allocate_shared_memory(c_desc.dtype, [HALF, BLOCK_N], c_desc.layout)
+        c_hi = gl.allocate_shared_memory(c_desc.dtype, [HALF, BLOCK_N], c_desc.layout)
+        ready_empty = (ready, empty, as_ptr, bs_ptr, c_desc)
+        shared = (M, n_k, n_pad)
+        strides = (stride_asm, stride_ask, stride_bsn, stride_bsk)
         gl.warp_specialize(
             [
-                (_consumer, (a_lo, b_bufs) + shared + (off_m, off_n) + strides),
-                (_consumer, (a_hi, b_bufs) + shared + (off_m + HALF, off_n) + strides),
+                (
+                    _consumer,
+                    (a_lo, b_bufs) + ready_empty + (c_lo,) + shared + (off_m, off_n) + strides,
+                ),
+                (
+                    _consumer,
+                    (a_hi, b_bufs)
+                    + ready_empty
+                    + (c_hi,)
+                    + shared
+                    + (off_m + HALF, off_n)
+                    + strides,
+                ),
                 (
                     _producer,
                     (a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, off_m, off_n, n_pad),
@@ -176,8 +199,8 @@ def launch(
     cfg: dict,
     scale_block: int,
 ) -> None:
-    """out = (a * a_scales) @ (w_fp8 * w_scale_inv)^T on an sm_90 GPU; a and w_fp8 must suit TMA
-    (16-byte aligned rows). cfg: BLOCK_M (128: two consumer warpgroups of 64 rows), BLOCK_N
+    """out = (a * a_scales) @ (w_fp8 * w_scale_inv)^T on an sm_90 GPU; a, w_fp8 and out must suit
+    TMA (16-byte aligned rows). cfg: BLOCK_M (128: two consumer warpgroups of 64 rows), BLOCK_N
     (dividing 128), GROUP_M, num_stages. The CTA has 4 + 4 + 1 warps whatever cfg's num_warps
     (that one is for the tl.dot kernel)."""
     m, k = a.shape
@@ -192,10 +215,11 @@ def launch(
     b_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.float8e4nv)
     a_desc = TensorDescriptor.from_tensor(a, [half, block_k], a_layout)
     b_desc = TensorDescriptor.from_tensor(w_fp8, [block_n, block_k], b_layout)
+    c_layout = gl.NVMMASharedLayout.get_default_for([half, block_n], _GL_DTYPE[out.dtype])
+    c_desc = TensorDescriptor.from_tensor(out, [half, block_n], c_layout)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _fp8_gemm_sm90_kernel[grid](
-        a_desc, b_desc, a_scales, w_scale_inv, out, m, n, k,
+        a_desc, b_desc, c_desc, a_scales, w_scale_inv, m, n, k,
         a_scales.stride(0), a_scales.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
-        out.stride(0), out.stride(1),
         GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"], num_warps=4,
     )  # fmt: skip

@@ -336,7 +336,7 @@ def _launch_gemm(
     splits = triton.cdiv(k_tiles, per_split)
     quant_a = a_scales is None
     if not quant_a and splits == 1 and tma_ok(a) and tma_ok(w_fp8):
-        if cfg.get("gluon") and gluon_sm90.available(a.device):
+        if cfg.get("gluon") and gluon_sm90.available(a.device) and tma_ok(out):
             gluon_sm90.launch(a, a_scales, w_fp8, w_scale_inv, out, cfg, WEIGHT_QUANT_BLOCK)
             return
         if cfg.get("tma"):

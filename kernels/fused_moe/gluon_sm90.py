@@ -42,11 +42,7 @@ if dense._IMPORTED:
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 available = dense.available
-_GL_DTYPE = (
-    {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
-    if dense._IMPORTED
-    else {}
-)
+_GL_DTYPE = dense._GL_DTYPE
 BLOCK_M = 128  # two consumer warpgroups of 64 rows
 
 
