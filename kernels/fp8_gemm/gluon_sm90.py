@@ -91,13 +91,41 @@ if _IMPORTED:
         return gl.load(as_ptrs + kt * stride_ask) * gl.load(bs_ptr + kt * stride_bsk)
 
     @gluon.jit
+    def _mma_tile(a_bufs, b_bufs, ready, empty, as_ptrs, bs_tile, acc, prod_a, prod_b, c, n_k,
+                  n_pad, stride_ask, stride_bsk):  # fmt: skip
+        """acc += the scaled products of one tile's n_pad k-tiles, whose ring positions start at c:
+        per pair, both wgmmas issued, the first product scaled while the second runs, then the
+        second; every pair ends fully waited (see the module note on ptxas). Returns
+        (acc, prod_a, prod_b)."""
+        STAGES: gl.constexpr = b_bufs.shape[0]
+        for i in range(0, n_pad, 2):
+            s0 = (c + i) % STAGES
+            mbarrier.wait(ready.index(s0), ((c + i) // STAGES) & 1)
+            prod_a = warpgroup_mma(a_bufs.index(s0), b_bufs.index(s0).permute((1, 0)), prod_a,
+                                   use_acc=False, is_async=True)  # fmt: skip
+            scale_a = _scale_of(as_ptrs, bs_tile, gl.minimum(i, n_k - 1), stride_ask, stride_bsk)
+            s1 = (c + i + 1) % STAGES
+            mbarrier.wait(ready.index(s1), ((c + i + 1) // STAGES) & 1)
+            prod_b = warpgroup_mma(a_bufs.index(s1), b_bufs.index(s1).permute((1, 0)), prod_b,
+                                   use_acc=False, is_async=True)  # fmt: skip
+            scale_b = _scale_of(
+                as_ptrs, bs_tile, gl.minimum(i + 1, n_k - 1), stride_ask, stride_bsk
+            )
+            prod_a = warpgroup_mma_wait(num_outstanding=1, deps=(prod_a,))
+            mbarrier.arrive(empty.index(s0), count=1)
+            acc += prod_a * scale_a[:, None]
+            prod_b = warpgroup_mma_wait(num_outstanding=0, deps=(prod_b,))
+            mbarrier.arrive(empty.index(s1), count=1)
+            acc += prod_b * scale_b[:, None]
+        return acc, prod_a, prod_b
+
+    @gluon.jit
     def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_desc, c_smem, M, n_k, n_pad,
                   off_m, off_n, stride_asm, stride_ask, stride_bsn, stride_bsk):  # fmt: skip
         """One warpgroup: 64 rows of the output tile. Per pair of k-tiles it issues both wgmmas,
         scales the first product into acc while the second runs, then the second. The tile
         leaves through shared memory and a TMA store (which clips rows past M and columns past N):
         pointer stores from the wgmma layout, 4 bytes a thread, were slower."""
-        STAGES: gl.constexpr = b_bufs.shape[0]
         BLOCK_N: gl.constexpr = b_bufs.shape[1]
         BLOCK_M: gl.constexpr = a_bufs.shape[1]
         SCALE_BLOCK: gl.constexpr = a_bufs.shape[2]  # = BLOCK_K
@@ -111,25 +139,8 @@ if _IMPORTED:
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
         prod_a = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
         prod_b = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
-        for i in range(0, n_pad, 2):
-            s0 = i % STAGES
-            mbarrier.wait(ready.index(s0), (i // STAGES) & 1)
-            prod_a = warpgroup_mma(a_bufs.index(s0), b_bufs.index(s0).permute((1, 0)), prod_a,
-                                   use_acc=False, is_async=True)  # fmt: skip
-            scale_a = _scale_of(as_ptrs, bs_tile, gl.minimum(i, n_k - 1), stride_ask, stride_bsk)
-            s1 = (i + 1) % STAGES
-            mbarrier.wait(ready.index(s1), ((i + 1) // STAGES) & 1)
-            prod_b = warpgroup_mma(a_bufs.index(s1), b_bufs.index(s1).permute((1, 0)), prod_b,
-                                   use_acc=False, is_async=True)  # fmt: skip
-            scale_b = _scale_of(
-                as_ptrs, bs_tile, gl.minimum(i + 1, n_k - 1), stride_ask, stride_bsk
-            )
-            prod_a = warpgroup_mma_wait(num_outstanding=1, deps=(prod_a,))
-            mbarrier.arrive(empty.index(s0), count=1)
-            acc += prod_a * scale_a[:, None]
-            prod_b = warpgroup_mma_wait(num_outstanding=0, deps=(prod_b,))
-            mbarrier.arrive(empty.index(s1), count=1)
-            acc += prod_b * scale_b[:, None]
+        acc, prod_a, prod_b = _mma_tile(a_bufs, b_bufs, ready, empty, as_ptrs, bs_tile, acc, prod_a,
+                                        prod_b, 0, n_k, n_pad, stride_ask, stride_bsk)  # fmt: skip
         c_smem.store(acc.to(c_desc.dtype))
         fence_async_shared()
         gl.thread_barrier()

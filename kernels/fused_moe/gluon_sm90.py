@@ -30,6 +30,7 @@ if dense._IMPORTED:
 
     from ..fp8_gemm.gluon_sm90 import (
         TensorDescriptor,
+        _mma_tile,
         _tma_load,
         gl,
         gluon,
@@ -88,7 +89,6 @@ if dense._IMPORTED:
                        stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk):  # fmt: skip
         """One warpgroup: rows row_off..row_off+63 of each of this CTA's tiles, k-tiles in pairs
         as in fp8_gemm/gluon_sm90.py's consumer."""
-        STAGES: gl.constexpr = b_bufs.shape[0]
         BLOCK_N: gl.constexpr = b_bufs.shape[1]
         BLOCK_M: gl.constexpr = a_bufs.shape[1]
         SCALE_BLOCK: gl.constexpr = a_bufs.shape[2]
@@ -108,29 +108,9 @@ if dense._IMPORTED:
                 as_ptrs = as_ptr + rows * stride_asm
                 bs_tile = bs_ptr + e.to(gl.int64) * stride_bse + (off_n // SCALE_BLOCK) * stride_bsn
                 acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
-                for i in range(0, n_pad, 2):
-                    s0 = (c + i) % STAGES
-                    mbarrier.wait(ready.index(s0), ((c + i) // STAGES) & 1)
-                    prod_a = warpgroup_mma(a_bufs.index(s0), b_bufs.index(s0).permute((1, 0)),
-                                           prod_a, use_acc=False, is_async=True)  # fmt: skip
-                    k0 = gl.minimum(i, n_k - 1)
-                    scale_a = gl.load(as_ptrs + k0 * stride_ask) * gl.load(
-                        bs_tile + k0 * stride_bsk
-                    )
-                    s1 = (c + i + 1) % STAGES
-                    mbarrier.wait(ready.index(s1), ((c + i + 1) // STAGES) & 1)
-                    prod_b = warpgroup_mma(a_bufs.index(s1), b_bufs.index(s1).permute((1, 0)),
-                                           prod_b, use_acc=False, is_async=True)  # fmt: skip
-                    k1 = gl.minimum(i + 1, n_k - 1)
-                    scale_b = gl.load(as_ptrs + k1 * stride_ask) * gl.load(
-                        bs_tile + k1 * stride_bsk
-                    )
-                    prod_a = warpgroup_mma_wait(num_outstanding=1, deps=(prod_a,))
-                    mbarrier.arrive(empty.index(s0), count=1)
-                    acc += prod_a * scale_a[:, None]
-                    prod_b = warpgroup_mma_wait(num_outstanding=0, deps=(prod_b,))
-                    mbarrier.arrive(empty.index(s1), count=1)
-                    acc += prod_b * scale_b[:, None]
+                acc, prod_a, prod_b = _mma_tile(a_bufs, b_bufs, ready, empty, as_ptrs, bs_tile, acc,
+                                                prod_a, prod_b, c, n_k, n_pad, stride_ask,
+                                                stride_bsk)  # fmt: skip
                 c += n_pad
                 tma.store_wait(0)  # the previous tile's store has read c_smem
                 gl.thread_barrier()
