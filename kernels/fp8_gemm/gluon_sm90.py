@@ -86,6 +86,23 @@ if _IMPORTED:
             _tma_load(b_desc, [off_n, i * BLOCK_K], bar, b_bufs.index(s))
 
     @gluon.jit
+    def _ring(a_desc, b_desc, STAGES: gl.constexpr, B_ROWS: gl.constexpr):
+        """The shared-memory ring of the warp-specialized kernels: per slot, A as two 64-row halves
+        (one per consumer), a B tile of B_ROWS rows, and `ready` (count 1: the TMA) / `empty`
+        (count 2: one arrival per consumer) mbarriers. Returns (a_lo, a_hi, b_bufs, ready, empty)."""
+        HALF: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF, BLOCK_K], a_desc.layout)
+        a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF, BLOCK_K], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, B_ROWS, BLOCK_K], b_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for slot in gl.static_range(STAGES):
+            mbarrier.init(ready.index(slot), count=1)
+            mbarrier.init(empty.index(slot), count=2)
+        return a_lo, a_hi, b_bufs, ready, empty
+
+    @gluon.jit
     def _scale_of(as_ptrs, bs_ptr, kt, stride_ask, stride_bsk):
         """a_scale[rows, kt] * b_scale[tile's block, kt]: the k-tile's scale per accumulator row."""
         return gl.load(as_ptrs + kt * stride_ask) * gl.load(bs_ptr + kt * stride_bsk)
@@ -163,14 +180,7 @@ if _IMPORTED:
         n_k = gl.cdiv(K, BLOCK_K)
         n_pad = gl.cdiv(n_k, 2) * 2  # a k-tile past K reads zeros (TMA fill)
 
-        a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF, BLOCK_K], a_desc.layout)
-        a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF, BLOCK_K], a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for slot in gl.static_range(STAGES):
-            mbarrier.init(ready.index(slot), count=1)
-            mbarrier.init(empty.index(slot), count=2)  # one arrival per consumer
+        a_lo, a_hi, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES, BLOCK_N)
         c_lo = gl.allocate_shared_memory(c_desc.dtype, [HALF, BLOCK_N], c_desc.layout)
         c_hi = gl.allocate_shared_memory(c_desc.dtype, [HALF, BLOCK_N], c_desc.layout)
         ready_empty = (ready, empty, as_ptr, bs_ptr, c_desc)

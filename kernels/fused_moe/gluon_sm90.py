@@ -2,7 +2,8 @@
 `fp8_gemm/gluon_sm90.py` (a TMA producer warp, two consumer warpgroups of 64 rows, each scaling
 one k-tile's product while the next k-tile's wgmma runs). Rows are in the layout of
 `_triton_layout` (each expert's run padded to 128 rows; x already permuted and quantized), so an
-M-tile belongs to one expert, found from `ends`; tiles past the last run exit at once.
+M-tile belongs to one expert (`tile_experts`, built once from `ends` for both kernels); tiles
+past the last run exit at once.
 
 down: y[rows, D] = act[rows, I] @ w2[e]^T, the dense kernel's consumers and producer with the
 weight rows offset to expert e.
@@ -31,6 +32,7 @@ if dense._IMPORTED:
     from ..fp8_gemm.gluon_sm90 import (
         TensorDescriptor,
         _mma_tile,
+        _ring,
         _tma_load,
         gl,
         gluon,
@@ -43,19 +45,10 @@ if dense._IMPORTED:
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 available = dense.available
-_GL_DTYPE = dense._GL_DTYPE
 BLOCK_M = 128  # two consumer warpgroups of 64 rows
 
 
 if dense._IMPORTED:
-
-    @gluon.jit
-    def _expert_of(ends_ptr, row0, num_experts, E_POW2: gl.constexpr):
-        """The expert whose padded run holds row `row0`; num_experts past the last run."""
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        e = gl.arange(0, E_POW2, layout=layout)
-        ends = gl.load(ends_ptr + e, mask=e < num_experts, other=2**30)
-        return gl.sum((ends <= row0).to(gl.int32), axis=0)
 
     @gluon.jit
     def _down_producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr,
@@ -135,14 +128,7 @@ if dense._IMPORTED:
         num_tiles = gl.cdiv(M, 2 * HALF) * num_pid_n
         n_k = gl.cdiv(K, BLOCK_K)
         n_pad = gl.cdiv(n_k, 2) * 2
-        a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF, BLOCK_K], a_desc.layout)
-        a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF, BLOCK_K], a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for slot in gl.static_range(STAGES):
-            mbarrier.init(ready.index(slot), count=1)
-            mbarrier.init(empty.index(slot), count=2)
+        a_lo, a_hi, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES, BLOCK_N)
         c_lo = gl.allocate_shared_memory(c_desc.dtype, [HALF, BLOCK_N], c_desc.layout)
         c_hi = gl.allocate_shared_memory(c_desc.dtype, [HALF, BLOCK_N], c_desc.layout)
         sched = (tile_expert_ptr, num_experts, num_pid_n, num_tiles, N)
@@ -245,10 +231,10 @@ if dense._IMPORTED:
 
     @gluon.jit
     def _gate_up_kernel(
-        a_desc, b_desc, as_ptr, ws_ptr, act_ptr, acts_ptr, ends_ptr, num_experts, M, K, inter,
+        a_desc, b_desc, as_ptr, ws_ptr, act_ptr, acts_ptr, tile_expert_ptr, num_experts, M, K, inter,
         stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_am, stride_acm,
         stride_acg,
-        GROUP_M: gl.constexpr, STAGES: gl.constexpr, E_POW2: gl.constexpr,
+        GROUP_M: gl.constexpr, STAGES: gl.constexpr,
     ):  # fmt: skip
         HALF: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -257,23 +243,14 @@ if dense._IMPORTED:
         pid_m, pid_n = tile_of(gl.program_id(0), gl.cdiv(M, 2 * HALF), inter // BLOCK_N, GROUP_M)
         off_m = pid_m * 2 * HALF
         off_n = pid_n * BLOCK_N
-        e = _expert_of(ends_ptr, off_m, num_experts, E_POW2)
+        e = gl.load(tile_expert_ptr + pid_m)
         if e < num_experts:
             n_k = gl.cdiv(K, BLOCK_K)
             n_pad = gl.cdiv(n_k, 2) * 2
-            a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF, BLOCK_K], a_desc.layout)
-            a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF, BLOCK_K], a_desc.layout)
-            b_bufs = gl.allocate_shared_memory(
-                b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout
-            )
+            a_lo, a_hi, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES, BLOCK_N)
             keep_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
             keep_lo = gl.allocate_shared_memory(gl.float32, [HALF, HALF_N], keep_layout)
             keep_hi = gl.allocate_shared_memory(gl.float32, [HALF, HALF_N], keep_layout)
-            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for slot in gl.static_range(STAGES):
-                mbarrier.init(ready.index(slot), count=1)
-                mbarrier.init(empty.index(slot), count=2)
             ws_e = ws_ptr + e.to(gl.int64) * stride_wse
             gs_ptr = ws_e + (off_n // BLOCK_K) * stride_wsn
             us_ptr = ws_e + ((inter + off_n) // BLOCK_K) * stride_wsn
@@ -321,6 +298,12 @@ def usable(x_in: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, cfg: dict) -
     )
 
 
+def tile_experts(ends: torch.Tensor, rows: int) -> torch.Tensor:
+    """The expert of each 128-row M-tile of the row layout (num_experts past the last run)."""
+    tile_starts = torch.arange(0, rows, BLOCK_M, device=ends.device, dtype=torch.int32)
+    return torch.searchsorted(ends, tile_starts, right=True, out_int32=True)
+
+
 def _desc(t: torch.Tensor, block: list[int]):
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
     return TensorDescriptor.from_tensor(t, block, layout)
@@ -333,7 +316,7 @@ def gate_up(
     w13_s: torch.Tensor,
     act: torch.Tensor,
     act_scales: torch.Tensor,
-    ends: torch.Tensor,
+    tile_expert: torch.Tensor,
     cfg: dict,
 ) -> None:
     """act, act_scales = quant(silu(x @ gate^T) * (x @ up^T)) over the row layout (x permuted)."""
@@ -343,11 +326,12 @@ def gate_up(
     b_desc = _desc(w13.view(-1, hidden), [64, 128])
     grid = ((rows // BLOCK_M) * (inter // 128),)
     _gate_up_kernel[grid](
-        a_desc, b_desc, x_scales, w13_s, act, act_scales, ends, num_experts, rows, hidden, inter,
+        a_desc, b_desc, x_scales, w13_s, act, act_scales, tile_expert, num_experts, rows, hidden,
+        inter,
         x_scales.stride(0), x_scales.stride(1), *w13_s.stride(), act.stride(0),
         act_scales.stride(0), act_scales.stride(1),
         GROUP_M=cfg["GROUP_M"], STAGES=cfg.get("gluon_stages", (4, 4))[0],
-        E_POW2=triton.next_power_of_2(num_experts), num_warps=4,
+        num_warps=4,
     )  # fmt: skip
 
 
@@ -357,7 +341,7 @@ def down(
     w2: torch.Tensor,
     w2_s: torch.Tensor,
     y: torch.Tensor,
-    ends: torch.Tensor,
+    tile_expert: torch.Tensor,
     cfg: dict,
 ) -> None:
     """y = act @ w2[expert of the row]^T over the row layout."""
@@ -366,11 +350,11 @@ def down(
     block_n = cfg["BLOCK_N2"]
     a_desc = _desc(act, [BLOCK_M // 2, 128])
     b_desc = _desc(w2.view(-1, inter), [block_n, 128])
-    tile_starts = torch.arange(0, rows, BLOCK_M, device=act.device, dtype=torch.int32)
-    tile_expert = torch.searchsorted(ends, tile_starts, right=True, out_int32=True)
     tiles = (rows // BLOCK_M) * triton.cdiv(hidden, block_n)
     grid = (min(tiles, _num_sms(act.device.index)),)
-    c_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, block_n], _GL_DTYPE[y.dtype])
+    c_layout = gl.NVMMASharedLayout.get_default_for(
+        [BLOCK_M // 2, block_n], dense._GL_DTYPE[y.dtype]
+    )
     c_desc = TensorDescriptor.from_tensor(y, [BLOCK_M // 2, block_n], c_layout)
     _down_kernel[grid](
         a_desc, b_desc, c_desc, act_scales, w2_s, tile_expert, num_experts, rows, hidden, inter,

@@ -430,9 +430,10 @@ def _fused_moe(
 
     if fp8 and permuted and gluon_sm90.usable(x_in, w13, w2, cfg):
         y = torch.empty((max_rows, hidden), dtype=x.dtype, device=x.device)
-        gluon_sm90.gate_up(x_in, x_scales, w13, w13_s, act, act_scales, ends, cfg)
+        tile_expert = gluon_sm90.tile_experts(ends, max_rows)
+        gluon_sm90.gate_up(x_in, x_scales, w13, w13_s, act, act_scales, tile_expert, cfg)
         if cfg.get("gluon_down", True):
-            gluon_sm90.down(act, act_scales, w2, w2_s, y, ends, cfg)
+            gluon_sm90.down(act, act_scales, w2, w2_s, y, tile_expert, cfg)
             return _combine(y, row_of, topk_weights, out)
     else:
         bn1, bk1 = cfg["BLOCK_N1"], cfg["BLOCK_K1"]
