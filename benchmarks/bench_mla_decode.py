@@ -112,10 +112,14 @@ def run(quick: bool) -> list[Row]:
         kv = None
         if not fp8 and score_bytes < (2 << 30) and math.prod(cache.shape) < (2 << 30):
             kv = cache[page_table.long()].view(batch, -1, LORA + ROPE)[:, :seq_len].contiguous()
+        if heads * num_q >= 64 and not fp8:
+            # the Triton heads_major kernel that the Gluon one (gluon_sm90) replaces on sm_90
+            timers.append(("tl.dot kernel", time_ms))
         for impl, timer in timers:
-            ms = timer(lambda args=args: tri.mla_decode(*args))
+            config = {"gluon": False} if impl == "tl.dot kernel" else None
+            ms = timer(lambda args=args, c=config: tri.mla_decode_launch(*args, None, c))
             row = make_row(shape, impl, ms, batch, heads, num_q, seq_len, fp8)
-            if kv is not None:
+            if kv is not None and config is None:
                 row.peer = "torch bmm" + (", graph" if timer is time_graph_ms else "")
                 row.peer_ms = timer(lambda q=q, kv=kv: _torch_peer(q, kv))
             rows.append(row)

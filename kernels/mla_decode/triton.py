@@ -27,7 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import tuning
 from .._backend import batch_invariant, num_sms
-from . import _kernels, fp8_format
+from . import _kernels, fp8_format, gluon_sm90
 
 LOG2E = 1.4426950408889634
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -64,7 +64,7 @@ _BF16_M16 = {"LAYOUT": "kv_major", "BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4,
 _BF16_M32 = {"LAYOUT": "kv_major", "BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
              "USE_TMA": True}  # fmt: skip
 _BF16_M64 = {"LAYOUT": "heads_major", "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8,
-             "num_stages": 2, "USE_TMA": True}  # fmt: skip
+             "num_stages": 2, "USE_TMA": True, "gluon": True, "gluon_stages": 2}  # fmt: skip
 _FP8_M16 = {"LAYOUT": "heads_major", "BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4,
             "num_stages": 2, "USE_TMA": False, "CTAS_PER_SM": 2}  # fmt: skip
 _FP8_M64 = {"LAYOUT": "heads_major", "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8,
@@ -83,6 +83,7 @@ tuning.register(
         "bf16,m16": {**_BF16_M16, **_SPLIT_POLICY},
         "bf16,m32": {**_BF16_M32, **_SPLIT_POLICY},
         "bf16,m64": {**_BF16_M64, **_SPLIT_POLICY},
+        "fp16,m64": {**_BF16_M64, **_SPLIT_POLICY},
         "fp8,m16": {**_SPLIT_POLICY, **_FP8_M16},
         "fp8,m32": {**_SPLIT_POLICY, **_FP8_M16},
         "fp8,m64": {**_FP8_M64, **_SPLIT_POLICY},
@@ -179,19 +180,26 @@ def mla_decode_launch(
         o_strides = part.stride()[:4]
         l_strides = part_lse.stride()
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    kv_desc, pe_desc = _descriptors(kv_cache, kv_lora_rank, rope_dim, block_n, cfg)
-    _SPLIT_KERNELS[cfg["LAYOUT"]][(m_blocks, num_splits, batch)](
-        q, kv8, kv16, kv32, kv_desc, pe_desc, page_table, seq_lens, part, part_lse,
-        num_heads, num_rows, num_splits, split_tokens, softmax_scale * LOG2E,
-        q.stride(0), q.stride(1), q.stride(2),
-        kv_cache.stride(0), kv_cache.stride(1),
-        page_table.stride(0),
-        *o_strides, *l_strides,
-        NUM_Q=num_q, PAGE_SIZE=page_size,
-        D_LATENT=kv_lora_rank, D_ROPE=rope_dim, KV_FP8=is_fp8,
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
-        USE_TMA=kv_desc is not None, num_warps=cfg["num_warps"], num_stages=num_stages,
-    )  # fmt: skip
+    if cfg["LAYOUT"] == "heads_major" and gluon_sm90.usable(q, kv_cache, kv_lora_rank, cfg):
+        gluon_sm90.launch(
+            q if q.is_contiguous() else q.contiguous(), kv_cache, page_table, seq_lens, part,
+            part_lse, o_strides, l_strides, num_splits, split_tokens, softmax_scale * LOG2E,
+            kv_lora_rank, cfg,
+        )  # fmt: skip
+    else:
+        kv_desc, pe_desc = _descriptors(kv_cache, kv_lora_rank, rope_dim, block_n, cfg)
+        _SPLIT_KERNELS[cfg["LAYOUT"]][(m_blocks, num_splits, batch)](
+            q, kv8, kv16, kv32, kv_desc, pe_desc, page_table, seq_lens, part, part_lse,
+            num_heads, num_rows, num_splits, split_tokens, softmax_scale * LOG2E,
+            q.stride(0), q.stride(1), q.stride(2),
+            kv_cache.stride(0), kv_cache.stride(1),
+            page_table.stride(0),
+            *o_strides, *l_strides,
+            NUM_Q=num_q, PAGE_SIZE=page_size,
+            D_LATENT=kv_lora_rank, D_ROPE=rope_dim, KV_FP8=is_fp8,
+            BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
+            USE_TMA=kv_desc is not None, num_warps=cfg["num_warps"], num_stages=num_stages,
+        )  # fmt: skip
     if invariant:
         block_d = min(128, kv_lora_rank)
         _kernels.combine_invariant_kernel[(num_rows, batch, kv_lora_rank // block_d)](

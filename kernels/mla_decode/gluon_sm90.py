@@ -1,0 +1,284 @@
+"""MLA decode's split kernel for Hopper (sm_90) in Gluon: the heads_major case (64 query rows a
+CTA: 128 heads, MTP) on a bf16/fp16 cache. Same grid, chunking and outputs as the Triton
+`split_heads_major_kernel`; the launcher's combine step follows it unchanged.
+
+Why a second kernel: in Triton, the Q K^T dot feeds the P V dot, and Triton then gives it all the
+CTA's warps on M (`[8, 1]`): with 64 rows both warpgroups compute the same scores, 13.6 MFLOP of
+tensor work a tile where 8.9 are needed (eighth session's SASS, benchmarks/RESULTS.md). Here the
+layouts are explicit: both products use `warps_per_cta = [4, 2]`, so each warpgroup computes half
+of the tile's score columns and half of the output's latent columns.
+
+The CTA is warp-specialized: one producer warp loads Q once and each tile's cache rows (latent and
+rope, through TMA; the page table gives the tile's page) into a ring of STAGES slots; the eight
+consumer warps, per tile: S = Q K^T (two wgmmas: rope, then latent), the online softmax (the row
+max is a cross-warpgroup reduction; the row sums are kept per column and summed once at the end),
+P through shared memory (each warpgroup needs all of P's columns), then O += P V, left in flight
+while the next tile's scores start. A tile is never cut across pages (page_size % BLOCK_N == 0).
+The chunk's last, partial tile still comes through TMA whole; its rows past the chunk's end are
+zeroed in shared memory before P V (stale cache rows may hold NaN) and masked out of S.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..fp8_gemm import gluon_sm90 as _dense
+
+if _dense._IMPORTED:
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
+
+    from ..fp8_gemm.gluon_sm90 import (
+        _GL_DTYPE,
+        TensorDescriptor,
+        _tma_load,
+        gl,
+        gluon,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+available = _dense.available
+BLOCK_M = 64  # query rows a CTA
+SMEM_BYTES = 227 * 1024  # sm_90's shared memory a CTA may take
+
+
+def usable(q: torch.Tensor, kv_cache: torch.Tensor, lora: int, cfg: dict) -> bool:
+    """The config asks for this kernel (`gluon`), the GPU is an sm_90 one, the cache is q's 16-bit
+    float type, every tile lies in one page, the shapes suit wgmma and TMA, and the CTA's
+    shared memory fits."""
+    if not cfg.get("gluon") or not available(q.device) or kv_cache.dtype != q.dtype:
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or cfg["BLOCK_M"] != BLOCK_M:
+        return False
+    block_n, stages = cfg["BLOCK_N"], cfg.get("gluon_stages", 2)
+    _, page_size, width = kv_cache.shape
+    rope = width - lora
+    stride_page, stride_row = kv_cache.stride(0), kv_cache.stride(1)
+    if page_size % block_n or stride_page % stride_row or stride_page < page_size * stride_row:
+        return False
+    if stride_row * 2 % 16 or kv_cache.data_ptr() % 16 or not 16 <= lora <= 512 or rope < 16:
+        return False
+    if q.is_contiguous() and q.data_ptr() % 16:  # (a copy made for TMA is aligned)
+        return False
+    smem = 2 * (BLOCK_M * width + stages * block_n * width + BLOCK_M * block_n)
+    return block_n in (32, 64) and smem + 1024 <= SMEM_BYTES
+
+
+if _dense._IMPORTED:
+
+    @gluon.jit
+    def _producer(q_lat_desc, q_pe_desc, lat_desc, pe_desc, q_lat, q_pe, k_lat, k_pe, q_bar, ready,
+                  empty, pt_row, q_row0, start, n_tiles, rows_per_page, PAGE_SIZE: gl.constexpr):  # fmt: skip
+        """One warp: Q's rows once, then each tile's cache rows (latent and rope) into ring slot
+        j % STAGES, once the consumers have released the slot's previous tile."""
+        STAGES: gl.constexpr = k_lat.shape[0]
+        BLOCK_N: gl.constexpr = k_lat.shape[1]
+        D_LATENT: gl.constexpr = k_lat.shape[2]
+        mbarrier.expect(q_bar, q_lat_desc.block_type.nbytes + q_pe_desc.block_type.nbytes)
+        _tma_load(q_lat_desc, [q_row0, 0], q_bar, q_lat)
+        _tma_load(q_pe_desc, [q_row0, D_LATENT], q_bar, q_pe)
+        for j in range(n_tiles):
+            s = j % STAGES
+            mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)  # the first round passes
+            n0 = start + j * BLOCK_N
+            page = gl.load(pt_row + n0 // PAGE_SIZE).to(gl.int32)
+            first = page * rows_per_page + n0 % PAGE_SIZE
+            bar = ready.index(s)
+            mbarrier.expect(bar, lat_desc.block_type.nbytes + pe_desc.block_type.nbytes)
+            _tma_load(lat_desc, [first, 0], bar, k_lat.index(s))
+            _tma_load(pe_desc, [first, D_LATENT], bar, k_pe.index(s))
+
+    @gluon.jit
+    def _zero_rows(buf, valid):
+        """Rows >= valid of a [BLOCK_N, D] shared tile set to zero, 64 columns at a time."""
+        BLOCK_N: gl.constexpr = buf.shape[0]
+        D: gl.constexpr = buf.shape[1]
+        CH: gl.constexpr = 64 if D > 64 else D
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+        rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        for c in gl.static_range(D // CH):
+            part = buf.slice(c * CH, CH, dim=1)
+            x = part.load(layout)
+            part.store(gl.where((rows < valid)[:, None], x, gl.zeros_like(x)))
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _scores(q_lat, q_pe, k_lat, k_pe, ready, s_acc, t, n_tiles, start, end):
+        """Issues tile t's S = Q K^T (rope, then latent) into s_acc's registers (use_acc=False),
+        after its rows past `end` are zeroed when it is the partial last tile. Past the last tile
+        it reads whatever the slot holds and the caller drops the result: nothing waits for a
+        load that never comes."""
+        STAGES: gl.constexpr = k_lat.shape[0]
+        BLOCK_N: gl.constexpr = k_lat.shape[1]
+        s = t % STAGES
+        live = t < n_tiles
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1, pred=live)
+        n0 = start + t * BLOCK_N
+        if live & (n0 + BLOCK_N > end):  # the partial last tile
+            _zero_rows(k_lat.index(s), end - n0)
+        s_acc = warpgroup_mma(q_pe, k_pe.index(s).permute((1, 0)), s_acc, use_acc=False,
+                              is_async=True)  # fmt: skip
+        return warpgroup_mma(q_lat, k_lat.index(s).permute((1, 0)), s_acc, is_async=True)
+
+    @gluon.jit
+    def _consumer(q_lat, q_pe, k_lat, k_pe, p_smem, q_bar, ready, empty, out_ptr, lse_ptr, b,
+                  pid_s, row0, num_heads, num_rows, seq_len, start, end, n_tiles, qk_scale,
+                  stride_ob, stride_os, stride_oq, stride_oh,
+                  stride_lb, stride_ls, stride_lq, stride_lh, NUM_Q: gl.constexpr):  # fmt: skip
+        """Eight warps (two warpgroups, each half of S's columns and of O's): the online softmax
+        over the chunk's tiles, then out = O / l and the chunk's natural-log lse."""
+        STAGES: gl.constexpr = k_lat.shape[0]
+        BLOCK_N: gl.constexpr = k_lat.shape[1]
+        D_LATENT: gl.constexpr = k_lat.shape[2]
+        BLOCK_M: gl.constexpr = q_lat.shape[0]
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
+        )
+        mma_o: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_LATENT // 2, 16]
+        )
+        row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
+        row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
+        rows = row0 + gl.arange(0, BLOCK_M, layout=row_s)
+        visible = seq_len - NUM_Q + 1 + rows // num_heads  # positions < visible are seen
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
+
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+        l_part = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_s)
+        s_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_s)
+        acc = gl.zeros([BLOCK_M, D_LATENT], gl.float32, mma_o)
+        mbarrier.wait(q_bar, 0)
+        s_acc = _scores(q_lat, q_pe, k_lat, k_pe, ready, s_acc, 0, n_tiles, start, end)
+        s_acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc,))
+        for j in range(n_tiles):
+            pos = start + j * BLOCK_N + offs_n
+            seen = (pos[None, :] < visible[:, None]) & (pos < end)[None, :]
+            qk = gl.where(seen, s_acc, float("-inf"))
+            # the running max is kept unscaled (qk_scale > 0): scale and subtract in one FMA
+            m_new = gl.maximum(m_i, gl.max(qk, 1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+            p = gl.exp2(qk * qk_scale - (m_safe * qk_scale)[:, None])
+            alpha = gl.exp2((m_i - m_safe) * qk_scale)
+            l_part = l_part * alpha[:, None] + p
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            m_i = m_new
+            # both warpgroups have waited for the previous tile's P V: its slot and P are free
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), count=1, pred=j > 0)
+            p_smem.store(p.to(p_smem.dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = warpgroup_mma(p_smem, k_lat.index(j % STAGES), acc, is_async=True)
+            # the next tile's scores queue behind P V; nothing is in flight across the loop's
+            # back-edge (ptxas would serialize every wgmma, its note C7515)
+            s_acc = _scores(q_lat, q_pe, k_lat, k_pe, ready, s_acc, j + 1, n_tiles, start, end)
+            s_acc, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, acc))
+
+        l_i = gl.sum(l_part, 1)
+        has = l_i > 0.0
+        l_safe = gl.where(has, l_i, 1.0)
+        lse = gl.where(has, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+        rows_o = row0 + gl.arange(0, BLOCK_M, layout=row_o)
+        offs_d = gl.arange(0, D_LATENT, layout=gl.SliceLayout(0, mma_o))
+        o_row = (
+            out_ptr + b * stride_ob + pid_s * stride_os
+            + (rows_o // num_heads) * stride_oq + (rows_o % num_heads) * stride_oh
+        )  # fmt: skip
+        gl.store(o_row[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=(rows_o < num_rows)[:, None])  # fmt: skip
+        lse_row = (
+            lse_ptr + b * stride_lb + pid_s * stride_ls
+            + (rows // num_heads) * stride_lq + (rows % num_heads) * stride_lh
+        )  # fmt: skip
+        gl.store(lse_row, lse, mask=rows < num_rows)
+
+    @gluon.jit
+    def _split_kernel(
+        q_lat_desc, q_pe_desc, lat_desc, pe_desc, pt_ptr, sl_ptr, out_ptr, lse_ptr,
+        num_heads, num_rows, num_splits, split_tokens, qk_scale, rows_per_page, stride_ptb,
+        stride_ob, stride_os, stride_oq, stride_oh,
+        stride_lb, stride_ls, stride_lq, stride_lh,
+        NUM_Q: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    ):  # fmt: skip
+        BLOCK_M: gl.constexpr = q_lat_desc.block_type.shape[0]
+        D_LATENT: gl.constexpr = q_lat_desc.block_type.shape[1]
+        D_ROPE: gl.constexpr = q_pe_desc.block_type.shape[1]
+        pid_m = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        b = gl.program_id(2).to(gl.int64)
+        seq_len = gl.load(sl_ptr + b).to(gl.int32)
+        chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        if split_tokens > 0:
+            chunk = split_tokens
+        start = pid_s * chunk
+        end = gl.minimum(start + chunk, seq_len)
+        n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+        row0 = pid_m * BLOCK_M
+        q_row0 = (b * num_rows + row0).to(gl.int32)
+
+        dtype: gl.constexpr = q_lat_desc.dtype
+        q_lat = gl.allocate_shared_memory(dtype, [BLOCK_M, D_LATENT], q_lat_desc.layout)
+        q_pe = gl.allocate_shared_memory(dtype, [BLOCK_M, D_ROPE], q_pe_desc.layout)
+        k_lat = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_LATENT], lat_desc.layout)
+        k_pe = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_ROPE], pe_desc.layout)
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for slot in gl.static_range(STAGES):
+            mbarrier.init(ready.index(slot), count=1)
+            mbarrier.init(empty.index(slot), count=1)
+
+        pt_row = pt_ptr + b * stride_ptb
+        gl.warp_specialize(
+            [
+                (_consumer,
+                 (q_lat, q_pe, k_lat, k_pe, p_smem, q_bar, ready, empty, out_ptr, lse_ptr, b, pid_s,
+                  row0, num_heads, num_rows, seq_len, start, end, n_tiles, qk_scale,
+                  stride_ob, stride_os, stride_oq, stride_oh,
+                  stride_lb, stride_ls, stride_lq, stride_lh, NUM_Q)),
+                (_producer,
+                 (q_lat_desc, q_pe_desc, lat_desc, pe_desc, q_lat, q_pe, k_lat, k_pe, q_bar, ready,
+                  empty, pt_row, q_row0, start, n_tiles, rows_per_page, PAGE_SIZE)),
+            ],
+            [1],
+            [40],
+        )  # fmt: skip
+
+
+def launch(q, kv_cache, page_table, seq_lens, part, part_lse, o_strides, l_strides, num_splits,
+           split_tokens, qk_scale, lora, cfg) -> None:  # fmt: skip
+    """The split step of `mla_decode_launch` on this kernel (`usable` must hold): writes part /
+    part_lse (strides o_strides / l_strides, split stride 0 when unsplit) like the Triton one."""
+    batch, num_q, num_heads, width = q.shape
+    num_rows = num_q * num_heads
+    rope = width - lora
+    block_n = cfg["BLOCK_N"]
+    num_pages, page_size, _ = kv_cache.shape
+    rows_per_page = kv_cache.stride(0) // kv_cache.stride(1)
+    cache_rows = (num_pages - 1) * rows_per_page + page_size
+    dtype = _GL_DTYPE[q.dtype]
+    q2 = q.reshape(batch * num_rows, width)
+    lay = gl.NVMMASharedLayout.get_default_for
+    q_lat_desc = TensorDescriptor.from_tensor(q2, [BLOCK_M, lora], lay([BLOCK_M, lora], dtype))
+    q_pe_desc = TensorDescriptor.from_tensor(q2, [BLOCK_M, rope], lay([BLOCK_M, rope], dtype))
+    shape, strides = [cache_rows, width], [kv_cache.stride(1), 1]
+    lat_desc = TensorDescriptor(
+        kv_cache, shape, strides, [block_n, lora], lay([block_n, lora], dtype)
+    )
+    pe_desc = TensorDescriptor(
+        kv_cache, shape, strides, [block_n, rope], lay([block_n, rope], dtype)
+    )
+    grid = (-(-num_rows // BLOCK_M), num_splits, batch)
+    _split_kernel[grid](
+        q_lat_desc, q_pe_desc, lat_desc, pe_desc, page_table, seq_lens, part, part_lse,
+        num_heads, num_rows, num_splits, split_tokens, qk_scale, rows_per_page,
+        page_table.stride(0), *o_strides, *l_strides,
+        NUM_Q=num_q, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=cfg.get("gluon_stages", 2),
+        num_warps=8,
+    )  # fmt: skip
