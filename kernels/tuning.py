@@ -51,7 +51,8 @@ def lookup(op: str, key: str, device: torch.device) -> dict[str, Any]:
 # fp8_gemm keys "m<=1|16|32|64|128", "m>128", "invariant-<phase>" (batch-invariant mode).
 # gemv: the CUDA-core kernel of fp8_gemm/gemv.py: BLOCK_N weight rows (dividing 128) by GROUPS
 # groups of 128 along K per loop step; past max_m rows or max_k the key `otherwise` is used.
-# fuse_quant: quantize the activation inside the GEMM.
+# fuse_quant: quantize the activation inside the GEMM (fuse_max_work: only while the blocks of
+# weight rows quantize at most this many activation elements between them; see triton.py).
 # split_k_target_ctas / min_k_tiles: split K until tiles * splits reaches the target, each split
 # keeping at least min_k_tiles k-tiles of 128; one_wave: at most the target instead (set it to the
 # CTAs the GPU holds at once: H200 m<=16, 132 SMs x 3 by shared memory).
@@ -131,7 +132,9 @@ register(
     {
         # M = 1: the CUDA-core kernel up to K = 8192 (q_a, q_b, kv_a, mlp_w1); past it (o, mlp_w2)
         # the MMA entry is faster (benchmarks/RESULTS.md, sixth session of 2026-11-21)
-        "m<=1": _gemv_cfg(16, 4, 4, 528, max_k=8192),
+        # fuse_max_work: quantize x beforehand past 4M elements of redundant in-kernel quantization
+        # (mlp_w1: 47.7 -> 40.8 us; q_b, 2.4M, stays fused: 16.9 against 19.3 us; H200, RESULTS.md)
+        "m<=1": _gemv_cfg(16, 4, 4, 528, max_k=8192, fuse_max_work=4_000_000),
         "m<=16": _gemm_cfg(16, 128, 4, 3, True, 396, swap_ab=True, one_wave=True),
         "m<=32": _gemm_cfg(32, 64, 4, 4, True, 264),
         "m<=64": _gemm_cfg(64, 64, 4, 4, False, 264),

@@ -201,6 +201,25 @@ def test_split_k_sum_in_the_launch_matches_the_second_kernel(cfg: dict, monkeypa
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
 
 
+@pytest.mark.parametrize("max_work", [0, 10**9])
+def test_fused_quantization_gives_way_past_its_work_bound(max_work: int, monkeypatch) -> None:
+    """A fuse_quant entry quantizes x inside the GEMM while its weight-row blocks quantize at most
+    fuse_max_work activation elements between them (ceil(N / BLOCK_N) * K); past it x is
+    quantized once beforehand. Same result either way."""
+    m, n, k = 1, 200, 720
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x = _act(m, k, dtype, seed=8)
+    w_fp8, scale_inv = _weight(n, k, seed=9)
+    cfg = {**GEMV_CONFIGS["split-k"], "fuse_quant": True, "fuse_max_work": max_work}
+    monkeypatch.setattr(tri, "_gemm_config", lambda m, k, device: cfg)
+    calls = []
+    real = tri._quantize
+    monkeypatch.setattr(tri, "_quantize", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    out = tri.fp8_gemm(x, w_fp8, scale_inv)
+    assert len(calls) == (1 if max_work < 7 * k else 0)
+    assert rel_err(out, ref.fp8_gemm(x, w_fp8, scale_inv)) < TOL[dtype]
+
+
 def test_gemv_entry_hands_over_past_its_bounds() -> None:
     """A gemv entry serves M = 1 up to its max_k; other shapes take the entry it names."""
     dev = torch.device("cuda", 0) if CUDA else torch.device("cpu")
