@@ -14,7 +14,9 @@ in few, full waves; each request then cuts its own length into that many chunks 
 requests get short chunks). Launch configs (layout, BLOCK_M/N, warps, stages, TMA, split policy)
 come from `tuning` under the key "<cache dtype>,m<16|32|64>" (query rows per request, capped).
 The m-block is the fastest grid axis, so the programs that read the same chunk for different heads
-run together and the second read of a chunk comes from L2.
+run together and the second read of a chunk comes from L2. On Hopper, heads_major configs with
+`gluon` run the split step on the Gluon kernel of `gluon_sm90.py` where it applies (16-bit cache,
+tiles within pages): same grid and outputs, explicit warp layouts.
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ _SPLIT_POLICY = {
 # Measured on one H200 (2026-11-21, Triton 3.6, benchmarks/tune_mla_decode.py): kv_major with TMA
 # for 16-32 query rows (72-76% of HBM at B=128, 16 heads); heads_major with TMA for 64+ rows
 # (270 TFLOP/s at 128 heads). fp8 caches: heads_major, whose MMA operands tolerate the in-register
-# fp8 -> bf16 conversion best (kv_major spilled heavily).
+# fp8 -> bf16 conversion best (kv_major spilled heavily). gluon: 64+ rows on a 16-bit cache take
+# the Gluon split kernel on sm_90 (409-426 TFLOP/s at 128 heads against the tl.dot kernel's 277-286;
+# eleventh session's table, benchmarks/RESULTS.md); gluon_stages: its ring of cache tiles.
 _BF16_M16 = {"LAYOUT": "kv_major", "BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
              "USE_TMA": True}  # fmt: skip
 _BF16_M32 = {"LAYOUT": "kv_major", "BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,

@@ -63,6 +63,7 @@ CASES = [
     pytest.param(Case((70, 9, 130, 2), 1, 96, 64, B16), id="q1-h96-p64"),
     pytest.param(Case((0, 70, 9, 130, 3), 4, 16, 64, torch.float16), id="q4-h16-p64-f16"),
     pytest.param(Case((300, 64, 1000), 1, 128, 64, B16, lora=256), id="q1-h128-lora256"),
+    pytest.param(Case((70,), 3, 16, 64, B16), id="b1-48-rows"),  # fewer rows than a TMA box
 ]
 
 
