@@ -137,6 +137,16 @@ if _IMPORTED:
         return acc, prod_a, prod_b
 
     @gluon.jit
+    def _store_tile(acc, c_desc, c_smem, off_m, off_n):
+        """A consumer's output tile out through shared memory and a TMA store (which clips rows
+        past M and columns past N), left in flight: tma.store_wait before c_smem is written
+        again."""
+        c_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        _tma_store(c_desc, [off_m, off_n], c_smem)
+
+    @gluon.jit
     def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_desc, c_smem, M, n_k, n_pad,
                   off_m, off_n, stride_asm, stride_ask, stride_bsn, stride_bsk):  # fmt: skip
         """One warpgroup: 64 rows of the output tile. Per pair of k-tiles it issues both wgmmas,
@@ -158,10 +168,7 @@ if _IMPORTED:
         prod_b = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
         acc, prod_a, prod_b = _mma_tile(a_bufs, b_bufs, ready, empty, as_ptrs, bs_tile, acc, prod_a,
                                         prod_b, 0, n_k, n_pad, stride_ask, stride_bsk)  # fmt: skip
-        c_smem.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        _tma_store(c_desc, [off_m, off_n], c_smem)
+        _store_tile(acc, c_desc, c_smem, off_m, off_n)
         tma.store_wait(0)
 
     @gluon.jit

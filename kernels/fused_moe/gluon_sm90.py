@@ -27,12 +27,13 @@ from ..fp8_gemm import gluon_sm90 as dense
 from ..fp8_gemm._tiles import tile_of
 
 if dense._IMPORTED:
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
+    from triton.experimental.gluon.language.nvidia.hopper import tma
 
     from ..fp8_gemm.gluon_sm90 import (
         TensorDescriptor,
         _mma_tile,
         _ring,
+        _store_tile,
         _tma_load,
         gl,
         gluon,
@@ -40,9 +41,6 @@ if dense._IMPORTED:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-
-    # the TMA store's name: async_copy_shared_to_global in Triton 3.6, async_store later
-    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 available = dense.available
 BLOCK_M = 128  # two consumer warpgroups of 64 rows
@@ -107,10 +105,7 @@ if dense._IMPORTED:
                 c += n_pad
                 tma.store_wait(0)  # the previous tile's store has read c_smem
                 gl.thread_barrier()
-                c_smem.store(acc.to(c_desc.dtype))
-                fence_async_shared()
-                gl.thread_barrier()
-                _tma_store(c_desc, [off_m, off_n], c_smem)
+                _store_tile(acc, c_desc, c_smem, off_m, off_n)
         tma.store_wait(0)
 
     @gluon.jit

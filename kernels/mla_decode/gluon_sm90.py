@@ -45,18 +45,15 @@ SMEM_BYTES = 227 * 1024  # sm_90's shared memory a CTA may take
 
 def usable(q: torch.Tensor, kv_cache: torch.Tensor, lora: int, cfg: dict) -> bool:
     """The config asks for this kernel (`gluon`), the GPU is an sm_90 one, the cache is q's 16-bit
-    float type, every tile lies in one page, the shapes suit wgmma and TMA, and the CTA's
-    shared memory fits."""
+    float type, the shapes suit wgmma and TMA, and the CTA's shared memory fits. (That every tile
+    lies in one page, the launcher checks: `tile_rows`.)"""
     if not cfg.get("gluon") or not available(q.device) or kv_cache.dtype != q.dtype:
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or cfg["BLOCK_M"] != BLOCK_M:
         return False
     block_n, stages = cfg["BLOCK_N"], cfg.get("gluon_stages", 2)
-    _, page_size, width = kv_cache.shape
+    width, stride_row = kv_cache.shape[2], kv_cache.stride(1)
     rope = width - lora
-    stride_page, stride_row = kv_cache.stride(0), kv_cache.stride(1)
-    if page_size % block_n or stride_page % stride_row or stride_page < page_size * stride_row:
-        return False
     if stride_row * 2 % 16 or kv_cache.data_ptr() % 16 or not 16 <= lora <= 512 or rope < 16:
         return False
     if q.is_contiguous() and q.data_ptr() % 16:  # (a copy made for TMA is aligned)
@@ -251,17 +248,17 @@ if _dense._IMPORTED:
         )  # fmt: skip
 
 
-def launch(q, kv_cache, page_table, seq_lens, part, part_lse, o_strides, l_strides, num_splits,
-           split_tokens, qk_scale, lora, cfg) -> None:  # fmt: skip
-    """The split step of `mla_decode_launch` on this kernel (`usable` must hold): writes part /
-    part_lse (strides o_strides / l_strides, split stride 0 when unsplit) like the Triton one."""
+def launch(q, kv_cache, cache_rows, page_table, seq_lens, part, part_lse, o_strides, l_strides,
+           num_splits, split_tokens, qk_scale, lora, cfg) -> None:  # fmt: skip
+    """The split step of `mla_decode_launch` on this kernel (`usable` must hold; cache_rows: the
+    launcher's `tile_rows`): writes part / part_lse (strides o_strides / l_strides, split stride
+    0 when unsplit) like the Triton one."""
     batch, num_q, num_heads, width = q.shape
     num_rows = num_q * num_heads
     rope = width - lora
     block_n = cfg["BLOCK_N"]
-    num_pages, page_size, _ = kv_cache.shape
+    page_size = kv_cache.shape[1]
     rows_per_page = kv_cache.stride(0) // kv_cache.stride(1)
-    cache_rows = (num_pages - 1) * rows_per_page + page_size
     dtype = _GL_DTYPE[q.dtype]
     q2 = q.reshape(batch * num_rows, width)
     lay = gl.NVMMASharedLayout.get_default_for

@@ -184,14 +184,20 @@ def mla_decode_launch(
         o_strides = part.stride()[:4]
         l_strides = part_lse.stride()
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    if cfg["LAYOUT"] == "heads_major" and gluon_sm90.usable(q, kv_cache, kv_lora_rank, cfg):
+    rows = tile_rows(kv_cache, block_n)
+    if (
+        cfg["LAYOUT"] == "heads_major"
+        and rows is not None
+        and gluon_sm90.usable(q, kv_cache, kv_lora_rank, cfg)
+    ):
         gluon_sm90.launch(
-            q if q.is_contiguous() else q.contiguous(), kv_cache, page_table, seq_lens, part,
-            part_lse, o_strides, l_strides, num_splits, split_tokens, softmax_scale * LOG2E,
-            kv_lora_rank, cfg,
+            q if q.is_contiguous() else q.contiguous(), kv_cache, rows, page_table, seq_lens,
+            part, part_lse, o_strides, l_strides, num_splits, split_tokens,
+            softmax_scale * LOG2E, kv_lora_rank, cfg,
         )  # fmt: skip
     else:
-        kv_desc, pe_desc = _descriptors(kv_cache, kv_lora_rank, rope_dim, block_n, cfg)
+        use_tma = cfg.get("USE_TMA") and rows is not None
+        kv_desc, pe_desc = _descriptors(kv_cache, kv_lora_rank, rope_dim, block_n, rows, use_tma)
         _SPLIT_KERNELS[cfg["LAYOUT"]][(m_blocks, num_splits, batch)](
             q, kv8, kv16, kv32, kv_desc, pe_desc, page_table, seq_lens, part, part_lse,
             num_heads, num_rows, num_splits, split_tokens, softmax_scale * LOG2E,
@@ -262,22 +268,25 @@ def write_kv_fp8(
     )  # fmt: skip
 
 
-def _descriptors(
-    kv_cache: torch.Tensor, lora: int, rope: int, block_n: int, cfg: dict
-) -> tuple[TensorDescriptor | None, TensorDescriptor | None]:
-    """TMA descriptors over the cache's rows (latent, rope) when the config asks for them and every
-    full tile lies in one page; else (None, None). Pages may lie apart (a layer of a page-major
-    cache): the descriptors then span the rows from the first page's to the last page's end."""
-    num_pages, page_size, width = kv_cache.shape
+def tile_rows(kv_cache: torch.Tensor, block_n: int) -> int | None:
+    """The rows a TMA descriptor over the cache spans, from the first page's first row to the last
+    page's end (pages may lie apart: a layer of a page-major cache), when every full tile of
+    block_n positions lies in one page; else None."""
+    num_pages, page_size, _ = kv_cache.shape
     stride_page, stride_row = kv_cache.stride(0), kv_cache.stride(1)
-    if (
-        not cfg.get("USE_TMA")
-        or page_size % block_n
-        or stride_page % stride_row
-        or stride_page < page_size * stride_row
-    ):
+    if page_size % block_n or stride_page % stride_row or stride_page < page_size * stride_row:
+        return None
+    return (num_pages - 1) * (stride_page // stride_row) + page_size
+
+
+def _descriptors(
+    kv_cache: torch.Tensor, lora: int, rope: int, block_n: int, rows: int | None, use_tma: bool
+) -> tuple[TensorDescriptor | None, TensorDescriptor | None]:
+    """TMA descriptors over the cache's `rows` (`tile_rows`; latent, rope) when `use_tma`; else
+    (None, None)."""
+    if not use_tma:
         return None, None
-    rows = (num_pages - 1) * (stride_page // stride_row) + page_size
+    width, stride_row = kv_cache.shape[2], kv_cache.stride(1)
     if kv_cache.dtype == torch.uint8:
         pe_view = kv_cache.view(torch.bfloat16)
         kv_desc = TensorDescriptor(kv_cache, [rows, width], [stride_row, 1], [block_n, lora])
