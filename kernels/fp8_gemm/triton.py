@@ -60,7 +60,7 @@ def _fp8_gemm_kernel(
     stride_bn, stride_bk, stride_bsn, stride_bsk,
     stride_cs, stride_cm, stride_cn, stride_om, stride_on,
     QUANT_A: tl.constexpr, EVEN_K: tl.constexpr, UNIFORM_B: tl.constexpr, SWAP_AB: tl.constexpr,
-    FOLD: tl.constexpr,
+    FOLD: tl.constexpr, A_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SCALE_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
     EXACT_CAST: tl.constexpr,
@@ -72,8 +72,12 @@ def _fp8_gemm_kernel(
     per k-tile. SWAP_AB computes the tile transposed, C^T = B @ A^T, so that a few rows of A are
     the MMA's narrow N side and the weight tile its M side: Hopper's wgmma needs M >= 64 but takes
     N down to 8, and keeps fp8 operands in fp8 (without the swap a 16-row tile falls back to
-    mma.sync on fp8 converted to fp16). C is `out` itself when K is not split; otherwise fp32
-    partials [splits, M, N], which FOLD adds into `out` in this launch (see _splitk.py).
+    mma.sync on fp8 converted to fp16). QUANT_A loads the float activation a k-tile ahead into
+    registers (the quantization needs it there before the MMA; loaded in its own iteration, its
+    latency stalled every k-tile: o at M = 1 took 40.4 us instead of 36.7), and with fewer rows
+    than the tile (A_ROWS < BLOCK_M) quantizes only those and repeats them down the tile. C is
+    `out` itself when K is not split; otherwise fp32 partials [splits, M, N], which FOLD adds into `out` in
+    this launch (see _splitk.py).
     """
     pid_m, pid_n = tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     split = tl.program_id(1)
@@ -87,12 +91,17 @@ def _fp8_gemm_kernel(
     kt1 = tl.minimum(kt0 + k_tiles_per_split, k_tiles)
 
     offs_k0 = kt0 * BLOCK_K + offs_k
-    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k0[None, :] * stride_ak
+    # QUANT_A with fewer rows than the tile (M < BLOCK_M): quantize A_ROWS rows, then repeat them
+    if A_ROWS < BLOCK_M:
+        offs_am = tl.arange(0, A_ROWS) % M
+    else:
+        offs_am = offs_m
+    a_ptrs = a_ptr + offs_am.to(tl.int64)[:, None] * stride_am + offs_k0[None, :] * stride_ak
+    as_ptrs = as_ptr + offs_m * stride_asm + kt0 * stride_ask
     if SWAP_AB:  # B tile as [BLOCK_N, BLOCK_K]
         b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k0[None, :] * stride_bk
     else:  # [BLOCK_K, BLOCK_N]
         b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k0[:, None] * stride_bk
-    as_ptrs = as_ptr + offs_m * stride_asm + kt0 * stride_ask
     # UNIFORM_B: the tile lies inside one 128-row quant block, so one weight scale per k-tile.
     if UNIFORM_B:
         bs_ptrs = bs_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_bsn + kt0 * stride_bsk
@@ -103,19 +112,36 @@ def _fp8_gemm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if QUANT_A:  # the float activation is loaded a k-tile ahead, into registers
+        a_next = tl.load(a_ptrs, mask=(offs_k0 < K)[None, :], other=0.0)
     for kt in range(kt0, kt1):
+        if QUANT_A:
+            a = a_next
+            k_next = (kt + 1) * BLOCK_K + offs_k
+            k_ok = (k_next < K) & (k_next < kt1 * BLOCK_K)  # nothing past the split
+            a_next = tl.load(a_ptrs + BLOCK_K * stride_ak, mask=k_ok[None, :], other=0.0)
         if EVEN_K:
-            a = tl.load(a_ptrs)
+            if not QUANT_A:
+                a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
         else:
             k_mask = kt * BLOCK_K + offs_k < K
-            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+            if not QUANT_A:
+                a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
             if SWAP_AB:
                 b = tl.load(b_ptrs, mask=k_mask[None, :], other=0.0)
             else:
                 b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
         if QUANT_A:
             a, a_s = quantize_tile(a.to(tl.float32), FP8_MAX, MIN_AMAX, EXACT_CAST)
+            if A_ROWS < BLOCK_M:  # tile row r holds row r % A_ROWS (rows past M are not stored)
+                a = tl.reshape(
+                    tl.broadcast_to(a[None, :, :], (BLOCK_M // A_ROWS, A_ROWS, BLOCK_K)),
+                    (BLOCK_M, BLOCK_K),
+                )
+                a_s = tl.reshape(
+                    tl.broadcast_to(a_s[None, :], (BLOCK_M // A_ROWS, A_ROWS)), (BLOCK_M,)
+                )
         else:
             a_s = tl.load(as_ptrs)
         b_s = tl.load(bs_ptrs)
@@ -361,6 +387,7 @@ def _launch_gemm(
         stride_cs, target.stride(-2), target.stride(-1), out.stride(0), out.stride(1),
         QUANT_A=quant_a, EVEN_K=k % block_k == 0, UNIFORM_B=WEIGHT_QUANT_BLOCK % block_n == 0,
         SWAP_AB=cfg.get("swap_ab", False), FOLD=fold,
+        A_ROWS=min(block_m, triton.next_power_of_2(m)) if quant_a else block_m,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
         SCALE_BLOCK=WEIGHT_QUANT_BLOCK, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
         EXACT_CAST=interpreter_enabled(),

@@ -104,6 +104,7 @@ PATH_CONFIGS = {
     "fused-quant-split-k": {**_BASE, "BLOCK_M": 16, "BLOCK_N": 64, "split_k_target_ctas": 64},
     "fused-quant-swap-ab-split-k": {**_BASE, "BLOCK_M": 16, "BLOCK_N": 64, "split_k_target_ctas": 64,
                                      "swap_ab": True, "one_wave": True},
+    "fused-quant-n32": {**_BASE, "BLOCK_M": 32, "BLOCK_N": 32, "split_k_target_ctas": 0},
     "prequant-swap-ab-n256": {**_BASE, "BLOCK_M": 32, "BLOCK_N": 256, "split_k_target_ctas": 0,
                               "swap_ab": True},
     "prequant-n256": {**_BASE, "BLOCK_M": 32, "BLOCK_N": 256, "split_k_target_ctas": 0},
@@ -133,6 +134,24 @@ def test_gemm_code_paths(path: str, m: int, n: int, k: int) -> None:
         else:
             x_fp8, x_scales = tri._quantize(x, 128, scale_column_major=True)
             tri._launch_gemm(x_fp8, x_scales, w_fp8, scale_inv, out, cfg)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref.fp8_gemm(x, w_fp8, scale_inv)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("path", [p for p in PATH_CONFIGS if p.startswith("fused-quant")])
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 200, 720), (3, 130, 400), (5, 64, 256), pytest.param(1, 7168, 16384, marks=gpu)],
+)
+def test_fused_quant_with_fewer_rows_than_the_tile(path: str, m: int, n: int, k: int) -> None:
+    """M < BLOCK_M: the kernel quantizes the next power of two of M rows and repeats them down the
+    tile; the rows past M must not reach the output."""
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x = _act(m, k, dtype, seed=m + k)
+    w_fp8, scale_inv = _weight(n, k, seed=n)
+    with poisoned_empty():
+        out = torch.empty((m, n), dtype=dtype, device=DEVICE)
+        tri._launch_gemm(x, None, w_fp8, scale_inv, out, PATH_CONFIGS[path])
     assert torch.isfinite(out).all()
     assert rel_err(out, ref.fp8_gemm(x, w_fp8, scale_inv)) < TOL[dtype]
 
