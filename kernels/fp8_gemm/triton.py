@@ -76,8 +76,8 @@ def _fp8_gemm_kernel(
     registers (the quantization needs it there before the MMA; loaded in its own iteration, its
     latency stalled every k-tile: o at M = 1 took 40.4 us instead of 36.7), and with fewer rows
     than the tile (A_ROWS < BLOCK_M) quantizes only those and repeats them down the tile. C is
-    `out` itself when K is not split; otherwise fp32 partials [splits, M, N], which FOLD adds into `out` in
-    this launch (see _splitk.py).
+    `out` itself when K is not split; otherwise fp32 partials [splits, M, N], which FOLD adds into
+    `out` in this launch (see _splitk.py).
     """
     pid_m, pid_n = tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     split = tl.program_id(1)
@@ -115,23 +115,22 @@ def _fp8_gemm_kernel(
     if QUANT_A:  # the float activation is loaded a k-tile ahead, into registers
         a_next = tl.load(a_ptrs, mask=(offs_k0 < K)[None, :], other=0.0)
     for kt in range(kt0, kt1):
+        k_mask = kt * BLOCK_K + offs_k < K  # used when not EVEN_K
         if QUANT_A:
             a = a_next
             k_next = (kt + 1) * BLOCK_K + offs_k
             k_ok = (k_next < K) & (k_next < kt1 * BLOCK_K)  # nothing past the split
             a_next = tl.load(a_ptrs + BLOCK_K * stride_ak, mask=k_ok[None, :], other=0.0)
-        if EVEN_K:
-            if not QUANT_A:
-                a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
+        elif EVEN_K:
+            a = tl.load(a_ptrs)
         else:
-            k_mask = kt * BLOCK_K + offs_k < K
-            if not QUANT_A:
-                a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-            if SWAP_AB:
-                b = tl.load(b_ptrs, mask=k_mask[None, :], other=0.0)
-            else:
-                b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+        if EVEN_K:
+            b = tl.load(b_ptrs)
+        elif SWAP_AB:
+            b = tl.load(b_ptrs, mask=k_mask[None, :], other=0.0)
+        else:
+            b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
         if QUANT_A:
             a, a_s = quantize_tile(a.to(tl.float32), FP8_MAX, MIN_AMAX, EXACT_CAST)
             if A_ROWS < BLOCK_M:  # tile row r holds row r % A_ROWS (rows past M are not stored)
