@@ -94,8 +94,14 @@ def _gate_up_kernel(
             gs_ptrs = ws_ptr + (offs_n // SCALE_BLOCK) * stride_wsn
             us_ptrs = ws_ptr + ((inter + offs_n) // SCALE_BLOCK) * stride_wsn
 
+        # scales a k-tile ahead, as in fp8_gemm/triton.py (plain loads stall the k-tile using them)
+        a_s_next = tl.load(as_ptrs)
+        g_s_next = tl.load(gs_ptrs)
+        u_s_next = tl.load(us_ptrs)
+
     gate_row = e * 2 * inter + pid_n * BLOCK_N  # TMA_B: first w13 row of this tile
-    for kt in range(tl.cdiv(hidden, BLOCK_K)):
+    k_tiles = tl.cdiv(hidden, BLOCK_K)
+    for kt in range(k_tiles):
         if not EVEN_K:
             k_mask = kt * BLOCK_K + offs_k < hidden
         if PERMUTED_A:
@@ -114,9 +120,11 @@ def _gate_up_kernel(
             g = tl.load(g_ptrs, mask=k_mask[:, None], other=0.0)
             u = tl.load(u_ptrs, mask=k_mask[:, None], other=0.0)
         if FP8:  # each 128-deep product scaled into fp32 (see fp8_gemm/triton.py)
-            a_s = tl.load(as_ptrs + kt * stride_xsk)
-            g_s = tl.load(gs_ptrs + kt * stride_wsk)
-            u_s = tl.load(us_ptrs + kt * stride_wsk)
+            kt_next = tl.minimum(kt + 1, k_tiles - 1)
+            a_s, g_s, u_s = a_s_next, g_s_next, u_s_next
+            a_s_next = tl.load(as_ptrs + kt_next * stride_xsk)
+            g_s_next = tl.load(gs_ptrs + kt_next * stride_wsk)
+            u_s_next = tl.load(us_ptrs + kt_next * stride_wsk)
             if UNIFORM_B:
                 acc_g += tl.dot(a, g) * (a_s * g_s)[:, None]
                 acc_u += tl.dot(a, u) * (a_s * u_s)[:, None]
@@ -184,8 +192,11 @@ def _down_kernel(
             bs_ptrs = ws_ptr + e64 * stride_wse + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_wsn
         else:
             bs_ptrs = ws_ptr + e64 * stride_wse + (offs_n // SCALE_BLOCK) * stride_wsn
+        a_s_next = tl.load(as_ptrs)  # a k-tile ahead, as in the gate/up kernel
+        b_s_next = tl.load(bs_ptrs)
 
-    for kt in range(tl.cdiv(inter, BLOCK_K)):
+    k_tiles = tl.cdiv(inter, BLOCK_K)
+    for kt in range(k_tiles):
         if not EVEN_K:
             k_mask = kt * BLOCK_K + offs_k < inter
         if TMA_A:
@@ -201,8 +212,10 @@ def _down_kernel(
         else:
             b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
         if FP8:
-            a_s = tl.load(as_ptrs + kt * stride_ask)
-            b_s = tl.load(bs_ptrs + kt * stride_wsk)
+            kt_next = tl.minimum(kt + 1, k_tiles - 1)
+            a_s, b_s = a_s_next, b_s_next
+            a_s_next = tl.load(as_ptrs + kt_next * stride_ask)
+            b_s_next = tl.load(bs_ptrs + kt_next * stride_wsk)
             if UNIFORM_B:
                 acc += tl.dot(a, b) * (a_s * b_s)[:, None]
             else:
