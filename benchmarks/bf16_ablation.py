@@ -32,19 +32,19 @@ PARTS = ("attn", "ffn", "head")
 
 
 def run(
-    model, prompt: list[int], steps: int, fed: list[int] | None
+    model, prompt: list[int], steps: int, fed: list[int] | None, device: str = "cpu"
 ) -> tuple[list[int], torch.Tensor]:
     """Prefill, then `steps` decode steps (fed tokens, or greedy); logits [1 + steps, V] fp32."""
     pages = list(range(-(-(len(prompt) + steps + 1) // PAGE)))
     layout = KVCacheLayout.for_model(model.args, PAGE, model.dtype, model.num_mtp)
-    cache = PagedKVCache(layout, len(pages), "cpu")
-    batch = build_forward_batch([SeqChunk(prompt, 0, pages)], PAGE, "cpu", decode=False)
+    cache = PagedKVCache(layout, len(pages), device)
+    batch = build_forward_batch([SeqChunk(prompt, 0, pages)], PAGE, device, decode=False)
     logits = [model.compute_logits(model(batch, cache)[batch.logits_indices])[0]]
     tokens = []
     for i in range(steps):
         tokens.append(fed[i] if fed is not None else int(logits[-1].argmax()))
         batch = build_forward_batch(
-            [SeqChunk([tokens[-1]], len(prompt) + i, pages)], PAGE, "cpu", decode=True
+            [SeqChunk([tokens[-1]], len(prompt) + i, pages)], PAGE, device, decode=True
         )
         logits.append(model.compute_logits(model(batch, cache))[0])
     return tokens, torch.stack(logits)
