@@ -50,6 +50,20 @@ def run(
     return tokens, torch.stack(logits)
 
 
+def cut_checkpoint(directory: str, layers: int) -> Path:
+    """The v2-lite-shape random checkpoint cut to `layers` layers under `directory`, made on first use."""
+    path = Path(directory) / f"v2-lite-shape-{layers}"
+    if not path.exists():
+        make_checkpoint(path, "v2-lite-shape", layers=layers, dtype="bf16")
+    return path
+
+
+def random_prompt(vocab: int, length: int) -> list[int]:
+    """The prompt both scripts feed: token 0, then seeded random ids past the special tokens."""
+    gen = torch.Generator().manual_seed(0)
+    return [0, *torch.randint(3, vocab, (length - 1,), generator=gen).tolist()]
+
+
 def in_dtype(module: torch.nn.Module, dtype: torch.dtype) -> None:
     """Runs `module` in `dtype`: its weights converted (exact from bf16) and its input cast on entry."""
     module.to(dtype)
@@ -72,18 +86,12 @@ def main() -> None:
     fp32 = {p for p in args.fp32.split(",") if p}
     if fp32 - set(PARTS):
         ap.error(f"--fp32: unknown parts {sorted(fp32 - set(PARTS))}; expected {', '.join(PARTS)}")
-    path = Path(args.dir) / f"v2-lite-shape-{args.layers}"
-    if not path.exists():
-        make_checkpoint(path, "v2-lite-shape", layers=args.layers, dtype="bf16")
+    path = cut_checkpoint(args.dir, args.layers)
     start = time.time()
-    gen = torch.Generator().manual_seed(0)
     routes: list[torch.Tensor] = []
     with use_backend("ref"):
         ref = load_model(path, "cpu", torch.float32, progress=False)
-        prompt = [
-            0,
-            *torch.randint(3, ref.args.vocab_size, (args.prompt - 1,), generator=gen).tolist(),
-        ]
+        prompt = random_prompt(ref.args.vocab_size, args.prompt)
         with routing("record", routes):
             tokens, expected = run(ref, prompt, args.steps, None)
         del ref

@@ -20,12 +20,11 @@ import warnings
 from pathlib import Path
 
 import torch
-from bf16_ablation import run
+from bf16_ablation import cut_checkpoint, random_prompt, run
 from test_triton_model import relative_l2, routing  # bf16_ablation puts tests/model on the path
 
 from pdserve.kernels import use_backend
 from pdserve.model.loader import load_model
-from pdserve.model.random_checkpoint import make_checkpoint
 
 
 def pin_hf_routing(model, mode: str, log: list[torch.Tensor]) -> None:
@@ -89,17 +88,13 @@ def main() -> None:
     if args.checkpoint:
         path = Path(args.checkpoint)
     else:
-        path = Path(args.dir) / f"v2-lite-shape-{args.layers}"
-        if not path.exists():
-            make_checkpoint(path, "v2-lite-shape", layers=args.layers, dtype="bf16")
+        path = cut_checkpoint(args.dir, args.layers)
     start = time.time()
-    gen = torch.Generator().manual_seed(0)
     ours_routes: list[torch.Tensor] = []
     with use_backend("ref"):
         ref = load_model(path, device, torch.float32, progress=False)
         layers = ref.args.num_hidden_layers
-        vocab = ref.args.vocab_size
-        prompt = [0, *torch.randint(3, vocab, (args.prompt - 1,), generator=gen).tolist()]
+        prompt = random_prompt(ref.args.vocab_size, args.prompt)
         with routing("record", ours_routes):
             tokens, ours_fp32 = run(ref, prompt, args.steps, None, device)
         del ref
