@@ -288,11 +288,12 @@ def _gemm_config(m: int, k: int, device: torch.device) -> dict:
     return cfg
 
 
-def _fused_quant_work(cfg: dict, n: int, k: int) -> int:
-    """Activation elements a fused-quantization GEMM quantizes over all its programs: each block
-    of BLOCK_N weight rows quantizes the rows' K again. Past the config's fuse_max_work, one
-    quantization beforehand (a launch of about 3 us on an H200) costs less."""
-    return triton.cdiv(n, cfg["BLOCK_N"]) * k
+def _quantize_inside(cfg: dict, n: int, k: int) -> bool:
+    """Whether the GEMM quantizes the activation itself (fuse_quant). Each block of BLOCK_N weight
+    rows then quantizes the rows' K again; past the config's fuse_max_work elements over all
+    blocks, one quantization beforehand (a launch of about 3 us on an H200) costs less."""
+    work = triton.cdiv(n, cfg["BLOCK_N"]) * k
+    return cfg["fuse_quant"] and work <= cfg.get("fuse_max_work", float("inf"))
 
 
 def _check_weight(
@@ -438,9 +439,7 @@ def fp8_gemm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor) ->
     if m == 0:
         return out
     cfg = _gemm_config(m, k, x.device)
-    if cfg["fuse_quant"] and _fused_quant_work(cfg, w_fp8.shape[0], k) <= cfg.get(
-        "fuse_max_work", float("inf")
-    ):
+    if _quantize_inside(cfg, w_fp8.shape[0], k):
         _launch_gemm(x, None, w_fp8, w_scale_inv, out, cfg)
     else:
         x_fp8, x_scales = _quantize(x, ACT_QUANT_GROUP, scale_column_major=True)
