@@ -1,9 +1,10 @@
 """fp8_gemm on DeepSeek-V3 shapes: 8192^3 against cuBLAS's blockwise `F.scaled_mm` (1x128 activation
 groups, 128x128 weight blocks), and the decode projections (M = 64) by weight bandwidth.
 
-Rows: "triton gemm" is the GEMM on pre-quantized activations (what scaled_mm does); "triton
-fp8_gemm" includes the activation quantization (what the model calls). GB/s counts the fp8 weight
-and its scales once; TFLOP/s is 2*M*N*K over the time.
+Rows: "triton gemm" / "triton scaled_gemm" is the GEMM on pre-quantized activations (what scaled_mm
+does, and what the model calls for the down projections, whose input `silu_mul` quantizes); "triton
+fp8_gemm" includes the activation quantization (what the model calls for the other projections).
+GB/s counts the fp8 weight and its scales once; TFLOP/s is 2*M*N*K over the time.
 
 Decode shapes are timed three ways, each side the same way: plain launches; one call replayed from
 a CUDA graph; and per call ("graph of 8"), a graph of BACK_TO_BACK calls on as many distinct
@@ -22,17 +23,21 @@ from _bench import FP8_FLOPS, HBM_BYTES_PER_S, Row, time_graph_ms, time_ms
 from pdserve.kernels.fp8_gemm import ref
 from pdserve.kernels.fp8_gemm import triton as tri
 
-# name: (K, N) of DeepSeek-V3's projections (x @ W^T with W [N, K])
+# name: (K, N) of DeepSeek-V3's projections as the model runs them (x @ W^T with W [N, K]). Projections of
+# one input are stacked (model/deepseek.py's StackedLinear): qkv_a = q_a (1536) + kv_a (576), mlp_w13 = w1 + w3,
+# shared_w13 = the shared expert's w1 + w3.
 DECODE_SHAPES = {
-    "q_a": (7168, 1536),
+    "qkv_a": (7168, 2112),
     "q_b": (1536, 24576),
-    "kv_a": (7168, 576),
     "kv_b": (512, 32768),
     "o": (16384, 7168),
-    "mlp_w1": (7168, 18432),
+    "mlp_w13": (7168, 36864),
     "mlp_w2": (18432, 7168),
-    "shared_w1": (7168, 2048),
+    "shared_w13": (7168, 4096),
+    "shared_w2": (2048, 7168),
 }
+PREQUANTIZED = ("mlp_w2", "shared_w2")
+"""Their input comes quantized from `silu_mul`: the model calls the GEMM alone (`scaled_gemm`)."""
 
 
 BACK_TO_BACK = 8
@@ -64,7 +69,7 @@ def _peer_ms(make, timer=time_ms) -> tuple[str, float | None]:
 
 def run(quick: bool) -> list[Row]:
     rows = _square_rows()
-    shapes = ["q_b", "kv_a", "o", "mlp_w1"] if quick else list(DECODE_SHAPES)
+    shapes = ["q_b", "qkv_a", "o", "mlp_w13"] if quick else list(DECODE_SHAPES)
     for m in (1, 64) if not quick else (64,):
         for name in shapes:
             rows += _decode_rows(name, m)
@@ -111,7 +116,12 @@ def _decode_rows(name: str, m: int) -> list[Row]:
     weights = [_weight(n, k) for _ in range(BACK_TO_BACK)]
     x_fp8, x_s = tri._quantize(x, 128, scale_column_major=True)
     weight_bytes = n * k + weights[0][1].numel() * 4
-    ours = _Calls(functools.partial(tri.fp8_gemm, x, w, s) for w, s in weights)
+    if name in PREQUANTIZED:
+        what = "triton scaled_gemm (fp8 input"
+        ours = _Calls(functools.partial(tri.scaled_gemm, x_fp8, x_s, w, s) for w, s in weights)
+    else:
+        what = "triton fp8_gemm (+quant"
+        ours = _Calls(functools.partial(tri.fp8_gemm, x, w, s) for w, s in weights)
 
     def peers() -> _Calls:
         return _Calls(_cublas_blockwise(x_fp8, x_s, w, s) for w, s in weights)
@@ -127,7 +137,7 @@ def _decode_rows(name: str, m: int) -> list[Row]:
             ms = timer(ours[0])
         gbps = weight_bytes / ms / 1e6
         rows.append(
-            Row("fp8_gemm", f"{name} M={m} {k}->{n}", f"triton fp8_gemm (+quant{how})", ms,
+            Row("fp8_gemm", f"{name} M={m} {k}->{n}", f"{what}{how})", ms,
                 gbps=gbps, ceiling_frac=gbps * 1e9 / HBM_BYTES_PER_S, peer=peer, peer_ms=peer_ms)
         )  # fmt: skip
     return rows

@@ -11,7 +11,7 @@ from ._backend import (
     use_backend,
     use_batch_invariant,
 )
-from .fp8_gemm import dequantize_weight, fp8_gemm, quantize_act, quantize_weight
+from .fp8_gemm import dequantize_weight, fp8_gemm, quantize_act, quantize_weight, scaled_gemm
 from .fused_moe import fused_moe
 from .matmul import head_matmul, linear
 from .mla_decode import mla_decode
@@ -20,6 +20,7 @@ from .moe_route import moe_route
 from .rmsnorm import rmsnorm
 from .rope import rope
 from .sampling import sample
+from .silu_mul import silu_mul
 
 __all__ = [
     "BACKEND_ENV",
@@ -41,6 +42,8 @@ __all__ = [
     "rmsnorm",
     "rope",
     "sample",
+    "scaled_gemm",
+    "silu_mul",
     "use_backend",
     "use_batch_invariant",
 ]

@@ -19,6 +19,16 @@ from .errors import ConfigError
 QUANT_BLOCK = 128
 
 
+def stacked_rows(parts: tuple[int, ...]) -> tuple[int, ...]:
+    """Row offsets of projections of one input stacked into one weight (so one GEMM computes them all): each part
+    starts on a QUANT_BLOCK boundary, so no fp8 scale block spans two parts. Rows between parts stay zero."""
+    offsets, end = [], 0
+    for rows in parts:
+        offsets.append(end)
+        end += -(-rows // QUANT_BLOCK) * QUANT_BLOCK
+    return tuple(offsets)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class YarnScaling:
     """YaRN long-context RoPE scaling."""

@@ -7,8 +7,9 @@ values, causal over the new tokens plus the cached prefix merged by log-sum-exp)
 form (W_UK folded into the query, attention directly over cached latents, W_UV applied after). Both write each new
 token's latent [c_kv | k_pe] into its cache slot first.
 
-Parameter names follow the DeepSeek reference (`wq_a`, `wkv_b`, `ffn`); `weight_names.py` maps checkpoint names to
-them. Weights are allocated empty; the loader or the random-checkpoint maker fills them.
+Parameter names follow the DeepSeek reference (`wq_b`, `wkv_b`, `ffn`), except where projections of one input are
+stacked into one GEMM: `wqkv_a` holds wq_a (or wq) and wkv_a, `w13` holds w1 and w3. `weight_names.py` maps
+checkpoint names to them. Weights are allocated empty; the loader or the random-checkpoint maker fills them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from .args import QUANT_BLOCK, ModelArgs
+from .args import QUANT_BLOCK, ModelArgs, stacked_rows
 from .batch import ForwardBatch
 from .kv_cache import PagedKVCache
 
@@ -59,11 +60,35 @@ class Linear(nn.Module):
         y = kernels.fp8_gemm(x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv)
         return y.view(*x.shape[:-1], self.out_features)
 
+    def forward_quantized(
+        self, x_fp8: torch.Tensor, x_scales: torch.Tensor, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The fp8 product for an input its producer already quantized in 1x128 groups ([T, in_features] e4m3
+        and its scales), without a quantization launch of its own."""
+        return kernels.scaled_gemm(x_fp8, x_scales, self.weight, self.weight_scale_inv, out_dtype)
+
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """W in `dtype` (dequantized when fp8)."""
         if self.weight_scale_inv is None:
             return self.weight.to(dtype)
         return kernels.dequantize_weight(self.weight, self.weight_scale_inv, dtype)
+
+
+class StackedLinear(Linear):
+    """Projections of one input stacked into one weight, so that one GEMM (and one activation quantization)
+    computes them all: `forward` returns each part's output, views into the one product. Parts start on
+    128-row boundaries (`stacked_rows`); the rows between them are zero and their outputs are dropped."""
+
+    def __init__(self, in_features: int, parts: tuple[int, ...], dtype: torch.dtype, fp8: bool):
+        self.offsets = stacked_rows(parts)
+        super().__init__(in_features, self.offsets[-1] + parts[-1], dtype, fp8)
+        self.parts = parts
+        for start, rows, end in zip(self.offsets, parts, self.offsets[1:], strict=False):
+            self.weight.data[start + rows : end].zero_()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        y = super().forward(x)
+        return tuple(y[..., o : o + n] for o, n in zip(self.offsets, self.parts, strict=True))
 
 
 class RMSNorm(nn.Module):
@@ -123,13 +148,14 @@ class MLA(nn.Module):
         def linear(name: str, i: int, o: int) -> Linear:
             return Linear(i, o, dtype, is_fp8(f"{path}.{name}"))
 
-        if self.q_lora_rank is None:
-            self.wq = linear("wq", dim, qk_out)
-        else:
-            self.wq_a = linear("wq_a", dim, self.q_lora_rank)
+        # wq (or wq_a) and wkv_a read the same x: one stacked GEMM
+        q_rows = qk_out if self.q_lora_rank is None else self.q_lora_rank
+        self.wqkv_a = StackedLinear(
+            dim, (q_rows, args.kv_cache_dim), dtype, is_fp8(f"{path}.wqkv_a")
+        )
+        if self.q_lora_rank is not None:
             self.q_norm = RMSNorm(self.q_lora_rank, args.rms_norm_eps, dtype)
             self.wq_b = linear("wq_b", self.q_lora_rank, qk_out)
-        self.wkv_a = linear("wkv_a", dim, args.kv_cache_dim)
         self.kv_norm = RMSNorm(self.kv_lora_rank, args.rms_norm_eps, dtype)
         kv_b_out = self.n_heads * (self.qk_nope_head_dim + self.v_head_dim)
         self.wkv_b = linear("wkv_b", self.kv_lora_rank, kv_b_out)
@@ -140,13 +166,11 @@ class MLA(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, cos_sin: torch.Tensor
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        if self.q_lora_rank is None:
-            q = self.wq(x)
-        else:
-            q = self.wq_b(self.q_norm(self.wq_a(x)))
+        q, kv = self.wqkv_a(x)  # q (or its latent) [T, ...], kv [T, kv_lora + rope]
+        if self.q_lora_rank is not None:
+            q = self.wq_b(self.q_norm(q))
         q = q.view(num_tokens, self.n_heads, -1)  # [T, H, nope + rope]
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        kv = self.wkv_a(x)  # [T, kv_lora + rope]
         c_kv = self.kv_norm(kv[:, : self.kv_lora_rank].contiguous())  # [T, kv_lora]
         k_pe = kv[:, self.kv_lora_rank :].contiguous()  # [T, rope]
         kernels.rope(q_pe, k_pe, batch.positions, cos_sin)
@@ -204,16 +228,19 @@ class MLA(nn.Module):
 
 
 class MLP(nn.Module):
-    """Dense SwiGLU feed-forward (also each shared expert): w2(silu(w1 x) * w3 x)."""
+    """Dense SwiGLU feed-forward (also each shared expert): w2(silu(w1 x) * w3 x), w1 and w3 stacked as w13."""
 
     def __init__(self, dim: int, inter_dim: int, dtype: torch.dtype, is_fp8: IsFp8, path: str):
         super().__init__()
-        self.w1 = Linear(dim, inter_dim, dtype, is_fp8(f"{path}.w1"))
+        self.w13 = StackedLinear(dim, (inter_dim, inter_dim), dtype, is_fp8(f"{path}.w13"))
         self.w2 = Linear(inter_dim, dim, dtype, is_fp8(f"{path}.w2"))
-        self.w3 = Linear(dim, inter_dim, dtype, is_fp8(f"{path}.w3"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w13(x)
+        if self.w2.weight_scale_inv is None:
+            return self.w2(kernels.silu_mul(gate, up))
+        # fp8 down projection: the activation kernel quantizes its output for it
+        return self.w2.forward_quantized(*kernels.silu_mul(gate, up, quant=True), x.dtype)
 
 
 class Gate(nn.Module):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .args import QUANT_BLOCK, ModelArgs
+from .args import QUANT_BLOCK, ModelArgs, stacked_rows
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -30,7 +30,7 @@ class WeightSpec:
     """Module path whose fp8-ness this tensor decides (all tensors with one owner must agree)."""
     expert: int | None = None
     rows: tuple[int, int] | None = None
-    """Row range inside param[expert] (gate rows then up rows of w13)."""
+    """Row range inside the param (or param[expert]) when it stacks several projections (see `stacked`)."""
     is_scale: bool = False
     is_mtp: bool = False
     keep_fp32: bool = False
@@ -58,6 +58,15 @@ def scale_spec(spec: WeightSpec) -> WeightSpec:
     )
 
 
+def stacked(w, param: str, in_dim: int, parts: list[tuple[str, int]]) -> list[WeightSpec]:
+    """Checkpoint tensors `parts` (name, rows) stacked into one Linear `param` at `stacked_rows` offsets."""
+    offsets = stacked_rows(tuple(rows for _, rows in parts))
+    return [
+        w(name, param, (rows, in_dim), True, rows=(start, start + rows))
+        for (name, rows), start in zip(parts, offsets, strict=True)
+    ]
+
+
 def _block(args: ModelArgs, layer: int, ckpt: str, param: str, is_mtp: bool) -> list[WeightSpec]:
     d, h = args.hidden_size, args.num_attention_heads
 
@@ -69,17 +78,23 @@ def _block(args: ModelArgs, layer: int, ckpt: str, param: str, is_mtp: bool) -> 
 
     specs = [w("input_layernorm.weight", "attn_norm.weight", (d,))]
     a = "self_attn"
-    if args.q_lora_rank is None:
-        specs.append(w(f"{a}.q_proj.weight", "attn.wq.weight", (h * args.qk_head_dim, d), True))
-    else:
+    q_name, q_rows = (
+        ("q_proj", h * args.qk_head_dim) if args.q_lora_rank is None
+        else ("q_a_proj", args.q_lora_rank)
+    )  # fmt: skip
+    q_spec, kv_a_spec = stacked(
+        w, "attn.wqkv_a.weight", d,
+        [(f"{a}.{q_name}.weight", q_rows), (f"{a}.kv_a_proj_with_mqa.weight", args.kv_cache_dim)],
+    )  # fmt: skip
+    specs.append(q_spec)
+    if args.q_lora_rank is not None:
         r = args.q_lora_rank
         specs += [
-            w(f"{a}.q_a_proj.weight", "attn.wq_a.weight", (r, d), True),
             w(f"{a}.q_a_layernorm.weight", "attn.q_norm.weight", (r,)),
             w(f"{a}.q_b_proj.weight", "attn.wq_b.weight", (h * args.qk_head_dim, r), True),
         ]
     specs += [
-        w(f"{a}.kv_a_proj_with_mqa.weight", "attn.wkv_a.weight", (args.kv_cache_dim, d), True),
+        kv_a_spec,
         w(f"{a}.kv_a_layernorm.weight", "attn.kv_norm.weight", (args.kv_lora_rank,)),
         w(
             f"{a}.kv_b_proj.weight",
@@ -93,8 +108,9 @@ def _block(args: ModelArgs, layer: int, ckpt: str, param: str, is_mtp: bool) -> 
     if not args.is_moe_layer(layer):
         i = args.intermediate_size
         return specs + [
-            w("mlp.gate_proj.weight", "ffn.w1.weight", (i, d), True),
-            w("mlp.up_proj.weight", "ffn.w3.weight", (i, d), True),
+            *stacked(
+                w, "ffn.w13.weight", d, [("mlp.gate_proj.weight", i), ("mlp.up_proj.weight", i)]
+            ),
             w("mlp.down_proj.weight", "ffn.w2.weight", (d, i), True),
         ]
     e, i = args.n_routed_experts, args.moe_intermediate_size
@@ -128,10 +144,15 @@ def _block(args: ModelArgs, layer: int, ckpt: str, param: str, is_mtp: bool) -> 
         ]
     if args.n_shared_experts:
         si = i * args.n_shared_experts
+        p = "mlp.shared_experts"
         specs += [
-            w("mlp.shared_experts.gate_proj.weight", "ffn.shared_experts.w1.weight", (si, d), True),
-            w("mlp.shared_experts.up_proj.weight", "ffn.shared_experts.w3.weight", (si, d), True),
-            w("mlp.shared_experts.down_proj.weight", "ffn.shared_experts.w2.weight", (d, si), True),
+            *stacked(
+                w,
+                "ffn.shared_experts.w13.weight",
+                d,
+                [(f"{p}.gate_proj.weight", si), (f"{p}.up_proj.weight", si)],
+            ),  # fmt: skip
+            w(f"{p}.down_proj.weight", "ffn.shared_experts.w2.weight", (d, si), True),
         ]
     return specs
 

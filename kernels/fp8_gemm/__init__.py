@@ -20,6 +20,19 @@ def fp8_gemm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor) ->
     return implementation(__name__, x).fp8_gemm(x, w_fp8, w_scale_inv)
 
 
+def scaled_gemm(
+    x_fp8: torch.Tensor,
+    x_scales: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """See `ref.scaled_gemm` for the contract."""
+    return implementation(__name__, x_fp8).scaled_gemm(
+        x_fp8, x_scales, w_fp8, w_scale_inv, out_dtype
+    )
+
+
 def quantize_act(x: torch.Tensor, group_size: int = ACT_QUANT_GROUP):
     """See `ref.quantize_act` for the contract."""
     return implementation(__name__, x).quantize_act(x, group_size)
@@ -34,4 +47,5 @@ __all__ = [
     "fp8_gemm",
     "quantize_act",
     "quantize_weight",
+    "scaled_gemm",
 ]

@@ -65,8 +65,27 @@ def dequantize_weight(
     return (w_fp8.float() * scales[..., :n, :k]).to(dtype)
 
 
+def scaled_gemm(
+    x_fp8: torch.Tensor,
+    x_scales: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The GEMM alone, on an activation already quantized (`quantize_act`'s output): x_fp8 [M, K] e4m3 with
+    x_scales [M, ceil(K/128)] fp32 (any strides); w_fp8 [N, K] with w_scale_inv [ceil(N/128), ceil(K/128)].
+    Returns [M, N] in out_dtype."""
+    if x_fp8.dim() != 2 or x_fp8.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"x_fp8: expected 2-D e4m3, got {x_fp8.dtype} {tuple(x_fp8.shape)}")
+    want = (x_fp8.shape[0], _ceil_div(x_fp8.shape[1], ACT_QUANT_GROUP))
+    if x_scales.dtype != torch.float32 or tuple(x_scales.shape) != want:
+        got = f"{x_scales.dtype} {tuple(x_scales.shape)}"
+        raise ValueError(f"x_scales: expected fp32 {want}, got {got}")
+    out = dequantize_act(x_fp8, x_scales) @ dequantize_weight(w_fp8, w_scale_inv).t()
+    return out.to(out_dtype)
+
+
 def fp8_gemm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor) -> torch.Tensor:
     """x: [M, K] float; w_fp8: [N, K] e4m3; w_scale_inv: [ceil(N/128), ceil(K/128)]. Returns [M, N] in x's dtype."""
     x_fp8, x_scales = quantize_act(x)
-    out = dequantize_act(x_fp8, x_scales) @ dequantize_weight(w_fp8, w_scale_inv).t()
-    return out.to(x.dtype)
+    return scaled_gemm(x_fp8, x_scales, w_fp8, w_scale_inv, x.dtype)

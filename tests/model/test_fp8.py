@@ -19,11 +19,11 @@ def test_fp8_weights_dequantize_to_their_source(checkpoint):
     )  # same seed: the unquantized values
     pairs = {
         "wq_b": (fp8.layers[0].attn.wq_b, source.layers[0].attn.wq_b.weight),
-        "wkv_a": (fp8.layers[1].attn.wkv_a, source.layers[1].attn.wkv_a.weight),
+        "wqkv_a": (fp8.layers[1].attn.wqkv_a, source.layers[1].attn.wqkv_a.weight),
         "dense w2": (fp8.layers[0].ffn.w2, source.layers[0].ffn.w2.weight),
-        "shared w1": (
-            fp8.layers[1].ffn.shared_experts.w1,
-            source.layers[1].ffn.shared_experts.w1.weight,
+        "shared w13": (
+            fp8.layers[1].ffn.shared_experts.w13,
+            source.layers[1].ffn.shared_experts.w13.weight,
         ),
     }
     checked = 0
