@@ -2,7 +2,7 @@
 groups, 128x128 weight blocks), and the decode projections (M = 64) by weight bandwidth.
 
 Rows: "triton gemm" / "triton scaled_gemm" is the GEMM on pre-quantized activations (what scaled_mm
-does, and what the model calls for the down projections, whose input `silu_mul` quantizes); "triton
+does, and what the model calls where the input's producer quantizes it, see PREQUANTIZED); "triton
 fp8_gemm" includes the activation quantization (what the model calls for the other projections).
 GB/s counts the fp8 weight and its scales once; TFLOP/s is 2*M*N*K over the time.
 
@@ -36,8 +36,9 @@ DECODE_SHAPES = {
     "shared_w13": (7168, 4096),
     "shared_w2": (2048, 7168),
 }
-PREQUANTIZED = ("mlp_w2", "shared_w2")
-"""Their input comes quantized from `silu_mul`: the model calls the GEMM alone (`scaled_gemm`)."""
+PREQUANTIZED = ("qkv_a", "q_b", "mlp_w13", "mlp_w2", "shared_w2")
+"""In an fp8 model their input comes quantized from its producer (`rmsnorm` / `silu_mul` with quant=True): the
+model calls the GEMM alone (`scaled_gemm`). o, kv_b and shared_w13 quantize their input themselves."""
 
 
 BACK_TO_BACK = 8

@@ -40,7 +40,7 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, fp8: bool = False):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.out_dtype = in_features, out_features, dtype
         weight_dtype = torch.float8_e4m3fn if fp8 else dtype
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=weight_dtype), False
@@ -54,18 +54,19 @@ class Linear(nn.Module):
         else:
             self.register_parameter("weight_scale_inv", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_scale_inv is None:
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight_scale_inv is not None
+
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [..., in_features], or for an fp8 weight the pair (x_fp8 [T, in_features], scales) its producer
+        quantized in 1x128 groups (`rmsnorm` / `silu_mul` with quant=True): then no quantization of its own."""
+        if isinstance(x, tuple):
+            return kernels.scaled_gemm(*x, self.weight, self.weight_scale_inv, self.out_dtype)
+        if not self.is_fp8:
             return kernels.linear(x, self.weight)
         y = kernels.fp8_gemm(x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv)
         return y.view(*x.shape[:-1], self.out_features)
-
-    def forward_quantized(
-        self, x_fp8: torch.Tensor, x_scales: torch.Tensor, out_dtype: torch.dtype
-    ) -> torch.Tensor:
-        """The fp8 product for an input its producer already quantized in 1x128 groups ([T, in_features] e4m3
-        and its scales), without a quantization launch of its own."""
-        return kernels.scaled_gemm(x_fp8, x_scales, self.weight, self.weight_scale_inv, out_dtype)
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """W in `dtype` (dequantized when fp8)."""
@@ -86,7 +87,7 @@ class StackedLinear(Linear):
         for start, rows, end in zip(self.offsets, parts, self.offsets[1:], strict=False):
             self.weight.data[start + rows : end].zero_()
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(self, x) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         y = super().forward(x)
         return tuple(y[..., o : o + n] for o, n in zip(self.offsets, self.parts, strict=True))
 
@@ -97,8 +98,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return kernels.rmsnorm(x, self.weight, self.eps, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, quant: bool = False):
+        """quant: the output quantized for an fp8 Linear, (x_fp8, scales) in place of the tensor."""
+        return kernels.rmsnorm(x, self.weight, self.eps, residual, quant)
 
 
 def rope_cos_sin(args: ModelArgs, device: torch.device | str | None = None) -> torch.Tensor:
@@ -165,10 +167,11 @@ class MLA(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, cos_sin: torch.Tensor
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
+        """x: [T, D], or (x_fp8, scales) from attn_norm for an fp8 wqkv_a."""
         q, kv = self.wqkv_a(x)  # q (or its latent) [T, ...], kv [T, kv_lora + rope]
+        num_tokens = q.shape[0]
         if self.q_lora_rank is not None:
-            q = self.wq_b(self.q_norm(q))
+            q = self.wq_b(self.q_norm(q, quant=self.wq_b.is_fp8))
         q = q.view(num_tokens, self.n_heads, -1)  # [T, H, nope + rope]
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_norm(kv[:, : self.kv_lora_rank].contiguous())  # [T, kv_lora]
@@ -235,12 +238,11 @@ class MLP(nn.Module):
         self.w13 = StackedLinear(dim, (inter_dim, inter_dim), dtype, is_fp8(f"{path}.w13"))
         self.w2 = Linear(inter_dim, dim, dtype, is_fp8(f"{path}.w2"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x) -> torch.Tensor:
+        """x: [T, D], or (x_fp8, scales) from ffn_norm for an fp8 w13."""
         gate, up = self.w13(x)
-        if self.w2.weight_scale_inv is None:
-            return self.w2(kernels.silu_mul(gate, up))
-        # fp8 down projection: the activation kernel quantizes its output for it
-        return self.w2.forward_quantized(*kernels.silu_mul(gate, up, quant=True), x.dtype)
+        # an fp8 down projection takes the activation quantized by silu_mul
+        return self.w2(kernels.silu_mul(gate, up, quant=self.w2.is_fp8))
 
 
 class Gate(nn.Module):
@@ -328,12 +330,15 @@ class Block(nn.Module):
             self.ffn = MLP(args.hidden_size, args.intermediate_size, dtype, is_fp8, f"{path}.ffn")
 
     def forward(self, x, residual, batch: ForwardBatch, cache: PagedKVCache, cos_sin):
+        # A norm whose only reader is an fp8 projection hands it its output quantized (no launch of its own).
+        quant_attn = self.attn.wqkv_a.is_fp8
+        quant_ffn = isinstance(self.ffn, MLP) and self.ffn.w13.is_fp8
         if residual is None:
-            residual, h = x.float(), self.attn_norm(x)
+            residual, h = x.float(), self.attn_norm(x, quant=quant_attn)
         else:
-            h, residual = self.attn_norm(x, residual)
+            h, residual = self.attn_norm(x, residual, quant_attn)
         h = self.attn(h, batch, cache, cos_sin)
-        h, residual = self.ffn_norm(h, residual)
+        h, residual = self.ffn_norm(h, residual, quant_ffn)
         return self.ffn(h), residual
 
 

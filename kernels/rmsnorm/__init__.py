@@ -8,10 +8,14 @@ from .._backend import implementation
 
 
 def rmsnorm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    quant: bool = False,
+):
     """See `ref.rmsnorm` for the contract."""
-    return implementation(__name__, x).rmsnorm(x, weight, eps, residual)
+    return implementation(__name__, x).rmsnorm(x, weight, eps, residual, quant)
 
 
 __all__ = ["rmsnorm"]

@@ -4,18 +4,28 @@ Normalises in fp32, casts back to the input dtype, then scales by `weight` (the 
 DeepSeek reference use). With `residual`, first adds it: the sum is both normalised and returned as the new residual.
 The residual may be fp32 while x is bf16/fp16 (the model keeps its residual stream in fp32): the sum is formed in
 fp32, kept in the residual's dtype, and the output is in x's dtype.
+
+With `quant`, the output (rounded to x's dtype as above) comes quantized to e4m3 in 1x128 groups exactly as
+`fp8_gemm.quantize_act` does, for an fp8 projection that takes it as it is (`fp8_gemm.scaled_gemm`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..fp8_gemm.ref import quantize_act
+
 
 def rmsnorm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    quant: bool = False,
+):
     """x, residual: [T, D]; weight: [D]. Returns out [T, D] in x's dtype, or (out, x + residual) when residual is
-    given (the sum in the residual's dtype)."""
+    given (the sum in the residual's dtype). With `quant`, out is the pair (out_fp8 [T, D] e4m3, scales
+    [T, ceil(D/128)] fp32); x must then be 2-D."""
     if residual is not None:
         residual = (x.float() + residual.float()).to(residual.dtype)
         h = residual.float()
@@ -23,4 +33,8 @@ def rmsnorm(
         h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     out = (weight * h.to(x.dtype)).to(x.dtype)
+    if quant:
+        if out.dim() != 2:
+            raise ValueError(f"rmsnorm: quant needs x [T, D], got {tuple(x.shape)}")
+        out = quantize_act(out)
     return out if residual is None else (out, residual)

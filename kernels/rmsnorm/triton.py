@@ -6,6 +6,10 @@ the new residual, and normalised in fp32. The normalised value is rounded to x's
 is done in fp32 and rounded again, exactly as `weight * h.to(x.dtype)` does in torch. Any leading
 shape is accepted; rows may have any stride, the last dim must be contiguous (it is for every caller
 in the model).
+
+With `quant` the program quantizes its output row (already rounded to x's dtype) in 1x128 groups with the fp8
+GEMMs' own `quantize_tile` and stores e4m3 values and one fp32 scale per group, the scales as an [T, G] view of
+[G, T] storage (the layout the fp8 GEMM loads fastest).
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ import triton
 import triton.language as tl
 
 from .. import tuning
+from .._backend import interpreter_enabled
+from ..fp8_gemm._quant import quantize_tile
+from ..fp8_gemm.ref import _MIN_AMAX, ACT_QUANT_GROUP, FP8_E4M3_MAX
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -34,10 +41,12 @@ tuning.register(
 
 @triton.jit
 def _rmsnorm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr,
     num_rows, dim, eps,
-    stride_x, stride_res, stride_out, stride_res_out,
+    stride_x, stride_res, stride_out, stride_res_out, stride_sg,
     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+    QUANT: tl.constexpr, GROUP: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, EXACT_CAST: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     offs_d = tl.arange(0, BLOCK_D)
@@ -56,16 +65,28 @@ def _rmsnorm_kernel(
             else:
                 h = x.to(tl.float32)
             rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / dim + eps)
-            h = (h * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-            out = (w * h).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + row64 * stride_out + offs_d, out, mask=mask_d)
+            h = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+            out = (w * h).to(x_ptr.dtype.element_ty)
+            if QUANT:
+                groups = tl.reshape(out.to(tl.float32), [BLOCK_D // GROUP, GROUP])
+                q, scale = quantize_tile(groups, FP8_MAX, MIN_AMAX, EXACT_CAST)
+                offs_g = tl.arange(0, BLOCK_D // GROUP)
+                offs = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+                tl.store(out_ptr + row64 * stride_out + offs, q, mask=offs < dim)
+                tl.store(scale_ptr + row64 + offs_g * stride_sg, scale, mask=offs_g * GROUP < dim)
+            else:
+                tl.store(out_ptr + row64 * stride_out + offs_d, out, mask=mask_d)
 
 
 def rmsnorm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    quant: bool = False,
+):
     """x, residual: [..., D]; weight: [D]. Returns out (x's dtype and shape), or (out, x +
-    residual)."""
+    residual). With `quant` (x [T, D] only), out is (out_fp8 [T, D] e4m3, scales [T, ceil(D/128)])."""
     if x.dim() < 1 or x.dtype not in _FLOAT_DTYPES:
         raise ValueError(
             f"rmsnorm: x must be a float tensor [..., D], got {x.dtype} {tuple(x.shape)}"
@@ -86,25 +107,38 @@ def rmsnorm(
             f"rmsnorm: residual must match x ({x.dtype} or float32, {tuple(x.shape)} on {x.device}), "
             f"got {residual.dtype} {tuple(residual.shape)} on {residual.device}"
         )
+    if quant and x.dim() != 2:
+        raise ValueError(f"rmsnorm: quant needs x [T, D], got {tuple(x.shape)}")
     x2 = _rows(x)  # [N, D]
     res2 = _rows(residual) if residual is not None else x2
     weight = weight.contiguous()
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    res_out = torch.empty_like(out, dtype=residual.dtype) if residual is not None else out
-    out2, res_out2 = out.view(-1, dim), res_out.view(-1, dim)
     num_rows = x2.shape[0]
+    if quant:
+        out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        num_groups = triton.cdiv(dim, ACT_QUANT_GROUP)
+        scales = torch.empty((num_groups, num_rows), dtype=torch.float32, device=x.device).t()
+    else:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        scales = torch.empty((1, 1), dtype=torch.float32, device=x.device)  # unread
+    res_out = (
+        torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual is not None else out
+    )
+    out2, res_out2 = out.view(-1, dim), res_out.view(-1, dim)
+    result = (out, scales) if quant else out
     if num_rows == 0 or dim == 0:
-        return out if residual is None else (out, res_out)
+        return result if residual is None else (result, res_out)
     block_d = triton.next_power_of_2(dim)
     cfg = tuning.lookup("rmsnorm", f"d={block_d}", x.device)
     rows = cfg["ROWS"]
     _rmsnorm_kernel[(triton.cdiv(num_rows, rows),)](
-        x2, res2, weight, out2, res_out2,
+        x2, res2, weight, out2, res_out2, scales,
         num_rows, dim, eps,
-        x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK_D=block_d, ROWS=rows, num_warps=cfg["num_warps"],
+        x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0), scales.stride(1),
+        HAS_RESIDUAL=residual is not None, BLOCK_D=max(block_d, ACT_QUANT_GROUP) if quant else block_d, ROWS=rows,
+        QUANT=quant, GROUP=ACT_QUANT_GROUP, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
+        EXACT_CAST=interpreter_enabled(), num_warps=cfg["num_warps"],
     )  # fmt: skip
-    return out if residual is None else (out, res_out)
+    return result if residual is None else (result, res_out)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -42,3 +42,25 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     if not torch.isfinite(a).all():
         return float("inf")
     return ((a - e).norm() / e.norm().clamp_min(1e-30)).item()
+
+
+E4M3_HALF_STEP = 2.0**-4
+"""Half the spacing of e4m3 normals relative to the value (3 mantissa bits)."""
+
+
+def assert_quantized_close(got, want, value: torch.Tensor, tol: float) -> None:
+    """got, want: (x_fp8, scales) of 1x128-group quantizations of `value` (the unquantized result,
+    [T, D]), ours and the reference's. The scales within `tol` (+ an fp32 ulp) relative (the amax of
+    values computed within `tol`); each dequantized value within half an e4m3 step of `value` plus
+    `tol`; at most 1% of the fp8 codes differ from the reference's (values within `tol` of a tie)."""
+    (got_q, got_scales), (want_q, want_scales) = got, want
+    assert got_q.dtype == torch.float8_e4m3fn and got_q.shape == value.shape
+    assert got_scales.shape == want_scales.shape == (value.shape[0], -(-value.shape[1] // 128))
+    # plus an fp32 ulp for the division by 448
+    torch.testing.assert_close(got_scales, want_scales, rtol=tol + 2.0**-23, atol=0)
+    scale = got_scales.repeat_interleave(128, dim=-1)[:, : value.shape[1]]
+    got_value = got_q.float() * scale
+    value = value.float()
+    bound = (E4M3_HALF_STEP + tol) * value.abs() + scale * (2.0**-9 + tol)
+    assert (got_value - value).abs().le(bound).all()
+    assert (got_q.float() != want_q.float()).float().mean().item() < 0.01

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _decode_check import DEVICE, poisoned_empty
+from _decode_check import DEVICE, assert_quantized_close, poisoned_empty
 
 from pdserve.kernels.rmsnorm import ref
 from pdserve.kernels.rmsnorm import triton as tri
@@ -56,6 +56,27 @@ def test_rmsnorm_matches_ref(rows: int, dim: int, dtype: torch.dtype, residual_k
         assert torch.equal(got[1], expected[1])
 
 
+@pytest.mark.parametrize("residual_kind", ["none", "fp32"])
+@pytest.mark.parametrize("rows,dim,dtype", CASES)
+def test_rmsnorm_quantized_matches_ref(
+    rows: int, dim: int, dtype: torch.dtype, residual_kind: str
+) -> None:
+    """The output quantized for an fp8 projection (as the model's attention and dense FFN norms run in fp8
+    checkpoints): the reference's quantization of its own output, within the rounding of that output."""
+    torch.manual_seed(rows + dim)
+    x = (torch.randn(rows, dim + 24, device=DEVICE) * 3).to(dtype)[:, :dim]
+    weight = (1 + 0.1 * torch.randn(dim, device=DEVICE)).to(dtype)
+    residual = torch.randn(rows, dim, device=DEVICE) if residual_kind == "fp32" else None
+    value = ref.rmsnorm(x, weight, 1e-6, residual)
+    want = ref.rmsnorm(x, weight, 1e-6, residual, quant=True)
+    with poisoned_empty():
+        got = tri.rmsnorm(x, weight, 1e-6, residual, quant=True)
+    if residual is not None:
+        assert torch.equal(got[1], want[1])
+        value, want, got = value[0], want[0], got[0]
+    assert_quantized_close(got, want, value, 2 * ULP[dtype])
+
+
 def test_rmsnorm_leading_dims_and_fp32_weight() -> None:
     x = torch.randn(2, 3, 64, device=DEVICE, dtype=torch.float16)
     weight = torch.randn(64, device=DEVICE)  # fp32 weight with fp16 activations
@@ -72,3 +93,5 @@ def test_rmsnorm_rejects_bad_inputs() -> None:
         tri.rmsnorm(x, torch.ones(32, device=DEVICE), 1e-6, torch.randn(4, 32, dtype=torch.float16))
     with pytest.raises(ValueError, match="float"):
         tri.rmsnorm(x.int(), torch.ones(32, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="quant needs x"):
+        tri.rmsnorm(x[None], torch.ones(32, device=DEVICE), 1e-6, quant=True)
