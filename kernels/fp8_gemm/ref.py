@@ -65,6 +65,16 @@ def dequantize_weight(
     return (w_fp8.float() * scales[..., :n, :k]).to(dtype)
 
 
+def check_quantized_act(x_fp8: torch.Tensor, x_scales: torch.Tensor) -> None:
+    """x_fp8 [M, K] e4m3 with x_scales [M, ceil(K/128)] fp32, as `quantize_act` returns them."""
+    if x_fp8.dim() != 2 or x_fp8.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"x_fp8: expected 2-D e4m3, got {x_fp8.dtype} {tuple(x_fp8.shape)}")
+    want = (x_fp8.shape[0], _ceil_div(x_fp8.shape[1], ACT_QUANT_GROUP))
+    if x_scales.dtype != torch.float32 or tuple(x_scales.shape) != want:
+        got = f"{x_scales.dtype} {tuple(x_scales.shape)}"
+        raise ValueError(f"x_scales: expected fp32 {want}, got {got}")
+
+
 def scaled_gemm(
     x_fp8: torch.Tensor,
     x_scales: torch.Tensor,
@@ -75,12 +85,7 @@ def scaled_gemm(
     """The GEMM alone, on an activation already quantized (`quantize_act`'s output): x_fp8 [M, K] e4m3 with
     x_scales [M, ceil(K/128)] fp32 (any strides); w_fp8 [N, K] with w_scale_inv [ceil(N/128), ceil(K/128)].
     Returns [M, N] in out_dtype."""
-    if x_fp8.dim() != 2 or x_fp8.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"x_fp8: expected 2-D e4m3, got {x_fp8.dtype} {tuple(x_fp8.shape)}")
-    want = (x_fp8.shape[0], _ceil_div(x_fp8.shape[1], ACT_QUANT_GROUP))
-    if x_scales.dtype != torch.float32 or tuple(x_scales.shape) != want:
-        got = f"{x_scales.dtype} {tuple(x_scales.shape)}"
-        raise ValueError(f"x_scales: expected fp32 {want}, got {got}")
+    check_quantized_act(x_fp8, x_scales)
     out = dequantize_act(x_fp8, x_scales) @ dequantize_weight(w_fp8, w_scale_inv).t()
     return out.to(out_dtype)
 

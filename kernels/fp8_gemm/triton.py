@@ -27,7 +27,7 @@ from .._backend import interpreter_enabled, invariant_phase, tma_ok
 from . import _splitk, gemv, gluon_sm90
 from ._quant import quantize_tile
 from ._tiles import tile_of
-from .ref import ACT_QUANT_GROUP, FP8_E4M3_MAX, WEIGHT_QUANT_BLOCK
+from .ref import ACT_QUANT_GROUP, FP8_E4M3_MAX, WEIGHT_QUANT_BLOCK, check_quantized_act
 
 _MIN_AMAX = 1e-12
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -413,14 +413,9 @@ def scaled_gemm(
     """The GEMM alone: x_fp8 [M, K] e4m3 with x_scales [M, ceil(K/128)] fp32 (any strides;
     column-major loads fastest), w_fp8 [N, K] with w_scale_inv [ceil(N/128), ceil(K/128)].
     Returns [M, N] in out_dtype."""
-    if x_fp8.dim() != 2 or x_fp8.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"x_fp8: expected 2-D e4m3, got {x_fp8.dtype} {tuple(x_fp8.shape)}")
+    check_quantized_act(x_fp8, x_scales)
     m, k = x_fp8.shape
     _check_weight(w_fp8, w_scale_inv, k, x_fp8.device)
-    want = (m, triton.cdiv(k, ACT_QUANT_GROUP))
-    if x_scales.dtype != torch.float32 or tuple(x_scales.shape) != want:
-        got = f"{x_scales.dtype} {tuple(x_scales.shape)}"
-        raise ValueError(f"x_scales: expected fp32 {want}, got {got}")
     out = torch.empty((m, w_fp8.shape[0]), dtype=out_dtype, device=x_fp8.device)
     if m == 0:
         return out
