@@ -10,7 +10,7 @@ import importlib
 
 import torch
 
-from .._backend import backend_for, batch_invariant
+from .._backend import backend_for, batch_invariant, implementation
 
 
 def _impl(x: torch.Tensor):
@@ -23,8 +23,11 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _impl(x).linear(x, w)
 
 
-def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """See `ref.head_matmul` for the contract."""
+def head_matmul(x: torch.Tensor, w: torch.Tensor, quant: bool = False):
+    """See `ref.head_matmul` for the contract. Quantized, it runs in Triton wherever the dispatcher picks
+    Triton (the product and the quantization in one kernel), in torch otherwise."""
+    if quant:
+        return implementation(__name__, x).head_matmul(x, w, quant=True)
     return _impl(x).head_matmul(x, w)
 
 

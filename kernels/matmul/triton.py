@@ -103,11 +103,15 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], w.shape[0])
 
 
-def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, H, K], w [H, K, N] -> [T, H, N] (see ref.head_matmul)."""
+def head_matmul(x: torch.Tensor, w: torch.Tensor, quant: bool = False):
+    """x [T, H, K], w [H, K, N] -> [T, H, N], or quantized (see ref.head_matmul)."""
     _check(x, w, "head_matmul")
     if x.dim() != 3 or w.dim() != 3 or x.shape[1] != w.shape[0] or x.shape[2] != w.shape[1]:
         raise ValueError(f"head_matmul: x {tuple(x.shape)} and w {tuple(w.shape)} do not chain")
+    if quant:
+        from .head_quant import head_matmul_quant
+
+        return head_matmul_quant(x, w)
     out = torch.empty(x.shape[0], x.shape[1], w.shape[2], dtype=x.dtype, device=x.device)
     _matmul(x.transpose(0, 1), w, out.transpose(0, 1))
     return out

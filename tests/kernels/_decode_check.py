@@ -48,11 +48,14 @@ E4M3_HALF_STEP = 2.0**-4
 """Half the spacing of e4m3 normals relative to the value (3 mantissa bits)."""
 
 
-def assert_quantized_close(got, want, value: torch.Tensor, tol: float) -> None:
+def assert_quantized_close(
+    got, want, value: torch.Tensor, tol: float, max_code_mismatch: float = 0.01
+) -> None:
     """got, want: (x_fp8, scales) of 1x128-group quantizations of `value` (the unquantized result,
     [T, D]), ours and the reference's. The scales within `tol` (+ an fp32 ulp) relative (the amax of
     values computed within `tol`); each dequantized value within half an e4m3 step of `value` plus
-    `tol`; at most 1% of the fp8 codes differ from the reference's (values within `tol` of a tie)."""
+    `tol`; at most `max_code_mismatch` of the fp8 codes differ from the reference's (values within
+    `tol` of a rounding boundary)."""
     (got_q, got_scales), (want_q, want_scales) = got, want
     assert got_q.dtype == torch.float8_e4m3fn and got_q.shape == value.shape
     assert got_scales.shape == want_scales.shape == (value.shape[0], -(-value.shape[1] // 128))
@@ -63,4 +66,4 @@ def assert_quantized_close(got, want, value: torch.Tensor, tol: float) -> None:
     value = value.float()
     bound = (E4M3_HALF_STEP + tol) * value.abs() + scale * (2.0**-9 + tol)
     assert (got_value - value).abs().le(bound).all()
-    assert (got_q.float() != want_q.float()).float().mean().item() < 0.01
+    assert (got_q.float() != want_q.float()).float().mean().item() <= max_code_mismatch

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _decode_check import DEVICE, poisoned_empty
+from _decode_check import DEVICE, assert_quantized_close, poisoned_empty
 
 from pdserve.kernels import forward_phase, use_batch_invariant
 from pdserve.kernels.matmul import ref
@@ -81,6 +81,43 @@ def test_head_matmul_matches_torch(t, h, k, n, transposed, dtype, phase) -> None
     assert torch.equal(tri.head_matmul(x[t // 2 :], w), got[t // 2 :])
 
 
+QUANT_CASES = [
+    pytest.param(9, 3, 40, 128, False, torch.float32, id="9x3x40x128-f32"),
+    pytest.param(5, 2, 96, 256, True, torch.float16, id="5x2x96x256-t-f16"),
+    pytest.param(1, 4, 64, 128, True, torch.float32, id="1x4x64x128-t-f32"),
+    pytest.param(
+        64, 128, 512, 128, True, torch.bfloat16, marks=pytest.mark.gpu, id="v-absorb-64-bf16"
+    ),
+    pytest.param(
+        1, 128, 512, 128, True, torch.bfloat16, marks=pytest.mark.gpu, id="v-absorb-1-bf16"
+    ),
+    pytest.param(
+        100, 16, 512, 128, True, torch.bfloat16, marks=pytest.mark.gpu, id="v-absorb-tp8-bf16"
+    ),
+]
+
+
+@pytest.mark.parametrize("t,h,k,n,transposed,dtype", QUANT_CASES)
+def test_head_matmul_quantized_matches_torch(t, h, k, n, transposed, dtype) -> None:
+    """Quantized for the fp8 o projection (W_UV's product in the absorbed decode): the reference's
+    quantize_act of the product as [T, H * N], within the rounding of the product itself (summed in
+    another order, a bf16 product differs by an ulp in places, and a few of those cross an e4m3 rounding
+    boundary: up to 5% of the codes). The product takes no split of K, so a row's codes are the same
+    in any batch."""
+    torch.manual_seed(t + h + k)
+    x = torch.randn(t, h, k, device=DEVICE).to(dtype)
+    w = (torch.randn(h, n, k, device=DEVICE) / k**0.5).to(dtype)
+    w = w.transpose(1, 2) if transposed else w.reshape(h, k, n)
+    value = ref.head_matmul(x.float(), w.float()).to(dtype).reshape(t, h * n)
+    with poisoned_empty():
+        got = tri.head_matmul(x, w, quant=True)
+    want = ref.head_matmul(x, w, quant=True)
+    assert_quantized_close(got, want, value, 4 * ULP[dtype], max_code_mismatch=0.05)
+    part_q, part_s = tri.head_matmul(x[t // 2 :], w, quant=True)
+    assert torch.equal(part_q.view(torch.uint8), got[0][t // 2 :].view(torch.uint8))
+    assert torch.equal(part_s, got[1][t // 2 :])
+
+
 def test_bad_inputs_are_named() -> None:
     x = torch.randn(3, 8, device=DEVICE)
     with pytest.raises(ValueError, match="do not chain"):
@@ -88,3 +125,7 @@ def test_bad_inputs_are_named() -> None:
     with pytest.raises(ValueError, match="one float dtype"):
         tri.linear(x, torch.randn(4, 8, device=DEVICE).half())
     assert tri.linear(x[:0], torch.randn(4, 8, device=DEVICE)).shape == (0, 4)
+    heads = torch.randn(2, 3, 8, device=DEVICE)
+    for impl in (tri, ref):
+        with pytest.raises(ValueError, match="multiple of 128"):
+            impl.head_matmul(heads, torch.randn(3, 8, 64, device=DEVICE), quant=True)

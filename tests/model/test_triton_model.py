@@ -137,14 +137,17 @@ def test_v2_lite_shape_triton_bf16_matches_fp32_reference(tmp_path):
 
 @pytest.mark.gpu
 def test_tiny_fp8_triton_matches_torch_reference_kernels(tmp_path):
-    """The fp8 checkpoint through the Triton path (norms and silu_mul quantizing for the fp8 projections,
-    stacked GEMMs on their output) against the torch reference kernels on the same bf16 model, routing and
+    """The fp8 checkpoint through the Triton path (norms, silu_mul and W_UV's product quantizing for the fp8
+    projections, stacked GEMMs on their output) against the torch reference kernels on the same bf16 model, routing and
     tokens pinned to the reference run. Both quantize activations at the same points, but where the two
     bf16 values before a quantization differ, some land on the other side of an e4m3 rounding boundary and
     move by a whole e4m3 step (12.5%): the runs differ by 5.5e-2 at most (H200, also before the norms and
     silu_mul quantized). A wrong scale layout or a misplaced stacked part moves the logits by O(1).
     Bound: 1e-1."""
-    path = make_checkpoint(tmp_path / "tiny-fp8", "tiny", dtype="fp8", progress=False)
+    # v_head_dim 128 (tiny's is 32) so that W_UV's product quantizes for wo, as in DeepSeek-V3
+    path = make_checkpoint(
+        tmp_path / "tiny-fp8", "tiny", dtype="fp8", overrides={"v_head_dim": 128}, progress=False
+    )
     g = torch.Generator().manual_seed(1)
     model = load_model(path, "cuda", torch.bfloat16, progress=False)
     prompt = [0, *torch.randint(3, model.args.vocab_size, (PROMPT_LEN - 1,), generator=g).tolist()]
