@@ -36,9 +36,10 @@ DECODE_SHAPES = {
     "shared_w13": (7168, 4096),
     "shared_w2": (2048, 7168),
 }
-PREQUANTIZED = ("qkv_a", "q_b", "mlp_w13", "mlp_w2", "shared_w2")
-"""In an fp8 model their input comes quantized from its producer (`rmsnorm` / `silu_mul` with quant=True): the
-model calls the GEMM alone (`scaled_gemm`). o, kv_b and shared_w13 quantize their input themselves."""
+PREQUANTIZED = {"qkv_a": 1, "q_b": 1, "mlp_w13": 1, "mlp_w2": 1, "shared_w2": 1, "o": 2}
+"""Name -> the fewest rows from which, in an fp8 model, the input comes quantized from its producer
+(`rmsnorm` / `silu_mul` / `head_matmul` with quant=True): the model calls the GEMM alone (`scaled_gemm`).
+kv_b and shared_w13 quantize their input themselves, and so does o at one row."""
 
 
 BACK_TO_BACK = 8
@@ -117,7 +118,7 @@ def _decode_rows(name: str, m: int) -> list[Row]:
     weights = [_weight(n, k) for _ in range(BACK_TO_BACK)]
     x_fp8, x_s = tri._quantize(x, 128, scale_column_major=True)
     weight_bytes = n * k + weights[0][1].numel() * 4
-    if name in PREQUANTIZED:
+    if m >= PREQUANTIZED.get(name, m + 1):
         what = "triton scaled_gemm (fp8 input"
         ours = _Calls(functools.partial(tri.scaled_gemm, x_fp8, x_s, w, s) for w, s in weights)
     else:
