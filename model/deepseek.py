@@ -340,17 +340,17 @@ class Block(nn.Module):
             self.ffn = MoE(args, dtype, is_fp8, f"{path}.ffn")
         else:
             self.ffn = MLP(args.hidden_size, args.intermediate_size, dtype, is_fp8, f"{path}.ffn")
+        # A norm whose only reader is an fp8 projection hands it its output quantized (no launch of its own).
+        self.quant_attn = self.attn.wqkv_a.is_fp8
+        self.quant_ffn = isinstance(self.ffn, MLP) and self.ffn.w13.is_fp8
 
     def forward(self, x, residual, batch: ForwardBatch, cache: PagedKVCache, cos_sin):
-        # A norm whose only reader is an fp8 projection hands it its output quantized (no launch of its own).
-        quant_attn = self.attn.wqkv_a.is_fp8
-        quant_ffn = isinstance(self.ffn, MLP) and self.ffn.w13.is_fp8
         if residual is None:
-            residual, h = x.float(), self.attn_norm(x, quant=quant_attn)
+            residual, h = x.float(), self.attn_norm(x, quant=self.quant_attn)
         else:
-            h, residual = self.attn_norm(x, residual, quant_attn)
+            h, residual = self.attn_norm(x, residual, self.quant_attn)
         h = self.attn(h, batch, cache, cos_sin)
-        h, residual = self.ffn_norm(h, residual, quant_ffn)
+        h, residual = self.ffn_norm(h, residual, self.quant_ffn)
         return self.ffn(h), residual
 
 

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from .. import tuning
 from .._backend import invariant_phase, num_sms
+from ..fp8_gemm._quant import quantize_tile
 
 
 @triton.jit
@@ -30,7 +31,12 @@ def _matmul_kernel(
     stride_cs, stride_cg, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    s_ptr=None, stride_sm=0, stride_sg=0, QUANT: tl.constexpr = False,
+    FP8_MAX: tl.constexpr = 448.0, MIN_AMAX: tl.constexpr = 1e-12, EXACT_CAST: tl.constexpr = False,
 ):  # fmt: skip
+    """QUANT (no split of K, BLOCK_N = the 128-wide quant group, N a multiple of it): the tile, rounded
+    to A's dtype, is quantized to e4m3 one row (one group) at a time into c, its scales into
+    s[m, (g * N + n) / BLOCK_N] (see head_quant.py)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     g = tl.program_id(2).to(tl.int64)
@@ -69,7 +75,15 @@ def _matmul_kernel(
         c_ptr + split * stride_cs + g * stride_cg + offs_m.to(tl.int64)[:, None] * stride_cm
         + offs_n[None, :] * stride_cn
     )  # fmt: skip
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if QUANT:
+        # the value the unquantized product would hand on, then its quantization
+        out = acc.to(a_ptr.dtype.element_ty).to(tl.float32)
+        q, scale = quantize_tile(out, FP8_MAX, MIN_AMAX, EXACT_CAST)
+        tl.store(c_ptrs, q, mask=m_ok[:, None] & n_ok[None, :])
+        group = (g * N) // BLOCK_N + pid_n
+        tl.store(s_ptr + offs_m * stride_sm + group * stride_sg, scale, mask=m_ok)
+    else:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -109,7 +123,7 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor, quant: bool = False):
     if x.dim() != 3 or w.dim() != 3 or x.shape[1] != w.shape[0] or x.shape[2] != w.shape[1]:
         raise ValueError(f"head_matmul: x {tuple(x.shape)} and w {tuple(w.shape)} do not chain")
     if quant:
-        from .head_quant import head_matmul_quant
+        from .head_quant import head_matmul_quant  # it imports this module's kernel
 
         return head_matmul_quant(x, w)
     out = torch.empty(x.shape[0], x.shape[1], w.shape[2], dtype=x.dtype, device=x.device)
