@@ -11,6 +11,10 @@ a CUDA graph; and per call ("graph of 8"), a graph of BACK_TO_BACK calls on as m
 weights (no weight is read twice, so L2 holds none of them), which is how a decode step's graph
 runs its projections one after another. A graph replay costs about 2 us on top of its kernels (quantize_act on one row:
 6.1 us alone, 4.2 us a call in a graph of 8; H200), which the one-call row counts in full.
+
+"plain read (floor)" rows time, per decode shape and the same graph-of-8 way, a kernel that only reads
+the weight's bytes (the best of 1056 and 2112 programs): what a kernel streaming that weight can reach
+at all, the launch and the ramp of a short kernel included.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
+import triton.language as tl
 from _bench import FP8_FLOPS, HBM_BYTES_PER_S, Row, time_graph_ms, time_ms
 
 from pdserve.kernels.fp8_gemm import ref
@@ -75,6 +81,7 @@ def run(quick: bool) -> list[Row]:
     for m in (1, 64) if not quick else (64,):
         for name in shapes:
             rows += _decode_rows(name, m)
+    rows += [_read_floor_row(name) for name in shapes]
     return rows
 
 
@@ -143,3 +150,36 @@ def _decode_rows(name: str, m: int) -> list[Row]:
                 gbps=gbps, ceiling_frac=gbps * 1e9 / HBM_BYTES_PER_S, peer=peer, peer_ms=peer_ms)
         )  # fmt: skip
     return rows
+
+
+@triton.jit
+def _read_kernel(w_ptr, out_ptr, n_bytes, per_program, BLOCK: tl.constexpr):
+    """Reads per_program bytes from program_id * per_program and stores their sum (so that the loads stay)."""
+    offs = tl.program_id(0).to(tl.int64) * per_program + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), tl.int32)
+    for i in range(0, per_program, BLOCK):
+        acc += tl.load(w_ptr + i + offs, mask=i + offs < n_bytes, other=0).to(tl.int32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc))
+
+
+def _read_floor_row(name: str) -> Row:
+    k, n = DECODE_SHAPES[name]
+    weights = [_weight(n, k) for _ in range(BACK_TO_BACK)]
+    weight_bytes = n * k + weights[0][1].numel() * 4
+    best = float("inf")
+    for programs in (1056, 2112):
+        block = 4096
+        out = torch.empty(programs, dtype=torch.int32, device="cuda")
+        calls = _Calls()
+        for w, _ in weights:
+            flat = w.view(torch.uint8).reshape(-1)
+            per = triton.cdiv(triton.cdiv(flat.numel(), programs), block) * block
+            calls.append(
+                functools.partial(
+                    _read_kernel[(programs,)], flat, out, flat.numel(), per, BLOCK=block
+                )
+            )
+        best = min(best, _back_to_back_ms(calls))
+    gbps = weight_bytes / best / 1e6
+    return Row("fp8_gemm", f"{name} {k}->{n}", f"plain read (floor), graph of {BACK_TO_BACK}", best,
+               gbps=gbps, ceiling_frac=gbps * 1e9 / HBM_BYTES_PER_S)  # fmt: skip

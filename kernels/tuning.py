@@ -28,17 +28,30 @@ def device_arch(device_index: int | None) -> str:
     return f"sm{major}{minor}"
 
 
-def lookup(op: str, key: str, device: torch.device) -> dict[str, Any]:
-    """The tuned config for `op` at shape class `key` on `device`, falling back to the op's defaults."""
+def _arch(device: torch.device) -> str:
     index = None
     if device.type == "cuda":  # torch.device("cuda") names the current device
         index = device.index if device.index is not None else torch.cuda.current_device()
-    arch = device_arch(index)
+    return device_arch(index)
+
+
+def find(op: str, key: str, device: torch.device) -> dict[str, Any] | None:
+    """The entry for `op` at exactly `key` on `device` (its architecture's table, then "any"), or None."""
     tables = _TABLES.get(op, {})
-    for candidate in (arch, "any"):
+    for candidate in (_arch(device), "any"):
         table = tables.get(candidate, {})
         if key in table:
             return table[key]
+    return None
+
+
+def lookup(op: str, key: str, device: torch.device) -> dict[str, Any]:
+    """The tuned config for `op` at shape class `key` on `device`, falling back to the op's defaults."""
+    found = find(op, key, device)
+    if found is not None:
+        return found
+    arch = _arch(device)
+    tables = _TABLES.get(op, {})
     for candidate in (arch, "any"):
         table = tables.get(candidate, {})
         if "default" in table:
@@ -125,6 +138,7 @@ def _moe_cfg(bm: int, gate_up: tuple, down: tuple, group_m: int = 8) -> dict[str
 
 
 register("quantize_act", "sm90", {"default": {"BLOCK_M": 16, "num_warps": 4}})
+_GEMV_SM90 = _gemv_cfg(16, 4, 4, 528, max_k=8192, fuse_max_work=4_000_000)
 _FP8_GEMM_LARGE = _gemm_cfg(128, 128, 8, 4, False, 0, GROUP_M=16, tma=True, gluon=True)
 register(
     "fp8_gemm",
@@ -134,13 +148,26 @@ register(
         # the MMA entry is faster (benchmarks/RESULTS.md, sixth session of 2026-11-21)
         # fuse_max_work: quantize x beforehand past 4M elements of redundant in-kernel quantization
         # (mlp_w1: 47.7 -> 40.8 us; q_b, 2.4M, stays fused: 16.9 against 19.3 us; H200, RESULTS.md)
-        "m<=1": _gemv_cfg(16, 4, 4, 528, max_k=8192, fuse_max_work=4_000_000),
+        "m<=1": _GEMV_SM90,
         "m<=16": _gemm_cfg(16, 128, 4, 3, True, 396, swap_ab=True, one_wave=True),
         "m<=32": _gemm_cfg(32, 64, 4, 4, True, 264),
         # min_k_tiles 6: shared_w2 (K = 2048, 16 k-tiles) splits 2 ways, not 3: 12.7 -> 11.0 us; the other
         # decode shapes unchanged (H200, RESULTS.md, fourteenth session)
         "m<=64": _gemm_cfg(64, 64, 4, 4, False, 264, min_k_tiles=6),
         "m<=128": _gemm_cfg(64, 128, 4, 4, False, 132),
+        # Per-shape entries ("<class>,n=N,k=K"; fp8_gemm/triton.py's _gemm_config) for DeepSeek-V3's
+        # projections whose best config differs from their class's, the way vLLM keys its block-fp8
+        # configs by N and K. Graph of 8 distinct weights, per call (H200, RESULTS.md, fifteenth session):
+        # q_b at M = 1: 32 weight rows a program, 13.3 -> 11.8 us
+        "m<=1,n=24576,k=1536": {**_GEMV_SM90, "BLOCK_N": 32},
+        # mlp_w13 (w1 | w3) at M = 1: 32 rows, two groups of 128 a step, 65.6 -> 62.5 us
+        "m<=1,n=36864,k=7168": {**_GEMV_SM90, "BLOCK_N": 32, "GROUPS": 2},
+        # qkv_a (q_a | kv_a) at M = 1: eight groups of 128 a step, 9.0 -> 8.3 us
+        "m<=1,n=2112,k=7168": {**_GEMV_SM90, "GROUPS": 8},
+        # o and mlp_w2 at M = 64: 3 stages (4 CTAs an SM), 40.0 -> 39.2 and 44.0 -> 43.2 us; mlp_w13
+        # is slower so (80.2 -> 87.7)
+        "m<=64,n=7168,k=16384": _gemm_cfg(64, 64, 4, 3, False, 264, min_k_tiles=6),
+        "m<=64,n=7168,k=18432": _gemm_cfg(64, 64, 4, 3, False, 264, min_k_tiles=6),
         "default": _FP8_GEMM_LARGE,
         # batch-invariant mode, by forward phase: no split of K
         "invariant-decode": _gemm_cfg(64, 64, 4, 4, False, 0),

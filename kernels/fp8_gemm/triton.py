@@ -279,10 +279,17 @@ def _gemm_key(m: int) -> str:
     return "m>128"
 
 
-def _gemm_config(m: int, k: int, device: torch.device) -> dict:
-    """The tuned config for an [M, K] activation; a CUDA-core (gemv) entry names the shape class
-    to use instead past its max_m / max_k."""
-    cfg = tuning.lookup("fp8_gemm", _gemm_key(m), device)
+def _gemm_config(m: int, n: int, k: int, device: torch.device) -> dict:
+    """The tuned config for an [M, K] activation times an [N, K] weight: the shape's own entry
+    ("<class>,n=N,k=K", for projections whose best config differs from their class's) where the
+    table has one, else the class's. A CUDA-core (gemv) entry names the shape class to use instead
+    past its max_m / max_k. Batch-invariant mode keeps one entry a phase for every shape."""
+    key = _gemm_key(m)
+    cfg = None
+    if not key.startswith("invariant"):
+        cfg = tuning.find("fp8_gemm", f"{key},n={n},k={k}", device)
+    if cfg is None:
+        cfg = tuning.lookup("fp8_gemm", key, device)
     if cfg.get("gemv") and (m > cfg["max_m"] or k > cfg.get("max_k", k)):
         cfg = tuning.lookup("fp8_gemm", cfg["otherwise"], device)
     return cfg
@@ -419,7 +426,7 @@ def scaled_gemm(
     out = torch.empty((m, w_fp8.shape[0]), dtype=out_dtype, device=x_fp8.device)
     if m == 0:
         return out
-    cfg = _gemm_config(m, k, x_fp8.device)
+    cfg = _gemm_config(m, w_fp8.shape[0], k, x_fp8.device)
     _launch_gemm(x_fp8, x_scales, w_fp8, w_scale_inv, out, cfg)
     return out
 
@@ -433,7 +440,7 @@ def fp8_gemm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor) ->
     out = torch.empty((m, w_fp8.shape[0]), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = _gemm_config(m, k, x.device)
+    cfg = _gemm_config(m, w_fp8.shape[0], k, x.device)
     if _quantize_inside(cfg, w_fp8.shape[0], k):
         _launch_gemm(x, None, w_fp8, w_scale_inv, out, cfg)
     else:

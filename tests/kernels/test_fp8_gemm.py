@@ -191,6 +191,31 @@ def test_gemv_paths(path: str, prequant: bool, m: int, n: int, k: int) -> None:
     assert rel_err(out, ref.fp8_gemm(x, w_fp8, scale_inv)) < TOL[dtype]
 
 
+def _shape_entries() -> list[tuple[int, int, int]]:
+    """(M, N, K) of each per-shape entry of the Hopper table ("m<=B,n=N,k=K"), M at its class's bound."""
+    from pdserve.kernels import tuning
+
+    shapes = []
+    for key in tuning._TABLES["fp8_gemm"].get("sm90", {}):
+        if ",n=" in key:
+            cls, n, k = key.split(",")
+            shapes.append((int(cls.removeprefix("m<=")), int(n[2:]), int(k[2:])))
+    return shapes
+
+
+@gpu
+@pytest.mark.parametrize(("m", "n", "k"), _shape_entries())
+def test_per_shape_entries_match_reference(m: int, n: int, k: int) -> None:
+    """Each projection with its own tuned entry, at that shape, through the public entry points."""
+    x = _act(m, k, torch.bfloat16, seed=n + k)
+    w_fp8, scale_inv = _weight(n, k, seed=n)
+    want = ref.fp8_gemm(x, w_fp8, scale_inv)
+    assert rel_err(tri.fp8_gemm(x, w_fp8, scale_inv), want) < TOL[torch.bfloat16]
+    x_fp8, x_scales = tri._quantize(x, 128, scale_column_major=True)
+    got = tri.scaled_gemm(x_fp8, x_scales, w_fp8, scale_inv)
+    assert rel_err(got, want) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize(
     "cfg", [GEMV_CONFIGS["split-k"], PATH_CONFIGS["fused-quant-swap-ab-split-k"],
             PATH_CONFIGS["prequant-split-k-n32"]], ids=["gemv", "mma-swap-ab", "mma"],
@@ -230,7 +255,7 @@ def test_fused_quantization_gives_way_past_its_work_bound(max_work: int, monkeyp
     x = _act(m, k, dtype, seed=8)
     w_fp8, scale_inv = _weight(n, k, seed=9)
     cfg = {**GEMV_CONFIGS["split-k"], "fuse_quant": True, "fuse_max_work": max_work}
-    monkeypatch.setattr(tri, "_gemm_config", lambda m, k, device: cfg)
+    monkeypatch.setattr(tri, "_gemm_config", lambda m, n, k, device: cfg)
     calls = []
     real = tri._quantize
     monkeypatch.setattr(tri, "_quantize", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -242,11 +267,11 @@ def test_fused_quantization_gives_way_past_its_work_bound(max_work: int, monkeyp
 def test_gemv_entry_hands_over_past_its_bounds() -> None:
     """A gemv entry serves M = 1 up to its max_k; other shapes take the entry it names."""
     dev = torch.device("cuda", 0) if CUDA else torch.device("cpu")
-    gemv = tri._gemm_config(1, 512, dev)
+    gemv = tri._gemm_config(1, 256, 512, dev)
     assert gemv.get("gemv") and gemv["max_m"] == 1
-    assert not tri._gemm_config(2, 512, dev).get("gemv")
+    assert not tri._gemm_config(2, 256, 512, dev).get("gemv")
     if "max_k" in gemv:
-        assert not tri._gemm_config(1, gemv["max_k"] + 128, dev).get("gemv")
+        assert not tri._gemm_config(1, 256, gemv["max_k"] + 128, dev).get("gemv")
 
 
 def test_scaled_gemm_on_prequantized_input() -> None:
