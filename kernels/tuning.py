@@ -61,7 +61,8 @@ def lookup(op: str, key: str, device: torch.device) -> dict[str, Any]:
 
 # ---- fp8_gemm, quantize_act, fused_moe (kernels/fp8_gemm, kernels/fused_moe) ---------------------
 # "any": small tiles that keep the CPU interpreter quick; "sm90": tuned on H200 (see RESULTS.md).
-# fp8_gemm keys "m<=1|16|32|64|128", "m>128", "invariant-<phase>" (batch-invariant mode).
+# fp8_gemm keys "m<=1|16|32|64|128", "m>128", "invariant-<phase>" (batch-invariant mode), and
+# "<m class>,n=N,k=K" for one weight shape (taken before its class's entry, outside batch-invariant mode).
 # gemv: the CUDA-core kernel of fp8_gemm/gemv.py: BLOCK_N weight rows (dividing 128) by GROUPS
 # groups of 128 along K per loop step; past max_m rows or max_k the key `otherwise` is used.
 # fuse_quant: quantize the activation inside the GEMM (fuse_max_work: only while the blocks of
