@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from .ref import ACT_QUANT_GROUP
+
+
+def empty_quantized(
+    rows: int, cols: int, device: torch.device, group: int = ACT_QUANT_GROUP
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Storage for a quantized activation: (e4m3 [rows, cols], fp32 scales [rows, ceil(cols / group)]),
+    the scales an [rows, G] view of [G, rows] storage, so that the fp8 GEMMs load (and the quantizing
+    kernels store) a tile's rows of one group contiguously."""
+    q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=device)
+    scales = torch.empty((triton.cdiv(cols, group), rows), dtype=torch.float32, device=device).t()
+    return q, scales
 
 
 @triton.jit

@@ -25,7 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .. import tuning
 from .._backend import interpreter_enabled, invariant_phase, tma_ok
 from . import _splitk, gemv, gluon_sm90
-from ._quant import quantize_tile
+from ._quant import empty_quantized, quantize_tile
 from ._tiles import tile_of
 from .ref import ACT_QUANT_GROUP, FP8_E4M3_MAX, WEIGHT_QUANT_BLOCK, check_quantized_act
 
@@ -239,10 +239,10 @@ def _quantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     num_groups = triton.cdiv(k, group_size)
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    if scale_column_major:  # [M, G] view of [G, M] storage: the GEMM loads M-runs contiguously
-        scales = torch.empty((num_groups, m), dtype=torch.float32, device=x.device).t()
+    if scale_column_major:
+        q, scales = empty_quantized(m, k, x.device, group_size)
     else:
+        q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
         scales = torch.empty((m, num_groups), dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         return q, scales

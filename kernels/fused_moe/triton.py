@@ -24,6 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import tuning
 from .._backend import interpreter_enabled, invariant_phase, tma_ok
+from ..fp8_gemm._quant import empty_quantized
 from ..fp8_gemm.ref import ACT_QUANT_GROUP, FP8_E4M3_MAX, WEIGHT_QUANT_BLOCK
 from ..fp8_gemm.triton import _MIN_AMAX, _quantize, quantize_tile, tile_of
 from . import gluon_sm90
@@ -427,10 +428,8 @@ def _fused_moe(
             x_in, x_scales = permute_rows(x, sorted_ids, ends, num_a, top_k, max_rows, True)
         else:
             x_in, x_scales = _quantize(x, ACT_QUANT_GROUP, scale_column_major=False)
-        act = torch.empty((max_rows, inter), dtype=torch.float8_e4m3fn, device=x.device)
-        num_groups = triton.cdiv(inter, sb)
-        # column-major: a tile's 128 rows read (and write) their scale of a k-tile contiguously
-        act_scales = torch.empty((num_groups, max_rows), dtype=torch.float32, device=x.device).t()
+        # column-major scales: a tile's 128 rows read (and write) their scale of a k-tile contiguously
+        act, act_scales = empty_quantized(max_rows, inter, x.device, sb)
         w13_s, w2_s = w13_scale_inv, w2_scale_inv
     else:
         if permuted:

@@ -16,6 +16,7 @@ import triton
 
 from .. import tuning
 from .._backend import interpreter_enabled
+from ..fp8_gemm._quant import empty_quantized
 from ..fp8_gemm.ref import _MIN_AMAX, ACT_QUANT_GROUP, FP8_E4M3_MAX
 from .triton import _matmul_kernel
 
@@ -38,8 +39,7 @@ def head_matmul_quant(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, t
     n = w.shape[2]
     if n % ACT_QUANT_GROUP:
         raise ValueError(f"head_matmul: quant needs N a multiple of {ACT_QUANT_GROUP}, got {n}")
-    q = torch.empty((t, h * n), dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty((h * n // ACT_QUANT_GROUP, t), dtype=torch.float32, device=x.device).t()
+    q, scales = empty_quantized(t, h * n, x.device)
     if t == 0 or h == 0:
         return q, scales
     key = "m<=16" if t <= 16 else "m<=32" if t <= 32 else "default"

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .. import tuning
 from .._backend import interpreter_enabled
-from ..fp8_gemm._quant import quantize_tile
+from ..fp8_gemm._quant import empty_quantized, quantize_tile
 from ..fp8_gemm.ref import _MIN_AMAX, ACT_QUANT_GROUP, FP8_E4M3_MAX
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -114,9 +114,7 @@ def rmsnorm(
     weight = weight.contiguous()
     num_rows = x2.shape[0]
     if quant:
-        out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-        num_groups = triton.cdiv(dim, ACT_QUANT_GROUP)
-        scales = torch.empty((num_groups, num_rows), dtype=torch.float32, device=x.device).t()
+        out, scales = empty_quantized(num_rows, dim, x.device)
     else:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         scales = torch.empty((1, 1), dtype=torch.float32, device=x.device)  # unread

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from .. import tuning
 from .._backend import interpreter_enabled
-from ..fp8_gemm._quant import quantize_tile
+from ..fp8_gemm._quant import empty_quantized, quantize_tile
 from ..fp8_gemm.ref import _MIN_AMAX, ACT_QUANT_GROUP, FP8_E4M3_MAX
 from .ref import check_inputs
 
@@ -56,8 +56,7 @@ def silu_mul(
     t, i = gate.shape
     num_groups = triton.cdiv(i, ACT_QUANT_GROUP)
     if quant:
-        out = torch.empty((t, i), dtype=torch.float8_e4m3fn, device=gate.device)
-        scales = torch.empty((num_groups, t), dtype=torch.float32, device=gate.device).t()
+        out, scales = empty_quantized(t, i, gate.device)
     else:
         out = torch.empty((t, i), dtype=gate.dtype, device=gate.device)
         scales = torch.empty((1, 1), dtype=torch.float32, device=gate.device)  # unread
