@@ -48,15 +48,11 @@ def find(op: str, key: str, device: torch.device) -> dict[str, Any] | None:
 def lookup(op: str, key: str, device: torch.device) -> dict[str, Any]:
     """The tuned config for `op` at shape class `key` on `device`, falling back to the op's defaults."""
     found = find(op, key, device)
-    if found is not None:
-        return found
-    arch = _arch(device)
-    tables = _TABLES.get(op, {})
-    for candidate in (arch, "any"):
-        table = tables.get(candidate, {})
-        if "default" in table:
-            return table["default"]
-    raise KeyError(f"no tuning entry for op {op!r} (key {key!r}, arch {arch})")
+    if found is None:
+        found = find(op, "default", device)
+    if found is None:
+        raise KeyError(f"no tuning entry for op {op!r} (key {key!r}, arch {_arch(device)})")
+    return found
 
 
 # ---- fp8_gemm, quantize_act, fused_moe (kernels/fp8_gemm, kernels/fused_moe) ---------------------
