@@ -137,6 +137,20 @@ def _moe_cfg(bm: int, gate_up: tuple, down: tuple, group_m: int = 8) -> dict[str
 register("quantize_act", "sm90", {"default": {"BLOCK_M": 16, "num_warps": 4}})
 _GEMV_SM90 = _gemv_cfg(16, 4, 4, 528, max_k=8192, fuse_max_work=4_000_000)
 _FP8_GEMM_LARGE = _gemm_cfg(128, 128, 8, 4, False, 0, GROUP_M=16, tma=True, gluon=True)
+# The Gluon decode kernel (fp8_gemm/gluon_decode_sm90.py) for M = 2-64 and K >= min_k on Hopper; the
+# entry's other keys serve the tl.dot kernel elsewhere. 64 weight rows a tile, 12 ring slots, one
+# whole n-tile a CTA where the n-tiles fill 80% of the SMs, else stream-K. At M = 64, graph of 8
+# (H200, RESULTS.md, sixteenth session): o 39.9 -> 33.2 us, mlp_w2 44.3 -> 37.1, mlp_w13 81.5 -> 75.6,
+# shared_w13 16.5 -> 12.8, qkv_a 12.0 -> 9.7, shared_w2 9.9 -> 7.6; slower for q_b (K = 1536) and
+# kv_b (K = 512), and for mlp_w13 at M <= 16 (66 against 71 us).
+_GLUON_DECODE = {"BLOCK_N": 64, "num_stages": 12, "whole_tiles_fill": 0.8, "min_k": 2048}
+
+
+def _decode(cfg: dict[str, Any]) -> dict[str, Any]:
+    return {**cfg, "gluon_decode": _GLUON_DECODE}
+
+
+_FP8_GEMM_M16 = _gemm_cfg(16, 128, 4, 3, True, 396, swap_ab=True, one_wave=True)
 register(
     "fp8_gemm",
     "sm90",
@@ -146,11 +160,11 @@ register(
         # fuse_max_work: quantize x beforehand past 4M elements of redundant in-kernel quantization
         # (mlp_w1: 47.7 -> 40.8 us; q_b, 2.4M, stays fused: 16.9 against 19.3 us; H200, RESULTS.md)
         "m<=1": _GEMV_SM90,
-        "m<=16": _gemm_cfg(16, 128, 4, 3, True, 396, swap_ab=True, one_wave=True),
-        "m<=32": _gemm_cfg(32, 64, 4, 4, True, 264),
+        "m<=16": _decode(_FP8_GEMM_M16),
+        "m<=32": _decode(_gemm_cfg(32, 64, 4, 4, True, 264)),
         # min_k_tiles 6: shared_w2 (K = 2048, 16 k-tiles) splits 2 ways, not 3: 12.7 -> 11.0 us; the other
         # decode shapes unchanged (H200, RESULTS.md, fourteenth session)
-        "m<=64": _gemm_cfg(64, 64, 4, 4, False, 264, min_k_tiles=6),
+        "m<=64": _decode(_gemm_cfg(64, 64, 4, 4, False, 264, min_k_tiles=6)),
         "m<=128": _gemm_cfg(64, 128, 4, 4, False, 132),
         # Per-shape entries ("<class>,n=N,k=K"; fp8_gemm/triton.py's _gemm_config) for DeepSeek-V3's
         # projections whose best config differs from their class's, the way vLLM keys its block-fp8
@@ -166,12 +180,14 @@ register(
         "m<=1,n=7168,k=2048": {**_GEMV_SM90, "BLOCK_N": 8, "GROUPS": 8, "split_k_target_ctas": 264},
         # o and mlp_w2 at M = 64: 3 stages (4 CTAs an SM), 40.0 -> 39.2 and 44.0 -> 43.2 us; mlp_w13
         # is slower so (80.2 -> 87.7)
-        "m<=64,n=7168,k=16384": _gemm_cfg(64, 64, 4, 3, False, 264, min_k_tiles=6),
-        "m<=64,n=7168,k=18432": _gemm_cfg(64, 64, 4, 3, False, 264, min_k_tiles=6),
+        "m<=64,n=7168,k=16384": _decode(_gemm_cfg(64, 64, 4, 3, False, 264, min_k_tiles=6)),
+        "m<=64,n=7168,k=18432": _decode(_gemm_cfg(64, 64, 4, 3, False, 264, min_k_tiles=6)),
         # qkv_a and shared_w2 at M = 64: 32 weight rows a CTA (twice the output tiles, fewer splits of K),
         # 12.8 -> 11.9 and 11.0 -> 10.0 us
-        "m<=64,n=2112,k=7168": _gemm_cfg(64, 32, 4, 4, False, 264, min_k_tiles=6),
-        "m<=64,n=7168,k=2048": _gemm_cfg(64, 32, 4, 4, False, 264, min_k_tiles=12),
+        "m<=64,n=2112,k=7168": _decode(_gemm_cfg(64, 32, 4, 4, False, 264, min_k_tiles=6)),
+        "m<=64,n=7168,k=2048": _decode(_gemm_cfg(64, 32, 4, 4, False, 264, min_k_tiles=12)),
+        # mlp_w13 at M <= 16: the swapped tl.dot kernel, not the Gluon decode kernel (66 against 71 us)
+        "m<=16,n=36864,k=7168": _FP8_GEMM_M16,
         # kv_b at M = 64 (a short prompt's prefill; K = 512): 3 stages, so its 512 CTAs fit in one wave,
         # 10.6 -> 7.9 us
         "m<=64,n=32768,k=512": _gemm_cfg(64, 64, 4, 3, False, 0),

@@ -6,9 +6,10 @@ scales match the reference bit for bit. `fp8_gemm` multiplies by the block-scale
 (W = W_fp8 * scale_inv, 128x128 quant blocks), accumulates in fp32 and returns x's dtype. For small
 M it quantizes the activation inside the GEMM (one launch); for large M it quantizes once, then runs
 the GEMM on fp8 operands; at M = 1 the tuned entry may name the CUDA-core kernel of `gemv.py`
-instead (no tensor cores), and for large M on Hopper the Gluon kernel of `gluon_sm90.py` (wgmma
-overlapped with the scaling). Neither N nor K need be multiples of 128. `scaled_gemm` is the GEMM alone
-on already-quantized activations.
+instead (no tensor cores); on Hopper, M <= 64 with a long K may take the Gluon kernel of
+`gluon_decode_sm90.py` (a warp-specialized TMA ring, stream-K), and large M the Gluon kernel of
+`gluon_sm90.py` (wgmma overlapped with the scaling). Neither N nor K need be multiples of 128.
+`scaled_gemm` is the GEMM alone on already-quantized activations.
 
 Each 128-deep k-tile's product starts from zero and is scaled into the fp32 accumulator
 (acc += dot * a_scale[m] * w_scale), which also keeps the tensor cores' reduced-precision fp8
@@ -24,7 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import tuning
 from .._backend import interpreter_enabled, invariant_phase, tma_ok
-from . import _splitk, gemv, gluon_sm90
+from . import _splitk, gemv, gluon_decode_sm90, gluon_sm90
 from ._quant import empty_quantized, quantize_tile
 from ._tiles import tile_of
 from .ref import ACT_QUANT_GROUP, FP8_E4M3_MAX, WEIGHT_QUANT_BLOCK, check_quantized_act
@@ -295,6 +296,15 @@ def _gemm_config(m: int, n: int, k: int, device: torch.device) -> dict:
     return cfg
 
 
+def _gluon_decode(cfg: dict, m: int, k: int, device: torch.device) -> dict | None:
+    """The config of the Gluon decode kernel (gluon_decode_sm90.py) where it serves this call: the
+    entry names one, the GPU is a Hopper, M <= 64 and K reaches its min_k. Else None."""
+    gd = cfg.get("gluon_decode")
+    if gd is None or m > gluon_decode_sm90.MAX_M or k < gd["min_k"]:
+        return None
+    return gd if gluon_decode_sm90.available(device) else None
+
+
 def _quantize_inside(cfg: dict, n: int, k: int) -> bool:
     """Whether the GEMM quantizes the activation itself (fuse_quant). Each block of BLOCK_N weight
     rows then quantizes the rows' K again; past the config's fuse_max_work elements over all
@@ -366,6 +376,16 @@ def _launch_gemm(
             FP8_E4M3_MAX, _MIN_AMAX,
         )  # fmt: skip
         _splitk.finish(target, out, fold)
+        return
+    gd = _gluon_decode(cfg, m, k, a.device)
+    # launch returns False where it cannot run (no tile counters inside a graph capture): tl.dot below
+    if (
+        gd
+        and a_scales is not None
+        and tma_ok(a)
+        and tma_ok(w_fp8)
+        and gluon_decode_sm90.launch(a, a_scales, w_fp8, w_scale_inv, out, gd, WEIGHT_QUANT_BLOCK)
+    ):
         return
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], WEIGHT_QUANT_BLOCK
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
@@ -441,7 +461,7 @@ def fp8_gemm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor) ->
     if m == 0:
         return out
     cfg = _gemm_config(m, w_fp8.shape[0], k, x.device)
-    if _quantize_inside(cfg, w_fp8.shape[0], k):
+    if _gluon_decode(cfg, m, k, x.device) is None and _quantize_inside(cfg, w_fp8.shape[0], k):
         _launch_gemm(x, None, w_fp8, w_scale_inv, out, cfg)
     else:
         x_fp8, x_scales = _quantize(x, ACT_QUANT_GROUP, scale_column_major=True)

@@ -1,0 +1,278 @@
+"""The fp8 block-scaled GEMM at decode sizes (M <= 64) for Hopper (sm_90), in Gluon: stream-K over
+a warp-specialized TMA ring.
+
+Why: at M = 64 the weight is the traffic, and the tl.dot kernel of `triton.py` leaves only one
+k-tile's copies in flight while it waits for the next (its pipeliner issues the copies of k-tile
+i + 2 after the MMA's wait and the scaling), and its split-K grid of 2-3 CTAs an SM ends in a
+ragged last wave. Here:
+
+- one producer warp keeps the ring full: it issues the TMA loads of the next k-tile as soon as a
+  slot frees, across output-tile boundaries, so STAGES k-tiles stay in flight whatever the
+  consumer is doing;
+- the work is cut evenly over the CTAs (stream-K): the (n-tile, k-tile) iterations, n-tile major,
+  are numbered 0 .. tiles * KT, and CTA c takes the run [c * W, (c + 1) * W). A CTA's run covers
+  the end of one n-tile, whole n-tiles and the start of another;
+- an n-tile covered by several CTAs ("pieces", numbered in run order) is finished by the last of
+  them to arrive: each stores its fp32 partial to part[piece], counts itself in on the tile's
+  counter (see `_splitk.py`), and the last adds the pieces in piece order and writes the tile. The
+  sum's order does not depend on which CTA arrives last, so the result is the same bits every run.
+
+A: [M, K] e4m3 (M <= 64: one 64-row tile, TMA fills the rows past M with zeros) with a_scale
+[M, K/128]; B: [N, K] e4m3 with b_scale [N/128, K/128]; BLOCK_N divides 128, so a tile's weight
+scale is one number per k-tile. The consumer warpgroup issues each k-tile's wgmma, loads the next
+k-tile's scales while it runs, then scales the product into the accumulator.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from . import _splitk
+from .gluon_sm90 import _IMPORTED, available
+
+if _IMPORTED:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .gluon_sm90 import _tma_load
+
+__all__ = ["available", "launch", "MAX_M"]
+
+MAX_M = 64
+
+
+if _IMPORTED:
+
+    @gluon.jit
+    def _producer(a_desc, a2_desc, b_desc, a_bufs, b_bufs, sc_bufs, ready, empty, as_ptr, bs_ptr,
+                  M, start, end, KT, stride_asm, stride_ask, stride_bsn, stride_bsk,
+                  TWO_A: gl.constexpr):  # fmt: skip
+        """One warp: the loads of iterations start .. end into ring slot (g - start) % STAGES, once
+        the consumer has released the slot's previous k-tile: A's and B's k-tile by TMA, and the
+        k-tile's scales by cp.async (into slot row 2s the a_scale of the 64 rows, into row 2s + 1
+        the tile's weight scale 64 times), both completing the slot's `ready` barrier."""
+        STAGES: gl.constexpr = b_bufs.shape[0]
+        BLOCK_N: gl.constexpr = b_bufs.shape[1]
+        BLOCK_K: gl.constexpr = b_bufs.shape[2]
+        BLOCK_M: gl.constexpr = a_bufs.shape[1]
+        A_ROWS: gl.constexpr = a_desc.block_type.shape[0]
+        A2_ROWS: gl.constexpr = a2_desc.block_type.shape[0] if TWO_A else 0
+        A_BYTES: gl.constexpr = a_desc.block_type.nbytes + (
+            a2_desc.block_type.nbytes if A2_ROWS else 0
+        )
+        lane: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+        a_off = gl.minimum(gl.arange(0, BLOCK_M, layout=lane), M - 1) * stride_asm
+        b_off = gl.zeros([BLOCK_M], gl.int32, lane)
+        for g in range(start, end):
+            i = g - start
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first round passes
+            bar = ready.index(s)
+            tile = g // KT
+            kt = g % KT
+            b_scale = bs_ptr + (tile * BLOCK_N // BLOCK_K) * stride_bsn + kt * stride_bsk
+            async_copy.async_copy_global_to_shared(
+                sc_bufs.index(2 * s), as_ptr + a_off + kt * stride_ask
+            )
+            async_copy.async_copy_global_to_shared(sc_bufs.index(2 * s + 1), b_scale + b_off)
+            async_copy.mbarrier_arrive(bar)  # before the expect, so the phase waits for it
+            mbarrier.expect(bar, A_BYTES + b_desc.block_type.nbytes)
+            # A's rows come as one or two boxes of a power of two rows (`_a_descriptors`); the smem
+            # rows past them are left as they are: only output rows past M, never stored, read them
+            a_dst = a_bufs.index(s)
+            if A_ROWS == BLOCK_M:
+                _tma_load(a_desc, [0, kt * BLOCK_K], bar, a_dst)
+            else:  # noqa: PLR5501 (gluon.jit: constexpr branches)
+                _tma_load(a_desc, [0, kt * BLOCK_K], bar, a_dst.slice(0, A_ROWS))
+                if A2_ROWS:
+                    _tma_load(a2_desc, [A_ROWS, kt * BLOCK_K], bar, a_dst.slice(A_ROWS, A2_ROWS))
+            _tma_load(b_desc, [tile * BLOCK_N, kt * BLOCK_K], bar, b_bufs.index(s))
+
+    @gluon.jit
+    def _store_piece(acc, part_ptr, out_ptr, cnt_ptr, M, N, KT, W, tile, stride_ps, stride_om,
+                     MAX_PIECES: gl.constexpr):  # fmt: skip
+        """The tile's output, or this CTA's piece of it (see the module note)."""
+        BLOCK_M: gl.constexpr = acc.shape[0]
+        BLOCK_N: gl.constexpr = acc.shape[1]
+        TPW_N: gl.constexpr = BLOCK_N // 4
+        blocked: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TPW_N, TPW_N], [4, 1], [1, 0])
+        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blocked))
+        cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, blocked))
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        acc = gl.convert_layout(acc, blocked)
+        first = (tile * KT) // W
+        pieces = ((tile + 1) * KT - 1) // W - first + 1
+        if MAX_PIECES == 1:  # whole n-tiles: no partial sums (part_ptr and cnt_ptr are unused)
+            gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            if pieces == 1:
+                gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            else:
+                part_ptrs = part_ptr + rows[:, None] * N + cols[None, :]
+                gl.store(part_ptrs + (gl.program_id(0) - first) * stride_ps, acc, mask=mask)
+                gl.thread_barrier()  # every thread's partial is stored before the count goes up
+                arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+                if arrived == pieces - 1:
+                    # every piece's loads in flight at once; the sum in piece order
+                    total = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, blocked)
+                    for p in gl.static_range(MAX_PIECES):
+                        total += gl.load(part_ptrs + p * stride_ps, mask=mask & (p < pieces),
+                                         other=0.0, cache_modifier=".cg")  # fmt: skip
+                    gl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                    gl.atomic_xchg(cnt_ptr + tile, 0)
+
+    @gluon.jit
+    def _consumer(a_bufs, b_bufs, sc_bufs, ready, empty, part_ptr, out_ptr, cnt_ptr, M, N, KT, W,
+                  start, end, stride_ps, stride_om, MAX_PIECES: gl.constexpr):  # fmt: skip
+        """One warpgroup: the iterations start .. end, an output tile (or piece) at a time."""
+        STAGES: gl.constexpr = b_bufs.shape[0]
+        BLOCK_N: gl.constexpr = b_bufs.shape[1]
+        BLOCK_M: gl.constexpr = a_bufs.shape[1]
+        mma: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
+        )
+        row: gl.constexpr = gl.SliceLayout(1, mma)
+        prod = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
+        i = 0
+        for tile in range((start // KT), (end - 1) // KT + 1):
+            t0 = tile * KT
+            acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
+            for _ in range(gl.maximum(start, t0), gl.minimum(end, t0 + KT)):
+                s = i % STAGES
+                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                prod = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), prod,
+                                     use_acc=False, is_async=True)  # fmt: skip
+                scale = sc_bufs.index(2 * s).load(row) * sc_bufs.index(2 * s + 1).load(row)
+                prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
+                mbarrier.arrive(empty.index(s), count=1)
+                acc += prod * scale[:, None]
+                i += 1
+            _store_piece(acc, part_ptr, out_ptr, cnt_ptr, M, N, KT, W, tile, stride_ps, stride_om,
+                         MAX_PIECES)  # fmt: skip
+
+    @gluon.jit
+    def _decode_kernel(
+        a_desc, a2_desc, b_desc, as_ptr, bs_ptr, part_ptr, out_ptr, cnt_ptr, M, N, KT, W, total,
+        stride_asm, stride_ask, stride_bsn, stride_bsk, stride_ps, stride_om,
+        STAGES: gl.constexpr, MAX_PIECES: gl.constexpr, TWO_A: gl.constexpr,
+    ):  # fmt: skip
+        BLOCK_M: gl.constexpr = 64  # wgmma's M; A's descriptor may bring fewer rows
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        start = gl.program_id(0) * W
+        end = gl.minimum(start + W, total)
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+        sc_bufs = gl.allocate_shared_memory(
+            gl.float32, [2 * STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0])
+        )
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for slot in gl.static_range(STAGES):
+            mbarrier.init(ready.index(slot), count=1)
+            mbarrier.init(empty.index(slot), count=1)
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (a_bufs, b_bufs, sc_bufs, ready, empty, part_ptr, out_ptr, cnt_ptr, M, N, KT,
+                     W, start, end, stride_ps, stride_om, MAX_PIECES),
+                ),
+                (
+                    _producer,
+                    (a_desc, a2_desc, b_desc, a_bufs, b_bufs, sc_bufs, ready, empty, as_ptr,
+                     bs_ptr, M, start, end, KT, stride_asm, stride_ask, stride_bsn, stride_bsk,
+                     TWO_A),
+                ),
+            ],
+            [1],
+            [40],
+        )  # fmt: skip
+
+
+@functools.cache
+def _sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def plan(n: int, k: int, cfg: dict, sms: int, block_k: int) -> tuple[int, int, int]:
+    """(iterations a CTA, CTAs, the most pieces an n-tile is cut into) on a GPU of `sms` SMs.
+    One whole n-tile a CTA where the n-tiles fill at least cfg["whole_tiles_fill"] of the SMs
+    (no partial sums: o and mlp_w2, 112 n-tiles of 64 on 132 SMs); else stream-K over the SMs."""
+    kt = triton.cdiv(k, block_k)
+    tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    if cfg["whole_tiles_fill"] * sms <= tiles <= sms:
+        return kt, tiles, 1
+    w = triton.cdiv(tiles * kt, sms)
+    return w, triton.cdiv(tiles * kt, w), triton.cdiv(kt, w) + 1
+
+
+def _a_descriptors(a: torch.Tensor, block_k: int):
+    """TMA descriptors that bring A's M rows (M <= 64) into wgmma's 64-row tile as at most two
+    boxes of a power of two rows (at least 8): the largest power of two not above M, then the rest
+    rounded up. A single 64-row box filling the rows past M with zeros slowed the loop (o at M = 33:
+    43.6 us against 32.8 at M = 32). The second is the first again where it is not needed."""
+    m = a.shape[0]
+    first = min(MAX_M, max(8, 1 << (m.bit_length() - 1)))
+    rest = max(8, triton.next_power_of_2(m - first)) if m > first else first
+    descs = []
+    for rows in (first, rest):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, block_k], gl.float8e4nv)
+        descs.append(TensorDescriptor.from_tensor(a, [rows, block_k], layout))
+    if m <= first:
+        return descs[0], descs[0]
+    return descs[0], descs[1]
+
+
+def launch(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    out: torch.Tensor,
+    cfg: dict,
+    scale_block: int,
+) -> bool:
+    """out = (a * a_scales) @ (w_fp8 * w_scale_inv)^T for M <= 64 on an sm_90 GPU; a and w_fp8
+    must suit TMA, out must be row-major. cfg: BLOCK_N (dividing scale_block, at most 128),
+    num_stages, whole_tiles_fill (see `plan`). Returns False, having done nothing, where the
+    stream-K tile counters cannot be had (inside a CUDA-graph capture before they exist)."""
+    m, k = a.shape
+    n = w_fp8.shape[0]
+    block_n = cfg["BLOCK_N"]
+    if m > MAX_M or scale_block % block_n or block_n > 128 or out.stride(1) != 1:
+        raise ValueError(
+            f"gluon decode fp8_gemm config {cfg} at M={m}: needs M <= {MAX_M}, a BLOCK_N that "
+            f"divides {scale_block} and is at most 128, and a row-major out"
+        )
+    w, ctas, max_pieces = plan(n, k, cfg, _sms(out.device.index), scale_block)
+    tiles = triton.cdiv(n, block_n)
+    cnt, part = out, out  # unread without partial sums
+    if max_pieces > 1:
+        cnt = _splitk.counters(out.device, tiles)
+        if cnt is None:
+            return False
+        part = torch.empty((max_pieces, m, n), dtype=torch.float32, device=out.device)
+    b_layout = gl.NVMMASharedLayout.get_default_for([block_n, scale_block], gl.float8e4nv)
+    a_desc, a2_desc = _a_descriptors(a, scale_block)
+    two_a = a2_desc is not a_desc
+    b_desc = TensorDescriptor.from_tensor(w_fp8, [block_n, scale_block], b_layout)
+    kt = triton.cdiv(k, scale_block)
+    _decode_kernel[(ctas,)](
+        a_desc, a2_desc, b_desc, a_scales, w_scale_inv, part, out, cnt, m, n, kt, w, tiles * kt,
+        a_scales.stride(0), a_scales.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
+        part.stride(0), out.stride(0), STAGES=cfg["num_stages"], MAX_PIECES=max_pieces, TWO_A=two_a,
+        num_warps=4,
+    )  # fmt: skip
+    return True

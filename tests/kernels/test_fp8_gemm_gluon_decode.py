@@ -1,0 +1,149 @@
+"""The Gluon decode fp8 GEMM for Hopper (kernels/fp8_gemm/gluon_decode_sm90.py).
+
+`plan` (how the work is cut over the CTAs) is checked on CPU. The kernel runs on a GPU only
+(Gluon has no CPU interpreter; skipped where Gluon or an sm_90 GPU is missing), against the torch
+reference at shapes with ragged M, N and K (K a multiple of 16 for TMA, not of 128), both with one
+whole n-tile a CTA and stream-K (n-tiles cut into pieces whose partial sums the last CTA adds).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _poison import rel_err
+from test_fp8_gemm import TOL, _act, _weight
+
+from pdserve.kernels import tuning
+from pdserve.kernels.fp8_gemm import _splitk, gluon_decode_sm90, ref
+from pdserve.kernels.fp8_gemm import triton as tri
+
+CFG = {"BLOCK_N": 64, "num_stages": 12, "whole_tiles_fill": 0.8, "min_k": 2048}
+gpu = pytest.mark.gpu
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "sms"),
+    [(7168, 16384, 132), (2112, 7168, 132), (36864, 7168, 132), (200, 7168, 132), (1000, 4000, 78),
+     (64, 128, 132), (7168, 2048, 114)],
+)  # fmt: skip
+def test_plan_covers_every_iteration_once(n: int, k: int, sms: int) -> None:
+    """The CTAs' runs [c * W, (c + 1) * W) cover every (n-tile, k-tile) iteration once, none is
+    empty, there are at most `sms` of them, and no n-tile meets more CTAs than the pieces the
+    launch makes room for; whole n-tiles a CTA where they fill 80% of the SMs."""
+    w, ctas, max_pieces = gluon_decode_sm90.plan(n, k, CFG, sms, 128)
+    kt, tiles = -(-k // 128), -(-n // 64)
+    total = tiles * kt
+    assert ctas <= sms and (ctas - 1) * w < total <= ctas * w
+    met = [set() for _ in range(tiles)]
+    for c in range(ctas):
+        for g in range(c * w, min((c + 1) * w, total)):
+            met[g // kt].add(c)
+    assert max(len(s) for s in met) <= max_pieces
+    if 0.8 * sms <= tiles <= sms:
+        assert (w, ctas, max_pieces) == (kt, tiles, 1)
+
+
+@pytest.fixture
+def _hopper() -> None:
+    if not torch.cuda.is_available() or not gluon_decode_sm90.available(torch.device("cuda", 0)):
+        pytest.skip("needs Triton's Gluon and an sm_90 GPU")
+
+
+def _inputs(m: int, n: int, k: int):
+    x = _act(m, k, torch.bfloat16, seed=m + k)
+    w_fp8, scale_inv = _weight(n, k, seed=n)
+    x_fp8, x_scales = tri._quantize(x, 128, scale_column_major=True)
+    return x_fp8, x_scales, w_fp8, scale_inv
+
+
+def _launch(x_fp8, x_scales, w_fp8, scale_inv, cfg=CFG) -> torch.Tensor:
+    out = torch.full((x_fp8.shape[0], w_fp8.shape[0]), float("nan"), device="cuda")
+    out = out.to(torch.bfloat16)
+    assert gluon_decode_sm90.launch(x_fp8, x_scales, w_fp8, scale_inv, out, cfg, 128)
+    return out
+
+
+@gpu
+@pytest.mark.usefixtures("_hopper")
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(64, 7168, 2048), (1, 7168, 2048), (33, 2112, 7168), (5, 1000, 4000), (64, 200, 7168),
+     (17, 4096, 2048 + 16), (48, 36864, 2048), (16, 7168, 2048), (63, 2112, 7168)],
+)  # fmt: skip
+def test_decode_kernel_matches_reference(m: int, n: int, k: int) -> None:
+    """Against the reference, and the same bits on a second run (the pieces are added in piece
+    order whichever CTA finishes last); the tile counters are left at zero."""
+    x_fp8, x_scales, w_fp8, scale_inv = _inputs(m, n, k)
+    out = _launch(x_fp8, x_scales, w_fp8, scale_inv)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref.scaled_gemm(x_fp8, x_scales, w_fp8, scale_inv)) < TOL[torch.bfloat16]
+    assert torch.equal(out, _launch(x_fp8, x_scales, w_fp8, scale_inv))
+    assert not _splitk.counters(out.device, 1).any()
+
+
+@gpu
+@pytest.mark.usefixtures("_hopper")
+def test_decode_kernel_in_a_cuda_graph() -> None:
+    """Captured once the counters exist, and replayed: the eager call's bits."""
+    x_fp8, x_scales, w_fp8, scale_inv = _inputs(40, 2112, 7168)
+    want = _launch(x_fp8, x_scales, w_fp8, scale_inv)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = _launch(x_fp8, x_scales, w_fp8, scale_inv)
+    got.zero_()
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+
+
+@gpu
+@pytest.mark.usefixtures("_hopper")
+@pytest.mark.parametrize(("m", "quantized"), [(64, True), (24, True), (10, False)])
+def test_decode_sizes_dispatch_to_gluon_on_hopper(monkeypatch, m: int, quantized: bool) -> None:
+    """The sm_90 entries for M <= 64 run the Gluon decode kernel at K >= 2048 (a pass-through spy
+    counts it), fp8_gemm quantizing its float input first; K < 2048 keeps the tl.dot kernel."""
+    calls = []
+    real = gluon_decode_sm90.launch
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gluon_decode_sm90, "launch", spy)
+    for k, runs in ((2048, True), (1536, False)):
+        calls.clear()
+        x_fp8, x_scales, w_fp8, scale_inv = _inputs(m, 1024, k)
+        x = ref.dequantize_act(x_fp8, x_scales).to(torch.bfloat16)
+        if quantized:
+            out = tri.scaled_gemm(x_fp8, x_scales, w_fp8, scale_inv)
+            want = ref.scaled_gemm(x_fp8, x_scales, w_fp8, scale_inv)
+        else:
+            out, want = tri.fp8_gemm(x, w_fp8, scale_inv), ref.fp8_gemm(x, w_fp8, scale_inv)
+        assert calls == ([torch.Size([m, k])] if runs else [])
+        assert rel_err(out, want) < TOL[torch.bfloat16]
+
+
+@gpu
+@pytest.mark.usefixtures("_hopper")
+def test_per_shape_decode_entries_name_the_kernel() -> None:
+    """DeepSeek-V3's o / mlp_w2 / qkv_a / shared_w2 entries at M = 64 take the Gluon decode kernel;
+    mlp_w13's at M <= 16 does not."""
+    dev = torch.device("cuda", 0)
+    for n, k in ((7168, 16384), (7168, 18432), (2112, 7168), (7168, 2048)):
+        assert tri._gluon_decode(tri._gemm_config(64, n, k, dev), 64, k, dev) is not None
+    assert tri._gluon_decode(tri._gemm_config(16, 36864, 7168, dev), 16, 7168, dev) is None
+    assert tuning.find("fp8_gemm", "m<=16,n=36864,k=7168", dev) is not None
+
+
+@gpu
+@pytest.mark.usefixtures("_hopper")
+def test_bad_input_is_refused() -> None:
+    x_fp8, x_scales, w_fp8, scale_inv = _inputs(65, 256, 2048)
+    out = torch.empty(65, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="M <= 64"):
+        gluon_decode_sm90.launch(x_fp8, x_scales, w_fp8, scale_inv, out, CFG, 128)
+    with pytest.raises(ValueError, match="BLOCK_N"):
+        gluon_decode_sm90.launch(
+            x_fp8[:64], x_scales[:64], w_fp8, scale_inv, out[:64], {**CFG, "BLOCK_N": 256}, 128
+        )
