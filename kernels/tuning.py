@@ -137,13 +137,17 @@ def _moe_cfg(bm: int, gate_up: tuple, down: tuple, group_m: int = 8) -> dict[str
 register("quantize_act", "sm90", {"default": {"BLOCK_M": 16, "num_warps": 4}})
 _GEMV_SM90 = _gemv_cfg(16, 4, 4, 528, max_k=8192, fuse_max_work=4_000_000)
 _FP8_GEMM_LARGE = _gemm_cfg(128, 128, 8, 4, False, 0, GROUP_M=16, tma=True, gluon=True)
-# The Gluon decode kernel (fp8_gemm/gluon_decode_sm90.py) for M = 2-64 and K >= min_k on Hopper; the
+# The Gluon decode kernel (fp8_gemm/gluon_decode_sm90.py) for M = min_m-64, K >= min_k on Hopper; the
 # entry's other keys serve the tl.dot kernel elsewhere. 64 weight rows a tile, 12 ring slots, one
 # whole n-tile a CTA where the n-tiles fill 80% of the SMs, else stream-K. At M = 64, graph of 8
 # (H200, RESULTS.md, sixteenth session): o 39.9 -> 33.2 us, mlp_w2 44.3 -> 37.1, mlp_w13 81.5 -> 75.6,
 # shared_w13 16.5 -> 12.8, qkv_a 12.0 -> 9.7, shared_w2 9.9 -> 7.6; slower for q_b (K = 1536) and
 # kv_b (K = 512), and for mlp_w13 at M <= 16 (66 against 71 us).
-_GLUON_DECODE = {"BLOCK_N": 64, "num_stages": 12, "whole_tiles_fill": 0.8, "min_k": 2048}
+# min_m 2: at M = 1 the gemv / swapped MMA entries stay (o through "otherwise" quantizes inside the
+# swapped kernel: 33.7 us against 38.6 with a separate quantization and this kernel).
+_GLUON_DECODE = {
+    "BLOCK_N": 64, "num_stages": 12, "whole_tiles_fill": 0.8, "min_k": 2048, "min_m": 2,
+}  # fmt: skip
 
 
 def _decode(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -298,9 +298,9 @@ def _gemm_config(m: int, n: int, k: int, device: torch.device) -> dict:
 
 def _gluon_decode(cfg: dict, m: int, k: int, device: torch.device) -> dict | None:
     """The config of the Gluon decode kernel (gluon_decode_sm90.py) where it serves this call: the
-    entry names one, the GPU is a Hopper, M <= 64 and K reaches its min_k. Else None."""
+    entry names one, the GPU is a Hopper, M is within min_m .. 64 and K reaches min_k. Else None."""
     gd = cfg.get("gluon_decode")
-    if gd is None or m > gluon_decode_sm90.MAX_M or k < gd["min_k"]:
+    if gd is None or not gd["min_m"] <= m <= gluon_decode_sm90.MAX_M or k < gd["min_k"]:
         return None
     return gd if gluon_decode_sm90.available(device) else None
 

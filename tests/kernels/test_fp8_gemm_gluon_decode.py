@@ -17,7 +17,7 @@ from pdserve.kernels import tuning
 from pdserve.kernels.fp8_gemm import _splitk, gluon_decode_sm90, ref
 from pdserve.kernels.fp8_gemm import triton as tri
 
-CFG = {"BLOCK_N": 64, "num_stages": 12, "whole_tiles_fill": 0.8, "min_k": 2048}
+CFG = {"BLOCK_N": 64, "num_stages": 12, "whole_tiles_fill": 0.8, "min_k": 2048, "min_m": 2}
 gpu = pytest.mark.gpu
 
 
@@ -128,10 +128,11 @@ def test_decode_sizes_dispatch_to_gluon_on_hopper(monkeypatch, m: int, quantized
 @pytest.mark.usefixtures("_hopper")
 def test_per_shape_decode_entries_name_the_kernel() -> None:
     """DeepSeek-V3's o / mlp_w2 / qkv_a / shared_w2 entries at M = 64 take the Gluon decode kernel;
-    mlp_w13's at M <= 16 does not."""
+    mlp_w13's at M <= 16 does not, nor o's at M = 1 (through the gemv entry's "otherwise")."""
     dev = torch.device("cuda", 0)
     for n, k in ((7168, 16384), (7168, 18432), (2112, 7168), (7168, 2048)):
         assert tri._gluon_decode(tri._gemm_config(64, n, k, dev), 64, k, dev) is not None
+    assert tri._gluon_decode(tri._gemm_config(1, 7168, 16384, dev), 1, 16384, dev) is None
     assert tri._gluon_decode(tri._gemm_config(16, 36864, 7168, dev), 16, 7168, dev) is None
     assert tuning.find("fp8_gemm", "m<=16,n=36864,k=7168", dev) is not None
 
