@@ -66,6 +66,9 @@ def lookup(op: str, key: str, device: torch.device) -> dict[str, Any]:
 # split_k_target_ctas / min_k_tiles: split K until tiles * splits reaches the target, each split
 # keeping at least min_k_tiles k-tiles of 128; one_wave: at most the target instead (set it to the
 # CTAs the GPU holds at once: H200 m<=16, 132 SMs x 3 by shared memory).
+# gluon_decode: where set (sm90), calls with min_m <= M <= 64 and K >= min_k run the Gluon decode
+# kernel (fp8_gemm/gluon_decode_sm90.py: BLOCK_N, num_stages, whole_tiles_fill) and the other keys
+# serve the tl.dot kernel wherever that one cannot run.
 # fused_moe keys "<bf16|fp8>,rows<=16|64|256" or ",rows>256" (mean rows per expert), or
 # ",invariant-<prefill|decode>" (batch-invariant mode);
 # *1 = gate/up GEMM, *2 = down GEMM; fp8 needs BLOCK_N1 == BLOCK_K1 == BLOCK_K2 == 128.
@@ -182,12 +185,12 @@ register(
         # shared_w2 at M = 1 (K = 2048): 8 rows, eight groups of 128 a step (896 programs, no split),
         # 8.1 -> 6.8 us
         "m<=1,n=7168,k=2048": {**_GEMV_SM90, "BLOCK_N": 8, "GROUPS": 8, "split_k_target_ctas": 264},
-        # o and mlp_w2 at M = 64: 3 stages (4 CTAs an SM), 40.0 -> 39.2 and 44.0 -> 43.2 us; mlp_w13
-        # is slower so (80.2 -> 87.7)
+        # o and mlp_w2 at M = 64, for the tl.dot kernel where the Gluon decode kernel cannot run: 3
+        # stages (4 CTAs an SM), 40.0 -> 39.2 and 44.0 -> 43.2 us; mlp_w13 is slower so (80.2 -> 87.7)
         "m<=64,n=7168,k=16384": _decode(_gemm_cfg(64, 64, 4, 3, False, 264, min_k_tiles=6)),
         "m<=64,n=7168,k=18432": _decode(_gemm_cfg(64, 64, 4, 3, False, 264, min_k_tiles=6)),
-        # qkv_a and shared_w2 at M = 64: 32 weight rows a CTA (twice the output tiles, fewer splits of K),
-        # 12.8 -> 11.9 and 11.0 -> 10.0 us
+        # qkv_a and shared_w2 at M = 64 (tl.dot, as above): 32 weight rows a CTA (twice the output
+        # tiles, fewer splits of K), 12.8 -> 11.9 and 11.0 -> 10.0 us
         "m<=64,n=2112,k=7168": _decode(_gemm_cfg(64, 32, 4, 4, False, 264, min_k_tiles=6)),
         "m<=64,n=7168,k=2048": _decode(_gemm_cfg(64, 32, 4, 4, False, 264, min_k_tiles=12)),
         # mlp_w13 at M <= 16: the swapped tl.dot kernel, not the Gluon decode kernel (66 against 71 us)

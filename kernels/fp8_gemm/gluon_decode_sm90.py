@@ -1,26 +1,31 @@
-"""The fp8 block-scaled GEMM at decode sizes (M <= 64) for Hopper (sm_90), in Gluon: stream-K over
-a warp-specialized TMA ring.
+"""The fp8 block-scaled GEMM at decode sizes (M <= 64) for Hopper (sm_90), in Gluon: a
+warp-specialized TMA ring, whole n-tiles or stream-K.
 
 Why: at M = 64 the weight is the traffic, and the tl.dot kernel of `triton.py` leaves only one
 k-tile's copies in flight while it waits for the next (its pipeliner issues the copies of k-tile
-i + 2 after the MMA's wait and the scaling), and its split-K grid of 2-3 CTAs an SM ends in a
-ragged last wave. Here:
+i + 2 after the MMA's wait and the scaling). Here:
 
-- one producer warp keeps the ring full: it issues the TMA loads of the next k-tile as soon as a
-  slot frees, across output-tile boundaries, so STAGES k-tiles stay in flight whatever the
-  consumer is doing;
-- the work is cut evenly over the CTAs (stream-K): the (n-tile, k-tile) iterations, n-tile major,
-  are numbered 0 .. tiles * KT, and CTA c takes the run [c * W, (c + 1) * W). A CTA's run covers
-  the end of one n-tile, whole n-tiles and the start of another;
-- an n-tile covered by several CTAs ("pieces", numbered in run order) is finished by the last of
-  them to arrive: each stores its fp32 partial to part[piece], counts itself in on the tile's
-  counter (see `_splitk.py`), and the last adds the pieces in piece order and writes the tile. The
-  sum's order does not depend on which CTA arrives last, so the result is the same bits every run.
+- one producer warp keeps the ring full: it issues the next k-tile's loads as soon as a slot
+  frees, across output-tile boundaries, so STAGES k-tiles stay in flight whatever the consumer is
+  doing. A's and B's k-tiles come by TMA; the k-tile's scales (the 64 rows' a_scale, the weight
+  block's scale repeated 64 times) by cp.async, tied to the same `ready` mbarrier. Loaded by the
+  consumer instead, their L2 round trip under the weight stream sat in every k-tile (o at M = 64:
+  58 us against 33);
+- the consumer warpgroup waits for a slot, issues its wgmma, reads the scales from the slot, waits
+  for the wgmma, frees the slot and scales the product into the fp32 accumulator;
+- the work: the (n-tile, k-tile) iterations, n-tile major, are numbered 0 .. tiles * KT and CTA c
+  takes the run [c * W, (c + 1) * W). Where the n-tiles fill most of the SMs, W = KT: one whole
+  n-tile a CTA and no partial sums. Else W spreads the iterations evenly over the SMs
+  (stream-K), and a CTA's run covers the end of one n-tile, whole n-tiles and the start of
+  another;
+- an n-tile cut over several CTAs ("pieces", numbered in run order) is finished by the last of them
+  to arrive: each stores its fp32 partial to part[piece] and counts itself in on the tile's counter
+  (see `_splitk.py`), and the last adds the pieces in piece order and writes the tile. The sum's
+  order does not depend on which CTA arrives last, so the result is the same bits every run.
 
-A: [M, K] e4m3 (M <= 64: one 64-row tile, TMA fills the rows past M with zeros) with a_scale
+A: [M, K] e4m3 (M <= 64, brought into wgmma's 64-row tile; see `_a_descriptors`) with a_scale
 [M, K/128]; B: [N, K] e4m3 with b_scale [N/128, K/128]; BLOCK_N divides 128, so a tile's weight
-scale is one number per k-tile. The consumer warpgroup issues each k-tile's wgmma, loads the next
-k-tile's scales while it runs, then scales the product into the accumulator.
+scale is one number per k-tile. Needs what `gluon_sm90.available` says.
 """
 
 from __future__ import annotations
@@ -221,18 +226,17 @@ def plan(n: int, k: int, cfg: dict, sms: int, block_k: int) -> tuple[int, int, i
 def _a_descriptors(a: torch.Tensor, block_k: int):
     """TMA descriptors that bring A's M rows (M <= 64) into wgmma's 64-row tile as at most two
     boxes of a power of two rows (at least 8): the largest power of two not above M, then the rest
-    rounded up. A single 64-row box filling the rows past M with zeros slowed the loop (o at M = 33:
-    43.6 us against 32.8 at M = 32). The second is the first again where it is not needed."""
+    rounded up. Returns (first, second), second None where one box holds M. A single 64-row box,
+    which the TMA fills with zeros past M, slowed the loop: o at M = 33 took 43.6 us, 34.3 with
+    two boxes (H200)."""
     m = a.shape[0]
     first = min(MAX_M, max(8, 1 << (m.bit_length() - 1)))
-    rest = max(8, triton.next_power_of_2(m - first)) if m > first else first
+    boxes = [first] if m <= first else [first, max(8, triton.next_power_of_2(m - first))]
     descs = []
-    for rows in (first, rest):
+    for rows in boxes:
         layout = gl.NVMMASharedLayout.get_default_for([rows, block_k], gl.float8e4nv)
         descs.append(TensorDescriptor.from_tensor(a, [rows, block_k], layout))
-    if m <= first:
-        return descs[0], descs[0]
-    return descs[0], descs[1]
+    return descs[0], (descs[1] if len(descs) > 1 else None)
 
 
 def launch(
@@ -266,13 +270,13 @@ def launch(
         part = torch.empty((max_pieces, m, n), dtype=torch.float32, device=out.device)
     b_layout = gl.NVMMASharedLayout.get_default_for([block_n, scale_block], gl.float8e4nv)
     a_desc, a2_desc = _a_descriptors(a, scale_block)
-    two_a = a2_desc is not a_desc
     b_desc = TensorDescriptor.from_tensor(w_fp8, [block_n, scale_block], b_layout)
     kt = triton.cdiv(k, scale_block)
     _decode_kernel[(ctas,)](
-        a_desc, a2_desc, b_desc, a_scales, w_scale_inv, part, out, cnt, m, n, kt, w, tiles * kt,
+        a_desc, a2_desc or a_desc, b_desc, a_scales, w_scale_inv, part, out, cnt, m, n, kt, w, tiles * kt,
         a_scales.stride(0), a_scales.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
-        part.stride(0), out.stride(0), STAGES=cfg["num_stages"], MAX_PIECES=max_pieces, TWO_A=two_a,
+        part.stride(0), out.stride(0), STAGES=cfg["num_stages"], MAX_PIECES=max_pieces,
+        TWO_A=a2_desc is not None,
         num_warps=4,
     )  # fmt: skip
     return True
