@@ -30,11 +30,10 @@ scale is one number per k-tile. Needs what `gluon_sm90.available` says.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
+from .._backend import num_sms
 from . import _splitk
 from .gluon_sm90 import _IMPORTED, available
 
@@ -206,11 +205,6 @@ if _IMPORTED:
         )  # fmt: skip
 
 
-@functools.cache
-def _sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def plan(n: int, k: int, cfg: dict, sms: int, block_k: int) -> tuple[int, int, int]:
     """(iterations a CTA, CTAs, the most pieces an n-tile is cut into) on a GPU of `sms` SMs.
     One whole n-tile a CTA where the n-tiles fill at least cfg["whole_tiles_fill"] of the SMs
@@ -260,7 +254,7 @@ def launch(
             f"gluon decode fp8_gemm config {cfg} at M={m}: needs M <= {MAX_M}, a BLOCK_N that "
             f"divides {scale_block} and is at most 128, and a row-major out"
         )
-    w, ctas, max_pieces = plan(n, k, cfg, _sms(out.device.index), scale_block)
+    w, ctas, max_pieces = plan(n, k, cfg, num_sms(out.device), scale_block)
     tiles = triton.cdiv(n, block_n)
     cnt, part = out, out  # unread without partial sums
     if max_pieces > 1:

@@ -18,11 +18,10 @@ row's amax over both halves gives the group's scale. Needs I % 128 == 0.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
+from .._backend import num_sms
 from ..fp8_gemm import gluon_sm90 as dense
 from ..fp8_gemm._tiles import tile_of
 
@@ -346,7 +345,7 @@ def down(
     a_desc = _desc(act, [BLOCK_M // 2, 128])
     b_desc = _desc(w2.view(-1, inter), [block_n, 128])
     tiles = (rows // BLOCK_M) * triton.cdiv(hidden, block_n)
-    grid = (min(tiles, _num_sms(act.device.index)),)
+    grid = (min(tiles, num_sms(act.device)),)
     c_layout = gl.NVMMASharedLayout.get_default_for(
         [BLOCK_M // 2, block_n], dense._GL_DTYPE[y.dtype]
     )
@@ -356,8 +355,3 @@ def down(
         act_scales.stride(0), act_scales.stride(1), *w2_s.stride(),
         STAGES=cfg.get("gluon_stages", (4, 4))[1], num_warps=4,
     )  # fmt: skip
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
