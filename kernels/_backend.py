@@ -49,6 +49,26 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+PDL_ENV = "PDSERVE_PDL"
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` use programmatic dependent launch (PDL, sm_90 and later; off with
+    PDSERVE_PDL=0). Then the kernels that feed the decode GEMMs (rmsnorm, silu_mul, the activation
+    quantizer, the GEMMs themselves) let the next kernel launch as soon as they start
+    (`gdc_launch_dependents`), and the decode GEMMs, launched with `launch_pdl`, load their first
+    weight tiles before they wait for the kernel before them (`gdc_wait`) and touch anything it
+    wrote. A GEMM's weights must therefore not come from the kernel just before it."""
+    if device.type != "cuda" or interpreter_enabled() or os.environ.get(PDL_ENV, "1") == "0":
+        return False
+    return _capability(device.index)[0] >= 9
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def requested_backend() -> str:
     """The backend asked for by the context or the environment: `auto`, `ref` or `triton`."""
     choice = _override.get() or os.environ.get(BACKEND_ENV, "auto")

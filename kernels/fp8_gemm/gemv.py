@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .._backend import interpreter_enabled
+from .._backend import interpreter_enabled, pdl_enabled
 from . import _splitk
 from ._quant import quantize_tile
 
@@ -44,10 +45,12 @@ def _fp8_gemv_kernel(
     stride_cs, stride_cm, stride_cn, stride_om, stride_on,
     QUANT_A: tl.constexpr, EVEN_K: tl.constexpr, FOLD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, EXACT_CAST: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, EXACT_CAST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """C[split, m, n] = sum over this split's groups g of a_scale[m, g] * w_scale[n // 128, g] *
     sum_j A[m, g*128 + j] * B[n, g*128 + j]. BLOCK_N divides 128: one weight scale per group."""
+    if PDL:
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # wrapped rows are masked on store
@@ -65,6 +68,8 @@ def _fp8_gemv_kernel(
         in_split, k_ok = _step_mask(kt, kt1, K, offs_g, offs_k, GROUP, EVEN_K)
         b = tl.load(b_ptrs, mask=k_ok[None, :, :], other=0.0).to(tl.float32)  # [BN, G, 128]
         b_s = tl.load(bs_ptrs, mask=in_split, other=0.0)  # [G]
+        if PDL:  # x (and our stores) wait for the kernel before; a no-op after the first step
+            gdc_wait()  # (waiting in the first step only, behind a branch, was slower: q_b 74%)
         for m in tl.static_range(BLOCK_M):
             row = tl.minimum(m, M - 1).to(tl.int64)
             a = tl.load(a_ptr + row * stride_am + (kt * GROUP + offs_k) * stride_ak, mask=k_ok,
@@ -80,6 +85,8 @@ def _fp8_gemv_kernel(
             acc += tl.where(offs_mm[None, :] == m, row_sum[:, None], 0.0)
         b_ptrs += GROUPS * GROUP * stride_bk
         bs_ptrs += GROUPS * stride_bsk
+    if PDL:
+        gdc_wait()  # every program waits before its stores, even one with no k-tile (a no-op here)
     out_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows, cols = offs_mm.to(tl.int64)[None, :], out_n[:, None]
     mask = (offs_mm < M)[None, :] & (out_n < N)[:, None]
@@ -131,6 +138,7 @@ def launch_gemv(
     if quant_a:
         a_scales = torch.empty((1, 1), dtype=torch.float32, device=a.device)  # unread
     stride_cs = target.stride(0) if splits > 1 else 0
+    pdl = cfg.get("pdl", False) and pdl_enabled(a.device)
     _fp8_gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), splits)](
         a, a_scales, w_fp8, w_scale_inv, target, out, counters, m, n, k, per_split, splits,
         a.stride(0), a.stride(1), a_scales.stride(0), a_scales.stride(1),
@@ -138,6 +146,6 @@ def launch_gemv(
         stride_cs, target.stride(-2), target.stride(-1), out.stride(0), out.stride(1),
         QUANT_A=quant_a, EVEN_K=k % GEMV_GROUP == 0, FOLD=fold, BLOCK_M=block_m,
         BLOCK_N=cfg["BLOCK_N"], GROUPS=cfg["GROUPS"], GROUP=GEMV_GROUP, FP8_MAX=fp8_max, MIN_AMAX=min_amax,
-        EXACT_CAST=interpreter_enabled(), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        EXACT_CAST=interpreter_enabled(), PDL=pdl, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], launch_pdl=pdl,
     )  # fmt: skip

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .._backend import num_sms
+from .._backend import num_sms, pdl_enabled
 from . import _splitk
 from .gluon_sm90 import _IMPORTED, available
 
@@ -47,6 +47,7 @@ if _IMPORTED:
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     from .gluon_sm90 import _tma_load
 
@@ -60,7 +61,7 @@ if _IMPORTED:
     @gluon.jit
     def _producer(a_desc, a2_desc, b_desc, a_bufs, b_bufs, sc_bufs, ready, empty, as_ptr, bs_ptr,
                   M, start, end, KT, stride_asm, stride_ask, stride_bsn, stride_bsk,
-                  TWO_A: gl.constexpr):  # fmt: skip
+                  TWO_A: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
         """One warp: the loads of iterations start .. end into ring slot (g - start) % STAGES, once
         the consumer has released the slot's previous k-tile: A's and B's k-tile by TMA, and the
         k-tile's scales by cp.async (into slot row 2s the a_scale of the 64 rows, into row 2s + 1
@@ -77,6 +78,15 @@ if _IMPORTED:
         lane: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
         a_off = gl.minimum(gl.arange(0, BLOCK_M, layout=lane), M - 1) * stride_asm
         b_off = gl.zeros([BLOCK_M], gl.int32, lane)
+        if PDL:
+            # the weight's first k-tiles need nothing from the kernel before: load them, then
+            # wait for it (its writes to A, its scales and our `out`) before the rest
+            for g in range(start, gl.minimum(end, start + STAGES)):
+                bar = ready.index(g - start)
+                mbarrier.expect(bar, A_BYTES + b_desc.block_type.nbytes)
+                _tma_load(b_desc, [(g // KT) * BLOCK_N, (g % KT) * BLOCK_K], bar,
+                          b_bufs.index(g - start))  # fmt: skip
+            gdc_wait()
         for g in range(start, end):
             i = g - start
             s = i % STAGES
@@ -90,7 +100,9 @@ if _IMPORTED:
             )
             async_copy.async_copy_global_to_shared(sc_bufs.index(2 * s + 1), b_scale + b_off)
             async_copy.mbarrier_arrive(bar)  # before the expect, so the phase waits for it
-            mbarrier.expect(bar, A_BYTES + b_desc.block_type.nbytes)
+            issue_b = i >= STAGES * PDL  # else B's k-tile and the expect were issued above
+            if issue_b:
+                mbarrier.expect(bar, A_BYTES + b_desc.block_type.nbytes)
             # A's rows come as one or two boxes of a power of two rows (`_a_descriptors`); the smem
             # rows past them are left as they are: only output rows past M, never stored, read them
             a_dst = a_bufs.index(s)
@@ -100,7 +112,8 @@ if _IMPORTED:
                 _tma_load(a_desc, [0, kt * BLOCK_K], bar, a_dst.slice(0, A_ROWS))
                 if A2_ROWS:
                     _tma_load(a2_desc, [A_ROWS, kt * BLOCK_K], bar, a_dst.slice(A_ROWS, A2_ROWS))
-            _tma_load(b_desc, [tile * BLOCK_N, kt * BLOCK_K], bar, b_bufs.index(s))
+            if issue_b:
+                _tma_load(b_desc, [tile * BLOCK_N, kt * BLOCK_K], bar, b_bufs.index(s))
 
     @gluon.jit
     def _store_piece(acc, part_ptr, out_ptr, cnt_ptr, M, N, KT, W, tile, stride_ps, stride_om,
@@ -169,11 +182,13 @@ if _IMPORTED:
     def _decode_kernel(
         a_desc, a2_desc, b_desc, as_ptr, bs_ptr, part_ptr, out_ptr, cnt_ptr, M, N, KT, W, total,
         stride_asm, stride_ask, stride_bsn, stride_bsk, stride_ps, stride_om,
-        STAGES: gl.constexpr, MAX_PIECES: gl.constexpr, TWO_A: gl.constexpr,
+        STAGES: gl.constexpr, MAX_PIECES: gl.constexpr, TWO_A: gl.constexpr, PDL: gl.constexpr,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = 64  # wgmma's M; A's descriptor may bring fewer rows
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        if PDL:
+            gdc_launch_dependents()
         start = gl.program_id(0) * W
         end = gl.minimum(start + W, total)
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
@@ -197,7 +212,7 @@ if _IMPORTED:
                     _producer,
                     (a_desc, a2_desc, b_desc, a_bufs, b_bufs, sc_bufs, ready, empty, as_ptr,
                      bs_ptr, M, start, end, KT, stride_asm, stride_ask, stride_bsn, stride_bsk,
-                     TWO_A),
+                     TWO_A, PDL),
                 ),
             ],
             [1],
@@ -207,12 +222,14 @@ if _IMPORTED:
 
 def plan(n: int, k: int, cfg: dict, sms: int, block_k: int) -> tuple[int, int, int]:
     """(iterations a CTA, CTAs, the most pieces an n-tile is cut into) on a GPU of `sms` SMs.
-    One whole n-tile a CTA where the n-tiles fill at least cfg["whole_tiles_fill"] of the SMs
-    (no partial sums: o and mlp_w2, 112 n-tiles of 64 on 132 SMs); else stream-K over the SMs."""
+    Whole n-tiles, the same number a CTA, where the CTAs they make hold at least
+    cfg["whole_tiles_fill"] of what that many a CTA could (no partial sums: o and mlp_w2, 112
+    n-tiles of 64 on 132 SMs; q_b, 384 n-tiles, 3 a CTA on 128); else stream-K over the SMs."""
     kt = triton.cdiv(k, block_k)
     tiles = triton.cdiv(n, cfg["BLOCK_N"])
-    if cfg["whole_tiles_fill"] * sms <= tiles <= sms:
-        return kt, tiles, 1
+    per = triton.cdiv(tiles, sms)
+    if tiles >= cfg["whole_tiles_fill"] * sms * per:
+        return kt * per, triton.cdiv(tiles, per), 1
     w = triton.cdiv(tiles * kt, sms)
     return w, triton.cdiv(tiles * kt, w), triton.cdiv(kt, w) + 1
 
@@ -266,11 +283,11 @@ def launch(
     a_desc, a2_desc = _a_descriptors(a, scale_block)
     b_desc = TensorDescriptor.from_tensor(w_fp8, [block_n, scale_block], b_layout)
     kt = triton.cdiv(k, scale_block)
+    pdl = cfg.get("pdl", False) and pdl_enabled(out.device)
     _decode_kernel[(ctas,)](
         a_desc, a2_desc or a_desc, b_desc, a_scales, w_scale_inv, part, out, cnt, m, n, kt, w, tiles * kt,
         a_scales.stride(0), a_scales.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
         part.stride(0), out.stride(0), STAGES=cfg["num_stages"], MAX_PIECES=max_pieces,
-        TWO_A=a2_desc is not None,
-        num_warps=4,
+        TWO_A=a2_desc is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return True

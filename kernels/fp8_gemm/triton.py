@@ -21,10 +21,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import tuning
-from .._backend import interpreter_enabled, invariant_phase, tma_ok
+from .._backend import interpreter_enabled, invariant_phase, pdl_enabled, tma_ok
 from . import _splitk, gemv, gluon_decode_sm90, gluon_sm90
 from ._quant import empty_quantized, quantize_tile
 from ._tiles import tile_of
@@ -39,8 +40,10 @@ def _quantize_act_kernel(
     x_ptr, q_ptr, s_ptr, M, K,
     stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sg,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, EXACT_CAST: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, EXACT_CAST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # the next kernel (the GEMM) may launch and start on its weights
+        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     g = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -253,7 +256,7 @@ def _quantize(
         x, q, scales, m, k,
         x.stride(0), x.stride(1), q.stride(0), q.stride(1), scales.stride(0), scales.stride(1),
         GROUP=group_size, BLOCK_M=cfg["BLOCK_M"], FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
-        EXACT_CAST=interpreter_enabled(),
+        EXACT_CAST=interpreter_enabled(), PDL=pdl_enabled(x.device),
         num_warps=cfg["num_warps"],
     )  # fmt: skip
     return q, scales

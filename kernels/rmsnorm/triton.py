@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from .. import tuning
-from .._backend import interpreter_enabled
+from .._backend import interpreter_enabled, pdl_enabled
 from ..fp8_gemm._quant import empty_quantized, quantize_tile
 from ..fp8_gemm.ref import _MIN_AMAX, ACT_QUANT_GROUP, FP8_E4M3_MAX
 
@@ -46,8 +47,10 @@ def _rmsnorm_kernel(
     stride_x, stride_res, stride_out, stride_res_out, stride_sg,
     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
     QUANT: tl.constexpr, GROUP: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, EXACT_CAST: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, EXACT_CAST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # the next kernel (a decode GEMM) may launch and start on its weights
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < dim
@@ -134,7 +137,7 @@ def rmsnorm(
         x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0), scales.stride(1),
         HAS_RESIDUAL=residual is not None, BLOCK_D=max(block_d, ACT_QUANT_GROUP) if quant else block_d, ROWS=rows,
         QUANT=quant, GROUP=ACT_QUANT_GROUP, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
-        EXACT_CAST=interpreter_enabled(), num_warps=cfg["num_warps"],
+        EXACT_CAST=interpreter_enabled(), PDL=pdl_enabled(x.device), num_warps=cfg["num_warps"],
     )  # fmt: skip
     return result if residual is None else (result, res_out)
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from .. import tuning
-from .._backend import interpreter_enabled
+from .._backend import interpreter_enabled, pdl_enabled
 from ..fp8_gemm._quant import empty_quantized, quantize_tile
 from ..fp8_gemm.ref import _MIN_AMAX, ACT_QUANT_GROUP, FP8_E4M3_MAX
 from .ref import check_inputs
@@ -27,8 +28,10 @@ def _silu_mul_kernel(
     gate_ptr, up_ptr, out_ptr, scale_ptr, T, I,
     stride_gt, stride_ut, stride_ot, stride_st, stride_sg,
     QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, EXACT_CAST: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, EXACT_CAST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # the next kernel (a decode GEMM) may launch and start on its weights
+        gdc_launch_dependents()
     g = tl.program_id(1)
     offs_t = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_i = g * GROUP + tl.arange(0, GROUP)
@@ -67,6 +70,6 @@ def silu_mul(
             gate.stride(0), up.stride(0), out.stride(0), scales.stride(0), scales.stride(1),
             QUANT=quant, GROUP=ACT_QUANT_GROUP, BLOCK_M=cfg["BLOCK_M"],
             FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX, EXACT_CAST=interpreter_enabled(),
-            num_warps=cfg["num_warps"],
+            PDL=pdl_enabled(gate.device), num_warps=cfg["num_warps"],
         )  # fmt: skip
     return (out, scales) if quant else out
