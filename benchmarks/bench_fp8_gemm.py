@@ -14,7 +14,9 @@ runs its projections one after another. A graph replay costs about 2 us on top o
 
 "plain read (floor)" rows time, per decode shape and the same graph-of-8 way, a kernel that only reads
 the weight's bytes (the best of 1056 and 2112 programs): what a kernel streaming that weight can reach
-at all, the launch and the ramp of a short kernel included.
+at all, the launch and the ramp of a short kernel included. "plain read, PDL" does the same with
+programmatic dependent launch, as the decode GEMMs run where `_backend.pdl_enabled` (sm_90+): each
+read starts while the one before it finishes, so the launch and ramp overlap the previous call.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 from _bench import FP8_FLOPS, HBM_BYTES_PER_S, Row, time_graph_ms, time_ms
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from pdserve.kernels._backend import pdl_enabled
 from pdserve.kernels.fp8_gemm import ref
 from pdserve.kernels.fp8_gemm import triton as tri
 
@@ -82,6 +86,8 @@ def run(quick: bool) -> list[Row]:
         for name in shapes:
             rows += _decode_rows(name, m)
     rows += [_read_floor_row(name) for name in shapes]
+    if pdl_enabled(torch.device("cuda", torch.cuda.current_device())):
+        rows += [_read_floor_row(name, pdl=True) for name in shapes]
     return rows
 
 
@@ -153,16 +159,21 @@ def _decode_rows(name: str, m: int) -> list[Row]:
 
 
 @triton.jit
-def _read_kernel(w_ptr, out_ptr, n_bytes, per_program, BLOCK: tl.constexpr):
-    """Reads per_program bytes from program_id * per_program and stores their sum (so that the loads stay)."""
+def _read_kernel(w_ptr, out_ptr, n_bytes, per_program, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Reads per_program bytes from program_id * per_program and stores their sum (so that the loads
+    stay). PDL: lets the next read launch at once, and waits for the previous one before the store."""
+    if PDL:
+        gdc_launch_dependents()
     offs = tl.program_id(0).to(tl.int64) * per_program + tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), tl.int32)
     for i in range(0, per_program, BLOCK):
         acc += tl.load(w_ptr + i + offs, mask=i + offs < n_bytes, other=0).to(tl.int32)
+    if PDL:
+        gdc_wait()
     tl.store(out_ptr + tl.program_id(0), tl.sum(acc))
 
 
-def _read_floor_row(name: str) -> Row:
+def _read_floor_row(name: str, pdl: bool = False) -> Row:
     k, n = DECODE_SHAPES[name]
     weights = [_weight(n, k) for _ in range(BACK_TO_BACK)]
     weight_bytes = n * k + weights[0][1].numel() * 4
@@ -176,10 +187,18 @@ def _read_floor_row(name: str) -> Row:
             per = triton.cdiv(triton.cdiv(flat.numel(), programs), block) * block
             calls.append(
                 functools.partial(
-                    _read_kernel[(programs,)], flat, out, flat.numel(), per, BLOCK=block
+                    _read_kernel[(programs,)],
+                    flat,
+                    out,
+                    flat.numel(),
+                    per,
+                    BLOCK=block,
+                    PDL=pdl,
+                    launch_pdl=pdl,
                 )
             )
         best = min(best, _back_to_back_ms(calls))
     gbps = weight_bytes / best / 1e6
-    return Row("fp8_gemm", f"{name} {k}->{n}", f"plain read (floor), graph of {BACK_TO_BACK}", best,
+    how = "plain read, PDL" if pdl else "plain read (floor)"
+    return Row("fp8_gemm", f"{name} {k}->{n}", f"{how}, graph of {BACK_TO_BACK}", best,
                gbps=gbps, ceiling_frac=gbps * 1e9 / HBM_BYTES_PER_S)  # fmt: skip
