@@ -61,13 +61,14 @@ def lookup(op: str, key: str, device: torch.device) -> dict[str, Any]:
 # "<m class>,n=N,k=K" for one weight shape (taken before its class's entry, outside batch-invariant mode).
 # gemv: the CUDA-core kernel of fp8_gemm/gemv.py: BLOCK_N weight rows (dividing 128) by GROUPS
 # groups of 128 along K per loop step; past max_m rows or max_k the key `otherwise` is used.
+# pdl (gemv, gluon_decode): launch with programmatic dependent launch where `_backend.pdl_enabled`.
 # fuse_quant: quantize the activation inside the GEMM (fuse_max_work: only while the blocks of
 # weight rows quantize at most this many activation elements between them; see triton.py).
 # split_k_target_ctas / min_k_tiles: split K until tiles * splits reaches the target, each split
 # keeping at least min_k_tiles k-tiles of 128; one_wave: at most the target instead (set it to the
 # CTAs the GPU holds at once: H200 m<=16, 132 SMs x 3 by shared memory).
 # gluon_decode: where set (sm90), calls with min_m <= M <= 64 and K >= min_k run the Gluon decode
-# kernel (fp8_gemm/gluon_decode_sm90.py: BLOCK_N, num_stages, whole_tiles_fill) and the other keys
+# kernel (fp8_gemm/gluon_decode_sm90.py: BLOCK_N, num_stages, whole_tiles_fill, pdl) and the other keys
 # serve the tl.dot kernel wherever that one cannot run.
 # fused_moe keys "<bf16|fp8>,rows<=16|64|256" or ",rows>256" (mean rows per expert), or
 # ",invariant-<prefill|decode>" (batch-invariant mode);
@@ -148,7 +149,8 @@ _FP8_GEMM_LARGE = _gemm_cfg(128, 128, 8, 4, False, 0, GROUP_M=16, tma=True, gluo
 # whole n-tile a CTA where the n-tiles fill 80% of the SMs, else stream-K. At M = 64, graph of 8
 # (H200, RESULTS.md, sixteenth session): o 39.9 -> 33.2 us, mlp_w2 44.3 -> 37.1, mlp_w13 81.5 -> 75.6,
 # shared_w13 16.5 -> 12.8, qkv_a 12.0 -> 9.7, shared_w2 9.9 -> 7.6; slower for q_b (K = 1536) and
-# kv_b (K = 512), and for mlp_w13 at M <= 16 (66 against 71 us).
+# kv_b (K = 512), and for mlp_w13 at M <= 16 (66 against 71 us). Seventeenth session: whole n-tiles,
+# several a CTA, wherever they fill the SMs (`plan`), and PDL: mlp_w13 75.6 -> 71.0 us (87%).
 # min_m 2: at M = 1 the gemv / swapped MMA entries stay (o through "otherwise" quantizes inside the
 # swapped kernel: 33.7 us against 38.6 with a separate quantization and this kernel).
 _GLUON_DECODE = {
@@ -183,8 +185,17 @@ register(
         "m<=1,n=24576,k=1536": {**_GEMV_SM90, "BLOCK_N": 32},
         # mlp_w13 (w1 | w3) at M = 1: 32 rows, two groups of 128 a step, 65.6 -> 62.5 us
         "m<=1,n=36864,k=7168": {**_GEMV_SM90, "BLOCK_N": 32, "GROUPS": 2},
-        # qkv_a (q_a | kv_a) at M = 1: eight groups of 128 a step, 9.0 -> 8.3 us
-        "m<=1,n=2112,k=7168": {**_GEMV_SM90, "GROUPS": 8},
+        # qkv_a (q_a | kv_a) at M = 1: 8 rows, eight groups of 128 a step, K split toward 1056
+        # programs, 9.0 -> 8.3 us (fifteenth session) -> 7.5 with PDL (seventeenth)
+        "m<=1,n=2112,k=7168": {
+            **_GEMV_SM90,
+            "BLOCK_N": 8,
+            "GROUPS": 8,
+            "split_k_target_ctas": 1056,
+            "min_k_tiles": 2,
+        },
+        # kv_b at M = 1 (K = 512, quantized inside): 32 rows, two groups a step, 8.0 -> 7.5 us (PDL)
+        "m<=1,n=32768,k=512": {**_GEMV_SM90, "BLOCK_N": 32, "GROUPS": 2},
         # shared_w2 at M = 1 (K = 2048): 8 rows, eight groups of 128 a step (896 programs, no split),
         # 8.1 -> 6.8 us
         "m<=1,n=7168,k=2048": {**_GEMV_SM90, "BLOCK_N": 8, "GROUPS": 8, "split_k_target_ctas": 264},

@@ -9,6 +9,9 @@ row. The arithmetic is the one `ref.fp8_gemm` and the MMA kernels do: the activa
 products; the tensor cores' sum keeps fewer bits) and scaled by a_scale[m, g] * w_scale[n // 128,
 g] into the fp32 accumulator. K is split across programs when N alone gives too few of them; the
 splits' fp32 partial sums are then added by the last program of each tile (`_splitk.py`).
+With PDL (cfg "pdl" and `_backend.pdl_enabled`), each program loads its first weight tile, then
+waits for the kernel before it (`gdc_wait`) before it reads x or stores anything: at q_b's size
+the load overlaps that kernel's tail, 11.9 -> 10.3 us a call in a graph of 8 (H200).
 """
 
 from __future__ import annotations

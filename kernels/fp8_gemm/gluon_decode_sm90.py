@@ -14,14 +14,17 @@ i + 2 after the MMA's wait and the scaling). Here:
 - the consumer warpgroup waits for a slot, issues its wgmma, reads the scales from the slot, waits
   for the wgmma, frees the slot and scales the product into the fp32 accumulator;
 - the work: the (n-tile, k-tile) iterations, n-tile major, are numbered 0 .. tiles * KT and CTA c
-  takes the run [c * W, (c + 1) * W). Where the n-tiles fill most of the SMs, W = KT: one whole
-  n-tile a CTA and no partial sums. Else W spreads the iterations evenly over the SMs
-  (stream-K), and a CTA's run covers the end of one n-tile, whole n-tiles and the start of
-  another;
+  takes the run [c * W, (c + 1) * W). Where the n-tiles fill most of the SMs, W is a whole
+  number of n-tiles (KT each; o: one n-tile a CTA, mlp_w13: five) and there are no partial sums.
+  Else W spreads the iterations evenly over the SMs (stream-K), and a CTA's run covers the end of
+  one n-tile, whole n-tiles and the start of another;
 - an n-tile cut over several CTAs ("pieces", numbered in run order) is finished by the last of them
   to arrive: each stores its fp32 partial to part[piece] and counts itself in on the tile's counter
   (see `_splitk.py`), and the last adds the pieces in piece order and writes the tile. The sum's
-  order does not depend on which CTA arrives last, so the result is the same bits every run.
+  order does not depend on which CTA arrives last, so the result is the same bits every run;
+- with PDL (`_backend.pdl_enabled`), the producer loads the first STAGES k-tiles of the weight,
+  then waits for the kernel before (`gdc_wait`) before A, the scales and the rest; nothing is
+  stored before that wait.
 
 A: [M, K] e4m3 (M <= 64, brought into wgmma's 64-row tile; see `_a_descriptors`) with a_scale
 [M, K/128]; B: [N, K] e4m3 with b_scale [N/128, K/128]; BLOCK_N divides 128, so a tile's weight
