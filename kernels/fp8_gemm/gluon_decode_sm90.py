@@ -62,6 +62,15 @@ MAX_M = 64
 if _IMPORTED:
 
     @gluon.jit
+    def _load_b(b_desc, bar, dst, g, KT, A_BYTES: gl.constexpr):
+        """Arms `bar` for a k-tile's bytes (A's and the weight's) and issues the weight's k-tile of
+        iteration g (n-tile g // KT, k-tile g % KT) into `dst`."""
+        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = b_desc.block_type.shape[1]
+        mbarrier.expect(bar, A_BYTES + b_desc.block_type.nbytes)
+        _tma_load(b_desc, [(g // KT) * BLOCK_N, (g % KT) * BLOCK_K], bar, dst)
+
+    @gluon.jit
     def _producer(a_desc, a2_desc, b_desc, a_bufs, b_bufs, sc_bufs, ready, empty, as_ptr, bs_ptr,
                   M, start, end, KT, stride_asm, stride_ask, stride_bsn, stride_bsk,
                   TWO_A: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
@@ -85,10 +94,7 @@ if _IMPORTED:
             # the weight's first k-tiles need nothing from the kernel before: load them, then
             # wait for it (its writes to A, its scales and our `out`) before the rest
             for g in range(start, gl.minimum(end, start + STAGES)):
-                bar = ready.index(g - start)
-                mbarrier.expect(bar, A_BYTES + b_desc.block_type.nbytes)
-                _tma_load(b_desc, [(g // KT) * BLOCK_N, (g % KT) * BLOCK_K], bar,
-                          b_bufs.index(g - start))  # fmt: skip
+                _load_b(b_desc, ready.index(g - start), b_bufs.index(g - start), g, KT, A_BYTES)
             gdc_wait()
         for g in range(start, end):
             i = g - start
@@ -103,9 +109,8 @@ if _IMPORTED:
             )
             async_copy.async_copy_global_to_shared(sc_bufs.index(2 * s + 1), b_scale + b_off)
             async_copy.mbarrier_arrive(bar)  # before the expect, so the phase waits for it
-            issue_b = i >= STAGES * PDL  # else B's k-tile and the expect were issued above
-            if issue_b:
-                mbarrier.expect(bar, A_BYTES + b_desc.block_type.nbytes)
+            if i >= STAGES * PDL:  # else the PDL prologue above has issued them
+                _load_b(b_desc, bar, b_bufs.index(s), g, KT, A_BYTES)
             # A's rows come as one or two boxes of a power of two rows (`_a_descriptors`); the smem
             # rows past them are left as they are: only output rows past M, never stored, read them
             a_dst = a_bufs.index(s)
@@ -115,8 +120,6 @@ if _IMPORTED:
                 _tma_load(a_desc, [0, kt * BLOCK_K], bar, a_dst.slice(0, A_ROWS))
                 if A2_ROWS:
                     _tma_load(a2_desc, [A_ROWS, kt * BLOCK_K], bar, a_dst.slice(A_ROWS, A2_ROWS))
-            if issue_b:
-                _tma_load(b_desc, [tile * BLOCK_N, kt * BLOCK_K], bar, b_bufs.index(s))
 
     @gluon.jit
     def _store_piece(acc, part_ptr, out_ptr, cnt_ptr, M, N, KT, W, tile, stride_ps, stride_om,
