@@ -153,16 +153,28 @@ _FP8_GEMM_LARGE = _gemm_cfg(128, 128, 8, 4, False, 0, GROUP_M=16, tma=True, gluo
 # several a CTA, wherever they fill the SMs (`plan`), and PDL: mlp_w13 75.6 -> 71.0 us (87%).
 # min_m 2: at M = 1 the gemv / swapped MMA entries stay (o through "otherwise" quantizes inside the
 # swapped kernel: 33.7 us against 38.6 with a separate quantization and this kernel).
+# Eighteenth session: the ring cut to a quarter of a CTA's run (`ring_slots`, at least 4 slots),
+# graph of 8 at M = 4-64: qkv_a 9.0-9.5 -> 8.4-9.0 us, shared_w2 7.4-7.6 -> 6.8-6.9, shared_w13
+# 11.8-12.3 -> 11.5-12.1; o, mlp_w2, mlp_w13 (runs of 128+) unchanged.
 _GLUON_DECODE = {
-    "BLOCK_N": 64, "num_stages": 12, "whole_tiles_fill": 0.8, "min_k": 2048, "min_m": 2, "pdl": True,
+    "BLOCK_N": 64, "num_stages": 12, "run_per_slot": 4, "min_stages": 4, "whole_tiles_fill": 0.8,
+    "min_k": 2048, "min_m": 2, "pdl": True,
+}  # fmt: skip
+# q_b (K = 1536) and kv_b (K = 512): 128 weight rows a tile, whole n-tiles on 96 / 128 CTAs, 6 slots.
+# Graph of 8, M = 4 / 16 / 32 / 64 (RESULTS.md, eighteenth session): q_b 13.9 / 14.8 / 14.5 / 13.6
+# -> 12.1 / 12.2 / 12.4 / 12.7 us; kv_b at M = 32 9.2 -> 7.4 (at M <= 16 the tl.dot entry stays, 7.0)
+_GLUON_DECODE_WIDE = {
+    **_GLUON_DECODE, "BLOCK_N": 128, "num_stages": 6, "whole_tiles_fill": 0.7, "min_k": 512,
 }  # fmt: skip
 
 
-def _decode(cfg: dict[str, Any]) -> dict[str, Any]:
-    return {**cfg, "gluon_decode": _GLUON_DECODE}
+def _decode(cfg: dict[str, Any], gluon: dict[str, Any] = _GLUON_DECODE) -> dict[str, Any]:
+    return {**cfg, "gluon_decode": gluon}
 
 
 _FP8_GEMM_M16 = _gemm_cfg(16, 128, 4, 3, True, 396, swap_ab=True, one_wave=True)
+_FP8_GEMM_M32 = _gemm_cfg(32, 64, 4, 4, True, 264)
+_FP8_GEMM_M64 = _gemm_cfg(64, 64, 4, 4, False, 264, min_k_tiles=6)
 register(
     "fp8_gemm",
     "sm90",
@@ -173,10 +185,10 @@ register(
         # (mlp_w1: 47.7 -> 40.8 us; q_b, 2.4M, stays fused: 16.9 against 19.3 us; H200, RESULTS.md)
         "m<=1": _GEMV_SM90,
         "m<=16": _decode(_FP8_GEMM_M16),
-        "m<=32": _decode(_gemm_cfg(32, 64, 4, 4, True, 264)),
+        "m<=32": _decode(_FP8_GEMM_M32),
         # min_k_tiles 6: shared_w2 (K = 2048, 16 k-tiles) splits 2 ways, not 3: 12.7 -> 11.0 us; the other
         # decode shapes unchanged (H200, RESULTS.md, fourteenth session)
-        "m<=64": _decode(_gemm_cfg(64, 64, 4, 4, False, 264, min_k_tiles=6)),
+        "m<=64": _decode(_FP8_GEMM_M64),
         "m<=128": _gemm_cfg(64, 128, 4, 4, False, 132),
         # Per-shape entries ("<class>,n=N,k=K"; fp8_gemm/triton.py's _gemm_config) for DeepSeek-V3's
         # projections whose best config differs from their class's, the way vLLM keys its block-fp8
@@ -211,9 +223,14 @@ register(
         "m<=64,n=7168,k=2048": _decode(_gemm_cfg(64, 32, 4, 4, False, 264, min_k_tiles=12)),
         # mlp_w13 at M <= 16: the swapped tl.dot kernel, not the Gluon decode kernel (66 against 71 us)
         "m<=16,n=36864,k=7168": _FP8_GEMM_M16,
-        # kv_b at M = 64 (a short prompt's prefill; K = 512): 3 stages, so its 512 CTAs fit in one wave,
-        # 10.6 -> 7.9 us
-        "m<=64,n=32768,k=512": _gemm_cfg(64, 64, 4, 3, False, 0),
+        # q_b and kv_b at M = 2-64 on the Gluon decode kernel with 128-row tiles (_GLUON_DECODE_WIDE)
+        "m<=16,n=24576,k=1536": _decode(_FP8_GEMM_M16, _GLUON_DECODE_WIDE),
+        "m<=32,n=24576,k=1536": _decode(_FP8_GEMM_M32, _GLUON_DECODE_WIDE),
+        "m<=64,n=24576,k=1536": _decode(_FP8_GEMM_M64, _GLUON_DECODE_WIDE),
+        "m<=32,n=32768,k=512": _decode(_FP8_GEMM_M32, _GLUON_DECODE_WIDE),
+        # kv_b at M = 64 (a short prompt's prefill; K = 512): the Gluon kernel, 7.9 -> 7.7 us; its tl.dot
+        # config (where Gluon cannot run) has 3 stages, so its 512 CTAs fit in one wave, 10.6 -> 7.9 us
+        "m<=64,n=32768,k=512": _decode(_gemm_cfg(64, 64, 4, 3, False, 0), _GLUON_DECODE_WIDE),
         "default": _FP8_GEMM_LARGE,
         # batch-invariant mode, by forward phase: no split of K
         "invariant-decode": _gemm_cfg(64, 64, 4, 4, False, 0),

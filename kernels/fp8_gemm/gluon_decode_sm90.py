@@ -240,6 +240,16 @@ def plan(n: int, k: int, cfg: dict, sms: int, block_k: int) -> tuple[int, int, i
     return w, triton.cdiv(tiles * kt, w), triton.cdiv(kt, w) + 1
 
 
+def ring_slots(w: int, cfg: dict) -> int:
+    """The ring's slots for a CTA's run of w iterations: num_stages, cut to a cfg["run_per_slot"]-th
+    of the run (at least min_stages). A ring deeper than the run needs only holds shared memory,
+    which, with PDL, keeps the next kernel's CTAs off the SM until this one's leave."""
+    per = cfg.get("run_per_slot")
+    if not per:
+        return cfg["num_stages"]
+    return max(cfg.get("min_stages", 4), min(cfg["num_stages"], w // per))
+
+
 def _a_descriptors(a: torch.Tensor, block_k: int):
     """TMA descriptors that bring A's M rows (M <= 64) into wgmma's 64-row tile as at most two
     boxes of a power of two rows (at least 8): the largest power of two not above M, then the rest
@@ -293,7 +303,7 @@ def launch(
     _decode_kernel[(ctas,)](
         a_desc, a2_desc or a_desc, b_desc, a_scales, w_scale_inv, part, out, cnt, m, n, kt, w, tiles * kt,
         a_scales.stride(0), a_scales.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
-        part.stride(0), out.stride(0), STAGES=cfg["num_stages"], MAX_PIECES=max_pieces,
+        part.stride(0), out.stride(0), STAGES=ring_slots(w, cfg), MAX_PIECES=max_pieces,
         TWO_A=a2_desc is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return True
