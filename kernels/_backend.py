@@ -58,7 +58,9 @@ def pdl_enabled(device: torch.device) -> bool:
     quantizer, the GEMMs themselves) let the next kernel launch as soon as they start
     (`gdc_launch_dependents`), and the decode GEMMs, launched with `launch_pdl`, load their first
     weight tiles before they wait for the kernel before them (`gdc_wait`) and touch anything it
-    wrote. A GEMM's weights must therefore not come from the kernel just before it."""
+    wrote. A GEMM's weights must therefore not come from the kernel just before it. rmsnorm,
+    silu_mul and the quantizer are launched with `launch_pdl` too and wait first thing (rmsnorm
+    after loading its weight), so their launch overlaps the kernel before them."""
     if device.type != "cuda" or interpreter_enabled() or os.environ.get(PDL_ENV, "1") == "0":
         return False
     return _capability(device.index)[0] >= 9

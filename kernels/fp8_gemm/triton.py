@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import tuning
@@ -42,8 +42,9 @@ def _quantize_act_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, EXACT_CAST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    if PDL:  # the next kernel (the GEMM) may launch and start on its weights
-        gdc_launch_dependents()
+    if PDL:  # the next kernel (the GEMM) may launch and start on its weights; launched early
+        gdc_launch_dependents()  # ourselves (launch_pdl), we wait for the kernel before
+        gdc_wait()
     pid_m = tl.program_id(0)
     g = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -257,7 +258,7 @@ def _quantize(
         x.stride(0), x.stride(1), q.stride(0), q.stride(1), scales.stride(0), scales.stride(1),
         GROUP=group_size, BLOCK_M=cfg["BLOCK_M"], FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
         EXACT_CAST=interpreter_enabled(), PDL=pdl_enabled(x.device),
-        num_warps=cfg["num_warps"],
+        num_warps=cfg["num_warps"], launch_pdl=pdl_enabled(x.device),
     )  # fmt: skip
     return q, scales
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import tuning
 from .._backend import interpreter_enabled, pdl_enabled
@@ -55,6 +55,8 @@ def _rmsnorm_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < dim
     w = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    if PDL:  # launched early (launch_pdl): the weight is a parameter; x waits for the kernel before
+        gdc_wait()
     for i in tl.static_range(ROWS):
         row = pid * ROWS + i
         if row < num_rows:
@@ -138,6 +140,7 @@ def rmsnorm(
         HAS_RESIDUAL=residual is not None, BLOCK_D=max(block_d, ACT_QUANT_GROUP) if quant else block_d, ROWS=rows,
         QUANT=quant, GROUP=ACT_QUANT_GROUP, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
         EXACT_CAST=interpreter_enabled(), PDL=pdl_enabled(x.device), num_warps=cfg["num_warps"],
+        launch_pdl=pdl_enabled(x.device),
     )  # fmt: skip
     return result if residual is None else (result, res_out)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import tuning
 from .._backend import interpreter_enabled, pdl_enabled
@@ -30,8 +30,9 @@ def _silu_mul_kernel(
     QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, EXACT_CAST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    if PDL:  # the next kernel (a decode GEMM) may launch and start on its weights
-        gdc_launch_dependents()
+    if PDL:  # the next kernel (a decode GEMM) may launch and start on its weights; launched early
+        gdc_launch_dependents()  # ourselves (launch_pdl), we wait for the kernel before
+        gdc_wait()
     g = tl.program_id(1)
     offs_t = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_i = g * GROUP + tl.arange(0, GROUP)
@@ -71,5 +72,6 @@ def silu_mul(
             QUANT=quant, GROUP=ACT_QUANT_GROUP, BLOCK_M=cfg["BLOCK_M"],
             FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX, EXACT_CAST=interpreter_enabled(),
             PDL=pdl_enabled(gate.device), num_warps=cfg["num_warps"],
+            launch_pdl=pdl_enabled(gate.device),
         )  # fmt: skip
     return (out, scales) if quant else out
