@@ -46,10 +46,13 @@ DECODE_SHAPES = {
     "shared_w13": (7168, 4096),
     "shared_w2": (2048, 7168),
 }
-PREQUANTIZED = {"qkv_a": 1, "q_b": 1, "mlp_w13": 1, "mlp_w2": 1, "shared_w2": 1, "o": 2}
+PREQUANTIZED = {
+    "qkv_a": 1, "q_b": 1, "mlp_w13": 1, "mlp_w2": 1, "shared_w13": 1, "shared_w2": 1, "o": 2,
+}  # fmt: skip
 """Name -> the fewest rows from which, in an fp8 model, the input comes quantized from its producer
-(`rmsnorm` / `silu_mul` / `head_matmul` with quant=True): the model calls the GEMM alone (`scaled_gemm`).
-kv_b and shared_w13 quantize their input themselves, and so does o at one row."""
+(`rmsnorm` / `silu_mul` / `head_matmul` with quant=True; an MoE layer's norm with quant="both" for
+shared_w13): the model calls the GEMM alone (`scaled_gemm`). kv_b quantizes its input itself, and so
+does o at one row."""
 
 
 BACK_TO_BACK = 8

@@ -98,8 +98,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, quant: bool = False):
-        """quant: the output quantized for an fp8 Linear, (x_fp8, scales) in place of the tensor."""
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, quant: bool | str = False
+    ):
+        """quant: the output quantized for an fp8 Linear, (x_fp8, scales) in place of the tensor;
+        "both": (output, (x_fp8, scales))."""
         return kernels.rmsnorm(x, self.weight, self.eps, residual, quant)
 
 
@@ -312,10 +315,15 @@ class MoE(nn.Module):
                 args.hidden_size, inter, dtype, is_fp8, f"{path}.shared_experts"
             )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, x_q: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """x_q: x quantized by ffn_norm (quant="both") for an fp8 shared expert."""
         weights, ids = self.gate(x)
         y = self.experts(x, weights, ids)
-        return y if self.shared_experts is None else y + self.shared_experts(x)
+        return (
+            y if self.shared_experts is None else y + self.shared_experts(x if x_q is None else x_q)
+        )
 
 
 class Block(nn.Module):
@@ -340,9 +348,13 @@ class Block(nn.Module):
             self.ffn = MoE(args, dtype, is_fp8, f"{path}.ffn")
         else:
             self.ffn = MLP(args.hidden_size, args.intermediate_size, dtype, is_fp8, f"{path}.ffn")
-        # A norm whose only reader is an fp8 projection hands it its output quantized (no launch of its own).
+        # A norm whose only reader is an fp8 projection hands it its output quantized (no launch of its own);
+        # an MoE layer's norm with an fp8 shared expert hands out both (router and routed experts: the output).
         self.quant_attn = self.attn.wqkv_a.is_fp8
-        self.quant_ffn = isinstance(self.ffn, MLP) and self.ffn.w13.is_fp8
+        shared = self.ffn.shared_experts if isinstance(self.ffn, MoE) else None
+        self.quant_ffn: bool | str = isinstance(self.ffn, MLP) and self.ffn.w13.is_fp8
+        if shared is not None and shared.w13.is_fp8:
+            self.quant_ffn = "both"
 
     def forward(self, x, residual, batch: ForwardBatch, cache: PagedKVCache, cos_sin):
         if residual is None:
@@ -351,6 +363,8 @@ class Block(nn.Module):
             h, residual = self.attn_norm(x, residual, self.quant_attn)
         h = self.attn(h, batch, cache, cos_sin)
         h, residual = self.ffn_norm(h, residual, self.quant_ffn)
+        if self.quant_ffn == "both":
+            return self.ffn(*h), residual
         return self.ffn(h), residual
 
 

@@ -12,7 +12,7 @@ def rmsnorm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
-    quant: bool = False,
+    quant: bool | str = False,
 ):
     """See `ref.rmsnorm` for the contract."""
     return implementation(__name__, x).rmsnorm(x, weight, eps, residual, quant)

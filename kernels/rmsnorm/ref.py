@@ -6,7 +6,9 @@ The residual may be fp32 while x is bf16/fp16 (the model keeps its residual stre
 fp32, kept in the residual's dtype, and the output is in x's dtype.
 
 With `quant`, the output (rounded to x's dtype as above) comes quantized to e4m3 in 1x128 groups exactly as
-`fp8_gemm.quantize_act` does, for an fp8 projection that takes it as it is (`fp8_gemm.scaled_gemm`).
+`fp8_gemm.quantize_act` does, for an fp8 projection that takes it as it is (`fp8_gemm.scaled_gemm`). With
+quant="both", it comes both ways, for readers of each kind (an MoE layer: router and routed experts take the
+output, an fp8 shared expert the quantized one).
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ def rmsnorm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
-    quant: bool = False,
+    quant: bool | str = False,
 ):
     """x, residual: [T, D]; weight: [D]. Returns out [T, D] in x's dtype, or (out, x + residual) when residual is
     given (the sum in the residual's dtype). With `quant`, out is the pair (out_fp8 [T, D] e4m3, scales
-    [T, ceil(D/128)] fp32); x must then be 2-D."""
+    [T, ceil(D/128)] fp32); x must then be 2-D. With quant="both", out is (out, (out_fp8, scales))."""
+    check_quant(quant)
     if residual is not None:
         residual = (x.float() + residual.float()).to(residual.dtype)
         h = residual.float()
@@ -36,5 +39,10 @@ def rmsnorm(
     if quant:
         if out.dim() != 2:
             raise ValueError(f"rmsnorm: quant needs x [T, D], got {tuple(x.shape)}")
-        out = quantize_act(out)
+        out = (out, quantize_act(out)) if quant == "both" else quantize_act(out)
     return out if residual is None else (out, residual)
+
+
+def check_quant(quant: bool | str) -> None:
+    if quant not in (False, True, "both"):
+        raise ValueError(f"rmsnorm: quant must be False, True or 'both', got {quant!r}")

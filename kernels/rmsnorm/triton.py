@@ -23,6 +23,7 @@ from .. import tuning
 from .._backend import interpreter_enabled, pdl_enabled
 from ..fp8_gemm._quant import empty_quantized, quantize_tile
 from ..fp8_gemm.ref import _MIN_AMAX, ACT_QUANT_GROUP, FP8_E4M3_MAX
+from .ref import check_quant
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -42,11 +43,11 @@ tuning.register(
 
 @triton.jit
 def _rmsnorm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, plain_ptr,
     num_rows, dim, eps,
-    stride_x, stride_res, stride_out, stride_res_out, stride_sg,
+    stride_x, stride_res, stride_out, stride_res_out, stride_sg, stride_plain,
     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
-    QUANT: tl.constexpr, GROUP: tl.constexpr,
+    QUANT: tl.constexpr, PLAIN: tl.constexpr, GROUP: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, EXACT_CAST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:  # the next kernel (a decode GEMM) may launch and start on its weights
@@ -73,6 +74,8 @@ def _rmsnorm_kernel(
             h = (h * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
             out = (w * h).to(x_ptr.dtype.element_ty)
             if QUANT:
+                if PLAIN:  # the output in x's dtype as well (quant="both")
+                    tl.store(plain_ptr + row64 * stride_plain + offs_d, out, mask=mask_d)
                 groups = tl.reshape(out.to(tl.float32), [BLOCK_D // GROUP, GROUP])
                 q, scale = quantize_tile(groups, FP8_MAX, MIN_AMAX, EXACT_CAST)
                 offs_g = tl.arange(0, BLOCK_D // GROUP)
@@ -88,10 +91,12 @@ def rmsnorm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
-    quant: bool = False,
+    quant: bool | str = False,
 ):
     """x, residual: [..., D]; weight: [D]. Returns out (x's dtype and shape), or (out, x +
-    residual). With `quant` (x [T, D] only), out is (out_fp8 [T, D] e4m3, scales [T, ceil(D/128)])."""
+    residual). With `quant` (x [T, D] only), out is (out_fp8 [T, D] e4m3, scales [T, ceil(D/128)]);
+    with quant="both", (out, (out_fp8, scales))."""
+    check_quant(quant)
     if x.dim() < 1 or x.dtype not in _FLOAT_DTYPES:
         raise ValueError(
             f"rmsnorm: x must be a float tensor [..., D], got {x.dtype} {tuple(x.shape)}"
@@ -118,6 +123,7 @@ def rmsnorm(
     res2 = _rows(residual) if residual is not None else x2
     weight = weight.contiguous()
     num_rows = x2.shape[0]
+    plain = torch.empty_like(x, memory_format=torch.contiguous_format) if quant == "both" else None
     if quant:
         out, scales = empty_quantized(num_rows, dim, x.device)
     else:
@@ -128,17 +134,21 @@ def rmsnorm(
     )
     out2, res_out2 = out.view(-1, dim), res_out.view(-1, dim)
     result = (out, scales) if quant else out
+    if plain is not None:
+        result = (plain, result)
+    plain2 = plain.view(-1, dim) if plain is not None else out2
     if num_rows == 0 or dim == 0:
         return result if residual is None else (result, res_out)
     block_d = triton.next_power_of_2(dim)
     cfg = tuning.lookup("rmsnorm", f"d={block_d}", x.device)
     rows = cfg["ROWS"]
     _rmsnorm_kernel[(triton.cdiv(num_rows, rows),)](
-        x2, res2, weight, out2, res_out2, scales,
+        x2, res2, weight, out2, res_out2, scales, plain2,
         num_rows, dim, eps,
         x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0), scales.stride(1),
+        plain2.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK_D=max(block_d, ACT_QUANT_GROUP) if quant else block_d, ROWS=rows,
-        QUANT=quant, GROUP=ACT_QUANT_GROUP, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
+        QUANT=bool(quant), PLAIN=plain is not None, GROUP=ACT_QUANT_GROUP, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
         EXACT_CAST=interpreter_enabled(), PDL=pdl_enabled(x.device), num_warps=cfg["num_warps"],
         launch_pdl=pdl_enabled(x.device),
     )  # fmt: skip

@@ -56,24 +56,30 @@ def test_rmsnorm_matches_ref(rows: int, dim: int, dtype: torch.dtype, residual_k
         assert torch.equal(got[1], expected[1])
 
 
+@pytest.mark.parametrize("quant", [True, "both"])
 @pytest.mark.parametrize("residual_kind", ["none", "fp32"])
 @pytest.mark.parametrize("rows,dim,dtype", CASES)
 def test_rmsnorm_quantized_matches_ref(
-    rows: int, dim: int, dtype: torch.dtype, residual_kind: str
+    rows: int, dim: int, dtype: torch.dtype, residual_kind: str, quant: bool | str
 ) -> None:
     """The output quantized for an fp8 projection (as the model's attention and dense FFN norms run in fp8
-    checkpoints): the reference's quantization of its own output, within the rounding of that output."""
+    checkpoints): the reference's quantization of its own output, within the rounding of that output.
+    With quant="both" (an MoE layer's norm with an fp8 shared expert), the output as well."""
     torch.manual_seed(rows + dim)
     x = (torch.randn(rows, dim + 24, device=DEVICE) * 3).to(dtype)[:, :dim]
     weight = (1 + 0.1 * torch.randn(dim, device=DEVICE)).to(dtype)
     residual = torch.randn(rows, dim, device=DEVICE) if residual_kind == "fp32" else None
     value = ref.rmsnorm(x, weight, 1e-6, residual)
-    want = ref.rmsnorm(x, weight, 1e-6, residual, quant=True)
+    want = ref.rmsnorm(x, weight, 1e-6, residual, quant=quant)
     with poisoned_empty():
-        got = tri.rmsnorm(x, weight, 1e-6, residual, quant=True)
+        got = tri.rmsnorm(x, weight, 1e-6, residual, quant=quant)
     if residual is not None:
         assert torch.equal(got[1], want[1])
         value, want, got = value[0], want[0], got[0]
+    if quant == "both":
+        assert torch.equal(want[0], value)
+        _check_out(got[0], value)
+        want, got = want[1], got[1]
     assert_quantized_close(got, want, value, 2 * ULP[dtype])
 
 
@@ -95,3 +101,5 @@ def test_rmsnorm_rejects_bad_inputs() -> None:
         tri.rmsnorm(x.int(), torch.ones(32, device=DEVICE), 1e-6)
     with pytest.raises(ValueError, match="quant needs x"):
         tri.rmsnorm(x[None], torch.ones(32, device=DEVICE), 1e-6, quant=True)
+    with pytest.raises(ValueError, match="quant must be"):
+        tri.rmsnorm(x, torch.ones(32, device=DEVICE), 1e-6, quant="fp8")
