@@ -141,7 +141,8 @@ def _moe_cfg(bm: int, gate_up: tuple, down: tuple, group_m: int = 8) -> dict[str
 register("quantize_act", "sm90", {"default": {"BLOCK_M": 16, "num_warps": 4}})
 # pdl: programmatic dependent launch where `_backend.pdl_enabled` (the kernel loads its first weight
 # tiles while the kernel before it finishes); graph of 8, per call, H200 (RESULTS.md, seventeenth
-# session): q_b at M = 1 11.9 -> 10.3 us, shared_w2 6.8 -> 5.5; shared_w13 is slower so (12.1 -> 14.5)
+# session): q_b at M = 1 11.9 -> 10.3 us, shared_w2 6.8 -> 5.5; shared_w13 quantizing inside was slower
+# so (12.1 -> 14.5); on fp8 input with its own entry below it is faster (11.6 -> 10.5)
 _GEMV_SM90 = _gemv_cfg(16, 4, 4, 528, max_k=8192, fuse_max_work=4_000_000, pdl=True)
 _FP8_GEMM_LARGE = _gemm_cfg(128, 128, 8, 4, False, 0, GROUP_M=16, tma=True, gluon=True)
 # The Gluon decode kernel (fp8_gemm/gluon_decode_sm90.py) for M = min_m-64, K >= min_k on Hopper; the
@@ -211,8 +212,9 @@ register(
         # shared_w2 at M = 1 (K = 2048): 8 rows, eight groups of 128 a step (896 programs, no split),
         # 8.1 -> 6.8 us
         "m<=1,n=7168,k=2048": {**_GEMV_SM90, "BLOCK_N": 8, "GROUPS": 8, "split_k_target_ctas": 264},
-        # shared_w13 at M = 1: without PDL (12.1 against 14.5 us with it)
-        "m<=1,n=4096,k=7168": {**_GEMV_SM90, "pdl": False},
+        # shared_w13 at M = 1, on fp8 input from ffn_norm (eighteenth session): 32 rows, four groups of
+        # 128 a step, PDL, 12.0 -> 10.5 us (without PDL 11.6; the class default with PDL 14.6)
+        "m<=1,n=4096,k=7168": {**_GEMV_SM90, "BLOCK_N": 32, "GROUPS": 4},
         # o and mlp_w2 at M = 64, for the tl.dot kernel where the Gluon decode kernel cannot run: 3
         # stages (4 CTAs an SM), 40.0 -> 39.2 and 44.0 -> 43.2 us; mlp_w13 is slower so (80.2 -> 87.7)
         "m<=64,n=7168,k=16384": _decode(_gemm_cfg(64, 64, 4, 3, False, 264, min_k_tiles=6)),
