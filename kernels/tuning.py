@@ -68,7 +68,8 @@ def lookup(op: str, key: str, device: torch.device) -> dict[str, Any]:
 # keeping at least min_k_tiles k-tiles of 128; one_wave: at most the target instead (set it to the
 # CTAs the GPU holds at once: H200 m<=16, 132 SMs x 3 by shared memory).
 # gluon_decode: where set (sm90), calls with min_m <= M <= 64 and K >= min_k run the Gluon decode
-# kernel (fp8_gemm/gluon_decode_sm90.py: BLOCK_N, num_stages, whole_tiles_fill, pdl) and the other keys
+# kernel (fp8_gemm/gluon_decode_sm90.py: BLOCK_N, num_stages cut by run_per_slot / min_stages,
+# whole_tiles_fill, pdl) and the other keys
 # serve the tl.dot kernel wherever that one cannot run.
 # fused_moe keys "<bf16|fp8>,rows<=16|64|256" or ",rows>256" (mean rows per expert), or
 # ",invariant-<prefill|decode>" (batch-invariant mode);

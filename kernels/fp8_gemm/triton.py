@@ -253,12 +253,12 @@ def _quantize(
         return q, scales
     cfg = tuning.lookup("quantize_act", f"group={group_size}", x.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), num_groups)
+    pdl = pdl_enabled(x.device)
     _quantize_act_kernel[grid](
         x, q, scales, m, k,
         x.stride(0), x.stride(1), q.stride(0), q.stride(1), scales.stride(0), scales.stride(1),
         GROUP=group_size, BLOCK_M=cfg["BLOCK_M"], FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
-        EXACT_CAST=interpreter_enabled(), PDL=pdl_enabled(x.device),
-        num_warps=cfg["num_warps"], launch_pdl=pdl_enabled(x.device),
+        EXACT_CAST=interpreter_enabled(), PDL=pdl, num_warps=cfg["num_warps"], launch_pdl=pdl,
     )  # fmt: skip
     return q, scales
 

@@ -142,6 +142,7 @@ def rmsnorm(
     block_d = triton.next_power_of_2(dim)
     cfg = tuning.lookup("rmsnorm", f"d={block_d}", x.device)
     rows = cfg["ROWS"]
+    pdl = pdl_enabled(x.device)
     _rmsnorm_kernel[(triton.cdiv(num_rows, rows),)](
         x2, res2, weight, out2, res_out2, scales, plain2,
         num_rows, dim, eps,
@@ -149,8 +150,7 @@ def rmsnorm(
         plain2.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK_D=max(block_d, ACT_QUANT_GROUP) if quant else block_d, ROWS=rows,
         QUANT=bool(quant), PLAIN=plain is not None, GROUP=ACT_QUANT_GROUP, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
-        EXACT_CAST=interpreter_enabled(), PDL=pdl_enabled(x.device), num_warps=cfg["num_warps"],
-        launch_pdl=pdl_enabled(x.device),
+        EXACT_CAST=interpreter_enabled(), PDL=pdl, num_warps=cfg["num_warps"], launch_pdl=pdl,
     )  # fmt: skip
     return result if residual is None else (result, res_out)
 

@@ -66,12 +66,12 @@ def silu_mul(
         scales = torch.empty((1, 1), dtype=torch.float32, device=gate.device)  # unread
     if t and i:
         cfg = tuning.lookup("silu_mul", "default", gate.device)
+        pdl = pdl_enabled(gate.device)
         _silu_mul_kernel[(triton.cdiv(t, cfg["BLOCK_M"]), num_groups)](
             gate, up, out, scales, t, i,
             gate.stride(0), up.stride(0), out.stride(0), scales.stride(0), scales.stride(1),
             QUANT=quant, GROUP=ACT_QUANT_GROUP, BLOCK_M=cfg["BLOCK_M"],
             FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX, EXACT_CAST=interpreter_enabled(),
-            PDL=pdl_enabled(gate.device), num_warps=cfg["num_warps"],
-            launch_pdl=pdl_enabled(gate.device),
+            PDL=pdl, num_warps=cfg["num_warps"], launch_pdl=pdl,
         )  # fmt: skip
     return (out, scales) if quant else out
