@@ -297,9 +297,16 @@ class Experts(nn.Module):
             self.register_parameter("w13_scale_inv", None)
             self.register_parameter("w2_scale_inv", None)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    @property
+    def is_fp8(self) -> bool:
+        return self.w13_scale_inv is not None
+
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, x_q=None
+    ) -> torch.Tensor:
+        """x_q: x quantized (fp8 experts only), as `kernels.fused_moe` takes it."""
         return kernels.fused_moe(
-            x, self.w13, self.w2, weights, ids, self.w13_scale_inv, self.w2_scale_inv
+            x, self.w13, self.w2, weights, ids, self.w13_scale_inv, self.w2_scale_inv, x_q
         )
 
 
@@ -318,12 +325,13 @@ class MoE(nn.Module):
     def forward(
         self, x: torch.Tensor, x_q: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """x_q: x quantized by ffn_norm (quant="both") for an fp8 shared expert."""
+        """x_q: x quantized by ffn_norm (quant="both"), for the experts whose weights are fp8."""
         weights, ids = self.gate(x)
-        y = self.experts(x, weights, ids)
-        return (
-            y if self.shared_experts is None else y + self.shared_experts(x if x_q is None else x_q)
-        )
+        y = self.experts(x, weights, ids, x_q if self.experts.is_fp8 else None)
+        if self.shared_experts is None:
+            return y
+        shared_q = x_q is not None and self.shared_experts.w13.is_fp8
+        return y + self.shared_experts(x_q if shared_q else x)
 
 
 class Block(nn.Module):
@@ -349,12 +357,13 @@ class Block(nn.Module):
         else:
             self.ffn = MLP(args.hidden_size, args.intermediate_size, dtype, is_fp8, f"{path}.ffn")
         # A norm whose only reader is an fp8 projection hands it its output quantized (no launch of its own);
-        # an MoE layer's norm with an fp8 shared expert hands out both (router and routed experts: the output).
+        # an MoE layer's norm with fp8 experts (routed or shared) hands out both: the router reads the output.
         self.quant_attn = self.attn.wqkv_a.is_fp8
-        shared = self.ffn.shared_experts if isinstance(self.ffn, MoE) else None
         self.quant_ffn: bool | str = isinstance(self.ffn, MLP) and self.ffn.w13.is_fp8
-        if shared is not None and shared.w13.is_fp8:
-            self.quant_ffn = "both"
+        if isinstance(self.ffn, MoE):
+            shared = self.ffn.shared_experts
+            if self.ffn.experts.is_fp8 or (shared is not None and shared.w13.is_fp8):
+                self.quant_ffn = "both"
 
     def forward(self, x, residual, batch: ForwardBatch, cache: PagedKVCache, cos_sin):
         if residual is None:

@@ -11,13 +11,31 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..fp8_gemm.ref import fp8_gemm
+from ..fp8_gemm.ref import check_quantized_act, fp8_gemm, scaled_gemm
 
 
 def _expert_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor | None):
     if scale_inv is None:
         return x.float() @ w.float().t()
     return fp8_gemm(x.float(), w, scale_inv)
+
+
+def check_x_q(x: torch.Tensor, x_q: tuple[torch.Tensor, torch.Tensor] | None, fp8: bool) -> None:
+    """x_q, where given, is x quantized for fp8 weights: (x_fp8 [T, D] e4m3 on x's device, scales
+    [T, ceil(D/128)] fp32)."""
+    if x_q is None:
+        return
+    if not fp8:
+        raise ValueError(
+            "fused_moe: x_q (x quantized) is for fp8 weights; these weights are not fp8"
+        )
+    x_fp8, x_scales = x_q
+    check_quantized_act(x_fp8, x_scales)
+    if x_fp8.shape != x.shape or x_fp8.device != x.device or x_scales.device != x.device:
+        raise ValueError(
+            f"fused_moe: x_q must be x {tuple(x.shape)} quantized on {x.device}, got "
+            f"{tuple(x_fp8.shape)} on {x_fp8.device} (scales on {x_scales.device})"
+        )
 
 
 def fused_moe(
@@ -28,12 +46,16 @@ def fused_moe(
     topk_ids: torch.Tensor,
     w13_scale_inv: torch.Tensor | None = None,
     w2_scale_inv: torch.Tensor | None = None,
+    x_q: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x: [T, D]; w13: [E, 2I, D]; w2: [E, D, I]; topk_weights: [T, k] fp32; topk_ids: [T, k] int.
 
     Scales (fp8 only): w13_scale_inv [E, ceil(2I/128), ceil(D/128)], w2_scale_inv [E, ceil(D/128), ceil(I/128)].
+    x_q (fp8 only): x already quantized in 1x128 groups, (x_fp8, scales [T, ceil(D/128)], any strides), as
+    `quantize_act` or `rmsnorm(quant=...)` return it; the gate/up GEMM then takes it instead of quantizing x.
     An id outside [0, E) contributes nothing (used for experts owned by another rank). Returns [T, D].
     """
+    check_x_q(x, x_q, w13_scale_inv is not None)
     num_experts, inter2 = w13.shape[0], w13.shape[1]
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.reshape(-1).long()
@@ -44,7 +66,12 @@ def fused_moe(
             continue
         rows = (flat_ids == e).nonzero().squeeze(1)
         tokens = token_of[rows]
-        h = _expert_linear(x[tokens], w13[e], None if w13_scale_inv is None else w13_scale_inv[e])
+        if x_q is None:
+            h = _expert_linear(
+                x[tokens], w13[e], None if w13_scale_inv is None else w13_scale_inv[e]
+            )
+        else:
+            h = scaled_gemm(x_q[0][tokens], x_q[1][tokens], w13[e], w13_scale_inv[e], torch.float32)
         act = F.silu(h[:, : inter2 // 2]) * h[:, inter2 // 2 :]  # [n, I]
         y = _expert_linear(act, w2[e], None if w2_scale_inv is None else w2_scale_inv[e])
         out.index_add_(0, tokens, y.float() * flat_weights[rows, None])

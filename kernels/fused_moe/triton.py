@@ -29,6 +29,7 @@ from ..fp8_gemm.ref import ACT_QUANT_GROUP, FP8_E4M3_MAX, WEIGHT_QUANT_BLOCK
 from ..fp8_gemm.triton import _MIN_AMAX, _quantize, quantize_tile, tile_of
 from . import gluon_sm90
 from ._triton_layout import align_rows, permute_rows
+from .ref import check_x_q
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -331,21 +332,26 @@ def fused_moe(
     topk_ids: torch.Tensor,
     w13_scale_inv: torch.Tensor | None = None,
     w2_scale_inv: torch.Tensor | None = None,
+    x_q: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x: [T, D]; w13: [E, 2I, D]; w2: [E, D, I]; topk_weights: [T, k] fp32; topk_ids: [T, k] int.
 
     Scales (fp8 only): w13_scale_inv [E, ceil(2I/128), ceil(D/128)],
-    w2_scale_inv [E, ceil(D/128), ceil(I/128)]. An id outside [0, E) contributes nothing (used for
-    experts owned by another rank). Returns [T, D].
+    w2_scale_inv [E, ceil(D/128), ceil(I/128)]. x_q (fp8 only): x already quantized, as
+    `ref.fused_moe` says; no quantization launch of its own then. An id outside [0, E) contributes
+    nothing (used for experts owned by another rank). Returns [T, D].
     """
     fp8 = _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv)
+    check_x_q(x, x_q, fp8)
     num_tokens, hidden = x.shape
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0 or top_k == 0:
         return out.zero_()
     cfg = tuning.lookup("fused_moe", _config_key(fp8, num_tokens * top_k, num_experts), x.device)
-    return _fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, cfg, out)
+    return _fused_moe(
+        x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, cfg, out, x_q
+    )
 
 
 def _weight_operand(
@@ -404,6 +410,7 @@ def _fused_moe(
     w2_scale_inv: torch.Tensor | None,
     cfg: dict,
     out: torch.Tensor,
+    x_q: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """fused_moe with an explicit launch config (tests and the sweep pass their own)."""
     fp8 = w13_scale_inv is not None
@@ -420,8 +427,10 @@ def _fused_moe(
     if fp8:
         for name in ("BLOCK_K1", "BLOCK_K2", "BLOCK_N1"):
             assert cfg[name] == sb, f"fused_moe fp8 config needs {name} == {sb}"
-        if permuted and cfg.get("prequant"):
-            xq, xs = _quantize(x, ACT_QUANT_GROUP, scale_column_major=False)
+        if x_q is not None and not permuted:
+            x_in, x_scales = x_q  # the kernels take the scales' strides as they come
+        elif permuted and (x_q is not None or cfg.get("prequant")):
+            xq, xs = x_q or _quantize(x, ACT_QUANT_GROUP, scale_column_major=False)
             x_in, _ = permute_rows(xq, sorted_ids, ends, num_a, top_k, max_rows, False)
             x_scales, _ = permute_rows(xs, sorted_ids, ends, num_a, top_k, max_rows, False)
         elif permuted:

@@ -14,7 +14,8 @@ import pytest
 import torch
 from _poison import poisoned_empty, rel_err
 
-from pdserve.kernels.fp8_gemm.ref import quantize_weight
+from pdserve.kernels.fp8_gemm.ref import quantize_act, quantize_weight
+from pdserve.kernels.fp8_gemm.triton import _quantize as quantize_tri
 from pdserve.kernels.fused_moe import ref
 from pdserve.kernels.fused_moe import triton as tri
 
@@ -182,3 +183,43 @@ def test_inputs_are_checked() -> None:
         tri.fused_moe(x.half(), w13, w2, weights, ids)
     with pytest.raises(ValueError, match="both"):
         tri.fused_moe(x, w13, w2, weights, ids, w13_scale_inv=torch.ones(4, 1, 1, device=DEVICE))
+    with pytest.raises(ValueError, match="x_q"):
+        tri.fused_moe(x, w13, w2, weights, ids, x_q=quantize_act(x))
+    (w13_q, w13_s), (w2_q, w2_s) = _quantized(w13), _quantized(w2)
+    for fn in (tri.fused_moe, ref.fused_moe):
+        with pytest.raises(ValueError, match="x_q"):
+            fn(x, w13_q, w2_q, weights, ids, w13_s, w2_s, quantize_act(x[:2]))
+        with pytest.raises(ValueError, match="x_scales"):
+            fn(x, w13_q, w2_q, weights, ids, w13_s, w2_s, (quantize_act(x)[0], torch.ones(3, 2)))
+
+
+@pytest.mark.parametrize("path", ["default", *sorted(p for p in PATH_CONFIGS if p.endswith("fp8"))])
+@pytest.mark.parametrize(
+    ("t", "d", "i"), [(21, 320, 192), pytest.param(64, 7168, 2048, marks=gpu)]
+)  # fmt: skip
+def test_x_quantized_by_its_producer_gives_the_same_bits(path: str, t: int, d: int, i: int) -> None:
+    """x_q (x quantized in 1x128 groups, scales column-major as rmsnorm(quant=...) hands them out):
+    each path, with its own permutation or none, gives the bits it gives when it quantizes x; and
+    it reads x_q, not x (x_q of another input gives that input's result)."""
+    e, k = 8, 3
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    weights, ids = _routing(t, e, k, "zipf", seed=t)
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(d)).to(DEVICE, dtype)
+    w13, w2 = _weights(e, d, i, torch.float32, seed=i)
+    (w13_q, w13_s), (w2_q, w2_s) = _quantized(w13), _quantized(w2)
+    other = torch.randn(t, d, generator=torch.Generator().manual_seed(d + 1)).to(DEVICE, dtype)
+    x_q, other_q = (quantize_tri(v, 128, scale_column_major=True) for v in (x, other))
+    assert x_q[1].stride(0) == 1  # column-major, as rmsnorm hands them out
+    rest = (w13_q, w2_q, weights, ids, w13_s, w2_s)
+
+    def run(v, v_q=None):
+        with poisoned_empty():
+            if path == "default":
+                return tri.fused_moe(v, *rest, v_q)
+            return tri._fused_moe(v, *rest, PATH_CONFIGS[path], torch.empty_like(v), v_q)
+
+    assert torch.equal(run(x, x_q), run(x))
+    assert torch.equal(run(x, other_q), run(other))
+    if not CUDA:  # the reference takes x_q the same way
+        assert torch.equal(ref.fused_moe(x, *rest, x_q), ref.fused_moe(x, *rest))
+        assert torch.equal(ref.fused_moe(x, *rest, other_q), ref.fused_moe(other, *rest))

@@ -55,12 +55,14 @@ def test_fp8_model_generates_close_to_source(checkpoint):
     assert tokens[:2] == ref[:2]
 
 
-def test_moe_norm_hands_the_shared_expert_its_input_quantized(checkpoint):
-    """An MoE layer with an fp8 shared expert: its ffn_norm returns the output and its quantization
-    (quant="both"); the layer's result is the same bits as when the shared expert quantizes itself."""
+def test_moe_norm_hands_the_experts_their_input_quantized(checkpoint):
+    """An MoE layer with fp8 experts (routed and shared): its ffn_norm returns the output and its
+    quantization (quant="both"); the layer's result is the same bits as when the experts quantize
+    for themselves."""
     fp8 = load_model(checkpoint("tiny-fp8"), dtype=torch.float32)
     block = fp8.layers[1]
     assert block.quant_ffn == "both" and fp8.layers[0].quant_ffn is True
+    assert block.ffn.experts.is_fp8 and block.ffn.shared_experts.w13.is_fp8
     torch.manual_seed(0)
     x = torch.randn(5, fp8.args.hidden_size)
     h, h_q = block.ffn_norm(x, quant="both")
