@@ -7,8 +7,8 @@ fp32, kept in the residual's dtype, and the output is in x's dtype.
 
 With `quant`, the output (rounded to x's dtype as above) comes quantized to e4m3 in 1x128 groups exactly as
 `fp8_gemm.quantize_act` does, for an fp8 projection that takes it as it is (`fp8_gemm.scaled_gemm`). With
-quant="both", it comes both ways, for readers of each kind (an MoE layer: router and routed experts take the
-output, an fp8 shared expert the quantized one).
+quant="both", it comes both ways, for readers of each kind (an MoE layer: the router takes the output, fp8
+experts, routed and shared, the quantized one; the Triton kernel lays those scales out row-major).
 """
 
 from __future__ import annotations

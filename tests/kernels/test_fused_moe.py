@@ -198,9 +198,10 @@ def test_inputs_are_checked() -> None:
     ("t", "d", "i"), [(21, 320, 192), pytest.param(64, 7168, 2048, marks=gpu)]
 )  # fmt: skip
 def test_x_quantized_by_its_producer_gives_the_same_bits(path: str, t: int, d: int, i: int) -> None:
-    """x_q (x quantized in 1x128 groups, scales column-major as rmsnorm(quant=...) hands them out):
-    each path, with its own permutation or none, gives the bits it gives when it quantizes x; and
-    it reads x_q, not x (x_q of another input gives that input's result)."""
+    """x_q (x quantized in 1x128 groups; scales column-major as rmsnorm(quant=True) hands them out, or
+    row-major as rmsnorm(quant="both")): each path, with its own permutation or none, gives the bits
+    it gives when it quantizes x; and it reads x_q, not x (x_q of another input gives that input's
+    result)."""
     e, k = 8, 3
     dtype = torch.bfloat16 if CUDA else torch.float32
     weights, ids = _routing(t, e, k, "zipf", seed=t)
@@ -209,7 +210,8 @@ def test_x_quantized_by_its_producer_gives_the_same_bits(path: str, t: int, d: i
     (w13_q, w13_s), (w2_q, w2_s) = _quantized(w13), _quantized(w2)
     other = torch.randn(t, d, generator=torch.Generator().manual_seed(d + 1)).to(DEVICE, dtype)
     x_q, other_q = (quantize_tri(v, 128, scale_column_major=True) for v in (x, other))
-    assert x_q[1].stride(0) == 1  # column-major, as rmsnorm hands them out
+    x_q_rows = quantize_tri(x, 128, scale_column_major=False)
+    assert x_q[1].stride(0) == 1 and x_q_rows[1].stride(1) == 1
     rest = (w13_q, w2_q, weights, ids, w13_s, w2_s)
 
     def run(v, v_q=None):
@@ -219,6 +221,7 @@ def test_x_quantized_by_its_producer_gives_the_same_bits(path: str, t: int, d: i
             return tri._fused_moe(v, *rest, PATH_CONFIGS[path], torch.empty_like(v), v_q)
 
     assert torch.equal(run(x, x_q), run(x))
+    assert torch.equal(run(x, x_q_rows), run(x))
     assert torch.equal(run(x, other_q), run(other))
     if not CUDA:  # the reference takes x_q the same way
         assert torch.equal(ref.fused_moe(x, *rest, x_q), ref.fused_moe(x, *rest))

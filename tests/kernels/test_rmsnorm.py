@@ -64,7 +64,8 @@ def test_rmsnorm_quantized_matches_ref(
 ) -> None:
     """The output quantized for an fp8 projection (as the model's attention and dense FFN norms run in fp8
     checkpoints): the reference's quantization of its own output, within the rounding of that output.
-    With quant="both" (an MoE layer's norm with an fp8 shared expert), the output as well."""
+    With quant="both" (an MoE layer's norm with fp8 experts), the output as well, and the scales row-major
+    (fused_moe reads them faster so); with quant=True column-major (the fp8 GEMM's layout)."""
     torch.manual_seed(rows + dim)
     x = (torch.randn(rows, dim + 24, device=DEVICE) * 3).to(dtype)[:, :dim]
     weight = (1 + 0.1 * torch.randn(dim, device=DEVICE)).to(dtype)
@@ -80,6 +81,8 @@ def test_rmsnorm_quantized_matches_ref(
         assert torch.equal(want[0], value)
         _check_out(got[0], value)
         want, got = want[1], got[1]
+    scale_strides = (got[1].shape[1], 1) if quant == "both" else (1, rows)
+    assert got[1].stride() == scale_strides or rows == 1
     assert_quantized_close(got, want, value, 2 * ULP[dtype])
 
 
