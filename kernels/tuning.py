@@ -158,9 +158,12 @@ _FP8_GEMM_LARGE = _gemm_cfg(128, 128, 8, 4, False, 0, GROUP_M=16, tma=True, gluo
 # Eighteenth session: the ring cut to a quarter of a CTA's run (`ring_slots`, at least 4 slots),
 # graph of 8 at M = 4-64: qkv_a 9.0-9.5 -> 8.4-9.0 us, shared_w2 7.4-7.6 -> 6.8-6.9, shared_w13
 # 11.8-12.3 -> 11.5-12.1; o, mlp_w2, mlp_w13 (runs of 128+) unchanged.
+# Nineteenth session: at M <= 16 the output is stored straight from the MMA's registers
+# (direct_max_m): o at M = 16 33.5 -> 33.1 us, q_b (192-row tiles) at M = 2-8 11.8 -> 11.3-11.4; at M = 64
+# it was slower (kv_b 7.1 -> 9.0).
 _GLUON_DECODE = {
     "BLOCK_N": 64, "num_stages": 12, "run_per_slot": 4, "min_stages": 4, "whole_tiles_fill": 0.8,
-    "min_k": 2048, "min_m": 2, "pdl": True,
+    "min_k": 2048, "min_m": 2, "pdl": True, "direct_max_m": 16,
 }  # fmt: skip
 # q_b (K = 1536) and kv_b (K = 512): 128 weight rows a tile, whole n-tiles on 96 / 128 CTAs, 6 slots.
 # Graph of 8, M = 4 / 16 / 32 / 64 (RESULTS.md, eighteenth session): q_b 13.9 / 14.8 / 14.5 / 13.6
@@ -168,6 +171,10 @@ _GLUON_DECODE = {
 _GLUON_DECODE_WIDE = {
     **_GLUON_DECODE, "BLOCK_N": 128, "num_stages": 6, "whole_tiles_fill": 0.7, "min_k": 512,
 }  # fmt: skip
+# q_b: tiles of 3 boxes of 64 rows (192), one a CTA on 128 CTAs (96 with 128-row tiles: a CTA streams
+# at most about 40 GB/s), 6 slots. Graph of 8 at M = 2 / 16 / 32 / 64 (RESULTS.md, nineteenth
+# session): 11.8 / 12.2 / 12.4 / 12.8 -> 11.4 / 11.6 / 11.9 / 12.2 us.
+_GLUON_DECODE_192 = {**_GLUON_DECODE_WIDE, "BLOCK_N": 64, "boxes": 3, "min_stages": 6}
 
 
 def _decode(cfg: dict[str, Any], gluon: dict[str, Any] = _GLUON_DECODE) -> dict[str, Any]:
@@ -226,10 +233,11 @@ register(
         "m<=64,n=7168,k=2048": _decode(_gemm_cfg(64, 32, 4, 4, False, 264, min_k_tiles=12)),
         # mlp_w13 at M <= 16: the swapped tl.dot kernel, not the Gluon decode kernel (66 against 71 us)
         "m<=16,n=36864,k=7168": _FP8_GEMM_M16,
-        # q_b and kv_b at M = 2-64 on the Gluon decode kernel with 128-row tiles (_GLUON_DECODE_WIDE)
-        "m<=16,n=24576,k=1536": _decode(_FP8_GEMM_M16, _GLUON_DECODE_WIDE),
-        "m<=32,n=24576,k=1536": _decode(_FP8_GEMM_M32, _GLUON_DECODE_WIDE),
-        "m<=64,n=24576,k=1536": _decode(_FP8_GEMM_M64, _GLUON_DECODE_WIDE),
+        # q_b at M = 2-64 on the Gluon decode kernel with 192-row tiles (_GLUON_DECODE_192), kv_b at
+        # M = 17-64 with 128-row tiles (_GLUON_DECODE_WIDE)
+        "m<=16,n=24576,k=1536": _decode(_FP8_GEMM_M16, _GLUON_DECODE_192),
+        "m<=32,n=24576,k=1536": _decode(_FP8_GEMM_M32, _GLUON_DECODE_192),
+        "m<=64,n=24576,k=1536": _decode(_FP8_GEMM_M64, _GLUON_DECODE_192),
         "m<=32,n=32768,k=512": _decode(_FP8_GEMM_M32, _GLUON_DECODE_WIDE),
         # kv_b at M = 64 (a short prompt's prefill; K = 512): the Gluon kernel, 7.9 -> 7.7 us; its tl.dot
         # config (where Gluon cannot run) has 3 stages, so its 512 CTAs fit in one wave, 10.6 -> 7.9 us

@@ -18,9 +18,11 @@ from pdserve.kernels.fp8_gemm import _splitk, gluon_decode_sm90, ref
 from pdserve.kernels.fp8_gemm import triton as tri
 
 CFG = {"BLOCK_N": 64, "num_stages": 12, "whole_tiles_fill": 0.8, "min_k": 2048, "min_m": 2}
-# the tuned entries: a ring cut to the run (`ring_slots`), and 128-row tiles (q_b, kv_b)
+# the tuned entries: a ring cut to the run (`ring_slots`), 128-row tiles (kv_b), tiles of three
+# 64-row boxes (q_b); stores from the MMA's registers at M <= 16
 TUNED = tuning._GLUON_DECODE
 WIDE = tuning._GLUON_DECODE_WIDE
+BOXES = tuning._GLUON_DECODE_192
 gpu = pytest.mark.gpu
 
 
@@ -51,11 +53,16 @@ def test_plan_covers_every_iteration_once(n: int, k: int, sms: int) -> None:
 
 
 def test_plan_wide_tiles_and_ring_slots() -> None:
-    """q_b with 128-row tiles: two whole n-tiles a CTA on 96 CTAs, a ring of 6 slots; the ring is
-    cut to a quarter of the run, never below min_stages nor above num_stages."""
+    """q_b with 128-row tiles: two whole n-tiles a CTA on 96 CTAs, a ring of 6 slots; with tiles of
+    3 boxes of 64 rows: one a CTA on 128 CTAs, 6 slots; kv_b with 128-row tiles: two a CTA on 128.
+    The ring is cut to a quarter of the run, never below min_stages nor above num_stages."""
     w, ctas, pieces = gluon_decode_sm90.plan(24576, 1536, WIDE, 132, 128)
     assert (w, ctas, pieces) == (24, 96, 1)
     assert gluon_decode_sm90.ring_slots(w, WIDE) == 6
+    w, ctas, pieces = gluon_decode_sm90.plan(24576, 1536, BOXES, 132, 128)
+    assert (w, ctas, pieces) == (12, 128, 1)
+    assert gluon_decode_sm90.ring_slots(w, BOXES) == 6
+    assert gluon_decode_sm90.plan(32768, 512, WIDE, 132, 128) == (8, 128, 1)
     assert [gluon_decode_sm90.ring_slots(w, TUNED) for w in (14, 16, 28, 36, 128)] == [
         4,
         4,
@@ -109,11 +116,15 @@ def test_decode_kernel_matches_reference(m: int, n: int, k: int) -> None:
 @pytest.mark.parametrize(
     ("m", "n", "k", "cfg"),
     [(5, 3000, 1536, WIDE), (64, 24576, 1536, WIDE), (20, 1000, 512 + 16, WIDE),
-     (33, 2112, 7168, TUNED), (64, 7168, 2048, TUNED), (3, 200, 7168, TUNED)],
+     (33, 2112, 7168, TUNED), (64, 7168, 2048, TUNED), (3, 200, 7168, TUNED),
+     (64, 24576, 1536, BOXES), (16, 24576, 1536, BOXES), (3, 1536, 1536 + 16, {**BOXES, "whole_tiles_fill": 0.0}),
+     (40, 2 * 128 * 3, 4096, {**BOXES, "boxes": 2, "whole_tiles_fill": 0.0}),
+     (16, 7168, 2048, TUNED), (9, 4096, 7168, {**TUNED, "direct_max_m": 0})],
 )  # fmt: skip
 def test_tuned_configs_match_reference(m: int, n: int, k: int, cfg: dict) -> None:
-    """The tuned entries' configs (128-row tiles, shorter rings, PDL where the GPU has it): the
-    reference's values, the same bits twice."""
+    """The tuned entries' configs (128-row tiles, tiles of 2 or 3 boxes, shorter rings, stores from
+    the MMA's registers at M <= 16 or not, PDL where the GPU has it): the reference's values, the
+    same bits twice."""
     x_fp8, x_scales, w_fp8, scale_inv = _inputs(m, n, k)
     out = _launch(x_fp8, x_scales, w_fp8, scale_inv, cfg)
     assert rel_err(out, ref.scaled_gemm(x_fp8, x_scales, w_fp8, scale_inv)) < TOL[torch.bfloat16]
@@ -168,14 +179,18 @@ def test_decode_sizes_dispatch_to_gluon_on_hopper(monkeypatch, m: int, quantized
 @pytest.mark.usefixtures("_hopper")
 def test_per_shape_decode_entries_name_the_kernel() -> None:
     """DeepSeek-V3's o / mlp_w2 / qkv_a / shared_w2 entries at M = 64 take the Gluon decode kernel,
-    q_b's at M = 2-64 and kv_b's at M = 17-64 with 128-row tiles; mlp_w13's at M <= 16 does not,
-    nor o's at M = 1 (through the gemv entry's "otherwise")."""
+    q_b's at M = 2-64 with tiles of 3 boxes of 64 rows and kv_b's at M = 17-64 with 128-row tiles;
+    mlp_w13's at M <= 16 does not, nor o's at M = 1 (through the gemv entry's "otherwise")."""
     dev = torch.device("cuda", 0)
     for n, k in ((7168, 16384), (7168, 18432), (2112, 7168), (7168, 2048)):
         assert tri._gluon_decode(tri._gemm_config(64, n, k, dev), 64, k, dev) is not None
-    for m, n, k in ((2, 24576, 1536), (16, 24576, 1536), (32, 24576, 1536), (64, 24576, 1536),
-                    (32, 32768, 512), (64, 32768, 512)):  # fmt: skip
-        assert tri._gluon_decode(tri._gemm_config(m, n, k, dev), m, k, dev)["BLOCK_N"] == 128
+    for m in (2, 16, 32, 64):
+        gd = tri._gluon_decode(tri._gemm_config(m, 24576, 1536, dev), m, 1536, dev)
+        assert (gd["BLOCK_N"], gd["boxes"]) == (64, 3)
+    for m in (32, 64):
+        assert (
+            tri._gluon_decode(tri._gemm_config(m, 32768, 512, dev), m, 512, dev)["BLOCK_N"] == 128
+        )
     assert tri._gluon_decode(tri._gemm_config(16, 32768, 512, dev), 16, 512, dev) is None
     assert tri._gluon_decode(tri._gemm_config(1, 7168, 16384, dev), 1, 16384, dev) is None
     assert tri._gluon_decode(tri._gemm_config(16, 36864, 7168, dev), 16, 7168, dev) is None
@@ -193,3 +208,10 @@ def test_bad_input_is_refused() -> None:
         gluon_decode_sm90.launch(
             x_fp8[:64], x_scales[:64], w_fp8, scale_inv, out[:64], {**CFG, "BLOCK_N": 256}, 128
         )
+    for boxes, n in ((4, 1024), (3, 1024)):  # 1024 rows are not whole tiles of 192
+        x_fp8, x_scales, w_fp8, scale_inv = _inputs(8, n, 2048)
+        out = torch.empty(8, n, device="cuda", dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="boxes"):
+            gluon_decode_sm90.launch(
+                x_fp8, x_scales, w_fp8, scale_inv, out, {**BOXES, "boxes": boxes}, 128
+            )
