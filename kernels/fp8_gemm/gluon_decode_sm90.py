@@ -203,31 +203,36 @@ if _IMPORTED:
     @gluon.jit
     def _consumer(a_bufs, b_bufs, sc_bufs, ready, empty, part_ptr, out_ptr, cnt_ptr, M, N, KT, W,
                   start, end, stride_ps, stride_om, STAGES: gl.constexpr, MAX_PIECES: gl.constexpr,
-                  DIRECT: gl.constexpr):  # fmt: skip
-        """One warpgroup: the iterations start .. end, an output tile (or piece) at a time."""
-        BLOCK_N: gl.constexpr = b_bufs.shape[1]
-        BLOCK_M: gl.constexpr = a_bufs.shape[1]
-        mma: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
-        )
-        row: gl.constexpr = gl.SliceLayout(1, mma)
-        prod = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
-        i = 0
-        for tile in range((start // KT), (end - 1) // KT + 1):
-            t0 = tile * KT
-            acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
-            for _ in range(gl.maximum(start, t0), gl.minimum(end, t0 + KT)):
-                s = i % STAGES
-                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-                prod = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), prod,
-                                     use_acc=False, is_async=True)  # fmt: skip
-                scale = sc_bufs.index(2 * s).load(row) * sc_bufs.index(2 * s + 1).load(row)
-                prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
-                mbarrier.arrive(empty.index(s), count=1)
-                acc += prod * scale[:, None]
-                i += 1
-            _store_piece(acc, part_ptr, out_ptr, cnt_ptr, M, N, KT, W, tile, stride_ps, stride_om,
-                         MAX_PIECES, DIRECT)  # fmt: skip
+                  BOXES: gl.constexpr, DIRECT: gl.constexpr):  # fmt: skip
+        """One warpgroup: the iterations start .. end, an output tile (or piece) at a time; tiles
+        of several boxes in `_consumer_boxes`."""
+        if BOXES > 1:
+            _consumer_boxes(a_bufs, b_bufs, sc_bufs, ready, empty, out_ptr, M, N, KT, start, end,
+                            stride_om, STAGES, BOXES, DIRECT)  # fmt: skip
+        else:
+            BLOCK_N: gl.constexpr = b_bufs.shape[1]
+            BLOCK_M: gl.constexpr = a_bufs.shape[1]
+            mma: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
+            )
+            row: gl.constexpr = gl.SliceLayout(1, mma)
+            prod = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
+            i = 0
+            for tile in range((start // KT), (end - 1) // KT + 1):
+                t0 = tile * KT
+                acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
+                for _ in range(gl.maximum(start, t0), gl.minimum(end, t0 + KT)):
+                    s = i % STAGES
+                    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                    prod = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), prod,
+                                         use_acc=False, is_async=True)  # fmt: skip
+                    scale = sc_bufs.index(2 * s).load(row) * sc_bufs.index(2 * s + 1).load(row)
+                    prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
+                    mbarrier.arrive(empty.index(s), count=1)
+                    acc += prod * scale[:, None]
+                    i += 1
+                _store_piece(acc, part_ptr, out_ptr, cnt_ptr, M, N, KT, W, tile, stride_ps, stride_om,
+                             MAX_PIECES, DIRECT)  # fmt: skip
 
     @gluon.jit
     def _consumer_boxes(a_bufs, b_bufs, sc_bufs, ready, empty, out_ptr, M, N, KT, start, end,
@@ -308,42 +313,23 @@ if _IMPORTED:
         for slot in gl.static_range(STAGES):
             mbarrier.init(ready.index(slot), count=1)
             mbarrier.init(empty.index(slot), count=1)
-        if BOXES == 1:
-            gl.warp_specialize(
-                [
-                    (
-                        _consumer,
-                        (a_bufs, b_bufs, sc_bufs, ready, empty, part_ptr, out_ptr, cnt_ptr, M, N,
-                         KT, W, start, end, stride_ps, stride_om, STAGES, MAX_PIECES, DIRECT),
-                    ),
-                    (
-                        _producer,
-                        (a_desc, a2_desc, b_desc, a_bufs, b_bufs, sc_bufs, ready, empty, as_ptr,
-                         bs_ptr, M, start, end, KT, stride_asm, stride_ask, stride_bsn,
-                         stride_bsk, STAGES, BOXES, TWO_A, PDL),
-                    ),
-                ],
-                [1],
-                [40],
-            )  # fmt: skip
-        else:
-            gl.warp_specialize(
-                [
-                    (
-                        _consumer_boxes,
-                        (a_bufs, b_bufs, sc_bufs, ready, empty, out_ptr, M, N, KT, start, end,
-                         stride_om, STAGES, BOXES, DIRECT),
-                    ),
-                    (
-                        _producer,
-                        (a_desc, a2_desc, b_desc, a_bufs, b_bufs, sc_bufs, ready, empty, as_ptr,
-                         bs_ptr, M, start, end, KT, stride_asm, stride_ask, stride_bsn,
-                         stride_bsk, STAGES, BOXES, TWO_A, PDL),
-                    ),
-                ],
-                [1],
-                [40],
-            )  # fmt: skip
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (a_bufs, b_bufs, sc_bufs, ready, empty, part_ptr, out_ptr, cnt_ptr, M, N, KT,
+                     W, start, end, stride_ps, stride_om, STAGES, MAX_PIECES, BOXES, DIRECT),
+                ),
+                (
+                    _producer,
+                    (a_desc, a2_desc, b_desc, a_bufs, b_bufs, sc_bufs, ready, empty, as_ptr,
+                     bs_ptr, M, start, end, KT, stride_asm, stride_ask, stride_bsn, stride_bsk,
+                     STAGES, BOXES, TWO_A, PDL),
+                ),
+            ],
+            [1],
+            [40],
+        )  # fmt: skip
 
 
 def plan(n: int, k: int, cfg: dict, sms: int, block_k: int) -> tuple[int, int, int]:
