@@ -10,14 +10,21 @@ from .ref import ACT_QUANT_GROUP
 
 
 def empty_quantized(
-    rows: int, cols: int, device: torch.device, group: int = ACT_QUANT_GROUP
+    rows: int,
+    cols: int,
+    device: torch.device,
+    group: int = ACT_QUANT_GROUP,
+    column_major: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Storage for a quantized activation: (e4m3 [rows, cols], fp32 scales [rows, ceil(cols / group)]),
-    the scales an [rows, G] view of [G, rows] storage, so that the fp8 GEMMs load (and the quantizing
-    kernels store) a tile's rows of one group contiguously."""
+    the scales by default an [rows, G] view of [G, rows] storage, so that the fp8 GEMMs load (and the
+    quantizing kernels store) a tile's rows of one group contiguously; row-major with
+    column_major=False (for readers that gather rows, as fused_moe's gate/up GEMM does)."""
     q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=device)
-    scales = torch.empty((triton.cdiv(cols, group), rows), dtype=torch.float32, device=device).t()
-    return q, scales
+    groups = triton.cdiv(cols, group)
+    if not column_major:
+        return q, torch.empty((rows, groups), dtype=torch.float32, device=device)
+    return q, torch.empty((groups, rows), dtype=torch.float32, device=device).t()
 
 
 @triton.jit

@@ -244,11 +244,7 @@ def _quantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     num_groups = triton.cdiv(k, group_size)
-    if scale_column_major:
-        q, scales = empty_quantized(m, k, x.device, group_size)
-    else:
-        q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-        scales = torch.empty((m, num_groups), dtype=torch.float32, device=x.device)
+    q, scales = empty_quantized(m, k, x.device, group_size, scale_column_major)
     if m == 0 or k == 0:
         return q, scales
     cfg = tuning.lookup("quantize_act", f"group={group_size}", x.device)

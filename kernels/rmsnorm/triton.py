@@ -130,13 +130,8 @@ def rmsnorm(
     weight = weight.contiguous()
     num_rows = x2.shape[0]
     plain = torch.empty_like(x, memory_format=torch.contiguous_format) if quant == "both" else None
-    if quant == "both":  # row-major scales (module note)
-        out = torch.empty((num_rows, dim), dtype=torch.float8_e4m3fn, device=x.device)
-        scales = torch.empty(
-            (num_rows, triton.cdiv(dim, ACT_QUANT_GROUP)), dtype=torch.float32, device=x.device
-        )
-    elif quant:
-        out, scales = empty_quantized(num_rows, dim, x.device)
+    if quant:  # with quant="both", row-major scales (module note)
+        out, scales = empty_quantized(num_rows, dim, x.device, column_major=quant != "both")
     else:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         scales = torch.empty((1, 1), dtype=torch.float32, device=x.device)  # unread
