@@ -71,7 +71,7 @@ def lookup(op: str, key: str, device: torch.device) -> dict[str, Any]:
 # kernel (fp8_gemm/gluon_decode_sm90.py: BLOCK_N, num_stages cut by run_per_slot / min_stages,
 # whole_tiles_fill, pdl) and the other keys
 # serve the tl.dot kernel wherever that one cannot run.
-# fused_moe keys "<bf16|fp8>,rows<=16|64|256" or ",rows>256" (mean rows per expert), or
+# fused_moe keys "<bf16|fp8>,rows<=8|16|64|256" or ",rows>256" (mean rows per expert), or
 # ",invariant-<prefill|decode>" (batch-invariant mode);
 # *1 = gate/up GEMM, *2 = down GEMM; fp8 needs BLOCK_N1 == BLOCK_K1 == BLOCK_K2 == 128.
 _FP8_GEMM_ANY = {
@@ -109,7 +109,7 @@ _FUSED_MOE_ANY = {
     "BLOCK_N2": 32, "BLOCK_K2": 32, "warps2": 4, "stages2": 2,
 }  # fmt: skip
 _FUSED_MOE_ANY_FP8 = {**_FUSED_MOE_ANY, "BLOCK_N1": 128, "BLOCK_K1": 128, "BLOCK_K2": 128}
-_ROW_CLASSES = ("rows<=16", "rows<=64", "rows<=256", "rows>256")
+_ROW_CLASSES = ("rows<=8", "rows<=16", "rows<=64", "rows<=256", "rows>256")
 register(
     "fused_moe",
     "any",
@@ -270,12 +270,18 @@ register(
     "fused_moe",
     "sm90",
     {
+        # as fp8 (same probe): T = 1 / 4 / 16 174.7 -> 166.9, 464.0 -> 447.7, 657.2 -> 647.3 us
+        "bf16,rows<=8": {**_moe_cfg(16, (64, 128, 4, 3), (64, 128, 4, 3)), "tma": True},
         "bf16,rows<=16": _MOE_BF16_DECODE,
         "bf16,rows<=64": _MOE_BF16_DECODE,
         "bf16,rows<=256": _moe_cfg(64, (128, 64, 4, 4), (128, 64, 4, 4)),
         "default": _MOE_BF16_PREFILL,
         "bf16,invariant-decode": _MOE_BF16_DECODE,
         "bf16,invariant-prefill": _MOE_BF16_PREFILL,
+        # up to 8 rows an expert: 16-row tiles, weights through TMA. H200, gate/up + down GPU time, L2
+        # flushed (RESULTS.md, twentieth session), 32 experts, T = 1 / 4 / 16: 114.5 -> 97.5, 307 -> 269,
+        # 379 -> 358 us. At 16 rows an expert (T = 64) 377 -> 383: experts past 16 rows read twice.
+        "fp8,rows<=8": {**_moe_cfg(16, (128, 128, 4, 4), (128, 128, 4, 4)), "tma": True},
         "fp8,rows<=16": _moe_cfg(32, (128, 128, 4, 4), (128, 128, 4, 4)),
         "fp8,rows<=64": _MOE_FP8_DECODE,
         "fp8,rows<=256": _moe_cfg(64, (128, 128, 4, 4), (128, 128, 4, 4)),

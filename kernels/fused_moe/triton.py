@@ -320,7 +320,7 @@ def _config_key(fp8: bool, num_assignments: int, num_experts: int) -> str:
     if phase is not None:
         return f"{'fp8' if fp8 else 'bf16'},invariant-{phase}"
     rows_per_expert = num_assignments / num_experts
-    bound = next((f"rows<={b}" for b in (16, 64, 256) if rows_per_expert <= b), "rows>256")
+    bound = next((f"rows<={b}" for b in (8, 16, 64, 256) if rows_per_expert <= b), "rows>256")
     return f"{'fp8' if fp8 else 'bf16'},{bound}"
 
 

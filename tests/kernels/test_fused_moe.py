@@ -62,6 +62,7 @@ CASES = [
     pytest.param(64, 7168, 2048, 32, 8, "balanced", torch.bfloat16, marks=gpu),
     pytest.param(512, 7168, 2048, 32, 8, "zipf", torch.bfloat16, marks=gpu),
     pytest.param(1000, 1024, 320, 16, 6, "zipf", torch.bfloat16, marks=gpu),
+    pytest.param(2, 7168, 2048, 32, 8, "balanced", torch.bfloat16, marks=gpu),
     pytest.param(3, 576, 200, 64, 8, "balanced", torch.float16, marks=gpu),
 ]
 
@@ -85,6 +86,9 @@ FP8_CASES = [
     pytest.param(64, 7168, 2048, 32, 8, "balanced", marks=gpu),
     pytest.param(777, 7168, 2048, 32, 8, "zipf", marks=gpu),
     pytest.param(100, 1000, 200, 8, 4, "zipf", marks=gpu),
+    # the "rows<=8" class: 16-row tiles, weights through TMA (not at D = 1000: rows of 1000 bytes)
+    pytest.param(1, 7168, 2048, 32, 8, "balanced", marks=gpu),
+    pytest.param(6, 1000, 200, 8, 4, "zipf", marks=gpu),
 ]
 
 
