@@ -81,9 +81,11 @@ def measure(model, args, page_size: int) -> str:
 
     hits: set[tuple[int, int]] = set()
 
+    routed = model.args.n_routed_experts
+
     def record(module, inputs, output):
-        weights, ids = output
-        hits.update((id(module), e) for e in ids.flatten().tolist())
+        weights, ids = output  # a fused shared expert rides as id E: counted with the other weights
+        hits.update((id(module), e) for e in ids.flatten().tolist() if e < routed)
 
     # One eager step with hooks on the routers to see which experts a step touches (hooks cannot run inside
     # graph capture); the timed steps run as the decode worker runs them.
@@ -125,7 +127,9 @@ def measure(model, args, page_size: int) -> str:
         expert_bytes += touched * per_expert
     skip = {id(p) for m in model.mtp for p in m.parameters()} | {id(model.embed.weight)}
     skip |= {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
-    other_bytes = sum(nbytes(p) for p in model.parameters() if id(p) not in skip)
+    other_bytes = sum(
+        nbytes(p) for p in model.parameters() if id(p) not in skip
+    )  # shared experts too
     kv_bytes = (
         args.batch * args.context * model.args.num_hidden_layers * runner.cache.layout.entry_dim * 2
     )

@@ -271,21 +271,24 @@ class Gate(nn.Module):
         )
         self.bias = nn.Parameter(torch.empty(args.n_routed_experts, dtype=torch.float32), False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """num_shared: shared experts stacked after the routed ones, appended as ids E.. with weight 1."""
         a = self.args
         logits = kernels.linear(x.float(), self.weight.float())  # [T, E]
         return kernels.moe_route(
             logits, self.bias, a.num_experts_per_tok, a.n_group, a.topk_group,
-            a.routed_scaling_factor, a.norm_topk_prob,
+            a.routed_scaling_factor, a.norm_topk_prob, num_shared,
         )  # fmt: skip
 
 
 class Experts(nn.Module):
-    """The routed experts of one layer, stacked: w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I]."""
+    """The routed experts of one layer, stacked: w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I].
+    `extra` more slots after them hold the shared expert when MoE fuses it (`MoE.fused_shared`)."""
 
-    def __init__(self, args: ModelArgs, dtype: torch.dtype, fp8: bool):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, fp8: bool, extra: int = 0):
         super().__init__()
-        e, d, i = args.n_routed_experts, args.hidden_size, args.moe_intermediate_size
+        d, i = args.hidden_size, args.moe_intermediate_size
+        e = args.n_routed_experts + extra
         weight_dtype = torch.float8_e4m3fn if fp8 else dtype
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, d, dtype=weight_dtype), False)
         self.w2 = nn.Parameter(torch.empty(e, d, i, dtype=weight_dtype), False)
@@ -310,24 +313,74 @@ class Experts(nn.Module):
         )
 
 
+FUSED_SHARED_MAX_TOKENS = 16
+"""Up to this many tokens, a fused shared expert runs as one more expert of the routed experts' launch. H200,
+fp8, 32 experts of DeepSeek-V3 (RESULTS.md, twentieth session): T = 1 / 4 / 16 save 10 / 16-19 / 11-16 us a
+layer against its own GEMMs; at T = 64 the one launch is 1-5 us slower."""
+
+
+def _can_fuse_shared(args: ModelArgs, shared: MLP, experts_fp8: bool) -> bool:
+    """Whether the shared expert has a routed expert's layout: one expert of moe_intermediate_size, its w13
+    gate rows then up rows with no gap, the same weight format, whole 128x128 scale blocks when fp8."""
+    d, i = args.hidden_size, args.moe_intermediate_size
+    same_format = shared.w13.is_fp8 == shared.w2.is_fp8 == experts_fp8
+    whole_blocks = not experts_fp8 or (d % QUANT_BLOCK == 0 and i % QUANT_BLOCK == 0)
+    return (
+        args.n_shared_experts == 1 and same_format and whole_blocks
+        and shared.w13.offsets == (0, i)
+    )  # fmt: skip
+
+
+def _alias_slot(mlp: MLP, experts: Experts, slot: int) -> None:
+    """Points the MLP's weights (and scales) at expert `slot` of the stacked experts: one copy in memory, filled
+    through either name by the loader."""
+    for linear, w, scale in (
+        (mlp.w13, experts.w13, experts.w13_scale_inv),
+        (mlp.w2, experts.w2, experts.w2_scale_inv),
+    ):
+        assert linear.weight.shape == w.shape[1:] and linear.weight.dtype == w.dtype
+        linear.weight = nn.Parameter(w.data[slot], requires_grad=False)
+        if scale is not None:
+            assert linear.weight_scale_inv.shape == scale.shape[1:]
+            linear.weight_scale_inv = nn.Parameter(scale.data[slot], requires_grad=False)
+
+
 class MoE(nn.Module):
+    """Routed experts plus the shared expert(s). With one shared expert laid out like a routed one (DeepSeek-V3),
+    it is stored as slot E of the stacked experts (`fused_shared`): small batches run it inside the routed
+    experts' launch, as expert E that every token takes with weight 1; larger ones, and batch-invariant mode,
+    run it as its own MLP over the same weights."""
+
     def __init__(self, args: ModelArgs, dtype: torch.dtype, is_fp8: IsFp8, path: str):
         super().__init__()
         self.gate = Gate(args, dtype)
-        self.experts = Experts(args, dtype, is_fp8(f"{path}.experts"))
+        experts_fp8 = is_fp8(f"{path}.experts")
         self.shared_experts = None
+        self.fused_shared = False
         if args.n_shared_experts:
             inter = args.moe_intermediate_size * args.n_shared_experts
             self.shared_experts = MLP(
                 args.hidden_size, inter, dtype, is_fp8, f"{path}.shared_experts"
             )
+            self.fused_shared = _can_fuse_shared(args, self.shared_experts, experts_fp8)
+        self.experts = Experts(args, dtype, experts_fp8, extra=int(self.fused_shared))
+        if self.fused_shared:
+            _alias_slot(self.shared_experts, self.experts, args.n_routed_experts)
 
     def forward(
         self, x: torch.Tensor, x_q: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> torch.Tensor:
         """x_q: x quantized by ffn_norm (quant="both"), for the experts whose weights are fp8."""
+        expert_x_q = x_q if self.experts.is_fp8 else None
+        if (
+            self.fused_shared
+            and x.shape[0] <= FUSED_SHARED_MAX_TOKENS
+            and not kernels.batch_invariant()
+        ):
+            weights, ids = self.gate(x, num_shared=1)
+            return self.experts(x, weights, ids, expert_x_q)
         weights, ids = self.gate(x)
-        y = self.experts(x, weights, ids, x_q if self.experts.is_fp8 else None)
+        y = self.experts(x, weights, ids, expert_x_q)
         if self.shared_experts is None:
             return y
         shared_q = x_q is not None and self.shared_experts.w13.is_fp8

@@ -15,6 +15,7 @@ def moe_route(
     topk_group: int,
     routed_scaling_factor: float,
     norm_topk_prob: bool,
+    num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See `ref.moe_route` for the contract."""
     return implementation(__name__, router_logits).moe_route(
@@ -25,6 +26,7 @@ def moe_route(
         topk_group,
         routed_scaling_factor,
         norm_topk_prob,
+        num_shared,
     )
 
 

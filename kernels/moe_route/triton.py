@@ -26,7 +26,7 @@ _empty = torch.empty
 def _moe_route_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, stride_t, scale,
     NUM_EXPERTS: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
+    TOP_K: tl.constexpr, N_SHARED: tl.constexpr, HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     GROUP_SIZE: tl.constexpr = NUM_EXPERTS // N_GROUP
@@ -88,8 +88,12 @@ def _moe_route_kernel(
     if NORMALIZE:
         chosen_w = chosen_w / (tl.sum(chosen_w, 1)[:, None] + 1e-20)
     chosen_w = chosen_w * scale
-    out_mask = token_ok[:, None] & (slots < TOP_K)[None, :]
-    out_offs = tokens.to(tl.int64)[:, None] * TOP_K + slots[None, :]
+    if N_SHARED > 0:  # shared experts stacked after the routed ones, weight 1
+        shared = (slots >= TOP_K)[None, :]
+        chosen_ids = tl.where(shared, NUM_EXPERTS + slots[None, :] - TOP_K, chosen_ids)
+        chosen_w = tl.where(shared, 1.0, chosen_w)
+    out_mask = token_ok[:, None] & (slots < TOP_K + N_SHARED)[None, :]
+    out_offs = tokens.to(tl.int64)[:, None] * (TOP_K + N_SHARED) + slots[None, :]
     tl.store(weights_ptr + out_offs, chosen_w, mask=out_mask)
     tl.store(ids_ptr + out_offs, chosen_ids, mask=out_mask)
 
@@ -102,9 +106,11 @@ def moe_route(
     topk_group: int,
     routed_scaling_factor: float,
     norm_topk_prob: bool,
+    num_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See `ref.moe_route`. Returns weights [T, top_k] fp32 and ids [T, top_k] int32, ids in
-    descending biased score (ties: lower expert id first)."""
+    """See `ref.moe_route`. Returns weights [T, top_k + num_shared] fp32 and ids [T, top_k +
+    num_shared] int32, routed ids in descending biased score (ties: lower expert id first), then the
+    shared experts E .. E + num_shared - 1 with weight 1."""
     if router_logits.dim() != 2 or not router_logits.dtype.is_floating_point:
         raise ValueError(
             f"router_logits must be a float [T, E] tensor, got {router_logits.dtype} "
@@ -124,6 +130,8 @@ def moe_route(
             f"top_k={top_k} must be in [1, {topk_group * (num_experts // n_group)}] "
             f"(topk_group={topk_group} groups of {num_experts // n_group} experts)"
         )
+    if num_shared < 0:
+        raise ValueError(f"num_shared={num_shared} must be >= 0")
     if correction_bias is not None:
         if correction_bias.shape != (num_experts,):
             raise ValueError(
@@ -134,8 +142,9 @@ def moe_route(
                 f"correction_bias is on {correction_bias.device}, logits on {router_logits.device}"
             )
         correction_bias = correction_bias.contiguous()
-    weights = _empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = _empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    cols = top_k + num_shared
+    weights = _empty(num_tokens, cols, dtype=torch.float32, device=router_logits.device)
+    ids = _empty(num_tokens, cols, dtype=torch.int32, device=router_logits.device)
     if num_tokens == 0:
         return weights, ids
     block_e = triton.next_power_of_2(num_experts)
@@ -145,8 +154,9 @@ def moe_route(
         router_logits, correction_bias if correction_bias is not None else router_logits,
         weights, ids, num_tokens, router_logits.stride(0), float(routed_scaling_factor),
         NUM_EXPERTS=num_experts, N_GROUP=n_group, TOPK_GROUP=topk_group, TOP_K=top_k,
+        N_SHARED=num_shared,
         HAS_BIAS=correction_bias is not None, NORMALIZE=bool(norm_topk_prob),
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=triton.next_power_of_2(n_group),
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=cfg["num_warps"],
+        BLOCK_K=triton.next_power_of_2(cols), num_warps=cfg["num_warps"],
     )  # fmt: skip
     return weights, ids

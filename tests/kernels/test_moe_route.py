@@ -73,6 +73,35 @@ def test_moe_route_matches_ref(case: Case, monkeypatch: pytest.MonkeyPatch) -> N
     torch.testing.assert_close(w, rw, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("case", "num_shared"),
+    [
+        (Case(11, **V3), 1),
+        (Case(6, **ODD), 2),
+        pytest.param(Case(300, **V3), 1, marks=pytest.mark.gpu),
+    ],
+)
+def test_shared_experts_ride_after_the_routed_ones(
+    case: Case, num_shared: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """num_shared appends ids E.. with weight 1 after the routed columns, which stay as without it."""
+    poison_outputs(monkeypatch, tri)
+    args = case.args(seed=case.tokens + 1)
+    weights, ids = tri.moe_route(*args, num_shared=num_shared)
+    plain_w, plain_ids = tri.moe_route(*args)
+    assert weights.shape == ids.shape == (case.tokens, case.top_k + num_shared)
+    k = case.top_k
+    assert torch.equal(ids[:, :k], plain_ids) and torch.equal(weights[:, :k], plain_w)
+    shared = torch.arange(case.experts, case.experts + num_shared, device=ids.device)
+    assert torch.equal(ids[:, k:], shared.to(torch.int32).expand(case.tokens, -1))
+    assert torch.equal(weights[:, k:], torch.ones_like(weights[:, k:]))
+    ref_w, ref_ids = ref.moe_route(*args, num_shared=num_shared)
+    assert torch.equal(ref_ids[:, k:], ids[:, k:]) and torch.equal(ref_w[:, k:], weights[:, k:])
+    assert torch.equal(
+        _sorted_by_id(ref_w[:, :k], ref_ids[:, :k])[1], _sorted_by_id(plain_w, plain_ids)[1]
+    )
+
+
 def test_dispatch_runs_triton() -> None:
     args = Case(5, **V3).args(seed=3)
     with kernels.use_backend("triton"):
@@ -91,3 +120,5 @@ def test_rejects_bad_inputs() -> None:
         tri.moe_route(logits, bias, 129, 8, 4, 1.0, True)
     with pytest.raises(ValueError, match="correction_bias"):
         tri.moe_route(logits, bias[:10], 8, 8, 4, 1.0, True)
+    with pytest.raises(ValueError, match="num_shared"):
+        tri.moe_route(logits, bias, 8, 8, 4, 1.0, True, -1)
