@@ -36,16 +36,19 @@ def routing(mode: str, log: list[torch.Tensor]):
     original = kernels_pkg.moe_route
     calls = iter(range(10**9))
 
-    def route(logits, bias, top_k, n_group, topk_group, scaling, norm_topk_prob):
-        weights, ids = original(logits, bias, top_k, n_group, topk_group, scaling, norm_topk_prob)
+    def route(logits, bias, top_k, n_group, topk_group, scaling, norm_topk_prob, num_shared=0):
+        args = (logits, bias, top_k, n_group, topk_group, scaling, norm_topk_prob, num_shared)
+        weights, ids = original(*args)
         if mode == "record":
             log.append(ids.clone())
             return weights, ids
         ids = log[next(calls)].to(ids.device)
-        weights = logits.float().sigmoid().gather(1, ids.long())
+        routed = ids[:, :top_k]  # then the shared experts' columns (weight 1), as recorded
+        weights = logits.float().sigmoid().gather(1, routed.long())
         if norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * scaling, ids
+        shared = torch.ones(ids.shape[0], ids.shape[1] - top_k, device=ids.device)
+        return torch.cat([weights * scaling, shared], dim=1), ids
 
     kernels_pkg.moe_route = route
     try:
