@@ -261,20 +261,22 @@ class MLP(nn.Module):
 
 
 class Gate(nn.Module):
-    """noaux_tc router: fp32 logits, then `kernels.moe_route` (bias for selection only)."""
+    """noaux_tc router: fp32 logits, then `kernels.moe_route` (bias for selection only). The weight is held in
+    fp32 whatever the checkpoint's dtype (an exact upcast, done once at load): upcasting it at every call cost a
+    launch and 3.6 us a layer at T = 1 (H200, 32 experts; RESULTS.md, twentieth session)."""
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype):
         super().__init__()
         self.args = args
         self.weight = nn.Parameter(
-            torch.empty(args.n_routed_experts, args.hidden_size, dtype=dtype), False
+            torch.empty(args.n_routed_experts, args.hidden_size, dtype=torch.float32), False
         )
         self.bias = nn.Parameter(torch.empty(args.n_routed_experts, dtype=torch.float32), False)
 
     def forward(self, x: torch.Tensor, num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """num_shared: shared experts stacked after the routed ones, appended as ids E.. with weight 1."""
         a = self.args
-        logits = kernels.linear(x.float(), self.weight.float())  # [T, E]
+        logits = kernels.linear(x.float(), self.weight)  # [T, E]
         return kernels.moe_route(
             logits, self.bias, a.num_experts_per_tok, a.n_group, a.topk_group,
             a.routed_scaling_factor, a.norm_topk_prob, num_shared,
