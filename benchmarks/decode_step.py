@@ -127,9 +127,8 @@ def measure(model, args, page_size: int) -> str:
         expert_bytes += touched * per_expert
     skip = {id(p) for m in model.mtp for p in m.parameters()} | {id(model.embed.weight)}
     skip |= {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
-    other_bytes = sum(
-        nbytes(p) for p in model.parameters() if id(p) not in skip
-    )  # shared experts too
+    # the shared experts are counted here, also when stored as a slot of the stacked experts
+    other_bytes = sum(nbytes(p) for p in model.parameters() if id(p) not in skip)
     kv_bytes = (
         args.batch * args.context * model.args.num_hidden_layers * runner.cache.layout.entry_dim * 2
     )
