@@ -1,6 +1,6 @@
 """fused_moe on DeepSeek-V3's routed experts under EP8: hidden 7168, moe intermediate 2048, 32 local
 experts, top-8, at 4096 tokens (prefill) and 64 tokens (decode), balanced and Zipf-skewed routing; without
---quick also 16 tokens and 1 token (decode, balanced).
+--quick also 256, 16 and 1 token (decode, balanced).
 
 Peer for bf16: `torch._grouped_mm` with argsort permutation and index_add combine. Peer for fp8: the
 Triton bf16 kernel in the same run (the target is fp8 >= 1.4x bf16). "fp8 input" rows take x already
@@ -64,7 +64,7 @@ def run(quick: bool) -> list[Row]:
     rows = []
     cases = [(4096, "balanced"), (4096, "zipf"), (64, "balanced")]
     if not quick:
-        cases += [(64, "zipf"), (16, "balanced"), (1, "balanced")]
+        cases += [(64, "zipf"), (16, "balanced"), (1, "balanced"), (256, "balanced")]
     for num_tokens, skew in cases:
         weights, ids = routing(num_tokens, skew)
         x = torch.randn(num_tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)

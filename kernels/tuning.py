@@ -283,8 +283,10 @@ register(
         # 379 -> 358 us. At 16 rows an expert (T = 64) 377 -> 383: experts past 16 rows read twice.
         "fp8,rows<=8": {**_moe_cfg(16, (128, 128, 4, 4), (128, 128, 4, 4)), "tma": True},
         "fp8,rows<=16": _moe_cfg(32, (128, 128, 4, 4), (128, 128, 4, 4)),
-        "fp8,rows<=64": _MOE_FP8_DECODE,
-        "fp8,rows<=256": _moe_cfg(64, (128, 128, 4, 4), (128, 128, 4, 4)),
+        # 17-256 rows an expert: 64-row tiles, 8 warps. H200, gate/up + down GPU time, L2 flushed (RESULTS.md,
+        # twentieth session), 32 experts, T = 128 / 256 / 1024: 456.8 -> 392.3, 728.6 -> 493.2, 1227 -> 1105 us
+        "fp8,rows<=64": _moe_cfg(64, (128, 128, 8, 4), (128, 128, 8, 4)),
+        "fp8,rows<=256": _moe_cfg(64, (128, 128, 8, 4), (128, 128, 8, 4)),
         "fp8,rows>256": _MOE_FP8_PREFILL,
         "fp8,invariant-decode": _MOE_FP8_DECODE,
         "fp8,invariant-prefill": _MOE_FP8_PREFILL,
