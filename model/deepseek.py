@@ -25,6 +25,7 @@ from .. import kernels
 from .args import QUANT_BLOCK, ModelArgs, stacked_rows
 from .batch import ForwardBatch
 from .kv_cache import PagedKVCache
+from .shared_expert import FUSED_SHARED_MAX_TOKENS, alias_slot, can_fuse_shared
 
 IsFp8 = Callable[[str], bool]
 """Given a module path (e.g. 'layers.3.attn.wq_b'), whether its weight is fp8 with block scales."""
@@ -315,38 +316,6 @@ class Experts(nn.Module):
         )
 
 
-FUSED_SHARED_MAX_TOKENS = 16
-"""Up to this many tokens, a fused shared expert runs as one more expert of the routed experts' launch. H200,
-fp8, 32 experts of DeepSeek-V3 (RESULTS.md, twentieth session): T = 1 / 4 / 16 save 10 / 16-19 / 11-16 us a
-layer against its own GEMMs; at T = 64 the one launch is 1-5 us slower."""
-
-
-def _can_fuse_shared(args: ModelArgs, shared: MLP, experts_fp8: bool) -> bool:
-    """Whether the shared expert has a routed expert's layout: one expert of moe_intermediate_size, its w13
-    gate rows then up rows with no gap, the same weight format, whole 128x128 scale blocks when fp8."""
-    d, i = args.hidden_size, args.moe_intermediate_size
-    same_format = shared.w13.is_fp8 == shared.w2.is_fp8 == experts_fp8
-    whole_blocks = not experts_fp8 or (d % QUANT_BLOCK == 0 and i % QUANT_BLOCK == 0)
-    return (
-        args.n_shared_experts == 1 and same_format and whole_blocks
-        and shared.w13.offsets == (0, i)
-    )  # fmt: skip
-
-
-def _alias_slot(mlp: MLP, experts: Experts, slot: int) -> None:
-    """Points the MLP's weights (and scales) at expert `slot` of the stacked experts: one copy in memory, filled
-    through either name by the loader."""
-    for linear, w, scale in (
-        (mlp.w13, experts.w13, experts.w13_scale_inv),
-        (mlp.w2, experts.w2, experts.w2_scale_inv),
-    ):
-        assert linear.weight.shape == w.shape[1:] and linear.weight.dtype == w.dtype
-        linear.weight = nn.Parameter(w.data[slot], requires_grad=False)
-        if scale is not None:
-            assert linear.weight_scale_inv.shape == scale.shape[1:]
-            linear.weight_scale_inv = nn.Parameter(scale.data[slot], requires_grad=False)
-
-
 class MoE(nn.Module):
     """Routed experts plus the shared expert(s). With one shared expert laid out like a routed one (DeepSeek-V3),
     it is stored as slot E of the stacked experts (`fused_shared`): small batches run it inside the routed
@@ -364,10 +333,10 @@ class MoE(nn.Module):
             self.shared_experts = MLP(
                 args.hidden_size, inter, dtype, is_fp8, f"{path}.shared_experts"
             )
-            self.fused_shared = _can_fuse_shared(args, self.shared_experts, experts_fp8)
+            self.fused_shared = can_fuse_shared(args, self.shared_experts, experts_fp8)
         self.experts = Experts(args, dtype, experts_fp8, extra=int(self.fused_shared))
         if self.fused_shared:
-            _alias_slot(self.shared_experts, self.experts, args.n_routed_experts)
+            alias_slot(self.shared_experts, self.experts, args.n_routed_experts)
 
     def forward(
         self, x: torch.Tensor, x_q: tuple[torch.Tensor, torch.Tensor] | None = None
