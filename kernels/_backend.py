@@ -63,11 +63,12 @@ def pdl_enabled(device: torch.device) -> bool:
     after loading its weight), so their launch overlaps the kernel before them."""
     if device.type != "cuda" or interpreter_enabled() or os.environ.get(PDL_ENV, "1") == "0":
         return False
-    return _capability(device.index)[0] >= 9
+    return capability(device.index)[0] >= 9
 
 
 @functools.cache
-def _capability(index: int | None) -> tuple[int, int]:
+def capability(index: int | None) -> tuple[int, int]:
+    """(major, minor) compute capability of CUDA device `index`, looked up once."""
     return torch.cuda.get_device_capability(index)
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ._backend import capability
+
 # op -> arch ("sm90", "sm100", "any") -> shape-class key ("default" always present) -> config
 _TABLES: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
 
@@ -24,7 +26,7 @@ def register(op: str, arch: str, table: dict[str, dict[str, Any]]) -> None:
 def device_arch(device_index: int | None) -> str:
     if device_index is None or not torch.cuda.is_available():
         return "cpu"
-    major, minor = torch.cuda.get_device_capability(device_index)
+    major, minor = capability(device_index)
     return f"sm{major}{minor}"
 
 

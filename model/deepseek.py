@@ -266,7 +266,7 @@ class Gate(nn.Module):
     fp32 whatever the checkpoint's dtype (an exact upcast, done once at load): upcasting it at every call was a
     launch of its own (3.6 us at T = 1 on an H200, eager with L2 flushed; RESULTS.md, twentieth session)."""
 
-    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+    def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.weight = nn.Parameter(
@@ -324,7 +324,7 @@ class MoE(nn.Module):
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype, is_fp8: IsFp8, path: str):
         super().__init__()
-        self.gate = Gate(args, dtype)
+        self.gate = Gate(args)
         experts_fp8 = is_fp8(f"{path}.experts")
         self.shared_experts = None
         self.fused_shared = False

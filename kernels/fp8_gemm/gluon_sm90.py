@@ -23,11 +23,10 @@ specialization) and an sm_90 GPU: `available()` says whether this process has bo
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
+from .._backend import capability
 from ._tiles import tile_of
 
 try:
@@ -57,14 +56,9 @@ _GL_DTYPE = (
 )
 
 
-@functools.cache
-def _sm90(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
-
-
 def available(device: torch.device) -> bool:
     """Gluon imports and `device` is an sm_90 GPU (Hopper)."""
-    return _IMPORTED and device.type == "cuda" and _sm90(device.index)
+    return _IMPORTED and device.type == "cuda" and capability(device.index) == (9, 0)
 
 
 if _IMPORTED:
