@@ -3,8 +3,9 @@
 `align_rows` counts each expert's assignments and lays them out expert after expert, each
 expert's run padded to a multiple of BLOCK_M rows: `sorted_ids[row]` is the flat assignment t*k+j
 (T*k on a padding row), `ends[e]` the end of expert e's rows, `row_of[t*k+j]` the row of an
-assignment (-1 when its id is outside [0, E)). Order within an expert's run follows atomics;
-results do not depend on it.
+assignment (-1 when its id is outside [0, E)). Up to ONE_PROGRAM_MAX_ASSIGNMENTS assignments one
+program lays them out, each run in assignment order; above, order within a run follows atomics.
+Results do not depend on it.
 `permute_rows` copies x into that layout (quantized to fp8 on the way when asked), so the gate/up
 GEMM can read its A tiles contiguously through TMA instead of gathering token rows.
 """
@@ -18,6 +19,10 @@ import triton.language as tl
 from .._backend import interpreter_enabled
 from ..fp8_gemm.ref import ACT_QUANT_GROUP, FP8_E4M3_MAX
 from ..fp8_gemm.triton import _MIN_AMAX, quantize_tile
+
+# Up to this many (token, expert) assignments one program lays the rows out (`align_rows`): one
+# launch instead of a memset and three. Its work grows as assignments x experts.
+ONE_PROGRAM_MAX_ASSIGNMENTS = 256
 
 
 @triton.jit
@@ -69,6 +74,42 @@ def _scatter_kernel(
 
 
 @triton.jit
+def _align_one_program_kernel(
+    ids_ptr, sorted_ids_ptr, ends_ptr, row_of_ptr, numel, num_experts,
+    BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, E_CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Small batches: count, offsets and scatter in one program, with no atomics and no zeroed
+    scratch. Each chunk of experts takes a [assignments, experts] one-hot matrix: its column sums
+    are the counts, and its running sum down the assignments gives each assignment's rank among
+    its expert's, so each run keeps assignment order. The ids are read once."""
+    i = tl.arange(0, BLOCK)
+    in_range = i < numel
+    e_i = tl.load(ids_ptr + i, mask=in_range, other=-1).to(tl.int32)
+    valid = in_range & (e_i >= 0) & (e_i < num_experts)
+    e_i = tl.where(valid, e_i, -1)  # -1 matches no expert
+    row = tl.zeros([BLOCK], dtype=tl.int32)
+    running = 0
+    r = tl.arange(0, BLOCK_M)
+    for e0 in range(0, num_experts, E_CHUNK):
+        e = e0 + tl.arange(0, E_CHUNK)
+        in_e = e < num_experts
+        mine = (e_i[:, None] == e[None, :]).to(tl.int32)  # [BLOCK, E_CHUNK]
+        count = tl.sum(mine, axis=0)
+        padded = tl.cdiv(count, BLOCK_M) * BLOCK_M
+        end = running + tl.cumsum(padded, axis=0)
+        e_start = end - padded
+        tl.store(ends_ptr + e, end, mask=in_e)
+        pad_rows = (e_start + count)[:, None] + r[None, :]
+        pad_mask = in_e[:, None] & (r[None, :] < (padded - count)[:, None])
+        tl.store(sorted_ids_ptr + pad_rows, tl.full(pad_rows.shape, numel, tl.int32), mask=pad_mask)
+        rank = tl.cumsum(mine, axis=0) - 1  # earlier assignments to the same expert
+        row += tl.sum(tl.where(mine != 0, e_start[None, :] + rank, 0), axis=1)
+        running += tl.sum(padded, axis=0)
+    tl.store(sorted_ids_ptr + row, i, mask=valid)
+    tl.store(row_of_ptr + i, tl.where(valid, row, -1), mask=in_range)
+
+
+@triton.jit
 def _permute_rows_kernel(
     x_ptr, out_ptr, outs_ptr, sorted_ids_ptr, ends_ptr,
     num_experts, num_assignments, top_k, hidden,
@@ -112,6 +153,14 @@ def align_rows(
     max_rows = triton.cdiv(numel + min(num_experts, numel) * (block_m - 1), block_m) * block_m
     sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=device)
     row_of = torch.empty(numel, dtype=torch.int32, device=device)
+    if numel <= ONE_PROGRAM_MAX_ASSIGNMENTS:  # decode: one launch instead of a memset and three
+        ends = torch.empty(num_experts, dtype=torch.int32, device=device)
+        _align_one_program_kernel[(1,)](
+            ids, sorted_ids, ends, row_of, numel, num_experts,
+            BLOCK_M=block_m, BLOCK=max(16, triton.next_power_of_2(numel)), E_CHUNK=16,
+            num_warps=4,
+        )  # fmt: skip
+        return sorted_ids, ends, row_of, max_rows
     scratch = torch.zeros(4 * num_experts, dtype=torch.int32, device=device)
     counts, cursor, starts, ends = scratch.view(4, num_experts)
     block = 1024

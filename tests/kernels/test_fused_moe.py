@@ -16,6 +16,7 @@ from _poison import poisoned_empty, rel_err
 
 from pdserve.kernels.fp8_gemm.ref import quantize_act, quantize_weight
 from pdserve.kernels.fp8_gemm.triton import _quantize as quantize_tri
+from pdserve.kernels.fused_moe import _triton_layout as tri_layout
 from pdserve.kernels.fused_moe import ref
 from pdserve.kernels.fused_moe import triton as tri
 
@@ -158,7 +159,14 @@ def test_all_ids_foreign_gives_zeros() -> None:
     assert torch.equal(out, torch.zeros_like(out))
 
 
-def test_align_rows_pads_each_expert_to_the_tile() -> None:
+def _force_atomic_layout(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
+    if on:  # the multi-program (atomics) layout, which otherwise only takes > 256 assignments
+        monkeypatch.setattr(tri_layout, "ONE_PROGRAM_MAX_ASSIGNMENTS", 0)
+
+
+@pytest.mark.parametrize("atomics", [False, True])
+def test_align_rows_pads_each_expert_to_the_tile(monkeypatch, atomics: bool) -> None:
+    _force_atomic_layout(monkeypatch, atomics)
     ids = torch.tensor([[2, 0], [2, -1], [5, 2]], dtype=torch.int32, device=DEVICE)
     with poisoned_empty():
         sorted_ids, ends, row_of, max_rows = tri.align_rows(ids, num_experts=4, block_m=4)
@@ -173,6 +181,30 @@ def test_align_rows_pads_each_expert_to_the_tile() -> None:
             assert (0 if flat[a] == 0 else 4) <= r < ends[flat[a]].item()
     pads = [r for r in range(8) if r not in rows]
     assert all(sorted_ids[r].item() == len(flat) for r in pads)
+    if not atomics:  # one program keeps each run in assignment order
+        assert [rows[a] for a in (0, 2, 5)] == [4, 5, 6]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "num_experts", "block_m"), [(1, 9, 33, 16), (13, 6, 7, 4), (28, 9, 257, 64)]
+)
+def test_align_rows_one_program_matches_atomics(monkeypatch, tokens, top_k, num_experts, block_m):
+    """The two layouts agree on every expert's rows; only the order within a run may differ."""
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(-1, num_experts + 1, (tokens, top_k), generator=g, dtype=torch.int32)
+    ids = ids.to(DEVICE)
+    sorted_a, ends_a, row_of_a, max_a = tri.align_rows(ids, num_experts, block_m)
+    _force_atomic_layout(monkeypatch, True)
+    sorted_b, ends_b, row_of_b, max_b = tri.align_rows(ids, num_experts, block_m)
+    assert max_a == max_b and torch.equal(ends_a, ends_b)
+    assert torch.equal(row_of_a < 0, row_of_b < 0)
+    total = ends_a[-1].item()
+    for e in range(num_experts):
+        lo, hi = (ends_a[e - 1].item() if e else 0), ends_a[e].item()
+        assert sorted(sorted_a[lo:hi].tolist()) == sorted(sorted_b[lo:hi].tolist())
+    valid = row_of_a >= 0
+    assert torch.equal(sorted_a[row_of_a[valid].long()], valid.nonzero().flatten().int())
+    assert (sorted_a[:total] <= ids.numel()).all()
 
 
 def test_inputs_are_checked() -> None:
