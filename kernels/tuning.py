@@ -331,7 +331,14 @@ register("moe_route", "cpu", {"default": {"BLOCK_T": 8, "num_warps": 4}})
 register(
     "moe_route",
     "any",
-    {"default": {"BLOCK_T": 16, "num_warps": 4}, "experts=64": {"BLOCK_T": 32, "num_warps": 4}},
+    # 256 experts (DeepSeek-V3's 8 groups): one token a one-warp program. H200, CUDA graph, 2026-11-22:
+    # T = 1 / 256 / 1024 / 8192 took 6.2 / 6.9 / 7.7 / 23.9 us, against 58.6 / 53.0 / 52.9 / 88.8 at
+    # 16 tokens and 4 warps; 4 tokens and 4 warps 10.7 / 11.1 / 12.0 / 47.5 (RESULTS.md, 21st session)
+    {
+        "default": {"BLOCK_T": 16, "num_warps": 4},
+        "experts=64": {"BLOCK_T": 32, "num_warps": 4},
+        "experts=256": {"BLOCK_T": 1, "num_warps": 1},
+    },
 )
 
 # --- matmul (kernels/matmul: the batch-invariant dense GEMM), keyed "<dtype>,<phase>" ------------

@@ -73,6 +73,25 @@ def test_moe_route_matches_ref(case: Case, monkeypatch: pytest.MonkeyPatch) -> N
     torch.testing.assert_close(w, rw, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_t", [1, 2])
+def test_small_token_blocks(block_t: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPUs route 256 experts one token a program (tuning); the interpreter checks that indexing too."""
+    from pdserve.kernels import tuning
+
+    table = {**tuning._TABLES["moe_route"]}
+    table["cpu"] = {"default": {"BLOCK_T": block_t, "num_warps": 1}}
+    monkeypatch.setitem(tuning._TABLES, "moe_route", table)
+    poison_outputs(monkeypatch, tri)
+    case = Case(5, **V3)
+    args = case.args(seed=block_t)
+    weights, ids = tri.moe_route(*args, num_shared=1)
+    ref_w, ref_ids = ref.moe_route(*args, num_shared=1)
+    w, i = _sorted_by_id(weights, ids)
+    rw, ri = _sorted_by_id(ref_w, ref_ids)
+    assert torch.equal(i, ri)
+    torch.testing.assert_close(w, rw, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("case", "num_shared"),
     [
