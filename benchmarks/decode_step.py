@@ -1,6 +1,6 @@
 """Decode step time on one GPU against the memory roofline (weight bytes + KV bytes read, over 4.27 TB/s).
 
-    python benchmarks/decode_step.py MODEL_DIR [--batch 64] [--context 1024] [--steps 30] [--page-size 16]
+    python benchmarks/decode_step.py MODEL_DIR [--batch 64] [--context 1024] [--steps 30] [--page-size 64]
 
 Fills the KV cache of `batch` requests with `context` random latent tokens each, then times full decode steps
 through the same `ModelRunner.decode` the decode worker calls (batch building, forward, logits, sampling), wall
@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--page-size", default="16", help="one or more, comma-separated")
+    parser.add_argument("--page-size", default="64", help="one or more, comma-separated")
     parser.add_argument(
         "--device", default="cuda", help="cuda (the measurement) or cpu (a dry run)"
     )

@@ -43,7 +43,12 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
         "--kernels", default="auto", choices=["auto", "ref", "triton"],
         help="auto: Triton on CUDA, torch references on CPU; ref/triton force one",
     )  # fmt: skip
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV cache page")
+    g.add_argument(
+        "--page-size",
+        type=int,
+        default=64,
+        help="tokens per KV cache page (64: the attention kernels' fast path reads whole 64-token tiles)",
+    )
     g.add_argument(
         "--batch-invariant", action="store_true",
         help="batch-invariant kernels, as `serve --model.batch-invariant true` runs them",

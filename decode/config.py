@@ -7,8 +7,9 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DecodeConfig:
-    page_size: int = 16
-    """Tokens per KV page; must equal the prefill workers'."""
+    page_size: int = 64
+    """Tokens per KV page; must equal the prefill workers'. 64 lets mla_decode read whole 64-token cache tiles
+    through TMA (its Gluon kernel on Hopper); with 16-token pages it falls back to the slower tl.dot kernel."""
     num_pages: int | None = None
     """KV pages; None sizes the cache from memory (gpu_memory_fraction, cpu_cache_bytes)."""
     gpu_memory_fraction: float = 0.85

@@ -26,7 +26,7 @@ class Generation:
 class OfflineGenerator:
     """Generates for one prompt at a time with a private cache sized for the longest sequence it will see."""
 
-    def __init__(self, model: Transformer, page_size: int = 16, prefill_chunk: int | None = None):
+    def __init__(self, model: Transformer, page_size: int = 64, prefill_chunk: int | None = None):
         self.model, self.page_size, self.prefill_chunk = model, page_size, prefill_chunk
         self.device = model.embed.weight.device
         self.layout = KVCacheLayout.for_model(model.args, page_size, model.dtype, model.num_mtp)

@@ -7,8 +7,8 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PrefillConfig:
-    page_size: int = 16
-    """Tokens per KV page; must equal the decode workers'."""
+    page_size: int = 64
+    """Tokens per KV page; must equal the decode workers' (see DecodeConfig.page_size)."""
     num_pages: int | None = None
     """KV pages; None sizes the cache from memory (gpu_memory_fraction, cpu_cache_bytes)."""
     gpu_memory_fraction: float = 0.5

@@ -13,7 +13,7 @@ from pdserve.cluster.client import Client
 from .conftest import start_server, wait_for
 from .test_generate import all_pages_free, collect, greedy
 
-NUM_PAGES = 64  # 1024 tokens of 16
+NUM_PAGES = 64  # 1024 tokens in pages of 16 (set here: the default page is 64)
 ADMISSION_TIMEOUT_S = 0.3
 
 
@@ -22,7 +22,8 @@ def client(ray_cluster, model_dir):
     with start_server(
         model_dir,
         cluster={"num_prefill": 0},
-        decode={"num_pages": NUM_PAGES},
+        prefill={"page_size": 16},  # both pools' pages must agree
+        decode={"num_pages": NUM_PAGES, "page_size": 16},
         router={"admission_timeout_s": ADMISSION_TIMEOUT_S},
     ) as server, Client(server.address) as client:  # fmt: skip
         yield client
