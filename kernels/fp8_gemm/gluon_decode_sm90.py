@@ -150,20 +150,26 @@ if _IMPORTED:
         gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
+    def _blocked_tile(acc, out_ptr, M, N, col0, stride_om):
+        """acc in a blocked layout for coalesced stores, with the output pointers and mask of its
+        rows and columns col0.., and its offsets in an [M, N] fp32 partial sum."""
+        BLOCK_M: gl.constexpr = acc.shape[0]
+        BLOCK_N: gl.constexpr = acc.shape[1]
+        TPW_N: gl.constexpr = BLOCK_N // 4
+        blocked: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TPW_N, TPW_N], [4, 1], [1, 0])
+        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blocked))
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, blocked))
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        return gl.convert_layout(acc, blocked), out_ptrs, mask, rows[:, None] * N + cols[None, :]
+
+    @gluon.jit
     def _store_tile(acc, out_ptr, M, N, col0, stride_om, DIRECT: gl.constexpr):
         """A whole output tile (or box) of acc's width at columns col0.."""
         if DIRECT:
             _store_direct(acc, out_ptr, M, N, col0, stride_om)
         else:
-            BLOCK_M: gl.constexpr = acc.shape[0]
-            BLOCK_N: gl.constexpr = acc.shape[1]
-            TPW_N: gl.constexpr = BLOCK_N // 4
-            blocked: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TPW_N, TPW_N], [4, 1], [1, 0])
-            rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blocked))
-            cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, blocked))
-            mask = (rows < M)[:, None] & (cols < N)[None, :]
-            out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
-            acc = gl.convert_layout(acc, blocked)
+            acc, out_ptrs, mask, _ = _blocked_tile(acc, out_ptr, M, N, col0, stride_om)
             gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
@@ -173,27 +179,21 @@ if _IMPORTED:
         if MAX_PIECES == 1:  # whole n-tiles: no partial sums (part_ptr and cnt_ptr are unused)
             _store_tile(acc, out_ptr, M, N, tile * acc.shape[1], stride_om, DIRECT)
         else:
-            BLOCK_M: gl.constexpr = acc.shape[0]
-            BLOCK_N: gl.constexpr = acc.shape[1]
-            TPW_N: gl.constexpr = BLOCK_N // 4
-            blocked: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TPW_N, TPW_N], [4, 1], [1, 0])
-            rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blocked))
-            cols = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, blocked))
-            mask = (rows < M)[:, None] & (cols < N)[None, :]
-            out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
-            acc = gl.convert_layout(acc, blocked)
+            acc, out_ptrs, mask, part_offs = _blocked_tile(
+                acc, out_ptr, M, N, tile * acc.shape[1], stride_om
+            )
             first = (tile * KT) // W
             pieces = ((tile + 1) * KT - 1) // W - first + 1
             if pieces == 1:
                 gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
             else:
-                part_ptrs = part_ptr + rows[:, None] * N + cols[None, :]
+                part_ptrs = part_ptr + part_offs
                 gl.store(part_ptrs + (gl.program_id(0) - first) * stride_ps, acc, mask=mask)
                 gl.thread_barrier()  # every thread's partial is stored before the count goes up
                 arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
                 if arrived == pieces - 1:
                     # every piece's loads in flight at once; the sum in piece order
-                    total = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, blocked)
+                    total = gl.zeros_like(acc)
                     for p in gl.static_range(MAX_PIECES):
                         total += gl.load(part_ptrs + p * stride_ps, mask=mask & (p < pieces),
                                          other=0.0, cache_modifier=".cg")  # fmt: skip
@@ -206,15 +206,15 @@ if _IMPORTED:
                   BOXES: gl.constexpr, DIRECT: gl.constexpr):  # fmt: skip
         """One warpgroup: the iterations start .. end, an output tile (or piece) at a time; tiles
         of several boxes in `_consumer_boxes`."""
+        BLOCK_N: gl.constexpr = b_bufs.shape[1]
+        BLOCK_M: gl.constexpr = a_bufs.shape[1]
+        mma: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
+        )
         if BOXES > 1:
             _consumer_boxes(a_bufs, b_bufs, sc_bufs, ready, empty, out_ptr, M, N, KT, start, end,
-                            stride_om, STAGES, BOXES, DIRECT)  # fmt: skip
+                            stride_om, STAGES, BOXES, DIRECT, mma)  # fmt: skip
         else:
-            BLOCK_N: gl.constexpr = b_bufs.shape[1]
-            BLOCK_M: gl.constexpr = a_bufs.shape[1]
-            mma: gl.constexpr = gl.NVMMADistributedLayout(
-                version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
-            )
             row: gl.constexpr = gl.SliceLayout(1, mma)
             prod = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
             i = 0
@@ -237,14 +237,12 @@ if _IMPORTED:
     @gluon.jit
     def _consumer_boxes(a_bufs, b_bufs, sc_bufs, ready, empty, out_ptr, M, N, KT, start, end,
                         stride_om, STAGES: gl.constexpr, BOXES: gl.constexpr,
-                        DIRECT: gl.constexpr):  # fmt: skip
+                        DIRECT: gl.constexpr, mma: gl.constexpr):  # fmt: skip
         """As `_consumer` for tiles of BOXES (2 or 3) boxes of BLOCK_N rows, whole n-tiles only: a
-        wgmma and an accumulator a box (Gluon tensors are powers of two wide, 192 is not)."""
+        wgmma and an accumulator a box (Gluon tensors are powers of two wide, 192 is not); mma:
+        the wgmma's accumulator layout."""
         BLOCK_N: gl.constexpr = b_bufs.shape[1]
         BLOCK_M: gl.constexpr = a_bufs.shape[1]
-        mma: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
-        )
         row: gl.constexpr = gl.SliceLayout(1, mma)
         p0 = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
         p1 = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
