@@ -18,17 +18,19 @@ def _impl(x: torch.Tensor):
     return importlib.import_module(f"{__name__}.{name}")
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """See `ref.linear` for the contract."""
-    return _impl(x).linear(x, w)
+    return _impl(x).linear(x, w, out_dtype)
 
 
-def head_matmul(x: torch.Tensor, w: torch.Tensor, quant: bool = False):
+def head_matmul(
+    x: torch.Tensor, w: torch.Tensor, quant: bool = False, out: torch.Tensor | None = None
+):
     """See `ref.head_matmul` for the contract. Quantized, it runs in Triton wherever the dispatcher picks
     Triton (the product and the quantization in one kernel), in torch otherwise."""
     if quant:
-        return implementation(__name__, x).head_matmul(x, w, quant=True)
-    return _impl(x).head_matmul(x, w)
+        return implementation(__name__, x).head_matmul(x, w, quant=True, out=out)
+    return _impl(x).head_matmul(x, w, out=out)
 
 
 __all__ = ["head_matmul", "linear"]

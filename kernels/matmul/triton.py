@@ -21,6 +21,7 @@ import triton.language as tl
 from .. import tuning
 from .._backend import invariant_phase, num_sms
 from ..fp8_gemm._quant import quantize_tile
+from .ref import check_head_out, check_out_dtype
 
 
 @triton.jit
@@ -105,28 +106,34 @@ def _sum_splits_kernel(
              acc.to(c_ptr.dtype.element_ty), mask=ok)  # fmt: skip
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ w[N, K]^T -> [..., N] (see ref.linear)."""
+def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] @ w[N, K]^T -> [..., N] (see ref.linear): the tile's fp32 sum stored in out_dtype."""
     _check(x, w, "linear")
+    out_dtype = check_out_dtype(x, w, out_dtype) or x.dtype
     k = x.shape[-1]
     if w.dim() != 2 or w.shape[1] != k:
         raise ValueError(f"linear: x {tuple(x.shape)} and w {tuple(w.shape)} do not chain")
     x2 = x.reshape(-1, k)
-    out = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    out = torch.empty(x2.shape[0], w.shape[0], dtype=out_dtype, device=x.device)
     _matmul(x2[None], w.t()[None], out[None])
     return out.view(*x.shape[:-1], w.shape[0])
 
 
-def head_matmul(x: torch.Tensor, w: torch.Tensor, quant: bool = False):
-    """x [T, H, K], w [H, K, N] -> [T, H, N], or quantized (see ref.head_matmul)."""
+def head_matmul(
+    x: torch.Tensor, w: torch.Tensor, quant: bool = False, out: torch.Tensor | None = None
+):
+    """x [T, H, K], w [H, K, N] -> [T, H, N] (into `out` when given), or quantized (see ref.head_matmul)."""
     _check(x, w, "head_matmul")
     if x.dim() != 3 or w.dim() != 3 or x.shape[1] != w.shape[0] or x.shape[2] != w.shape[1]:
         raise ValueError(f"head_matmul: x {tuple(x.shape)} and w {tuple(w.shape)} do not chain")
+    if out is not None:
+        check_head_out(x, w, quant, out)
     if quant:
         from .head_quant import head_matmul_quant  # it imports this module's kernel
 
         return head_matmul_quant(x, w)
-    out = torch.empty(x.shape[0], x.shape[1], w.shape[2], dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(x.shape[0], x.shape[1], w.shape[2], dtype=x.dtype, device=x.device)
     _matmul(x.transpose(0, 1), w, out.transpose(0, 1))
     return out
 

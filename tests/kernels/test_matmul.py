@@ -58,6 +58,44 @@ def test_linear_matches_torch_and_is_row_invariant(m, k, n, dtype, phase) -> Non
     assert torch.equal(tri.linear(padded, w)[5:], got)
 
 
+ROUTER_CASES = [
+    pytest.param(1, 96, 40, torch.float16, id="1x96x40-f16"),
+    pytest.param(19, 200, 24, torch.float16, id="19x200x24-f16"),
+    pytest.param(64, 7168, 256, torch.bfloat16, marks=pytest.mark.gpu, id="64x7168x256-bf16"),
+    pytest.param(513, 7168, 256, torch.bfloat16, marks=pytest.mark.gpu, id="513x7168x256-bf16"),
+    pytest.param(3, 2048, 64, torch.bfloat16, marks=pytest.mark.gpu, id="3x2048x64-bf16"),
+]
+
+
+@pytest.mark.parametrize("m,k,n,dtype", ROUTER_CASES)
+def test_linear_with_fp32_output(m, k, n, dtype, phase) -> None:
+    """out_dtype=float32 (the MoE router's logits) from 16-bit operands: the exact products' sum in fp32, as
+    upcasting both operands gives, within 1e-5 of the row's scale; both implementations (the torch one runs
+    cuBLAS's GEMM with an fp32 output on a GPU). The Triton kernel keeps its row invariance."""
+    torch.manual_seed(m + 2 * k + n)
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
+    want = ref.linear(x.double(), w.double()).float()
+    for impl in (ref, tri):
+        with poisoned_empty():
+            got = impl.linear(x[None], w, out_dtype=torch.float32)[0]
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        _close(got, want, k)
+    assert torch.equal(tri.linear(x[m // 2 :], w, out_dtype=torch.float32), got[m // 2 :])  # tri's
+
+
+def test_linear_out_dtype_refused() -> None:
+    x = torch.randn(3, 8, device=DEVICE)
+    for impl in (tri, ref):
+        assert (
+            impl.linear(x, x[:2], out_dtype=torch.float32).dtype == torch.float32
+        )  # x's own dtype
+        with pytest.raises(ValueError, match="out_dtype torch.float16 needs float32"):
+            impl.linear(x, x[:2], out_dtype=torch.float16)
+        with pytest.raises(ValueError, match="x torch.float16.*w torch.float32"):
+            impl.linear(x.half(), x[:2], out_dtype=torch.float32)
+
+
 HEAD_CASES = [
     pytest.param(9, 3, 40, 24, False, torch.float32, id="9x3x40x24-f32"),
     pytest.param(5, 4, 32, 48, True, torch.float16, id="5x4x32x48-t-f16"),
@@ -79,6 +117,28 @@ def test_head_matmul_matches_torch(t, h, k, n, transposed, dtype, phase) -> None
         got = tri.head_matmul(x, w)
     _close(got, ref.head_matmul(x.float(), w.float()).to(dtype), k)
     assert torch.equal(tri.head_matmul(x[t // 2 :], w), got[t // 2 :])
+
+
+@pytest.mark.parametrize("t,h,k,n,transposed,dtype", HEAD_CASES)
+def test_head_matmul_into_a_wider_buffer(t, h, k, n, transposed, dtype, phase) -> None:
+    """out=: the product lands in the first N columns of a [T, H, N + 7] buffer, as the absorbed query is
+    built beside its rope part; the columns after it keep their values. Both implementations; Triton's
+    gives the bits it gives without out."""
+    torch.manual_seed(t + 3 * h + k)
+    x = torch.randn(t, h, k, device=DEVICE).to(dtype)
+    w = (torch.randn(h, n, k, device=DEVICE) / k**0.5).to(dtype)
+    w = w.transpose(1, 2) if transposed else w.reshape(h, k, n)
+    want = ref.head_matmul(x.float(), w.float()).to(dtype)
+    for impl in (tri, ref):
+        buf = torch.randn(t, h, n + 7, device=DEVICE).to(dtype)
+        tail = buf[..., n:].clone()
+        with poisoned_empty():
+            got = impl.head_matmul(x, w, out=buf[..., :n])
+        assert got.data_ptr() == buf.data_ptr()
+        assert torch.equal(buf[..., n:], tail)
+        _close(buf[..., :n], want, k)
+        if impl is tri:  # the Triton kernel takes out's strides: the same bits as without out
+            assert torch.equal(buf[..., :n], tri.head_matmul(x, w))
 
 
 QUANT_CASES = [
@@ -126,6 +186,16 @@ def test_bad_inputs_are_named() -> None:
         tri.linear(x, torch.randn(4, 8, device=DEVICE).half())
     assert tri.linear(x[:0], torch.randn(4, 8, device=DEVICE)).shape == (0, 4)
     heads = torch.randn(2, 3, 8, device=DEVICE)
+    w = torch.randn(3, 8, 64, device=DEVICE)
     for impl in (tri, ref):
         with pytest.raises(ValueError, match="multiple of 128"):
-            impl.head_matmul(heads, torch.randn(3, 8, 64, device=DEVICE), quant=True)
+            impl.head_matmul(heads, w, quant=True)
+        with pytest.raises(ValueError, match="must be \\(2, 3, 64\\)"):
+            impl.head_matmul(heads, w, out=torch.empty(2, 3, 65, device=DEVICE))
+        with pytest.raises(ValueError, match="must be"):
+            impl.head_matmul(heads, w, out=torch.empty(2, 3, 64, device=DEVICE).half())
+        with pytest.raises(ValueError, match="last stride"):
+            impl.head_matmul(heads, w, out=torch.empty(2, 3, 64, 2, device=DEVICE)[..., 0])
+        with pytest.raises(ValueError, match="unquantized"):
+            impl.head_matmul(heads, torch.randn(3, 8, 128, device=DEVICE), quant=True,
+                             out=torch.empty(2, 3, 128, device=DEVICE))  # fmt: skip
