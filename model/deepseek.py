@@ -178,8 +178,8 @@ class MLA(nn.Module):
             q = self.wq_b(self.q_norm(q, quant=self.wq_b.is_fp8))
         q = q.view(num_tokens, self.n_heads, -1)  # [T, H, nope + rope]
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        c_kv = self.kv_norm(kv[:, : self.kv_lora_rank].contiguous())  # [T, kv_lora]
-        k_pe = kv[:, self.kv_lora_rank :].contiguous()  # [T, rope]
+        c_kv = self.kv_norm(kv[:, : self.kv_lora_rank])  # [T, kv_lora]
+        k_pe = kv[:, self.kv_lora_rank :]  # [T, rope], a view: rope rotates it in place
         kernels.rope(q_pe, k_pe, batch.positions, cos_sin)
         cache.write(self.cache_layer, batch.slot_mapping, c_kv, k_pe)
         if batch.is_decode:

@@ -16,6 +16,7 @@ import dataclasses
 
 import torch
 
+from .. import kernels
 from .args import ModelArgs
 
 
@@ -85,11 +86,9 @@ class PagedKVCache:
     def write(
         self, layer: int, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor
     ) -> None:
-        """Stores [c_kv | k_pe] of T tokens at `slots` of one layer. slots: [T] int64."""
-        flat, rows = self._rows(layer, slots)
-        r = self.layout.kv_lora_rank
-        flat[rows, :r] = c_kv.to(self.layout.dtype)
-        flat[rows, r:] = k_pe.to(self.layout.dtype)
+        """Stores [c_kv | k_pe] of T tokens at `slots` of one layer, in one launch on a GPU. slots: [T] int64;
+        c_kv [T, kv_lora_rank] and k_pe [T, rope] may be strided views."""
+        kernels.write_kv(self.layer(layer), slots, c_kv, k_pe)
 
     def gather(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Rows at `slots` of one layer: [N, entry_dim]."""

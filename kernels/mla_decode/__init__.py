@@ -1,4 +1,4 @@
-"""MLA decode attention (absorbed, paged latent cache, bf16 or fp8 cache) and the fp8 cache writer:
+"""MLA decode attention (absorbed, paged latent cache, bf16 or fp8 cache) and the cache writers:
 dispatches to Triton or the torch reference. `quantize_kv_fp8` / `dequantize_kv_fp8` are the fp8 row
 format in plain torch (any device); `fp8_format` documents the format."""
 
@@ -25,6 +25,13 @@ def mla_decode(
     )
 
 
+def write_kv(
+    kv_cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor
+) -> None:
+    """See `ref.write_kv` for the contract."""
+    implementation(__name__, kv_cache).write_kv(kv_cache, slots, c_kv, k_pe)
+
+
 def write_kv_fp8(
     kv_cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor
 ) -> None:
@@ -32,4 +39,6 @@ def write_kv_fp8(
     implementation(__name__, kv_cache).write_kv_fp8(kv_cache, slots, c_kv, k_pe)
 
 
-__all__ = ["dequantize_kv_fp8", "fp8_format", "mla_decode", "quantize_kv_fp8", "write_kv_fp8"]
+__all__ = [
+    "dequantize_kv_fp8", "fp8_format", "mla_decode", "quantize_kv_fp8", "write_kv", "write_kv_fp8",
+]  # fmt: skip

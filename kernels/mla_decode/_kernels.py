@@ -410,3 +410,26 @@ def write_kv_fp8_kernel(
     off16 = tl.multiple_of((row_off + D_LATENT) // 2, 8)
     tl.store(cache16_ptr + off16 + offs_r, kpe)
     tl.store(cache32_ptr + (row_off + D_LATENT + 2 * D_ROPE) // 4, scale)
+
+
+@triton.jit
+def write_kv_kernel(
+    c_ptr, kpe_ptr, slot_ptr, cache_ptr, num_tokens,
+    stride_c, stride_k, stride_page, stride_row,
+    PAGE_SIZE: tl.constexpr, D_LATENT: tl.constexpr, D_ROPE: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """Stores ROWS tokens' [c_kv | k_pe], cast to the cache's dtype, at their slots of a float cache."""
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    for i in tl.static_range(ROWS):
+        t = tl.program_id(0).to(tl.int64) * ROWS + i
+        if t < num_tokens:
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+            row = cache_ptr + (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_row
+            c = tl.load(c_ptr + t * stride_c + offs_l, mask=offs_l < D_LATENT)
+            tl.store(row + offs_l, c.to(cache_ptr.dtype.element_ty), mask=offs_l < D_LATENT)
+            k = tl.load(kpe_ptr + t * stride_k + offs_r, mask=offs_r < D_ROPE)
+            tl.store(
+                row + D_LATENT + offs_r, k.to(cache_ptr.dtype.element_ty), mask=offs_r < D_ROPE
+            )

@@ -102,3 +102,16 @@ def write_kv_fp8(
     slots = slots.long()
     page_size = kv_cache.shape[1]
     kv_cache[slots // page_size, slots % page_size] = quantize_kv_fp8(c_kv, k_pe)
+
+
+def write_kv(
+    kv_cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor
+) -> None:
+    """Stores T tokens' [c_kv | k_pe], cast to the cache's dtype, at flat slots (page * page_size + row) of
+    a float cache [num_pages, page_size, L + R] (any page stride: a layer of the page-major cache), in
+    place. slots: [T] int; c_kv: [T, L]; k_pe: [T, R] (any row strides)."""
+    slots = slots.long()
+    page_size, lora = kv_cache.shape[1], c_kv.shape[1]
+    page, row = slots // page_size, slots % page_size
+    kv_cache[page, row, :lora] = c_kv.to(kv_cache.dtype)
+    kv_cache[page, row, lora:] = k_pe.to(kv_cache.dtype)

@@ -268,6 +268,46 @@ def write_kv_fp8(
     )  # fmt: skip
 
 
+def write_kv(
+    kv_cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor
+) -> None:
+    """Stores T tokens' [c_kv | k_pe] in a float cache [num_pages, page_size, L + R] at flat slots,
+    in place (see ref.write_kv): one launch, a few tokens a program."""
+    if kv_cache.dim() != 3 or kv_cache.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(
+            f"write_kv: kv_cache must be a float [P, S, L + R] cache (write_kv_fp8 writes the fp8 "
+            f"one), got {kv_cache.dtype} {tuple(kv_cache.shape)}"
+        )
+    if c_kv.dim() != 2 or k_pe.dim() != 2 or c_kv.shape[0] != k_pe.shape[0]:
+        raise ValueError(
+            f"write_kv: c_kv [T, L] and k_pe [T, R] expected, got {tuple(c_kv.shape)}, "
+            f"{tuple(k_pe.shape)}"
+        )
+    lora, rope = c_kv.shape[1], k_pe.shape[1]
+    if kv_cache.shape[2] != lora + rope or kv_cache.stride(2) != 1:
+        raise ValueError(
+            f"write_kv: cache rows of {kv_cache.shape[2]} (unit stride) expected L + R = {lora + rope}"
+        )
+    if slots.shape != (c_kv.shape[0],) or slots.dtype not in _INT_DTYPES:
+        raise ValueError(f"write_kv: slots must be int [{c_kv.shape[0]}], got {slots.dtype}")
+    for name, t in (("slots", slots), ("c_kv", c_kv), ("k_pe", k_pe)):
+        if t.device != kv_cache.device:
+            raise ValueError(f"write_kv: {name} on {t.device}, kv_cache on {kv_cache.device}")
+    num_tokens = c_kv.shape[0]
+    if num_tokens == 0:
+        return
+    c_kv = c_kv if c_kv.stride(-1) == 1 else c_kv.contiguous()
+    k_pe = k_pe if k_pe.stride(-1) == 1 else k_pe.contiguous()
+    rows = 1 if num_tokens <= 4 * num_sms(kv_cache.device) else 4
+    _kernels.write_kv_kernel[(triton.cdiv(num_tokens, rows),)](
+        c_kv, k_pe, slots, kv_cache, num_tokens,
+        c_kv.stride(0), k_pe.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+        PAGE_SIZE=kv_cache.shape[1], D_LATENT=lora, D_ROPE=rope,
+        BLOCK_L=triton.next_power_of_2(lora), BLOCK_R=triton.next_power_of_2(rope), ROWS=rows,
+        num_warps=2 if lora >= 256 else 1,
+    )  # fmt: skip
+
+
 def tile_rows(kv_cache: torch.Tensor, block_n: int) -> int | None:
     """The rows a TMA descriptor over the cache spans, from the first page's first row to the last
     page's end (pages may lie apart: a layer of a page-major cache), when every full tile of

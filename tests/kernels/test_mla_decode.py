@@ -1,4 +1,4 @@
-"""Triton mla_decode (bf16 / fp16 / fp32 and fp8 caches) and write_kv_fp8 against the references.
+"""Triton mla_decode (bf16 / fp16 / fp32 and fp8 caches), write_kv and write_kv_fp8 against the references.
 
 Every case runs on a shuffled page pool with ragged sequence lengths, Q = 1..4 query tokens per
 request (causal among them) and page sizes 1, 16 and 64; some requests have fewer positions than
@@ -266,6 +266,57 @@ def test_write_kv_fp8_matches_ref(tokens: int, lora: int, rope: int, page_size: 
     deq = ref.dequantize_kv_fp8(cache.view(-1, row_bytes)[slots], lora, rope)
     assert rel_err(deq[:, :lora], c_kv) <= 0.05  # e4m3 keeps 3 mantissa bits
     assert torch.equal(deq[:, lora:], k_pe.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize(
+    "tokens,lora,rope,page_size,src,dst",
+    [
+        pytest.param(7, 32, 16, 4, torch.float32, torch.float32, id="tiny-f32"),
+        pytest.param(13, 48, 16, 16, torch.float32, torch.float16, id="odd-lora-f32-to-f16"),
+        pytest.param(600, 32, 16, 64, torch.float16, torch.float16, id="4-rows-a-program"),
+        pytest.param(
+            64, 512, 64, 64, torch.bfloat16, torch.bfloat16, marks=pytest.mark.gpu, id="v3"
+        ),
+        pytest.param(
+            9, 512, 64, 16, torch.float32, torch.bfloat16, marks=pytest.mark.gpu, id="v3-cast"
+        ),
+    ],
+)
+def test_write_kv_matches_ref(tokens, lora, rope, page_size, src, dst) -> None:
+    """write_kv into one layer of a page-major cache [pages, layers, page_size, L + R], from strided views
+    (the latent and rope slices of one projection's output), as the model calls it: the rows at the slots
+    hold the cast values, bit for bit as the reference's, and every other row of every layer is
+    untouched."""
+    g = torch.Generator().manual_seed(tokens + lora)
+    kv = torch.randn(tokens, lora + rope + 5, generator=g).to(src).to(DEVICE)
+    c_kv, k_pe = kv[:, :lora], kv[:, lora : lora + rope]
+    num_pages, layers = -(-2 * tokens // page_size), 3
+    slots = torch.randperm(num_pages * page_size, generator=g)[:tokens].to(DEVICE)
+    data = torch.randn(num_pages, layers, page_size, lora + rope, generator=g).to(dst).to(DEVICE)
+    want = data.clone()
+    ref.write_kv(want[:, 1], slots, c_kv, k_pe)
+    tri.write_kv(data[:, 1], slots, c_kv, k_pe)
+    assert torch.equal(data, want)
+    rows = want[:, 1].reshape(-1, lora + rope)[slots]
+    assert torch.equal(rows, torch.cat([c_kv, k_pe], dim=1).to(dst))
+
+
+def test_write_kv_checks() -> None:
+    cache = torch.zeros(4, 4, 48, device=DEVICE)
+    c_kv, k_pe, slots = (
+        torch.zeros(3, 32, device=DEVICE),
+        torch.zeros(3, 16, device=DEVICE),
+        torch.arange(3),
+    )
+    slots = slots.to(DEVICE)
+    with pytest.raises(ValueError, match="write_kv_fp8 writes the fp8"):
+        tri.write_kv(cache.to(torch.uint8), slots, c_kv, k_pe)
+    with pytest.raises(ValueError, match="L \\+ R = 40"):
+        tri.write_kv(cache, slots, c_kv, k_pe[:, :8])
+    with pytest.raises(ValueError, match="slots must be int"):
+        tri.write_kv(cache, slots.float(), c_kv, k_pe)
+    with pytest.raises(ValueError, match="c_kv \\[T, L\\] and k_pe \\[T, R\\]"):
+        tri.write_kv(cache, slots, c_kv, k_pe[:2])
 
 
 def test_mla_decode_dispatch_and_checks() -> None:
