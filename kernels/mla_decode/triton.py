@@ -243,23 +243,12 @@ def write_kv_fp8(
         raise ValueError(
             f"write_kv_fp8: kv_cache must be uint8 [P, S, row_bytes], got {kv_cache.dtype}"
         )
-    if c_kv.dim() != 2 or k_pe.dim() != 2 or c_kv.shape[0] != k_pe.shape[0]:
-        raise ValueError(
-            f"write_kv_fp8: c_kv [T, L] and k_pe [T, R] expected, got {tuple(c_kv.shape)}, "
-            f"{tuple(k_pe.shape)}"
-        )
+    c_kv, k_pe = _write_inputs(kv_cache, slots, c_kv, k_pe, "write_kv_fp8")
     lora, rope = c_kv.shape[1], k_pe.shape[1]
     _check_dims(lora, rope, "write_kv_fp8")
     _check_fp8_cache(kv_cache, lora, rope, "write_kv_fp8")
-    if slots.shape != (c_kv.shape[0],) or slots.dtype not in _INT_DTYPES:
-        raise ValueError(f"write_kv_fp8: slots must be int [{c_kv.shape[0]}], got {slots.dtype}")
-    for name, t in (("slots", slots), ("c_kv", c_kv), ("k_pe", k_pe)):
-        if t.device != kv_cache.device:
-            raise ValueError(f"write_kv_fp8: {name} on {t.device}, kv_cache on {kv_cache.device}")
     if c_kv.shape[0] == 0:
         return
-    c_kv = c_kv if c_kv.stride(-1) == 1 else c_kv.contiguous()
-    k_pe = k_pe if k_pe.stride(-1) == 1 else k_pe.contiguous()
     _kernels.write_kv_fp8_kernel[(c_kv.shape[0],)](
         c_kv, k_pe, slots, kv_cache, kv_cache.view(torch.bfloat16), kv_cache.view(torch.float32),
         c_kv.stride(0), k_pe.stride(0), kv_cache.stride(0), kv_cache.stride(1),
@@ -278,26 +267,15 @@ def write_kv(
             f"write_kv: kv_cache must be a float [P, S, L + R] cache (write_kv_fp8 writes the fp8 "
             f"one), got {kv_cache.dtype} {tuple(kv_cache.shape)}"
         )
-    if c_kv.dim() != 2 or k_pe.dim() != 2 or c_kv.shape[0] != k_pe.shape[0]:
-        raise ValueError(
-            f"write_kv: c_kv [T, L] and k_pe [T, R] expected, got {tuple(c_kv.shape)}, "
-            f"{tuple(k_pe.shape)}"
-        )
+    c_kv, k_pe = _write_inputs(kv_cache, slots, c_kv, k_pe, "write_kv")
     lora, rope = c_kv.shape[1], k_pe.shape[1]
     if kv_cache.shape[2] != lora + rope or kv_cache.stride(2) != 1:
         raise ValueError(
             f"write_kv: cache rows of {kv_cache.shape[2]} (unit stride) expected L + R = {lora + rope}"
         )
-    if slots.shape != (c_kv.shape[0],) or slots.dtype not in _INT_DTYPES:
-        raise ValueError(f"write_kv: slots must be int [{c_kv.shape[0]}], got {slots.dtype}")
-    for name, t in (("slots", slots), ("c_kv", c_kv), ("k_pe", k_pe)):
-        if t.device != kv_cache.device:
-            raise ValueError(f"write_kv: {name} on {t.device}, kv_cache on {kv_cache.device}")
     num_tokens = c_kv.shape[0]
     if num_tokens == 0:
         return
-    c_kv = c_kv if c_kv.stride(-1) == 1 else c_kv.contiguous()
-    k_pe = k_pe if k_pe.stride(-1) == 1 else k_pe.contiguous()
     rows = 1 if num_tokens <= 4 * num_sms(kv_cache.device) else 4
     _kernels.write_kv_kernel[(triton.cdiv(num_tokens, rows),)](
         c_kv, k_pe, slots, kv_cache, num_tokens,
@@ -306,6 +284,25 @@ def write_kv(
         BLOCK_L=triton.next_power_of_2(lora), BLOCK_R=triton.next_power_of_2(rope), ROWS=rows,
         num_warps=2 if lora >= 256 else 1,
     )  # fmt: skip
+
+
+def _write_inputs(
+    kv_cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, op: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache writer's checks of c_kv [T, L], k_pe [T, R] and slots [T] int, all on the cache's
+    device; returns c_kv and k_pe with unit last stride (views when they have it)."""
+    if c_kv.dim() != 2 or k_pe.dim() != 2 or c_kv.shape[0] != k_pe.shape[0]:
+        raise ValueError(
+            f"{op}: c_kv [T, L] and k_pe [T, R] expected, got {tuple(c_kv.shape)}, "
+            f"{tuple(k_pe.shape)}"
+        )
+    if slots.shape != (c_kv.shape[0],) or slots.dtype not in _INT_DTYPES:
+        raise ValueError(f"{op}: slots must be int [{c_kv.shape[0]}], got {slots.dtype}")
+    for name, t in (("slots", slots), ("c_kv", c_kv), ("k_pe", k_pe)):
+        if t.device != kv_cache.device:
+            raise ValueError(f"{op}: {name} on {t.device}, kv_cache on {kv_cache.device}")
+    c_kv = c_kv if c_kv.stride(-1) == 1 else c_kv.contiguous()
+    return c_kv, k_pe if k_pe.stride(-1) == 1 else k_pe.contiguous()
 
 
 def tile_rows(kv_cache: torch.Tensor, block_n: int) -> int | None:
