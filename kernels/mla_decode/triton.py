@@ -54,6 +54,7 @@ _SPLIT_POLICY = {
     # the combine's tiles (see combine_tiles; H200 sweep in benchmarks/RESULTS.md, eighth session)
     "COMBINE_PROGRAMS_PER_SM": 4,
     "COMBINE_TILE": 4096,
+    "COMBINE_MAX_D": 512,
 }
 # Key: "<cache dtype>,m<16|32|64>" by the request's query rows Q * H (m64: 64 or more). LAYOUT picks
 # the split kernel; BLOCK_M is the query rows per program, BLOCK_N the cache positions per tile.
@@ -350,10 +351,13 @@ def choose_num_splits(
 
 def combine_tiles(rows: int, splits_p2: int, lora: int, cfg: dict, num_sms: int) -> tuple[int, int]:
     """(BLOCK_D, SPLIT_CHUNK) of the combine for `rows` query rows over the whole batch: latent
-    blocks of 128 dims, halved (down to 16) until the programs reach COMBINE_PROGRAMS_PER_SM per SM
-    (a few rows of a long cache, cut into many splits, would otherwise leave most SMs idle while
-    each program walks its splits), and chunks of about COMBINE_TILE elements read at once."""
-    block_d = min(128, lora)
+    blocks of COMBINE_MAX_D dims, halved (down to 16) until the programs reach COMBINE_PROGRAMS_PER_SM
+    per SM (a few rows of a long cache, cut into many splits, would otherwise leave most SMs idle
+    while each program walks its splits), and chunks of about COMBINE_TILE elements read at once.
+    Many rows take the whole latent a program: in 128-dim blocks, batch 16 at 4 splits (8192
+    programs of 2 KB each) took 24.6 us on an H200 against 5.7 for the same bytes in 1024 programs
+    (RESULTS.md, twenty-second session)."""
+    block_d = min(cfg["COMBINE_MAX_D"], lora)
     while block_d > 16 and rows * (lora // block_d) < cfg["COMBINE_PROGRAMS_PER_SM"] * num_sms:
         block_d //= 2
     return block_d, max(1, min(splits_p2, cfg["COMBINE_TILE"] // block_d))

@@ -8,10 +8,14 @@ from .._backend import implementation
 
 
 def rope(
-    q_pe: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    q_pe: torch.Tensor,
+    k_pe: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    q_out: torch.Tensor | None = None,
 ) -> None:
     """See `ref.rope` for the contract."""
-    implementation(__name__, q_pe).rope(q_pe, k_pe, positions, cos_sin)
+    implementation(__name__, q_pe).rope(q_pe, k_pe, positions, cos_sin, q_out)
 
 
 __all__ = ["rope"]

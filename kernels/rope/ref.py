@@ -11,15 +11,22 @@ import torch
 
 
 def rope(
-    q_pe: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    q_pe: torch.Tensor,
+    k_pe: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    q_out: torch.Tensor | None = None,
 ) -> None:
-    """q_pe: [T, H, R]; k_pe: [T, R] or [T, 1, R]; positions: [T] int; cos_sin: [max_pos, R] fp32. In place."""
+    """q_pe: [T, H, R]; k_pe: [T, R] or [T, 1, R]; positions: [T] int; cos_sin: [max_pos, R] fp32. In place;
+    with `q_out` ([T, H, R] of q_pe's dtype, any strides), rotated q_pe goes there and q_pe is left as it was
+    (the absorbed decode query takes it beside the latent part)."""
     half = cos_sin.shape[-1] // 2
     cs = cos_sin[positions.long()].float()  # [T, R]
     cos, sin = cs[:, None, :half], cs[:, None, half:]  # [T, 1, R/2]
-    for x in (q_pe, k_pe.view(k_pe.shape[0], -1, k_pe.shape[-1])):
+    k3 = k_pe.view(k_pe.shape[0], -1, k_pe.shape[-1])
+    for x, out in ((q_pe, q_pe if q_out is None else q_out), (k3, k3)):
         x1 = x[..., 0::2].float()  # [T, H, R/2]; a view when x is fp32: compute both halves first
         x2 = x[..., 1::2].float()
         out1, out2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-        x[..., 0::2] = out1.to(x.dtype)
-        x[..., 1::2] = out2.to(x.dtype)
+        out[..., 0::2] = out1.to(x.dtype)
+        out[..., 1::2] = out2.to(x.dtype)

@@ -31,9 +31,13 @@ tuning.register(
 
 
 @triton.jit
-def _rotate(ptr, offs_h, mask_h, stride_h, stride_r, cos, sin, ROPE: tl.constexpr):
-    """Rotates pairs (2i, 2i+1) of rows ptr + h * stride_h in place; cos, sin: [ROPE / 2] fp32. Each
-    row is read whole (contiguous along R) and split into its pairs in registers."""
+def _rotate(
+    ptr, out_ptr, offs_h, mask_h, stride_h, stride_r, stride_oh, stride_or, cos, sin,
+    ROPE: tl.constexpr,
+):  # fmt: skip
+    """Rotates pairs (2i, 2i+1) of rows ptr + h * stride_h into rows out_ptr + h * stride_oh (the same
+    rows for in place); cos, sin: [ROPE / 2] fp32. Each row is read whole (contiguous along R) and
+    split into its pairs in registers."""
     offs_r = tl.arange(0, ROPE)
     ptrs = ptr + offs_h[:, None] * stride_h + offs_r[None, :] * stride_r  # [BLOCK_H, R]
     mask = mask_h[:, None]
@@ -43,14 +47,16 @@ def _rotate(ptr, offs_h, mask_h, stride_h, stride_r, cos, sin, ROPE: tl.constexp
     out1 = a * cos[None, :] - b * sin[None, :]
     out2 = b * cos[None, :] + a * sin[None, :]
     out = tl.reshape(tl.join(out1, out2), [x.shape[0], ROPE])
-    tl.store(ptrs, out.to(x.dtype), mask=mask)
+    out_ptrs = out_ptr + offs_h[:, None] * stride_oh + offs_r[None, :] * stride_or
+    tl.store(out_ptrs, out.to(x.dtype), mask=mask)
 
 
 @triton.jit
 def _rope_kernel(
-    q_ptr, k_ptr, pos_ptr, cs_ptr,
+    q_ptr, k_ptr, pos_ptr, cs_ptr, qo_ptr,
     num_heads,
     stride_qt, stride_qh, stride_qr, stride_kt, stride_kr, stride_cs,
+    stride_ot, stride_oh, stride_or,
     ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     HALF: tl.constexpr = ROPE // 2
@@ -62,18 +68,26 @@ def _rope_kernel(
     cos = tl.load(cs_ptr + pos * stride_cs + offs_i).to(tl.float32)
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_i).to(tl.float32)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    q_row = q_ptr + t64 * stride_qt
-    _rotate(q_row, offs_h, offs_h < num_heads, stride_qh, stride_qr, cos, sin, ROPE)
+    q_row, qo_row = q_ptr + t64 * stride_qt, qo_ptr + t64 * stride_ot
+    mask_h = offs_h < num_heads
+    _rotate(
+        q_row, qo_row, offs_h, mask_h, stride_qh, stride_qr, stride_oh, stride_or, cos, sin, ROPE
+    )
     if hb == 0:
         offs_k = tl.arange(0, 1)
-        _rotate(k_ptr + t64 * stride_kt, offs_k, offs_k < 1, 0, stride_kr, cos, sin, ROPE)
+        k_row = k_ptr + t64 * stride_kt
+        _rotate(k_row, k_row, offs_k, offs_k < 1, 0, stride_kr, 0, stride_kr, cos, sin, ROPE)
 
 
 def rope(
-    q_pe: torch.Tensor, k_pe: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    q_pe: torch.Tensor,
+    k_pe: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    q_out: torch.Tensor | None = None,
 ) -> None:
     """q_pe: [T, H, R]; k_pe: [T, R] or [T, 1, R]; positions: [T] int; cos_sin: [max_pos, R] fp32.
-    In place."""
+    In place, or q_pe rotated into q_out (see ref.rope)."""
     if q_pe.dim() != 3 or q_pe.dtype not in _FLOAT_DTYPES:
         raise ValueError(
             f"rope: q_pe must be float [T, H, R], got {q_pe.dtype} {tuple(q_pe.shape)}"
@@ -105,6 +119,13 @@ def rope(
     for name, t in (("k_pe", k_pe), ("positions", positions), ("cos_sin", cos_sin)):
         if t.device != q_pe.device:
             raise ValueError(f"rope: {name} on {t.device}, q_pe on {q_pe.device}")
+    if q_out is None:
+        q_out = q_pe
+    elif q_out.shape != q_pe.shape or q_out.dtype != q_pe.dtype or q_out.device != q_pe.device:
+        raise ValueError(
+            f"rope: q_out must be {q_pe.dtype} {tuple(q_pe.shape)} on {q_pe.device}, got "
+            f"{q_out.dtype} {tuple(q_out.shape)} on {q_out.device}"
+        )
     if num_tokens == 0:
         return
     if cos_sin.stride(1) != 1:
@@ -113,9 +134,9 @@ def rope(
     block_h = min(cfg["BLOCK_H"], triton.next_power_of_2(max(num_heads, 1)))
     grid = (num_tokens, max(1, triton.cdiv(num_heads, block_h)))
     _rope_kernel[grid](
-        q_pe, k_pe2, positions, cos_sin,
+        q_pe, k_pe2, positions, cos_sin, q_out,
         num_heads,
         q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), k_pe2.stride(0), k_pe2.stride(1),
-        cos_sin.stride(0),
+        cos_sin.stride(0), *q_out.stride(),
         ROPE=rope_dim, BLOCK_H=block_h, num_warps=cfg["num_warps"],
     )  # fmt: skip

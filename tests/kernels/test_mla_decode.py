@@ -166,12 +166,14 @@ def test_heads_major_running_max_across_tiles(num_splits: int) -> None:
 
 def test_combine_tiles_narrow_for_few_rows() -> None:
     """Few rows (batch 1, a long cache cut into many splits): latent blocks shrink until the
-    programs fill the SMs; many rows keep 128-dim blocks. Chunks hold about COMBINE_TILE elements
-    and never more splits than there are."""
-    cfg = {"COMBINE_PROGRAMS_PER_SM": 4, "COMBINE_TILE": 4096}
+    programs fill the SMs; many rows take the whole latent (COMBINE_MAX_D) a program. Chunks hold
+    about COMBINE_TILE elements and never more splits than there are."""
+    cfg = {"COMBINE_PROGRAMS_PER_SM": 4, "COMBINE_TILE": 4096, "COMBINE_MAX_D": 512}
     assert tri.combine_tiles(16, 128, 512, cfg, 132) == (16, 128)  # 512 programs
     assert tri.combine_tiles(128, 64, 512, cfg, 132) == (64, 64)  # 1024 programs
-    assert tri.combine_tiles(4096, 4, 512, cfg, 132) == (128, 4)
+    assert tri.combine_tiles(512, 16, 512, cfg, 132) == (256, 16)  # 1024 programs
+    assert tri.combine_tiles(4096, 4, 512, cfg, 132) == (512, 4)
+    assert tri.combine_tiles(4096, 4, 64, cfg, 132) == (64, 4)  # a narrower latent
     assert tri.combine_tiles(1, 2, 512, cfg, 132) == (16, 2)  # never under 16 dims
 
 

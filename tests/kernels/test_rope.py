@@ -51,6 +51,34 @@ def test_rope_matches_ref(tokens, heads, nope, rope_dim, dtype, k_3d) -> None:
     assert torch.equal(q[..., :nope], q_ref[..., :nope])
 
 
+@pytest.mark.parametrize("tokens,heads,nope,rope_dim,dtype,k_3d", CASES)
+def test_rope_into_q_out(tokens, heads, nope, rope_dim, dtype, k_3d) -> None:
+    """q_out=: rotated q_pe lands in the rope columns of a wider buffer (as the absorbed decode query
+    takes it), q_pe and the buffer's other columns keep their values; k_pe still rotates in place. The
+    same values as in place, in both implementations."""
+    torch.manual_seed(tokens + heads + rope_dim)
+    q = torch.randn(tokens, heads, nope + rope_dim, device=DEVICE).to(dtype)
+    k_pe = torch.randn(tokens, 1, rope_dim, device=DEVICE).to(dtype)
+    k_pe = k_pe if k_3d else k_pe[:, 0]
+    positions = torch.randint(0, 64, (tokens,), device=DEVICE)
+    angles = torch.rand(64, rope_dim // 2, device=DEVICE) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    q_in, k_in = q.clone(), k_pe.clone()
+    ref.rope(q_in.split([nope, rope_dim], -1)[1], k_in, positions, cos_sin)  # in place: the values
+    for impl in (tri, ref):
+        q_pe, k = q.split([nope, rope_dim], -1)[1].clone(), k_pe.clone()
+        buf = torch.randn(tokens, heads, 5 + rope_dim, device=DEVICE).to(dtype)
+        head = buf[..., :5].clone()
+        impl.rope(q_pe, k, positions, cos_sin, q_out=buf[..., 5:])
+        assert torch.equal(q_pe, q.split([nope, rope_dim], -1)[1])
+        assert torch.equal(buf[..., :5], head)
+        tol = ULP[dtype]
+        torch.testing.assert_close(
+            buf[..., 5:].float(), q_in[..., nope:].float(), rtol=tol, atol=tol
+        )
+        torch.testing.assert_close(k.float(), k_in.float(), rtol=tol, atol=tol)
+
+
 def test_rope_rejects_bad_inputs() -> None:
     q = torch.randn(3, 2, 16, device=DEVICE)
     k = torch.randn(3, 16, device=DEVICE)
@@ -62,3 +90,5 @@ def test_rope_rejects_bad_inputs() -> None:
         tri.rope(q, k, pos.float(), cs)
     with pytest.raises(ValueError, match="cos_sin"):
         tri.rope(q, k, pos, cs.double())
+    with pytest.raises(ValueError, match="q_out must be"):
+        tri.rope(q, k, pos, cs, q_out=torch.empty(3, 2, 8, device=DEVICE))
