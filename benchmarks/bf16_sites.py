@@ -114,9 +114,10 @@ def install(model):
         )
     }
 
-    def rope(q_pe, k_pe, *a, **kw):
-        orig["rope"](q_pe, k_pe, *a, **kw)
-        q_pe.copy_(rd(q_pe, "rope"))
+    def rope(q_pe, k_pe, positions, cos_sin, q_out=None):
+        orig["rope"](q_pe, k_pe, positions, cos_sin, q_out=q_out)
+        q = q_pe if q_out is None else q_out  # decode writes the rotation into the absorbed query
+        q.copy_(rd(q, "rope"))
         k_pe.copy_(rd(k_pe, "rope"))
 
     def attn(n):
@@ -128,7 +129,9 @@ def install(model):
 
     def head_matmul(*a, **kw):
         got = orig["head_matmul"](*a, **kw)
-        if isinstance(got, torch.Tensor):  # written in place when out= is given (the absorbed query)
+        if isinstance(
+            got, torch.Tensor
+        ):  # written in place when out= is given (the absorbed query)
             got.copy_(rd(got, "absorb"))
         return got
 
