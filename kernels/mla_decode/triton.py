@@ -343,7 +343,10 @@ def choose_num_splits(
     """Splits per request, by a cost model in units of one tile's time: waves of programs times
     (tiles per split + SPLIT_OVERHEAD_TILES, a program's fixed cost), plus that overhead once more
     for the combine step when splitting. Fewest splits on ties; at least MIN_TILES_PER_SPLIT tiles
-    per split of the longest request. Cached: it runs on every decode step."""
+    per split of the longest request, except while the programs fill at most half the SMs: there
+    one tile a split is allowed (H200, 128 heads, batch 1, context 1024: 16 splits 13.8 us against
+    8 splits 15.6; with 128 programs it lost, context 4096: 18.5 against 17.0; RESULTS.md,
+    twenty-second session). Cached: it runs on every decode step."""
     tiles = triton.cdiv(max(max_seq_len, 1), block_n)
     policy = (cfg["MAX_SPLITS"], cfg["MIN_TILES_PER_SPLIT"], cfg["CTAS_PER_SM"])
     return _num_splits(batch * m_blocks, tiles, num_sms, *policy, cfg["SPLIT_OVERHEAD_TILES"])
@@ -368,14 +371,15 @@ def _num_splits(
     programs: int, tiles: int, num_sms: int, max_splits: int, min_tiles: int, ctas_per_sm: int,
     overhead: int,
 ) -> int:  # fmt: skip
-    limit = max(1, min(max_splits, tiles // min_tiles))
     slots = num_sms * ctas_per_sm
+    short = max(1, min(max_splits, tiles // min_tiles))
+    few = [s for s in range(short + 1, min(max_splits, tiles) + 1) if 2 * programs * s <= slots]
 
     def cost(s: int) -> int:
         waves = -(-programs * s // slots)
         return waves * (-(-tiles // s) + overhead) + (overhead if s > 1 else 0)
 
-    return min(range(1, limit + 1), key=lambda s: (cost(s), s))
+    return min([*range(1, short + 1), *few], key=lambda s: (cost(s), s))
 
 
 def _check_dims(lora: int, rope: int, op: str) -> None:

@@ -164,6 +164,22 @@ def test_heads_major_running_max_across_tiles(num_splits: int) -> None:
     _check(case, got, expected)
 
 
+def test_split_policy_choices() -> None:
+    """The policy's split counts at 128 heads (2 programs a request a split), 64-token tiles, 132
+    SMs, as measured best on an H200 (RESULTS.md, twenty-second session): one tile a split only while
+    the programs fill at most half the SMs, else at least two."""
+    cfg = {"MAX_SPLITS": 128, "MIN_TILES_PER_SPLIT": 2, "CTAS_PER_SM": 1, "SPLIT_OVERHEAD_TILES": 2}
+
+    def splits(batch: int, context: int) -> int:
+        return tri.choose_num_splits(batch, 2, context, 64, cfg, 132)
+
+    assert splits(1, 512) == 8 and splits(1, 1024) == 16 and splits(1, 2048) == 32
+    assert splits(1, 4096) == 32  # 64 splits would make 128 programs
+    assert splits(4, 512) == 8 and splits(4, 1024) == 8
+    assert splits(16, 1024) == 4 and splits(64, 1024) == 1
+    assert splits(1, 64) == 1  # one tile: nothing to split
+
+
 def test_combine_tiles_narrow_for_few_rows() -> None:
     """Few rows (batch 1, a long cache cut into many splits): latent blocks shrink until the
     programs fill the SMs; many rows take the whole latent (COMBINE_MAX_D) a program. Chunks hold
