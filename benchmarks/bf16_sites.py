@@ -114,11 +114,16 @@ def install(model):
         )
     }
 
-    def rope(q_pe, k_pe, positions, cos_sin, q_out=None):
+    def rope(q_pe, k_pe, positions, cos_sin, q_out=None, cache=None):
+        if cache is not None:  # decode: rotate a copy, round it, then store it as rope would
+            k_pe = k_pe.clone()
         orig["rope"](q_pe, k_pe, positions, cos_sin, q_out=q_out)
         q = q_pe if q_out is None else q_out  # decode writes the rotation into the absorbed query
         q.copy_(rd(q, "rope"))
         k_pe.copy_(rd(k_pe, "rope"))
+        if cache is not None:
+            kv_cache, slots, c_kv = cache
+            K.write_kv(kv_cache, slots, c_kv, k_pe)
 
     def attn(n):
         def f(*a, **kw):

@@ -185,10 +185,11 @@ class MLA(nn.Module):
             # rotation into it, the head product the rest (no torch.cat: 20.6 us at 64 tokens, 128
             # heads, on an H200; no copy of q_pe either)
             q_abs = q.new_empty(num_tokens, self.n_heads, self.kv_lora_rank + self.qk_rope_head_dim)
+            # ... and stores k_pe's rotation in the cache with c_kv, in the same launch
             kernels.rope(
-                q_pe, k_pe, batch.positions, cos_sin, q_out=q_abs[..., self.kv_lora_rank :]
-            )
-            cache.write(self.cache_layer, batch.slot_mapping, c_kv, k_pe)
+                q_pe, k_pe, batch.positions, cos_sin, q_out=q_abs[..., self.kv_lora_rank :],
+                cache=(cache.layer(self.cache_layer), batch.slot_mapping, c_kv),
+            )  # fmt: skip
             out = self._absorbed(q_nope, q_abs, batch, cache)
             if isinstance(out, tuple):  # quantized for the fp8 wo
                 return self.wo(out)

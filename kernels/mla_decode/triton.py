@@ -263,17 +263,8 @@ def write_kv(
 ) -> None:
     """Stores T tokens' [c_kv | k_pe] in a float cache [num_pages, page_size, L + R] at flat slots,
     in place (see ref.write_kv): one launch, a few tokens a program."""
-    if kv_cache.dim() != 3 or kv_cache.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(
-            f"write_kv: kv_cache must be a float [P, S, L + R] cache (write_kv_fp8 writes the fp8 "
-            f"one), got {kv_cache.dtype} {tuple(kv_cache.shape)}"
-        )
-    c_kv, k_pe = _write_inputs(kv_cache, slots, c_kv, k_pe, "write_kv")
+    c_kv, k_pe = float_cache_inputs(kv_cache, slots, c_kv, k_pe, "write_kv")
     lora, rope = c_kv.shape[1], k_pe.shape[1]
-    if kv_cache.shape[2] != lora + rope or kv_cache.stride(2) != 1:
-        raise ValueError(
-            f"write_kv: cache rows of {kv_cache.shape[2]} (unit stride) expected L + R = {lora + rope}"
-        )
     num_tokens = c_kv.shape[0]
     if num_tokens == 0:
         return
@@ -285,6 +276,25 @@ def write_kv(
         BLOCK_L=triton.next_power_of_2(lora), BLOCK_R=triton.next_power_of_2(rope), ROWS=rows,
         num_warps=2 if lora >= 256 else 1,
     )  # fmt: skip
+
+
+def float_cache_inputs(
+    kv_cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, op: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checks of a write of [c_kv | k_pe] rows into a float cache [P, S, L + R] (write_kv, and rope
+    when it stores the rotated k_pe there); returns c_kv and k_pe with unit last stride."""
+    if kv_cache.dim() != 3 or kv_cache.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(
+            f"{op}: kv_cache must be a float [P, S, L + R] cache (write_kv_fp8 writes the fp8 "
+            f"one), got {kv_cache.dtype} {tuple(kv_cache.shape)}"
+        )
+    c_kv, k_pe = _write_inputs(kv_cache, slots, c_kv, k_pe, op)
+    lora, rope = c_kv.shape[1], k_pe.shape[1]
+    if kv_cache.shape[2] != lora + rope or kv_cache.stride(2) != 1:
+        raise ValueError(
+            f"{op}: cache rows of {kv_cache.shape[2]} (unit stride) expected L + R = {lora + rope}"
+        )
+    return c_kv, k_pe
 
 
 def _write_inputs(

@@ -13,9 +13,10 @@ def rope(
     positions: torch.Tensor,
     cos_sin: torch.Tensor,
     q_out: torch.Tensor | None = None,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """See `ref.rope` for the contract."""
-    implementation(__name__, q_pe).rope(q_pe, k_pe, positions, cos_sin, q_out)
+    implementation(__name__, q_pe).rope(q_pe, k_pe, positions, cos_sin, q_out, cache)
 
 
 __all__ = ["rope"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..mla_decode.ref import write_kv
+
 
 def rope(
     q_pe: torch.Tensor,
@@ -16,13 +18,18 @@ def rope(
     positions: torch.Tensor,
     cos_sin: torch.Tensor,
     q_out: torch.Tensor | None = None,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """q_pe: [T, H, R]; k_pe: [T, R] or [T, 1, R]; positions: [T] int; cos_sin: [max_pos, R] fp32. In place;
     with `q_out` ([T, H, R] of q_pe's dtype, any strides), rotated q_pe goes there and q_pe is left as it was
-    (the absorbed decode query takes it beside the latent part)."""
+    (the absorbed decode query takes it beside the latent part). With `cache` = (kv_cache, slots, c_kv), k_pe
+    is left as it was and each token's [c_kv | rotated k_pe] is stored at its slot of the float cache, as
+    `mla_decode.write_kv` stores it (decode: the rotation and the cache write in one launch)."""
     half = cos_sin.shape[-1] // 2
     cs = cos_sin[positions.long()].float()  # [T, R]
     cos, sin = cs[:, None, :half], cs[:, None, half:]  # [T, 1, R/2]
+    if cache is not None:
+        k_pe = k_pe.clone()
     k3 = k_pe.view(k_pe.shape[0], -1, k_pe.shape[-1])
     for x, out in ((q_pe, q_pe if q_out is None else q_out), (k3, k3)):
         x1 = x[..., 0::2].float()  # [T, H, R/2]; a view when x is fp32: compute both halves first
@@ -30,3 +37,6 @@ def rope(
         out1, out2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
         out[..., 0::2] = out1.to(x.dtype)
         out[..., 1::2] = out2.to(x.dtype)
+    if cache is not None:
+        kv_cache, slots, c_kv = cache
+        write_kv(kv_cache, slots, c_kv, k_pe.view(k_pe.shape[0], -1))

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .. import tuning
+from ..mla_decode.triton import float_cache_inputs
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -48,7 +49,7 @@ def _rotate(
     out2 = b * cos[None, :] + a * sin[None, :]
     out = tl.reshape(tl.join(out1, out2), [x.shape[0], ROPE])
     out_ptrs = out_ptr + offs_h[:, None] * stride_oh + offs_r[None, :] * stride_or
-    tl.store(out_ptrs, out.to(x.dtype), mask=mask)
+    tl.store(out_ptrs, out.to(x.dtype).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -57,8 +58,12 @@ def _rope_kernel(
     num_heads,
     stride_qt, stride_qh, stride_qr, stride_kt, stride_kr, stride_cs,
     stride_ot, stride_oh, stride_or,
+    c_ptr, slot_ptr, cache_ptr, stride_c, stride_page, stride_row,
     ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
+    WRITE: tl.constexpr, PAGE_SIZE: tl.constexpr, D_LATENT: tl.constexpr, BLOCK_L: tl.constexpr,
 ):  # fmt: skip
+    """WRITE: head-block 0 stores the token's cache row instead of rotating k_pe in place: c_kv,
+    then k_pe's rotation, at its slot of a float cache (see write_kv)."""
     HALF: tl.constexpr = ROPE // 2
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -76,7 +81,15 @@ def _rope_kernel(
     if hb == 0:
         offs_k = tl.arange(0, 1)
         k_row = k_ptr + t64 * stride_kt
-        _rotate(k_row, k_row, offs_k, offs_k < 1, 0, stride_kr, 0, stride_kr, cos, sin, ROPE)
+        if WRITE:
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+            row = cache_ptr + (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_row
+            offs_l = tl.arange(0, BLOCK_L)
+            c = tl.load(c_ptr + t64 * stride_c + offs_l, mask=offs_l < D_LATENT)
+            tl.store(row + offs_l, c.to(cache_ptr.dtype.element_ty), mask=offs_l < D_LATENT)
+            _rotate(k_row, row + D_LATENT, offs_k, offs_k < 1, 0, stride_kr, 0, 1, cos, sin, ROPE)
+        else:
+            _rotate(k_row, k_row, offs_k, offs_k < 1, 0, stride_kr, 0, stride_kr, cos, sin, ROPE)
 
 
 def rope(
@@ -85,9 +98,11 @@ def rope(
     positions: torch.Tensor,
     cos_sin: torch.Tensor,
     q_out: torch.Tensor | None = None,
+    cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """q_pe: [T, H, R]; k_pe: [T, R] or [T, 1, R]; positions: [T] int; cos_sin: [max_pos, R] fp32.
-    In place, or q_pe rotated into q_out (see ref.rope)."""
+    In place, or q_pe rotated into q_out; with `cache`, k_pe's rotation goes into the cache rows with
+    c_kv, in the same launch (see ref.rope)."""
     if q_pe.dim() != 3 or q_pe.dtype not in _FLOAT_DTYPES:
         raise ValueError(
             f"rope: q_pe must be float [T, H, R], got {q_pe.dtype} {tuple(q_pe.shape)}"
@@ -126,6 +141,13 @@ def rope(
             f"rope: q_out must be {q_pe.dtype} {tuple(q_pe.shape)} on {q_pe.device}, got "
             f"{q_out.dtype} {tuple(q_out.shape)} on {q_out.device}"
         )
+    if cache is not None:
+        kv_cache, slots, c_kv = cache
+        c_kv, _ = float_cache_inputs(kv_cache, slots, c_kv, k_pe2, "rope")
+        write = (c_kv, slots, kv_cache, c_kv.stride(0), kv_cache.stride(0), kv_cache.stride(1))
+        lora = c_kv.shape[1]
+    else:
+        write, lora = (q_pe, positions, q_pe, 0, 0, 0), 1  # unused pointers
     if num_tokens == 0:
         return
     if cos_sin.stride(1) != 1:
@@ -137,6 +159,8 @@ def rope(
         q_pe, k_pe2, positions, cos_sin, q_out,
         num_heads,
         q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), k_pe2.stride(0), k_pe2.stride(1),
-        cos_sin.stride(0), *q_out.stride(),
-        ROPE=rope_dim, BLOCK_H=block_h, num_warps=cfg["num_warps"],
+        cos_sin.stride(0), *q_out.stride(), *write,
+        ROPE=rope_dim, BLOCK_H=block_h, WRITE=cache is not None,
+        PAGE_SIZE=write[2].shape[1] if cache is not None else 1, D_LATENT=lora,
+        BLOCK_L=triton.next_power_of_2(lora), num_warps=cfg["num_warps"],
     )  # fmt: skip

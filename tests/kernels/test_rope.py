@@ -79,6 +79,53 @@ def test_rope_into_q_out(tokens, heads, nope, rope_dim, dtype, k_3d) -> None:
         torch.testing.assert_close(k.float(), k_in.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize(
+    "tokens,heads,lora,rope_dim,page_size,dtype",
+    [
+        pytest.param(6, 3, 32, 16, 4, torch.float32, id="6x3-f32"),
+        pytest.param(9, 17, 48, 32, 16, torch.float16, id="9x17-odd-lora-f16"),
+        pytest.param(64, 128, 512, 64, 64, torch.bfloat16, marks=pytest.mark.gpu, id="v3-bf16"),
+    ],
+)
+def test_rope_writes_the_cache(tokens, heads, lora, rope_dim, page_size, dtype) -> None:
+    """cache=: k_pe's rotation goes into the cache rows with c_kv (k_pe left as it was), into one layer
+    of a page-major cache from strided views, as the decode step calls it; q_pe into q_out. Triton
+    against the reference: q and the rope part within an ulp, c_kv bit for bit, other rows untouched."""
+    g = torch.Generator().manual_seed(tokens + heads)
+    q = torch.randn(tokens, heads, 8 + rope_dim, generator=g).to(dtype).to(DEVICE)
+    kv = torch.randn(tokens, lora + rope_dim + 3, generator=g).to(dtype).to(DEVICE)
+    c_kv, k_pe = kv[:, :lora], kv[:, lora : lora + rope_dim]
+    positions = torch.randint(0, 64, (tokens,), generator=g).to(DEVICE)
+    angles = torch.rand(64, rope_dim // 2, generator=g).to(DEVICE) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    pages = -(-2 * tokens // page_size)
+    slots = torch.randperm(pages * page_size, generator=g)[:tokens].to(DEVICE)
+    data = torch.randn(pages, 3, page_size, lora + rope_dim, generator=g).to(dtype).to(DEVICE)
+    results = []
+    for impl in (ref, tri):
+        cache, q_out = (
+            data.clone(),
+            torch.empty(tokens, heads, rope_dim, device=DEVICE, dtype=dtype),
+        )
+        k_before = k_pe.clone()
+        impl.rope(
+            q[..., 8:], k_pe, positions, cos_sin, q_out=q_out, cache=(cache[:, 1], slots, c_kv)
+        )
+        assert torch.equal(k_pe, k_before)
+        results.append((cache, q_out))
+    (want, want_q), (got, got_q) = results
+    tol = ULP[dtype]
+    torch.testing.assert_close(got_q.float(), want_q.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    rows = got[:, 1].reshape(-1, lora + rope_dim)[slots]
+    assert torch.equal(rows[:, :lora], c_kv)
+    written = torch.zeros(pages * page_size, dtype=torch.bool, device=DEVICE)
+    written[slots] = True
+    untouched = torch.ones(pages, 3, page_size, dtype=torch.bool, device=DEVICE)
+    untouched[:, 1] = ~written.view(pages, page_size)
+    assert torch.equal(got[untouched], data[untouched])
+
+
 def test_rope_rejects_bad_inputs() -> None:
     q = torch.randn(3, 2, 16, device=DEVICE)
     k = torch.randn(3, 16, device=DEVICE)
@@ -90,5 +137,9 @@ def test_rope_rejects_bad_inputs() -> None:
         tri.rope(q, k, pos.float(), cs)
     with pytest.raises(ValueError, match="cos_sin"):
         tri.rope(q, k, pos, cs.double())
+    with pytest.raises(ValueError, match="rope: cache rows of 40"):
+        tri.rope(q, k, pos, cs, cache=(torch.zeros(2, 4, 40), pos, torch.zeros(3, 32)))
+    with pytest.raises(ValueError, match="rope: slots must be int"):
+        tri.rope(q, k, pos, cs, cache=(torch.zeros(2, 4, 48), pos.float(), torch.zeros(3, 32)))
     with pytest.raises(ValueError, match="q_out must be"):
         tri.rope(q, k, pos, cs, q_out=torch.empty(3, 2, 8, device=DEVICE))
