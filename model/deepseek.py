@@ -196,7 +196,7 @@ class MLA(nn.Module):
         else:
             kernels.rope(q_pe, k_pe, batch.positions, cos_sin)
             cache.write(self.cache_layer, batch.slot_mapping, c_kv, k_pe)
-            out = self._naive(q_nope, q_pe, c_kv, k_pe, batch, cache)
+            out = self._naive(q, c_kv, k_pe, batch, cache)  # q's rope part rotated in place
         return self.wo(out.reshape(num_tokens, self.n_heads * self.v_head_dim))
 
     def _expand(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,8 +206,8 @@ class MLA(nn.Module):
         k_pe = k_pe[:, None, :].expand(-1, self.n_heads, -1)  # [N, H, rope]
         return torch.cat([k_nope, k_pe], dim=-1), v.contiguous()
 
-    def _naive(self, q_nope, q_pe, c_kv, k_pe, batch: ForwardBatch, cache: PagedKVCache):
-        q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, 192]
+    def _naive(self, q, c_kv, k_pe, batch: ForwardBatch, cache: PagedKVCache):
+        """q: [T, H, nope + rope] as the projection wrote it (rows may be strided), rope applied."""
         k, v = self._expand(c_kv, k_pe)
         cu_q = batch.cu_seqlens_q
         out, lse = kernels.mla_prefill(q, k, v, cu_q, cu_q, self.softmax_scale, causal=True)
