@@ -389,6 +389,14 @@ def combine_invariant_kernel(
 
 
 @triton.jit
+def slot_row(slot_ptr, t, stride_page, stride_row, PAGE_SIZE: tl.constexpr):
+    """Offset (in elements of the cache's pointer) of the row of token t's slot, page * PAGE_SIZE +
+    row, in a cache [P, PAGE_SIZE, W] with any page stride: the cache writers' addressing."""
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    return (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_row
+
+
+@triton.jit
 def write_kv_fp8_kernel(
     c_ptr, kpe_ptr, slot_ptr, cache8_ptr, cache16_ptr, cache32_ptr,
     stride_c, stride_k, stride_page, stride_row,
@@ -396,9 +404,7 @@ def write_kv_fp8_kernel(
 ):  # fmt: skip
     """Quantizes one token's row into the fp8 format at its slot. Cache strides are in bytes."""
     t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    row_off = (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_row
-    row_off = tl.multiple_of(row_off, 16)
+    row_off = tl.multiple_of(slot_row(slot_ptr, t, stride_page, stride_row, PAGE_SIZE), 16)
     offs_l = tl.arange(0, D_LATENT)
     offs_r = tl.arange(0, D_ROPE)
     c = tl.load(c_ptr + t * stride_c + offs_l).to(tl.float32)
@@ -425,8 +431,7 @@ def write_kv_kernel(
     for i in tl.static_range(ROWS):
         t = tl.program_id(0).to(tl.int64) * ROWS + i
         if t < num_tokens:
-            slot = tl.load(slot_ptr + t).to(tl.int64)
-            row = cache_ptr + (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_row
+            row = cache_ptr + slot_row(slot_ptr, t, stride_page, stride_row, PAGE_SIZE)
             c = tl.load(c_ptr + t * stride_c + offs_l, mask=offs_l < D_LATENT)
             tl.store(row + offs_l, c.to(cache_ptr.dtype.element_ty), mask=offs_l < D_LATENT)
             k = tl.load(kpe_ptr + t * stride_k + offs_r, mask=offs_r < D_ROPE)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .. import tuning
+from ..mla_decode._kernels import slot_row
 from ..mla_decode.triton import float_cache_inputs
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -82,8 +83,7 @@ def _rope_kernel(
         offs_k = tl.arange(0, 1)
         k_row = k_ptr + t64 * stride_kt
         if WRITE:
-            slot = tl.load(slot_ptr + t).to(tl.int64)
-            row = cache_ptr + (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_row
+            row = cache_ptr + slot_row(slot_ptr, t, stride_page, stride_row, PAGE_SIZE)
             offs_l = tl.arange(0, BLOCK_L)
             c = tl.load(c_ptr + t64 * stride_c + offs_l, mask=offs_l < D_LATENT)
             tl.store(row + offs_l, c.to(cache_ptr.dtype.element_ty), mask=offs_l < D_LATENT)
@@ -145,9 +145,9 @@ def rope(
         kv_cache, slots, c_kv = cache
         c_kv, _ = float_cache_inputs(kv_cache, slots, c_kv, k_pe2, "rope")
         write = (c_kv, slots, kv_cache, c_kv.stride(0), kv_cache.stride(0), kv_cache.stride(1))
-        lora = c_kv.shape[1]
+        lora, page_size = c_kv.shape[1], kv_cache.shape[1]
     else:
-        write, lora = (q_pe, positions, q_pe, 0, 0, 0), 1  # unused pointers
+        write, lora, page_size = (q_pe, positions, q_pe, 0, 0, 0), 1, 1  # unused
     if num_tokens == 0:
         return
     if cos_sin.stride(1) != 1:
@@ -161,6 +161,6 @@ def rope(
         q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), k_pe2.stride(0), k_pe2.stride(1),
         cos_sin.stride(0), *q_out.stride(), *write,
         ROPE=rope_dim, BLOCK_H=block_h, WRITE=cache is not None,
-        PAGE_SIZE=write[2].shape[1] if cache is not None else 1, D_LATENT=lora,
+        PAGE_SIZE=page_size, D_LATENT=lora,
         BLOCK_L=triton.next_power_of_2(lora), num_warps=cfg["num_warps"],
     )  # fmt: skip
