@@ -1,0 +1,80 @@
+# ruff: noqa: B023, E501  (scratch-style probes: closures are timed inside their loop iteration)
+"""mla_decode (bf16 cache, 128 heads, page 64) at small batches: the tuned config (Gluon split kernel, 64 heads a
+program) against other layouts / head blocks, each at the policy's split count and at forced ones. CUDA graph of
+20 calls, median of 15 replays, us per call; the best five per (B, ctx). usage: sweep_mla_small.py [B,..] [CTX,..]"""
+
+import sys
+
+import torch
+
+from pdserve.kernels.mla_decode import triton as tri
+
+H, L, R, PAGE = 128, 512, 64, 64
+
+
+def timed(fn, reps=20):
+    """Per call, us: a CUDA graph of `reps` calls, median of 15 replays (as sweep_split.py)."""
+    fn()
+    torch.cuda.synchronize()
+    g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        fn()
+        with torch.cuda.graph(g, stream=s):
+            for _ in range(reps):
+                fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(15):
+        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1000 / reps)
+    return sorted(ts)[len(ts) // 2]
+
+
+CONFIGS = {
+    "tuned": {},
+    "hm64": {"gluon": False},
+    "hm32": {"gluon": False, "BLOCK_M": 32, "num_warps": 4},
+    "hm16": {"gluon": False, "BLOCK_M": 16, "num_warps": 4},
+    "hm16n32": {"gluon": False, "BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4},
+    "kv16": {"LAYOUT": "kv_major", "BLOCK_M": 16, "num_warps": 4, "gluon": False},
+    "kv32": {"LAYOUT": "kv_major", "BLOCK_M": 32, "num_warps": 8, "gluon": False},
+}
+BS = [int(x) for x in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 2, 4]
+CTXS = [int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1024, 4096]
+for B in BS:
+    for ctx in CTXS:
+        per = ctx // PAGE
+        cache = torch.randn(B * per, PAGE, L + R, device="cuda", dtype=torch.bfloat16)
+        pt = torch.randperm(B * per, device="cuda", dtype=torch.int32).view(B, per)
+        sl = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
+        q = torch.randn(B, 1, H, L + R, device="cuda", dtype=torch.bfloat16)
+        ref_out = tri.mla_decode_launch(q, cache, pt, sl, 0.07, L)[0].float()
+        results = []
+        for name, cfg in CONFIGS.items():
+            for ns in (None, 4, 8, 16, 32, 64):
+                if ns is not None and ns > per:
+                    continue
+                try:
+                    out = tri.mla_decode_launch(
+                        q, cache, pt, sl, 0.07, L, num_splits=ns, config=cfg
+                    )[0]
+                    err = ((out.float() - ref_out).norm() / ref_out.norm()).item()
+                    t = timed(
+                        lambda: tri.mla_decode_launch(
+                            q, cache, pt, sl, 0.07, L, num_splits=ns, config=cfg
+                        )
+                    )
+                    results.append((t, f"{name} s{ns or 'P'}{'!' if err > 1e-2 else ''}"))
+                except Exception as e:  # noqa: BLE001
+                    results.append((1e9, f"{name} s{ns}: {type(e).__name__}"))
+        tuned = next(t for t, n in results if n == "tuned sP")
+        results.sort()
+        print(
+            f"B={B} ctx={ctx}: tuned {tuned:.1f} | "
+            + "; ".join(f"{n} {t:.1f}" for t, n in results[:6]),
+            flush=True,
+        )
