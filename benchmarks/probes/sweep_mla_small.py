@@ -3,36 +3,13 @@
 program) against other layouts / head blocks, each at the policy's split count and at forced ones. CUDA graph of
 20 calls, median of 15 replays, us per call; the best five per (B, ctx). usage: sweep_mla_small.py [B,..] [CTX,..]"""
 
+import os
 import sys
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sweep_split import PAGE, L, inputs, timed  # noqa: E402
 
-from pdserve.kernels.mla_decode import triton as tri
-
-H, L, R, PAGE = 128, 512, 64, 64
-
-
-def timed(fn, reps=20):
-    """Per call, us: a CUDA graph of `reps` calls, median of 15 replays (as sweep_split.py)."""
-    fn()
-    torch.cuda.synchronize()
-    g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()
-        with torch.cuda.graph(g, stream=s):
-            for _ in range(reps):
-                fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(15):
-        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / reps)
-    return sorted(ts)[len(ts) // 2]
-
+from pdserve.kernels.mla_decode import triton as tri  # noqa: E402
 
 CONFIGS = {
     "tuned": {},
@@ -48,10 +25,7 @@ CTXS = [int(x) for x in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1024,
 for B in BS:
     for ctx in CTXS:
         per = ctx // PAGE
-        cache = torch.randn(B * per, PAGE, L + R, device="cuda", dtype=torch.bfloat16)
-        pt = torch.randperm(B * per, device="cuda", dtype=torch.int32).view(B, per)
-        sl = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
-        q = torch.randn(B, 1, H, L + R, device="cuda", dtype=torch.bfloat16)
+        q, cache, pt, sl = inputs(B, ctx)
         ref_out = tri.mla_decode_launch(q, cache, pt, sl, 0.07, L)[0].float()
         results = []
         for name, cfg in CONFIGS.items():
