@@ -3,31 +3,14 @@
 router's upcast + fp32 GEMV. CUDA graph of 20 repeats, median of 20 replays, us per repeat."""
 
 import torch
+from _common import graph_us
 
 H, NOPE, ROPE, LAT, D, E = 128, 128, 64, 512, 7168, 256
 REPS = 20
 
 
 def timed(fn):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()
-        with torch.cuda.graph(g, stream=s):
-            for _ in range(REPS):
-                fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / REPS)
-    return sorted(ts)[len(ts) // 2]
+    return graph_us(fn, REPS, replays=20)
 
 
 for T in ():

@@ -5,6 +5,7 @@ CUDA graph of 20, median, us per call."""
 import torch
 import triton
 import triton.language as tl
+from _common import graph_us
 
 
 @triton.jit
@@ -78,26 +79,7 @@ def run(x, w8, s, block_n, block_m=16, warps=4, stages=3):
     return o
 
 
-def timed(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    st = torch.cuda.Stream()
-    with torch.cuda.stream(st):
-        fn()
-        with torch.cuda.graph(g, stream=st):
-            for _ in range(reps):
-                fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(15):
-        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / reps)
-    return sorted(ts)[len(ts) // 2]
+timed = graph_us
 
 
 H = 128

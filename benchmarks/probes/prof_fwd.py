@@ -5,26 +5,16 @@ usage: prof_fwd.py CKPT B[,B...]"""
 import sys
 
 import torch
+from _common import decode_batch
 from torch.profiler import ProfilerActivity, profile
 
-from pdserve.model.batch import SeqChunk, build_forward_batch
-from pdserve.model.kv_cache import KVCacheLayout, PagedKVCache
 from pdserve.model.loader import load_model
 
 path, batches = sys.argv[1], [int(b) for b in sys.argv[2].split(",")]
 context, page = 1024, 64
 model = load_model(path, "cuda", torch.bfloat16, progress=False)
 for B in batches:
-    per = -(-(context + 2) // page)
-    layout = KVCacheLayout.for_model(model.args, page, model.dtype, model.num_mtp)
-    cache = PagedKVCache(layout, B * per, "cuda")
-    cache.data.normal_()
-    g = torch.Generator().manual_seed(B)
-    toks = torch.randint(3, model.args.vocab_size, (B,), generator=g).tolist()
-    chunks = [
-        SeqChunk([t], context, list(range(b * per, (b + 1) * per))) for b, t in enumerate(toks)
-    ]
-    batch = build_forward_batch(chunks, page, "cuda", True)
+    batch, cache = decode_batch(model, B, context, page)
     with torch.inference_mode():
         for _ in range(3):
             model(batch, cache)

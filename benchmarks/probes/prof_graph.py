@@ -5,32 +5,16 @@ usage: prof_graph.py CKPT B"""
 import sys
 
 import torch
+from _common import capture_forward, decode_batch
 from torch.profiler import ProfilerActivity, profile
 
-from pdserve.model.batch import SeqChunk, build_forward_batch
-from pdserve.model.kv_cache import KVCacheLayout, PagedKVCache
 from pdserve.model.loader import load_model
 
 path, B = sys.argv[1], int(sys.argv[2])
 context, page = 1024, 64
 model = load_model(path, "cuda", torch.bfloat16, progress=False)
-per = -(-(context + 2) // page)
-layout = KVCacheLayout.for_model(model.args, page, model.dtype, model.num_mtp)
-cache = PagedKVCache(layout, B * per, "cuda")
-cache.data.normal_()
-toks = torch.randint(
-    3, model.args.vocab_size, (B,), generator=torch.Generator().manual_seed(B)
-).tolist()
-chunks = [SeqChunk([t], context, list(range(b * per, (b + 1) * per))) for b, t in enumerate(toks)]
-batch = build_forward_batch(chunks, page, "cuda", True)
-s = torch.cuda.Stream()
-with torch.cuda.stream(s), torch.inference_mode():
-    for _ in range(2):
-        model(batch, cache)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=s):
-        model(batch, cache)
-torch.cuda.synchronize()
+batch, cache = decode_batch(model, B, context, page)
+graph = capture_forward(model, batch, cache)
 for _ in range(5):
     graph.replay()
 torch.cuda.synchronize()

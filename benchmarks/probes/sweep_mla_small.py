@@ -3,13 +3,11 @@
 program) against other layouts / head blocks, each at the policy's split count and at forced ones. CUDA graph of
 20 calls, median of 15 replays, us per call; the best five per (B, ctx). usage: sweep_mla_small.py [B,..] [CTX,..]"""
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sweep_split import PAGE, L, inputs, timed  # noqa: E402
+from sweep_split import PAGE, L, inputs, timed
 
-from pdserve.kernels.mla_decode import triton as tri  # noqa: E402
+from pdserve.kernels.mla_decode import triton as tri
 
 CONFIGS = {
     "tuned": {},

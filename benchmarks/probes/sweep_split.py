@@ -5,6 +5,7 @@ CUDA graph of 20 calls, median of 15 replays, us per call. usage: sweep_split.py
 import sys
 
 import torch
+from _common import graph_us
 
 from pdserve.kernels._backend import num_sms
 from pdserve.kernels.mla_decode import triton as tri
@@ -12,26 +13,7 @@ from pdserve.kernels.mla_decode import triton as tri
 H, L, R, PAGE = 128, 512, 64, 64
 
 
-def timed(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()
-        with torch.cuda.graph(g, stream=s):
-            for _ in range(reps):
-                fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(15):
-        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / reps)
-    return sorted(ts)[len(ts) // 2]
+timed = graph_us  # sweep_mla_small takes it from here
 
 
 def inputs(B: int, ctx: int):
