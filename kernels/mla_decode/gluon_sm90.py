@@ -1,6 +1,7 @@
 """MLA decode's split kernel for Hopper (sm_90) in Gluon: the heads_major case (64 query rows a
-CTA: 128 heads, MTP) on a bf16/fp16 cache. Same grid, chunking and outputs as the Triton
-`split_heads_major_kernel`; the launcher's combine step follows it unchanged.
+CTA: 128 heads, MTP) on a bf16/fp16 cache, and on an fp8 one (`fp8_format` rows) under a bf16 q.
+Same grid, chunking and outputs as the Triton `split_heads_major_kernel`; the launcher's combine
+step follows it unchanged.
 
 Why a second kernel: in Triton, the Q K^T dot feeds the P V dot, and Triton then gives it all the
 CTA's warps on M (`[8, 1]`): with 64 rows both warpgroups compute the same scores, 13.6 MFLOP of
@@ -16,6 +17,13 @@ P through shared memory (each warpgroup needs all of P's columns), then O += P V
 while the next tile's scores start. A tile is never cut across pages (page_size % BLOCK_N == 0).
 The chunk's last, partial tile still comes through TMA whole; its rows past the chunk's end are
 zeroed in shared memory before P V (stale cache rows may hold NaN) and masked out of S.
+
+On an fp8 cache the producer loads each tile's latent (e4m3), rope (bf16) and scale (fp32)
+columns through three descriptors over the same rows. The consumers convert the latent into a
+16-bit buffer (exact), which both products read; the per-row scale is applied to S's latent part
+by column and to P's columns (V = K8 * scale by row), never to the tile. Tuned: 64-position tiles
+and one buffer, which leaves the conversion between a tile's P V and the next tile's scores (two
+buffers only fit with 32-position tiles, whose doubled Q reads cost more than the overlap gains).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..fp8_gemm import gluon_sm90 as _dense
+from . import fp8_format
 
 if _dense._IMPORTED:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
@@ -41,37 +50,55 @@ if _dense._IMPORTED:
 available = _dense.available
 BLOCK_M = 64  # query rows a CTA
 SMEM_BYTES = 227 * 1024  # sm_90's shared memory a CTA may take
+SCALE_COLS = 4  # fp8 cache: the fp32 columns a tile's scale load takes (TMA's 16-byte minimum)
 
 
 def usable(q: torch.Tensor, kv_cache: torch.Tensor, lora: int, cfg: dict) -> bool:
     """The config asks for this kernel (`gluon`), the GPU is an sm_90 one, the cache is q's 16-bit
-    float type, the shapes suit wgmma and TMA, and the CTA's shared memory fits. (That every tile
-    lies in one page, the launcher checks: `tile_rows`.)"""
-    if not cfg.get("gluon") or not available(q.device) or kv_cache.dtype != q.dtype:
+    float type or fp8 rows under a bf16 q, the shapes suit wgmma and TMA, and the CTA's shared
+    memory fits. (That every tile lies in one page, the launcher checks: `tile_rows`.)"""
+    if not cfg.get("gluon") or not available(q.device) or cfg["BLOCK_M"] != BLOCK_M:
         return False
-    if q.dtype not in (torch.bfloat16, torch.float16) or cfg["BLOCK_M"] != BLOCK_M:
+    fp8 = kv_cache.dtype == torch.uint8
+    if fp8 and q.dtype != torch.bfloat16 or not fp8 and kv_cache.dtype != q.dtype:
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16):
         return False
     block_n, stages = cfg["BLOCK_N"], cfg.get("gluon_stages", 2)
-    width, stride_row = kv_cache.shape[2], kv_cache.stride(1)
-    rope = width - lora
-    if stride_row * 2 % 16 or kv_cache.data_ptr() % 16 or not 16 <= lora <= 512 or rope < 16:
+    rope = q.shape[3] - lora
+    if kv_cache.stride(1) * kv_cache.element_size() % 16 or kv_cache.data_ptr() % 16:
+        return False
+    if not 16 <= lora <= 512 or rope < 16 or fp8 and lora % 128:
         return False
     if q.is_contiguous() and q.data_ptr() % 16:  # (a copy made for TMA is aligned)
         return False
-    smem = 2 * (BLOCK_M * width + stages * block_n * width + BLOCK_M * block_n)
-    return block_n in (32, 64) and smem + 1024 <= SMEM_BYTES
+    return block_n in (32, 64) and smem_bytes(lora, rope, block_n, stages, fp8, cfg) <= SMEM_BYTES
+
+
+def smem_bytes(lora: int, rope: int, block_n: int, stages: int, fp8: bool, cfg: dict) -> int:
+    """The split kernel's shared memory: Q, the ring of cache tiles, P, and on an fp8 cache the
+    16-bit latent buffers (`gluon_kbf` of them); plus 1 KB for barriers and scratch."""
+    tile = 2 * block_n * (lora + rope)
+    extra = 0
+    if fp8:
+        tile = block_n * (lora + 2 * rope + 4 * SCALE_COLS)
+        extra = cfg.get("gluon_kbf", 1) * 2 * block_n * lora
+    return 2 * BLOCK_M * (lora + rope) + stages * tile + extra + 2 * BLOCK_M * block_n + 1024
 
 
 if _dense._IMPORTED:
 
     @gluon.jit
-    def _producer(q_lat_desc, q_pe_desc, lat_desc, pe_desc, q_lat, q_pe, k_lat, k_pe, q_bar, ready,
-                  empty, pt_row, q_row0, start, n_tiles, rows_per_page, PAGE_SIZE: gl.constexpr):  # fmt: skip
-        """One warp: Q's rows once, then each tile's cache rows (latent and rope) into ring slot
-        j % STAGES, once the consumers have released the slot's previous tile."""
+    def _producer(q_lat_desc, q_pe_desc, lat_desc, pe_desc, sc_desc, q_lat, q_pe, k_lat, k_pe, k_sc,
+                  q_bar, ready, empty, pt_row, q_row0, start, n_tiles, rows_per_page,
+                  PAGE_SIZE: gl.constexpr, PE_COL: gl.constexpr, SC_COL: gl.constexpr):  # fmt: skip
+        """One warp: Q's rows once, then each tile's cache rows (latent, rope and, for an fp8
+        cache (SC_COL > 0), the scale column) into ring slot j % STAGES, once the consumers have
+        released the slot's previous tile. PE_COL / SC_COL: the rope part's first column in
+        pe_desc's elements, the scale's in sc_desc's."""
         STAGES: gl.constexpr = k_lat.shape[0]
         BLOCK_N: gl.constexpr = k_lat.shape[1]
-        D_LATENT: gl.constexpr = k_lat.shape[2]
+        D_LATENT: gl.constexpr = q_lat.shape[1]
         mbarrier.expect(q_bar, q_lat_desc.block_type.nbytes + q_pe_desc.block_type.nbytes)
         _tma_load(q_lat_desc, [q_row0, 0], q_bar, q_lat)
         _tma_load(q_pe_desc, [q_row0, D_LATENT], q_bar, q_pe)
@@ -82,9 +109,14 @@ if _dense._IMPORTED:
             page = gl.load(pt_row + n0 // PAGE_SIZE).to(gl.int32)
             first = page * rows_per_page + n0 % PAGE_SIZE
             bar = ready.index(s)
-            mbarrier.expect(bar, lat_desc.block_type.nbytes + pe_desc.block_type.nbytes)
+            if SC_COL > 0:
+                mbarrier.expect(bar, lat_desc.block_type.nbytes + pe_desc.block_type.nbytes
+                                + sc_desc.block_type.nbytes)  # fmt: skip
+                _tma_load(sc_desc, [first, SC_COL], bar, k_sc.index(s))
+            else:
+                mbarrier.expect(bar, lat_desc.block_type.nbytes + pe_desc.block_type.nbytes)
             _tma_load(lat_desc, [first, 0], bar, k_lat.index(s))
-            _tma_load(pe_desc, [first, D_LATENT], bar, k_pe.index(s))
+            _tma_load(pe_desc, [first, PE_COL], bar, k_pe.index(s))
 
     @gluon.jit
     def _zero_rows(buf, valid):
@@ -120,6 +152,53 @@ if _dense._IMPORTED:
         return warpgroup_mma(q_lat, k_lat.index(s).permute((1, 0)), s_acc, is_async=True)
 
     @gluon.jit
+    def _softmax_tile(s_acc, pos, visible, end, m_i, l_part, acc, qk_scale,
+                      mma_o: gl.constexpr):  # fmt: skip
+        """One tile of the online softmax: scores s_acc [BLOCK_M, BLOCK_N] (unscaled) at cache
+        positions pos, masked to the positions each row sees; returns p, the new running max
+        (kept unscaled: qk_scale > 0, so scaling and subtracting it is one FMA), the per-column
+        partial sums and acc, both rescaled."""
+        seen = (pos[None, :] < visible[:, None]) & (pos < end)[None, :]
+        qk = gl.where(seen, s_acc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+        p = gl.exp2(qk * qk_scale - (m_safe * qk_scale)[:, None])
+        alpha = gl.exp2((m_i - m_safe) * qk_scale)
+        l_part = l_part * alpha[:, None] + p
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
+        return p, m_new, l_part, acc
+
+    @gluon.jit
+    def _finish(acc, m_i, l_part, qk_scale, out_ptr, lse_ptr, b, pid_s, row0, num_heads,
+                num_rows, stride_ob, stride_os, stride_oq, stride_oh,
+                stride_lb, stride_ls, stride_lq, stride_lh,
+                mma_s: gl.constexpr, mma_o: gl.constexpr):  # fmt: skip
+        """out = O / l and the chunk's natural-log lse, stored for the CTA's rows."""
+        BLOCK_M: gl.constexpr = acc.shape[0]
+        D_LATENT: gl.constexpr = acc.shape[1]
+        row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
+        row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
+        l_i = gl.sum(l_part, 1)
+        has = l_i > 0.0
+        l_safe = gl.where(has, l_i, 1.0)
+        lse = gl.where(has, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+        rows_o = row0 + gl.arange(0, BLOCK_M, layout=row_o)
+        offs_d = gl.arange(0, D_LATENT, layout=gl.SliceLayout(0, mma_o))
+        o_row = (
+            out_ptr + b * stride_ob + pid_s * stride_os
+            + (rows_o // num_heads) * stride_oq + (rows_o % num_heads) * stride_oh
+        )  # fmt: skip
+        gl.store(o_row[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=(rows_o < num_rows)[:, None])  # fmt: skip
+        rows = row0 + gl.arange(0, BLOCK_M, layout=row_s)
+        lse_row = (
+            lse_ptr + b * stride_lb + pid_s * stride_ls
+            + (rows // num_heads) * stride_lq + (rows % num_heads) * stride_lh
+        )  # fmt: skip
+        gl.store(lse_row, lse, mask=rows < num_rows)
+
+    @gluon.jit
     def _consumer(q_lat, q_pe, k_lat, k_pe, p_smem, q_bar, ready, empty, out_ptr, lse_ptr, b,
                   pid_s, row0, num_heads, num_rows, seq_len, start, end, n_tiles, qk_scale,
                   stride_ob, stride_os, stride_oq, stride_oh,
@@ -137,7 +216,6 @@ if _dense._IMPORTED:
             version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_LATENT // 2, 16]
         )
         row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
-        row_o: gl.constexpr = gl.SliceLayout(1, mma_o)
         rows = row0 + gl.arange(0, BLOCK_M, layout=row_s)
         visible = seq_len - NUM_Q + 1 + rows // num_heads  # positions < visible are seen
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
@@ -151,16 +229,8 @@ if _dense._IMPORTED:
         s_acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc,))
         for j in range(n_tiles):
             pos = start + j * BLOCK_N + offs_n
-            seen = (pos[None, :] < visible[:, None]) & (pos < end)[None, :]
-            qk = gl.where(seen, s_acc, float("-inf"))
-            # the running max is kept unscaled (qk_scale > 0): scale and subtract in one FMA
-            m_new = gl.maximum(m_i, gl.max(qk, 1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
-            p = gl.exp2(qk * qk_scale - (m_safe * qk_scale)[:, None])
-            alpha = gl.exp2((m_i - m_safe) * qk_scale)
-            l_part = l_part * alpha[:, None] + p
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-            m_i = m_new
+            p, m_i, l_part, acc = _softmax_tile(s_acc, pos, visible, end, m_i, l_part, acc,
+                                                qk_scale, mma_o)  # fmt: skip
             # both warpgroups have waited for the previous tile's P V: its slot and P are free
             gl.thread_barrier()
             mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), count=1, pred=j > 0)
@@ -172,25 +242,189 @@ if _dense._IMPORTED:
             # back-edge (ptxas would serialize every wgmma, its note C7515)
             s_acc = _scores(q_lat, q_pe, k_lat, k_pe, ready, s_acc, j + 1, n_tiles, start, end)
             s_acc, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, acc))
+        _finish(acc, m_i, l_part, qk_scale, out_ptr, lse_ptr, b, pid_s, row0, num_heads, num_rows,
+                stride_ob, stride_os, stride_oq, stride_oh,
+                stride_lb, stride_ls, stride_lq, stride_lh, mma_s, mma_o)  # fmt: skip
 
-        l_i = gl.sum(l_part, 1)
-        has = l_i > 0.0
-        l_safe = gl.where(has, l_i, 1.0)
-        lse = gl.where(has, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        out = acc / gl.convert_layout(l_safe, row_o)[:, None]
-        rows_o = row0 + gl.arange(0, BLOCK_M, layout=row_o)
-        offs_d = gl.arange(0, D_LATENT, layout=gl.SliceLayout(0, mma_o))
-        o_row = (
-            out_ptr + b * stride_ob + pid_s * stride_os
-            + (rows_o // num_heads) * stride_oq + (rows_o % num_heads) * stride_oh
+    @gluon.jit
+    def _dequant(k8, kbf, t, ready, n_tiles, start, end):
+        """Tile t's fp8 latent rows (ring slot t % STAGES, once loaded) into kbf in its 16-bit type
+        (exact: every e4m3 value is a bf16 one), 128 columns at a time; rows past `end` become
+        zeros (a stale row's bytes may be NaN). Past the last tile it waits for nothing and writes
+        zeros."""
+        STAGES: gl.constexpr = k8.shape[0]
+        BLOCK_N: gl.constexpr = k8.shape[1]
+        D: gl.constexpr = k8.shape[2]
+        CH: gl.constexpr = 128
+        layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])
+        s = t % STAGES
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1, pred=t < n_tiles)
+        valid = end - start - t * BLOCK_N
+        if t >= n_tiles:
+            valid = 0
+        keep = (gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout)) < valid)[:, None]
+        for c in gl.static_range(D // CH):
+            x = k8.index(s).slice(c * CH, CH, dim=1).load(layout).to(kbf.dtype)
+            kbf.slice(c * CH, CH, dim=1).store(gl.where(keep, x, gl.zeros_like(x)))
+
+    @gluon.jit
+    def _tile_scales(k_sc, t, start, end, col_layout: gl.constexpr):
+        """Tile t's fp8 scales [BLOCK_N] in col_layout: column 0 of its ring slot [BLOCK_N, W] (the
+        rest is the rows' padding); 0 past `end` (a stale scale may be NaN, and P is 0 there)."""
+        STAGES: gl.constexpr = k_sc.shape[0]
+        BLOCK_N: gl.constexpr = k_sc.shape[1]
+        W: gl.constexpr = k_sc.shape[2]
+        layout: gl.constexpr = gl.BlockedLayout([1, W], [32, 1], [8, 1], [1, 0])
+        x = k_sc.index(t % STAGES).load(layout)
+        first = gl.arange(0, W, layout=gl.SliceLayout(0, layout)) == 0
+        sc = gl.convert_layout(gl.sum(gl.where(first[None, :], x, 0.0), 1), col_layout)
+        pos = start + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+        return gl.where(pos < end, sc, 0.0)
+
+    @gluon.jit
+    def _consumer_fp8(q_lat, q_pe, k8, k_pe, k_sc, kbf, p_smem, q_bar, ready, empty, out_ptr,
+                      lse_ptr, b, pid_s, row0, num_heads, num_rows, seq_len, start, end, n_tiles,
+                      qk_scale, stride_ob, stride_os, stride_oq, stride_oh,
+                      stride_lb, stride_ls, stride_lq, stride_lh, NUM_Q: gl.constexpr):  # fmt: skip
+        """`_consumer` on an fp8 cache. Each tile's latent is converted into a 16-bit buffer (kbf:
+        one, or two used in turn) that both products read; its scales multiply S's latent part by
+        column (S = (Q_lat K8^T) * scale + Q_pe K_pe^T) and P's columns before P V (V = K8 *
+        scale by row). With two buffers the next tile's conversion runs while P V does; with one
+        it waits for P V, and only the next tile's rope scores overlap it."""
+        STAGES: gl.constexpr = k8.shape[0]
+        BLOCK_N: gl.constexpr = k8.shape[1]
+        D_LATENT: gl.constexpr = k8.shape[2]
+        BLOCK_M: gl.constexpr = q_lat.shape[0]
+        NB: gl.constexpr = kbf.shape[0]
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
+        )
+        mma_o: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_LATENT // 2, 16]
+        )
+        row_s: gl.constexpr = gl.SliceLayout(1, mma_s)
+        col_s: gl.constexpr = gl.SliceLayout(0, mma_s)
+        rows = row0 + gl.arange(0, BLOCK_M, layout=row_s)
+        visible = seq_len - NUM_Q + 1 + rows // num_heads  # positions < visible are seen
+        offs_n = gl.arange(0, BLOCK_N, layout=col_s)
+
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+        l_part = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_s)
+        s_lat = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_s)
+        s_pe = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_s)
+        acc = gl.zeros([BLOCK_M, D_LATENT], gl.float32, mma_o)
+        mbarrier.wait(q_bar, 0)
+        _dequant(k8, kbf.index(0), 0, ready, n_tiles, start, end)
+        fence_async_shared()
+        gl.thread_barrier()
+        s_pe = warpgroup_mma(q_pe, k_pe.index(0).permute((1, 0)), s_pe, use_acc=False,
+                             is_async=True)  # fmt: skip
+        s_lat = warpgroup_mma(q_lat, kbf.index(0).permute((1, 0)), s_lat, use_acc=False,
+                              is_async=True)  # fmt: skip
+        s_pe, s_lat = warpgroup_mma_wait(num_outstanding=0, deps=(s_pe, s_lat))
+        for j in range(n_tiles):
+            sc = _tile_scales(k_sc, j, start, end, col_s)
+            pos = start + j * BLOCK_N + offs_n
+            p, m_i, l_part, acc = _softmax_tile(s_lat * sc[None, :] + s_pe, pos, visible, end,
+                                                m_i, l_part, acc, qk_scale, mma_o)  # fmt: skip
+            # slot j is spent (its latent is in kbf, its rope scores and scales are read), and
+            # both warpgroups have waited for the previous P V: P is free
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(j % STAGES), count=1)
+            p_smem.store((p * sc[None, :]).to(p_smem.dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = warpgroup_mma(p_smem, kbf.index(j % NB), acc, is_async=True)
+            t = j + 1
+            s = t % STAGES
+            if NB == 1:
+                mbarrier.wait(ready.index(s), (t // STAGES) & 1, pred=t < n_tiles)
+                s_pe = warpgroup_mma(q_pe, k_pe.index(s).permute((1, 0)), s_pe, use_acc=False,
+                                     is_async=True)  # fmt: skip
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                gl.thread_barrier()  # both warpgroups' P V have read kbf
+                _dequant(k8, kbf.index(0), t, ready, n_tiles, start, end)
+            else:
+                _dequant(k8, kbf.index(t % NB), t, ready, n_tiles, start, end)
+            fence_async_shared()
+            gl.thread_barrier()
+            if NB != 1:
+                s_pe = warpgroup_mma(q_pe, k_pe.index(s).permute((1, 0)), s_pe, use_acc=False,
+                                     is_async=True)  # fmt: skip
+            s_lat = warpgroup_mma(q_lat, kbf.index(t % NB).permute((1, 0)), s_lat, use_acc=False,
+                                  is_async=True)  # fmt: skip
+            s_pe, s_lat, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_pe, s_lat, acc))
+        _finish(acc, m_i, l_part, qk_scale, out_ptr, lse_ptr, b, pid_s, row0, num_heads, num_rows,
+                stride_ob, stride_os, stride_oq, stride_oh,
+                stride_lb, stride_ls, stride_lq, stride_lh, mma_s, mma_o)  # fmt: skip
+
+    @gluon.jit
+    def _chunk(sl_ptr, num_splits, split_tokens, BLOCK_N: gl.constexpr):
+        """This CTA's split and request, the request's length, and its chunk [start, end) of cache
+        positions in n_tiles tiles: the cache cut into num_splits chunks of whole tiles, or into
+        chunks of split_tokens when that is > 0 (batch-invariant mode)."""
+        pid_s = gl.program_id(1)
+        b = gl.program_id(2).to(gl.int64)
+        seq_len = gl.load(sl_ptr + b).to(gl.int32)
+        chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        if split_tokens > 0:
+            chunk = split_tokens
+        start = pid_s * chunk
+        end = gl.minimum(start + chunk, seq_len)
+        n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+        return pid_s, b, seq_len, start, end, n_tiles
+
+    @gluon.jit
+    def _split_kernel_fp8(
+        q_lat_desc, q_pe_desc, lat_desc, pe_desc, sc_desc, pt_ptr, sl_ptr, out_ptr, lse_ptr,
+        num_heads, num_rows, num_splits, split_tokens, qk_scale, rows_per_page, stride_ptb,
+        stride_ob, stride_os, stride_oq, stride_oh,
+        stride_lb, stride_ls, stride_lq, stride_lh,
+        NUM_Q: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        NB: gl.constexpr, PE_COL: gl.constexpr, SC_COL: gl.constexpr,
+    ):  # fmt: skip
+        BLOCK_M: gl.constexpr = q_lat_desc.block_type.shape[0]
+        D_LATENT: gl.constexpr = q_lat_desc.block_type.shape[1]
+        D_ROPE: gl.constexpr = q_pe_desc.block_type.shape[1]
+        SC_W: gl.constexpr = sc_desc.block_type.shape[1]
+        pid_s, b, seq_len, start, end, n_tiles = _chunk(sl_ptr, num_splits, split_tokens, BLOCK_N)
+        row0 = gl.program_id(0) * BLOCK_M
+        q_row0 = (b * num_rows + row0).to(gl.int32)
+
+        dtype: gl.constexpr = q_lat_desc.dtype
+        q_lat = gl.allocate_shared_memory(dtype, [BLOCK_M, D_LATENT], q_lat_desc.layout)
+        q_pe = gl.allocate_shared_memory(dtype, [BLOCK_M, D_ROPE], q_pe_desc.layout)
+        k8 = gl.allocate_shared_memory(lat_desc.dtype, [STAGES, BLOCK_N, D_LATENT], lat_desc.layout)
+        k_pe = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_ROPE], pe_desc.layout)
+        k_sc = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, SC_W], sc_desc.layout)
+        kbf_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LATENT], dtype)
+        kbf = gl.allocate_shared_memory(dtype, [NB, BLOCK_N, D_LATENT], kbf_layout)
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for slot in gl.static_range(STAGES):
+            mbarrier.init(ready.index(slot), count=1)
+            mbarrier.init(empty.index(slot), count=1)
+
+        pt_row = pt_ptr + b * stride_ptb
+        gl.warp_specialize(
+            [
+                (_consumer_fp8,
+                 (q_lat, q_pe, k8, k_pe, k_sc, kbf, p_smem, q_bar, ready, empty, out_ptr, lse_ptr,
+                  b, pid_s, row0, num_heads, num_rows, seq_len, start, end, n_tiles, qk_scale,
+                  stride_ob, stride_os, stride_oq, stride_oh,
+                  stride_lb, stride_ls, stride_lq, stride_lh, NUM_Q)),
+                (_producer,
+                 (q_lat_desc, q_pe_desc, lat_desc, pe_desc, sc_desc, q_lat, q_pe, k8, k_pe, k_sc,
+                  q_bar, ready, empty, pt_row, q_row0, start, n_tiles, rows_per_page, PAGE_SIZE,
+                  PE_COL, SC_COL)),
+            ],
+            [1],
+            [40],
         )  # fmt: skip
-        gl.store(o_row[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=(rows_o < num_rows)[:, None])  # fmt: skip
-        lse_row = (
-            lse_ptr + b * stride_lb + pid_s * stride_ls
-            + (rows // num_heads) * stride_lq + (rows % num_heads) * stride_lh
-        )  # fmt: skip
-        gl.store(lse_row, lse, mask=rows < num_rows)
 
     @gluon.jit
     def _split_kernel(
@@ -203,17 +437,8 @@ if _dense._IMPORTED:
         BLOCK_M: gl.constexpr = q_lat_desc.block_type.shape[0]
         D_LATENT: gl.constexpr = q_lat_desc.block_type.shape[1]
         D_ROPE: gl.constexpr = q_pe_desc.block_type.shape[1]
-        pid_m = gl.program_id(0)
-        pid_s = gl.program_id(1)
-        b = gl.program_id(2).to(gl.int64)
-        seq_len = gl.load(sl_ptr + b).to(gl.int32)
-        chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-        if split_tokens > 0:
-            chunk = split_tokens
-        start = pid_s * chunk
-        end = gl.minimum(start + chunk, seq_len)
-        n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
-        row0 = pid_m * BLOCK_M
+        pid_s, b, seq_len, start, end, n_tiles = _chunk(sl_ptr, num_splits, split_tokens, BLOCK_N)
+        row0 = gl.program_id(0) * BLOCK_M
         q_row0 = (b * num_rows + row0).to(gl.int32)
 
         dtype: gl.constexpr = q_lat_desc.dtype
@@ -240,8 +465,9 @@ if _dense._IMPORTED:
                   stride_ob, stride_os, stride_oq, stride_oh,
                   stride_lb, stride_ls, stride_lq, stride_lh, NUM_Q)),
                 (_producer,
-                 (q_lat_desc, q_pe_desc, lat_desc, pe_desc, q_lat, q_pe, k_lat, k_pe, q_bar, ready,
-                  empty, pt_row, q_row0, start, n_tiles, rows_per_page, PAGE_SIZE)),
+                 (q_lat_desc, q_pe_desc, lat_desc, pe_desc, pe_desc, q_lat, q_pe, k_lat, k_pe, k_pe,
+                  q_bar, ready, empty, pt_row, q_row0, start, n_tiles, rows_per_page, PAGE_SIZE,
+                  D_LATENT, 0)),
             ],
             [1],
             [40],
@@ -252,7 +478,8 @@ def launch(q, kv_cache, cache_rows, page_table, seq_lens, part, part_lse, o_stri
            num_splits, split_tokens, qk_scale, lora, cfg) -> None:  # fmt: skip
     """The split step of `mla_decode_launch` on this kernel (`usable` must hold; cache_rows: the
     launcher's `tile_rows`): writes part / part_lse (strides o_strides / l_strides, split stride
-    0 when unsplit) like the Triton one."""
+    0 when unsplit) like the Triton one. An fp8 cache (`fp8_format` rows) is read through three
+    descriptors over the same bytes: its latent as e4m3, its rope as bf16, its scale as fp32."""
     batch, num_q, num_heads, width = q.shape
     num_rows = num_q * num_heads
     rope = width - lora
@@ -264,18 +491,30 @@ def launch(q, kv_cache, cache_rows, page_table, seq_lens, part, part_lse, o_stri
     lay = gl.NVMMASharedLayout.get_default_for
     q_lat_desc = TensorDescriptor.from_tensor(q2, [BLOCK_M, lora], lay([BLOCK_M, lora], dtype))
     q_pe_desc = TensorDescriptor.from_tensor(q2, [BLOCK_M, rope], lay([BLOCK_M, rope], dtype))
-    shape, strides = [cache_rows, width], [kv_cache.stride(1), 1]
-    lat_desc = TensorDescriptor(
-        kv_cache, shape, strides, [block_n, lora], lay([block_n, lora], dtype)
-    )
-    pe_desc = TensorDescriptor(
-        kv_cache, shape, strides, [block_n, rope], lay([block_n, rope], dtype)
-    )
+
+    def desc(view: torch.Tensor, box: list[int], gl_dtype) -> TensorDescriptor:
+        """A descriptor over the cache's rows (`cache_rows` of them) seen as `view`'s dtype."""
+        shape, strides = [cache_rows, view.shape[2]], [view.stride(1), 1]
+        return TensorDescriptor(view, shape, strides, box, lay(box, gl_dtype))
+
     grid = (-(-num_rows // BLOCK_M), num_splits, batch)
+    args = (page_table, seq_lens, part, part_lse, num_heads, num_rows, num_splits, split_tokens,
+            qk_scale, rows_per_page, page_table.stride(0), *o_strides, *l_strides)  # fmt: skip
+    stages = cfg.get("gluon_stages", 2)
+    if kv_cache.dtype == torch.uint8:
+        lat_desc = desc(kv_cache.view(torch.float8_e4m3fn), [block_n, lora], gl.float8e4nv)
+        pe_desc = desc(kv_cache.view(torch.bfloat16), [block_n, rope], gl.bfloat16)
+        sc_desc = desc(kv_cache.view(torch.float32), [block_n, SCALE_COLS], gl.float32)
+        _split_kernel_fp8[grid](
+            q_lat_desc, q_pe_desc, lat_desc, pe_desc, sc_desc, *args,
+            NUM_Q=num_q, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages,
+            NB=cfg.get("gluon_kbf", 1), PE_COL=fp8_format.rope_offset(lora) // 2,
+            SC_COL=fp8_format.scale_offset(lora, rope) // 4, num_warps=8,
+        )  # fmt: skip
+        return
+    lat_desc = desc(kv_cache, [block_n, lora], dtype)
+    pe_desc = desc(kv_cache, [block_n, rope], dtype)
     _split_kernel[grid](
-        q_lat_desc, q_pe_desc, lat_desc, pe_desc, page_table, seq_lens, part, part_lse,
-        num_heads, num_rows, num_splits, split_tokens, qk_scale, rows_per_page,
-        page_table.stride(0), *o_strides, *l_strides,
-        NUM_Q=num_q, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=cfg.get("gluon_stages", 2),
-        num_warps=8,
+        q_lat_desc, q_pe_desc, lat_desc, pe_desc, *args,
+        NUM_Q=num_q, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages, num_warps=8,
     )  # fmt: skip

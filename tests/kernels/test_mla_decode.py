@@ -146,6 +146,43 @@ def test_mla_decode_layouts_and_splits(
     _check(case, got, expected)
 
 
+FP8_SPLIT_KERNELS = {
+    "triton": {"gluon": False},
+    "gluon-n64-kbf1": {"gluon": True, "BLOCK_N": 64, "gluon_kbf": 1, "gluon_stages": 2},
+    "gluon-n32-kbf1": {"gluon": True, "BLOCK_N": 32, "gluon_kbf": 1, "gluon_stages": 3},
+    "gluon-n32-kbf2": {"gluon": True, "BLOCK_N": 32, "gluon_kbf": 2, "gluon_stages": 3},
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.parametrize("kernel", list(FP8_SPLIT_KERNELS))
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case((1, 3000, 128, 999, 4097), 1, 128, 64, torch.bfloat16, True),
+        Case((3, 2000, 517, 1025), 2, 128, 16, torch.bfloat16, True),
+        Case((700, 2, 64, 1), 1, 64, 64, torch.bfloat16, True),
+    ],
+    ids=["q1-h128-p64", "q2-h128-p16", "q1-h64-p64"],
+)
+def test_mla_decode_fp8_heads_major_kernels(case: Case, kernel: str, num_splits) -> None:
+    """The fp8 cache's 64-row split kernels (Triton, and the Gluon one in each of its buffer
+    set-ups) on a cache whose rows past each request's end hold NaN bytes: the Gluon kernel loads
+    a partial last tile whole, and must zero those rows and their scales, not read them."""
+    q, cache, page_table, seq_lens = _make(case, seed=5)
+    for b, n in enumerate(case.seq_lens):
+        if n % case.page_size:
+            cache[page_table[b, n // case.page_size].long(), n % case.page_size :] = 0x7F
+    expected = ref.mla_decode(q, cache, page_table, seq_lens, 0.1, case.lora)
+    config = FP8_SPLIT_KERNELS[kernel]
+    with poisoned_empty():
+        got = tri.mla_decode_launch(
+            q, cache, page_table, seq_lens, 0.1, case.lora, num_splits, config
+        )
+    _check(case, got, expected)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_heads_major_running_max_across_tiles(num_splits: int) -> None:
     """Scores that climb along the cache, steeply (0.5 a position) and slowly (0.05): the running
