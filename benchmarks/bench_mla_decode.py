@@ -112,7 +112,7 @@ def run(quick: bool) -> list[Row]:
         kv = None
         if not fp8 and score_bytes < (2 << 30) and math.prod(cache.shape) < (2 << 30):
             kv = cache[page_table.long()].view(batch, -1, LORA + ROPE)[:, :seq_len].contiguous()
-        if heads * num_q >= 64 and not fp8:
+        if heads * num_q >= 64:
             # the Triton heads_major kernel that the Gluon one (gluon_sm90) replaces on sm_90
             timers.append(("tl.dot kernel", time_ms))
         for impl, timer in timers:

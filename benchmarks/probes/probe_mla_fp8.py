@@ -1,6 +1,6 @@
 # ruff: noqa: B023, E501  (scratch-style probes: closures are timed inside their loop iteration)
-"""mla_decode on an fp8 cache at 64+ query rows (128 heads): the Gluon split kernel's variants (tile rows n, 16-bit
-latent buffers k, ring stages s) against the Triton fp8 kernel and the bf16 cache's Gluon kernel. First each variant's
+"""mla_decode on an fp8 cache at 64+ query rows (128 heads): the Gluon split kernel's variants (tile positions n,
+ring stages s) against the Triton fp8 kernel and the bf16 cache's Gluon kernel. First each variant's
 error against the torch reference on ragged shapes (partial tiles, splits, MTP, page 16 / 64), then the time
 (`_bench.time_ms`: L2 flushed, median of 50) at B=128, kv 4096 / 8192 (issue 3's shapes), with TFLOP/s.
 usage: probe_mla_fp8.py [variant,..] (default: all)"""
@@ -18,11 +18,9 @@ from pdserve.kernels.mla_decode import triton as tri
 
 VARIANTS = {
     "triton": {"gluon": False},
-    "n64k1s2": {"gluon": True, "BLOCK_N": 64, "gluon_kbf": 1, "gluon_stages": 2},
-    "n32k1s3": {"gluon": True, "BLOCK_N": 32, "gluon_kbf": 1, "gluon_stages": 3},
-    "n32k2s2": {"gluon": True, "BLOCK_N": 32, "gluon_kbf": 2, "gluon_stages": 2},
-    "n32k2s3": {"gluon": True, "BLOCK_N": 32, "gluon_kbf": 2, "gluon_stages": 3},
-    "n32k2s4": {"gluon": True, "BLOCK_N": 32, "gluon_kbf": 2, "gluon_stages": 4},
+    "n64s2": {"gluon": True, "BLOCK_N": 64, "gluon_stages": 2},
+    "n32s3": {"gluon": True, "BLOCK_N": 32, "gluon_stages": 3},
+    "n32s4": {"gluon": True, "BLOCK_N": 32, "gluon_stages": 4},
 }
 names = sys.argv[1].split(",") if len(sys.argv) > 1 else list(VARIANTS)
 

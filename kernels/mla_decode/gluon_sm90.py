@@ -19,11 +19,11 @@ The chunk's last, partial tile still comes through TMA whole; its rows past the 
 zeroed in shared memory before P V (stale cache rows may hold NaN) and masked out of S.
 
 On an fp8 cache the producer loads each tile's latent (e4m3), rope (bf16) and scale (fp32)
-columns through three descriptors over the same rows. The consumers convert the latent into a
-16-bit buffer (exact), which both products read; the per-row scale is applied to S's latent part
-by column and to P's columns (V = K8 * scale by row), never to the tile. Tuned: 64-position tiles
-and one buffer, which leaves the conversion between a tile's P V and the next tile's scores (two
-buffers only fit with 32-position tiles, whose doubled Q reads cost more than the overlap gains).
+columns through three descriptors over the same rows; the latent lands in the upper half of a
+bf16-sized ring slot, where the consumers convert it in place (exact, in integer ops) for both
+products to read. The per-row scale is applied to S's latent part by column and to P's columns
+(V = K8 * scale by row), never to the tile. The conversion costs most of the gap to the bf16
+cache's kernel (twenty-fourth session, benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -72,18 +72,15 @@ def usable(q: torch.Tensor, kv_cache: torch.Tensor, lora: int, cfg: dict) -> boo
         return False
     if q.is_contiguous() and q.data_ptr() % 16:  # (a copy made for TMA is aligned)
         return False
-    return block_n in (32, 64) and smem_bytes(lora, rope, block_n, stages, fp8, cfg) <= SMEM_BYTES
+    return block_n in (32, 64) and smem_bytes(lora, rope, block_n, stages, fp8) <= SMEM_BYTES
 
 
-def smem_bytes(lora: int, rope: int, block_n: int, stages: int, fp8: bool, cfg: dict) -> int:
-    """The split kernel's shared memory: Q, the ring of cache tiles, P, and on an fp8 cache the
-    16-bit latent buffers (`gluon_kbf` of them); plus 1 KB for barriers and scratch."""
-    tile = 2 * block_n * (lora + rope)
-    extra = 0
-    if fp8:
-        tile = block_n * (lora + 2 * rope + 4 * SCALE_COLS)
-        extra = cfg.get("gluon_kbf", 1) * 2 * block_n * lora
-    return 2 * BLOCK_M * (lora + rope) + stages * tile + extra + 2 * BLOCK_M * block_n + 1024
+def smem_bytes(lora: int, rope: int, block_n: int, stages: int, fp8: bool) -> int:
+    """The split kernel's shared memory: Q, the ring of cache tiles (on an fp8 cache, each slot
+    holds its latent in bf16, converted in place, and its scale columns), P, and 1 KB for
+    barriers and scratch."""
+    tile = 2 * block_n * (lora + rope) + (4 * SCALE_COLS * block_n if fp8 else 0)
+    return 2 * BLOCK_M * (lora + rope) + stages * tile + 2 * BLOCK_M * block_n + 1024
 
 
 if _dense._IMPORTED:
@@ -91,13 +88,15 @@ if _dense._IMPORTED:
     @gluon.jit
     def _producer(q_lat_desc, q_pe_desc, lat_desc, pe_desc, sc_desc, q_lat, q_pe, k_lat, k_pe, k_sc,
                   q_bar, ready, empty, pt_row, q_row0, start, n_tiles, rows_per_page,
-                  PAGE_SIZE: gl.constexpr, PE_COL: gl.constexpr, SC_COL: gl.constexpr):  # fmt: skip
+                  PAGE_SIZE: gl.constexpr, PE_COL: gl.constexpr, SC_COL: gl.constexpr,
+                  LAT_HALF: gl.constexpr):  # fmt: skip
         """One warp: Q's rows once, then each tile's cache rows (latent, rope and, for an fp8
         cache (SC_COL > 0), the scale column) into ring slot j % STAGES, once the consumers have
         released the slot's previous tile. PE_COL / SC_COL: the rope part's first column in
-        pe_desc's elements, the scale's in sc_desc's."""
-        STAGES: gl.constexpr = k_lat.shape[0]
-        BLOCK_N: gl.constexpr = k_lat.shape[1]
+        pe_desc's elements, the scale's in sc_desc's. LAT_HALF: slot s's latent goes to
+        k_lat.index(2 * s + 1), the upper half of a 16-bit slot (`_expand`), not k_lat.index(s)."""
+        STAGES: gl.constexpr = k_pe.shape[0]
+        BLOCK_N: gl.constexpr = k_pe.shape[1]
         D_LATENT: gl.constexpr = q_lat.shape[1]
         mbarrier.expect(q_bar, q_lat_desc.block_type.nbytes + q_pe_desc.block_type.nbytes)
         _tma_load(q_lat_desc, [q_row0, 0], q_bar, q_lat)
@@ -115,7 +114,7 @@ if _dense._IMPORTED:
                 _tma_load(sc_desc, [first, SC_COL], bar, k_sc.index(s))
             else:
                 mbarrier.expect(bar, lat_desc.block_type.nbytes + pe_desc.block_type.nbytes)
-            _tma_load(lat_desc, [first, 0], bar, k_lat.index(s))
+            _tma_load(lat_desc, [first, 0], bar, k_lat.index(s * (1 + LAT_HALF) + LAT_HALF))
             _tma_load(pe_desc, [first, PE_COL], bar, k_pe.index(s))
 
     @gluon.jit
@@ -247,25 +246,35 @@ if _dense._IMPORTED:
                 stride_lb, stride_ls, stride_lq, stride_lh, mma_s, mma_o)  # fmt: skip
 
     @gluon.jit
-    def _dequant(k8, kbf, t, ready, n_tiles, start, end):
-        """Tile t's fp8 latent rows (ring slot t % STAGES, once loaded) into kbf in its 16-bit type
-        (exact: every e4m3 value is a bf16 one), 128 columns at a time; rows past `end` become
-        zeros (a stale row's bytes may be NaN). Past the last tile it waits for nothing and writes
-        zeros."""
-        STAGES: gl.constexpr = k8.shape[0]
-        BLOCK_N: gl.constexpr = k8.shape[1]
-        D: gl.constexpr = k8.shape[2]
-        CH: gl.constexpr = 128
-        layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])
-        s = t % STAGES
-        mbarrier.wait(ready.index(s), (t // STAGES) & 1, pred=t < n_tiles)
-        valid = end - start - t * BLOCK_N
-        if t >= n_tiles:
-            valid = 0
-        keep = (gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout)) < valid)[:, None]
-        for c in gl.static_range(D // CH):
-            x = k8.index(s).slice(c * CH, CH, dim=1).load(layout).to(kbf.dtype)
-            kbf.slice(c * CH, CH, dim=1).store(gl.where(keep, x, gl.zeros_like(x)))
+    def _e4m3_to_bf16(x):
+        """e4m3 values to bf16, exactly, in integer ops, four at a time: each byte's sign, exponent
+        and mantissa bits moved to their bf16 places give the value times 2^-120 (subnormals
+        included, since both formats then read the bits the same way), and one packed bf16
+        multiply by 2^120 restores it. The conversion instructions (e4m3 -> f16 -> bf16) instead
+        take one slow F2F a value, which made this conversion the kernel's largest cost."""
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .b32 t0, t1, k;
+            prmt.b32 t0, $2, 0, 0x1404;
+            prmt.b32 t1, $2, 0, 0x3424;
+            shr.b32 $0, t0, 4;
+            shr.b32 $1, t1, 4;
+            and.b32 $0, $0, 0x07F007F0;
+            and.b32 $1, $1, 0x07F007F0;
+            and.b32 t0, t0, 0x80008000;
+            and.b32 t1, t1, 0x80008000;
+            or.b32 $0, $0, t0;
+            or.b32 $1, $1, t1;
+            mov.b32 k, 0x7B807B80;
+            mul.rn.bf16x2 $0, $0, k;
+            mul.rn.bf16x2 $1, $1, k;
+            }""",
+            "=r,=r,r",
+            [x.to(gl.uint8, bitcast=True)],
+            dtype=gl.bfloat16,
+            is_pure=True,
+            pack=4,
+        )
 
     @gluon.jit
     def _tile_scales(k_sc, t, start, end, col_layout: gl.constexpr):
@@ -282,20 +291,51 @@ if _dense._IMPORTED:
         return gl.where(pos < end, sc, 0.0)
 
     @gluon.jit
+    def _expand(k_raw, kbf, t, ready, n_tiles, start, end):
+        """Tile t's fp8 latent as bf16, in place: its ring slot is kbf.index(s) ([BLOCK_N, D]
+        bf16), whose upper half the producer filled with the fp8 tile (k_raw.index(2 * s + 1)).
+        Both tiles are stored in 128-byte-wide column blocks, so the bf16 columns [0, D/2) lie
+        below the fp8 tile and are written first; the rest overwrite it once every thread has read
+        it. Rows past `end` become zeros (a stale row's bytes may be NaN); past the last tile it
+        waits for nothing and writes zeros. Ends fenced for wgmma, with every warp done."""
+        STAGES: gl.constexpr = kbf.shape[0]
+        BLOCK_N: gl.constexpr = kbf.shape[1]
+        D: gl.constexpr = kbf.shape[2]
+        CH: gl.constexpr = D // 4
+        layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // CH, CH // 16], [8, 1], [1, 0])
+        s = t % STAGES
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1, pred=t < n_tiles)
+        valid = end - start - t * BLOCK_N
+        if t >= n_tiles:
+            valid = 0
+        keep = (gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout)) < valid)[:, None]
+        src = k_raw.index(2 * s + 1)
+        dst = kbf.index(s)
+        for c in gl.static_range(2):
+            x = _e4m3_to_bf16(src.slice(c * CH, CH, dim=1).load(layout))
+            dst.slice(c * CH, CH, dim=1).store(gl.where(keep, x, gl.zeros_like(x)))
+        x2 = _e4m3_to_bf16(src.slice(2 * CH, CH, dim=1).load(layout))
+        x3 = _e4m3_to_bf16(src.slice(3 * CH, CH, dim=1).load(layout))
+        gl.thread_barrier()
+        dst.slice(2 * CH, CH, dim=1).store(gl.where(keep, x2, gl.zeros_like(x2)))
+        dst.slice(3 * CH, CH, dim=1).store(gl.where(keep, x3, gl.zeros_like(x3)))
+        fence_async_shared()  # visible to wgmma, and every warp done
+        gl.thread_barrier()
+
+    @gluon.jit
     def _consumer_fp8(q_lat, q_pe, k8, k_pe, k_sc, kbf, p_smem, q_bar, ready, empty, out_ptr,
                       lse_ptr, b, pid_s, row0, num_heads, num_rows, seq_len, start, end, n_tiles,
                       qk_scale, stride_ob, stride_os, stride_oq, stride_oh,
                       stride_lb, stride_ls, stride_lq, stride_lh, NUM_Q: gl.constexpr):  # fmt: skip
-        """`_consumer` on an fp8 cache. Each tile's latent is converted into a 16-bit buffer (kbf:
-        one, or two used in turn) that both products read; its scales multiply S's latent part by
-        column (S = (Q_lat K8^T) * scale + Q_pe K_pe^T) and P's columns before P V (V = K8 *
-        scale by row). With two buffers the next tile's conversion runs while P V does; with one
-        it waits for P V, and only the next tile's rope scores overlap it."""
-        STAGES: gl.constexpr = k8.shape[0]
-        BLOCK_N: gl.constexpr = k8.shape[1]
-        D_LATENT: gl.constexpr = k8.shape[2]
+        """`_consumer` on an fp8 cache. Each tile's latent is converted to bf16 in place in its
+        ring slot (`_expand`), and both products read it there; its scales multiply S's latent
+        part by column (S = (Q_lat K8^T) * scale + Q_pe K_pe^T) and P's columns before P V (V =
+        K8 * scale by row). The next tile's conversion and scores run while P V does; a slot is
+        released once its tile's P V is done."""
+        STAGES: gl.constexpr = kbf.shape[0]
+        BLOCK_N: gl.constexpr = kbf.shape[1]
+        D_LATENT: gl.constexpr = kbf.shape[2]
         BLOCK_M: gl.constexpr = q_lat.shape[0]
-        NB: gl.constexpr = kbf.shape[0]
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
         )
@@ -314,9 +354,7 @@ if _dense._IMPORTED:
         s_pe = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_s)
         acc = gl.zeros([BLOCK_M, D_LATENT], gl.float32, mma_o)
         mbarrier.wait(q_bar, 0)
-        _dequant(k8, kbf.index(0), 0, ready, n_tiles, start, end)
-        fence_async_shared()
-        gl.thread_barrier()
+        _expand(k8, kbf, 0, ready, n_tiles, start, end)
         s_pe = warpgroup_mma(q_pe, k_pe.index(0).permute((1, 0)), s_pe, use_acc=False,
                              is_async=True)  # fmt: skip
         s_lat = warpgroup_mma(q_lat, kbf.index(0).permute((1, 0)), s_lat, use_acc=False,
@@ -327,33 +365,21 @@ if _dense._IMPORTED:
             pos = start + j * BLOCK_N + offs_n
             p, m_i, l_part, acc = _softmax_tile(s_lat * sc[None, :] + s_pe, pos, visible, end,
                                                 m_i, l_part, acc, qk_scale, mma_o)  # fmt: skip
-            # slot j is spent (its latent is in kbf, its rope scores and scales are read), and
-            # both warpgroups have waited for the previous P V: P is free
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index(j % STAGES), count=1)
+            gl.thread_barrier()  # both warpgroups have waited for the previous P V: P is free
             p_smem.store((p * sc[None, :]).to(p_smem.dtype))
             fence_async_shared()
             gl.thread_barrier()
-            acc = warpgroup_mma(p_smem, kbf.index(j % NB), acc, is_async=True)
+            acc = warpgroup_mma(p_smem, kbf.index(j % STAGES), acc, is_async=True)
             t = j + 1
+            _expand(k8, kbf, t, ready, n_tiles, start, end)
             s = t % STAGES
-            if NB == 1:
-                mbarrier.wait(ready.index(s), (t // STAGES) & 1, pred=t < n_tiles)
-                s_pe = warpgroup_mma(q_pe, k_pe.index(s).permute((1, 0)), s_pe, use_acc=False,
-                                     is_async=True)  # fmt: skip
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                gl.thread_barrier()  # both warpgroups' P V have read kbf
-                _dequant(k8, kbf.index(0), t, ready, n_tiles, start, end)
-            else:
-                _dequant(k8, kbf.index(t % NB), t, ready, n_tiles, start, end)
-            fence_async_shared()
-            gl.thread_barrier()
-            if NB != 1:
-                s_pe = warpgroup_mma(q_pe, k_pe.index(s).permute((1, 0)), s_pe, use_acc=False,
-                                     is_async=True)  # fmt: skip
-            s_lat = warpgroup_mma(q_lat, kbf.index(t % NB).permute((1, 0)), s_lat, use_acc=False,
+            s_pe = warpgroup_mma(q_pe, k_pe.index(s).permute((1, 0)), s_pe, use_acc=False,
+                                 is_async=True)  # fmt: skip
+            s_lat = warpgroup_mma(q_lat, kbf.index(s).permute((1, 0)), s_lat, use_acc=False,
                                   is_async=True)  # fmt: skip
             s_pe, s_lat, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_pe, s_lat, acc))
+            gl.thread_barrier()  # both warpgroups' P V have read slot j
+            mbarrier.arrive(empty.index(j % STAGES), count=1)
         _finish(acc, m_i, l_part, qk_scale, out_ptr, lse_ptr, b, pid_s, row0, num_heads, num_rows,
                 stride_ob, stride_os, stride_oq, stride_oh,
                 stride_lb, stride_ls, stride_lq, stride_lh, mma_s, mma_o)  # fmt: skip
@@ -381,7 +407,7 @@ if _dense._IMPORTED:
         stride_ob, stride_os, stride_oq, stride_oh,
         stride_lb, stride_ls, stride_lq, stride_lh,
         NUM_Q: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        NB: gl.constexpr, PE_COL: gl.constexpr, SC_COL: gl.constexpr,
+        PE_COL: gl.constexpr, SC_COL: gl.constexpr, NEW_REINTERPRET: gl.constexpr,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_lat_desc.block_type.shape[0]
         D_LATENT: gl.constexpr = q_lat_desc.block_type.shape[1]
@@ -394,11 +420,17 @@ if _dense._IMPORTED:
         dtype: gl.constexpr = q_lat_desc.dtype
         q_lat = gl.allocate_shared_memory(dtype, [BLOCK_M, D_LATENT], q_lat_desc.layout)
         q_pe = gl.allocate_shared_memory(dtype, [BLOCK_M, D_ROPE], q_pe_desc.layout)
-        k8 = gl.allocate_shared_memory(lat_desc.dtype, [STAGES, BLOCK_N, D_LATENT], lat_desc.layout)
         k_pe = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_ROPE], pe_desc.layout)
         k_sc = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, SC_W], sc_desc.layout)
         kbf_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LATENT], dtype)
-        kbf = gl.allocate_shared_memory(dtype, [NB, BLOCK_N, D_LATENT], kbf_layout)
+        # slot s: bf16 tile s, whose upper half (fp8 tile 2 s + 1) the fp8 tile lands in
+        k8 = gl.allocate_shared_memory(
+            lat_desc.dtype, [2 * STAGES, BLOCK_N, D_LATENT], lat_desc.layout
+        )
+        if NEW_REINTERPRET:
+            kbf = k8.reinterpret(dtype, [STAGES, BLOCK_N, D_LATENT], kbf_layout)
+        else:
+            kbf = k8._reinterpret(dtype, [STAGES, BLOCK_N, D_LATENT], kbf_layout)
         p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
         p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -420,7 +452,7 @@ if _dense._IMPORTED:
                 (_producer,
                  (q_lat_desc, q_pe_desc, lat_desc, pe_desc, sc_desc, q_lat, q_pe, k8, k_pe, k_sc,
                   q_bar, ready, empty, pt_row, q_row0, start, n_tiles, rows_per_page, PAGE_SIZE,
-                  PE_COL, SC_COL)),
+                  PE_COL, SC_COL, 1)),
             ],
             [1],
             [40],
@@ -467,7 +499,7 @@ if _dense._IMPORTED:
                 (_producer,
                  (q_lat_desc, q_pe_desc, lat_desc, pe_desc, pe_desc, q_lat, q_pe, k_lat, k_pe, k_pe,
                   q_bar, ready, empty, pt_row, q_row0, start, n_tiles, rows_per_page, PAGE_SIZE,
-                  D_LATENT, 0)),
+                  D_LATENT, 0, 0)),
             ],
             [1],
             [40],
@@ -508,8 +540,9 @@ def launch(q, kv_cache, cache_rows, page_table, seq_lens, part, part_lse, o_stri
         _split_kernel_fp8[grid](
             q_lat_desc, q_pe_desc, lat_desc, pe_desc, sc_desc, *args,
             NUM_Q=num_q, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages,
-            NB=cfg.get("gluon_kbf", 1), PE_COL=fp8_format.rope_offset(lora) // 2,
-            SC_COL=fp8_format.scale_offset(lora, rope) // 4, num_warps=8,
+            PE_COL=fp8_format.rope_offset(lora) // 2,
+            SC_COL=fp8_format.scale_offset(lora, rope) // 4,
+            NEW_REINTERPRET=hasattr(gl.shared_memory_descriptor, "reinterpret"), num_warps=8,
         )  # fmt: skip
         return
     lat_desc = desc(kv_cache, [block_n, lora], dtype)

@@ -64,9 +64,9 @@ _SPLIT_POLICY = {
 # fp8 -> bf16 conversion best (kv_major spilled heavily). gluon: 64+ rows on a 16-bit cache take
 # the Gluon split kernel on sm_90 (409-426 TFLOP/s at 128 heads against the tl.dot kernel's 277-286;
 # eleventh session's table, benchmarks/RESULTS.md); gluon_stages: its ring of cache tiles. On an fp8
-# cache the Gluon kernel converts each tile's latent into gluon_kbf 16-bit buffers: 64-position
-# tiles with one buffer ran 276-289 TFLOP/s at B=128, 128 heads, against 175-179 for the tl.dot
-# kernel and 200-212 for 32-position tiles with two (twenty-fourth session, RESULTS.md).
+# cache (under a bf16 q) the Gluon kernel converts each tile's latent to bf16 in place: 278-288
+# TFLOP/s at B=128, 128 heads, against 175-179 for the tl.dot kernel; 64-position tiles beat
+# 32-position ones (210-219) (twenty-fourth session, benchmarks/RESULTS.md).
 _BF16_M16 = {"LAYOUT": "kv_major", "BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
              "USE_TMA": True}  # fmt: skip
 _BF16_M32 = {"LAYOUT": "kv_major", "BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
@@ -76,8 +76,7 @@ _BF16_M64 = {"LAYOUT": "heads_major", "BLOCK_M": 64, "BLOCK_N": 64, "num_warps":
 _FP8_M16 = {"LAYOUT": "heads_major", "BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4,
             "num_stages": 2, "USE_TMA": False, "CTAS_PER_SM": 2}  # fmt: skip
 _FP8_M64 = {"LAYOUT": "heads_major", "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8,
-            "num_stages": 2, "USE_TMA": True, "gluon": True, "gluon_stages": 2,
-            "gluon_kbf": 1}  # fmt: skip
+            "num_stages": 2, "USE_TMA": True, "gluon": True, "gluon_stages": 2}  # fmt: skip
 tuning.register(
     "mla_decode",
     "any",

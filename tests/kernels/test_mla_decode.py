@@ -148,9 +148,8 @@ def test_mla_decode_layouts_and_splits(
 
 FP8_SPLIT_KERNELS = {
     "triton": {"gluon": False},
-    "gluon-n64-kbf1": {"gluon": True, "BLOCK_N": 64, "gluon_kbf": 1, "gluon_stages": 2},
-    "gluon-n32-kbf1": {"gluon": True, "BLOCK_N": 32, "gluon_kbf": 1, "gluon_stages": 3},
-    "gluon-n32-kbf2": {"gluon": True, "BLOCK_N": 32, "gluon_kbf": 2, "gluon_stages": 3},
+    "gluon-n64": {"gluon": True, "BLOCK_N": 64, "gluon_stages": 2},
+    "gluon-n32": {"gluon": True, "BLOCK_N": 32, "gluon_stages": 4},
 }
 
 
@@ -167,8 +166,8 @@ FP8_SPLIT_KERNELS = {
     ids=["q1-h128-p64", "q2-h128-p16", "q1-h64-p64"],
 )
 def test_mla_decode_fp8_heads_major_kernels(case: Case, kernel: str, num_splits) -> None:
-    """The fp8 cache's 64-row split kernels (Triton, and the Gluon one in each of its buffer
-    set-ups) on a cache whose rows past each request's end hold NaN bytes: the Gluon kernel loads
+    """The fp8 cache's 64-row split kernels (Triton, and the Gluon one with 64- and 32-position
+    tiles) on a cache whose rows past each request's end hold NaN bytes: the Gluon kernel loads
     a partial last tile whole, and must zero those rows and their scales, not read them."""
     q, cache, page_table, seq_lens = _make(case, seed=5)
     for b, n in enumerate(case.seq_lens):
@@ -181,6 +180,30 @@ def test_mla_decode_fp8_heads_major_kernels(case: Case, kernel: str, num_splits)
             q, cache, page_table, seq_lens, 0.1, case.lora, num_splits, config
         )
     _check(case, got, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", list(FP8_SPLIT_KERNELS))
+def test_mla_decode_fp8_converts_every_byte_exactly(kernel: str) -> None:
+    """Every e4m3 byte but the two NaNs (subnormals, zeros and both signs included), twice over
+    a 512-wide latent, in 64 identical cache rows with a power-of-two scale: each output is then
+    one dequantized value, exactly, so out must equal the reference bit for bit."""
+    lora, rope, tokens = 512, 64, 64
+    codes = torch.arange(256, dtype=torch.int32)
+    codes[(codes & 0x7F) == 0x7F] = 0  # the NaN codes
+    row = torch.zeros(fp8_format.row_bytes(lora, rope), dtype=torch.uint8)
+    row[:lora] = torch.cat([codes, codes.flip(0)]).to(torch.uint8)
+    scale_at = fp8_format.scale_offset(lora, rope)
+    row[scale_at : scale_at + 4] = torch.tensor([0.125]).view(torch.uint8)
+    cache = row.repeat(tokens, 1).view(1, tokens, -1).cuda()
+    q = torch.randn(1, 1, 128, lora + rope).bfloat16().cuda()
+    page_table = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor([tokens], dtype=torch.int32, device="cuda")
+    want, _ = ref.mla_decode(q, cache, page_table, seq_lens, 0.1, lora)
+    got, _ = tri.mla_decode_launch(
+        q, cache, page_table, seq_lens, 0.1, lora, 1, FP8_SPLIT_KERNELS[kernel]
+    )
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
