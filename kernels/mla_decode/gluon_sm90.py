@@ -385,6 +385,18 @@ if _dense._IMPORTED:
                 stride_lb, stride_ls, stride_lq, stride_lh, mma_s, mma_o)  # fmt: skip
 
     @gluon.jit
+    def _barriers(STAGES: gl.constexpr):
+        """Q's barrier, and each ring slot's ready and empty barriers, initialized."""
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for slot in gl.static_range(STAGES):
+            mbarrier.init(ready.index(slot), count=1)
+            mbarrier.init(empty.index(slot), count=1)
+        return q_bar, ready, empty
+
+    @gluon.jit
     def _chunk(sl_ptr, num_splits, split_tokens, BLOCK_N: gl.constexpr):
         """This CTA's split and request, the request's length, and its chunk [start, end) of cache
         positions in n_tiles tiles: the cache cut into num_splits chunks of whole tiles, or into
@@ -433,13 +445,7 @@ if _dense._IMPORTED:
             kbf = k8._reinterpret(dtype, [STAGES, BLOCK_N, D_LATENT], kbf_layout)
         p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
         p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for slot in gl.static_range(STAGES):
-            mbarrier.init(ready.index(slot), count=1)
-            mbarrier.init(empty.index(slot), count=1)
+        q_bar, ready, empty = _barriers(STAGES)
 
         pt_row = pt_ptr + b * stride_ptb
         gl.warp_specialize(
@@ -480,13 +486,7 @@ if _dense._IMPORTED:
         k_pe = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_ROPE], pe_desc.layout)
         p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
         p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], p_layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for slot in gl.static_range(STAGES):
-            mbarrier.init(ready.index(slot), count=1)
-            mbarrier.init(empty.index(slot), count=1)
+        q_bar, ready, empty = _barriers(STAGES)
 
         pt_row = pt_ptr + b * stride_ptb
         gl.warp_specialize(
