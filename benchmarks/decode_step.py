@@ -1,6 +1,7 @@
 """Decode step time on one GPU against the memory roofline (weight bytes + KV bytes read, over 4.27 TB/s).
 
     python benchmarks/decode_step.py MODEL_DIR [--batch 64] [--context 1024] [--steps 30] [--page-size 64]
+        [--kv-cache-dtype auto,fp8]
 
 Fills the KV cache of `batch` requests with `context` random latent tokens each, then times full decode steps
 through the same `ModelRunner.decode` the decode worker calls (batch building, forward, logits, sampling), wall
@@ -36,17 +37,20 @@ def main() -> None:
         "--device", default="cuda", help="cuda (the measurement) or cpu (a dry run)"
     )
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto and/or fp8, comma-separated")
     args = parser.parse_args()
     model = load_model(args.model, args.device, torch.bfloat16)
     lines = []
-    for page_size in [int(p) for p in args.page_size.split(",")]:
-        lines.append(measure(model, args, page_size))
-        torch.cuda.empty_cache()
+    page_sizes = [int(p) for p in args.page_size.split(",")]
+    for kv_dtype in args.kv_cache_dtype.split(","):
+        for page_size in page_sizes:
+            lines.append(measure(model, args, page_size, kv_dtype))
+            torch.cuda.empty_cache()
     header = (
         f"{device_name(args.device)} | {args.model} | batch {args.batch} x context {args.context} | "
         f"{'eager' if args.eager else 'CUDA graphs'}\n"
-        f"| page | step (median of {args.steps}) | weights read | experts touched | KV read | roofline "
-        f"| ratio |\n|---|---|---|---|---|---|---|"
+        f"| page | KV rows | step (median of {args.steps}) | weights read | experts touched | KV read "
+        f"| roofline | ratio |\n|---|---|---|---|---|---|---|---|"
     )
     text = "\n".join([header, *lines])
     print(text)
@@ -58,7 +62,23 @@ def device_name(device: str) -> str:
     return "cpu" if device == "cpu" else torch.cuda.get_device_name()
 
 
-def measure(model, args, page_size: int) -> str:
+def fill_cache(cache) -> None:
+    """Random rows: normal values, or for fp8 rows normal values quantized (random bytes would hold NaN
+    codes and scales)."""
+    if not cache.layout.is_fp8:
+        cache.data.normal_()
+        return
+    from pdserve.kernels.mla_decode import quantize_kv_fp8
+
+    lora, rope = cache.layout.kv_lora_rank, cache.layout.rope_dim
+    flat = cache.data.view(-1, cache.layout.entry_dim)
+    for start in range(0, flat.shape[0], 1 << 18):
+        n = min(1 << 18, flat.shape[0] - start)
+        c = torch.randn(n, lora + rope, device=flat.device)
+        flat[start : start + n] = quantize_kv_fp8(c[:, :lora], c[:, lora:])
+
+
+def measure(model, args, page_size: int, kv_cache_dtype: str) -> str:
     from pdserve.model.batch import SeqChunk, build_forward_batch
     from pdserve.model.deepseek import Experts
     from pdserve.model.runner import ModelRunner, SampleSpec
@@ -72,9 +92,9 @@ def measure(model, args, page_size: int) -> str:
 
     pages_per_seq = -(-(args.context + args.steps + 8) // args.page_size)
     runner = ModelRunner(
-        model, args.page_size, args.batch * pages_per_seq, cuda_graphs=not args.eager
+        model, args.page_size, args.batch * pages_per_seq, kv_cache_dtype, not args.eager
     )
-    runner.cache.data.normal_()
+    fill_cache(runner.cache)
     tables = [list(range(b * pages_per_seq, (b + 1) * pages_per_seq)) for b in range(args.batch)]
     params = SamplingParams(max_tokens=10**6, seed=0)
     tokens = torch.randint(3, model.args.vocab_size, (args.batch,)).tolist()
@@ -129,13 +149,12 @@ def measure(model, args, page_size: int) -> str:
     skip |= {id(p) for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
     # the shared experts are counted here, also when stored as a slot of the stacked experts
     other_bytes = sum(nbytes(p) for p in model.parameters() if id(p) not in skip)
-    kv_bytes = (
-        args.batch * args.context * model.args.num_hidden_layers * runner.cache.layout.entry_dim * 2
-    )
+    row_bytes = runner.cache.layout.entry_dim * runner.cache.data.element_size()
+    kv_bytes = args.batch * args.context * model.args.num_hidden_layers * row_bytes
     total = other_bytes + expert_bytes + kv_bytes
     roofline_s = total / HBM_BYTES_PER_S
     return (
-        f"| {page_size} | {1e3 * step_s:.2f} ms | {(other_bytes + expert_bytes) / 1e9:.2f} GB | "
+        f"| {page_size} | {kv_cache_dtype} | {1e3 * step_s:.2f} ms | {(other_bytes + expert_bytes) / 1e9:.2f} GB | "
         f"{experts_touched} | {kv_bytes / 1e9:.2f} GB | {1e3 * roofline_s:.2f} ms | "
         f"{step_s / roofline_s:.2f}x |"
     )

@@ -66,6 +66,7 @@ class _WorkerShell:
         path = resolve_model(model.path)  # `tiny` is made on this node if its cache lacks it
         self.model = load_model(path, self.device, _torch_dtype(model.dtype), progress=False)
         self.store = connect_store(kv_config, is_master=False)
+        self.kv_cache_dtype = model.kv_cache_dtype
         self.worker = self._build(worker_config, kv_config)
         self._loop = threading.Thread(target=self._run, name=f"{self.worker_id}-loop", daemon=True)
         self._loop.start()
@@ -121,7 +122,7 @@ class PrefillShell(_WorkerShell):
         from pdserve.prefill import PrefillWorker
 
         sender = DistKVSender(kv_config, self.store, self.worker_id, self.device)
-        return PrefillWorker(self.worker_id, self.model, worker_config, sender)
+        return PrefillWorker(self.worker_id, self.model, worker_config, sender, self.kv_cache_dtype)
 
     def submit(self, request: bytes) -> bytes:
         from pdserve.prefill import PrefillRequest
@@ -146,7 +147,9 @@ class DecodeShell(_WorkerShell):
         def make_receiver(cache):
             return DistKVReceiver(kv_config, self.store, self.worker_id, cache)
 
-        return DecodeWorker(self.worker_id, self.model, worker_config, make_receiver)
+        return DecodeWorker(
+            self.worker_id, self.model, worker_config, make_receiver, self.kv_cache_dtype
+        )
 
     def add_request(self, request: bytes) -> bytes:
         from pdserve.decode import DecodeRequest

@@ -50,6 +50,11 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
         help="tokens per KV cache page (64: the attention kernels' fast path reads whole 64-token tiles)",
     )
     g.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+        help="KV cache rows: auto (the activation dtype) or fp8 (e4m3 latent with a per-token "
+        "scale; as `serve --model.kv-cache-dtype fp8` runs it)",
+    )  # fmt: skip
+    g.add_argument(
         "--batch-invariant", action="store_true",
         help="batch-invariant kernels, as `serve --model.batch-invariant true` runs them",
     )  # fmt: skip
@@ -185,7 +190,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
         prompt_ids = _int_list(args.prompt_ids, "--prompt-ids")
     with use_backend(args.kernels), use_batch_invariant(args.batch_invariant):
         model = load_model(model_dir, _resolve_device(args.device), _resolve_dtype(args.dtype))
-        generator = OfflineGenerator(model, args.page_size, args.prefill_chunk)
+        generator = OfflineGenerator(model, args.page_size, args.prefill_chunk, args.kv_cache_dtype)
         start = time.perf_counter()
         result = generator.generate(prompt_ids, params)
         elapsed = time.perf_counter() - start

@@ -168,6 +168,7 @@ class PdServer:
     def _log_summary(self, gpus: int) -> None:
         decodes = self.router.pool(DECODE)
         kv = ", ".join(f"{w.worker_id} {w.num_pages * w.page_size} tokens" for w in decodes)
+        kv += f" ({self.config.model.kv_cache_dtype} rows)"
         mode = (
             "aggregated (decode workers prefill)"
             if not self.router.pool(PREFILL)

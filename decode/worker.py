@@ -58,7 +58,9 @@ class DecodeWorker:
         model: Transformer,
         config: DecodeConfig,
         make_receiver: MakeReceiver | None = None,
+        kv_cache_dtype: str = "auto",
     ):
+        """kv_cache_dtype: auto or fp8 (`pdserve.model.kv_cache`); must be the prefill workers'."""
         self.worker_id, self.model, self.config = worker_id, model, config
         self.runner = ModelRunner.sized(
             model,
@@ -66,6 +68,8 @@ class DecodeWorker:
             config.num_pages,
             config.gpu_memory_fraction,
             config.cpu_cache_bytes,
+            cuda_graphs=config.cuda_graphs,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.allocator = PageAllocator(self.runner.num_pages)
         args = model.args

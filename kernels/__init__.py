@@ -14,7 +14,7 @@ from ._backend import (
 from .fp8_gemm import dequantize_weight, fp8_gemm, quantize_act, quantize_weight, scaled_gemm
 from .fused_moe import fused_moe
 from .matmul import head_matmul, linear
-from .mla_decode import mla_decode, write_kv
+from .mla_decode import mla_decode, write_kv, write_kv_fp8
 from .mla_prefill import merge_attn_states, mla_prefill
 from .moe_route import moe_route
 from .rmsnorm import rmsnorm
@@ -47,4 +47,5 @@ __all__ = [
     "use_backend",
     "use_batch_invariant",
     "write_kv",
+    "write_kv_fp8",
 ]

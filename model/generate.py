@@ -11,7 +11,7 @@ import torch
 from .batch import SeqChunk, build_forward_batch
 from .deepseek import Transformer
 from .errors import InvalidRequestError
-from .kv_cache import KVCacheLayout, PagedKVCache
+from .kv_cache import KVCacheLayout, PagedKVCache, resolve_cache_dtype
 from .pages import pages_needed
 from .sampler import sample_tokens
 from .sampling_params import SamplingParams, check_stop, validate_prompt_ids
@@ -26,10 +26,14 @@ class Generation:
 class OfflineGenerator:
     """Generates for one prompt at a time with a private cache sized for the longest sequence it will see."""
 
-    def __init__(self, model: Transformer, page_size: int = 64, prefill_chunk: int | None = None):
+    def __init__(
+        self, model: Transformer, page_size: int = 64, prefill_chunk: int | None = None,
+        kv_cache_dtype: str = "auto",
+    ):  # fmt: skip
         self.model, self.page_size, self.prefill_chunk = model, page_size, prefill_chunk
         self.device = model.embed.weight.device
-        self.layout = KVCacheLayout.for_model(model.args, page_size, model.dtype, model.num_mtp)
+        dtype = resolve_cache_dtype(kv_cache_dtype, model.dtype)
+        self.layout = KVCacheLayout.for_model(model.args, page_size, dtype, model.num_mtp)
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         args = self.model.args

@@ -17,7 +17,22 @@ import dataclasses
 import torch
 
 from .. import kernels
+from ..kernels.mla_decode import dequantize_kv_fp8, fp8_format
 from .args import ModelArgs
+
+KV_CACHE_DTYPES = ("auto", "fp8")
+"""`kv_cache_dtype` choices: auto (the activation dtype) or fp8 (e4m3 latent rows, see the module doc)."""
+FP8 = torch.float8_e4m3fn
+"""A layout's dtype for the fp8 row format (stored as uint8 rows)."""
+
+
+def resolve_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The layout dtype for a `kv_cache_dtype` choice."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+    return FP8 if kv_cache_dtype == "fp8" else model_dtype
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -28,10 +43,26 @@ class KVCacheLayout:
     kv_lora_rank: int
     rope_dim: int
     dtype: torch.dtype
+    """The rows' dtype, or `FP8` for the fp8 row format."""
 
     def __post_init__(self) -> None:
         if self.page_size <= 0:
             raise ValueError(f"page_size={self.page_size}: must be positive")
+        if self.is_fp8:
+            for name, d in (("kv_lora_rank", self.kv_lora_rank), ("rope dims", self.rope_dim)):
+                if d < 16 or d & (d - 1):
+                    raise ValueError(
+                        f"an fp8 KV cache needs {name} a power of two >= 16, the model has {d}"
+                    )
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == FP8
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The cache tensor's dtype: uint8 for fp8 rows."""
+        return torch.uint8 if self.is_fp8 else self.dtype
 
     @classmethod
     def for_model(
@@ -44,12 +75,15 @@ class KVCacheLayout:
 
     @property
     def entry_dim(self) -> int:
+        """A row's width in `storage_dtype` elements (bytes for fp8 rows)."""
+        if self.is_fp8:
+            return fp8_format.row_bytes(self.kv_lora_rank, self.rope_dim)
         return self.kv_lora_rank + self.rope_dim
 
     @property
     def page_bytes(self) -> int:
         """Bytes of one page across all layers."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = torch.empty((), dtype=self.storage_dtype).element_size()
         return self.num_layers * self.page_size * self.entry_dim * itemsize
 
 
@@ -61,7 +95,7 @@ class PagedKVCache:
     def __init__(self, layout: KVCacheLayout, num_pages: int, device: torch.device | str):
         self.layout, self.num_pages = layout, num_pages
         shape = (num_pages, layout.num_layers, layout.page_size, layout.entry_dim)
-        self.data = torch.zeros(shape, dtype=layout.dtype, device=device)
+        self.data = torch.zeros(shape, dtype=layout.storage_dtype, device=device)
 
     @property
     def device(self) -> torch.device:
@@ -86,14 +120,19 @@ class PagedKVCache:
     def write(
         self, layer: int, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor
     ) -> None:
-        """Stores [c_kv | k_pe] of T tokens at `slots` of one layer, in one launch on a GPU. slots: [T] int64;
-        c_kv [T, kv_lora_rank] and k_pe [T, rope] may be strided views."""
-        kernels.write_kv(self.layer(layer), slots, c_kv, k_pe)
+        """Stores [c_kv | k_pe] of T tokens at `slots` of one layer (quantized for fp8 rows), in one launch
+        on a GPU. slots: [T] int64; c_kv [T, kv_lora_rank] and k_pe [T, rope] may be strided views."""
+        write = kernels.write_kv_fp8 if self.layout.is_fp8 else kernels.write_kv
+        write(self.layer(layer), slots, c_kv, k_pe)
 
     def gather(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """Rows at `slots` of one layer: [N, entry_dim]."""
+        """Rows [c_kv | k_pe] at `slots` of one layer: [N, kv_lora_rank + rope], in the cache's dtype
+        (fp32, dequantized, for fp8 rows)."""
         flat, rows = self._rows(layer, slots)
-        return flat.index_select(0, rows)
+        picked = flat.index_select(0, rows)
+        if self.layout.is_fp8:
+            return dequantize_kv_fp8(picked, self.layout.kv_lora_rank, self.layout.rope_dim)
+        return picked
 
 
 def capacity_pages(

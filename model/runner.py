@@ -12,7 +12,7 @@ import torch
 from .batch import SeqChunk, build_forward_batch
 from .cuda_graphs import DecodeGraphs
 from .deepseek import Transformer
-from .kv_cache import KVCacheLayout, PagedKVCache, capacity_pages
+from .kv_cache import KVCacheLayout, PagedKVCache, capacity_pages, resolve_cache_dtype
 from .sampler import sample_tokens
 from .sampling_params import SamplingParams
 
@@ -30,13 +30,13 @@ class ModelRunner:
     graphs and the cache holds one more page, the graphs' scratch page, which no request may own."""
 
     def __init__(
-        self, model: Transformer, page_size: int, num_pages: int, cache_dtype=None,
+        self, model: Transformer, page_size: int, num_pages: int, kv_cache_dtype: str = "auto",
         cuda_graphs: bool = True,
     ):  # fmt: skip
         self.model, self.page_size, self._num_pages = model, page_size, num_pages
         self.device = model.embed.weight.device
         layout = KVCacheLayout.for_model(
-            model.args, page_size, cache_dtype or model.dtype, model.num_mtp
+            model.args, page_size, resolve_cache_dtype(kv_cache_dtype, model.dtype), model.num_mtp
         )
         use_graphs = cuda_graphs and self.device.type == "cuda"
         self.cache = PagedKVCache(layout, num_pages + int(use_graphs), self.device)
@@ -53,14 +53,16 @@ class ModelRunner:
         gpu_memory_fraction: float,
         cpu_cache_bytes: int,
         cuda_graphs: bool = True,
+        kv_cache_dtype: str = "auto",
     ) -> ModelRunner:
         """A runner whose cache has `num_pages`, or as many as `capacity_pages` finds room for."""
-        layout = KVCacheLayout.for_model(model.args, page_size, model.dtype, model.num_mtp)
+        cache_dtype = resolve_cache_dtype(kv_cache_dtype, model.dtype)
+        layout = KVCacheLayout.for_model(model.args, page_size, cache_dtype, model.num_mtp)
         device = model.embed.weight.device
         pages = capacity_pages(layout, device, num_pages, gpu_memory_fraction, cpu_cache_bytes)
         if num_pages is None and device.type == "cuda" and cuda_graphs:
             pages -= 1  # room for the graphs' scratch page
-        return cls(model, page_size, pages, cuda_graphs=cuda_graphs)
+        return cls(model, page_size, pages, kv_cache_dtype, cuda_graphs)
 
     @property
     def num_pages(self) -> int:

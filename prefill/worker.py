@@ -47,7 +47,11 @@ class PrefillStats:
 
 
 class PrefillWorker:
-    def __init__(self, worker_id: str, model: Transformer, config: PrefillConfig, sender: KVSender):
+    def __init__(
+        self, worker_id: str, model: Transformer, config: PrefillConfig, sender: KVSender,
+        kv_cache_dtype: str = "auto",
+    ):  # fmt: skip
+        """kv_cache_dtype: auto or fp8 (`pdserve.model.kv_cache`); must be the decode workers'."""
         self.worker_id, self.model, self.config, self.sender = worker_id, model, config, sender
         self.runner = ModelRunner.sized(
             model,
@@ -55,6 +59,7 @@ class PrefillWorker:
             config.num_pages,
             config.gpu_memory_fraction,
             config.cpu_cache_bytes,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.allocator = PageAllocator(self.runner.num_pages)
         self.scheduler = PrefillScheduler(

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 
 import torch
 
+from pdserve.kernels.mla_decode import fp8_format
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -67,3 +69,16 @@ def assert_quantized_close(
     bound = (E4M3_HALF_STEP + tol) * value.abs() + scale * (2.0**-9 + tol)
     assert (got_value - value).abs().le(bound).all()
     assert (got_q.float() != want_q.float()).float().mean().item() <= max_code_mismatch
+
+
+def exact_fp8_rows(tokens: int, lora: int, rope: int, seed: int):
+    """c_kv whose quantization is exact (fp8 values times a power-of-two scale, row max exactly 448
+    times it) and bf16-valued k_pe: the interpreter's inexact fp8 / bf16 casts then never round."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 0x7F, (tokens, lora), generator=g, dtype=torch.uint8)  # no NaN codes
+    values = codes.view(torch.float8_e4m3fn).float()
+    values = values * torch.where(torch.rand(tokens, lora, generator=g) < 0.5, -1.0, 1.0)
+    values[:, 0] = fp8_format.FP8_E4M3_MAX
+    scales = 2.0 ** torch.randint(-12, 3, (tokens, 1), generator=g).float()
+    k_pe = torch.randn(tokens, rope, generator=g).to(torch.bfloat16)
+    return values * scales, k_pe

@@ -17,7 +17,7 @@ import dataclasses
 
 import pytest
 import torch
-from _decode_check import DEVICE, poisoned_empty, rel_err
+from _decode_check import DEVICE, exact_fp8_rows, poisoned_empty, rel_err
 
 from pdserve.kernels import use_batch_invariant
 from pdserve.kernels.mla_decode import fp8_format, ref
@@ -286,19 +286,6 @@ def test_mla_decode_reads_a_layer_of_a_page_major_cache(
     )
 
 
-def _exact_fp8_rows(tokens: int, lora: int, rope: int, seed: int):
-    """c_kv whose quantization is exact (fp8 values times a power-of-two scale, row max exactly 448
-    times it) and bf16-valued k_pe: the interpreter's inexact fp8 / bf16 casts then never round."""
-    g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 0x7F, (tokens, lora), generator=g, dtype=torch.uint8)  # no NaN codes
-    values = codes.view(torch.float8_e4m3fn).float()
-    values = values * torch.where(torch.rand(tokens, lora, generator=g) < 0.5, -1.0, 1.0)
-    values[:, 0] = fp8_format.FP8_E4M3_MAX
-    scales = 2.0 ** torch.randint(-12, 3, (tokens, 1), generator=g).float()
-    k_pe = torch.randn(tokens, rope, generator=g).to(torch.bfloat16)
-    return values * scales, k_pe
-
-
 @pytest.mark.parametrize(
     "tokens,lora,rope,page_size",
     [
@@ -316,7 +303,7 @@ def test_write_kv_fp8_matches_ref(tokens: int, lora: int, rope: int, page_size: 
         )
         c_kv[0] = 0.0  # an all-zero row: scale 1
     else:
-        c_kv, k_pe = _exact_fp8_rows(tokens, lora, rope, seed=tokens)
+        c_kv, k_pe = exact_fp8_rows(tokens, lora, rope, seed=tokens)
     row_bytes = fp8_format.row_bytes(lora, rope)
     num_pages = -(-2 * tokens // page_size)
     slots = torch.randperm(num_pages * page_size)[:tokens].to(DEVICE)

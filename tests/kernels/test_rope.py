@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _decode_check import DEVICE
+from _decode_check import DEVICE, exact_fp8_rows
 
 from pdserve.kernels.rope import ref
 from pdserve.kernels.rope import triton as tri
@@ -143,3 +143,56 @@ def test_rope_rejects_bad_inputs() -> None:
         tri.rope(q, k, pos, cs, cache=(torch.zeros(2, 4, 48), pos.float(), torch.zeros(3, 32)))
     with pytest.raises(ValueError, match="q_out must be"):
         tri.rope(q, k, pos, cs, q_out=torch.empty(3, 2, 8, device=DEVICE))
+
+
+@pytest.mark.parametrize(
+    "tokens,heads,lora,rope_dim,page_size,dtype",
+    [
+        pytest.param(6, 3, 32, 16, 4, torch.float32, id="6x3-f32"),
+        pytest.param(9, 17, 64, 16, 16, torch.float16, id="9x17-f16"),
+        pytest.param(64, 128, 512, 64, 64, torch.bfloat16, marks=pytest.mark.gpu, id="v3-bf16"),
+    ],
+)
+@pytest.mark.parametrize("backend", ["ref", "triton"])
+def test_rope_writes_an_fp8_cache(backend, tokens, heads, lora, rope_dim, page_size, dtype) -> None:
+    """cache= with an fp8 cache (uint8 rows), through the dispatcher as the decode step calls it: each
+    token's row is the fp8 format of [c_kv | rotated k_pe] (the latent and its scale bit for bit, the
+    rope part within a bf16 ulp), k_pe is left as it was, q_pe goes into q_out, other rows untouched."""
+    from pdserve.kernels import use_backend
+    from pdserve.kernels.mla_decode import fp8_format, quantize_kv_fp8
+    from pdserve.kernels.rope import rope
+
+    g = torch.Generator().manual_seed(tokens + heads)
+    q = torch.randn(tokens, heads, 8 + rope_dim, generator=g).to(dtype).to(DEVICE)
+    kv = torch.randn(tokens, lora + rope_dim + 3, generator=g).to(dtype).to(DEVICE)
+    if DEVICE == "cpu":  # the interpreter's fp8 casts are inexact: a latent that quantizes exactly
+        kv[:, :lora] = exact_fp8_rows(tokens, lora, rope_dim, seed=tokens)[0].to(dtype)
+    c_kv, k_pe = kv[:, :lora], kv[:, lora : lora + rope_dim]
+    positions = torch.randint(0, 64, (tokens,), generator=g).to(DEVICE)
+    angles = torch.rand(64, rope_dim // 2, generator=g).to(DEVICE) * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    pages, width = -(-2 * tokens // page_size), fp8_format.row_bytes(lora, rope_dim)
+    slots = torch.randperm(pages * page_size, generator=g)[:tokens].to(DEVICE)
+    data = torch.randint(0, 256, (pages, 3, page_size, width), generator=g, dtype=torch.uint8)
+    cache, q_out = data.to(DEVICE), torch.empty(tokens, heads, rope_dim, device=DEVICE, dtype=dtype)
+    k_before = k_pe.clone()
+    with use_backend(backend):
+        rope(q[..., 8:], k_pe, positions, cos_sin, q_out=q_out, cache=(cache[:, 1], slots, c_kv))
+    assert torch.equal(k_pe, k_before)
+    want_q, want_k = q[..., 8:].clone(), k_pe.clone()
+    ref.rope(want_q, want_k, positions, cos_sin)
+    tol = ULP[dtype]
+    torch.testing.assert_close(q_out.float(), want_q.float(), rtol=tol, atol=tol)
+    want = quantize_kv_fp8(c_kv, want_k)
+    rows = cache[:, 1].reshape(-1, width)[slots]
+    rope_at, scale_at = fp8_format.rope_offset(lora), fp8_format.scale_offset(lora, rope_dim)
+    assert torch.equal(rows[:, :rope_at], want[:, :rope_at])
+    assert torch.equal(rows[:, scale_at : scale_at + 4], want[:, scale_at : scale_at + 4])
+    got_pe = rows[:, rope_at:scale_at].contiguous().view(torch.bfloat16).float()
+    want_pe = want[:, rope_at:scale_at].contiguous().view(torch.bfloat16).float()
+    torch.testing.assert_close(got_pe, want_pe, rtol=ULP[torch.bfloat16], atol=ULP[torch.bfloat16])
+    written = torch.zeros(pages * page_size, dtype=torch.bool, device=DEVICE)
+    written[slots] = True
+    untouched = torch.ones(pages, 3, page_size, dtype=torch.bool, device=DEVICE)
+    untouched[:, 1] = ~written.view(pages, page_size)
+    assert torch.equal(cache[untouched].cpu(), data[untouched])

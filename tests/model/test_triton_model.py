@@ -12,73 +12,23 @@ The v2-lite-shape case makes a ~31 GB random checkpoint on the GPU host (or reus
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
 import pytest
 import torch
+from _pinned import relative_l2, routing
+from _pinned import run_logits as run_steps
 
-import pdserve.kernels as kernels_pkg
 from pdserve.kernels import use_backend
-from pdserve.model.batch import SeqChunk, build_forward_batch
-from pdserve.model.kv_cache import KVCacheLayout, PagedKVCache
 from pdserve.model.loader import load_model
 from pdserve.model.random_checkpoint import make_checkpoint
 
-PROMPT_LEN, DECODE_STEPS, PAGE_SIZE = 256, 32, 16
+PROMPT_LEN, DECODE_STEPS = 256, 32
 
 
-@contextlib.contextmanager
-def routing(mode: str, log: list[torch.Tensor]):
-    """mode "record": append every moe_route call's expert ids to `log`; "replay": use them, in order, with
-    weights recomputed from this run's router logits exactly as noaux_tc weights them."""
-    original = kernels_pkg.moe_route
-    calls = iter(range(10**9))
-
-    def route(logits, bias, top_k, n_group, topk_group, scaling, norm_topk_prob, num_shared=0):
-        args = (logits, bias, top_k, n_group, topk_group, scaling, norm_topk_prob, num_shared)
-        weights, ids = original(*args)
-        if mode == "record":
-            log.append(ids.clone())
-            return weights, ids
-        ids = log[next(calls)].to(ids.device)
-        routed = ids[:, :top_k]  # then the shared experts' columns (weight 1), as recorded
-        weights = logits.float().sigmoid().gather(1, routed.long())
-        if norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        shared = torch.ones(ids.shape[0], ids.shape[1] - top_k, device=ids.device)
-        return torch.cat([weights * scaling, shared], dim=1), ids
-
-    kernels_pkg.moe_route = route
-    try:
-        yield
-    finally:
-        kernels_pkg.moe_route = original
-
-
-def run_logits(model, prompt: list[int], steps: list[int] | None) -> tuple[list[int], torch.Tensor]:
-    """Prefill `prompt`, then decode; feeds `steps` (or its own greedy tokens). Returns tokens and the logits of
-    the last prompt position and of every decode step, [1 + DECODE_STEPS, V] fp32."""
-    num_pages = -(-(PROMPT_LEN + DECODE_STEPS + 1) // PAGE_SIZE)
-    layout = KVCacheLayout.for_model(model.args, PAGE_SIZE, model.dtype, model.num_mtp)
-    cache = PagedKVCache(layout, num_pages, "cuda")
-    pages = list(range(num_pages))
-    batch = build_forward_batch([SeqChunk(prompt, 0, pages)], PAGE_SIZE, "cuda", decode=False)
-    logits = [model.compute_logits(model(batch, cache)[batch.logits_indices])[0]]
-    tokens = []
-    for i in range(DECODE_STEPS):
-        token = steps[i] if steps is not None else int(logits[-1].argmax())
-        tokens.append(token)
-        batch = build_forward_batch(
-            [SeqChunk([token], PROMPT_LEN + i, pages)], PAGE_SIZE, "cuda", decode=True
-        )
-        logits.append(model.compute_logits(model(batch, cache))[0])
-    return tokens, torch.stack(logits)
-
-
-def relative_l2(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
-    return (got - expected).norm(dim=-1) / expected.norm(dim=-1)
+def run_logits(model, prompt: list[int], steps: list[int] | None, kv_cache_dtype: str = "auto"):
+    return run_steps(model, prompt, steps, DECODE_STEPS, kv_cache_dtype=kv_cache_dtype)
 
 
 def check(path: Path) -> float:
@@ -164,3 +114,54 @@ def test_tiny_fp8_triton_matches_torch_reference_kernels(tmp_path):
         f"tiny fp8: Triton vs torch reference kernels, max {err.max():.2e} (median {err.median():.2e})"
     )
     assert err.max() <= 1e-1
+
+
+def check_fp8_cache(path: Path) -> float:
+    """The Triton bf16 path over fp8 rows against the same path over bf16 rows, both pinned to the fp32
+    reference's routing and tokens; returns the max over steps of their relative L2 and prints each one's
+    distance to the reference."""
+    g = torch.Generator().manual_seed(0)
+    routes: list[torch.Tensor] = []
+    with use_backend("ref"):
+        ref_model = load_model(path, "cuda", torch.float32, progress=False)
+        prompt = [
+            0,
+            *torch.randint(3, ref_model.args.vocab_size, (PROMPT_LEN - 1,), generator=g).tolist(),
+        ]
+        with routing("record", routes):
+            tokens, expected = run_logits(ref_model, prompt, None)
+    del ref_model
+    torch.cuda.empty_cache()
+    model = load_model(path, "cuda", torch.bfloat16, progress=False)
+    with use_backend("triton"), routing("replay", routes):
+        _, bf16_rows = run_logits(model, prompt, tokens)
+    with use_backend("triton"), routing("replay", list(routes)):
+        _, fp8_rows = run_logits(model, prompt, tokens, kv_cache_dtype="fp8")
+    between = relative_l2(fp8_rows, bf16_rows)
+    to_ref = relative_l2(fp8_rows, expected)
+    print(
+        f"{path.name}: fp8 rows vs bf16 rows, Triton bf16, pinned: max {between.max():.2e} "
+        f"(median {between.median():.2e}); fp8 rows vs the fp32 reference: max {to_ref.max():.2e} "
+        f"(median {to_ref.median():.2e}); bf16 rows vs it: max "
+        f"{relative_l2(bf16_rows, expected).max():.2e}"
+    )
+    return between.max().item()
+
+
+@pytest.mark.gpu
+def test_tiny_triton_on_fp8_cache_close_to_bf16_cache(tmp_path):
+    """Bound 5e-2 (the CPU test's, tests/model/test_kv_cache_fp8.py)."""
+    path = make_checkpoint(tmp_path / "tiny", "tiny", dtype="bf16", progress=False)
+    assert check_fp8_cache(path) <= 5e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_v2_lite_shape_triton_on_fp8_cache_close_to_bf16_cache(tmp_path):
+    """DeepSeek's latent (kv_lora 512, rope 64), 27 layers."""
+    path = os.environ.get("PDSERVE_V2LITE_DIR")
+    if path is None:
+        path = make_checkpoint(
+            tmp_path / "v2l", "v2-lite-shape", dtype="bf16", device="cuda", progress=False
+        )
+    assert check_fp8_cache(Path(path)) <= 5e-2

@@ -15,7 +15,7 @@ _CTX = mp.get_context("spawn")
 
 def _serve(
     conn, role: str, worker_id: str, model_dir: str, config, kv_config, store_master: bool,
-    device: str, dtype: str,
+    device: str, dtype: str, kv_cache_dtype: str,
 ):  # fmt: skip
     import torch
 
@@ -33,12 +33,13 @@ def _serve(
     store = connect_store(kv_config, is_master=store_master)
     if role == "prefill":
         worker = PrefillWorker(
-            worker_id, model, config, DistKVSender(kv_config, store, worker_id, dev)
-        )
+            worker_id, model, config, DistKVSender(kv_config, store, worker_id, dev),
+            kv_cache_dtype,
+        )  # fmt: skip
     else:
         worker = DecodeWorker(
             worker_id, model, config,
-            lambda cache: DistKVReceiver(kv_config, store, worker_id, cache),
+            lambda cache: DistKVReceiver(kv_config, store, worker_id, cache), kv_cache_dtype,
         )  # fmt: skip
     stop = threading.Event()
     threading.Thread(target=worker.run, args=(stop,), daemon=True).start()
@@ -66,7 +67,7 @@ class WorkerProcess:
 
     def __init__(
         self, role, worker_id, model_dir, config, kv_config, store_master=False, device="cpu",
-        dtype="float32",
+        dtype="float32", kv_cache_dtype="auto",
     ):  # fmt: skip
         self.worker_id = worker_id
         self._conn, child = _CTX.Pipe()
@@ -82,6 +83,7 @@ class WorkerProcess:
                 store_master,
                 device,
                 dtype,
+                kv_cache_dtype,
             ),
             daemon=True,
         )

@@ -12,7 +12,7 @@ import torch
 
 from pdserve.decode import DecodeConfig
 from pdserve.kvtransfer import KVTransferConfig
-from pdserve.model.generate import generate_greedy
+from pdserve.model.generate import OfflineGenerator, generate_greedy
 from pdserve.model.loader import load_model
 from pdserve.model.random_checkpoint import make_checkpoint
 from pdserve.model.sampling_params import SamplingParams
@@ -87,7 +87,10 @@ def cluster(model_dir):
     started: list[WorkerProcess] = []
     port = free_port()
 
-    def start(decode_pages=400, kv_timeout_s=30.0, kv_wait_timeout_s=60.0, prefill_id="p0"):
+    def start(
+        decode_pages=400, kv_timeout_s=30.0, kv_wait_timeout_s=60.0, prefill_id="p0",
+        prefill=PREFILL, kv_cache_dtype="auto",
+    ):  # fmt: skip
         kv = KVTransferConfig(store_port=port, timeout_s=kv_timeout_s, connect_timeout_s=4)
         master = not started
         d = None
@@ -95,9 +98,12 @@ def cluster(model_dir):
             d = WorkerProcess(
                 "decode", "d0", model_dir,
                 DecodeConfig(num_pages=decode_pages, kv_wait_timeout_s=kv_wait_timeout_s), kv, True,
+                kv_cache_dtype=kv_cache_dtype,
             )  # fmt: skip
             started.append(d)
-        p = WorkerProcess("prefill", prefill_id, model_dir, PREFILL, kv)
+        p = WorkerProcess(
+            "prefill", prefill_id, model_dir, prefill, kv, kv_cache_dtype=kv_cache_dtype
+        )
         started.append(p)
         return p, (d or started[0])
 
@@ -113,6 +119,32 @@ def test_disaggregated_outputs_equal_offline(cluster, reference):
     submit_all(router, requests)
     assert_outputs_match(router.run_until_done(120), requests, reference)
     assert p.stats().pages_used == 0 and d.stats().pages_used == 0
+
+
+def test_fp8_cache_disaggregated_outputs_equal_offline(cluster, model_dir, reference):
+    """Both workers keep fp8 rows; P's pages reach D as they are. Each prompt is prefilled in one piece
+    (a large token budget), as the offline path prefills it, so the outputs are the same tokens."""
+    whole = PrefillConfig(num_pages=400, max_prefill_chunk=4096, max_num_batched_tokens=4096)
+    p, d = cluster(prefill=whole, kv_cache_dtype="fp8")
+    requests = workload(8, seed=4)
+    offline = OfflineGenerator(load_model(model_dir, dtype=torch.float32), kv_cache_dtype="fp8")
+    expected = {
+        prompt_key(prompt, n): offline.generate(
+            prompt, SamplingParams(max_tokens=n, ignore_eos=True)
+        )
+        for prompt, n in requests.values()
+    }
+    # the fp8 rows change some greedy tokens: the workers can only match by reading fp8 rows too
+    assert any(expected[prompt_key(*r)].token_ids != reference(*r) for r in requests.values())
+    router = MiniRouter(d, "d0", p, "p0")
+    submit_all(router, requests)
+    results = router.run_until_done(120)
+    assert_outputs_match(results, requests, lambda *r: expected[prompt_key(*r)].token_ids)
+    assert p.stats().pages_used == 0 and d.stats().pages_used == 0
+
+
+def prompt_key(prompt: list[int], max_tokens: int) -> tuple:
+    return tuple(prompt), max_tokens
 
 
 def growing_workload(seed: int) -> dict[str, tuple[list[int], int]]:
