@@ -243,14 +243,9 @@ def write_kv_fp8(
     """Quantizes T tokens' [c_kv | k_pe] into an fp8 cache [num_pages, page_size, row_bytes] uint8
     at flat slots (page * page_size + row), in place. Padding bytes of a row are left as they
     are."""
-    if kv_cache.dim() != 3 or kv_cache.dtype != torch.uint8:
-        raise ValueError(
-            f"write_kv_fp8: kv_cache must be uint8 [P, S, row_bytes], got {kv_cache.dtype}"
-        )
-    c_kv, k_pe = _write_inputs(kv_cache, slots, c_kv, k_pe, "write_kv_fp8")
+    c_kv = fp8_cache_inputs(kv_cache, slots, c_kv, k_pe, "write_kv_fp8")
+    k_pe = k_pe if k_pe.stride(-1) == 1 else k_pe.contiguous()
     lora, rope = c_kv.shape[1], k_pe.shape[1]
-    _check_dims(lora, rope, "write_kv_fp8")
-    _check_fp8_cache(kv_cache, lora, rope, "write_kv_fp8")
     if c_kv.shape[0] == 0:
         return
     _kernels.write_kv_fp8_kernel[(c_kv.shape[0],)](
@@ -298,6 +293,24 @@ def float_cache_inputs(
             f"{op}: cache rows of {kv_cache.shape[2]} (unit stride) expected L + R = {lora + rope}"
         )
     return c_kv, k_pe
+
+
+def fp8_cache_inputs(
+    kv_cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, op: str
+) -> torch.Tensor:
+    """The checks of a write of [c_kv | k_pe] rows into an fp8 cache [P, S, row_bytes] uint8
+    (write_kv_fp8, and rope when it stores the rotated k_pe there); returns c_kv with unit last
+    stride."""
+    if kv_cache.dim() != 3 or kv_cache.dtype != torch.uint8:
+        raise ValueError(
+            f"{op}: kv_cache must be uint8 [P, S, row_bytes], got {kv_cache.dtype} "
+            f"{tuple(kv_cache.shape)}"
+        )
+    c_kv, k_pe = _write_inputs(kv_cache, slots, c_kv, k_pe, op)
+    lora, rope = c_kv.shape[1], k_pe.shape[1]
+    _check_dims(lora, rope, op)
+    _check_fp8_cache(kv_cache, lora, rope, op)
+    return c_kv
 
 
 def _write_inputs(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..mla_decode.ref import write_kv
+from ..mla_decode.ref import write_kv, write_kv_fp8
 
 
 def rope(
@@ -23,8 +23,9 @@ def rope(
     """q_pe: [T, H, R]; k_pe: [T, R] or [T, 1, R]; positions: [T] int; cos_sin: [max_pos, R] fp32. In place;
     with `q_out` ([T, H, R] of q_pe's dtype, any strides), rotated q_pe goes there and q_pe is left as it was
     (the absorbed decode query takes it beside the latent part). With `cache` = (kv_cache, slots, c_kv), k_pe
-    is left as it was and each token's [c_kv | rotated k_pe] is stored at its slot of the float cache, as
-    `mla_decode.write_kv` stores it (decode: the rotation and the cache write in one launch)."""
+    is left as it was and each token's [c_kv | rotated k_pe] is stored at its slot of the cache, as
+    `mla_decode.write_kv` stores it in a float cache and `write_kv_fp8` in an fp8 one (uint8 rows)
+    (decode: the rotation and the cache write in one launch)."""
     half = cos_sin.shape[-1] // 2
     cs = cos_sin[positions.long()].float()  # [T, R]
     cos, sin = cs[:, None, :half], cs[:, None, half:]  # [T, 1, R/2]
@@ -39,4 +40,5 @@ def rope(
         out[..., 1::2] = out2.to(x.dtype)
     if cache is not None:
         kv_cache, slots, c_kv = cache
-        write_kv(kv_cache, slots, c_kv, k_pe.view(k_pe.shape[0], -1))
+        write = write_kv_fp8 if kv_cache.dtype == torch.uint8 else write_kv
+        write(kv_cache, slots, c_kv, k_pe.view(k_pe.shape[0], -1))

@@ -14,8 +14,9 @@ import triton
 import triton.language as tl
 
 from .. import tuning
+from ..mla_decode import fp8_format
 from ..mla_decode._kernels import slot_row
-from ..mla_decode.triton import float_cache_inputs
+from ..mla_decode.triton import float_cache_inputs, fp8_cache_inputs
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -59,12 +60,15 @@ def _rope_kernel(
     num_heads,
     stride_qt, stride_qh, stride_qr, stride_kt, stride_kr, stride_cs,
     stride_ot, stride_oh, stride_or,
-    c_ptr, slot_ptr, cache_ptr, stride_c, stride_page, stride_row,
+    c_ptr, slot_ptr, cache_ptr, cache16_ptr, cache32_ptr, stride_c, stride_page, stride_row,
     ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
     WRITE: tl.constexpr, PAGE_SIZE: tl.constexpr, D_LATENT: tl.constexpr, BLOCK_L: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
 ):  # fmt: skip
     """WRITE: head-block 0 stores the token's cache row instead of rotating k_pe in place: c_kv,
-    then k_pe's rotation, at its slot of a float cache (see write_kv)."""
+    then k_pe's rotation, at its slot of a float cache (see write_kv), or with KV_FP8 in the fp8
+    row format (see write_kv_fp8; cache_ptr is then the uint8 rows, cache16_ptr / cache32_ptr the
+    same bytes as bf16 / fp32, and the cache strides are in bytes)."""
     HALF: tl.constexpr = ROPE // 2
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -82,7 +86,18 @@ def _rope_kernel(
     if hb == 0:
         offs_k = tl.arange(0, 1)
         k_row = k_ptr + t64 * stride_kt
-        if WRITE:
+        if WRITE and KV_FP8:
+            row_off = tl.multiple_of(slot_row(slot_ptr, t, stride_page, stride_row, PAGE_SIZE), 16)
+            offs_l = tl.arange(0, D_LATENT)
+            c = tl.load(c_ptr + t64 * stride_c + offs_l).to(tl.float32)
+            amax = tl.max(tl.abs(c), 0)
+            scale = tl.where(amax > 0.0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+            c8 = tl.clamp(tl.math.div_rn(c, scale), -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+            tl.store(cache_ptr + row_off + offs_l, c8.to(tl.uint8, bitcast=True))
+            pe_row = cache16_ptr + tl.multiple_of((row_off + D_LATENT) // 2, 8)
+            _rotate(k_row, pe_row, offs_k, offs_k < 1, 0, stride_kr, 0, 1, cos, sin, ROPE)
+            tl.store(cache32_ptr + (row_off + D_LATENT + 2 * ROPE) // 4, scale)
+        elif WRITE:
             row = cache_ptr + slot_row(slot_ptr, t, stride_page, stride_row, PAGE_SIZE)
             offs_l = tl.arange(0, BLOCK_L)
             c = tl.load(c_ptr + t64 * stride_c + offs_l, mask=offs_l < D_LATENT)
@@ -141,13 +156,21 @@ def rope(
             f"rope: q_out must be {q_pe.dtype} {tuple(q_pe.shape)} on {q_pe.device}, got "
             f"{q_out.dtype} {tuple(q_out.shape)} on {q_out.device}"
         )
-    if cache is not None:
+    kv_fp8 = cache is not None and cache[0].dtype == torch.uint8
+    if kv_fp8:
+        kv_cache, slots, c_kv = cache
+        c_kv = fp8_cache_inputs(kv_cache, slots, c_kv, k_pe2, "rope")
+        views = (kv_cache, kv_cache.view(torch.bfloat16), kv_cache.view(torch.float32))
+        write = (c_kv, slots, *views, c_kv.stride(0), kv_cache.stride(0), kv_cache.stride(1))
+        lora, page_size = c_kv.shape[1], kv_cache.shape[1]
+    elif cache is not None:
         kv_cache, slots, c_kv = cache
         c_kv, _ = float_cache_inputs(kv_cache, slots, c_kv, k_pe2, "rope")
-        write = (c_kv, slots, kv_cache, c_kv.stride(0), kv_cache.stride(0), kv_cache.stride(1))
+        views = (kv_cache,) * 3
+        write = (c_kv, slots, *views, c_kv.stride(0), kv_cache.stride(0), kv_cache.stride(1))
         lora, page_size = c_kv.shape[1], kv_cache.shape[1]
     else:
-        write, lora, page_size = (q_pe, positions, q_pe, 0, 0, 0), 1, 1  # unused
+        write, lora, page_size = (q_pe, positions, q_pe, q_pe, q_pe, 0, 0, 0), 1, 1  # unused
     if num_tokens == 0:
         return
     if cos_sin.stride(1) != 1:
@@ -161,6 +184,6 @@ def rope(
         q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), k_pe2.stride(0), k_pe2.stride(1),
         cos_sin.stride(0), *q_out.stride(), *write,
         ROPE=rope_dim, BLOCK_H=block_h, WRITE=cache is not None,
-        PAGE_SIZE=page_size, D_LATENT=lora,
+        PAGE_SIZE=page_size, D_LATENT=lora, KV_FP8=kv_fp8, FP8_MAX=fp8_format.FP8_E4M3_MAX,
         BLOCK_L=triton.next_power_of_2(lora), num_warps=cfg["num_warps"],
     )  # fmt: skip
