@@ -128,7 +128,7 @@ def check_offline(args, results: list[Result]) -> dict:
     identical, divergences = 0, []
     with use_backend(args.kernels), use_batch_invariant(args.batch_invariant):
         model = load_model(resolve_model(args.model), args.device, dtype, progress=False)
-        generator = OfflineGenerator(model)
+        generator = OfflineGenerator(model, kv_cache_dtype=args.kv_cache_dtype)
         for r in results:
             expected = generator.generate(r.prompt, params).token_ids
             if expected == r.token_ids:
@@ -160,6 +160,10 @@ def main() -> None:
     p.add_argument("--dtype", default="auto", help="for --check-offline: as served")
     p.add_argument("--kernels", default="auto", help="for --check-offline: as served")
     p.add_argument("--device", default="cpu", help="for --check-offline: cpu or cuda[:N]")
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+        help="for --check-offline: as served with --model.kv-cache-dtype",
+    )  # fmt: skip
     p.add_argument(
         "--batch-invariant", action="store_true",
         help="for --check-offline: as served with --model.batch-invariant true",

@@ -6,7 +6,8 @@
 #
 # MODEL_DIR defaults to /tmp/v2l (made there as the v2-lite-shape random checkpoint when absent). Writes
 # serve.log and serving.json under $OUT (default /tmp). Environment: REQUESTS (128), CONCURRENCY (64),
-# INPUT_LEN (1024), OUTPUT_LEN (256), CHECK_N (8), INVARIANT (1: serve and check in batch-invariant mode).
+# INPUT_LEN (1024), OUTPUT_LEN (256), CHECK_N (8), INVARIANT (1: serve and check in batch-invariant mode),
+# KV_CACHE_DTYPE (auto; fp8: serve and check on fp8 KV rows).
 set -euo pipefail
 MODEL=${1:-/tmp/v2l}
 shift || true
@@ -16,8 +17,9 @@ INVARIANT=${INVARIANT:-1}
 if [ ! -f "$MODEL/config.json" ]; then
     python -m pdserve.cluster.cli make-checkpoint "$MODEL" --preset v2-lite-shape --gen-device cuda
 fi
-flags=()
-check=()
+KV_CACHE_DTYPE=${KV_CACHE_DTYPE:-auto}
+flags=(--model.kv-cache-dtype "$KV_CACHE_DTYPE")
+check=(--kv-cache-dtype "$KV_CACHE_DTYPE")
 if [ "$INVARIANT" = 1 ]; then
     flags+=(--model.batch-invariant true)
     check+=(--batch-invariant)

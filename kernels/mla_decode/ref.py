@@ -37,15 +37,17 @@ def mla_decode(
     Returns out [B, Q, H, kv_lora_rank] in q's dtype and lse [B, Q, H] fp32 (natural log).
     """
     batch, num_q, num_heads, head_dim = q.shape
-    if kv_cache.dtype == torch.uint8:
-        kv_cache = dequantize_kv_fp8(kv_cache, kv_lora_rank, head_dim - kv_lora_rank)
+    fp8 = kv_cache.dtype == torch.uint8
     page_size = kv_cache.shape[1]
     out = torch.empty(batch, num_q, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, num_q, num_heads, dtype=torch.float32, device=q.device)
     for b, seq_len in enumerate(seq_lens.tolist()):
         num_pages = -(-seq_len // page_size)
         pages = page_table[b, :num_pages].long()
-        kv = kv_cache[pages].reshape(num_pages * page_size, head_dim)[:seq_len].float()  # [L, Dk]
+        kv = kv_cache[pages].reshape(num_pages * page_size, -1)[:seq_len]
+        if fp8:  # only this request's rows: a cache holds up to millions
+            kv = dequantize_kv_fp8(kv, kv_lora_rank, head_dim - kv_lora_rank)
+        kv = kv.float()  # [L, Dk]
         qb = q[b].float()  # [Q, H, Dk]
         scores = torch.einsum("qhd,ld->qhl", qb, kv) * softmax_scale  # [Q, H, L]
         visible = seq_len - num_q + 1 + torch.arange(num_q, device=q.device)  # [Q]
