@@ -44,7 +44,7 @@ def mla_decode(
     for b, seq_len in enumerate(seq_lens.tolist()):
         num_pages = -(-seq_len // page_size)
         pages = page_table[b, :num_pages].long()
-        kv = kv_cache[pages].reshape(num_pages * page_size, -1)[:seq_len]
+        kv = kv_cache[pages].reshape(num_pages * page_size, kv_cache.shape[-1])[:seq_len]
         if fp8:  # only this request's rows: a cache holds up to millions
             kv = dequantize_kv_fp8(kv, kv_lora_rank, head_dim - kv_lora_rank)
         kv = kv.float()  # [L, Dk]
