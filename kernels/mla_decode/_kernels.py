@@ -397,6 +397,16 @@ def slot_row(slot_ptr, t, stride_page, stride_row, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
+def quantize_row_fp8(c, FP8_MAX: tl.constexpr):
+    """One cache row's latent [L] in the fp8 format: (e4m3 bytes as uint8 [L], fp32 scale)."""
+    c = c.to(tl.float32)
+    amax = tl.max(tl.abs(c), 0)
+    scale = tl.where(amax > 0.0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+    c8 = tl.clamp(tl.math.div_rn(c, scale), -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+    return c8.to(tl.uint8, bitcast=True), scale
+
+
+@triton.jit
 def write_kv_fp8_kernel(
     c_ptr, kpe_ptr, slot_ptr, cache8_ptr, cache16_ptr, cache32_ptr,
     stride_c, stride_k, stride_page, stride_row,
@@ -407,11 +417,8 @@ def write_kv_fp8_kernel(
     row_off = tl.multiple_of(slot_row(slot_ptr, t, stride_page, stride_row, PAGE_SIZE), 16)
     offs_l = tl.arange(0, D_LATENT)
     offs_r = tl.arange(0, D_ROPE)
-    c = tl.load(c_ptr + t * stride_c + offs_l).to(tl.float32)
-    amax = tl.max(tl.abs(c), 0)
-    scale = tl.where(amax > 0.0, tl.math.div_rn(amax, FP8_MAX), 1.0)
-    c8 = tl.clamp(tl.math.div_rn(c, scale), -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
-    tl.store(cache8_ptr + row_off + offs_l, c8.to(tl.uint8, bitcast=True))
+    c8, scale = quantize_row_fp8(tl.load(c_ptr + t * stride_c + offs_l), FP8_MAX)
+    tl.store(cache8_ptr + row_off + offs_l, c8)
     kpe = tl.load(kpe_ptr + t * stride_k + offs_r).to(tl.bfloat16)
     off16 = tl.multiple_of((row_off + D_LATENT) // 2, 8)
     tl.store(cache16_ptr + off16 + offs_r, kpe)

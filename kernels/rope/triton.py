@@ -15,7 +15,7 @@ import triton.language as tl
 
 from .. import tuning
 from ..mla_decode import fp8_format
-from ..mla_decode._kernels import slot_row
+from ..mla_decode._kernels import quantize_row_fp8, slot_row
 from ..mla_decode.triton import float_cache_inputs, fp8_cache_inputs
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -89,11 +89,8 @@ def _rope_kernel(
         if WRITE and KV_FP8:
             row_off = tl.multiple_of(slot_row(slot_ptr, t, stride_page, stride_row, PAGE_SIZE), 16)
             offs_l = tl.arange(0, D_LATENT)
-            c = tl.load(c_ptr + t64 * stride_c + offs_l).to(tl.float32)
-            amax = tl.max(tl.abs(c), 0)
-            scale = tl.where(amax > 0.0, tl.math.div_rn(amax, FP8_MAX), 1.0)
-            c8 = tl.clamp(tl.math.div_rn(c, scale), -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
-            tl.store(cache_ptr + row_off + offs_l, c8.to(tl.uint8, bitcast=True))
+            c8, scale = quantize_row_fp8(tl.load(c_ptr + t64 * stride_c + offs_l), FP8_MAX)
+            tl.store(cache_ptr + row_off + offs_l, c8)
             pe_row = cache16_ptr + tl.multiple_of((row_off + D_LATENT) // 2, 8)
             _rotate(k_row, pe_row, offs_k, offs_k < 1, 0, stride_kr, 0, 1, cos, sin, ROPE)
             tl.store(cache32_ptr + (row_off + D_LATENT + 2 * ROPE) // 4, scale)

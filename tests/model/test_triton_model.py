@@ -31,20 +31,27 @@ def run_logits(model, prompt: list[int], steps: list[int] | None, kv_cache_dtype
     return run_steps(model, prompt, steps, DECODE_STEPS, kv_cache_dtype=kv_cache_dtype)
 
 
-def check(path: Path) -> float:
-    """Max over steps of the relative L2 with routing pinned; prints the free-running figures as well."""
+def reference_run(path: Path) -> tuple[list[int], list[int], torch.Tensor, list[torch.Tensor]]:
+    """The fp32 reference path on the torch kernels over a random prompt, greedy: the prompt, the tokens it
+    chose, its logits and its routing (every moe_route call's expert ids)."""
     g = torch.Generator().manual_seed(0)
-    ref_routes: list[torch.Tensor] = []
+    routes: list[torch.Tensor] = []
     with use_backend("ref"):
         ref_model = load_model(path, "cuda", torch.float32, progress=False)
         prompt = [
             0,
             *torch.randint(3, ref_model.args.vocab_size, (PROMPT_LEN - 1,), generator=g).tolist(),
         ]
-        with routing("record", ref_routes):
+        with routing("record", routes):
             tokens, expected = run_logits(ref_model, prompt, None)
     del ref_model
     torch.cuda.empty_cache()
+    return prompt, tokens, expected, routes
+
+
+def check(path: Path) -> float:
+    """Max over steps of the relative L2 with routing pinned; prints the free-running figures as well."""
+    prompt, tokens, expected, ref_routes = reference_run(path)
     free_routes: list[torch.Tensor] = []
     model = load_model(path, "cuda", torch.bfloat16, progress=False)
     with use_backend("triton"):
@@ -71,21 +78,23 @@ def check(path: Path) -> float:
     return pinned_err.max().item()
 
 
+def bf16_checkpoint(tmp_path: Path, preset: str) -> Path:
+    """A random bf16 checkpoint: tiny, or v2-lite-shape (made on the GPU, or $PDSERVE_V2LITE_DIR)."""
+    if preset == "v2-lite-shape" and os.environ.get("PDSERVE_V2LITE_DIR"):
+        return Path(os.environ["PDSERVE_V2LITE_DIR"])
+    device = "cpu" if preset == "tiny" else "cuda"
+    return make_checkpoint(tmp_path / preset, preset, dtype="bf16", device=device, progress=False)
+
+
 @pytest.mark.gpu
 def test_tiny_triton_bf16_matches_fp32_reference(tmp_path):
-    path = make_checkpoint(tmp_path / "tiny", "tiny", dtype="bf16", progress=False)
-    assert check(path) <= 1e-2
+    assert check(bf16_checkpoint(tmp_path, "tiny")) <= 1e-2
 
 
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_v2_lite_shape_triton_bf16_matches_fp32_reference(tmp_path):
-    path = os.environ.get("PDSERVE_V2LITE_DIR")
-    if path is None:
-        path = make_checkpoint(
-            tmp_path / "v2l", "v2-lite-shape", dtype="bf16", device="cuda", progress=False
-        )
-    assert check(Path(path)) <= 1e-2
+    assert check(bf16_checkpoint(tmp_path, "v2-lite-shape")) <= 1e-2
 
 
 @pytest.mark.gpu
@@ -120,22 +129,11 @@ def check_fp8_cache(path: Path) -> float:
     """The Triton bf16 path over fp8 rows against the same path over bf16 rows, both pinned to the fp32
     reference's routing and tokens; returns the max over steps of their relative L2 and prints each one's
     distance to the reference."""
-    g = torch.Generator().manual_seed(0)
-    routes: list[torch.Tensor] = []
-    with use_backend("ref"):
-        ref_model = load_model(path, "cuda", torch.float32, progress=False)
-        prompt = [
-            0,
-            *torch.randint(3, ref_model.args.vocab_size, (PROMPT_LEN - 1,), generator=g).tolist(),
-        ]
-        with routing("record", routes):
-            tokens, expected = run_logits(ref_model, prompt, None)
-    del ref_model
-    torch.cuda.empty_cache()
+    prompt, tokens, expected, routes = reference_run(path)
     model = load_model(path, "cuda", torch.bfloat16, progress=False)
     with use_backend("triton"), routing("replay", routes):
         _, bf16_rows = run_logits(model, prompt, tokens)
-    with use_backend("triton"), routing("replay", list(routes)):
+    with use_backend("triton"), routing("replay", routes):
         _, fp8_rows = run_logits(model, prompt, tokens, kv_cache_dtype="fp8")
     between = relative_l2(fp8_rows, bf16_rows)
     to_ref = relative_l2(fp8_rows, expected)
@@ -151,17 +149,11 @@ def check_fp8_cache(path: Path) -> float:
 @pytest.mark.gpu
 def test_tiny_triton_on_fp8_cache_close_to_bf16_cache(tmp_path):
     """Bound 5e-2 (the CPU test's, tests/model/test_kv_cache_fp8.py)."""
-    path = make_checkpoint(tmp_path / "tiny", "tiny", dtype="bf16", progress=False)
-    assert check_fp8_cache(path) <= 5e-2
+    assert check_fp8_cache(bf16_checkpoint(tmp_path, "tiny")) <= 5e-2
 
 
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_v2_lite_shape_triton_on_fp8_cache_close_to_bf16_cache(tmp_path):
     """DeepSeek's latent (kv_lora 512, rope 64), 27 layers."""
-    path = os.environ.get("PDSERVE_V2LITE_DIR")
-    if path is None:
-        path = make_checkpoint(
-            tmp_path / "v2l", "v2-lite-shape", dtype="bf16", device="cuda", progress=False
-        )
-    assert check_fp8_cache(Path(path)) <= 5e-2
+    assert check_fp8_cache(bf16_checkpoint(tmp_path, "v2-lite-shape")) <= 5e-2
