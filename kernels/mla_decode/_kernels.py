@@ -21,6 +21,31 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+E4M3_TO_BF16_PTX = tl.constexpr("""{
+    .reg .b32 t0, t1, k;
+    prmt.b32 t0, $2, 0, 0x1404;
+    prmt.b32 t1, $2, 0, 0x3424;
+    shr.b32 $0, t0, 4;
+    shr.b32 $1, t1, 4;
+    and.b32 $0, $0, 0x07F007F0;
+    and.b32 $1, $1, 0x07F007F0;
+    and.b32 t0, t0, 0x80008000;
+    and.b32 t1, t1, 0x80008000;
+    or.b32 $0, $0, t0;
+    or.b32 $1, $1, t1;
+    mov.b32 k, 0x7B807B80;
+    mul.rn.bf16x2 $0, $0, k;
+    mul.rn.bf16x2 $1, $1, k;
+    }""")
+"""Four e4m3 bytes ($2) to four bf16 values ($0, $1), exactly, in integer ops: each byte's sign,
+exponent and mantissa bits moved to their bf16 places give the value times 2^-120 (subnormals
+included, since both formats then read the bits the same way), and one packed bf16 multiply by
+2^120 restores it. NaN bytes do not come out NaN (the cache format never holds them). For
+`inline_asm_elementwise(..., "=r,=r,r", pack=4)`, in the Triton and the Gluon kernels."""
+FP8_CVT, FP8_ASM = tl.constexpr(1), tl.constexpr(2)
+"""KV_FP8 values of the split kernels: a float cache is 0; an fp8 cache converted by Triton's casts
+(any q dtype, and the interpreter), or by E4M3_TO_BF16_PTX (a bf16 q on a GPU)."""
+
 LN2 = tl.constexpr(0.6931471805599453)
 
 
@@ -48,6 +73,17 @@ def _split_prologue(sl_ptr, num_heads, num_rows, num_splits, split_tokens, NUM_Q
 
 
 @triton.jit
+def _fp8_latent(c8, DTYPE: tl.constexpr, KV_FP8: tl.constexpr):
+    """An fp8 tile's latent bytes (uint8) as DTYPE values, unscaled."""
+    if KV_FP8 == FP8_ASM:
+        return tl.inline_asm_elementwise(
+            E4M3_TO_BF16_PTX, "=r,=r,r", [c8], dtype=tl.bfloat16, is_pure=True, pack=4
+        )
+    else:
+        return c8.to(tl.float8e4nv, bitcast=True).to(DTYPE)
+
+
+@triton.jit
 def _load_kv_tile(
     kv_ptr, kv16_ptr, kv32_ptr, kv_desc, pe_desc, pt_row, n0, end, stride_kvp, stride_kvr,
     PAGE_SIZE: tl.constexpr, D_LATENT: tl.constexpr, D_ROPE: tl.constexpr, KV_FP8: tl.constexpr,
@@ -65,7 +101,7 @@ def _load_kv_tile(
         # the tile's first row in the descriptors' rows (pages are stride_kvp // stride_kvr rows apart)
         first = page * (stride_kvp // stride_kvr) + n0 % PAGE_SIZE
         if KV_FP8:
-            kv = kv_desc.load([first, 0]).to(tl.float8e4nv, bitcast=True).to(DTYPE)
+            kv = _fp8_latent(kv_desc.load([first, 0]), DTYPE, KV_FP8)
             kpe = pe_desc.load([first, D_LATENT // 2]).to(DTYPE)
         else:
             kv = kv_desc.load([first, 0])
@@ -91,7 +127,7 @@ def _load_kv_tile(
             else:
                 c8 = tl.load(c8_ptrs)
                 kpe = tl.load(pe_ptrs)
-            kv = c8.to(tl.float8e4nv, bitcast=True).to(DTYPE)
+            kv = _fp8_latent(c8, DTYPE, KV_FP8)
             kpe = kpe.to(DTYPE)
         else:
             kv_ptrs = kv_ptr + row_off[:, None] + offs_l[None, :]

@@ -18,6 +18,7 @@ if _base._dense._IMPORTED:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
     from ..fp8_gemm.gluon_sm90 import gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
+    from ._kernels import E4M3_TO_BF16_PTX
     from .gluon_sm90 import _barriers, _chunk, _finish, _producer, _softmax_tile
 
     @gluon.jit
@@ -28,22 +29,7 @@ if _base._dense._IMPORTED:
         multiply by 2^120 restores it. The conversion instructions (e4m3 -> f16 -> bf16) take one
         F2F a value instead, and were 2.6% slower over the whole kernel."""
         return gl.inline_asm_elementwise(
-            """{
-            .reg .b32 t0, t1, k;
-            prmt.b32 t0, $2, 0, 0x1404;
-            prmt.b32 t1, $2, 0, 0x3424;
-            shr.b32 $0, t0, 4;
-            shr.b32 $1, t1, 4;
-            and.b32 $0, $0, 0x07F007F0;
-            and.b32 $1, $1, 0x07F007F0;
-            and.b32 t0, t0, 0x80008000;
-            and.b32 t1, t1, 0x80008000;
-            or.b32 $0, $0, t0;
-            or.b32 $1, $1, t1;
-            mov.b32 k, 0x7B807B80;
-            mul.rn.bf16x2 $0, $0, k;
-            mul.rn.bf16x2 $1, $1, k;
-            }""",
+            E4M3_TO_BF16_PTX,
             "=r,=r,r",
             [x.to(gl.uint8, bitcast=True)],
             dtype=gl.bfloat16,

@@ -67,6 +67,9 @@ _SPLIT_POLICY = {
 # cache (under a bf16 q) the Gluon kernel converts each tile's latent to bf16 in place: 278-288
 # TFLOP/s at B=128, 128 heads, against 175-179 for the tl.dot kernel; 64-position tiles beat
 # 32-position ones (210-219) (twenty-fourth session, benchmarks/RESULTS.md).
+# FP8_ASM (default on): under a bf16 q on a GPU the Triton kernels convert fp8 rows by the exact
+# integer conversion (_kernels.E4M3_TO_BF16_PTX) instead of Triton's casts: 16 heads, B=128, 306 -> 269
+# us at kv 4096 (twenty-fifth session).
 _BF16_M16 = {"LAYOUT": "kv_major", "BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
              "USE_TMA": True}  # fmt: skip
 _BF16_M32 = {"LAYOUT": "kv_major", "BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
@@ -210,7 +213,7 @@ def mla_decode_launch(
             page_table.stride(0),
             *o_strides, *l_strides,
             NUM_Q=num_q, PAGE_SIZE=page_size,
-            D_LATENT=kv_lora_rank, D_ROPE=rope_dim, KV_FP8=is_fp8,
+            D_LATENT=kv_lora_rank, D_ROPE=rope_dim, KV_FP8=_fp8_mode(q, is_fp8, cfg),
             BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
             USE_TMA=kv_desc is not None, num_warps=cfg["num_warps"], num_stages=num_stages,
         )  # fmt: skip
@@ -235,6 +238,16 @@ def mla_decode_launch(
             SPLIT_CHUNK=chunk, num_warps=4,
         )  # fmt: skip
     return out, lse
+
+
+def _fp8_mode(q: torch.Tensor, is_fp8: bool, cfg: dict) -> int:
+    """The split kernels' KV_FP8: 0 for a float cache; on an fp8 cache, the exact integer conversion
+    (_kernels.E4M3_TO_BF16_PTX) under a bf16 q on a GPU unless the config sets FP8_ASM False, else
+    Triton's casts."""
+    if not is_fp8:
+        return 0
+    asm = q.dtype == torch.bfloat16 and q.is_cuda and cfg.get("FP8_ASM", True)
+    return (_kernels.FP8_ASM if asm else _kernels.FP8_CVT).value
 
 
 def write_kv_fp8(
