@@ -99,7 +99,8 @@ def format_status(status: admin_pb2.GetStatusResponse) -> str:
     """A table of the pools for the terminal."""
     lines = [
         f"model {status.model}  requests {status.num_requests}  {status.output_tokens_per_s:.1f} tok/s  "
-        f"uptime {status.uptime_s:.0f}s{'  (aggregated)' if status.aggregated else ''}",
+        f"uptime {status.uptime_s:.0f}s  KV rows {status.kv_cache_dtype or 'auto'}"
+        f"{'  (aggregated)' if status.aggregated else ''}",
         f"{'worker':<12}{'state':<10}{'node':<16}{'gpus':>5}{'reqs':>6}{'queued':>8}{'q.tokens':>10}"
         f"{'running':>9}{'waiting':>9}{'KV pages':>18}",
     ]

@@ -140,6 +140,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 output_tokens_per_s=server.output_tokens_per_s,
                 uptime_s=server.uptime_s,
                 aggregated=not server.router.pool(PREFILL),
+                kv_cache_dtype=server.config.model.kv_cache_dtype,
             )
         except Exception as e:  # process boundary
             await _abort(context, e, "GetStatus")

@@ -124,6 +124,7 @@ def test_pdserve_generate_and_status_cli(server, reference):
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     assert "prefill-0" in status.stdout and "decode-0" in status.stdout
+    assert "KV rows auto" in status.stdout
 
 
 def test_client_cancel_mid_stream_frees_pages_on_both_sides(client):

@@ -47,6 +47,7 @@ def test_streams_equal_offline_on_fp8_rows(client, model_dir, reference):
 
     with ThreadPoolExecutor(8) as pool:
         assert list(pool.map(run, range(8))) == expected
+    assert client.status().kv_cache_dtype == "fp8"  # what `pdserve status` shows operators
     wait_for(
         lambda: not any(w.kv_pages_used for pool in client.status().pools for w in pool.workers),
         10, "pages freed",

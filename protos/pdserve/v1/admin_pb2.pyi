@@ -72,20 +72,22 @@ class PoolStatus(_message.Message):
     def __init__(self, role: _Optional[_Union[Role, str]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("model", "pools", "num_requests", "output_tokens_per_s", "uptime_s", "aggregated")
+    __slots__ = ("model", "pools", "num_requests", "output_tokens_per_s", "uptime_s", "aggregated", "kv_cache_dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     AGGREGATED_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     num_requests: int
     output_tokens_per_s: float
     uptime_s: float
     aggregated: bool
-    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., num_requests: _Optional[int] = ..., output_tokens_per_s: _Optional[float] = ..., uptime_s: _Optional[float] = ..., aggregated: _Optional[bool] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., num_requests: _Optional[int] = ..., output_tokens_per_s: _Optional[float] = ..., uptime_s: _Optional[float] = ..., aggregated: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class ScalePoolRequest(_message.Message):
     __slots__ = ("role", "count")
