@@ -34,7 +34,8 @@ def test_layout_and_choices(model):
     assert plain.page_bytes == plain.num_layers * 16 * (lora + rope) * 4
     assert PagedKVCache(fp8, 3, "cpu").data.dtype == torch.uint8
     # DeepSeek-V3's rows: 656 bytes against 1152 in bf16
-    assert KVCacheLayout(61, 64, 512, 64, FP8).page_bytes * 1152 == 61 * 64 * 656 * 1152
+    assert KVCacheLayout(61, 64, 512, 64, FP8).page_bytes == 61 * 64 * 656
+    assert KVCacheLayout(61, 64, 512, 64, torch.bfloat16).page_bytes == 61 * 64 * 1152
     with pytest.raises(ValueError, match="kv_cache_dtype='fp4'"):
         resolve_cache_dtype("fp4", torch.bfloat16)
     with pytest.raises(ValueError, match="kv_lora_rank a power of two >= 16, the model has 48"):
