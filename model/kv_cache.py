@@ -19,6 +19,7 @@ import torch
 from .. import kernels
 from ..kernels.mla_decode import dequantize_kv_fp8, fp8_format
 from .args import ModelArgs
+from .errors import ConfigError
 
 KV_CACHE_DTYPES = ("auto", "fp8")
 """`kv_cache_dtype` choices: auto (the activation dtype) or fp8 (e4m3 latent rows, see the module doc)."""
@@ -29,7 +30,7 @@ FP8 = torch.float8_e4m3fn
 def resolve_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The layout dtype for a `kv_cache_dtype` choice."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(
+        raise ConfigError(
             f"kv_cache_dtype={kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}"
         )
     return FP8 if kv_cache_dtype == "fp8" else model_dtype
@@ -51,7 +52,7 @@ class KVCacheLayout:
         if self.is_fp8:
             for name, d in (("kv_lora_rank", self.kv_lora_rank), ("rope dims", self.rope_dim)):
                 if d < 16 or d & (d - 1):
-                    raise ValueError(
+                    raise ConfigError(
                         f"an fp8 KV cache needs {name} a power of two >= 16, the model has {d}"
                     )
 
