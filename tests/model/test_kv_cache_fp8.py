@@ -89,3 +89,19 @@ def test_offline_generator_runs_on_fp8_rows(model):
     assert len(out.token_ids) == 6 and out.finish_reason == "length"
     with pytest.raises(ValueError, match="kv_cache_dtype='bf8'"):
         OfflineGenerator(model, kv_cache_dtype="bf8")
+
+
+def test_cli_names_a_model_the_fp8_rows_do_not_fit(tmp_path, capsys):
+    from pdserve.cluster.cli import main
+    from pdserve.model.random_checkpoint import make_checkpoint
+
+    path = make_checkpoint(
+        tmp_path / "odd",
+        "tiny",
+        overrides={"kv_lora_rank": 48},
+        shard_bytes=2 << 20,
+        progress=False,
+    )
+    argv = ["offline", "--model", str(path), "--prompt-ids", "0,5", "--kv-cache-dtype", "fp8"]
+    assert main(argv) == 2
+    assert "kv_lora_rank a power of two >= 16, the model has 48" in capsys.readouterr().err
