@@ -52,3 +52,23 @@ def test_streams_equal_offline_on_fp8_rows(client, model_dir, reference):
         lambda: not any(w.kv_pages_used for pool in client.status().pools for w in pool.workers),
         10, "pages freed",
     )  # fmt: skip
+
+
+def test_aggregated_prefill_on_fp8_rows_equals_offline(client, model_dir):
+    """Without prefill workers the decode worker prefills prompts itself, writing fp8 rows, in pieces of
+    decode.max_prefill_chunk (128 here) that read the earlier pieces back as fp8 rows: as the offline path does
+    with the same pieces."""
+    reply = client.scale("prefill", 0, timeout_s=120)
+    assert reply.removed and client.status().aggregated
+    try:
+        offline = OfflineGenerator(
+            load_model(model_dir, dtype=torch.float32), prefill_chunk=128, kv_cache_dtype="fp8"
+        )
+        for prompt in ([0, *range(40, 90)], [0, *range(7, 306)]):
+            expected = offline.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+            request = generate_request(prompt, max_tokens=12, temperature=0.0, ignore_eos=True)
+            chunks = list(client.generate(request, timeout_s=120))
+            assert [t for c in chunks for t in c.token_ids] == expected.token_ids
+            assert chunks[-1].timings.prefill_worker == ""
+    finally:
+        client.scale("prefill", 1, timeout_s=120)
