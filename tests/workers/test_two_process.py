@@ -89,7 +89,7 @@ def cluster(model_dir):
 
     def start(
         decode_pages=400, kv_timeout_s=30.0, kv_wait_timeout_s=60.0, prefill_id="p0",
-        prefill=PREFILL, kv_cache_dtype="auto",
+        prefill=PREFILL, kv_cache_dtype="auto", prefill_kv_cache_dtype=None,
     ):  # fmt: skip
         kv = KVTransferConfig(store_port=port, timeout_s=kv_timeout_s, connect_timeout_s=4)
         master = not started
@@ -101,9 +101,8 @@ def cluster(model_dir):
                 kv_cache_dtype=kv_cache_dtype,
             )  # fmt: skip
             started.append(d)
-        p = WorkerProcess(
-            "prefill", prefill_id, model_dir, prefill, kv, kv_cache_dtype=kv_cache_dtype
-        )
+        p_dtype = prefill_kv_cache_dtype or kv_cache_dtype
+        p = WorkerProcess("prefill", prefill_id, model_dir, prefill, kv, kv_cache_dtype=p_dtype)
         started.append(p)
         return p, (d or started[0])
 
@@ -141,6 +140,21 @@ def test_fp8_cache_disaggregated_outputs_equal_offline(cluster, model_dir, refer
     results = router.run_until_done(120)
     assert_outputs_match(results, requests, lambda *r: expected[prompt_key(*r)].token_ids)
     assert p.stats().pages_used == 0 and d.stats().pages_used == 0
+
+
+def test_mismatched_cache_formats_fail_the_requests_then_pages_free(cluster):
+    """A prefill worker on bf16 rows and a decode worker on fp8 rows (a server never pairs them; a hand-built
+    deployment might): D refuses the first header for its value size and drops the link (logging "garbled or
+    incompatible header"), so the requests fail within the timeouts instead of waiting for pages, and every
+    page comes back on both sides. The requests' errors name the link, not the formats."""
+    p, d = cluster(kv_cache_dtype="fp8", prefill_kv_cache_dtype="auto", kv_wait_timeout_s=20.0)
+    requests = workload(3, seed=6)
+    router = MiniRouter(d, "d0", p, "p0")
+    submit_all(router, requests)
+    results = router.run_until_done(90)
+    for request_id in requests:
+        assert results[request_id].error is not None, results[request_id]
+    wait_for(lambda: p.stats().pages_used == 0 and d.stats().pages_used == 0, 30, "pages freed")
 
 
 def prompt_key(prompt: list[int], max_tokens: int) -> tuple:
