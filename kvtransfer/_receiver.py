@@ -316,9 +316,19 @@ class DistKVReceiver(KVReceiver):
         layers, page_size, dim, itemsize, largest, first = header[5:]
         cut_at_runs = largest == CUT_AT_RECEIVER_RUNS
         sizes = (num_pages, layers, page_size, dim, first) + (() if cut_at_runs else (largest,))
-        if magic != MAGIC or itemsize != self.cache.element_size() or min(sizes) <= 0:
-            raise TransferError(f"garbled or incompatible header from {peer}: {header}")
         what = f"KV transfer {transfer_id} from {peer}"
+        if magic == MAGIC and itemsize != self.cache.element_size() and min(sizes) > 0:
+            error = (
+                f"{what}: pages of {itemsize}-byte values, this cache holds "
+                f"{self.cache.element_size()}-byte values (prefill and decode workers must share "
+                f"kv_cache_dtype)"
+            )
+            with self._lock:
+                if self._expected.pop(transfer_id, None) is not None:
+                    self._results.append(TransferResult(transfer_id, error=error))
+            raise TransferError(error)
+        if magic != MAGIC or min(sizes) <= 0:
+            raise TransferError(f"garbled or incompatible header from {peer}: {header}")
         deadline = time.monotonic() + self.config.timeout_s
         with self._lock:  # it came: no receive is kept posted for it any more
             self._dropped.pop(transfer_id, None)

@@ -144,9 +144,10 @@ def test_fp8_cache_disaggregated_outputs_equal_offline(cluster, model_dir, refer
 
 def test_mismatched_cache_formats_fail_the_requests_then_pages_free(cluster):
     """A prefill worker on bf16 rows and a decode worker on fp8 rows (a server never pairs them; a hand-built
-    deployment might): D refuses the first header for its value size and drops the link (logging "garbled or
-    incompatible header"), so the requests fail within the timeouts instead of waiting for pages, and every
-    page comes back on both sides. The requests' errors name the link, not the formats."""
+    deployment might): D refuses the first header for its value size, fails that transfer naming both sizes
+    and kv_cache_dtype, and drops the link, so the requests fail within the timeouts instead of waiting for
+    pages, and every page comes back on both sides. (Which error a request gets depends on which side reports
+    first: the others name the dropped link.)"""
     p, d = cluster(kv_cache_dtype="fp8", prefill_kv_cache_dtype="auto", kv_wait_timeout_s=20.0)
     requests = workload(3, seed=6)
     router = MiniRouter(d, "d0", p, "p0")
