@@ -13,8 +13,11 @@ import sys
 import torch
 from _common import graph_us
 
+sys.path.insert(0, "benchmarks")
+from decode_step import fill_cache  # noqa: E402
+
 from pdserve import kernels
-from pdserve.kernels.mla_decode import gluon_sm90, quantize_kv_fp8
+from pdserve.kernels.mla_decode import gluon_sm90
 from pdserve.model.kv_cache import FP8, KVCacheLayout, PagedKVCache
 
 LAYERS, PAGE, LORA, ROPE, HEADS = 12, 64, 512, 64, 128
@@ -31,22 +34,10 @@ def _counted(*args, **kwargs):
 gluon_sm90.launch = _counted
 
 
-def filled_cache(dtype: torch.dtype, num_pages: int) -> PagedKVCache:
-    """Random rows: normal values, quantized for fp8 rows."""
-    cache = PagedKVCache(KVCacheLayout(LAYERS, PAGE, LORA, ROPE, dtype), num_pages, "cuda")
-    flat = cache.data.view(-1, cache.layout.entry_dim)
-    for start in range(0, flat.shape[0], 1 << 18):
-        n = min(1 << 18, flat.shape[0] - start)
-        rows = torch.randn(n, LORA + ROPE, device="cuda")
-        if cache.layout.is_fp8:
-            rows = quantize_kv_fp8(rows[:, :LORA], rows[:, LORA:])
-        flat[start : start + n] = rows.to(flat.dtype)
-    return cache
-
-
 def measure(batch: int, ctx: int, dtype: torch.dtype) -> tuple[float, bool, float]:
     pages_per = ctx // PAGE + 1
-    cache = filled_cache(dtype, batch * pages_per)
+    cache = PagedKVCache(KVCacheLayout(LAYERS, PAGE, LORA, ROPE, dtype), batch * pages_per, "cuda")
+    fill_cache(cache)
     table = torch.arange(batch * pages_per, device="cuda", dtype=torch.int32).view(batch, -1)
     seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     q = torch.randn(batch, 1, HEADS, LORA + ROPE, device="cuda", dtype=torch.bfloat16)

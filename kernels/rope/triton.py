@@ -154,16 +154,14 @@ def rope(
             f"{q_out.dtype} {tuple(q_out.shape)} on {q_out.device}"
         )
     kv_fp8 = cache is not None and cache[0].dtype == torch.uint8
-    if kv_fp8:
+    if cache is not None:
         kv_cache, slots, c_kv = cache
-        c_kv = fp8_cache_inputs(kv_cache, slots, c_kv, k_pe2, "rope")
-        views = (kv_cache, kv_cache.view(torch.bfloat16), kv_cache.view(torch.float32))
-        write = (c_kv, slots, *views, c_kv.stride(0), kv_cache.stride(0), kv_cache.stride(1))
-        lora, page_size = c_kv.shape[1], kv_cache.shape[1]
-    elif cache is not None:
-        kv_cache, slots, c_kv = cache
-        c_kv, _ = float_cache_inputs(kv_cache, slots, c_kv, k_pe2, "rope")
-        views = (kv_cache,) * 3
+        if kv_fp8:  # the row's bytes, and the same bytes as bf16 (rope) and fp32 (scale)
+            c_kv = fp8_cache_inputs(kv_cache, slots, c_kv, k_pe2, "rope")
+            views = (kv_cache, kv_cache.view(torch.bfloat16), kv_cache.view(torch.float32))
+        else:
+            c_kv, _ = float_cache_inputs(kv_cache, slots, c_kv, k_pe2, "rope")
+            views = (kv_cache,) * 3
         write = (c_kv, slots, *views, c_kv.stride(0), kv_cache.stride(0), kv_cache.stride(1))
         lora, page_size = c_kv.shape[1], kv_cache.shape[1]
     else:
