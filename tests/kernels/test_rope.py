@@ -138,9 +138,15 @@ def test_rope_rejects_bad_inputs() -> None:
     with pytest.raises(ValueError, match="cos_sin"):
         tri.rope(q, k, pos, cs.double())
     with pytest.raises(ValueError, match="rope: cache rows of 40"):
-        tri.rope(q, k, pos, cs, cache=(torch.zeros(2, 4, 40), pos, torch.zeros(3, 32)))
+        cache = (torch.zeros(2, 4, 40, device=DEVICE), pos, torch.zeros(3, 32, device=DEVICE))
+        tri.rope(q, k, pos, cs, cache=cache)
     with pytest.raises(ValueError, match="rope: slots must be int"):
-        tri.rope(q, k, pos, cs, cache=(torch.zeros(2, 4, 48), pos.float(), torch.zeros(3, 32)))
+        cache = (
+            torch.zeros(2, 4, 48, device=DEVICE),
+            pos.float(),
+            torch.zeros(3, 32, device=DEVICE),
+        )
+        tri.rope(q, k, pos, cs, cache=cache)
     with pytest.raises(ValueError, match="q_out must be"):
         tri.rope(q, k, pos, cs, q_out=torch.empty(3, 2, 8, device=DEVICE))
 
