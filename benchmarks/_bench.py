@@ -61,10 +61,10 @@ _FLUSH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 def flush_l2() -> None:
     """Reads 256 MiB, so that no input of the next run is still in L2.
 
-    The flush only reads: a flush that writes (zeroing the buffer, as up to 2026-11-21's sixth
-    session) leaves L2 full of dirty lines, which the timed kernel then writes back to HBM while it
-    reads its own inputs. That cost 8-10 us per call, 5-20% of a 50-120 MB memory-bound kernel;
-    `l2_flush_probe.py` measures it against weights rotated through copies that no longer fit in L2.
+    The flush only reads: a flush that writes (zeroing the buffer) leaves L2 full of dirty lines,
+    which the timed kernel then writes back to HBM while it reads its own inputs. On an H200 that
+    cost 8-10 us per call, 5-20% of a 50-120 MB memory-bound kernel, against weights rotated through
+    copies that no longer fit in L2.
     """
     device = torch.device("cuda", torch.cuda.current_device())
     if device not in _FLUSH:
@@ -125,7 +125,8 @@ def time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50) -> floa
     (kernels and the gaps between them), not the host's launch cost; before that spin, a launcher
     slower than the flush had the GPU's idle wait counted, by how much depending on the machine.
     The spin lasts about 100 us, or twice fn's host launch time where that is longer (fused_moe's
-    dozen launches take 0.5-0.8 ms of host time: benchmarks/RESULTS.md, tenth session)."""
+    dozen launches take 0.5-0.8 ms of host time, longer than the flush, so the GPU sat idle inside
+    the timed window)."""
     for _ in range(warmup):
         _flush_and_cover()
         fn()
