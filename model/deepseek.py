@@ -274,8 +274,7 @@ class Gate(nn.Module):
     """noaux_tc router: fp32 logits, then `kernels.moe_route` (bias for selection only). The weight has the
     activations' dtype (DeepSeek-V3 ships it in bf16): bf16 products are exact in fp32, so one GEMM with an fp32
     output gives the logits that upcasting both operands would. On an H200 that is 6.5 us at 16-128 tokens
-    against 20-28 us for the upcast and cuBLAS's fp32 GEMM, 9.2 against 70 us at 512 (RESULTS.md,
-    twenty-second session)."""
+    against 20-28 us for the upcast and cuBLAS's fp32 GEMM, 9.2 against 70 us at 512."""
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype):
         super().__init__()
