@@ -12,14 +12,13 @@ import torch
 
 from pdserve.cluster.cli import _build_parser, main
 from pdserve.engine.plan import (
-    GIB,
     MemoryPlanError,
     PlanLayout,
     PlanSettings,
     model_for_plan,
     plan_memory,
-    weight_bytes_per_rank,
 )
+from pdserve.engine.rank_memory import GIB, weight_bytes_per_rank
 from pdserve.model.errors import ConfigError
 from pdserve.model.random_checkpoint import make_checkpoint
 
