@@ -38,11 +38,14 @@ def add_plan_command(sub) -> None:
     )  # fmt: skip
     p.add_argument("--gpus", type=int, required=True, help="GPUs (ranks) of the worker")
     p.add_argument(
-        "--gpu-memory-gib", type=float, default=80.0, help="memory of each GPU, GiB (default 80)"
+        "--gpu-memory-gib",
+        type=float,
+        default=80.0,
+        help="memory of each GPU, GiB (default %(default)g)",
     )
     p.add_argument(
         "--gpu-memory-utilization", type=float, default=0.90,
-        help="share of each GPU's memory the worker uses for weights, reserve and KV (default 0.90)",
+        help="share of each GPU's memory the worker uses for weights, reserve and KV (default %(default)g)",
     )  # fmt: skip
     g = p.add_argument_group("layout")
     g.add_argument(
@@ -63,7 +66,9 @@ def add_plan_command(sub) -> None:
         "--no-mtp", action="store_true", help="leave out the multi-token-prediction modules"
     )
     k = p.add_argument_group("KV cache and steps")
-    k.add_argument("--page-size", type=int, default=64, help="tokens per KV page (default 64)")
+    k.add_argument(
+        "--page-size", type=int, default=64, help="tokens per KV page (default %(default)s)"
+    )
     k.add_argument(
         "--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
         help="KV rows: auto (the model dtype: 1152 B per token per layer for V3) or fp8 (656 B)",
@@ -71,11 +76,11 @@ def add_plan_command(sub) -> None:
     k.add_argument(
         "--max-num-batched-tokens", type=int, default=8192,
         help="tokens one rank runs in one forward pass at most; sizes the activation and EP buffer "
-        "reserve (default 8192)",
+        "reserve (default %(default)s)",
     )  # fmt: skip
     k.add_argument(
         "--max-running", type=int, default=256,
-        help="requests per step at most (decode batch, rows of logits; default 256)",
+        help="requests per step at most (decode batch, rows of logits; default %(default)s)",
     )  # fmt: skip
     k.add_argument(
         "--max-model-len", type=int, default=None,

@@ -209,6 +209,15 @@ def test_help_explains_every_flag():
     for action in flags:
         assert action.help, action.option_strings
     assert "v3-shape" in plan.format_help()
+    # the flags' defaults are the plan's own
+    defaults = PlanSettings()
+    parsed = plan.parse_args(["--preset", "tiny", "--gpus", "1"])
+    for name in ("gpu_memory_gib", "gpu_memory_utilization", "page_size", "kv_cache_dtype"):
+        assert getattr(parsed, name) == getattr(defaults, name), name
+    for name in ("max_num_batched_tokens", "max_running", "max_model_len"):
+        assert getattr(parsed, name) == getattr(defaults, name), name
+    assert parsed.ep is None and parsed.attention == "dp" and parsed.dense == "replicated"
+    assert PlanLayout(1) == PlanLayout(1, "dp", None, "replicated")
 
 
 def test_plan_needs_no_gpu_and_no_weights():
