@@ -12,6 +12,7 @@ import time
 import grpc
 
 from pdserve.cluster.commands import add_commands
+from pdserve.cluster.plan_command import add_plan_command, cmd_plan
 from pdserve.model.errors import PdserveError
 
 
@@ -119,6 +120,7 @@ def _build_parser(config_flags: bool = True) -> tuple[argparse.ArgumentParser, d
     )
     _add_sampling_flags(off)
     _add_runtime_flags(off)
+    add_plan_command(sub)
     return parser, add_commands(sub, config_flags)
 
 
@@ -207,7 +209,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"make-checkpoint": cmd_make_checkpoint, "offline": cmd_offline}
+COMMANDS = {"make-checkpoint": cmd_make_checkpoint, "offline": cmd_offline, "plan": cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:

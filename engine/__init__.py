@@ -1,0 +1,3 @@
+"""The serving runtime every worker runs. `plan`: the memory plan of a worker's layout (per rank: weights by group,
+activation and workspace reserve, KV capacity), computed from the model's arguments alone, without GPUs;
+`rank_memory`: the per-rank weight and reserve arithmetic it is made of."""
