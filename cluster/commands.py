@@ -113,10 +113,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     from .server import PdServer, connect_ray
 
+    server = PdServer(config)
+    server.prepare()  # a bad --model or a busy port fails here, before Ray's seconds of start-up
     connect_ray(config)
 
     async def serve() -> None:
-        server = PdServer(config)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -220,13 +221,11 @@ def cmd_drain(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .config import build_config
     from .demo import run_demo
-    from .server import free_port
 
     overrides = {
         "model": {"path": args.model, "dtype": args.dtype, "kernels": args.kernels},
         "cluster": {"ray_address": "local"},
         "router": {"port": 0, "stats_interval_s": 0.0},
-        "kvtransfer": {"store_port": free_port()},
     }
     return run_demo(build_config(None, overrides), args.max_tokens)
 
