@@ -31,12 +31,11 @@ def tie_ray_to_this_process() -> None:
     """Marks this process's environment and starts the watchdog. Call once, before `ray.init` starts a local
     Ray. The pipe's write end is kept open, unreferenced, for the rest of this process's life: its closing by
     the kernel is the watchdog's signal."""
-    if OWNER_ENV in os.environ:
+    if OWNER_ENV in os.environ or not sys.platform.startswith("linux"):  # the watchdog reads /proc
         return
     token = f"{os.getpid()}-{secrets.token_hex(8)}"
-    read_end, write_end = (
-        os.pipe()
-    )  # both close-on-exec: Ray's processes do not inherit the write end
+    # Both ends are close-on-exec: Ray's processes do not inherit the write end.
+    read_end, write_end = os.pipe()
     # Its own session: a Ctrl-C to the owner's terminal or a kill of the owner's process group spares it.
     subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), token],
