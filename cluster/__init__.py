@@ -17,5 +17,6 @@ Public surface (imported from the modules, so that `pdserve generate` does not p
 | `errors` | exceptions -> gRPC status codes |
 | `service` | the thin gRPC servicers |
 | `server` | the serving process: Ray, KV store, gRPC server, health, reflection, logs |
+| `reaper` | the watchdog that ends a local Ray with the process that started it, `kill -9` included |
 | `client`, `commands`, `cli`, `demo` | the client library and the command line |
 """

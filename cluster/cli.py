@@ -8,24 +8,35 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 import grpc
 
-from pdserve.cluster.commands import add_commands
+from pdserve.cluster.commands import (
+    SAMPLING_DEFAULT,
+    add_commands,
+    add_temperature_flags,
+    temperature_of,
+)
 from pdserve.cluster.plan_command import add_plan_command, cmd_plan
 from pdserve.model.errors import PdserveError
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=None, help="0 or unset: greedy")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 disables")
+    add_temperature_flags(g)
     g.add_argument(
-        "--top-k", type=int, default=-1, help="keep the k most likely tokens; -1 disables"
-    )
+        "--top-p", type=float, default=None,
+        help="nucleus mass in (0, 1]; 1 disables; unset: the model's",
+    )  # fmt: skip
     g.add_argument(
-        "--min-p", type=float, default=0.0, help="drop tokens below min_p x the best; 0 disables"
-    )
+        "--top-k", type=int, default=None,
+        help="keep the k most likely tokens; -1 disables; unset: the model's",
+    )  # fmt: skip
+    g.add_argument(
+        "--min-p", type=float, default=None,
+        help="drop tokens below min_p x the best; 0 disables; unset: the model's",
+    )  # fmt: skip
     g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     g.add_argument("--stop-token-ids", default="", help="comma-separated ids that end generation")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
@@ -105,7 +116,7 @@ def _build_parser(config_flags: bool = True) -> tuple[argparse.ArgumentParser, d
         "offline",
         help="generate in one process without Ray (the reference path)",
         description="Loads the model in this process and generates for one prompt: prefill, then one "
-        "decode step per token over the paged KV cache. Greedy unless --temperature is given.",
+        "decode step per token over the paged KV cache. " + SAMPLING_DEFAULT,
     )
     off.add_argument("--model", required=True, help="checkpoint directory, or 'tiny'")
     src = off.add_mutually_exclusive_group(required=True)
@@ -139,15 +150,23 @@ def _resolve_dtype(name: str):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(name)
 
 
-def _sampling_params(args: argparse.Namespace, max_tokens: int):
+def _sampling_params(args: argparse.Namespace, max_tokens: int, model_dir: Path):
+    """As the server builds them: flags left unset take generation_config.json's values (SAMPLING_DEFAULT)."""
+    from pdserve.cluster.validation import GenerationDefaults
     from pdserve.model.sampling_params import SamplingParams
+
+    model = GenerationDefaults.from_file(model_dir / "generation_config.json")
+    temperature = temperature_of(args)
+
+    def given(value, default):
+        return default if value is None else value
 
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=args.temperature or 0.0,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
+        temperature=given(temperature, model.temperature),
+        top_p=given(args.top_p, model.top_p),
+        top_k=given(args.top_k, model.top_k),
+        min_p=given(args.min_p, model.min_p),
         seed=args.seed,
         stop_token_ids=tuple(_int_list(args.stop_token_ids, "--stop-token-ids")),
         ignore_eos=args.ignore_eos,
@@ -183,7 +202,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
     from pdserve.model.tokenizer import Tokenizer
 
     model_dir = resolve_model(args.model)
-    params = _sampling_params(args, args.max_new_tokens)
+    params = _sampling_params(args, args.max_new_tokens, model_dir)
     has_tokenizer = (model_dir / "tokenizer.json").is_file()
     tokenizer = Tokenizer(model_dir) if has_tokenizer or args.prompt is not None else None
     if args.prompt is not None:

@@ -52,7 +52,32 @@ SERVE_USAGE = (
     "                     [--port PORT] [--config FILE.yaml] [--ray-address auto|ADDR]\n"
     "                     [--SECTION.FIELD VALUE ...] [--print-config]"
 )
+SAMPLING_DEFAULT = (
+    "Greedy (temperature 0) unless --temperature is given; --model-sampling takes the temperature of the "
+    "model's generation_config.json instead, as the gRPC API does for a request that leaves it unset. Other "
+    "sampling flags left unset take generation_config.json's values."
+)
+"""The sampling default that `pdserve generate` and `pdserve offline` share, so that one prompt gives one output."""
 logger = logging.getLogger("pdserve")
+
+
+def add_temperature_flags(group) -> None:
+    """--temperature and --model-sampling (exclusive) on an argparse group: see SAMPLING_DEFAULT."""
+    choice = group.add_mutually_exclusive_group()
+    choice.add_argument(
+        "--temperature", type=float, default=None, help="sampling temperature; 0: greedy (default)"
+    )
+    choice.add_argument(
+        "--model-sampling", action="store_true",
+        help="sample with the temperature of the model's generation_config.json (greedy by default)",
+    )  # fmt: skip
+
+
+def temperature_of(args: argparse.Namespace) -> float | None:
+    """The temperature the flags ask for; None: the model's (generation_config.json)."""
+    if args.temperature is not None:
+        return args.temperature
+    return None if args.model_sampling else 0.0
 
 
 def _flag_dest(section: str, name: str) -> str:
@@ -113,10 +138,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     from .server import PdServer, connect_ray
 
+    server = PdServer(config)
+    server.prepare()  # a bad --model or a busy port fails here, before Ray's seconds of start-up
     connect_ray(config)
 
     async def serve() -> None:
-        server = PdServer(config)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -149,7 +175,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         raise PdserveError("give a PROMPT or --prompt-ids")
     request = generate_request(
-        prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        prompt, max_tokens=args.max_tokens, temperature=temperature_of(args), top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos,
         stop_token_ids=[int(x) for x in args.stop_token_ids.split(",") if x.strip()],
     )  # fmt: skip
@@ -220,13 +246,11 @@ def cmd_drain(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .config import build_config
     from .demo import run_demo
-    from .server import free_port
 
     overrides = {
         "model": {"path": args.model, "dtype": args.dtype, "kernels": args.kernels},
         "cluster": {"ray_address": "local"},
         "router": {"port": 0, "stats_interval_s": 0.0},
-        "kvtransfer": {"store_port": free_port()},
     }
     return run_demo(build_config(None, overrides), args.max_tokens)
 
@@ -249,16 +273,16 @@ def add_commands(sub, config_flags: bool = True) -> dict:
         "generate",
         help="stream a generation from a running server",
         description="Streams the generated text to stdout; a summary (TTFT, tokens/s) goes to stderr. "
-        "Unset sampling flags take the model's generation_config.json values.",
+        + SAMPLING_DEFAULT,
     )
     _add_addr(gen)
     gen.add_argument("prompt", nargs="?", help="prompt text")
     gen.add_argument("--prompt-ids", help="comma-separated prompt token ids instead of text")
     gen.add_argument("--max-tokens", type=int, default=None, help="default: the server's (256)")
-    gen.add_argument("--temperature", type=float, default=None, help="0: greedy")
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--min-p", type=float, default=None)
+    add_temperature_flags(gen)
+    gen.add_argument("--top-p", type=float, default=None, help="unset: the model's")
+    gen.add_argument("--top-k", type=int, default=None, help="unset: the model's")
+    gen.add_argument("--min-p", type=float, default=None, help="unset: the model's")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop-token-ids", default="", help="comma-separated ids")
     gen.add_argument("--ignore-eos", action="store_true")

@@ -23,6 +23,7 @@ from pdserve.decode import DecodeStats
 from pdserve.kvtransfer import KVTransferConfig
 from pdserve.kvtransfer.dist import connect_store
 from pdserve.model.errors import ConfigError
+from pdserve.model.loader import plan_load
 from pdserve.model.random_checkpoint import resolve_model
 from pdserve.prefill import PrefillStats
 from pdserve.protos import SERVICE_NAMES
@@ -31,6 +32,7 @@ from pdserve.v1 import admin_pb2_grpc, generation_pb2_grpc
 from . import placement, wire
 from .config import ServeConfig
 from .pools import DECODE, PREFILL, Launcher, WorkerState
+from .reaper import tie_ray_to_this_process
 from .router import Router
 from .scaling import Scaler
 from .service import AdminServicer, GenerationServicer
@@ -48,7 +50,7 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def connect_ray(config: ServeConfig) -> None:
     """Joins the configured Ray cluster (None: RAY_ADDRESS if set, else a new local Ray). A local Ray gets
     logical CPUs for twice the configured pools, so that they can be scaled up even on a machine with fewer
-    cores; no-op when already connected."""
+    cores, and ends with this process, however it ends (`reaper`); no-op when already connected."""
     if ray.is_initialized():
         return
     address = config.cluster.ray_address or os.environ.get("RAY_ADDRESS") or "local"
@@ -57,6 +59,7 @@ def connect_ray(config: ServeConfig) -> None:
         cluster = config.cluster
         demand = (cluster.num_prefill + cluster.num_decode) * cluster.cpus_per_worker
         num_cpus = max(os.cpu_count() or 1, math.ceil(2 * demand))
+        tie_ray_to_this_process()
     ray.init(
         address=address, num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING
     )
@@ -66,6 +69,22 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """Raises ConfigError when nothing could listen on host:port now (port 0 always passes). gRPC binds with
+    SO_REUSEPORT, so its own bind would not fail on a port another gRPC server holds: a plain bind tells."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(
+                f"{flag} {port}: cannot listen on {host}:{port} ({e.strerror})"
+            ) from e
 
 
 class PdServer:
@@ -90,25 +109,38 @@ class PdServer:
         return f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.port}"
 
     def _kv_config(self) -> KVTransferConfig:
-        """The store address workers get: the router's node IP when the cluster spans several nodes."""
-        kv = self.config.kvtransfer
+        """The store address workers get: the port the store got, and the router's node IP when the cluster
+        spans several nodes."""
+        kv = dataclasses.replace(self.config.kvtransfer, store_port=self._store.port)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         if kv.store_host in _LOOPBACK and len(nodes) > 1:
             kv = dataclasses.replace(kv, store_host=ray.util.get_node_ip_address())
         return kv
 
-    async def start(self) -> None:
+    def prepare(self) -> None:
+        """What needs no Ray, done before Ray starts so that a mistake fails in a second rather than after
+        Ray's start-up: the checkpoint (config.json against the shards' headers; no tensor data is read), the
+        gRPC port free, the KV store hosted (on a free port unless one is configured). Idempotent."""
+        if hasattr(self, "_store"):
+            return
         config = self.config
-        self.model_dir = await asyncio.to_thread(resolve_model, config.model.path)
+        self.model_dir = resolve_model(config.model.path)
+        plan_load(self.model_dir)
         self.model = ModelInfo.load(self.model_dir, config.model.path)
-        kv = self._kv_config()
+        check_port_free(config.router.host, config.router.port, "--port")
+        port = config.kvtransfer.store_port
         try:
-            self._store = connect_store(kv, is_master=True)
+            self._store = connect_store(config.kvtransfer, is_master=True)
         except RuntimeError as e:  # torch.distributed.DistNetworkError (EADDRINUSE) on a busy port
             raise ConfigError(
-                f"cannot host the KV store on port {kv.store_port} ({e}); another pdserve serve? "
-                "set --kvtransfer.store-port"
+                f"--kvtransfer.store-port {port}: cannot host the KV store there (in use: another "
+                "pdserve serve?); leave it unset (0) for a free port"
             ) from e
+
+    async def start(self) -> None:
+        config = self.config
+        await asyncio.to_thread(self.prepare)
+        kv = self._kv_config()
         gpus = placement.resolve_gpus_per_worker(
             config.cluster.gpus_per_worker, ray.cluster_resources()
         )

@@ -9,8 +9,9 @@ import dataclasses
 class KVTransferConfig:
     store_host: str = "127.0.0.1"
     """Host of the TCPStore through which (P, D) pairs rendezvous."""
-    store_port: int = 29650
-    """Port of that TCPStore."""
+    store_port: int = 0
+    """Port of that TCPStore; 0: a free one, picked when the server hosts the store (so that several servers
+    share a host). Set one where a firewall allows only chosen ports."""
     backend: str = "auto"
     """`nccl`, `gloo`, or `auto`: NCCL when the cache is on a CUDA device, gloo otherwise."""
     timeout_s: float = 30.0
@@ -47,7 +48,7 @@ class KVTransferConfig:
             raise ValueError(f"backend={self.backend!r}: expected auto, nccl or gloo")
         if min(self.timeout_s, self.connect_timeout_s, self.idle_timeout_s) <= 0:
             raise ValueError("timeout_s, connect_timeout_s and idle_timeout_s must be positive")
-        if not 0 < self.store_port < 65536:
+        if not 0 <= self.store_port < 65536:
             raise ValueError(f"store_port={self.store_port}: not a port number")
         if self.spin_s < 0:
             raise ValueError(f"spin_s={self.spin_s}: must not be negative")

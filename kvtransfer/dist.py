@@ -58,7 +58,10 @@ logger = logging.getLogger(__name__)
 
 
 def connect_store(config: KVTransferConfig, is_master: bool) -> dist.TCPStore:
-    """The shared store; exactly one process of the deployment hosts it (`is_master`)."""
+    """The shared store; exactly one process of the deployment hosts it (`is_master`), on a free port when
+    `store_port` is 0 (its `.port` then tells which); the others connect to the port it got."""
+    if not is_master and config.store_port == 0:
+        raise ValueError("store_port=0: a client must be given the port the hosting process got")
     return dist.TCPStore(
         config.store_host,
         config.store_port,
