@@ -11,13 +11,18 @@ BIN := $(VENV)/bin
 #   make demo TORCH_SPEC=torch==2.13.0+cu128 TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 TORCH_VERSION ?= 2.13.0
 ifeq ($(shell command -v nvidia-smi),)
-TORCH_SPEC ?= torch==$(TORCH_VERSION)+cpu
-TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
-TORCH_SIZE := about 190 MB: the CPU build, as no nvidia-smi was found
+DEFAULT_TORCH_SPEC := torch==$(TORCH_VERSION)+cpu
+DEFAULT_TORCH_INDEX_URL := https://download.pytorch.org/whl/cpu
+TORCH_ABOUT := the CPU build, as no nvidia-smi was found: a 190 MB download, 0.85 GB installed
 else
-TORCH_SPEC ?= torch==$(TORCH_VERSION)
-TORCH_INDEX_URL ?=
-TORCH_SIZE := the CUDA build: several GB with its CUDA libraries
+DEFAULT_TORCH_SPEC := torch==$(TORCH_VERSION)
+DEFAULT_TORCH_INDEX_URL :=
+TORCH_ABOUT := the CUDA build: several GB with its CUDA libraries
+endif
+TORCH_SPEC ?= $(DEFAULT_TORCH_SPEC)
+TORCH_INDEX_URL ?= $(DEFAULT_TORCH_INDEX_URL)
+ifneq ($(TORCH_SPEC),$(DEFAULT_TORCH_SPEC))
+TORCH_ABOUT := as TORCH_SPEC asks
 endif
 
 .PHONY: demo test lint
@@ -33,7 +38,7 @@ lint: $(VENV)/.installed
 $(VENV)/.torch:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	@echo "==> torch ($(TORCH_SPEC), $(TORCH_SIZE))"
+	@echo "==> torch ($(TORCH_SPEC), $(TORCH_ABOUT))"
 	$(BIN)/pip install "$(TORCH_SPEC)" || { \
 	  test -n "$(TORCH_INDEX_URL)" && \
 	  echo "==> $(TORCH_SPEC) is not in pip's configured sources; trying $(TORCH_INDEX_URL)" && \
@@ -42,12 +47,12 @@ $(VENV)/.torch:
 
 # What serving needs: pdserve (editable) and its dependencies.
 $(VENV)/.installed-serve: $(VENV)/.torch pyproject.toml setup.py
-	@echo "==> pdserve and what serving needs (ray, grpcio, protobuf, safetensors, tokenizers, ...: about 300 MB)"
+	@echo "==> pdserve and what serving needs (ray, grpcio, protobuf, numpy, tokenizers, ...: about 0.4 GB installed)"
 	$(BIN)/pip install -e .
 	touch $@
 
-# The test extras on top (pytest, transformers, triton, ruff, grpcio-tools): about 1.3 GB, triton alone ~1 GB.
+# The test extras on top.
 $(VENV)/.installed: $(VENV)/.installed-serve
-	@echo "==> the test extras (pytest, transformers, triton, ruff, grpcio-tools: about 1.3 GB, triton alone ~1 GB)"
+	@echo "==> the test extras (pytest, transformers, triton, ruff, grpcio-tools: 1.2 GB installed, triton 1 GB)"
 	$(BIN)/pip install -e '.[test]'
 	touch $@
