@@ -1,4 +1,4 @@
-"""MLA decode's split kernel for Hopper (sm_90) in Gluon on an fp8 cache (`fp8_format` rows) under a
+"""MLA decode's split kernel for Hopper (sm_90) in Gluon on an fp8 cache (`kv_row_fp8` rows) under a
 bf16 q: `gluon_sm90`'s kernel with the cache converted on the way. Same grid, chunking and outputs;
 `gluon_sm90.launch` launches it.
 
@@ -12,12 +12,17 @@ cache's kernel (twenty-fourth session, benchmarks/RESULTS.md).
 
 from __future__ import annotations
 
-from . import gluon_sm90 as _base
+from ..gluon_sm90_common import IMPORTED
 
-if _base._dense._IMPORTED:
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
-
-    from ..fp8_gemm.gluon_sm90 import gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
+if IMPORTED:
+    from ..gluon_sm90_common import (
+        fence_async_shared,
+        gl,
+        gluon,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
     from ._kernels import E4M3_TO_BF16_PTX
     from .gluon_sm90 import _barriers, _chunk, _finish, _producer, _softmax_tile
 
