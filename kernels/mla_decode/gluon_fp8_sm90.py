@@ -6,8 +6,9 @@ On an fp8 cache the producer loads each tile's latent (e4m3), rope (bf16) and sc
 columns through three descriptors over the same rows; the latent lands in the upper half of a
 bf16-sized ring slot, where the consumers convert it in place (exact, in integer ops) for both
 products to read. The per-row scale is applied to S's latent part by column and to P's columns
-(V = K8 * scale by row), never to the tile. The conversion costs most of the gap to the bf16
-cache's kernel (twenty-fourth session, benchmarks/RESULTS.md).
+(V = K8 * scale by row), never to the tile. The conversion is the gap to the bf16 cache's kernel:
+on an H200 (B=128, 128 heads, kv 4096) this kernel took 523 us against the bf16 cache's 358, and
+326 with the conversion left out of the loop.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ step follows it unchanged.
 
 Why a second kernel: in Triton, the Q K^T dot feeds the P V dot, and Triton then gives it all the
 CTA's warps on M (`[8, 1]`): with 64 rows both warpgroups compute the same scores, 13.6 MFLOP of
-tensor work a tile where 8.9 are needed (eighth session's SASS, benchmarks/RESULTS.md). Here the
+tensor work a tile where 8.9 are needed (as the compiled kernel's SASS shows). Here the
 layouts are explicit: both products use `warps_per_cta = [4, 2]`, so each warpgroup computes half
 of the tile's score columns and half of the output's latent columns.
 
