@@ -10,16 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from ..fp8_quant import (
-    ACT_QUANT_GROUP,
-    FP8_E4M3_MAX,
-    WEIGHT_QUANT_BLOCK,
-    check_quantized_act,
-    dequantize_act,
-    dequantize_weight,
-    quantize_act,
-    quantize_weight,
-)
+from ..fp8_quant import ACT_QUANT_GROUP as ACT_QUANT_GROUP
+from ..fp8_quant import FP8_E4M3_MAX as FP8_E4M3_MAX
+from ..fp8_quant import WEIGHT_QUANT_BLOCK as WEIGHT_QUANT_BLOCK
+from ..fp8_quant import check_quantized_act, dequantize_act, dequantize_weight, quantize_act
+from ..fp8_quant import quantize_weight as quantize_weight
 
 
 def scaled_gemm(
@@ -41,17 +36,3 @@ def fp8_gemm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor) ->
     """x: [M, K] float; w_fp8: [N, K] e4m3; w_scale_inv: [ceil(N/128), ceil(K/128)]. Returns [M, N] in x's dtype."""
     x_fp8, x_scales = quantize_act(x)
     return scaled_gemm(x_fp8, x_scales, w_fp8, w_scale_inv, x.dtype)
-
-
-__all__ = [
-    "ACT_QUANT_GROUP",
-    "FP8_E4M3_MAX",
-    "WEIGHT_QUANT_BLOCK",
-    "check_quantized_act",
-    "dequantize_act",
-    "dequantize_weight",
-    "fp8_gemm",
-    "quantize_act",
-    "quantize_weight",
-    "scaled_gemm",
-]
