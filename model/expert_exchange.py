@@ -116,7 +116,7 @@ class AllToAllExchange(ExpertExchange):
         slot_out = torch.empty_like(back)
         slot_out[handle.order] = back  # [T*k, D] back in (token, slot) order
         weights = handle.topk_weights
-        slot_out = slot_out.view(weights.shape[0], weights.shape[1], -1)  # [T, k, D]
+        slot_out = slot_out.view(weights.shape[0], weights.shape[1], y.shape[1])  # [T, k, D]
         return weighted_sum_in_slot_order(slot_out, weights, handle.out_dtype)
 
 
@@ -145,7 +145,7 @@ class AllReduceExchange(ExpertExchange):
         weights = handle.topk_weights
         slot_out = y.new_zeros(weights.numel(), y.shape[1])
         slot_out[handle.rows] = y
-        slot_out = slot_out.view(weights.shape[0], weights.shape[1], -1)  # [T, k, D]
+        slot_out = slot_out.view(weights.shape[0], weights.shape[1], y.shape[1])  # [T, k, D]
         partial = weighted_sum_in_slot_order(slot_out, weights, torch.float32)
         dist.all_reduce(partial, group=self.layout.group)
         return partial.to(handle.out_dtype)

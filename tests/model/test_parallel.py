@@ -60,18 +60,22 @@ def test_layout_logits_equal_single_process(name, tiny, reference, tmp_path):
     requests, expected = reference
     layout_kwargs = LAYOUTS[name]
     if layout_kwargs["attention"] == "data":
-        # different requests per rank; rank 1 has no decode work (its decode step is an idle step)
-        by_rank = [[requests[0], requests[2]], [requests[1]]]
+        # different requests per rank; request 1 does not decode, so rank 1's decode step is idle
+        by_rank, decoding = [[requests[0], requests[2]], [requests[1]]], {0, 2}
     else:
-        by_rank = [requests, requests]
-    results = run_ranks(tmp_path, tiny, layout_kwargs, by_rank, NUM_PAGES)
+        by_rank, decoding = [requests, requests], {0, 1, 2}
+    results = run_ranks(tmp_path, tiny, layout_kwargs, by_rank, decoding, NUM_PAGES)
     for rank, (result, mine) in enumerate(zip(results, by_rank, strict=True)):
-        for step in ("prefill", "decode"):
-            for r in mine:
-                got = result["logits"][step][r.index]
-                err = rel_err(got, expected[step][r.index])
-                assert err <= 1e-5, f"{name} rank {rank} {step} request {r.index}: {err:.2e}"
-        assert result["same_as_dummy"], f"{name} rank {rank}: dummy weights differ from the checkpoint's"
+        for step in ("prefill", "decode", "mtp"):
+            got_indices = set(result["logits"][step])
+            want = {r.index for r in mine if step == "prefill" or r.index in decoding}
+            assert got_indices == want, f"{name} rank {rank} {step}"
+            for index in want:
+                err = rel_err(result["logits"][step][index], expected[step][index])
+                assert err <= 1e-5, f"{name} rank {rank} {step} request {index}: {err:.2e}"
+        assert result["same_as_dummy"], (
+            f"{name} rank {rank}: dummy weights differ from the checkpoint's"
+        )
 
     stored = read_checkpoint_tensors(tiny)
     expert = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")

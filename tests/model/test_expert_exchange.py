@@ -1,0 +1,117 @@
+"""The expert exchanges over gloo, two processes, with row-wise experts (each output row depends only on its
+input row and its expert, so any difference comes from the exchange): every token gets the weighted sum of its k
+experts' outputs in slot order; a token's output is bit-for-bit the same whichever tokens share its step and
+whichever rank it sits on; ranks with no tokens (one or all) take part."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _parallel_ranks import spawn_gloo
+
+from pdserve.model.expert_exchange import AllReduceExchange, AllToAllExchange
+from pdserve.model.parallel import ParallelLayout
+
+NUM_EXPERTS, TOP_K, DIM = 8, 3, 16
+
+
+def expert(global_id: int, x: torch.Tensor) -> torch.Tensor:
+    """A row-wise stand-in for expert `global_id`."""
+    return torch.sin(x * (global_id + 1) * 0.37) + 0.1 * global_id
+
+
+def make_tokens(seed: int, num_tokens: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, DIM, generator=g).to(dtype)
+    ids = [torch.randperm(NUM_EXPERTS, generator=g)[:TOP_K] for _ in range(num_tokens)]
+    ids = torch.stack(ids) if ids else torch.empty(0, TOP_K, dtype=torch.int64)
+    weights = torch.rand(num_tokens, TOP_K, generator=g)
+    return x, ids, weights
+
+
+def expected(x, ids, weights) -> torch.Tensor:
+    acc = torch.zeros(x.shape[0], DIM)
+    for j in range(TOP_K):
+        y = (
+            torch.stack([expert(int(e), row) for e, row in zip(ids[:, j], x, strict=True)])
+            if len(x)
+            else x
+        )
+        acc += weights[:, j, None] * y.float()
+    return acc.to(x.dtype)
+
+
+def _exchange_rank(rank, world, runs):
+    """runs: (kind, steps) pairs, steps[rank] this rank's (x, ids, weights) per step; outputs per run."""
+    outputs = []
+    for kind, steps in runs:
+        layout = ParallelLayout(
+            world_size=world, rank=rank, attention="tensor" if kind == "all_reduce" else "data",
+            expert_parallel=world,
+        )  # fmt: skip
+        cls = AllReduceExchange if kind == "all_reduce" else AllToAllExchange
+        exchange = cls(layout, NUM_EXPERTS)
+        first = rank * exchange.experts_per_rank
+        outputs.append([])
+        for x, ids, weights in steps[rank]:
+            local, handle = exchange.dispatch(x, ids, weights)
+            assert all(0 <= int(e) < exchange.experts_per_rank for e in local.expert_ids)
+            y = torch.stack(
+                [expert(first + int(e), row) for e, row in zip(local.expert_ids, local.x, strict=True)]
+            ) if local.num_rows else local.x.new_empty(0, DIM)  # fmt: skip
+            outputs[-1].append(exchange.combine(y, handle))
+    return outputs
+
+
+def cat(*parts):
+    return tuple(torch.cat(p) for p in zip(*parts, strict=True))
+
+
+def all_to_all_steps(dtype):
+    """Step 0: token X first on rank 0 among five others; step 1: X alone on rank 1; step 2: rank 1 has no
+    tokens; step 3: neither has."""
+    x_tok = make_tokens(1, 1, dtype)
+    a, b = make_tokens(2, 5, dtype), make_tokens(3, 2, dtype)
+    empty = make_tokens(4, 0, dtype)
+    return [[cat(x_tok, a), b, a, empty], [b, x_tok, empty, empty]]
+
+
+def all_reduce_steps():
+    """Every rank the same tokens: X first among six, X last, none."""
+    x_tok, a = make_tokens(1, 1, torch.float32), make_tokens(2, 6, torch.float32)
+    same = [cat(x_tok, a), cat(a, x_tok), make_tokens(4, 0, torch.float32)]
+    return [same, same]
+
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    runs = [("all_to_all", all_to_all_steps(d)) for d in DTYPES]
+    runs.append(("all_reduce", all_reduce_steps()))
+    return spawn_gloo(tmp_path_factory.mktemp("exchange"), _exchange_rank, [(runs,)] * 2)
+
+
+@pytest.mark.parametrize("run", range(len(DTYPES)))
+def test_all_to_all_exchange(results, run):
+    steps = all_to_all_steps(DTYPES[run])
+    for rank in range(2):
+        for step, out in zip(steps[rank], results[rank][run], strict=True):
+            assert out.shape == step[0].shape and out.dtype == DTYPES[run]
+            assert torch.equal(out, expected(*step))
+    # X alone on rank 1 equals X among five companions on rank 0, bit for bit
+    assert torch.equal(results[1][run][1][0], results[0][run][0][0])
+
+
+def test_all_reduce_exchange(results):
+    steps = all_reduce_steps()
+    run = len(DTYPES)
+    for rank in range(2):
+        for step, out in zip(steps[rank], results[rank][run], strict=True):
+            assert out.shape == step[0].shape
+            torch.testing.assert_close(out, expected(*step), rtol=1e-6, atol=1e-6)
+    assert torch.equal(results[0][run][0], results[1][run][0])  # the ranks agree
+    assert torch.equal(
+        results[0][run][0][0], results[0][run][1][-1]
+    )  # X first or last, bit for bit
