@@ -412,8 +412,8 @@ class MoE(nn.Module):
         weights, ids = self.gate(x)  # [T, k] each
         local, handle = self.exchange.dispatch(x, ids, weights)
         if local.num_rows:
-            ones = torch.ones(local.num_rows, 1, dtype=torch.float32, device=x.device)
-            y = self.experts(local.x, ones, local.expert_ids[:, None])  # [R, D] unweighted
+            # x travels in the activation dtype: fp8 experts quantize it here
+            y = self.experts(local.x, local.topk_weights, local.topk_ids)  # [R, D]
         else:
             y = local.x.new_empty(0, x.shape[1])
         out = self.exchange.combine(y, handle)  # [T, D]

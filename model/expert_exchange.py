@@ -4,10 +4,12 @@
 and `AllReduceExchange` (every rank the same tokens: tensor-parallel attention) implement it on plain
 torch.distributed collectives, so they run on gloo (CPU) and NCCL alike.
 
-Batch invariance: every row of the local batch is one (token, top-k slot) pair and goes through one expert on its
-own; the expert outputs are weighted in fp32 and summed per token in top-k slot order on the token's home rank
-(`weighted_sum_in_slot_order`). So a token's output does not depend on which tokens travel with it or where they
-sit; only the expert GEMMs themselves must be batch-invariant (the kernels' batch-invariant mode).
+A token travels once to each rank that holds at least one of its top-k experts (not once per expert), with all
+k ids: those of other ranks' experts are out of the local range, which `kernels.fused_moe` skips. So the local
+experts run as one `fused_moe` over the received rows, giving per row the weighted sum of its local experts, and
+the home rank adds the ranks' partial sums in rank order, in fp32. Every sum has a fixed order (the kernel's per
+token, then rank order), none depends on arrival order or on the other tokens of the step, so a token's output
+is batch-invariant whenever the kernels are (their batch-invariant mode).
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from .parallel import ParallelLayout
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ExpertBatch:
-    """The rows this rank's experts compute in one MoE layer: row i is `x[i]` through local expert
-    `expert_ids[i]`, unweighted (the weight is applied on the token's home rank)."""
+    """The rows this rank's experts compute in one MoE layer, in `kernels.fused_moe`'s arguments: row i is the
+    weighted sum over j of topk_weights[i, j] * expert topk_ids[i, j](x[i]), where ids outside
+    [0, experts per rank) belong to other ranks and contribute nothing."""
 
     x: torch.Tensor  # [R, D] in the activation dtype
-    expert_ids: torch.Tensor  # [R] int64, local ids in [0, experts per rank)
+    topk_ids: torch.Tensor  # [R, k] int64, local expert ids (>= experts per rank: not here)
+    topk_weights: torch.Tensor  # [R, k] fp32
 
     @property
     def num_rows(self) -> int:
@@ -41,11 +45,13 @@ class ExpertExchange(abc.ABC):
     - every rank of the group calls `dispatch` then `combine`, in the same layer order, also with zero tokens
       (T = 0): both are collective;
     - `dispatch(x, topk_ids, topk_weights)`: x [T, D] this rank's tokens, topk_ids [T, k] global expert ids,
-      topk_weights [T, k] fp32. Returns the `ExpertBatch` this rank's experts must compute and a handle;
-    - the caller computes y [R, D] = expert_ids[i](x[i]) for every row (no weighting), in the activation dtype;
-    - `combine(y, handle)` returns [T, D] in x's dtype: for each of this rank's tokens the sum over its k slots,
-      in slot order, of topk_weights * its expert's output, accumulated in fp32;
-    - a handle is used by exactly one `combine`, on the rank that made it.
+      topk_weights [T, k] fp32, as the router gave them. Returns the `ExpertBatch` this rank's experts must
+      compute (R rows, R = 0 allowed) and a handle;
+    - the caller computes y [R, D] in the activation dtype, as `ExpertBatch` says (`fused_moe` over the local
+      experts);
+    - `combine(y, handle)` returns [T, D] in x's dtype: for each of this rank's tokens, the sum over its k
+      experts of weight * expert output, accumulated in fp32 in a fixed order;
+    - a handle is used by exactly one `combine`, on the rank that made it, before the next `dispatch`.
     """
 
     def __init__(self, layout: ParallelLayout, num_experts: int):
@@ -60,95 +66,76 @@ class ExpertExchange(abc.ABC):
     @abc.abstractmethod
     def combine(self, y: torch.Tensor, handle: object) -> torch.Tensor: ...
 
-
-def weighted_sum_in_slot_order(
-    slot_out: torch.Tensor, topk_weights: torch.Tensor, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """slot_out [T, k, D] (zero rows allowed), topk_weights [T, k] -> [T, D]: sum_j w[t, j] * slot_out[t, j]
-    accumulated in fp32 slot by slot (an explicit loop: a reduction kernel may pick its order by shape)."""
-    acc = torch.zeros(slot_out.shape[0], slot_out.shape[2], dtype=torch.float32,
-                      device=slot_out.device)  # fmt: skip
-    for j in range(slot_out.shape[1]):
-        acc += topk_weights[:, j, None].float() * slot_out[:, j].float()
-    return acc.to(out_dtype)
+    def _local_ids(self, topk_ids: torch.Tensor, rank: torch.Tensor | int) -> torch.Tensor:
+        """Global ids [R, k] -> `rank`'s local ids ([R] or one rank), experts per rank where another rank's."""
+        owner = topk_ids // self.experts_per_rank
+        if isinstance(rank, torch.Tensor):
+            rank = rank[:, None]
+        local = topk_ids % self.experts_per_rank
+        return torch.where(owner == rank, local, self.experts_per_rank)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _AllToAllHandle:
-    order: torch.Tensor  # [T*k] the flat (token, slot) indices in the order they were sent
+    tokens: torch.Tensor  # [S] the token of each row sent, grouped by destination rank
     send_counts: list[int]
     recv_counts: list[int]
-    topk_weights: torch.Tensor  # [T, k]
+    num_tokens: int
     out_dtype: torch.dtype
 
 
 class AllToAllExchange(ExpertExchange):
-    """For ranks holding different tokens. Dispatch: each (token, slot) row goes to the rank that owns its
-    expert, grouped by destination, over `all_to_all_single` (counts, then rows, then local expert ids);
-    combine: the outputs come back over the reverse `all_to_all_single` and are summed at home."""
+    """For ranks holding different tokens, over `all_to_all_single`: dispatch sends the row counts, then each
+    token's x once to every rank holding one of its experts, then its ids and weights (one fp32 message: ids
+    are exact in fp32 below 2^24); combine sends the partial sums back and adds them at home in rank order."""
 
     def dispatch(self, x, topk_ids, topk_weights):
         group, world = self.layout.group, self.layout.world_size
-        k = topk_ids.shape[1]
-        flat_ids = topk_ids.reshape(-1).long()  # [T*k]
-        dest = flat_ids // self.experts_per_rank  # [T*k] owning rank
-        order = torch.argsort(dest, stable=True)  # rows grouped by destination, slot order within
-        send_counts_t = torch.bincount(dest, minlength=world)
+        num_tokens, k = topk_ids.shape
+        owner = topk_ids.long() // self.experts_per_rank  # [T, k]
+        goes = torch.zeros(world, num_tokens, dtype=torch.bool, device=x.device)
+        goes.scatter_(0, owner.t(), True)  # [N, T]: the token has an expert on that rank
+        dest, tokens = goes.nonzero(as_tuple=True)  # [S] each, by destination, token order within
+        send_counts_t = goes.sum(1)  # [N]
         recv_counts_t = torch.empty_like(send_counts_t)
         dist.all_to_all_single(recv_counts_t, send_counts_t, group=group)
         send_counts, recv_counts = send_counts_t.tolist(), recv_counts_t.tolist()
         num_recv = sum(recv_counts)
-        send_x = x[order // k]  # [T*k, D]
         recv_x = x.new_empty(num_recv, x.shape[1])
-        dist.all_to_all_single(recv_x, send_x, recv_counts, send_counts, group=group)
-        send_ids = flat_ids[order] % self.experts_per_rank  # the owner's local ids
-        recv_ids = flat_ids.new_empty(num_recv)
-        dist.all_to_all_single(recv_ids, send_ids, recv_counts, send_counts, group=group)
-        handle = _AllToAllHandle(order, send_counts, recv_counts, topk_weights, x.dtype)
-        return ExpertBatch(recv_x, recv_ids), handle
+        dist.all_to_all_single(recv_x, x[tokens], recv_counts, send_counts, group=group)
+        ids = self._local_ids(topk_ids[tokens].long(), dest)  # [S, k] the destination's ids
+        meta = torch.cat([ids.float(), topk_weights[tokens].float()], dim=1)  # [S, 2k]
+        recv_meta = meta.new_empty(num_recv, 2 * k)
+        dist.all_to_all_single(recv_meta, meta, recv_counts, send_counts, group=group)
+        batch = ExpertBatch(recv_x, recv_meta[:, :k].long(), recv_meta[:, k:].contiguous())
+        return batch, _AllToAllHandle(tokens, send_counts, recv_counts, num_tokens, x.dtype)
 
     def combine(self, y, handle: _AllToAllHandle):  # type: ignore[override]
-        num_slots = handle.order.shape[0]
-        back = y.new_empty(num_slots, y.shape[1])
+        back = y.new_empty(handle.tokens.shape[0], y.shape[1])  # [S, D]
         dist.all_to_all_single(
             back, y.contiguous(), handle.send_counts, handle.recv_counts, group=self.layout.group
         )
-        slot_out = torch.empty_like(back)
-        slot_out[handle.order] = back  # [T*k, D] back in (token, slot) order
-        weights = handle.topk_weights
-        slot_out = slot_out.view(weights.shape[0], weights.shape[1], y.shape[1])  # [T, k, D]
-        return weighted_sum_in_slot_order(slot_out, weights, handle.out_dtype)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _AllReduceHandle:
-    rows: torch.Tensor  # [R] flat (token, slot) indices computed here
-    topk_weights: torch.Tensor  # [T, k]
-    out_dtype: torch.dtype
+        out = torch.zeros(handle.num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
+        start = 0
+        for count in handle.send_counts:  # rank order; a token appears at most once per rank
+            rows = slice(start, start + count)
+            out.index_add_(0, handle.tokens[rows], back[rows].float())
+            start += count
+        return out.to(handle.out_dtype)
 
 
 class AllReduceExchange(ExpertExchange):
-    """For ranks holding the same tokens: no dispatch traffic (each rank takes the slots of its own experts);
-    combine sums each rank's fp32 partial over the group with one all-reduce. A token's partial on each rank is
-    its local slots in slot order, so the result is batch-invariant, though its rounding differs from
-    `AllToAllExchange`'s single sum."""
+    """For ranks holding the same tokens: no dispatch traffic (every rank computes all tokens over its own
+    experts); combine sums the partials over the group with one fp32 all-reduce."""
 
     def dispatch(self, x, topk_ids, topk_weights):
-        k = topk_ids.shape[1]
-        flat_ids = topk_ids.reshape(-1).long()  # [T*k]
-        mine = flat_ids // self.experts_per_rank == self.layout.ep_rank
-        rows = mine.nonzero().squeeze(1)  # [R]
-        batch = ExpertBatch(x[rows // k], flat_ids[rows] % self.experts_per_rank)
-        return batch, _AllReduceHandle(rows, topk_weights, x.dtype)
+        ids = self._local_ids(topk_ids.long(), self.layout.ep_rank)
+        return ExpertBatch(x, ids, topk_weights.float()), x.dtype
 
-    def combine(self, y, handle: _AllReduceHandle):  # type: ignore[override]
-        weights = handle.topk_weights
-        slot_out = y.new_zeros(weights.numel(), y.shape[1])
-        slot_out[handle.rows] = y
-        slot_out = slot_out.view(weights.shape[0], weights.shape[1], y.shape[1])  # [T, k, D]
-        partial = weighted_sum_in_slot_order(slot_out, weights, torch.float32)
+    def combine(self, y, handle: torch.dtype):  # type: ignore[override]
+        partial = y.float()
         dist.all_reduce(partial, group=self.layout.group)
-        return partial.to(handle.out_dtype)
+        return partial.to(handle)
 
 
 def make_exchange(layout: ParallelLayout, num_experts: int) -> ExpertExchange | None:

@@ -29,20 +29,31 @@ def make_tokens(seed: int, num_tokens: int, dtype: torch.dtype):
     return x, ids, weights
 
 
-def expected(x, ids, weights) -> torch.Tensor:
+def local_experts(x, ids, weights, first: int, per_rank: int) -> torch.Tensor:
+    """A row-wise stand-in for `fused_moe` over the experts [first, first + per_rank), ids local: per row
+    the weighted sum of its local experts in slot order (fp32), in x's dtype."""
     acc = torch.zeros(x.shape[0], DIM)
-    for j in range(TOP_K):
-        y = (
-            torch.stack([expert(int(e), row) for e, row in zip(ids[:, j], x, strict=True)])
-            if len(x)
-            else x
-        )
-        acc += weights[:, j, None] * y.float()
+    for j in range(ids.shape[1]):
+        for row in range(x.shape[0]):
+            if 0 <= int(ids[row, j]) < per_rank:
+                acc[row] += weights[row, j] * expert(first + int(ids[row, j]), x[row]).float()
+    return acc.to(x.dtype)
+
+
+def expected(x, ids, weights, world: int = 2) -> torch.Tensor:
+    """Each rank's partial (its experts, slot order) in x's dtype, summed in rank order in fp32."""
+    per_rank = NUM_EXPERTS // world
+    acc = torch.zeros(x.shape[0], DIM)
+    for rank in range(world):
+        first = rank * per_rank
+        local = torch.where(ids // per_rank == rank, ids % per_rank, per_rank)
+        acc += local_experts(x, local, weights, first, per_rank).float()
     return acc.to(x.dtype)
 
 
 def _exchange_rank(rank, world, runs):
-    """runs: (kind, steps) pairs, steps[rank] this rank's (x, ids, weights) per step; outputs per run."""
+    """runs: (kind, steps) pairs, steps[rank] this rank's (x, ids, weights) per step; per run and step, the
+    combined output and the rows this rank's experts computed."""
     outputs = []
     for kind, steps in runs:
         layout = ParallelLayout(
@@ -55,11 +66,12 @@ def _exchange_rank(rank, world, runs):
         outputs.append([])
         for x, ids, weights in steps[rank]:
             local, handle = exchange.dispatch(x, ids, weights)
-            assert all(0 <= int(e) < exchange.experts_per_rank for e in local.expert_ids)
-            y = torch.stack(
-                [expert(first + int(e), row) for e, row in zip(local.expert_ids, local.x, strict=True)]
-            ) if local.num_rows else local.x.new_empty(0, DIM)  # fmt: skip
-            outputs[-1].append(exchange.combine(y, handle))
+            per_rank = exchange.experts_per_rank
+            # every row received has at least one expert here (all_to_all sends only there)
+            here = (local.topk_ids < per_rank).any(1)
+            assert kind == "all_reduce" or bool(here.all())
+            y = local_experts(local.x, local.topk_ids, local.topk_weights, first, per_rank)
+            outputs[-1].append((exchange.combine(y, handle), local.num_rows))
     return outputs
 
 
@@ -93,25 +105,34 @@ def results(tmp_path_factory):
     return spawn_gloo(tmp_path_factory.mktemp("exchange"), _exchange_rank, [(runs,)] * 2)
 
 
+def owner_ranks(ids: torch.Tensor) -> int:
+    """Sum over tokens of the ranks holding at least one of its experts."""
+    per_rank = NUM_EXPERTS // 2
+    return sum(len(set((row // per_rank).tolist())) for row in ids)
+
+
 @pytest.mark.parametrize("run", range(len(DTYPES)))
 def test_all_to_all_exchange(results, run):
     steps = all_to_all_steps(DTYPES[run])
     for rank in range(2):
-        for step, out in zip(steps[rank], results[rank][run], strict=True):
+        for step, (out, _) in zip(steps[rank], results[rank][run], strict=True):
             assert out.shape == step[0].shape and out.dtype == DTYPES[run]
             assert torch.equal(out, expected(*step))
     # X alone on rank 1 equals X among five companions on rank 0, bit for bit
-    assert torch.equal(results[1][run][1][0], results[0][run][0][0])
+    assert torch.equal(results[1][run][1][0][0], results[0][run][0][0][0])
+    # a token travels once to each rank holding one of its experts, not once per expert
+    for s in range(len(steps[0])):
+        rows = sum(results[rank][run][s][1] for rank in range(2))
+        assert rows == sum(owner_ranks(steps[rank][s][1]) for rank in range(2))
 
 
 def test_all_reduce_exchange(results):
     steps = all_reduce_steps()
     run = len(DTYPES)
     for rank in range(2):
-        for step, out in zip(steps[rank], results[rank][run], strict=True):
-            assert out.shape == step[0].shape
+        for step, (out, rows) in zip(steps[rank], results[rank][run], strict=True):
+            assert out.shape == step[0].shape and rows == step[0].shape[0]
             torch.testing.assert_close(out, expected(*step), rtol=1e-6, atol=1e-6)
-    assert torch.equal(results[0][run][0], results[1][run][0])  # the ranks agree
-    assert torch.equal(
-        results[0][run][0][0], results[0][run][1][-1]
-    )  # X first or last, bit for bit
+    assert torch.equal(results[0][run][0][0], results[1][run][0][0])  # the ranks agree
+    # X first or last among the same six tokens, bit for bit
+    assert torch.equal(results[0][run][0][0][0], results[0][run][1][0][-1])
