@@ -1,7 +1,8 @@
-"""The expert exchanges over gloo, two processes, with row-wise experts (each output row depends only on its
-input row and its expert, so any difference comes from the exchange): every token gets the weighted sum of its k
-experts' outputs in slot order; a token's output is bit-for-bit the same whichever tokens share its step and
-whichever rank it sits on; ranks with no tokens (one or all) take part."""
+"""The expert exchanges over gloo, two processes, with row-wise stand-in experts (each output row depends only on
+its input row, ids and weights, so any difference comes from the exchange): every token gets the ranks' partial
+sums of its k weighted expert outputs, added in rank order; a token's output is bit-for-bit the same whichever
+tokens share its step and whichever rank it sits on; a token travels once per rank holding its experts; ranks
+with no tokens (one or all) take part."""
 
 from __future__ import annotations
 
