@@ -19,13 +19,18 @@ from collections.abc import Callable
 
 import ray
 
-from pdserve.decode import DecodeRequest, RequestOutput, Reservation
+from pdserve.engine import messages
+from pdserve.engine.messages import (
+    DecodeRequest,
+    PrefillFailure,
+    PrefillRequest,
+    RequestOutput,
+    Reservation,
+)
 from pdserve.model.errors import CapacityError, InvalidRequestError, PdserveError
 from pdserve.model.pages import pages_needed
 from pdserve.model.sampling_params import FinishReason, SamplingParams
-from pdserve.prefill import PrefillFailure, PrefillRequest
 
-from . import wire
 from .config import RouterConfig
 from .errors import DeadlineExceededError, UnavailableError, WorkerFailedError, WorkerLostError
 from .pools import DECODE, PREFILL, WorkerHandle, WorkerState
@@ -251,13 +256,13 @@ class Router:
                 self.pool(DECODE, WorkerState.SERVING), key=lambda w: (-w.free_pages, w.num_running)
             )
         peer = prefill.worker_id if prefill is not None else None
-        payload = wire.encode(
+        payload = messages.encode(
             DecodeRequest(r.request_id, r.prompt_ids, r.params, peer, r.generated)
         )
         for d in decodes:
             try:
                 reply = await self._call(r, d, d.actor.add_request.remote(payload))
-                reservation = wire.unwrap(Reservation, reply)
+                reservation = messages.unwrap(Reservation, reply)
             except (CapacityError, WorkerLostError):
                 continue
             r.decode, r.decode_worker = d, d.worker_id
@@ -277,9 +282,9 @@ class Router:
             reservation.transfer_id, reservation.dest_cuts,
         )  # fmt: skip
         try:
-            wire.unwrap(
+            messages.unwrap(
                 None,
-                await self._call(r, prefill, prefill.actor.submit.remote(wire.encode(request))),
+                await self._call(r, prefill, prefill.actor.submit.remote(messages.encode(request))),
             )
         except PdserveError:
             await asyncio.gather(d.actor.abort.remote(r.request_id), return_exceptions=True)
@@ -321,7 +326,7 @@ class Router:
             except ray.exceptions.RayError as e:
                 self.worker_lost(w, str(e).splitlines()[0])
                 return
-            for out in wire.decode(list[RequestOutput], data):
+            for out in messages.decode(list[RequestOutput], data):
                 self.num_output_tokens += len(out.token_ids)
                 r = self.requests.get(out.request_id)
                 if r is not None and r.decode is w:
@@ -336,7 +341,7 @@ class Router:
             except ray.exceptions.RayError as e:
                 self.worker_lost(w, str(e).splitlines()[0])
                 return
-            for failure in wire.decode(list[PrefillFailure], data):
+            for failure in messages.decode(list[PrefillFailure], data):
                 r = self.requests.get(failure.request_id)
                 if r is not None and r.prefill is w:
                     r.events.put_nowait(failure)

@@ -19,16 +19,16 @@ import ray
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.decode import DecodeStats
+from pdserve.engine import messages
+from pdserve.engine.messages import DecodeStats, PrefillStats
 from pdserve.kvtransfer import KVTransferConfig
 from pdserve.kvtransfer.dist import connect_store
 from pdserve.model.errors import ConfigError
 from pdserve.model.random_checkpoint import resolve_model
-from pdserve.prefill import PrefillStats
 from pdserve.protos import SERVICE_NAMES
 from pdserve.v1 import admin_pb2_grpc, generation_pb2_grpc
 
-from . import placement, wire
+from . import placement
 from .config import ServeConfig
 from .pools import DECODE, PREFILL, Launcher, WorkerState
 from .router import Router
@@ -188,7 +188,7 @@ class PdServer:
             workers, await asyncio.gather(*calls, return_exceptions=True), strict=True
         ):
             if isinstance(result, bytes):
-                w.stats = wire.unwrap(PrefillStats if w.role == PREFILL else DecodeStats, result)
+                w.stats = messages.unwrap(PrefillStats if w.role == PREFILL else DecodeStats, result)
                 w.reserved_pages = 0
         now, tokens = time.monotonic(), self.router.num_output_tokens
         then, before = self._rate

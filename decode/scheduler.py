@@ -15,43 +15,11 @@ import enum
 import itertools
 from collections.abc import Collection
 
+from pdserve.engine.messages import DecodeRequest, RequestOutput
 from pdserve.model.chunking import plan_prefill_chunks
 from pdserve.model.errors import CapacityError, InvalidRequestError
 from pdserve.model.pages import PageAllocator, pages_needed
-from pdserve.model.sampling_params import (
-    FinishReason,
-    SamplingParams,
-    check_stop,
-)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DecodeRequest:
-    """What the router asks a decode worker to hold."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    """With a concrete seed."""
-    prefill_peer: str | None = None
-    """Worker id of the prefill worker that will send the KV; None: prefill here (aggregated)."""
-    generated_token_ids: list[int] = dataclasses.field(default_factory=list)
-    """Tokens generated before a preemption; their KV is recomputed with the prompt's."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """One request's share of one step, streamed back to the router."""
-
-    request_id: str
-    token_ids: list[int]
-    """Tokens new since the last output."""
-    finish_reason: str | None = None
-    """stop, length or abort once finished."""
-    error: str | None = None
-    """Why the request was aborted by the worker (transfer failure, timeout, ...)."""
-    preempted: bool = False
-    """The worker gave the request's pages away: resubmit it with the tokens generated so far."""
+from pdserve.model.sampling_params import FinishReason, check_stop
 
 
 class RequestState(enum.Enum):

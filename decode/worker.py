@@ -9,13 +9,13 @@ queued as one batch for `poll_outputs`.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
 import time
 
 from pdserve import kernels
+from pdserve.engine.messages import DecodeRequest, DecodeStats, RequestOutput, Reservation
 from pdserve.kvtransfer import ExpectedTransfer, KVReceiver, MakeReceiver
 from pdserve.model.batch import SeqChunk
 from pdserve.model.deepseek import Transformer
@@ -23,32 +23,11 @@ from pdserve.model.pages import PageAllocator
 from pdserve.model.runner import ModelRunner, SampleSpec
 
 from .config import DecodeConfig
-from .scheduler import DecodeRequest, DecodeScheduler, RequestOutput, RequestState
+from .scheduler import DecodeScheduler, RequestState
 
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Reservation:
-    """Where the prefill worker must send the request's KV: its transfer id here and the page count."""
-
-    transfer_id: int
-    num_pages: int
-    dest_cuts: tuple[int, ...] = ()
-    """The KV receiver's advice to the sender (`KVReceiver.expect`): where to cut the transfer's pages."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DecodeStats:
-    worker_id: str
-    num_running: int
-    num_waiting: int
-    pages_used: int
-    pages_total: int
-    max_running: int
-    tokens_per_page: int
-    num_preemptions: int
-    """Since start."""
 
 
 class DecodeWorker:

@@ -7,29 +7,10 @@ import dataclasses
 import enum
 from collections import deque
 
+from pdserve.engine.messages import PrefillRequest
 from pdserve.model.chunking import plan_prefill_chunks
 from pdserve.model.errors import CapacityError, InvalidRequestError
 from pdserve.model.pages import PageAllocator, pages_needed
-from pdserve.model.sampling_params import SamplingParams
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PrefillRequest:
-    """What the router asks a prefill worker to do."""
-
-    request_id: str
-    token_ids: list[int]
-    """The prompt, followed by any tokens generated before the request was preempted."""
-    params: SamplingParams
-    """With a concrete seed."""
-    num_generated: int
-    """Tokens generated before (the sampling step of the token sampled here)."""
-    decode_peer: str
-    """Worker id of the decode worker that reserved pages for this request."""
-    transfer_id: int
-    """Its id for the transfer, issued by that decode worker."""
-    dest_cuts: tuple[int, ...] = ()
-    """That decode worker's advice on cutting the transfer (`Reservation.dest_cuts`)."""
 
 
 class PrefillState(enum.Enum):

@@ -8,13 +8,13 @@ are reported through `poll_events` and fail only the requests involved.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve import kernels
+from pdserve.engine.messages import PrefillFailure, PrefillRequest, PrefillStats
 from pdserve.kvtransfer import KVSender
 from pdserve.model.batch import SeqChunk
 from pdserve.model.deepseek import Transformer
@@ -23,27 +23,11 @@ from pdserve.model.pages import PageAllocator
 from pdserve.model.runner import ModelRunner, SampleSpec
 
 from .config import PrefillConfig
-from .scheduler import PrefillRequest, PrefillScheduler, PrefillSeq, PrefillState
+from .scheduler import PrefillScheduler, PrefillSeq, PrefillState
 
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class PrefillFailure:
-    """A request this worker could not hand over; the router fails it (the decode side frees its pages)."""
-
-    request_id: str
-    error: str
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PrefillStats:
-    worker_id: str
-    num_queued: int
-    queued_tokens: int
-    num_sending: int
-    pages_used: int
-    pages_total: int
 
 
 class PrefillWorker:

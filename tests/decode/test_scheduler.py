@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from pdserve.decode.scheduler import DecodeRequest, DecodeScheduler, RequestState
+from pdserve.decode.scheduler import DecodeScheduler, RequestState
+from pdserve.engine.messages import DecodeRequest
 from pdserve.model.errors import CapacityError, InvalidRequestError
 from pdserve.model.pages import PageAllocator
 from pdserve.model.sampling_params import SamplingParams

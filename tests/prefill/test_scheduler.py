@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.engine.messages import PrefillRequest
 from pdserve.model.errors import CapacityError
 from pdserve.model.pages import PageAllocator
 from pdserve.model.sampling_params import SamplingParams
-from pdserve.prefill.scheduler import PrefillRequest, PrefillScheduler, PrefillState
+from pdserve.prefill.scheduler import PrefillScheduler, PrefillState
 
 
 def request(rid: str, n: int) -> PrefillRequest:
