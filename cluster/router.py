@@ -6,13 +6,18 @@ in FIFO order while none has room, up to admission_timeout_s), submit the prompt
 prompt tokens together with D's transfer id (no P: D prefills itself), then stream D's outputs. One long-poll per
 worker brings back D's output batches and P's failures. A request that ends any other way than finishing (client
 cancel, deadline, failure) is aborted on every worker it touched, after its calls in flight have landed, so its
-pages are freed on both sides."""
+pages are freed on both sides.
+
+Inside the system a request is keyed by an id this router makes, unique per submission (`Request.request_id`);
+the client's own `request_id` is only echoed back (`Request.client_id`). So a client that cancels and at once
+resends under the same id gets a new, independent request: the old one's cleanup can only touch the old one."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -39,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 _ADMISSION_RETRY_S = 0.05
 _CLEANUP_WAIT_S = 10.0
+_IDLE_CHECK_S = 0.02
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -46,11 +52,19 @@ class _Lost:
     reason: str
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Shutdown:
+    """The server is stopping: the request ends with finish_reason abort."""
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """One request in flight. Its events queue receives D's outputs, P's failures and worker losses."""
 
     request_id: str
+    """The router's id, unique per submission: workers and logs know the request by it."""
+    client_id: str
+    """The client's `request_id`, echoed in its responses; never used as a key."""
     prompt_ids: list[int]
     params: SamplingParams
     deadline: float | None
@@ -87,6 +101,7 @@ class Router:
         self._capacity = asyncio.Event()
         self._background: set[asyncio.Task] = set()
         self._closed = False
+        self._ids = itertools.count()
 
     # Pools.
 
@@ -124,16 +139,15 @@ class Router:
     # Requests.
 
     def open(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+        self, client_id: str, prompt_ids: list[int], params: SamplingParams,
         deadline: float | None,
     ) -> Request:  # fmt: skip
-        """Registers a request; the caller streams it with `next_tokens` and must `close` it."""
+        """Registers a request under a new internal id; the caller streams it with `next_tokens` and must
+        `close` it. `client_id` is only echoed: several requests in flight may share it."""
         if self._closed:
             raise UnavailableError("the server is shutting down")
-        if request_id in self.requests:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
-        r = Request(request_id, prompt_ids, params, deadline)
-        self.requests[request_id] = r
+        r = Request(f"req-{next(self._ids)}", client_id, prompt_ids, params, deadline)
+        self.requests[r.request_id] = r
         return r
 
     async def next_tokens(
@@ -147,6 +161,12 @@ class Router:
             await self._place(r, force)
         while True:
             event = await self._next_event(r)
+            if isinstance(event, _Shutdown):
+                r.finish_reason, r.finished_at = FinishReason.ABORT, time.monotonic()
+                self._detach(r)
+                return RequestOutput(
+                    r.request_id, [], FinishReason.ABORT, "the server is shutting down"
+                )
             if isinstance(event, _Lost):
                 raise WorkerLostError(event.reason)
             if isinstance(event, PrefillFailure):
@@ -351,11 +371,20 @@ class Router:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    async def wait_idle(self, timeout_s: float) -> None:
+        """Waits until no request is open, or `timeout_s` passed."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + timeout_s
+        while self.requests and loop.time() < give_up:
+            await asyncio.sleep(_IDLE_CHECK_S)
+
     async def close_all(self) -> None:
-        """Stops relaying; requests still open fail with UNAVAILABLE."""
+        """Refuses new requests and ends the open ones: each gets a last output with finish_reason abort
+        (its caller streams it), then relaying stops."""
         self._closed = True
         for r in list(self.requests.values()):
-            r.events.put_nowait(_Lost("the server is shutting down"))
+            r.events.put_nowait(_Shutdown())
+        await self.wait_idle(_CLEANUP_WAIT_S)
         for w in list(self.workers.values()):
             if w.poller is not None:
                 w.poller.cancel()

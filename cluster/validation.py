@@ -17,6 +17,17 @@ from pdserve.v1 import generation_pb2 as pb
 
 from .config import RouterConfig
 
+MAX_REQUEST_ID_CHARS = 256
+"""Longest client `request_id` accepted: it is echoed in every response chunk."""
+
+
+def check_request_id(request_id: str) -> None:
+    """Raises InvalidRequestError for a client `request_id` too long to echo (its text is never quoted)."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError(
+            "request_id", f"{len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}"
+        )
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GenerationDefaults:
