@@ -32,6 +32,7 @@ from pdserve.engine.messages import (
     RequestOutput,
     Reservation,
 )
+from pdserve.model.checks import check_pages
 from pdserve.model.errors import CapacityError, InvalidRequestError, PdserveError
 from pdserve.model.pages import pages_needed
 from pdserve.model.sampling_params import FinishReason, SamplingParams
@@ -221,13 +222,10 @@ class Router:
     def _check_fits(self, r: Request, decodes: list[WorkerHandle]) -> None:
         total = len(r.prompt_ids) + r.params.max_tokens
         largest = max(w.num_pages for w in decodes)
-        need = pages_needed(total, decodes[0].page_size)
-        if need > largest:
-            raise InvalidRequestError(
-                "sampling_params.max_tokens",
-                f"prompt ({len(r.prompt_ids)} tokens) + max_tokens ({r.params.max_tokens}) need {need} "
-                f"KV pages; the largest decode worker holds {largest}",
-            )
+        try:
+            check_pages(total, decodes[0].page_size, largest, "the largest decode worker")
+        except CapacityError as e:  # no worker can ever hold it: the request is at fault
+            raise InvalidRequestError("sampling_params.max_tokens", str(e)) from None
 
     async def _place(self, r: Request, force) -> None:
         decodes = self.pool(DECODE, WorkerState.SERVING)

@@ -70,5 +70,5 @@ def test_pages_wait_at_the_head_of_the_line():
 
 def test_a_prompt_that_can_never_fit_is_refused():
     s = PrefillScheduler(PageAllocator(2), 4, 100, 100, 100)
-    with pytest.raises(CapacityError, match="needs 3 KV pages"):
+    with pytest.raises(CapacityError, match="need 3 KV pages"):
         s.add(request("a", 9))
