@@ -43,15 +43,22 @@ class _WorkerShell:
         self.worker = None
         self._init_error: BaseException | None = None
         self._stop = threading.Event()
+        self._kernel_choice = (model.kernels, model.batch_invariant)
         try:
-            self._start(model, worker_config, kv_config, num_gpus, cpu_threads)
+            with self._kernels():
+                self._start(model, worker_config, kv_config, num_gpus, cpu_threads)
         except Exception as e:  # process boundary: reported by ready()
             logger.error("%s failed to start", worker_id, exc_info=True)
             self._init_error = e
 
+    def _kernels(self):
+        """The kernel library's context for this worker's configuration. Entered by every thread that runs
+        kernels (model load, graph capture, the loop): a context variable does not cross threads."""
+        from pdserve import kernels
+
+        return kernels.use(*self._kernel_choice)
+
     def _start(self, model, worker_config, kv_config, num_gpus: int, cpu_threads: int) -> None:
-        os.environ["PDSERVE_KERNELS"] = model.kernels  # read by the kernel dispatcher on every call
-        os.environ["PDSERVE_BATCH_INVARIANT"] = "1" if model.batch_invariant else "0"
         import torch
 
         from pdserve.kvtransfer.dist import connect_store
@@ -77,7 +84,8 @@ class _WorkerShell:
 
     def _run(self) -> None:
         try:
-            self.worker.run(self._stop)
+            with self._kernels():
+                self.worker.run(self._stop)
         except BaseException:  # process boundary: the worker is unusable; let Ray report it dead
             logger.critical("%s: worker loop died", self.worker_id, exc_info=True)
             os._exit(1)

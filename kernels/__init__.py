@@ -8,6 +8,7 @@ from ._backend import (
     backend_for,
     batch_invariant,
     forward_phase,
+    use,
     use_backend,
     use_batch_invariant,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "sample",
     "scaled_gemm",
     "silu_mul",
+    "use",
     "use_backend",
     "use_batch_invariant",
     "write_kv",

@@ -1,6 +1,6 @@
 """Chooses, per call, between a kernel's Triton implementation and its plain-torch reference.
 
-The choice comes from (highest first): the `use_backend()` context, the `PDSERVE_KERNELS` environment variable
+The choice comes from (highest first): the `use()` or `use_backend()` context, the `PDSERVE_KERNELS` environment variable
 (`auto`, `ref` or `triton`), then `auto`: Triton for CUDA tensors when Triton imports, the reference otherwise.
 Forcing `triton` on CPU tensors needs `TRITON_INTERPRET=1` (the interpreter runs the kernels on the CPU).
 
@@ -155,6 +155,19 @@ def batch_invariant() -> bool:
 def use_batch_invariant(on: bool = True) -> Iterator[None]:
     """Within the block, batch-invariant mode is `on` whatever the environment says."""
     with _set(_invariant_override, bool(on)):
+        yield
+
+
+@contextlib.contextmanager
+def use(backend: str | None = None, batch_invariant: bool | None = None) -> Iterator[None]:
+    """Within the block, kernels run with `backend` and batch-invariant mode `batch_invariant` (None keeps
+    the surrounding choice). A context variable: every thread that runs kernels (a worker's loop thread, not
+    only the thread that built it) must enter it itself."""
+    with contextlib.ExitStack() as stack:
+        if backend is not None:
+            stack.enter_context(use_backend(backend))
+        if batch_invariant is not None:
+            stack.enter_context(use_batch_invariant(batch_invariant))
         yield
 
 
