@@ -1,8 +1,9 @@
 """Chooses, per call, between a kernel's Triton implementation and its plain-torch reference.
 
-The choice comes from (highest first): the `use()` or `use_backend()` context, the `PDSERVE_KERNELS` environment variable
-(`auto`, `ref` or `triton`), then `auto`: Triton for CUDA tensors when Triton imports, the reference otherwise.
-Forcing `triton` on CPU tensors needs `TRITON_INTERPRET=1` (the interpreter runs the kernels on the CPU).
+The choice comes from (highest first): the `use()` / `use_backend()` context, the `PDSERVE_KERNELS`
+environment variable (`auto`, `ref` or `triton`), then `auto`: Triton for CUDA tensors when Triton imports,
+the reference otherwise. Forcing `triton` on CPU tensors needs `TRITON_INTERPRET=1` (the interpreter runs the
+kernels on the CPU).
 
 Batch-invariant mode (`PDSERVE_BATCH_INVARIANT=1`, or the `use_batch_invariant()` context) makes every
 token's arithmetic independent of the batch it runs in: dense GEMMs go through `kernels.matmul`'s
