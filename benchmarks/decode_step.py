@@ -79,10 +79,10 @@ def fill_cache(cache) -> None:
 
 
 def measure(model, args, page_size: int, kv_cache_dtype: str) -> str:
+    from pdserve.engine.runner import ModelRunner, SampleSpec
+    from pdserve.engine.sampling_params import SamplingParams
     from pdserve.model.batch import SeqChunk, build_forward_batch
     from pdserve.model.deepseek import Experts
-    from pdserve.model.runner import ModelRunner, SampleSpec
-    from pdserve.model.sampling_params import SamplingParams
 
     args.page_size = page_size
 

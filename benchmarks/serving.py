@@ -117,11 +117,11 @@ async def run(args) -> dict:
 def check_offline(args, results: list[Result]) -> dict:
     import torch
 
+    from pdserve.engine.offline import OfflineGenerator
+    from pdserve.engine.sampling_params import SamplingParams
     from pdserve.kernels import use_backend, use_batch_invariant
-    from pdserve.model.generate import OfflineGenerator
     from pdserve.model.loader import load_model
     from pdserve.model.random_checkpoint import resolve_model
-    from pdserve.model.sampling_params import SamplingParams
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(args.dtype)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)

@@ -153,7 +153,7 @@ def _resolve_dtype(name: str):
 def _sampling_params(args: argparse.Namespace, max_tokens: int, model_dir: Path):
     """As the server builds them: flags left unset take generation_config.json's values (SAMPLING_DEFAULT)."""
     from pdserve.cluster.validation import GenerationDefaults
-    from pdserve.model.sampling_params import SamplingParams
+    from pdserve.engine.sampling_params import SamplingParams
 
     model = GenerationDefaults.from_file(model_dir / "generation_config.json")
     temperature = temperature_of(args)
@@ -195,8 +195,8 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_offline(args: argparse.Namespace) -> int:
+    from pdserve.engine.offline import OfflineGenerator
     from pdserve.kernels import use_backend, use_batch_invariant
-    from pdserve.model.generate import OfflineGenerator
     from pdserve.model.loader import load_model
     from pdserve.model.random_checkpoint import resolve_model
     from pdserve.model.tokenizer import Tokenizer

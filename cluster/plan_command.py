@@ -90,7 +90,7 @@ def add_plan_command(sub) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from pdserve.engine.plan import PlanLayout, PlanSettings, model_for_plan, plan_memory
+    from pdserve.engine.memory_plan import PlanLayout, PlanSettings, model_for_plan, plan_memory
 
     model_args, dtype = model_for_plan(args.model, args.preset, args.layers, args.dtype)
     layout = PlanLayout(args.gpus, args.attention, args.ep, args.dense)

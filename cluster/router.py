@@ -25,6 +25,7 @@ from collections.abc import Callable
 import ray
 
 from pdserve.engine import messages
+from pdserve.engine.checks import check_pages
 from pdserve.engine.messages import (
     DecodeRequest,
     PrefillFailure,
@@ -32,10 +33,9 @@ from pdserve.engine.messages import (
     RequestOutput,
     Reservation,
 )
-from pdserve.model.checks import check_pages
+from pdserve.engine.pages import pages_needed
+from pdserve.engine.sampling_params import FinishReason, SamplingParams
 from pdserve.model.errors import CapacityError, InvalidRequestError, PdserveError
-from pdserve.model.pages import pages_needed
-from pdserve.model.sampling_params import FinishReason, SamplingParams
 
 from .config import RouterConfig
 from .errors import DeadlineExceededError, UnavailableError, WorkerFailedError, WorkerLostError

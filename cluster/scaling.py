@@ -9,8 +9,8 @@ import asyncio
 import logging
 import time
 
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.errors import ConfigError
-from pdserve.model.sampling_params import SamplingParams
 
 from .config import ServeConfig
 from .errors import NotFoundError, PreconditionError

@@ -9,10 +9,10 @@ import dataclasses
 import json
 from pathlib import Path
 
+from pdserve.engine.checks import check_context, check_prompt_len, check_token_ids
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.args import ModelArgs
-from pdserve.model.checks import check_context, check_prompt_len, check_token_ids
 from pdserve.model.errors import InvalidRequestError
-from pdserve.model.sampling_params import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.v1 import generation_pb2 as pb
 

@@ -15,12 +15,12 @@ import enum
 import itertools
 from collections.abc import Collection
 
+from pdserve.engine.checks import check_context, check_pages, check_token_ids
+from pdserve.engine.chunking import plan_prefill_chunks
 from pdserve.engine.messages import DecodeRequest, RequestOutput
-from pdserve.model.checks import check_context, check_pages, check_token_ids
-from pdserve.model.chunking import plan_prefill_chunks
+from pdserve.engine.pages import PageAllocator, pages_needed
+from pdserve.engine.sampling_params import FinishReason, check_stop
 from pdserve.model.errors import CapacityError, InvalidRequestError
-from pdserve.model.pages import PageAllocator, pages_needed
-from pdserve.model.sampling_params import FinishReason, check_stop
 
 
 class RequestState(enum.Enum):

@@ -15,11 +15,11 @@ import time
 
 from pdserve import kernels
 from pdserve.engine.messages import DecodeRequest, DecodeStats, RequestOutput, Reservation
+from pdserve.engine.runner import SampleSpec
 from pdserve.engine.worker import Worker
 from pdserve.kvtransfer import ExpectedTransfer, KVReceiver, MakeReceiver
 from pdserve.model.batch import SeqChunk
 from pdserve.model.deepseek import Transformer
-from pdserve.model.runner import SampleSpec
 
 from .config import DecodeConfig
 from .scheduler import DecodeScheduler, RequestState

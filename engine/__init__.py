@@ -1,9 +1,15 @@
-"""The serving runtime every worker runs. So far: every router <-> worker message and their msgpack codec
-(`messages`, pure Python: the router imports it without torch); the `Worker` base that the prefill and decode
-workers share (`pdserve.engine.worker`, imported from there: it needs torch); the memory plan of a worker's layout
-(`plan`: per rank weights by group, activation and workspace reserve, KV capacity, from the model's arguments
-alone, without GPUs; `rank_memory`: the per-rank arithmetic it is made of). The request checks the front end,
-the schedulers and the offline path share are `pdserve.model.checks` (the offline path lives in `model`)."""
+"""The serving runtime every worker runs, over the network of `pdserve.model`.
+
+Pure Python (no torch; the router and the schedulers import these without it): every router <-> worker message
+and their msgpack codec (`messages`); per-request sampling parameters and stop rules (`sampling_params`); the
+request checks the front end, the schedulers and the offline path share (`checks`); the page allocator
+(`pages`); chunked-prefill planning (`chunking`).
+
+With torch, imported from their modules: the model runner (`runner`: forward passes and sampling, `sampler`,
+`cuda_graphs`); the `Worker` base the prefill and decode workers share (`worker`); the single-process reference
+path of `pdserve offline` (`offline`); the memory plan of a worker's layout (`memory_plan`: per rank weights by
+group, activation and workspace reserve, KV capacity, from the model's arguments alone, without GPUs;
+`rank_memory`: the per-rank arithmetic it is made of)."""
 
 from .messages import (
     DecodeRequest,

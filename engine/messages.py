@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 import msgpack
 
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model import errors
-from pdserve.model.sampling_params import SamplingParams
 
 T = TypeVar("T")
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import threading
 
+from pdserve.engine.pages import PageAllocator
+from pdserve.engine.runner import ModelRunner
 from pdserve.model.deepseek import Transformer
-from pdserve.model.pages import PageAllocator
-from pdserve.model.runner import ModelRunner
 
 
 class Worker:

@@ -1,9 +1,9 @@
 """DeepSeek-V3 model: `ModelArgs`, the architecture (`Transformer`), its split over ranks (`ParallelLayout`,
-`ExpertExchange`), the paged KV cache layout, the checkpoint loader, the sampler, the tokenizer and the
-random-checkpoint maker.
+`ExpertExchange`), the forward batch, the paged KV cache layout, the checkpoint loader, the tokenizer and the
+random-checkpoint maker. The serving runtime over it (scheduler, runner, pages, sampler) is `pdserve.engine`.
 
-Names are imported lazily so that torch-free modules (`pdserve.model.pages`, `pdserve.model.errors`) can be used by
-pure-Python schedulers without importing torch.
+Names are imported lazily so that torch-free modules (`pdserve.model.errors`) can be used by pure-Python
+schedulers without importing torch.
 """
 
 from __future__ import annotations
@@ -25,11 +25,9 @@ _EXPORTS = {
     "build_forward_batch": "batch",
     "KVCacheLayout": "kv_cache",
     "PagedKVCache": "kv_cache",
-    "PageAllocator": "pages",
     "load_model": "loader",
     "plan_load": "loader",
     "make_checkpoint": "random_checkpoint",
-    "SamplingParams": "sampling_params",
     "Tokenizer": "tokenizer",
     "IncrementalDetokenizer": "tokenizer",
 }

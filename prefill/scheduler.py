@@ -7,11 +7,11 @@ import dataclasses
 import enum
 from collections import deque
 
+from pdserve.engine.checks import check_pages, check_token_ids
+from pdserve.engine.chunking import plan_prefill_chunks
 from pdserve.engine.messages import PrefillRequest
-from pdserve.model.checks import check_pages, check_token_ids
-from pdserve.model.chunking import plan_prefill_chunks
+from pdserve.engine.pages import PageAllocator, pages_needed
 from pdserve.model.errors import InvalidRequestError
-from pdserve.model.pages import PageAllocator, pages_needed
 
 
 class PrefillState(enum.Enum):

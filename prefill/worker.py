@@ -14,12 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pdserve import kernels
 from pdserve.engine.messages import PrefillFailure, PrefillRequest, PrefillStats
+from pdserve.engine.runner import SampleSpec
 from pdserve.engine.worker import Worker
 from pdserve.kvtransfer import KVSender
 from pdserve.model.batch import SeqChunk
 from pdserve.model.deepseek import Transformer
 from pdserve.model.errors import PdserveError
-from pdserve.model.runner import SampleSpec
 
 from .config import PrefillConfig
 from .scheduler import PrefillScheduler, PrefillSeq, PrefillState

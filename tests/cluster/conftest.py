@@ -12,7 +12,7 @@ import torch
 
 from pdserve.cluster.config import build_config
 from pdserve.cluster.server import ServerThread, free_port
-from pdserve.model.generate import generate_greedy
+from pdserve.engine.offline import generate_greedy
 from pdserve.model.loader import load_model
 from pdserve.model.random_checkpoint import make_checkpoint
 

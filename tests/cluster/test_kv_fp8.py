@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from pdserve.cluster.client import Client, generate_request
-from pdserve.model.generate import OfflineGenerator
+from pdserve.engine.offline import OfflineGenerator
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.loader import load_model
-from pdserve.model.sampling_params import SamplingParams
 
 from .conftest import start_server, wait_for, workload
 

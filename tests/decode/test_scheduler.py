@@ -10,9 +10,9 @@ import pytest
 
 from pdserve.decode.scheduler import DecodeScheduler, RequestState
 from pdserve.engine.messages import DecodeRequest
+from pdserve.engine.pages import PageAllocator
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.errors import CapacityError, InvalidRequestError
-from pdserve.model.pages import PageAllocator
-from pdserve.model.sampling_params import SamplingParams
 
 PAGE = 4
 
@@ -29,7 +29,7 @@ def request(rid, n, max_tokens=8, peer="p0", **kw) -> DecodeRequest:
 def test_schedulers_import_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import pdserve.decode.scheduler, pdserve.prefill.scheduler, pdserve.model.pages\n"
+        "import pdserve.decode.scheduler, pdserve.prefill.scheduler, pdserve.engine.pages\n"
         "assert 'torch' not in [m for m, v in sys.modules.items() if v is not None]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -14,8 +14,8 @@ from pdserve.engine.messages import (
     RequestOutput,
     Reservation,
 )
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.errors import CapacityError, InvalidRequestError, TransferError
-from pdserve.model.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop_token_ids=(4, 5))
 

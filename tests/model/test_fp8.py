@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pdserve import kernels
-from pdserve.model.generate import generate_greedy
+from pdserve.engine.offline import generate_greedy
 from pdserve.model.loader import load_model
 
 E4M3_REL_STEP = 2.0**-3  # spacing of e4m3 normals relative to the value (3 mantissa bits)

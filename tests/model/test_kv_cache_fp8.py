@@ -12,11 +12,11 @@ import pytest
 import torch
 from _pinned import relative_l2, routing, run_logits
 
+from pdserve.engine.offline import OfflineGenerator
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kernels.mla_decode import dequantize_kv_fp8, fp8_format, quantize_kv_fp8
-from pdserve.model.generate import OfflineGenerator
 from pdserve.model.kv_cache import FP8, KVCacheLayout, PagedKVCache, resolve_cache_dtype
 from pdserve.model.loader import load_model
-from pdserve.model.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.messages import PrefillRequest
+from pdserve.engine.pages import PageAllocator
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.errors import CapacityError
-from pdserve.model.pages import PageAllocator
-from pdserve.model.sampling_params import SamplingParams
 from pdserve.prefill.scheduler import PrefillScheduler, PrefillState
 
 

@@ -9,8 +9,8 @@ import dataclasses
 import time
 
 from pdserve.engine.messages import DecodeRequest, PrefillRequest
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.errors import CapacityError
-from pdserve.model.sampling_params import SamplingParams
 
 
 @dataclasses.dataclass

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from pdserve.decode import DecodeConfig
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer import KVTransferConfig
 from pdserve.model.batch import SeqChunk, build_forward_batch
 from pdserve.model.kv_cache import KVCacheLayout, PagedKVCache
 from pdserve.model.loader import load_model
 from pdserve.model.random_checkpoint import make_checkpoint
-from pdserve.model.sampling_params import SamplingParams
 from pdserve.prefill import PrefillConfig
 
 from .harness import MiniRouter

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from pdserve.decode import DecodeConfig
+from pdserve.engine.offline import OfflineGenerator, generate_greedy
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer import KVTransferConfig
-from pdserve.model.generate import OfflineGenerator, generate_greedy
 from pdserve.model.loader import load_model
 from pdserve.model.random_checkpoint import make_checkpoint
-from pdserve.model.sampling_params import SamplingParams
 from pdserve.prefill import PrefillConfig
 
 from .harness import MiniRouter

@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 import torch
 
+from pdserve.engine.runner import ModelRunner
 from pdserve.kernels.mla_decode import dequantize_kv_fp8
 from pdserve.model.batch import SeqChunk, build_forward_batch
 from pdserve.model.loader import load_model
 from pdserve.model.random_checkpoint import make_checkpoint
-from pdserve.model.runner import ModelRunner
 
 pytestmark = pytest.mark.gpu
 

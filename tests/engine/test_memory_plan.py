@@ -1,4 +1,4 @@
-"""The memory plan (`pdserve.engine.plan`, `pdserve plan`): per-rank weights against the checkpoint's own bytes,
+"""The memory plan (`pdserve.engine.memory_plan`, `pdserve plan`): per-rank weights against the checkpoint's own bytes,
 the layout's splits, the KV capacity and the refusals, on the CPU."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdserve.cluster.cli import _build_parser, main
-from pdserve.engine.plan import (
+from pdserve.engine.memory_plan import (
     MemoryPlanError,
     PlanLayout,
     PlanSettings,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.engine.pages import PageAllocator
 from pdserve.model.errors import CapacityError
-from pdserve.model.pages import PageAllocator
 
 
 def test_requests_get_runs_and_single_pages_fill_the_lowest_holes():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import CapacityError
+from pdserve.model.errors import CapacityError
 
 _FREE, _TAKEN = 1, 0
 _FREE_RUNS = re.compile(b"\x01+")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.engine.sampler import sample_tokens
+from pdserve.engine.sampling_params import FinishReason, SamplingParams, check_stop
 from pdserve.model.errors import InvalidRequestError
-from pdserve.model.sampler import sample_tokens
-from pdserve.model.sampling_params import FinishReason, SamplingParams, check_stop
 
 
 @pytest.mark.parametrize(

@@ -9,10 +9,11 @@ from collections.abc import Sequence
 
 import torch
 
-from .batch import SeqChunk, build_forward_batch
+from pdserve.model.batch import SeqChunk, build_forward_batch
+from pdserve.model.deepseek import Transformer
+from pdserve.model.kv_cache import KVCacheLayout, PagedKVCache, capacity_pages, resolve_cache_dtype
+
 from .cuda_graphs import DecodeGraphs
-from .deepseek import Transformer
-from .kv_cache import KVCacheLayout, PagedKVCache, capacity_pages, resolve_cache_dtype
 from .sampler import sample_tokens
 from .sampling_params import SamplingParams
 

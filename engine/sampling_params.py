@@ -7,7 +7,7 @@ import math
 import random
 from collections.abc import Collection
 
-from .errors import InvalidRequestError
+from pdserve.model.errors import InvalidRequestError
 
 MAX_SEED = (1 << 63) - 1
 

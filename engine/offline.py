@@ -8,10 +8,11 @@ from collections.abc import Sequence
 
 import torch
 
-from .batch import SeqChunk, build_forward_batch
+from pdserve.model.batch import SeqChunk, build_forward_batch
+from pdserve.model.deepseek import Transformer
+from pdserve.model.kv_cache import KVCacheLayout, PagedKVCache, resolve_cache_dtype
+
 from .checks import check_context, check_token_ids
-from .deepseek import Transformer
-from .kv_cache import KVCacheLayout, PagedKVCache, resolve_cache_dtype
 from .pages import pages_needed
 from .sampler import sample_tokens
 from .sampling_params import SamplingParams, check_stop

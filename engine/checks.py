@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .errors import CapacityError, InvalidRequestError
+from pdserve.model.errors import CapacityError, InvalidRequestError
+
 from .pages import pages_needed
 
 

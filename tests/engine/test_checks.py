@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.model.checks import check_context, check_pages, check_prompt_len, check_token_ids
+from pdserve.engine.checks import check_context, check_pages, check_prompt_len, check_token_ids
 from pdserve.model.errors import CapacityError, InvalidRequestError
 
 

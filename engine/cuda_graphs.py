@@ -21,9 +21,9 @@ import logging
 
 import torch
 
-from .batch import ForwardBatch
-from .deepseek import Transformer
-from .kv_cache import PagedKVCache
+from pdserve.model.batch import ForwardBatch
+from pdserve.model.deepseek import Transformer
+from pdserve.model.kv_cache import PagedKVCache
 
 logger = logging.getLogger(__name__)
 

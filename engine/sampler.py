@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import kernels
+from pdserve import kernels
+
 from .sampling_params import SamplingParams
 
 
