@@ -4,7 +4,7 @@
         [--kv-cache-dtype auto,fp8]
 
 Fills the KV cache of `batch` requests with `context` random latent tokens each, then times full decode steps
-through the same `ModelRunner.decode` the decode worker calls (batch building, forward, logits, sampling), wall
+through the same `ModelRunner.execute` the decode worker calls (batch building, forward, logits, sampling), wall
 clock with the device synchronized, median over `steps`. Weight bytes count every parameter a decode step reads:
 all of them except the MTP module's and the embedding table (one row per token), with routed experts counted only
 when some token of the step is routed to them (measured on the step's actual routing)."""
@@ -79,8 +79,9 @@ def fill_cache(cache) -> None:
 
 
 def measure(model, args, page_size: int, kv_cache_dtype: str) -> str:
-    from pdserve.engine.runner import ModelRunner, SampleSpec
+    from pdserve.engine.runner import ModelRunner
     from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.step import DecodeRow, RankStep, SampleSpec, StepPlan
     from pdserve.model.batch import SeqChunk, build_forward_batch
     from pdserve.model.deepseek import Experts
 
@@ -122,12 +123,18 @@ def measure(model, args, page_size: int, kv_cache_dtype: str) -> str:
     times = []
     for step in range(args.steps + 5):
         pos = args.context + step
-        chunks = [SeqChunk([t], pos, tables[b]) for b, t in enumerate(tokens)]
-        specs = [SampleSpec(params, step)] * args.batch
+        rows = [
+            DecodeRow(str(b), t, pos, tables[b], SampleSpec(params, step))
+            for b, t in enumerate(tokens)
+        ]
+        plan = StepPlan(step, [RankStep(decode=rows)])
         sync()
         start = time.perf_counter()
-        tokens = runner.decode(chunks, specs)
+        result = runner.execute(plan)
         sync()
+        if result.decode_error is not None:
+            raise RuntimeError(f"decode step failed: {result.decode_error}")
+        tokens = result.decode_tokens
         if step >= 5:
             times.append(time.perf_counter() - start)
     step_s = statistics.median(times)

@@ -1,7 +1,8 @@
 """The decode worker: admits requests by free KV pages, receives their KV from prefill workers (or prefills them
 itself: the aggregated path), runs continuous batching with preemption by recompute, and streams tokens.
 
-Names are imported lazily: the scheduler imports without torch (its messages are `pdserve.engine.messages`)."""
+Its scheduling is the engine's core (`pdserve.engine.scheduler`, policies `DECODE_ONLY` and `AGGREGATED`).
+Names are imported lazily: the config imports without torch."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ from typing import Any
 
 _EXPORTS = {
     "DecodeConfig": "config",
-    "DecodeScheduler": "scheduler",
-    "RequestState": "scheduler",
     "DecodeWorker": "worker",
 }
 

@@ -1,4 +1,6 @@
-"""`DecodeWorker`: holds requests' KV pages, runs the continuous decode batch and streams tokens.
+"""`DecodeWorker`: holds requests' KV pages, runs the continuous decode batch and streams tokens: the decode role
+over the engine's scheduler (a request with a prefill peer is `Policy.DECODE_ONLY`, one without is
+`Policy.AGGREGATED`) and the KV import.
 
 A plain class (Ray wraps it in pdserve.cluster). Control calls (`add_request`, `abort`, `stats`) may come from any
 thread; `step` runs on the worker's loop thread and holds the worker's lock for the whole step, so a page is never
@@ -15,14 +17,13 @@ import time
 
 from pdserve import kernels
 from pdserve.engine.messages import DecodeRequest, DecodeStats, RequestOutput, Reservation
-from pdserve.engine.runner import SampleSpec
+from pdserve.engine.request import Policy, Request, RequestState
+from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.worker import Worker
 from pdserve.kvtransfer import ExpectedTransfer, KVReceiver, MakeReceiver
-from pdserve.model.batch import SeqChunk
 from pdserve.model.deepseek import Transformer
 
 from .config import DecodeConfig
-from .scheduler import DecodeScheduler, RequestState
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +42,11 @@ class DecodeWorker(Worker):
         """kv_cache_dtype: auto or fp8 (`pdserve.model.kv_cache`); must be the prefill workers'."""
         super().__init__(worker_id, model, config, kv_cache_dtype, cuda_graphs=config.cuda_graphs)
         args = model.args
-        self.scheduler = DecodeScheduler(
-            self.allocator, config.page_size, config.max_running, config.max_num_batched_tokens,
+        self.scheduler = Scheduler(
+            self.allocator, config.page_size, config.max_num_batched_tokens,
             config.max_prefill_chunk, args.vocab_size, args.max_position_embeddings, args.eos_token_ids,
-            fixed_chunks=kernels.batch_invariant(),
+            max_running=config.max_running, fixed_chunks=kernels.batch_invariant(),
+            worker_kind="decode worker",
         )  # fmt: skip
         self.receiver: KVReceiver | None = (
             make_receiver(self.runner.cache.data) if make_receiver else None
@@ -58,7 +60,13 @@ class DecodeWorker(Worker):
         with self._lock:
             if request.prefill_peer is not None and self.receiver is None:
                 raise ValueError(f"{self.worker_id} has no KV receiver: prefill_peer must be None")
-            seq = self.scheduler.admit(request)
+            policy = Policy.AGGREGATED if request.prefill_peer is None else Policy.DECODE_ONLY
+            tokens = [*request.prompt_token_ids, *request.generated_token_ids]
+            seq = Request(
+                request.request_id, tokens, request.params, policy,
+                len(request.generated_token_ids), payload=request,
+            )  # fmt: skip
+            self.scheduler.add(seq)
             if request.prefill_peer is not None:
                 deadline = time.monotonic() + self.config.kv_wait_timeout_s
                 cuts = self.receiver.expect(
@@ -74,7 +82,7 @@ class DecodeWorker(Worker):
     def abort(self, request_id: str) -> None:
         """Cancels a request and frees its pages; its last output says finish_reason=abort."""
         with self._lock:
-            seq = self.scheduler.seqs.get(request_id)
+            seq = self.scheduler.requests.get(request_id)
             if seq is None:
                 return
             if seq.state is RequestState.WAITING_FOR_KV:
@@ -101,7 +109,7 @@ class DecodeWorker(Worker):
 
     def stats(self) -> DecodeStats:
         with self._lock:
-            seqs = list(self.scheduler.seqs.values())
+            seqs = list(self.scheduler.requests.values())
             return DecodeStats(
                 self.worker_id,
                 sum(s.state is RequestState.RUNNING for s in seqs),
@@ -118,9 +126,8 @@ class DecodeWorker(Worker):
             return self.scheduler.can_admit(num_tokens)
 
     def step(self) -> bool:
-        """Takes arrived KV, then runs one local-prefill pass and one decode pass. False when idle. Forward passes
-        run without the worker's lock (control calls never wait for them); pages freed meanwhile are held back
-        until the passes end, since they may still be written."""
+        """Takes arrived KV, then runs one step: a local-prefill pass and a decode pass. False when idle. The
+        forward passes run without the worker's lock (control calls never wait for them)."""
         with self._lock:
             outputs: list[RequestOutput] = []
             if self.receiver is not None:
@@ -131,66 +138,12 @@ class DecodeWorker(Worker):
                         )
                     else:
                         outputs += self.scheduler.kv_failed(r.transfer_id, r.error)
-            plan = self.scheduler.schedule()
-            outputs += plan.outputs
-            prefill_work = self._prepare_prefill(plan.prefill) if plan.prefill else None
-            decode_work = self._prepare_decode(plan.decode) if plan.decode else None
-            if prefill_work or decode_work:
-                self.allocator.hold_frees()
-        prefill_result = self._forward(self.runner.prefill, prefill_work, "local prefill")
-        decode_result = self._forward(self.runner.decode, decode_work, "decode")
-        if prefill_work or decode_work:
-            with self._lock:
-                self.allocator.release_held()
-                if prefill_work:
-                    outputs += self._finish_prefill(plan.prefill, prefill_result)
-                if decode_work:
-                    outputs += self._finish_decode(plan.decode, decode_result)
+            plan, planned = self.scheduler.schedule()
+            outputs += planned
+        if plan is not None:
+            outputs += self._run_plan(plan).outputs
         self._emit(outputs)
-        return bool(plan.prefill or plan.decode or outputs)
-
-    @staticmethod
-    def _forward(run, work, what: str):
-        """(tokens, None) or (None, error) for one pass; None when there is no work."""
-        if work is None:
-            return None
-        try:
-            return run(*work), None
-        except Exception as e:  # fail these requests, keep serving
-            logger.error("%s failed", what, exc_info=True)
-            return None, e
-
-    def _prepare_prefill(self, chunks):
-        specs = []
-        for seq, start, length in chunks:
-            last = start + length == len(seq.token_ids)
-            specs.append(SampleSpec(seq.request.params, seq.num_generated) if last else None)
-        seq_chunks = [SeqChunk(s.token_ids[a : a + n], a, list(s.pages)) for s, a, n in chunks]
-        return seq_chunks, specs
-
-    def _finish_prefill(self, chunks, result):
-        tokens, error = result
-        if error is not None:
-            return [o for s, _, _ in chunks for o in self.scheduler.abort(s.request_id, str(error))]
-        outputs = []
-        for (seq, start, length), token in zip(chunks, tokens, strict=True):
-            outputs += self.scheduler.prefill_done(seq, start, length, token)
-        return outputs
-
-    def _prepare_decode(self, seqs):
-        chunks = [SeqChunk(s.token_ids[-1:], len(s.token_ids) - 1, list(s.pages)) for s in seqs]
-        specs = [SampleSpec(s.request.params, s.num_generated) for s in seqs]
-        return chunks, specs
-
-    def _finish_decode(self, seqs, result):
-        tokens, error = result
-        if error is not None:
-            return [
-                o
-                for s in seqs
-                for o in self.scheduler.abort(s.request_id, f"decode failed: {error}")
-            ]
-        return self.scheduler.decode_done(seqs, tokens)
+        return bool(plan is not None or outputs)
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         if outputs:

@@ -1,15 +1,20 @@
 """The serving runtime every worker runs, over the network of `pdserve.model`.
 
-Pure Python (no torch; the router and the schedulers import these without it): every router <-> worker message
-and their msgpack codec (`messages`); per-request sampling parameters and stop rules (`sampling_params`); the
-request checks the front end, the schedulers and the offline path share (`checks`); the page allocator
-(`pages`); chunked-prefill planning (`chunking`).
+A step is `Scheduler.schedule()` -> `StepPlan` -> `ModelRunner.execute(plan)` per rank -> `RankResult` ->
+`Scheduler.finish_step()`: the plan is the only thing the runner is told, and the scheduler never touches torch.
 
-With torch, imported from their modules: the model runner (`runner`: forward passes and sampling, `sampler`,
-`cuda_graphs`); the `Worker` base the prefill and decode workers share (`worker`); the single-process reference
-path of `pdserve offline` (`offline`); the memory plan of a worker's layout (`memory_plan`: per rank weights by
-group, activation and workspace reserve, KV capacity, from the model's arguments alone, without GPUs;
-`rank_memory`: the per-rank arithmetic it is made of)."""
+Pure Python (no torch; the router and the schedulers import these without it): the scheduler core
+(`scheduler`: one set of queues; prefill-only, decode-only and aggregated are policies of its `Request` records,
+`request`); the per-step plan and its results (`step`, msgpack-able); every router <-> worker message and their
+msgpack codec (`messages`); per-request sampling parameters and stop rules (`sampling_params`); the request
+checks the front end, the scheduler and the offline path share (`checks`); the page allocator (`pages`);
+chunked-prefill planning (`chunking`).
+
+With torch, imported from their modules: the model runner (`runner`, with `sampler` and `cuda_graphs`); the
+`Worker` base the prefill and decode roles share (`worker`); the single-process reference path of `pdserve
+offline` (`offline`); the memory plan of a worker's layout (`memory_plan`: per rank weights by group, activation
+and workspace reserve, KV capacity, from the model's arguments alone, without GPUs; `rank_memory`: the per-rank
+arithmetic it is made of)."""
 
 from .messages import (
     DecodeRequest,
@@ -21,14 +26,28 @@ from .messages import (
     Reservation,
     WorkerError,
 )
+from .request import Policy, Request, RequestState
+from .scheduler import Scheduler, StepOutcome
+from .step import DecodeRow, PrefillRow, RankResult, RankStep, SampleSpec, StepPlan
 
 __all__ = [
     "DecodeRequest",
+    "DecodeRow",
     "DecodeStats",
+    "Policy",
     "PrefillFailure",
     "PrefillRequest",
+    "PrefillRow",
     "PrefillStats",
+    "RankResult",
+    "RankStep",
+    "Request",
     "RequestOutput",
+    "RequestState",
     "Reservation",
+    "SampleSpec",
+    "Scheduler",
+    "StepOutcome",
+    "StepPlan",
     "WorkerError",
 ]

@@ -1,10 +1,12 @@
-"""`ModelRunner`: executes the forward passes a worker's scheduler asks for, over one model and its KV cache, and
-samples. It holds no policy: which requests run, and when, is the scheduler's business."""
+"""`ModelRunner`: executes one rank's share of a step plan (`pdserve.engine.step`) over one model and its KV
+cache, and samples. It holds no policy: which requests run, and when, is the scheduler's business; the plan is
+all it is told."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -15,15 +17,9 @@ from pdserve.model.kv_cache import KVCacheLayout, PagedKVCache, capacity_pages, 
 
 from .cuda_graphs import DecodeGraphs
 from .sampler import sample_tokens
-from .sampling_params import SamplingParams
+from .step import DecodeRow, PrefillRow, RankResult, StepPlan
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SampleSpec:
-    params: SamplingParams
-    """Must carry a seed (SamplingParams.with_seed)."""
-    step: int
-    """How many tokens the request generated before this one."""
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -32,9 +28,11 @@ class ModelRunner:
 
     def __init__(
         self, model: Transformer, page_size: int, num_pages: int, kv_cache_dtype: str = "auto",
-        cuda_graphs: bool = True,
+        cuda_graphs: bool = True, rank: int = 0,
     ):  # fmt: skip
+        """rank: which `RankStep` of each plan this runner executes."""
         self.model, self.page_size, self._num_pages = model, page_size, num_pages
+        self.rank = rank
         self.device = model.embed.weight.device
         layout = KVCacheLayout.for_model(
             model.args, page_size, resolve_cache_dtype(kv_cache_dtype, model.dtype), model.num_mtp
@@ -76,38 +74,54 @@ class ModelRunner:
             return torch.cuda.device(self.device)
         return contextlib.nullcontext()
 
-    @torch.inference_mode()
-    def prefill(
-        self, chunks: Sequence[SeqChunk], samples: Sequence[SampleSpec | None]
-    ) -> list[int | None]:
-        """Runs prompt chunks (writing their KV); samples the next token where `samples[i]` is given (the
-        request's last chunk)."""
-        with self._on_device():
-            return self._prefill(chunks, samples)
+    def execute(self, plan: StepPlan) -> RankResult:
+        """Runs this rank's rows of `plan`: the prefill pass, then the decode pass. A pass that raises fails
+        alone: its error is returned (and logged), the other pass still runs."""
+        step = plan.ranks[self.rank]
+        result = RankResult(plan.step_id)
+        if step.prefill:
+            try:
+                result.prefill_tokens.extend(self._run(self._prefill, step.prefill))
+            except (
+                Exception
+            ) as e:  # the scheduler fails this pass's requests; the worker keeps serving
+                logger.error("prefill pass failed", exc_info=True)
+                result = dataclasses.replace(result, prefill_error=str(e))
+        if step.decode:
+            try:
+                result.decode_tokens.extend(self._run(self._decode, step.decode))
+            except Exception as e:  # as above
+                logger.error("decode pass failed", exc_info=True)
+                result = dataclasses.replace(result, decode_error=str(e))
+        return result
 
-    def _prefill(self, chunks, samples) -> list[int | None]:
+    @torch.inference_mode()
+    def _run(self, run_pass, rows):
+        with self._on_device():
+            return run_pass(rows)
+
+    def _prefill(self, rows: Sequence[PrefillRow]) -> list[int | None]:
+        """Runs prompt chunks (writing their KV); samples the next token of the rows that ask for it."""
+        chunks = [SeqChunk(r.token_ids, r.start, r.page_ids) for r in rows]
         batch = build_forward_batch(chunks, self.page_size, self.device, decode=False)
         hidden = self.model(batch, self.cache)
-        rows = [i for i, s in enumerate(samples) if s is not None]
-        out: list[int | None] = [None] * len(chunks)
-        if rows:
-            logits = self.model.compute_logits(hidden[batch.logits_indices[rows]])
-            specs = [samples[i] for i in rows]
+        sampled = [i for i, r in enumerate(rows) if r.sample is not None]
+        out: list[int | None] = [None] * len(rows)
+        if sampled:
+            logits = self.model.compute_logits(hidden[batch.logits_indices[sampled]])
+            specs = [rows[i].sample for i in sampled]
             tokens = sample_tokens(logits, [s.params for s in specs], [s.step for s in specs])
-            for i, t in zip(rows, tokens, strict=True):
+            for i, t in zip(sampled, tokens, strict=True):
                 out[i] = t
         return out
 
-    @torch.inference_mode()
-    def decode(self, chunks: Sequence[SeqChunk], samples: Sequence[SampleSpec]) -> list[int]:
-        """One decode step: each chunk is one request's last token; returns each request's next token."""
-        with self._on_device():
-            return self._decode(chunks, samples)
-
-    def _decode(self, chunks, samples) -> list[int]:
+    def _decode(self, rows: Sequence[DecodeRow]) -> list[int]:
+        """One decode token per row; returns each row's next token."""
+        chunks = [SeqChunk([r.token_id], r.position, r.page_ids) for r in rows]
         batch = build_forward_batch(chunks, self.page_size, self.device, decode=True)
         if self.graphs is not None:
             logits = self.graphs.logits(batch)
         else:
             logits = self.model.compute_logits(self.model(batch, self.cache))
-        return sample_tokens(logits, [s.params for s in samples], [s.step for s in samples])
+        specs = [r.sample for r in rows]
+        return sample_tokens(logits, [s.params for s in specs], [s.step for s in specs])

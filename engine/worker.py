@@ -1,14 +1,18 @@
 """`Worker`: what a prefill and a decode worker share. A model runner over the worker's paged KV cache, its page
-allocator, the lock that control calls (any thread) and the loop thread take, and the loop: step while there is
-work, otherwise wait for a wake-up or `idle_wait_s`. A role subclasses it with its scheduler and its `step`."""
+allocator, the lock that control calls (any thread) and the loop thread take, running a step plan of the role's
+scheduler (`pdserve.engine.scheduler`), and the loop: step while there is work, otherwise wait for a wake-up or
+`idle_wait_s`. A role subclasses it with its scheduler's policy and its `step`."""
 
 from __future__ import annotations
 
 import threading
 
-from pdserve.engine.pages import PageAllocator
-from pdserve.engine.runner import ModelRunner
 from pdserve.model.deepseek import Transformer
+
+from .pages import PageAllocator
+from .runner import ModelRunner
+from .scheduler import Scheduler, StepOutcome
+from .step import StepPlan
 
 
 class Worker:
@@ -32,6 +36,8 @@ class Worker:
             kv_cache_dtype=kv_cache_dtype,
         )
         self.allocator = PageAllocator(self.runner.num_pages)
+        self.scheduler: Scheduler
+        """Set by the role, over `allocator`."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
 
@@ -42,6 +48,13 @@ class Worker:
     def step(self) -> bool:
         """Runs one step of the role's work; False when there was nothing to do."""
         raise NotImplementedError
+
+    def _run_plan(self, plan: StepPlan) -> StepOutcome:
+        """Runs a plan the scheduler made (under the lock) without the lock, so control calls never wait for a
+        forward pass, then applies its results under the lock."""
+        result = self.runner.execute(plan)
+        with self._lock:
+            return self.scheduler.finish_step(plan, [result])
 
     def run(self, stop: threading.Event) -> None:
         """The worker's loop: steps while there is work, waits for a wake-up otherwise, until `stop`."""

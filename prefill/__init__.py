@@ -1,7 +1,8 @@
 """The prefill worker: batches prompts under a token budget (chunking long ones), samples each prompt's first token,
 and hands its KV pages to the decode worker that reserved room for it.
 
-Names are imported lazily: the scheduler imports without torch (its messages are `pdserve.engine.messages`)."""
+Its scheduling is the engine's core (`pdserve.engine.scheduler`, policy `PREFILL_ONLY`). Names are imported
+lazily: the config imports without torch."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from typing import Any
 
 _EXPORTS = {
     "PrefillConfig": "config",
-    "PrefillScheduler": "scheduler",
     "PrefillWorker": "worker",
 }
 

@@ -1,4 +1,6 @@
-"""`PrefillWorker`: computes prompts' KV caches and first tokens and hands them to decode workers.
+"""`PrefillWorker`: computes prompts' KV caches and first tokens and hands them to decode workers: the prefill
+role over the engine's scheduler (every request `Policy.PREFILL_ONLY`: a FIFO of prompts, batched under a token
+budget, long prompts chunked, pages taken when a prompt starts) and the KV export.
 
 A plain class (Ray wraps it in pdserve.cluster). Control calls (`submit`, `abort`, `stats`) may come from any
 thread; `step` runs on the worker's loop thread. Finished prompts are sent by a small thread pool, one send at a
@@ -14,15 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pdserve import kernels
 from pdserve.engine.messages import PrefillFailure, PrefillRequest, PrefillStats
-from pdserve.engine.runner import SampleSpec
+from pdserve.engine.request import Policy, Request, RequestState
+from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.worker import Worker
 from pdserve.kvtransfer import KVSender
-from pdserve.model.batch import SeqChunk
 from pdserve.model.deepseek import Transformer
 from pdserve.model.errors import PdserveError
 
 from .config import PrefillConfig
-from .scheduler import PrefillScheduler, PrefillSeq, PrefillState
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +36,11 @@ class PrefillWorker(Worker):
         """kv_cache_dtype: auto or fp8 (`pdserve.model.kv_cache`); must be the decode workers'."""
         super().__init__(worker_id, model, config, kv_cache_dtype)
         self.sender = sender
-        self.scheduler = PrefillScheduler(
+        args = model.args
+        self.scheduler = Scheduler(
             self.allocator, config.page_size, config.max_num_batched_tokens,
-            config.max_prefill_chunk, model.args.vocab_size, kernels.batch_invariant(),
+            config.max_prefill_chunk, args.vocab_size, args.max_position_embeddings,
+            args.eos_token_ids, fixed_chunks=kernels.batch_invariant(), worker_kind="prefill worker",
         )  # fmt: skip
         self._aborted: set[str] = set()
         self._failures: list[PrefillFailure] = []
@@ -46,20 +49,29 @@ class PrefillWorker(Worker):
     def submit(self, request: PrefillRequest) -> None:
         """Queues a prompt. Raises InvalidRequestError / CapacityError when it cannot ever run here."""
         with self._lock:
-            self.scheduler.add(request)
+            self.scheduler.add(
+                Request(
+                    request.request_id,
+                    list(request.token_ids),
+                    request.params,
+                    Policy.PREFILL_ONLY,
+                    request.num_generated,
+                    payload=request,
+                )  # fmt: skip
+            )
         self.sender.connect(request.decode_peer)
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
         """Drops a request. A send already under way completes (the decode side discards it) first."""
         with self._lock:
-            seq = self.scheduler.seqs.get(request_id)
-            if seq is None:
+            request = self.scheduler.requests.get(request_id)
+            if request is None:
                 return
-            if seq.state is PrefillState.SENDING:
+            if request.state is RequestState.SENDING:
                 self._aborted.add(request_id)
             else:
-                self.allocator.free(self.scheduler.release(request_id))
+                self.scheduler.abort(request_id)
 
     def poll_events(self) -> list[PrefillFailure]:
         with self._lock:
@@ -68,12 +80,13 @@ class PrefillWorker(Worker):
 
     def stats(self) -> PrefillStats:
         with self._lock:
-            seqs = list(self.scheduler.seqs.values())
+            requests = list(self.scheduler.requests.values())
+            num_sending = sum(r.state is RequestState.SENDING for r in requests)
             return PrefillStats(
                 self.worker_id,
-                sum(s.state is not PrefillState.SENDING for s in seqs),
+                len(requests) - num_sending,
                 self.scheduler.queued_tokens,
-                sum(s.state is PrefillState.SENDING for s in seqs),
+                num_sending,
                 self.allocator.num_used,
                 self.allocator.num_pages,
             )
@@ -82,35 +95,15 @@ class PrefillWorker(Worker):
         """Runs one forward pass over the next chunks; returns False when there was nothing to do. The forward
         runs without the worker's lock, so `submit` and `abort` never wait for it."""
         with self._lock:
-            plan = self.scheduler.schedule()
-            if not plan:
-                return False
-            chunks, samples = [], []
-            for c in plan:
-                r = c.seq.request
-                chunks.append(
-                    SeqChunk(r.token_ids[c.start : c.start + c.length], c.start, c.seq.pages)
-                )
-                samples.append(SampleSpec(r.params, r.num_generated) if c.is_last else None)
-            self.allocator.hold_frees()
-        try:
-            tokens = self.runner.prefill(chunks, samples)
-            error = None
-        except Exception as e:  # fail this batch's requests, keep serving
-            logger.error("prefill forward failed", exc_info=True)
-            tokens, error = [None] * len(plan), e
+            plan, _ = self.scheduler.schedule()  # nothing is preempted here: no request decodes
+        if plan is None:
+            return False
+        outcome = self._run_plan(plan)
         with self._lock:
-            self.allocator.release_held()
-            for c, token in zip(plan, tokens, strict=True):
-                seq = c.seq
-                if self.scheduler.seqs.get(seq.request.request_id) is not seq:
-                    continue  # aborted while the forward ran
-                if error is not None:
-                    self._fail(seq.request.request_id, f"prefill failed: {error}")
-                    continue
-                self.scheduler.chunk_done(c)
-                if c.is_last:
-                    self._sends.submit(self._send, seq, token)
+            for out in outcome.outputs:  # the requests of a failed pass, aborted by the scheduler
+                self._report(out.request_id, out.error)
+        for request, first_token in outcome.to_send:
+            self._sends.submit(self._send, request, first_token)
         return True
 
     def close(self) -> None:
@@ -119,22 +112,25 @@ class PrefillWorker(Worker):
 
     def _fail(self, request_id: str, error: str) -> None:
         """Under the lock: forget the request, free its pages, report it."""
-        self.allocator.free(self.scheduler.release(request_id))
+        self.scheduler.abort(request_id)
+        self._report(request_id, error)
+
+    def _report(self, request_id: str, error: str | None) -> None:
         self._aborted.discard(request_id)
         self._failures.append(
             PrefillFailure(request_id, f"prefill worker {self.worker_id}: {error}")
         )
 
-    def _send(self, seq: PrefillSeq, first_token: int) -> None:
-        r = seq.request
+    def _send(self, request: Request, first_token: int) -> None:
+        r: PrefillRequest = request.payload
         try:
             start = time.perf_counter()
             self.sender.send(
-                r.decode_peer, r.transfer_id, self.runner.cache.data, list(seq.pages),
+                r.decode_peer, r.transfer_id, self.runner.cache.data, list(request.pages),
                 len(r.token_ids), first_token, r.dest_cuts,
             )  # fmt: skip
             logger.debug(
-                "sent %s: %d pages in %.1f ms", r.request_id, len(seq.pages),
+                "sent %s: %d pages in %.1f ms", r.request_id, len(request.pages),
                 1e3 * (time.perf_counter() - start),
             )  # fmt: skip
             error = None
@@ -148,4 +144,4 @@ class PrefillWorker(Worker):
                 self._fail(r.request_id, error)
             else:
                 self._aborted.discard(r.request_id)
-                self.allocator.free(self.scheduler.release(r.request_id))
+                self.scheduler.release(r.request_id)

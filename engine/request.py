@@ -1,0 +1,70 @@
+"""The scheduler's record of one request: its tokens, pages, progress and state, and the policy that decides its
+path through the states. Pure Python (no torch)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+from .sampling_params import SamplingParams
+
+
+class Policy(enum.Enum):
+    """Where a request's KV comes from and what follows its prefill."""
+
+    PREFILL_ONLY = "prefill_only"
+    """WAITING (pages taken at the head of the queue) -> PREFILLING -> SENDING (its first token sampled, its KV
+    being exported) -> FINISHED when the role releases it."""
+    DECODE_ONLY = "decode_only"
+    """Pages reserved at admission -> WAITING_FOR_KV -> RUNNING (first token from the prefill worker) ->
+    FINISHED. Preempted: ABORTED, reported as preempted (the router runs it again elsewhere)."""
+    AGGREGATED = "aggregated"
+    """Pages reserved at admission -> PREFILLING here -> RUNNING -> FINISHED. Preempted: back to WAITING, then
+    prefilled again with the tokens generated so far (same continuation: sampling depends on seed and step)."""
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    """Queued without pages: pages are taken in arrival order, the head of the queue blocking the rest."""
+    WAITING_FOR_KV = "waiting_for_kv"
+    """Pages reserved; the prefill worker's transfer will fill them."""
+    PREFILLING = "prefilling"
+    """Prefilled here, possibly across several steps."""
+    SENDING = "sending"
+    """Prefill done and first token sampled; the KV pages are being exported."""
+    RUNNING = "running"
+    """In the decode batch, one token per step."""
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """Compared by identity: a request id may come back after an abort as a different request."""
+
+    request_id: str
+    token_ids: list[int]
+    """The prompt, then every generated token (those generated before a preemption included)."""
+    params: SamplingParams
+    policy: Policy
+    num_generated: int = 0
+    """Tokens of `token_ids` generated (the sampling step of the next one)."""
+    payload: Any = None
+    """The role's own message for this request (the scheduler never reads it)."""
+    state: RequestState = RequestState.WAITING
+    pages: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0
+    """Tokens whose KV is in the cache."""
+    admit_order: int = 0
+    """Arrival order; preemption takes the latest first."""
+    transfer_id: int = 0
+    """DECODE_ONLY: the id the prefill worker's transfer carries."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.token_ids) - self.num_generated

@@ -1,0 +1,321 @@
+"""The scheduler core on its own (pure Python, no model), under each policy: decode-only admission, KV arrival,
+continuous batching, stop rules, preemption order and page accounting; aggregated local prefill and its
+preemption by recompute; prefill-only FIFO under a token budget, chunking and head-of-line page allocation; the
+step plan it hands the runner and its msgpack round trip."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.engine.messages import RequestOutput
+from pdserve.engine.pages import PageAllocator
+from pdserve.engine.request import Policy, Request, RequestState
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, StepOutcome
+from pdserve.engine.step import RankResult, SampleSpec, StepPlan, decode_plan, encode_plan
+from pdserve.model.errors import CapacityError, InvalidRequestError
+
+PAGE = 4
+
+
+def scheduler(num_pages=16, max_running=8) -> Scheduler:
+    return Scheduler(
+        PageAllocator(num_pages), PAGE, 64, 16, 100, 1000, {1}, max_running=max_running,
+        worker_kind="decode worker",
+    )  # fmt: skip
+
+
+def prefill_scheduler(num_pages=64, token_budget=10, max_chunk=6, fixed_chunks=False) -> Scheduler:
+    return Scheduler(
+        PageAllocator(num_pages), PAGE, token_budget, max_chunk, 100, 1000, {1},
+        fixed_chunks=fixed_chunks, worker_kind="prefill worker",
+    )  # fmt: skip
+
+
+def request(rid, n, max_tokens=8, policy=Policy.DECODE_ONLY, **kw) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, seed=0, **kw)
+    return Request(rid, list(range(3, 3 + n)), params, policy)
+
+
+def finish(s: Scheduler, plan: StepPlan, token: int = 20) -> StepOutcome:
+    """Finishes `plan` as a runner would: `token` for every row that samples."""
+    (rank,) = plan.ranks
+    result = RankResult(
+        plan.step_id,
+        [token if row.sample is not None else None for row in rank.prefill],
+        [token] * len(rank.decode),
+    )
+    return s.finish_step(plan, [result])
+
+
+def decode_ids(plan: StepPlan | None) -> list[str]:
+    return [] if plan is None else [row.request_id for row in plan.ranks[0].decode]
+
+
+def chunks(plan: StepPlan) -> list[tuple[str, int, int]]:
+    return [(row.request_id, row.start, len(row.token_ids)) for row in plan.ranks[0].prefill]
+
+
+def test_scheduler_imports_without_torch():
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import pdserve.engine.scheduler, pdserve.engine.step, pdserve.engine.pages\n"
+        "import pdserve.prefill.config, pdserve.decode.config\n"
+        "assert 'torch' not in [m for m, v in sys.modules.items() if v is not None]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# Decode-only.
+
+
+def test_admission_kv_arrival_and_decode_until_length():
+    s = scheduler()
+    req = request("a", 5, max_tokens=3)
+    s.add(req)
+    assert req.state is RequestState.WAITING_FOR_KV and len(req.pages) == 2
+    assert s.schedule() == (None, [])  # nothing runs before its KV arrives
+    (out,) = s.kv_arrived(req.transfer_id, 5, first_token=42)
+    assert out.token_ids == [42] and out.finish_reason is None
+    plan, _ = s.schedule()
+    (row,) = plan.ranks[0].decode
+    assert (row.request_id, row.token_id, row.position) == ("a", 42, 5)
+    assert row.page_ids == req.pages and len(req.pages) == 2  # 6 tokens fit 2 pages of 4
+    assert row.sample == SampleSpec(req.params, 1)
+    assert finish(s, plan, 43).outputs[0].finish_reason is None
+    plan, _ = s.schedule()
+    assert len(req.pages) == 2 and plan.ranks[0].decode[0].position == 6
+    (out,) = finish(s, plan, 44).outputs
+    assert out.finish_reason == "length" and s.allocator.num_used == 0
+    assert req.state is RequestState.FINISHED and req.token_ids[5:] == [42, 43, 44]
+
+
+def test_eos_on_first_token_finishes_at_arrival():
+    s = scheduler()
+    req = request("a", 3)
+    s.add(req)
+    (out,) = s.kv_arrived(req.transfer_id, 3, first_token=1)
+    assert out.finish_reason == "stop" and s.allocator.num_used == 0
+
+
+def test_kv_for_the_wrong_token_count_aborts():
+    s = scheduler()
+    req = request("a", 3)
+    s.add(req)
+    (out,) = s.kv_arrived(req.transfer_id, 4, first_token=5)
+    assert out.finish_reason == "abort" and "4 tokens" in out.error and s.allocator.num_used == 0
+
+
+def test_validation_and_capacity():
+    s = scheduler(num_pages=4, max_running=2)
+    with pytest.raises(InvalidRequestError) as e:
+        s.add(request("a", 0))
+    assert str(e.value) == "prompt_token_ids: is empty"
+    with pytest.raises(InvalidRequestError) as e:
+        s.add(Request("b", [5, 200], SamplingParams(seed=0), Policy.DECODE_ONLY))
+    assert e.value.field == "prompt_token_ids"
+    with pytest.raises(CapacityError, match="this decode worker has 4"):  # 17 + 8 never fit 4 pages
+        s.add(request("c", 17))
+    with pytest.raises(InvalidRequestError) as e:
+        s.add(request("c", 4, max_tokens=997))
+    assert e.value.field == "max_tokens"
+    s.add(request("d", 8))
+    s.add(request("e", 4))
+    with pytest.raises(CapacityError, match="decode worker full"):  # pages all taken right now
+        s.add(request("f", 4))
+    with pytest.raises(InvalidRequestError) as e:
+        s.add(request("d", 1))
+    assert e.value.field == "request_id" and "already running" in str(e.value)
+
+
+def run_until_preemption(s: Scheduler, token: int = 20) -> tuple[StepPlan, list[RequestOutput]]:
+    """Steps until one plan preempts something; returns that plan and its outputs."""
+    before = s.num_preemptions
+    for _ in range(50):
+        plan, outputs = s.schedule()
+        if s.num_preemptions > before:
+            return plan, outputs
+        finish(s, plan, token)
+    raise AssertionError("no preemption")
+
+
+def test_preemption_takes_the_newest_and_reports_it():
+    s = scheduler(num_pages=6)  # 24 tokens: each request alone fits, both together do not
+    old, new = request("old", 4, max_tokens=20), request("new", 4, max_tokens=20)
+    s.add(old)
+    s.add(new)
+    s.kv_arrived(old.transfer_id, 4, 10)
+    s.kv_arrived(new.transfer_id, 4, 11)
+    plan, outputs = run_until_preemption(s)
+    assert decode_ids(plan) == ["old"]
+    (out,) = outputs
+    assert out.request_id == "new" and out.preempted and "new" not in s.requests
+    assert new.state is RequestState.ABORTED
+    assert len(old.pages) == 4 and s.allocator.num_used == 4
+
+
+def test_abort_frees_pages_in_every_state():
+    s = scheduler()
+    waiting, running = request("w", 5), request("r", 5)
+    s.add(waiting)
+    s.add(running)
+    s.kv_arrived(running.transfer_id, 5, 9)
+    plan, _ = s.schedule()
+    for rid in ("w", "r"):
+        (out,) = s.abort(rid)
+        assert out.finish_reason == "abort"
+    assert s.allocator.num_used == 0 and s.kv_arrived(waiting.transfer_id, 5, 9) == []
+    free = s.allocator.num_free
+    assert finish(s, plan).outputs == [], "an aborted request's row is skipped"
+    assert s.allocator.num_free > free, "pages freed during the step come back after it"
+
+
+def test_a_failed_pass_aborts_its_requests_only():
+    s = scheduler()
+    a, b = request("a", 4, policy=Policy.AGGREGATED), request("b", 4)
+    s.add(a)
+    s.add(b)
+    s.kv_arrived(b.transfer_id, 4, 7)
+    plan, _ = s.schedule()
+    assert chunks(plan) == [("a", 0, 4)] and decode_ids(plan) == ["b"]
+    result = RankResult(plan.step_id, [], [8], prefill_error="out of memory")
+    (aborted, decoded) = s.finish_step(plan, [result]).outputs
+    assert aborted == RequestOutput("a", [], "abort", "prefill failed: out of memory")
+    assert decoded == RequestOutput("b", [8]) and s.allocator.num_used == 2
+
+
+# Aggregated.
+
+
+def test_local_prefill_preemption_requeues_without_output():
+    s = scheduler(num_pages=6)
+    a = request("a", 4, max_tokens=20, policy=Policy.AGGREGATED)
+    b = request("b", 4, max_tokens=20, policy=Policy.AGGREGATED)
+    s.add(a)
+    s.add(b)
+    plan, _ = s.schedule()
+    assert chunks(plan) == [("a", 0, 4), ("b", 0, 4)]
+    assert [row.sample.step for row in plan.ranks[0].prefill] == [0, 0]
+    outcome = s.finish_step(plan, [RankResult(plan.step_id, [50, 60])])
+    assert [o.token_ids for o in outcome.outputs] == [[50], [60]] and outcome.to_send == []
+    assert a.state is b.state is RequestState.RUNNING
+    plan, outputs = run_until_preemption(s)
+    assert decode_ids(plan) == ["a"] and outputs == [] and b.state is RequestState.WAITING
+    assert not b.pages and not s.can_admit(1), "a preempted request goes before new ones"
+    generated = b.num_generated
+    finish(s, plan)
+    s.abort("a")
+    plan, _ = s.schedule()  # b is back: prompt and generated tokens prefilled again
+    assert chunks(plan) == [("b", 0, 4 + generated)]
+    assert plan.ranks[0].prefill[0].token_ids == b.token_ids
+    assert plan.ranks[0].prefill[0].sample.step == generated
+
+
+def test_long_prompts_are_prefilled_in_chunks_then_decoded():
+    s = scheduler()
+    a = request("a", 20, max_tokens=2, policy=Policy.AGGREGATED)  # max_chunk 16
+    s.add(a)
+    plan, _ = s.schedule()
+    (row,) = plan.ranks[0].prefill
+    assert (row.start, len(row.token_ids), row.sample) == (0, 16, None)
+    assert finish(s, plan).outputs == [] and a.num_computed == 16
+    plan, _ = s.schedule()
+    assert chunks(plan) == [("a", 16, 4)] and plan.ranks[0].prefill[0].sample is not None
+    (out,) = finish(s, plan, 30).outputs
+    assert out.token_ids == [30] and a.state is RequestState.RUNNING
+    plan, _ = s.schedule()
+    assert decode_ids(plan) == ["a"] and chunks(plan) == []
+    (out,) = finish(s, plan, 31).outputs
+    assert out.finish_reason == "length" and s.allocator.num_used == 0
+
+
+# Prefill-only.
+
+
+def prefill_request(rid: str, n: int) -> Request:
+    return request(rid, n, policy=Policy.PREFILL_ONLY)
+
+
+def test_budget_and_chunks():
+    s = prefill_scheduler()
+    for rid, n in (("a", 9), ("b", 3), ("c", 5)):
+        s.add(prefill_request(rid, n))
+    assert s.queued_tokens == 17
+    plan, _ = s.schedule()
+    rows = plan.ranks[0].prefill
+    assert [(r.request_id, r.start, len(r.token_ids), r.sample is not None) for r in rows] == [
+        ("a", 0, 6, False), ("b", 0, 3, True), ("c", 0, 1, False),
+    ]  # fmt: skip
+    outcome = finish(s, plan, 77)
+    assert [(r.request_id, t) for r, t in outcome.to_send] == [("b", 77)] and outcome.outputs == []
+    assert s.requests["b"].state is RequestState.SENDING
+    plan, _ = s.schedule()
+    assert chunks(plan) == [("a", 6, 3), ("c", 1, 4)]
+    assert plan.ranks[0].prefill[1].token_ids == s.requests["c"].token_ids[1:]
+    assert [r.request_id for r, _ in finish(s, plan).to_send] == ["a", "c"]
+    assert s.queued_tokens == 0 and s.allocator.num_used == 3 + 1 + 2
+    for rid in "abc":
+        s.release(rid)
+    assert s.allocator.num_used == 0 and not s.requests
+
+
+def test_fixed_chunks_cut_prompts_only_at_chunk_multiples():
+    """Batch-invariant mode: "c" is not cut where the budget ran out; it waits for the next step."""
+    s = prefill_scheduler(fixed_chunks=True)
+    for rid, n in (("a", 9), ("b", 3), ("c", 5)):
+        s.add(prefill_request(rid, n))
+    steps = []
+    while s.queued_tokens:
+        plan, _ = s.schedule()
+        steps.append(chunks(plan))
+        finish(s, plan)
+    assert steps == [[("a", 0, 6), ("b", 0, 3)], [("a", 6, 3), ("c", 0, 5)]]
+
+
+def test_pages_wait_at_the_head_of_the_line():
+    s = prefill_scheduler(num_pages=4, token_budget=100, max_chunk=100)
+    s.add(prefill_request("a", 12))
+    s.add(prefill_request("b", 8))  # needs 2 pages, only 1 left after a
+    s.add(prefill_request("c", 1))
+    plan, _ = s.schedule()
+    assert [r for r, _, _ in chunks(plan)] == ["a"], "b blocks c: first come first served"
+    assert s.requests["b"].state is RequestState.WAITING and not s.requests["b"].pages
+    finish(s, plan)
+    s.release("a")
+    plan, _ = s.schedule()
+    assert [r for r, _, _ in chunks(plan)] == ["b", "c"]
+
+
+def test_a_prompt_that_can_never_fit_is_refused():
+    s = prefill_scheduler(num_pages=2)
+    with pytest.raises(CapacityError, match="need 3 KV pages; this prefill worker has 2"):
+        s.add(prefill_request("a", 9))
+    s.add(prefill_request("b", 1))
+    with pytest.raises(InvalidRequestError, match="already queued"):
+        s.add(prefill_request("b", 1))
+
+
+def test_abort_while_prefilling_skips_its_rows():
+    s = prefill_scheduler()
+    s.add(prefill_request("a", 9))
+    plan, _ = s.schedule()
+    (out,) = s.abort("a")
+    assert out.finish_reason == "abort" and s.allocator.num_used == 0
+    assert finish(s, plan) == StepOutcome([], [])
+
+
+# The plan on the wire.
+
+
+def test_plan_round_trips_through_msgpack():
+    s = scheduler()
+    a, b = request("a", 6, policy=Policy.AGGREGATED, temperature=0.7, top_k=5), request("b", 3)
+    s.add(a)
+    s.add(b)
+    s.kv_arrived(b.transfer_id, 3, 9)
+    plan, _ = s.schedule()
+    assert decode_plan(encode_plan(plan)) == plan
+    assert b"\x80\x04" not in encode_plan(plan)[:2], "msgpack, not pickle"
