@@ -3,15 +3,14 @@ over the engine's scheduler (a request with a prefill peer is `Policy.DECODE_ONL
 `Policy.AGGREGATED`) and the KV import.
 
 A plain class (Ray wraps it in pdserve.cluster). Control calls (`add_request`, `abort`, `stats`) may come from any
-thread; `step` runs on the worker's loop thread and holds the worker's lock for the whole step, so a page is never
-freed while a forward pass may still write it. KV pages arrive through a `KVReceiver` writing straight into the
-cache; with no prefill peer the worker prefills the request itself (the aggregated path). Outputs of each step are
-queued as one batch for `poll_outputs`.
+thread; `step` runs on the worker's loop thread, its forward passes without the worker's lock (a page freed
+meanwhile is held back until the step ends, since the pass may still write it). KV pages arrive through a
+`KVReceiver` writing straight into the cache; with no prefill peer the worker prefills the request itself (the
+aggregated path). Outputs of each step are queued as one batch for `poll_outputs`.
 """
 
 from __future__ import annotations
 
-import logging
 import queue
 import time
 
@@ -24,8 +23,6 @@ from pdserve.kvtransfer import ExpectedTransfer, KVReceiver, MakeReceiver
 from pdserve.model.deepseek import Transformer
 
 from .config import DecodeConfig
-
-logger = logging.getLogger(__name__)
 
 
 class DecodeWorker(Worker):
