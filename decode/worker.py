@@ -59,31 +59,31 @@ class DecodeWorker(Worker):
                 raise ValueError(f"{self.worker_id} has no KV receiver: prefill_peer must be None")
             policy = Policy.AGGREGATED if request.prefill_peer is None else Policy.DECODE_ONLY
             tokens = [*request.prompt_token_ids, *request.generated_token_ids]
-            seq = Request(
+            record = Request(
                 request.request_id, tokens, request.params, policy,
                 len(request.generated_token_ids), payload=request,
             )  # fmt: skip
-            self.scheduler.add(seq)
+            self.scheduler.add(record)
             if request.prefill_peer is not None:
                 deadline = time.monotonic() + self.config.kv_wait_timeout_s
                 cuts = self.receiver.expect(
                     ExpectedTransfer(
-                        seq.transfer_id, request.prefill_peer, list(seq.pages), deadline
+                        record.transfer_id, request.prefill_peer, list(record.pages), deadline
                     )
                 )
             else:
                 cuts = ()
         self._wake.set()
-        return Reservation(seq.transfer_id, len(seq.pages), tuple(cuts))
+        return Reservation(record.transfer_id, len(record.pages), tuple(cuts))
 
     def abort(self, request_id: str) -> None:
         """Cancels a request and frees its pages; its last output says finish_reason=abort."""
         with self._lock:
-            seq = self.scheduler.requests.get(request_id)
-            if seq is None:
+            record = self.scheduler.requests.get(request_id)
+            if record is None:
                 return
-            if seq.state is RequestState.WAITING_FOR_KV:
-                self.receiver.cancel(seq.transfer_id)  # no page write after this returns
+            if record.state is RequestState.WAITING_FOR_KV:
+                self.receiver.cancel(record.transfer_id)  # no page write after this returns
             outputs = self.scheduler.abort(request_id)
         self._emit(outputs)
 
@@ -106,11 +106,11 @@ class DecodeWorker(Worker):
 
     def stats(self) -> DecodeStats:
         with self._lock:
-            seqs = list(self.scheduler.requests.values())
+            records = list(self.scheduler.requests.values())
             return DecodeStats(
                 self.worker_id,
-                sum(s.state is RequestState.RUNNING for s in seqs),
-                sum(s.state is not RequestState.RUNNING for s in seqs),
+                sum(r.state is RequestState.RUNNING for r in records),
+                sum(r.state is not RequestState.RUNNING for r in records),
                 self.allocator.num_used,
                 self.allocator.num_pages,
                 self.config.max_running,

@@ -57,7 +57,7 @@ class PrefillWorker(Worker):
                     Policy.PREFILL_ONLY,
                     request.num_generated,
                     payload=request,
-                )  # fmt: skip
+                )
             )
         self.sender.connect(request.decode_peer)
         self._wake.set()
