@@ -124,7 +124,7 @@ def measure(model, args, page_size: int, kv_cache_dtype: str) -> str:
     for step in range(args.steps + 5):
         pos = args.context + step
         rows = [
-            DecodeRow(str(b), t, pos, tables[b], SampleSpec(params, step))
+            DecodeRow(str(b), t, pos, tables[b], SampleSpec.of(params, step))
             for b, t in enumerate(tokens)
         ]
         plan = StepPlan(step, [RankStep(decode=rows)])

@@ -110,7 +110,7 @@ class ModelRunner:
         if sampled:
             logits = self.model.compute_logits(hidden[batch.logits_indices[sampled]])
             specs = [rows[i].sample for i in sampled]
-            tokens = sample_tokens(logits, [s.params for s in specs], [s.step for s in specs])
+            tokens = sample_tokens(logits, specs, [s.step for s in specs])
             for i, t in zip(sampled, tokens, strict=True):
                 out[i] = t
         return out
@@ -124,4 +124,4 @@ class ModelRunner:
         else:
             logits = self.model.compute_logits(self.model(batch, self.cache))
         specs = [r.sample for r in rows]
-        return sample_tokens(logits, [s.params for s in specs], [s.step for s in specs])
+        return sample_tokens(logits, specs, [s.step for s in specs])

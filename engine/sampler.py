@@ -9,10 +9,11 @@ import torch
 from pdserve import kernels
 
 from .sampling_params import SamplingParams
+from .step import SampleSpec
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]
+    logits: torch.Tensor, params: Sequence[SamplingParams | SampleSpec], steps: Sequence[int]
 ) -> list[int]:
     """logits: [B, V]; params[b].seed must be set (see SamplingParams.with_seed); steps[b]: tokens request b has
     generated so far. The draw depends only on (seed, step), never on the batch."""

@@ -247,7 +247,7 @@ class Scheduler:
         prefill_rows = []
         for request, start, length in prefill:
             last = start + length == request.num_tokens
-            sample = SampleSpec(request.params, request.num_generated) if last else None
+            sample = SampleSpec.of(request.params, request.num_generated) if last else None
             chunk = request.token_ids[start : start + length]
             prefill_rows.append(
                 PrefillRow(request.request_id, chunk, start, list(request.pages), sample)
@@ -258,7 +258,7 @@ class Scheduler:
                 r.token_ids[-1],
                 r.num_tokens - 1,
                 list(r.pages),
-                SampleSpec(r.params, r.num_generated),
+                SampleSpec.of(r.params, r.num_generated),
             )  # fmt: skip
             for r in decode
         ]

@@ -1,7 +1,7 @@
 """The per-step plan: what each rank runs this step, the only thing the scheduler hands the runner, and what the
-runner hands back. Plain data (ints, lists, `SamplingParams`): `encode_plan` / `decode_plan` and
-`encode_result` / `decode_result` turn them into msgpack bytes and back, so a driver can send a step to rank
-processes. Pure Python (no torch).
+runner hands back. Plain data (strings, ints, floats and lists of them): `encode_plan` / `decode_plan` and
+`encode_result` / `decode_result` turn them into msgpack bytes and back, positionally (no field names, no
+reflection), so a driver can send each step to rank processes cheaply. Pure Python (no torch).
 
 A rank's step is at most two forward passes, run in this order: one prefill pass over prompt chunks (each
 writes its KV; a request's last chunk samples its next token) and one decode pass of one token per request."""
@@ -10,18 +10,29 @@ from __future__ import annotations
 
 import dataclasses
 
-from .messages import decode, encode
+import msgpack
+
 from .sampling_params import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SampleSpec:
-    """How to sample a row's next token."""
+    """How to sample a row's next token: the request's sampling fields (`SamplingParams`) and its step."""
 
-    params: SamplingParams
-    """Must carry a seed (SamplingParams.with_seed)."""
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
     step: int
     """How many tokens the request generated before this one (the draw depends only on seed and step)."""
+
+    @classmethod
+    def of(cls, params: SamplingParams, step: int) -> SampleSpec:
+        """params should carry a seed (SamplingParams.with_seed); an unset one samples as seed 0."""
+        return cls(
+            params.temperature, params.top_p, params.top_k, params.min_p, params.seed or 0, step
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -86,17 +97,52 @@ class RankResult:
     """Why the decode pass failed (then `decode_tokens` is empty)."""
 
 
+def _sample_to_wire(sample: SampleSpec | None) -> list | None:
+    if sample is None:
+        return None
+    return [sample.temperature, sample.top_p, sample.top_k, sample.min_p, sample.seed, sample.step]
+
+
+def _sample_from_wire(fields: list | None) -> SampleSpec | None:
+    return None if fields is None else SampleSpec(*fields)
+
+
 def encode_plan(plan: StepPlan) -> bytes:
-    return encode(plan)
+    ranks = [
+        [
+            [[r.request_id, r.token_ids, r.start, r.page_ids, _sample_to_wire(r.sample)]
+             for r in rank.prefill],
+            [[r.request_id, r.token_id, r.position, r.page_ids, _sample_to_wire(r.sample)]
+             for r in rank.decode],
+        ]
+        for rank in plan.ranks
+    ]  # fmt: skip
+    return msgpack.packb([plan.step_id, ranks], use_bin_type=True)
 
 
 def decode_plan(data: bytes) -> StepPlan:
-    return decode(StepPlan, data)
+    step_id, ranks = msgpack.unpackb(data, raw=False)
+    return StepPlan(
+        step_id,
+        [
+            RankStep(
+                [PrefillRow(rid, ids, start, pages, _sample_from_wire(s))
+                 for rid, ids, start, pages, s in prefill],
+                [DecodeRow(rid, token, pos, pages, _sample_from_wire(s))
+                 for rid, token, pos, pages, s in decode],
+            )
+            for prefill, decode in ranks
+        ],
+    )  # fmt: skip
 
 
 def encode_result(result: RankResult) -> bytes:
-    return encode(result)
+    return msgpack.packb(
+        [result.step_id, result.prefill_tokens, result.decode_tokens, result.prefill_error,
+         result.decode_error],
+        use_bin_type=True,
+    )  # fmt: skip
 
 
 def decode_result(data: bytes) -> RankResult:
-    return decode(RankResult, data)
+    return RankResult(*msgpack.unpackb(data, raw=False))

@@ -23,7 +23,7 @@ from pdserve.model.loader import load_model
 from pdserve.model.random_checkpoint import make_checkpoint
 
 PAGE = 4
-GREEDY = SampleSpec(SamplingParams(max_tokens=8, seed=0), 0)
+GREEDY = SampleSpec.of(SamplingParams(max_tokens=8, seed=0), 0)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,15 @@ from pdserve.engine.pages import PageAllocator
 from pdserve.engine.request import Policy, Request, RequestState
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, StepOutcome
-from pdserve.engine.step import RankResult, SampleSpec, StepPlan, decode_plan, encode_plan
+from pdserve.engine.step import (
+    RankResult,
+    SampleSpec,
+    StepPlan,
+    decode_plan,
+    decode_result,
+    encode_plan,
+    encode_result,
+)
 from pdserve.model.errors import CapacityError, InvalidRequestError
 
 PAGE = 4
@@ -84,7 +92,7 @@ def test_admission_kv_arrival_and_decode_until_length():
     (row,) = plan.ranks[0].decode
     assert (row.request_id, row.token_id, row.position) == ("a", 42, 5)
     assert row.page_ids == req.pages and len(req.pages) == 2  # 6 tokens fit 2 pages of 4
-    assert row.sample == SampleSpec(req.params, 1)
+    assert row.sample == SampleSpec.of(req.params, 1) and row.sample.seed == 0
     assert finish(s, plan, 43).outputs[0].finish_reason is None
     plan, _ = s.schedule()
     assert len(req.pages) == 2 and plan.ranks[0].decode[0].position == 6
@@ -310,12 +318,16 @@ def test_abort_while_prefilling_skips_its_rows():
 # The plan on the wire.
 
 
-def test_plan_round_trips_through_msgpack():
+def test_plan_and_result_round_trip_through_msgpack():
     s = scheduler()
-    a, b = request("a", 6, policy=Policy.AGGREGATED, temperature=0.7, top_k=5), request("b", 3)
+    a = request("a", 6, policy=Policy.AGGREGATED, temperature=0.7, top_k=5, top_p=0.9, min_p=0.1)
+    b = Request("b", [3, 4, 5], SamplingParams(seed=2**63 - 1), Policy.DECODE_ONLY)
     s.add(a)
     s.add(b)
     s.kv_arrived(b.transfer_id, 3, 9)
     plan, _ = s.schedule()
+    assert chunks(plan) == [("a", 0, 6)] and decode_ids(plan) == ["b"]
     assert decode_plan(encode_plan(plan)) == plan
-    assert b"\x80\x04" not in encode_plan(plan)[:2], "msgpack, not pickle"
+    assert plan.ranks[0].prefill[0].sample == SampleSpec(0.7, 0.9, 5, 0.1, 0, 0)
+    result = RankResult(plan.step_id, [11], [], decode_error="device lost")
+    assert decode_result(encode_result(result)) == result
