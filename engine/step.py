@@ -1,7 +1,8 @@
 """The per-step plan: what each rank runs this step, the only thing the scheduler hands the runner, and what the
-runner hands back. Plain data (strings, ints, floats and lists of them): `encode_plan` / `decode_plan` and
-`encode_result` / `decode_result` turn them into msgpack bytes and back, positionally (no field names, no
-reflection), so a driver can send each step to rank processes cheaply. Pure Python (no torch).
+runner hands back. Plain data (strings, ints, floats and lists of them): `plan_to_wire` / `plan_from_wire` and
+`result_to_wire` / `result_from_wire` turn them into plain nested lists and back, positionally (no field names,
+no reflection), so a driver can send each step to rank processes cheaply (a plan channel carries such values);
+`encode_*` / `decode_*` are the same as msgpack bytes. Pure Python (no torch).
 
 A rank's step is at most two forward passes, run in this order: one prefill pass over prompt chunks (each
 writes its KV; a request's last chunk samples its next token) and one decode pass of one token per request."""
@@ -107,7 +108,8 @@ def _sample_from_wire(fields: list | None) -> SampleSpec | None:
     return None if fields is None else SampleSpec(*fields)
 
 
-def encode_plan(plan: StepPlan) -> bytes:
+def plan_to_wire(plan: StepPlan) -> list:
+    """The plan as plain nested lists (what msgpack, and a plan channel, carry), field order positional."""
     ranks = [
         [
             [[r.request_id, r.token_ids, r.start, r.page_ids, _sample_to_wire(r.sample)]
@@ -117,11 +119,11 @@ def encode_plan(plan: StepPlan) -> bytes:
         ]
         for rank in plan.ranks
     ]  # fmt: skip
-    return msgpack.packb([plan.step_id, ranks], use_bin_type=True)
+    return [plan.step_id, ranks]
 
 
-def decode_plan(data: bytes) -> StepPlan:
-    step_id, ranks = msgpack.unpackb(data, raw=False)
+def plan_from_wire(wire: list) -> StepPlan:
+    step_id, ranks = wire
     return StepPlan(
         step_id,
         [
@@ -136,13 +138,26 @@ def decode_plan(data: bytes) -> StepPlan:
     )  # fmt: skip
 
 
+def result_to_wire(result: RankResult) -> list:
+    return [result.step_id, result.prefill_tokens, result.decode_tokens, result.prefill_error,
+            result.decode_error]  # fmt: skip
+
+
+def result_from_wire(wire: list) -> RankResult:
+    return RankResult(*wire)
+
+
+def encode_plan(plan: StepPlan) -> bytes:
+    return msgpack.packb(plan_to_wire(plan), use_bin_type=True)
+
+
+def decode_plan(data: bytes) -> StepPlan:
+    return plan_from_wire(msgpack.unpackb(data, raw=False))
+
+
 def encode_result(result: RankResult) -> bytes:
-    return msgpack.packb(
-        [result.step_id, result.prefill_tokens, result.decode_tokens, result.prefill_error,
-         result.decode_error],
-        use_bin_type=True,
-    )  # fmt: skip
+    return msgpack.packb(result_to_wire(result), use_bin_type=True)
 
 
 def decode_result(data: bytes) -> RankResult:
-    return RankResult(*msgpack.unpackb(data, raw=False))
+    return result_from_wire(msgpack.unpackb(data, raw=False))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import msgpack
 import pytest
 
 from pdserve.engine.messages import RequestOutput
@@ -23,6 +24,8 @@ from pdserve.engine.step import (
     decode_result,
     encode_plan,
     encode_result,
+    plan_from_wire,
+    plan_to_wire,
 )
 from pdserve.model.errors import CapacityError, InvalidRequestError
 
@@ -328,6 +331,7 @@ def test_plan_and_result_round_trip_through_msgpack():
     plan, _ = s.schedule()
     assert chunks(plan) == [("a", 0, 6)] and decode_ids(plan) == ["b"]
     assert decode_plan(encode_plan(plan)) == plan
+    assert plan_from_wire(msgpack.unpackb(msgpack.packb(plan_to_wire(plan)))) == plan
     assert plan.ranks[0].prefill[0].sample == SampleSpec(0.7, 0.9, 5, 0.1, 0, 0)
     result = RankResult(plan.step_id, [11], [], decode_error="device lost")
     assert decode_result(encode_result(result)) == result
