@@ -18,7 +18,8 @@ experts run as one `fused_moe` over the received rows, giving per row the weight
 the home rank adds the ranks' partial sums (each in the activation dtype) in rank order, in fp32. Every sum has a
 fixed order (the kernel's per token, then rank order), none depends on arrival order, on the other tokens of the
 step or on the token's rank, so a token's output is batch-invariant whenever the kernels are (their
-batch-invariant mode), and `AllGatherExchange` and `AllToAllExchange` give the same bits.
+batch-invariant mode), and given the same expert outputs per row, `AllGatherExchange` and `AllToAllExchange`
+give the same bits.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class ExpertBatch:
     weighted sum over j of topk_weights[i, j] * expert topk_ids[i, j](x[i]), where ids outside
     [0, experts per rank) belong to other ranks (or to no token: padding) and contribute nothing."""
 
-    x: torch.Tensor  # [R, D] in the activation dtype, contiguous
+    x: torch.Tensor  # [R, D] in the activation dtype
     topk_ids: torch.Tensor  # [R, k] int64, local expert ids (>= experts per rank: not here)
     topk_weights: torch.Tensor  # [R, k] fp32
 

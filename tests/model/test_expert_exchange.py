@@ -242,3 +242,27 @@ def test_layout_rejects_bad_exchange_values():
         ParallelLayout(world_size=2, exchange="ring")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="max_tokens_per_rank=0"):
         ParallelLayout(world_size=2, max_tokens_per_rank=0)
+
+
+def four_rank_steps(dtype):
+    """Step 0: token X first on rank 0 among two others, rank 1 idle, ranks 2 and 3 a few tokens; step 1: X
+    alone on rank 3, the others idle."""
+    x_tok, empty = make_tokens(1, 1, dtype), make_tokens(4, 0, dtype)
+    a, b, c = make_tokens(5, 2, dtype), make_tokens(6, 4, dtype), make_tokens(7, 1, dtype)
+    return [[cat(x_tok, a), empty], [empty, empty], [b, empty], [c, x_tok]]
+
+
+def test_four_ranks_add_in_rank_order(tmp_path):
+    """At four ranks the partials of a token are added in rank order whichever rank it sits on, by both
+    exchanges (a ring reduce-scatter would not promise that)."""
+    runs = [(kind, four_rank_steps(torch.bfloat16)) for kind in ("all_to_all", "all_gather")]
+    results = spawn_gloo(tmp_path, _exchange_rank, [(runs,)] * 4)
+    steps = runs[0][1]
+    for run in range(2):
+        for rank in range(4):
+            for s, (step, (out, _, _)) in enumerate(
+                zip(steps[rank], results[rank][run], strict=True)
+            ):
+                assert torch.equal(out, expected(*step, world=4))
+                assert torch.equal(out, results[rank][0][s][0])  # the all-to-all's bits
+        assert torch.equal(results[3][run][1][0][0], results[0][run][0][0][0])
