@@ -146,7 +146,8 @@ def _measure(rank: int, layout, num_tokens: int, args, device) -> list[tuple]:
         rows.append((name, computed_rows, syncs, t_dispatch, t_combine, t_both))
 
     for label, dtype in (("bf16", torch.bfloat16), ("fp8 bytes", torch.uint8)):
-        send = torch.empty(num_tokens * args.hidden, dtype=dtype, device=device)
+        even = num_tokens * args.hidden // layout.world_size * layout.world_size  # an even split
+        send = torch.empty(even, dtype=dtype, device=device)
         recv = torch.empty_like(send)
         t_peer = _time(lambda s=send, r=recv: dist.all_to_all_single(r, s), args.iters, device)
         rows.append((f"all_to_all_single {label} (T x D)", None, None, t_peer, None, None))
@@ -269,6 +270,8 @@ def main() -> None:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.tokens = [int(t) for t in args.tokens.split(",")]
+    if min(args.tokens) < 1:
+        raise SystemExit(f"--tokens {args.tokens}: each count must be >= 1")
     if args.experts % args.gpus:
         raise SystemExit(f"--experts {args.experts} does not split over {args.gpus} ranks")
     if not args.cpu and torch.cuda.device_count() < args.gpus:

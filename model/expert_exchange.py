@@ -43,6 +43,11 @@ rows an all-to-all moves, and saves its count exchange, host sync and uneven spl
 
 CombineMode = Literal["all_to_all", "reduce_scatter"]
 
+# torch 2.13 renamed the single-tensor all-gather and reduce-scatter (the old names warn); older torch
+# (the floor is 2.6) has only the old ones
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ExpertBatch:
@@ -180,7 +185,7 @@ class AllGatherExchange(ExpertExchange):
         world = self.layout.world_size
         counts = torch.empty(world, dtype=torch.int64, device=device)
         mine = torch.full((1,), num_tokens, dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(counts, mine, group=self.layout.group)
+        _all_gather(counts, mine, group=self.layout.group)
         return int(counts.max())  # host sync: the padding must be known to size the message
 
     def dispatch(self, x, topk_ids, topk_weights):
@@ -189,7 +194,7 @@ class AllGatherExchange(ExpertExchange):
         capacity = self._step_capacity(num_tokens, x.device)
         packed = self._pack_rows(x, topk_ids, topk_weights, capacity)  # [C, row bytes]
         gathered = packed.new_empty(world * capacity, packed.shape[1])  # [N * C, row bytes]
-        dist.all_gather_into_tensor(gathered, packed, group=self.layout.group)
+        _all_gather(gathered, packed, group=self.layout.group)
         batch = self._unpack_rows(gathered, k, x.shape[1], x.dtype)  # R = N * C rows, by rank
         return batch, _AllGatherHandle(num_tokens, capacity, x.dtype)
 
@@ -198,7 +203,7 @@ class AllGatherExchange(ExpertExchange):
         capacity, dim = handle.capacity, y.shape[1]
         if self.combine_by == "reduce_scatter":
             out = y.new_empty(capacity, dim, dtype=torch.float32)
-            dist.reduce_scatter_single(out, y.float().contiguous(), group=group)
+            _reduce_scatter(out, y.float().contiguous(), group=group)
             return out[: handle.num_tokens].to(handle.out_dtype)
         back = torch.empty_like(y)  # [N * C, D]: rank r's partials of this rank's C rows at r * C
         dist.all_to_all_single(back, y.contiguous(), group=group)
