@@ -30,7 +30,6 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from .errors import ConfigError
 from .parallel import ParallelLayout
@@ -105,32 +104,40 @@ class ExpertExchange(abc.ABC):
 
     def _pack_rows(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, rows: int
-    ):
+    ) -> torch.Tensor:
         """One byte message of `rows` rows [ids int32 k | weights fp32 k | x | pad], so ids, weights and x
-        cross in one collective; rows past T are padding: id `num_experts` (no rank's), weight 0, x 0."""
+        cross in one collective, written in place (no padded copies); rows past T are padding: id
+        `num_experts` (no rank's), weight 0, x 0."""
         num_tokens, k = topk_ids.shape
-        pad = rows - num_tokens
-        ids, weights, x_rows = topk_ids.to(torch.int32), topk_weights.float(), x.contiguous()
-        if pad:
-            ids = F.pad(ids, (0, 0, 0, pad), value=self.num_experts)  # [rows, k]
-            weights = F.pad(weights, (0, 0, 0, pad))  # [rows, k]
-            x_rows = F.pad(x_rows, (0, 0, 0, pad))  # [rows, D]
-        x_bytes = x.shape[1] * x.element_size()
-        tail = -(8 * k + x_bytes) % _ROW_ALIGN
-        parts = [ids.view(torch.uint8), weights.view(torch.uint8), x_rows.view(torch.uint8)]
-        if tail:
-            parts.append(x_rows.new_zeros(rows, tail, dtype=torch.uint8))
-        return torch.cat(parts, dim=1)  # [rows, row bytes]
+        row_bytes = 8 * k + x.shape[1] * x.element_size()
+        row_bytes += -row_bytes % _ROW_ALIGN
+        packed = torch.empty(rows, row_bytes, dtype=torch.uint8, device=x.device)
+        ids, weights, x_rows = _row_views(packed, k, x.shape[1], x.dtype)
+        ids[:num_tokens] = topk_ids
+        weights[:num_tokens] = topk_weights
+        x_rows[:num_tokens] = x
+        ids[num_tokens:] = self.num_experts
+        weights[num_tokens:] = 0.0
+        x_rows[num_tokens:] = 0.0
+        packed[:, 8 * k + x.shape[1] * x.element_size() :] = 0  # the alignment bytes
+        return packed  # [rows, row bytes]
 
     def _unpack_rows(
         self, packed: torch.Tensor, k: int, dim: int, dtype: torch.dtype
     ) -> ExpertBatch:
         """`_pack_rows`'s message (any ranks' rows, concatenated) -> this rank's `ExpertBatch`."""
-        x_bytes = dim * torch.empty(0, dtype=dtype).element_size()
-        ids = packed[:, : 4 * k].view(torch.int32)  # [R, k]
-        weights = packed[:, 4 * k : 8 * k].view(torch.float32).contiguous()  # [R, k]
-        x = packed[:, 8 * k : 8 * k + x_bytes].view(dtype).contiguous()  # [R, D]
-        return ExpertBatch(x, self._local_ids(ids, self.layout.ep_rank), weights)
+        ids, weights, x = _row_views(packed, k, dim, dtype)
+        local_ids = self._local_ids(ids, self.layout.ep_rank)
+        return ExpertBatch(x.contiguous(), local_ids, weights.contiguous())
+
+
+def _row_views(packed: torch.Tensor, k: int, dim: int, dtype: torch.dtype):
+    """A packed message's ids [R, k] int32, weights [R, k] fp32 and x [R, D] in `dtype`, as strided views."""
+    x_bytes = dim * torch.empty(0, dtype=dtype).element_size()
+    ids = packed[:, : 4 * k].view(torch.int32)
+    weights = packed[:, 4 * k : 8 * k].view(torch.float32)
+    x = packed[:, 8 * k : 8 * k + x_bytes].view(dtype)
+    return ids, weights, x
 
 
 _ROW_ALIGN = 16
