@@ -1,0 +1,142 @@
+"""The plan channel, both implementations, under a real rank group of 1, 2 and 4 processes joined over gloo:
+round trips in rank order, messages up to a few MiB each way, a message over the limit refused before it is sent,
+and a rank that exits, raises or stalls surfacing at the driver as a clear error within the timeout, after which
+every rank process is gone and the shared-memory file removed."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from pdserve.engine.plan_channel import (
+    PlanChannelError,
+    PlanTooLargeError,
+    RankLostError,
+    decode,
+    encode,
+)
+from pdserve.engine.rank_group import RankGroup, RankGroupConfig, RankStepError
+from pdserve.engine.rank_process import HandlerSpec
+from pdserve.engine.shm_channel import ShmPlanChannel, ShmSpec
+
+ECHO = HandlerSpec("_rank_handlers:echo", {"tag": "t"})
+MAX_BYTES = 4 << 20
+STEP_TIMEOUT_S = 20.0
+
+
+def group(world: int, channel: str, step_timeout_s: float = STEP_TIMEOUT_S) -> RankGroup:
+    config = RankGroupConfig(
+        world, channel=channel, join_timeout_s=120.0, step_timeout_s=step_timeout_s,
+        stop_timeout_s=10.0, max_message_bytes=MAX_BYTES,
+    )  # fmt: skip
+    return RankGroup(config, ECHO)
+
+
+def assert_all_gone(g: RankGroup, shm_path: str | None) -> None:
+    assert all(not p.is_alive() for p in g.launcher.procs)
+    if shm_path is not None:
+        assert not Path(shm_path).exists()
+
+
+@pytest.mark.parametrize("channel", ["shm", "dist"])
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_round_trips(world, channel):
+    with group(world, channel) as g:
+        shm_path = g.channel.spec.path if channel == "shm" else None
+        pids = set()
+        for step in range(20):
+            blob = os.urandom(step * 37)
+            replies = g.step({"step": step, "blob": blob})
+            assert [r["rank"] for r in replies] == list(range(world))
+            assert all(r["step"] == step and r["tag"] == "t" for r in replies)
+            assert all(r["sha"] == hashlib.sha256(blob).hexdigest() for r in replies)
+            pids |= {r["pid"] for r in replies}
+        assert len(pids) == world and os.getpid() in pids
+
+        # a plan and replies of 3 MiB each way
+        blob = os.urandom(3 << 20)
+        replies = g.step({"step": 99, "blob": blob, "reply_bytes": 3 << 20})
+        assert all(r["sha"] == hashlib.sha256(blob).hexdigest() for r in replies)
+        assert [r["blob"][:1] for r in replies[1:]] == [bytes([rank]) for rank in range(1, world)]
+        assert all(len(r["blob"]) == 3 << 20 for r in replies[1:])
+
+        # over the limit: refused at the driver, and the group goes on
+        with pytest.raises(PlanTooLargeError, match="exceeds"):
+            g.step({"step": 100, "blob": bytes(MAX_BYTES)})
+        assert [r["step"] for r in g.step({"step": 101})] == [101] * world
+    assert_all_gone(g, shm_path)
+
+
+@pytest.mark.parametrize("channel", ["shm", "dist"])
+def test_dead_rank_fails_the_step_within_the_timeout(channel):
+    with group(4, channel) as g:
+        shm_path = g.channel.spec.path if channel == "shm" else None
+        g.step({"step": 0})
+        start = time.monotonic()
+        with pytest.raises(RankLostError) as info:
+            g.step({"step": 1, "exit_on": 2})
+        assert time.monotonic() - start < STEP_TIMEOUT_S + 5
+        assert 2 in info.value.ranks
+        with pytest.raises(PlanChannelError, match="not running"):
+            g.step({"step": 2})
+    assert_all_gone(g, shm_path)
+
+
+@pytest.mark.parametrize("channel", ["shm", "dist"])
+def test_stalled_rank_fails_the_step_at_the_timeout(channel):
+    with group(2, channel, step_timeout_s=3.0) as g:
+        start = time.monotonic()
+        with pytest.raises(RankLostError, match="lost"):
+            g.step({"step": 0, "stall_on": 1, "stall_s": 30.0})
+        assert 3.0 <= time.monotonic() - start < 3.0 + 5
+    assert_all_gone(g, None)
+
+
+def test_handler_error_names_the_rank_and_its_traceback():
+    failed = pytest.raises(RankStepError, match=r"(?s)rank 1:.*asked to fail on rank 1")
+    with group(2, "shm") as g, failed:
+        g.step({"step": 0, "raise_on": 1})
+    assert_all_gone(g, None)
+
+
+def test_shm_slots_in_process(tmp_path):
+    """The slot protocol alone: sequence numbers, a reply to an older step not taken as the current one, the
+    timeout naming the silent rank, the size limit, a file that is not a channel."""
+    driver = ShmPlanChannel.create(3, plan_capacity=64, reply_capacity=16, directory=tmp_path)
+    ranks = [ShmPlanChannel.open(driver.spec, r) for r in (1, 2)]
+    try:
+        assert ranks[0].receive(0.0) is None
+        driver.broadcast(encode({"a": [1, 2]}))
+        assert [decode(r.receive(1.0)) for r in ranks] == [{"a": [1, 2]}] * 2
+        ranks[0].reply(b"one")
+        with pytest.raises(RankLostError) as info:
+            driver.gather(0.05)
+        assert info.value.ranks == [2]
+        ranks[1].reply(b"two")
+        assert driver.gather(1.0) == [b"one", b"two"]
+
+        driver.broadcast(b"next")
+        assert ranks[1].receive(1.0) == b"next"
+        ranks[1].reply(b"fresh")
+        # rank 1's slot still holds its reply to the previous step
+        with pytest.raises(RankLostError) as info:
+            driver.gather(0.05)
+        assert info.value.ranks == [1]
+
+        with pytest.raises(PlanTooLargeError, match="65 bytes exceeds .* 64 bytes"):
+            driver.broadcast(bytes(65))
+        with pytest.raises(PlanTooLargeError, match="rank 2's reply"):
+            ranks[1].reply(bytes(17))
+        with pytest.raises(PlanChannelError, match="not this worker's plan channel"):
+            ShmPlanChannel.open(ShmSpec(driver.spec.path, 3, 64, 32), 1)
+    finally:
+        for r in ranks:
+            r.close()
+        driver.close()
+    assert not Path(driver.spec.path).exists()
+    with pytest.raises(PlanChannelError, match="closed"):
+        driver.broadcast(b"x")
