@@ -1,11 +1,32 @@
-# The two entry points of the README. Both build .venv on first use (torch's CPU wheel first, so pip never pulls
-# the CUDA build), then run.
+# The two entry points of the README. Both build .venv on first use: `make demo` installs what serving needs,
+# `make test` adds the test extras. torch goes in first and alone, so that pip never swaps in another build.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
+# Which torch: the CPU build where there is no NVIDIA GPU (no nvidia-smi), PyPI's default (CUDA) build where
+# there is one. pip looks for TORCH_SPEC in its own configured sources first (PyPI, any find-links folder or
+# extra index in pip.conf), and only when they do not have it in TORCH_INDEX_URL (the CPU build is not on
+# PyPI). Point them elsewhere, e.g.
+#   make demo TORCH_SPEC=torch==2.13.0+cu128 TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+TORCH_VERSION ?= 2.13.0
+ifeq ($(shell command -v nvidia-smi),)
+DEFAULT_TORCH_SPEC := torch==$(TORCH_VERSION)+cpu
+DEFAULT_TORCH_INDEX_URL := https://download.pytorch.org/whl/cpu
+TORCH_ABOUT := the CPU build, as no nvidia-smi was found: a 190 MB download, 0.85 GB installed
+else
+DEFAULT_TORCH_SPEC := torch==$(TORCH_VERSION)
+DEFAULT_TORCH_INDEX_URL :=
+TORCH_ABOUT := the CUDA build: several GB with its CUDA libraries
+endif
+TORCH_SPEC ?= $(DEFAULT_TORCH_SPEC)
+TORCH_INDEX_URL ?= $(DEFAULT_TORCH_INDEX_URL)
+ifneq ($(TORCH_SPEC),$(DEFAULT_TORCH_SPEC))
+TORCH_ABOUT := as TORCH_SPEC asks
+endif
+
 .PHONY: demo test lint
-demo: $(VENV)/.installed
+demo: $(VENV)/.installed-serve
 	$(BIN)/pdserve demo
 
 test: $(VENV)/.installed
@@ -14,9 +35,24 @@ test: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.torch:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	@echo "==> torch ($(TORCH_SPEC), $(TORCH_ABOUT))"
+	$(BIN)/pip install "$(TORCH_SPEC)" || { \
+	  test -n "$(TORCH_INDEX_URL)" && \
+	  echo "==> $(TORCH_SPEC) is not in pip's configured sources; trying $(TORCH_INDEX_URL)" && \
+	  $(BIN)/pip install --extra-index-url "$(TORCH_INDEX_URL)" "$(TORCH_SPEC)"; }
+	touch $@
+
+# What serving needs: pdserve (editable) and its dependencies.
+$(VENV)/.installed-serve: $(VENV)/.torch pyproject.toml setup.py
+	@echo "==> pdserve and what serving needs (ray, grpcio, protobuf, numpy, tokenizers, ...: about 0.4 GB installed)"
+	$(BIN)/pip install -e .
+	touch $@
+
+# The test extras on top.
+$(VENV)/.installed: $(VENV)/.installed-serve
+	@echo "==> the test extras (pytest, transformers, triton, ruff, grpcio-tools: 1.2 GB installed, triton 1 GB)"
+	$(BIN)/pip install -e '.[test]'
 	touch $@

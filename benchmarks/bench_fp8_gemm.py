@@ -32,6 +32,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from pdserve.kernels._backend import pdl_enabled
 from pdserve.kernels.fp8_gemm import ref
 from pdserve.kernels.fp8_gemm import triton as tri
+from pdserve.kernels.fp8_quant_triton import quantize_rows
 
 # name: (K, N) of DeepSeek-V3's projections as the model runs them (x @ W^T with W [N, K]). Projections of
 # one input are stacked (model/deepseek.py's StackedLinear): qkv_a = q_a (1536) + kv_a (576), mlp_w13 = w1 + w3,
@@ -99,7 +100,7 @@ def _square_rows() -> list[Row]:
     m = n = k = 8192
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w_fp8, w_s = _weight(n, k)
-    x_fp8, x_s = tri._quantize(x, 128, scale_column_major=True)
+    x_fp8, x_s = quantize_rows(x, 128, scale_column_major=True)
     peer, peer_ms = _peer_ms(lambda: _cublas_blockwise(x_fp8, x_s, w_fp8, w_s))
     flops = 2 * m * n * k
     ms = time_ms(lambda: tri.scaled_gemm(x_fp8, x_s, w_fp8, w_s))
@@ -132,7 +133,7 @@ def _decode_rows(name: str, m: int) -> list[Row]:
     k, n = DECODE_SHAPES[name]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     weights = [_weight(n, k) for _ in range(BACK_TO_BACK)]
-    x_fp8, x_s = tri._quantize(x, 128, scale_column_major=True)
+    x_fp8, x_s = quantize_rows(x, 128, scale_column_major=True)
     weight_bytes = n * k + weights[0][1].numel() * 4
     if m >= PREQUANTIZED.get(name, m + 1):
         what = "triton scaled_gemm (fp8 input"

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from _bench import BF16_FLOPS, FP8_FLOPS, HBM_BYTES_PER_S, Row, time_ms
 
 from pdserve.kernels.fp8_gemm.ref import quantize_weight
-from pdserve.kernels.fp8_gemm.triton import _quantize
+from pdserve.kernels.fp8_quant_triton import quantize_rows
 from pdserve.kernels.fused_moe import triton as tri
 
 HIDDEN, INTER, EXPERTS, TOP_K = 7168, 2048, 32, 8
@@ -74,7 +74,7 @@ def run(quick: bool) -> list[Row]:
         fp8_ms = time_ms(
             lambda: tri.fused_moe(x, w13_q, w2_q, weights, ids, w13_s, w2_s)  # noqa: B023
         )
-        x_q = _quantize(x, 128, scale_column_major=False)  # as rmsnorm(quant="both") lays it out
+        x_q = quantize_rows(x, 128, False)  # row-major scales, as rmsnorm(quant="both") lays it out
         fp8q_ms = time_ms(
             lambda: tri.fused_moe(x, w13_q, w2_q, weights, ids, w13_s, w2_s, x_q)  # noqa: B023
         )

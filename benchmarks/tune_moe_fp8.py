@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import time_graph_ms, time_ms  # noqa: E402
 from bench_fused_moe import EXPERTS, HIDDEN, INTER, TOP_K, _fp8, routing  # noqa: E402
 
-from pdserve.kernels import tuning  # noqa: E402
+from pdserve.kernels import fp8_quant_triton, tuning  # noqa: E402
 from pdserve.kernels.fp8_gemm import ref as gemm_ref  # noqa: E402
 from pdserve.kernels.fp8_gemm import triton as gemm  # noqa: E402
 from pdserve.kernels.fused_moe import triton as moe  # noqa: E402
@@ -129,7 +129,7 @@ def _jobs(groups: set[str]):
     jobs = []
     if "gemm_large" in groups:
         x, w, s = _gemm_case(8192, 8192, 8192)
-        xq, xs = gemm._quantize(x, 128, scale_column_major=True)
+        xq, xs = fp8_quant_triton.quantize_rows(x, 128, scale_column_major=True)
         for cfg in GEMM_LARGE:
             jobs.append(("gemm_large", str(cfg), "fp8_gemm", "m>128", cfg,
                          lambda xq=xq, xs=xs, w=w, s=s: gemm.scaled_gemm(xq, xs, w, s),
@@ -283,8 +283,8 @@ def main() -> None:
     for group, (ms, label) in best.items():
         print(f"  {group:28s} {ms:8.4f} ms  {label}")
     print("\ncompiled kernels:")
-    for fn in (gemm._fp8_gemm_kernel, gemm._quantize_act_kernel, gemm.gemv._fp8_gemv_kernel,
-               moe._gate_up_kernel, moe._down_kernel):  # fmt: skip
+    for fn in (gemm._fp8_gemm_kernel, fp8_quant_triton._quantize_act_kernel,
+               gemm.gemv._fp8_gemv_kernel, moe._gate_up_kernel, moe._down_kernel):  # fmt: skip
         for line in _kernel_report(fn):
             print(line)
 

@@ -1,6 +1,13 @@
 """pdserve's kernel library: one package per op, each a torch reference (`ref.py`, the spec) and a Triton
 implementation (`triton.py`), chosen per call by `_backend` (Triton on CUDA, the reference on CPU, or forced with
-`PDSERVE_KERNELS=ref|triton` / `use_backend`). No model logic lives here."""
+`PDSERVE_KERNELS=ref|triton` / `use_backend`). No model logic lives here.
+
+What several ops share lives in modules of its own here, never in one op's private names: `fp8_quant` (fp8
+constants and the torch quantizers) and `fp8_quant_triton` (their Triton counterparts), `tile_order` (the GEMMs'
+grouped tile order), `gluon_sm90_common` (the Hopper Gluon kernels' imports and building blocks), and the latent
+cache's row format and writers' pieces: `kv_row_fp8` (the fp8 row layout and its torch codec), `kv_row_triton`
+(slot addressing and the row quantizer in Triton), `kv_cache_checks` (the writers' input checks). The torch-only
+ones import without Triton."""
 
 from ._backend import (
     BACKEND_ENV,

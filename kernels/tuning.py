@@ -58,7 +58,7 @@ def lookup(op: str, key: str, device: torch.device) -> dict[str, Any]:
 
 
 # ---- fp8_gemm, quantize_act, fused_moe (kernels/fp8_gemm, kernels/fused_moe) ---------------------
-# "any": small tiles that keep the CPU interpreter quick; "sm90": tuned on H200 (see RESULTS.md).
+# "any": small tiles that keep the CPU interpreter quick; "sm90": tuned on an H200 (figures below).
 # fp8_gemm keys "m<=1|16|32|64|128", "m>128", "invariant-<phase>" (batch-invariant mode), and
 # "<m class>,n=N,k=K" for one weight shape (taken before its class's entry, outside batch-invariant mode).
 # gemv: the CUDA-core kernel of fp8_gemm/gemv.py: BLOCK_N weight rows (dividing 128) by GROUPS
@@ -143,24 +143,24 @@ def _moe_cfg(bm: int, gate_up: tuple, down: tuple, group_m: int = 8) -> dict[str
 
 register("quantize_act", "sm90", {"default": {"BLOCK_M": 16, "num_warps": 4}})
 # pdl: programmatic dependent launch where `_backend.pdl_enabled` (the kernel loads its first weight
-# tiles while the kernel before it finishes); graph of 8, per call, H200 (RESULTS.md, seventeenth
-# session): q_b at M = 1 11.9 -> 10.3 us, shared_w2 6.8 -> 5.5; shared_w13 quantizing inside was slower
-# so (12.1 -> 14.5); on fp8 input with its own entry below it is faster (11.6 -> 10.5)
+# tiles while the kernel before it finishes); graph of 8, per call, H200: q_b at M = 1
+# 11.9 -> 10.3 us, shared_w2 6.8 -> 5.5; shared_w13 quantizing inside was slower so (12.1 -> 14.5);
+# on fp8 input with its own entry below it is faster (11.6 -> 10.5)
 _GEMV_SM90 = _gemv_cfg(16, 4, 4, 528, max_k=8192, fuse_max_work=4_000_000, pdl=True)
 _FP8_GEMM_LARGE = _gemm_cfg(128, 128, 8, 4, False, 0, GROUP_M=16, tma=True, gluon=True)
 # The Gluon decode kernel (fp8_gemm/gluon_decode_sm90.py) for M = min_m-64, K >= min_k on Hopper; the
 # entry's other keys serve the tl.dot kernel elsewhere. 64 weight rows a tile, 12 ring slots, one
 # whole n-tile a CTA where the n-tiles fill 80% of the SMs, else stream-K. At M = 64, graph of 8
-# (H200, RESULTS.md, sixteenth session): o 39.9 -> 33.2 us, mlp_w2 44.3 -> 37.1, mlp_w13 81.5 -> 75.6,
+# (H200), against the tl.dot kernel: o 39.9 -> 33.2 us, mlp_w2 44.3 -> 37.1, mlp_w13 81.5 -> 75.6,
 # shared_w13 16.5 -> 12.8, qkv_a 12.0 -> 9.7, shared_w2 9.9 -> 7.6; slower for q_b (K = 1536) and
-# kv_b (K = 512), and for mlp_w13 at M <= 16 (66 against 71 us). Seventeenth session: whole n-tiles,
-# several a CTA, wherever they fill the SMs (`plan`), and PDL: mlp_w13 75.6 -> 71.0 us (87%).
+# kv_b (K = 512), and for mlp_w13 at M <= 16 (66 against 71 us). Whole n-tiles, several a CTA,
+# wherever they fill the SMs (`plan`), and PDL: mlp_w13 75.6 -> 71.0 us (87%).
 # min_m 2: at M = 1 the gemv / swapped MMA entries stay (o through "otherwise" quantizes inside the
 # swapped kernel: 33.7 us against 38.6 with a separate quantization and this kernel).
-# Eighteenth session: the ring cut to a quarter of a CTA's run (`ring_slots`, at least 4 slots),
+# The ring is cut to a quarter of a CTA's run (`ring_slots`, at least 4 slots),
 # graph of 8 at M = 4-64: qkv_a 9.0-9.5 -> 8.4-9.0 us, shared_w2 7.4-7.6 -> 6.8-6.9, shared_w13
 # 11.8-12.3 -> 11.5-12.1; o, mlp_w2, mlp_w13 (runs of 128+) unchanged.
-# Nineteenth session: at M <= 16 the output is stored straight from the MMA's registers
+# At M <= 16 the output is stored straight from the MMA's registers
 # (direct_max_m): o at M = 16 33.5 -> 33.1 us, q_b (192-row tiles) at M = 2-8 11.8 -> 11.3-11.4; at M = 64
 # it was slower (kv_b 7.1 -> 9.0).
 _GLUON_DECODE = {
@@ -168,14 +168,14 @@ _GLUON_DECODE = {
     "min_k": 2048, "min_m": 2, "pdl": True, "direct_max_m": 16,
 }  # fmt: skip
 # q_b (K = 1536) and kv_b (K = 512): 128 weight rows a tile, whole n-tiles on 96 / 128 CTAs, 6 slots.
-# Graph of 8, M = 4 / 16 / 32 / 64 (RESULTS.md, eighteenth session): q_b 13.9 / 14.8 / 14.5 / 13.6
+# Graph of 8, M = 4 / 16 / 32 / 64 (H200): q_b 13.9 / 14.8 / 14.5 / 13.6
 # -> 12.1 / 12.2 / 12.4 / 12.7 us; kv_b at M = 32 9.2 -> 7.4 (at M <= 16 the tl.dot entry stays, 7.0)
 _GLUON_DECODE_WIDE = {
     **_GLUON_DECODE, "BLOCK_N": 128, "num_stages": 6, "whole_tiles_fill": 0.7, "min_k": 512,
 }  # fmt: skip
 # q_b: tiles of 3 boxes of 64 rows (192), one a CTA on 128 CTAs (96 with 128-row tiles: a CTA streams
-# at most about 40 GB/s), 6 slots. Graph of 8 at M = 2 / 16 / 32 / 64 (RESULTS.md, nineteenth
-# session): 11.8 / 12.2 / 12.4 / 12.8 -> 11.4 / 11.6 / 11.9 / 12.2 us.
+# at most about 40 GB/s), 6 slots. Graph of 8 at M = 2 / 16 / 32 / 64 (H200), against 128-row
+# tiles: 11.8 / 12.2 / 12.4 / 12.8 -> 11.4 / 11.6 / 11.9 / 12.2 us.
 _GLUON_DECODE_192 = {**_GLUON_DECODE_WIDE, "BLOCK_N": 64, "boxes": 3, "min_stages": 6}
 
 
@@ -191,25 +191,25 @@ register(
     "sm90",
     {
         # M = 1: the CUDA-core kernel up to K = 8192 (q_a, q_b, kv_a, mlp_w1); past it (o, mlp_w2)
-        # the MMA entry is faster (benchmarks/RESULTS.md, sixth session of 2026-11-21)
+        # the MMA entry is faster (H200, o at K = 16384: 40.8 us against the CUDA cores' 52.1)
         # fuse_max_work: quantize x beforehand past 4M elements of redundant in-kernel quantization
-        # (mlp_w1: 47.7 -> 40.8 us; q_b, 2.4M, stays fused: 16.9 against 19.3 us; H200, RESULTS.md)
+        # (mlp_w1: 47.7 -> 40.8 us; q_b, 2.4M, stays fused: 16.9 against 19.3 us; H200)
         "m<=1": _GEMV_SM90,
         "m<=16": _decode(_FP8_GEMM_M16),
         "m<=32": _decode(_FP8_GEMM_M32),
         # min_k_tiles 6: shared_w2 (K = 2048, 16 k-tiles) splits 2 ways, not 3: 12.7 -> 11.0 us; the other
-        # decode shapes unchanged (H200, RESULTS.md, fourteenth session)
+        # decode shapes unchanged (H200)
         "m<=64": _decode(_FP8_GEMM_M64),
         "m<=128": _gemm_cfg(64, 128, 4, 4, False, 132),
         # Per-shape entries ("<class>,n=N,k=K"; fp8_gemm/triton.py's _gemm_config) for DeepSeek-V3's
         # projections whose best config differs from their class's, the way vLLM keys its block-fp8
-        # configs by N and K. Graph of 8 distinct weights, per call (H200, RESULTS.md, fifteenth session):
+        # configs by N and K. Graph of 8 distinct weights, per call (H200), against the class entry:
         # q_b at M = 1: 32 weight rows a program, 13.3 -> 11.8 us
         "m<=1,n=24576,k=1536": {**_GEMV_SM90, "BLOCK_N": 32},
         # mlp_w13 (w1 | w3) at M = 1: 32 rows, two groups of 128 a step, 65.6 -> 62.5 us
         "m<=1,n=36864,k=7168": {**_GEMV_SM90, "BLOCK_N": 32, "GROUPS": 2},
         # qkv_a (q_a | kv_a) at M = 1: 8 rows, eight groups of 128 a step, K split toward 1056
-        # programs, 9.0 -> 8.3 us (fifteenth session) -> 7.5 with PDL (seventeenth)
+        # programs, 9.0 -> 8.3 us, and 7.5 with PDL
         "m<=1,n=2112,k=7168": {
             **_GEMV_SM90,
             "BLOCK_N": 8,
@@ -222,7 +222,7 @@ register(
         # shared_w2 at M = 1 (K = 2048): 8 rows, eight groups of 128 a step (896 programs, no split),
         # 8.1 -> 6.8 us
         "m<=1,n=7168,k=2048": {**_GEMV_SM90, "BLOCK_N": 8, "GROUPS": 8, "split_k_target_ctas": 264},
-        # shared_w13 at M = 1, on fp8 input from ffn_norm (eighteenth session): 32 rows, four groups of
+        # shared_w13 at M = 1, on fp8 input from ffn_norm: 32 rows, four groups of
         # 128 a step, PDL, 12.0 -> 10.5 us (without PDL 11.6; the class default with PDL 14.6)
         "m<=1,n=4096,k=7168": {**_GEMV_SM90, "BLOCK_N": 32, "GROUPS": 4},
         # o and mlp_w2 at M = 64, for the tl.dot kernel where the Gluon decode kernel cannot run: 3
@@ -281,12 +281,12 @@ register(
         "bf16,invariant-decode": _MOE_BF16_DECODE,
         "bf16,invariant-prefill": _MOE_BF16_PREFILL,
         # up to 8 rows an expert: 16-row tiles, weights through TMA. H200, gate/up + down GPU time, L2
-        # flushed (RESULTS.md, twentieth session), 32 experts, T = 1 / 4 / 16: 114.5 -> 97.5, 307 -> 269,
+        # flushed, 32 experts, T = 1 / 4 / 16: 114.5 -> 97.5, 307 -> 269,
         # 379 -> 358 us. At 16 rows an expert (T = 64) 377 -> 383: experts past 16 rows read twice.
         "fp8,rows<=8": {**_moe_cfg(16, (128, 128, 4, 4), (128, 128, 4, 4)), "tma": True},
         "fp8,rows<=16": _moe_cfg(32, (128, 128, 4, 4), (128, 128, 4, 4)),
-        # 17-256 rows an expert: 64-row tiles, 8 warps. H200, gate/up + down GPU time, L2 flushed (RESULTS.md,
-        # twentieth session), 32 experts, T = 128 / 256 / 1024: 456.8 -> 392.3, 728.6 -> 493.2, 1227 -> 1105 us
+        # 17-256 rows an expert: 64-row tiles, 8 warps. H200, gate/up + down GPU time, L2 flushed,
+        # 32 experts, T = 128 / 256 / 1024: 456.8 -> 392.3, 728.6 -> 493.2, 1227 -> 1105 us
         "fp8,rows<=64": _moe_cfg(64, (128, 128, 8, 4), (128, 128, 8, 4)),
         "fp8,rows<=256": _moe_cfg(64, (128, 128, 8, 4), (128, 128, 8, 4)),
         "fp8,rows>256": _MOE_FP8_PREFILL,
@@ -308,8 +308,8 @@ register(
     "any",
     # H200 sweeps (2026-11-21, triton 3.6), 8 x 4096 causal h128, BM/BN/warps/stages -> ms:
     # 128/128/8/2 12.57 and 12.74, 128/64/8/3 13.05 and 13.14, 64/64/4/2 13.64, 128/64/8/2 15.05,
-    # 64/32/4/2 15.43, 64/64/4/3 17.31, 64/128/4/2 18.56 (benchmarks/RESULTS.md)
-    # K and V through TMA (seventh session): 128/64/8/3 12.43 and 12.58, 128/128/8/2 12.62 and
+    # 64/32/4/2 15.43, 64/64/4/3 17.31, 64/128/4/2 18.56
+    # K and V through TMA: 128/64/8/3 12.43 and 12.58, 128/128/8/2 12.62 and
     # 12.69, pointer loads 128/128/8/2 12.74 and 12.88 in the same sweeps; 128/64/8/2 15.49
     # fp32 inputs (IEEE dots, tests only): 128/128/8/2 needs 320 KiB of shared memory on triton 3.6
     {
@@ -333,7 +333,7 @@ register(
     "any",
     # 256 experts (DeepSeek-V3's 8 groups): one token a one-warp program. H200, CUDA graph, 2026-11-22:
     # T = 1 / 256 / 1024 / 8192 took 6.2 / 6.9 / 7.7 / 23.9 us, against 58.6 / 53.0 / 52.9 / 88.8 at
-    # 16 tokens and 4 warps; 4 tokens and 4 warps 10.7 / 11.1 / 12.0 / 47.5 (RESULTS.md, 21st session)
+    # 16 tokens and 4 warps; 4 tokens and 4 warps 10.7 / 11.1 / 12.0 / 47.5
     {
         "default": {"BLOCK_T": 16, "num_warps": 4},
         "experts=64": {"BLOCK_T": 32, "num_warps": 4},

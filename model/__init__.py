@@ -1,5 +1,6 @@
-"""DeepSeek-V3 model: `ModelArgs`, the architecture (`Transformer`), the paged KV cache layout, the checkpoint loader,
-the sampler, the tokenizer and the random-checkpoint maker.
+"""DeepSeek-V3 model: `ModelArgs`, the architecture (`Transformer`), its split over ranks (`ParallelLayout`,
+`ExpertExchange`), the paged KV cache layout, the checkpoint loader, the sampler, the tokenizer and the
+random-checkpoint maker.
 
 Names are imported lazily so that torch-free modules (`pdserve.model.pages`, `pdserve.model.errors`) can be used by
 pure-Python schedulers without importing torch.
@@ -17,6 +18,8 @@ _EXPORTS = {
     "InvalidRequestError": "errors",
     "PdserveError": "errors",
     "Transformer": "deepseek",
+    "ParallelLayout": "parallel",
+    "ExpertExchange": "expert_exchange",
     "ForwardBatch": "batch",
     "SeqChunk": "batch",
     "build_forward_batch": "batch",

@@ -24,7 +24,9 @@ from torch import nn
 from .. import kernels
 from .args import QUANT_BLOCK, ModelArgs, stacked_rows
 from .batch import ForwardBatch
+from .expert_exchange import ExpertExchange, make_exchange
 from .kv_cache import PagedKVCache
+from .parallel import SINGLE_RANK, ParallelLayout
 from .shared_expert import FUSED_SHARED_MAX_TOKENS, alias_slot, can_fuse_shared
 
 IsFp8 = Callable[[str], bool]
@@ -138,14 +140,18 @@ def rope_cos_sin(args: ModelArgs, device: torch.device | str | None = None) -> t
 
 
 class MLA(nn.Module):
-    """Multi-head latent attention. `cache_layer` is this attention's layer in the paged cache."""
+    """Multi-head latent attention. `cache_layer` is this attention's layer in the paged cache. With
+    tensor-parallel attention this rank holds `n_heads` = H / tp of the heads (wq_b and wkv_b rows, wo columns)
+    and sums wo's partial products over the ranks; the latents come from the replicated wqkv_a."""
 
     def __init__(
-        self, args: ModelArgs, cache_layer: int, dtype: torch.dtype, is_fp8: IsFp8, path: str
-    ):
+        self, args: ModelArgs, cache_layer: int, dtype: torch.dtype, is_fp8: IsFp8, path: str,
+        layout: ParallelLayout = SINGLE_RANK,
+    ):  # fmt: skip
         super().__init__()
         self.cache_layer = cache_layer
-        self.n_heads = args.num_attention_heads
+        self.n_heads = args.num_attention_heads // layout.attention_tp_size
+        self.layout = layout if layout.attention_tp_size > 1 else None
         self.q_lora_rank, self.kv_lora_rank = args.q_lora_rank, args.kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim = args.qk_nope_head_dim, args.qk_rope_head_dim
         self.v_head_dim, self.softmax_scale = args.v_head_dim, args.softmax_scale
@@ -192,12 +198,16 @@ class MLA(nn.Module):
             )  # fmt: skip
             out = self._absorbed(q_nope, q_abs, batch, cache)
             if isinstance(out, tuple):  # quantized for the fp8 wo
-                return self.wo(out)
+                return self._reduce(self.wo(out))
         else:
             kernels.rope(q_pe, k_pe, batch.positions, cos_sin)
             cache.write(self.cache_layer, batch.slot_mapping, c_kv, k_pe)
             out = self._naive(q, c_kv, k_pe, batch, cache)  # q's rope part rotated in place
-        return self.wo(out.reshape(num_tokens, self.n_heads * self.v_head_dim))
+        return self._reduce(self.wo(out.reshape(num_tokens, self.n_heads * self.v_head_dim)))
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """Tensor-parallel attention: this rank's heads gave a partial wo product; sum it over the ranks."""
+        return y if self.layout is None else self.layout.all_reduce(y)
 
     def _expand(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latents [N, kv_lora] and rope keys [N, rope] to per-head keys [N, H, 192] and values [N, H, 128]."""
@@ -256,10 +266,17 @@ class MLA(nn.Module):
 
 
 class MLP(nn.Module):
-    """Dense SwiGLU feed-forward (also each shared expert): w2(silu(w1 x) * w3 x), w1 and w3 stacked as w13."""
+    """Dense SwiGLU feed-forward (also each shared expert): w2(silu(w1 x) * w3 x), w1 and w3 stacked as w13.
+    With tensor-parallel dense layers this rank holds inter_dim / tp of the intermediate features (w1 and w3
+    rows, w2 columns) and sums w2's partial products over the ranks."""
 
-    def __init__(self, dim: int, inter_dim: int, dtype: torch.dtype, is_fp8: IsFp8, path: str):
+    def __init__(
+        self, dim: int, inter_dim: int, dtype: torch.dtype, is_fp8: IsFp8, path: str,
+        layout: ParallelLayout = SINGLE_RANK,
+    ):  # fmt: skip
         super().__init__()
+        inter_dim //= layout.dense_tp_size
+        self.layout = layout if layout.dense_tp_size > 1 else None
         self.w13 = StackedLinear(dim, (inter_dim, inter_dim), dtype, is_fp8(f"{path}.w13"))
         self.w2 = Linear(inter_dim, dim, dtype, is_fp8(f"{path}.w2"))
 
@@ -267,7 +284,8 @@ class MLP(nn.Module):
         """x: [T, D], or (x_fp8, scales) from ffn_norm for an fp8 w13."""
         gate, up = self.w13(x)
         # an fp8 down projection takes the activation quantized by silu_mul
-        return self.w2(kernels.silu_mul(gate, up, quant=self.w2.is_fp8))
+        y = self.w2(kernels.silu_mul(gate, up, quant=self.w2.is_fp8))
+        return y if self.layout is None else self.layout.all_reduce(y)
 
 
 class Gate(nn.Module):
@@ -296,12 +314,16 @@ class Gate(nn.Module):
 
 class Experts(nn.Module):
     """The routed experts of one layer, stacked: w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I].
-    `extra` more slots after them hold the shared expert when MoE fuses it (`MoE.fused_shared`)."""
+    `extra` more slots after them hold the shared expert when MoE fuses it (`MoE.fused_shared`). With expert
+    parallelism E is this rank's share, `ParallelLayout.local_experts`, indexed by local id."""
 
-    def __init__(self, args: ModelArgs, dtype: torch.dtype, fp8: bool, extra: int = 0):
+    def __init__(
+        self, args: ModelArgs, dtype: torch.dtype, fp8: bool, extra: int = 0,
+        layout: ParallelLayout = SINGLE_RANK,
+    ):  # fmt: skip
         super().__init__()
         d, i = args.hidden_size, args.moe_intermediate_size
-        e = args.n_routed_experts + extra
+        e = len(layout.local_experts(args.n_routed_experts)) + extra
         weight_dtype = torch.float8_e4m3fn if fp8 else dtype
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, d, dtype=weight_dtype), False)
         self.w2 = nn.Parameter(torch.empty(e, d, i, dtype=weight_dtype), False)
@@ -330,21 +352,33 @@ class MoE(nn.Module):
     """Routed experts plus the shared expert(s). With one shared expert laid out like a routed one (DeepSeek-V3),
     it is stored as slot E of the stacked experts (`fused_shared`): small batches run it inside the routed
     experts' launch, as expert E that every token takes with weight 1; larger ones, and batch-invariant mode,
-    run it as its own MLP over the same weights."""
+    run it as its own MLP over the same weights.
 
-    def __init__(self, args: ModelArgs, dtype: torch.dtype, is_fp8: IsFp8, path: str):
+    Expert-parallel (`exchange` set): the gate routes as on one rank, the exchange carries each (token, slot)
+    to the rank holding its expert and the outputs back (`expert_exchange.py`); the shared expert runs on the
+    token's home rank as its own MLP."""
+
+    def __init__(
+        self, args: ModelArgs, dtype: torch.dtype, is_fp8: IsFp8, path: str,
+        layout: ParallelLayout = SINGLE_RANK,
+    ):  # fmt: skip
         super().__init__()
         self.gate = Gate(args, dtype)
+        self.exchange: ExpertExchange | None = make_exchange(layout, args.n_routed_experts)
         experts_fp8 = is_fp8(f"{path}.experts")
         self.shared_experts = None
         self.fused_shared = False
         if args.n_shared_experts:
             inter = args.moe_intermediate_size * args.n_shared_experts
             self.shared_experts = MLP(
-                args.hidden_size, inter, dtype, is_fp8, f"{path}.shared_experts"
+                args.hidden_size, inter, dtype, is_fp8, f"{path}.shared_experts", layout
             )
-            self.fused_shared = can_fuse_shared(args, self.shared_experts, experts_fp8)
-        self.experts = Experts(args, dtype, experts_fp8, extra=int(self.fused_shared))
+            self.fused_shared = (
+                self.exchange is None
+                and layout.dense_tp_size == 1
+                and can_fuse_shared(args, self.shared_experts, experts_fp8)
+            )
+        self.experts = Experts(args, dtype, experts_fp8, int(self.fused_shared), layout)
         if self.fused_shared:
             alias_slot(self.shared_experts, self.experts, args.n_routed_experts)
 
@@ -352,6 +386,8 @@ class MoE(nn.Module):
         self, x: torch.Tensor, x_q: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> torch.Tensor:
         """x_q: x quantized by ffn_norm (quant="both"), for the experts whose weights are fp8."""
+        if self.exchange is not None:
+            return self._forward_expert_parallel(x, x_q)
         expert_x_q = x_q if self.experts.is_fp8 else None
         if (
             self.fused_shared
@@ -364,8 +400,32 @@ class MoE(nn.Module):
         y = self.experts(x, weights, ids, expert_x_q)
         if self.shared_experts is None:
             return y
+        return y + self._shared(x, x_q)
+
+    def _shared(self, x, x_q) -> torch.Tensor:
         shared_q = x_q is not None and self.shared_experts.w13.is_fp8
-        return y + self.shared_experts(x_q if shared_q else x)
+        return self.shared_experts(x_q if shared_q else x)
+
+    def _forward_expert_parallel(self, x: torch.Tensor, x_q) -> torch.Tensor:
+        """Collective over the expert-parallel group: every rank calls it, with zero tokens too."""
+        weights, ids = self.gate(x)  # [T, k] each
+        local, handle = self.exchange.dispatch(x, ids, weights)
+        if local.num_rows:
+            # x travels in the activation dtype: fp8 experts quantize it here
+            y = self.experts(local.x, local.topk_weights, local.topk_ids)  # [R, D]
+        else:
+            y = local.x.new_empty(0, x.shape[1])
+        out = self.exchange.combine(y, handle)  # [T, D]
+        if self.shared_experts is None:
+            return out
+        return out + self._shared(x, x_q)
+
+    def join_idle(self) -> None:
+        """Takes part in this layer's exchange with no tokens (a data-parallel rank with no requests)."""
+        assert self.exchange is not None
+        dim = self.gate.weight.shape[1]
+        x = self.gate.weight.new_empty(0, dim)
+        self._forward_expert_parallel(x, None)
 
 
 class Block(nn.Module):
@@ -381,15 +441,18 @@ class Block(nn.Module):
         dtype: torch.dtype,
         is_fp8: IsFp8,
         path: str,
+        layout: ParallelLayout = SINGLE_RANK,
     ):
         super().__init__()
         self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.attn = MLA(args, cache_layer, dtype, is_fp8, f"{path}.attn")
+        self.attn = MLA(args, cache_layer, dtype, is_fp8, f"{path}.attn", layout)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         if args.is_moe_layer(layer):
-            self.ffn = MoE(args, dtype, is_fp8, f"{path}.ffn")
+            self.ffn = MoE(args, dtype, is_fp8, f"{path}.ffn", layout)
         else:
-            self.ffn = MLP(args.hidden_size, args.intermediate_size, dtype, is_fp8, f"{path}.ffn")
+            self.ffn = MLP(
+                args.hidden_size, args.intermediate_size, dtype, is_fp8, f"{path}.ffn", layout
+            )
         # A norm whose only reader is an fp8 projection hands it its output quantized (no launch of its own);
         # an MoE layer's norm with fp8 experts (routed or shared) hands out both: the router reads the output.
         self.quant_attn = self.attn.wqkv_a.is_fp8
@@ -416,7 +479,10 @@ class MTP(nn.Module):
     of token t+1 it predicts token t+2. Its block attends through its own cache layer at the main model's
     positions (the convention of vLLM and SGLang)."""
 
-    def __init__(self, args: ModelArgs, depth: int, dtype: torch.dtype, is_fp8: IsFp8):
+    def __init__(
+        self, args: ModelArgs, depth: int, dtype: torch.dtype, is_fp8: IsFp8,
+        layout: ParallelLayout = SINGLE_RANK,
+    ):  # fmt: skip
         super().__init__()
         layer = args.num_hidden_layers + depth
         path = f"mtp.{depth}"
@@ -427,7 +493,7 @@ class MTP(nn.Module):
         self.eh_proj = Linear(
             2 * args.hidden_size, args.hidden_size, dtype, is_fp8(f"{path}.eh_proj")
         )
-        self.block = Block(args, layer, layer, dtype, is_fp8, f"{path}.block")
+        self.block = Block(args, layer, layer, dtype, is_fp8, f"{path}.block", layout)
         self.head_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.head = Linear(args.hidden_size, args.vocab_size, dtype, is_fp8(f"{path}.head"))
 
@@ -442,23 +508,29 @@ class MTP(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The whole model. `forward` returns final-norm hidden states [T, D]; `compute_logits` applies the head."""
+    """The whole model. `forward` returns final-norm hidden states [T, D]; `compute_logits` applies the head.
+
+    `layout` says which share of the weights this rank holds and which collectives each layer joins
+    (`parallel.py`); embedding, norms, router and head are replicated on every rank. With expert parallelism
+    every rank runs every step: one with no tokens calls `forward_idle` (and `mtp_idle`) instead."""
 
     def __init__(
         self, args: ModelArgs, dtype: torch.dtype = torch.bfloat16, is_fp8: IsFp8 = no_fp8,
-        num_mtp: int | None = None,
+        num_mtp: int | None = None, layout: ParallelLayout = SINGLE_RANK,
     ):  # fmt: skip
         super().__init__()
-        self.args, self.dtype = args, dtype
+        layout.check_model(args)
+        self.args, self.dtype, self.layout = args, dtype, layout
         self.num_mtp = args.num_nextn_predict_layers if num_mtp is None else num_mtp
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
         self.embed.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            Block(args, i, i, dtype, is_fp8, f"layers.{i}") for i in range(args.num_hidden_layers)
+            Block(args, i, i, dtype, is_fp8, f"layers.{i}", layout)
+            for i in range(args.num_hidden_layers)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.head = Linear(args.hidden_size, args.vocab_size, dtype, is_fp8("head"))
-        self.mtp = nn.ModuleList(MTP(args, j, dtype, is_fp8) for j in range(self.num_mtp))
+        self.mtp = nn.ModuleList(MTP(args, j, dtype, is_fp8, layout) for j in range(self.num_mtp))
         self.register_buffer("cos_sin", rope_cos_sin(args), persistent=False)
 
     @property
@@ -473,6 +545,21 @@ class Transformer(nn.Module):
             for layer in self.layers:
                 x, residual = layer(x, residual, batch, cache, self.cos_sin)
             return self.norm(x, residual)[0]
+
+    @torch.inference_mode()
+    def forward_idle(self) -> None:
+        """A forward step with no tokens: joins each MoE layer's expert exchange, in layer order, as the
+        ranks with tokens do in `forward`. Only data-parallel attention leaves a rank without tokens."""
+        for layer in self.layers:
+            if isinstance(layer.ffn, MoE) and layer.ffn.exchange is not None:
+                layer.ffn.join_idle()
+
+    @torch.inference_mode()
+    def mtp_idle(self, depth: int) -> None:
+        """`mtp_logits` of MTP module `depth` with no tokens (see `forward_idle`)."""
+        ffn = self.mtp[depth].block.ffn
+        if isinstance(ffn, MoE) and ffn.exchange is not None:
+            ffn.join_idle()
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

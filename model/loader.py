@@ -5,6 +5,11 @@ Shards are opened memory-mapped one at a time and each tensor is copied straight
 on the target device, so at most one tensor is in host memory beyond the model itself. FP8 tensors stay FP8 with
 their scales. Every inconsistency raises a one-line `CheckpointError` naming the tensor, field or file; MTP tensors
 that are absent while config.json asks for MTP only disable MTP, with a warning.
+
+One rank of a `ParallelLayout` reads only its share: its routed experts, and of each tensor-parallel tensor the
+slice it holds (`safe_open(...).get_slice`), never the other ranks' bytes. `load_format="dummy"` reads no tensor
+at all: each parameter is filled with random values of the checkpoint's shapes on the target device (fp8 with
+valid scales), from config.json alone, for running full-size shapes without the weights on disk.
 """
 
 from __future__ import annotations
@@ -14,14 +19,16 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from .args import ModelArgs
+from .args import QUANT_BLOCK, ModelArgs
 from .deepseek import Transformer
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigError
+from .parallel import SINGLE_RANK, ParallelLayout
 from .weight_names import WeightSpec, checkpoint_weights, scale_spec
 
 logger = logging.getLogger(__name__)
@@ -36,6 +43,8 @@ _DTYPES = {
 }  # fmt: skip
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CONFIG_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+LoadFormat = Literal["safetensors", "dummy"]
+LOAD_FORMATS = ("safetensors", "dummy")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,8 +61,9 @@ class LoadPlan:
     num_mtp: int
     fp8_owners: frozenset[str]
     specs: dict[str, WeightSpec]
-    """Checkpoint name -> where it goes, for every tensor that will be read."""
+    """Checkpoint name -> where it goes, for every tensor this rank will read (experts by local id)."""
     stored: dict[str, StoredTensor]
+    layout: ParallelLayout = SINGLE_RANK
 
 
 def read_checkpoint_tensors(path: Path) -> dict[str, StoredTensor]:
@@ -109,12 +119,17 @@ def _read_header(path: Path, file: str) -> dict[str, StoredTensor]:
         ) from e
 
 
-def plan_load(path: str | Path, use_mtp: bool = True) -> LoadPlan:
-    """Checks a checkpoint directory against config.json without reading tensor data."""
+def plan_load(
+    path: str | Path, use_mtp: bool = True, layout: ParallelLayout = SINGLE_RANK
+) -> LoadPlan:
+    """Checks a checkpoint directory against config.json without reading tensor data, and lists the tensors
+    (and slices) that one rank of `layout` reads."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
     args = ModelArgs.from_json(path)
+    layout.check_model(args)
+    local_experts = layout.local_experts(args.n_routed_experts)
     stored = read_checkpoint_tensors(path)
     num_mtp = args.num_nextn_predict_layers if use_mtp else 0
     mtp_specs = [s for s in checkpoint_weights(args, args.num_nextn_predict_layers) if s.is_mtp]
@@ -126,9 +141,10 @@ def plan_load(path: str | Path, use_mtp: bool = True) -> LoadPlan:
         )  # fmt: skip
         num_mtp = 0
     specs: dict[str, WeightSpec] = {}
+    known: set[str] = set()
     fp8_owners: set[str] = set()
     float_owners: set[str] = set()
-    for spec in checkpoint_weights(args, num_mtp):
+    for spec in checkpoint_weights(args, num_mtp, layout):
         entry = stored.get(spec.name)
         if entry is None:
             if spec.name == "lm_head.weight" and args.tie_word_embeddings:
@@ -147,22 +163,42 @@ def plan_load(path: str | Path, use_mtp: bool = True) -> LoadPlan:
                     f"missing tensor {scale.name} (the scales of fp8 {spec.name})"
                 )
             _check_shape(scale, scale_entry)
-            specs[scale.name] = scale
+            _check_fp8_split(spec, layout)
+            known.add(scale.name)
             fp8_owners.add(spec.fp8_owner)
         elif entry.dtype in _FLOAT_DTYPES:
             float_owners.add(spec.fp8_owner)
         else:
             raise CheckpointError(f"{spec.name} in {entry.file}: unsupported dtype {entry.dtype}")
+        known.add(spec.name)
+        if spec.expert is not None and spec.expert not in local_experts:
+            continue  # another rank's expert
+        if spec.expert is not None:
+            spec = dataclasses.replace(spec, expert=spec.expert - local_experts.start)
         specs[spec.name] = spec
+        if entry.dtype == torch.float8_e4m3fn:
+            specs[scale.name] = scale_spec(spec)
     mixed = fp8_owners & float_owners
     if mixed:
         raise CheckpointError(f"{sorted(mixed)[0]}: some of its tensors are fp8 and some are not")
     ignored = {s.name for s in mtp_specs} if num_mtp == 0 else set()
     ignored |= {scale_spec(s).name for s in mtp_specs if s.quantizable} if num_mtp == 0 else set()
     for name, entry in stored.items():
-        if name not in specs and name not in ignored:
+        if name not in known and name not in ignored:
             raise CheckpointError(f"unexpected tensor {name} in {entry.file}")
-    return LoadPlan(args, num_mtp, frozenset(fp8_owners), specs, stored)
+    return LoadPlan(args, num_mtp, frozenset(fp8_owners), specs, stored, layout)
+
+
+def _check_fp8_split(spec: WeightSpec, layout: ParallelLayout) -> None:
+    """An fp8 tensor can only be split on 128x128 quant block boundaries (each rank its own scales)."""
+    if spec.read is None:
+        return
+    dim, start, stop = spec.read
+    if start % QUANT_BLOCK or (stop % QUANT_BLOCK and stop != spec.shape[dim]):
+        raise CheckpointError(
+            f"{spec.name}: fp8 with {QUANT_BLOCK}x{QUANT_BLOCK} scale blocks; rank {layout.rank} of "
+            f"{layout.world_size} would read [{start}, {stop}) of dim {dim}, not whole blocks"
+        )
 
 
 def _check_shape(spec: WeightSpec, entry: StoredTensor) -> None:
@@ -185,25 +221,38 @@ def load_model(
     dtype: torch.dtype | None = None,
     use_mtp: bool = True,
     progress: bool | None = None,
+    layout: ParallelLayout = SINGLE_RANK,
+    load_format: LoadFormat = "safetensors",
+    seed: int = 0,
 ) -> Transformer:
-    """Builds the model on `device` in `dtype` (config.json's by default) and fills it from the checkpoint."""
+    """Builds one rank's model (`layout`; one rank by default) on `device` in `dtype` (config.json's by
+    default) and fills it: from the checkpoint's tensors (`load_format="safetensors"`, only this rank's share
+    is read), or with random weights made on `device` from config.json alone (`"dummy"`; `seed` picks them,
+    and they equal the weights `make_checkpoint(..., seed=seed)` writes for the same config)."""
     path = Path(path)
-    plan = plan_load(path, use_mtp)
+    if load_format not in LOAD_FORMATS:
+        raise ConfigError(f"load_format={load_format!r}: expected one of {', '.join(LOAD_FORMATS)}")
+    if load_format == "dummy":
+        from .dummy_weights import load_dummy
+
+        return load_dummy(path, device, dtype, use_mtp, layout, seed)
+    plan = plan_load(path, use_mtp, layout)
     dtype = dtype or default_dtype(path)
     with torch.device(device):
-        model = Transformer(plan.args, dtype, lambda p: p in plan.fp8_owners, plan.num_mtp)
+        model = Transformer(plan.args, dtype, lambda p: p in plan.fp8_owners, plan.num_mtp, layout)
     params = dict(model.named_parameters())
     by_file: dict[str, list[str]] = {}
     for name in plan.specs:
         by_file.setdefault(plan.stored[name].file, []).append(name)
-    total = sum(plan.stored[n].nbytes for n in plan.specs)
+    total = sum(plan.stored[n].nbytes for n in plan.specs)  # whole tensors, split ones included
     show = progress if progress is not None else os.isatty(2)
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=not show) as bar:
         for file, names in sorted(by_file.items()):
             try:
                 with safe_open(path / file, framework="pt") as f:
                     for name in names:
-                        _copy_into(params, plan.specs[name], f.get_tensor(name))
+                        spec = plan.specs[name]
+                        _copy_into(params, spec, _read(f, spec))
                         bar.update(plan.stored[name].nbytes)
             except CheckpointError:
                 raise
@@ -212,6 +261,15 @@ def load_model(
     if "lm_head.weight" not in plan.specs:
         model.head.weight.copy_(model.embed.weight)
     return model.eval()
+
+
+def _read(f, spec: WeightSpec) -> torch.Tensor:
+    """The stored tensor, or for a split one only this rank's slice of the memory map."""
+    if spec.read is None:
+        return f.get_tensor(spec.name)
+    dim, start, stop = spec.read
+    index = (slice(None),) * dim + (slice(start, stop),)
+    return f.get_slice(spec.name)[index]
 
 
 def _copy_into(

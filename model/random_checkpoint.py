@@ -203,7 +203,7 @@ def make_checkpoint(
     weight_dtype = DTYPES[dtype]
     planned: list[_Planned] = []
     for spec in checkpoint_weights(args, args.num_nextn_predict_layers):
-        fp8 = dtype == "fp8" and spec.quantizable and spec.official_fp8
+        fp8 = is_fp8_weight(args, spec)
         dt = torch.float8_e4m3fn if fp8 else torch.float32 if spec.keep_fp32 else weight_dtype
         planned.append(_Planned(spec, fp8, _numel(spec.shape) * dt.itemsize))
         if fp8:
@@ -220,8 +220,8 @@ def make_checkpoint(
             for p in shard:
                 if p.spec.is_scale:
                     continue  # produced with its weight
-                for name, tensor in _make_tensor(p, seed, weight_dtype, device).items():
-                    tensors[name] = tensor
+                for name, tensor in make_tensor(p.spec, p.fp8, seed, weight_dtype, device).items():
+                    tensors[name] = tensor.cpu()
                     weight_map[name] = file
                     bar.update(tensor.numel() * tensor.element_size())
             save_file(tensors, str(out / file), metadata={"format": "pt"})
@@ -277,33 +277,39 @@ def _seed_name(spec: WeightSpec) -> str:
     return spec.name
 
 
-def _make_tensor(
-    p: _Planned, seed: int, dtype: torch.dtype, device: str
+def is_fp8_weight(args: ModelArgs, spec: WeightSpec) -> bool:
+    """Whether a checkpoint of `args` made here stores this tensor as fp8 (as the official FP8 ones do)."""
+    return args.quantization is not None and spec.quantizable and spec.official_fp8
+
+
+def make_tensor(
+    spec: WeightSpec, fp8: bool, seed: int, dtype: torch.dtype, device: torch.device | str
 ) -> dict[str, torch.Tensor]:
-    spec = p.spec
+    """The stored tensor `spec` names (and its scales when fp8), whole, on `device`; its values depend only on
+    the seed and the name."""
     gen = torch.Generator(device=device).manual_seed(_tensor_seed(seed, _seed_name(spec)))
     name = spec.name
     if name.endswith("e_score_correction_bias"):
-        return {name: 0.05 * torch.randn(spec.shape, generator=gen, device=device).cpu()}
+        return {name: 0.05 * torch.randn(spec.shape, generator=gen, device=device)}
     if len(spec.shape) == 1:  # norm weights
         w = 1.0 + 0.1 * torch.randn(spec.shape, generator=gen, device=device)
-        return {name: w.to(dtype).cpu()}
+        return {name: w.to(dtype)}
     is_embedding = name.endswith("embed_tokens.weight")
     std = 1.0 if is_embedding else spec.shape[1] ** -0.5
-    if not p.fp8:
+    if not fp8:
         return {name: _randn_rows(spec.shape, std, dtype, gen, device)}
     w = _randn_rows(spec.shape, std, torch.float32, gen, device)  # the fp32 checkpoint's values
     w_fp8, scale_inv = kernels.quantize_weight(w)
-    return {name: w_fp8.cpu(), scale_spec(spec).name: scale_inv.cpu()}
+    return {name: w_fp8, scale_spec(spec).name: scale_inv}
 
 
-def _randn_rows(shape, std: float, dtype: torch.dtype, gen, device: str) -> torch.Tensor:
-    out = torch.empty(shape, dtype=dtype)
+def _randn_rows(shape, std: float, dtype: torch.dtype, gen, device) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype, device=device)
     rows = max(1, _CHUNK_ELEMENTS // shape[1])
     for start in range(0, shape[0], rows):
         n = min(rows, shape[0] - start)
         chunk = torch.randn((n, shape[1]), generator=gen, device=device)
-        out[start : start + n] = (chunk * std).to(dtype).cpu()
+        out[start : start + n] = (chunk * std).to(dtype)
     return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import implementation
-from .ref import (
+from ..fp8_quant import (
     ACT_QUANT_GROUP,
     FP8_E4M3_MAX,
     WEIGHT_QUANT_BLOCK,
@@ -34,7 +34,7 @@ def scaled_gemm(
 
 
 def quantize_act(x: torch.Tensor, group_size: int = ACT_QUANT_GROUP):
-    """See `ref.quantize_act` for the contract."""
+    """See `fp8_quant.quantize_act` for the contract."""
     return implementation(__name__, x).quantize_act(x, group_size)
 
 

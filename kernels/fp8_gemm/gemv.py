@@ -22,8 +22,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .._backend import interpreter_enabled, pdl_enabled
+from ..fp8_quant_triton import quantize_tile
 from . import _splitk
-from ._quant import quantize_tile
 
 GEMV_GROUP = 128
 

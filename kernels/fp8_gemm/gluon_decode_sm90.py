@@ -33,7 +33,7 @@ i + 2 after the MMA's wait and the scaling). Here:
 
 A: [M, K] e4m3 (M <= 64, brought into wgmma's 64-row tile; see `_a_descriptors`) with a_scale
 [M, K/128]; B: [N, K] e4m3 with b_scale [N/128, K/128]; BLOCK_N divides 128, so a tile's weight
-scale is one number per k-tile. Needs what `gluon_sm90.available` says.
+scale is one number per k-tile. Needs what `gluon_sm90_common.available` says.
 """
 
 from __future__ import annotations
@@ -42,29 +42,29 @@ import torch
 import triton
 
 from .._backend import num_sms, pdl_enabled
+from ..gluon_sm90_common import IMPORTED, available
 from . import _splitk
-from .gluon_sm90 import _IMPORTED, available
 
-if _IMPORTED:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
+if IMPORTED:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import (
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    from ..gluon_sm90_common import (
+        TensorDescriptor,
+        gl,
+        gluon,
         mbarrier,
+        tma_load,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    from .gluon_sm90 import _tma_load
 
 __all__ = ["available", "launch", "MAX_M"]
 
 MAX_M = 64
 
 
-if _IMPORTED:
+if IMPORTED:
 
     @gluon.jit
     def _load_b(b_desc, bar, b_bufs, s, g, KT, A_BYTES: gl.constexpr, BOXES: gl.constexpr):
@@ -76,7 +76,7 @@ if _IMPORTED:
         mbarrier.expect(bar, A_BYTES + BOXES * b_desc.block_type.nbytes)
         row = (g // KT) * (BOXES * BLOCK_N)
         for j in gl.static_range(BOXES):
-            _tma_load(
+            tma_load(
                 b_desc, [row + j * BLOCK_N, (g % KT) * BLOCK_K], bar, b_bufs.index(s * BOXES + j)
             )
 
@@ -130,11 +130,11 @@ if _IMPORTED:
             # rows past them are left as they are: only output rows past M, never stored, read them
             a_dst = a_bufs.index(s)
             if A_ROWS == BLOCK_M:
-                _tma_load(a_desc, [0, kt * BLOCK_K], bar, a_dst)
+                tma_load(a_desc, [0, kt * BLOCK_K], bar, a_dst)
             else:  # noqa: PLR5501 (gluon.jit: constexpr branches)
-                _tma_load(a_desc, [0, kt * BLOCK_K], bar, a_dst.slice(0, A_ROWS))
+                tma_load(a_desc, [0, kt * BLOCK_K], bar, a_dst.slice(0, A_ROWS))
                 if A2_ROWS:
-                    _tma_load(a2_desc, [A_ROWS, kt * BLOCK_K], bar, a_dst.slice(A_ROWS, A2_ROWS))
+                    tma_load(a2_desc, [A_ROWS, kt * BLOCK_K], bar, a_dst.slice(A_ROWS, A2_ROWS))
 
     @gluon.jit
     def _store_direct(acc, out_ptr, M, N, col0, stride_om):

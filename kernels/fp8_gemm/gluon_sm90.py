@@ -26,42 +26,21 @@ from __future__ import annotations
 import torch
 import triton
 
-from .._backend import capability
-from ._tiles import tile_of
+from ..gluon_sm90_common import GL_DTYPE, IMPORTED, available
+from ..tile_order import tile_of
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
+if IMPORTED:
+    from ..gluon_sm90_common import (
+        TensorDescriptor,
+        gl,
+        gluon,
         mbarrier,
+        mma_tile,
+        ring,
+        store_tile,
         tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
+        tma_load,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    # the TMA load's name: async_copy_global_to_shared in Triton 3.6, async_load from 3.7 or so
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-    _IMPORTED = True
-except ImportError:  # older Triton: no Gluon, or no Hopper wgmma in it
-    _IMPORTED = False
-
-
-_GL_DTYPE = (
-    {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
-    if _IMPORTED
-    else {}
-)
-
-
-def available(device: torch.device) -> bool:
-    """Gluon imports and `device` is an sm_90 GPU (Hopper)."""
-    return _IMPORTED and device.type == "cuda" and capability(device.index) == (9, 0)
-
-
-if _IMPORTED:
 
     @gluon.jit
     def _producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, off_m, off_n, n_pad):
@@ -75,70 +54,9 @@ if _IMPORTED:
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # the first round passes
             bar = ready.index(s)
             mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            _tma_load(a_desc, [off_m, i * BLOCK_K], bar, a_lo.index(s))
-            _tma_load(a_desc, [off_m + HALF, i * BLOCK_K], bar, a_hi.index(s))
-            _tma_load(b_desc, [off_n, i * BLOCK_K], bar, b_bufs.index(s))
-
-    @gluon.jit
-    def _ring(a_desc, b_desc, STAGES: gl.constexpr, B_ROWS: gl.constexpr):
-        """The shared-memory ring of the warp-specialized kernels: per slot, A as two 64-row halves
-        (one per consumer), a B tile of B_ROWS rows, and `ready` (count 1: the TMA) / `empty`
-        (count 2: one arrival per consumer) mbarriers. Returns (a_lo, a_hi, b_bufs, ready, empty)."""
-        HALF: gl.constexpr = a_desc.block_type.shape[0]
-        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        a_lo = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF, BLOCK_K], a_desc.layout)
-        a_hi = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF, BLOCK_K], a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, B_ROWS, BLOCK_K], b_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for slot in gl.static_range(STAGES):
-            mbarrier.init(ready.index(slot), count=1)
-            mbarrier.init(empty.index(slot), count=2)
-        return a_lo, a_hi, b_bufs, ready, empty
-
-    @gluon.jit
-    def _scale_of(as_ptrs, bs_ptr, kt, stride_ask, stride_bsk):
-        """a_scale[rows, kt] * b_scale[tile's block, kt]: the k-tile's scale per accumulator row."""
-        return gl.load(as_ptrs + kt * stride_ask) * gl.load(bs_ptr + kt * stride_bsk)
-
-    @gluon.jit
-    def _mma_tile(a_bufs, b_bufs, ready, empty, as_ptrs, bs_tile, acc, prod_a, prod_b, c, n_k,
-                  n_pad, stride_ask, stride_bsk):  # fmt: skip
-        """acc += the scaled products of one tile's n_pad k-tiles, whose ring positions start at c:
-        per pair, both wgmmas issued, the first product scaled while the second runs, then the
-        second; every pair ends fully waited (see the module note on ptxas). Returns
-        (acc, prod_a, prod_b)."""
-        STAGES: gl.constexpr = b_bufs.shape[0]
-        for i in range(0, n_pad, 2):
-            s0 = (c + i) % STAGES
-            mbarrier.wait(ready.index(s0), ((c + i) // STAGES) & 1)
-            prod_a = warpgroup_mma(a_bufs.index(s0), b_bufs.index(s0).permute((1, 0)), prod_a,
-                                   use_acc=False, is_async=True)  # fmt: skip
-            scale_a = _scale_of(as_ptrs, bs_tile, gl.minimum(i, n_k - 1), stride_ask, stride_bsk)
-            s1 = (c + i + 1) % STAGES
-            mbarrier.wait(ready.index(s1), ((c + i + 1) // STAGES) & 1)
-            prod_b = warpgroup_mma(a_bufs.index(s1), b_bufs.index(s1).permute((1, 0)), prod_b,
-                                   use_acc=False, is_async=True)  # fmt: skip
-            scale_b = _scale_of(
-                as_ptrs, bs_tile, gl.minimum(i + 1, n_k - 1), stride_ask, stride_bsk
-            )
-            prod_a = warpgroup_mma_wait(num_outstanding=1, deps=(prod_a,))
-            mbarrier.arrive(empty.index(s0), count=1)
-            acc += prod_a * scale_a[:, None]
-            prod_b = warpgroup_mma_wait(num_outstanding=0, deps=(prod_b,))
-            mbarrier.arrive(empty.index(s1), count=1)
-            acc += prod_b * scale_b[:, None]
-        return acc, prod_a, prod_b
-
-    @gluon.jit
-    def _store_tile(acc, c_desc, c_smem, off_m, off_n):
-        """A consumer's output tile out through shared memory and a TMA store (which clips rows
-        past M and columns past N), left in flight: tma.store_wait before c_smem is written
-        again."""
-        c_smem.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        _tma_store(c_desc, [off_m, off_n], c_smem)
+            tma_load(a_desc, [off_m, i * BLOCK_K], bar, a_lo.index(s))
+            tma_load(a_desc, [off_m + HALF, i * BLOCK_K], bar, a_hi.index(s))
+            tma_load(b_desc, [off_n, i * BLOCK_K], bar, b_bufs.index(s))
 
     @gluon.jit
     def _consumer(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_desc, c_smem, M, n_k, n_pad,
@@ -160,9 +78,9 @@ if _IMPORTED:
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
         prod_a = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
         prod_b = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
-        acc, prod_a, prod_b = _mma_tile(a_bufs, b_bufs, ready, empty, as_ptrs, bs_tile, acc, prod_a,
-                                        prod_b, 0, n_k, n_pad, stride_ask, stride_bsk)  # fmt: skip
-        _store_tile(acc, c_desc, c_smem, off_m, off_n)
+        acc, prod_a, prod_b = mma_tile(a_bufs, b_bufs, ready, empty, as_ptrs, bs_tile, acc, prod_a,
+                                       prod_b, 0, n_k, n_pad, stride_ask, stride_bsk)  # fmt: skip
+        store_tile(acc, c_desc, c_smem, off_m, off_n)
         tma.store_wait(0)
 
     @gluon.jit
@@ -181,7 +99,7 @@ if _IMPORTED:
         n_k = gl.cdiv(K, BLOCK_K)
         n_pad = gl.cdiv(n_k, 2) * 2  # a k-tile past K reads zeros (TMA fill)
 
-        a_lo, a_hi, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES, BLOCK_N)
+        a_lo, a_hi, b_bufs, ready, empty = ring(a_desc, b_desc, STAGES, BLOCK_N)
         c_lo = gl.allocate_shared_memory(c_desc.dtype, [HALF, BLOCK_N], c_desc.layout)
         c_hi = gl.allocate_shared_memory(c_desc.dtype, [HALF, BLOCK_N], c_desc.layout)
         ready_empty = (ready, empty, as_ptr, bs_ptr, c_desc)
@@ -237,7 +155,7 @@ def launch(
     b_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.float8e4nv)
     a_desc = TensorDescriptor.from_tensor(a, [half, block_k], a_layout)
     b_desc = TensorDescriptor.from_tensor(w_fp8, [block_n, block_k], b_layout)
-    c_layout = gl.NVMMASharedLayout.get_default_for([half, block_n], _GL_DTYPE[out.dtype])
+    c_layout = gl.NVMMASharedLayout.get_default_for([half, block_n], GL_DTYPE[out.dtype])
     c_desc = TensorDescriptor.from_tensor(out, [half, block_n], c_layout)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _fp8_gemm_sm90_kernel[grid](
@@ -245,3 +163,6 @@ def launch(
         a_scales.stride(0), a_scales.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1),
         GROUP_M=cfg["GROUP_M"], STAGES=cfg["num_stages"], num_warps=4,
     )  # fmt: skip
+
+
+__all__ = ["available", "launch"]

@@ -21,40 +21,22 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import tuning
-from .._backend import interpreter_enabled, invariant_phase, pdl_enabled, tma_ok
+from .._backend import interpreter_enabled, invariant_phase, tma_ok
+from ..fp8_quant import (
+    ACT_QUANT_GROUP,
+    FP8_E4M3_MAX,
+    MIN_AMAX,
+    WEIGHT_QUANT_BLOCK,
+    check_quantized_act,
+)
+from ..fp8_quant_triton import quantize_rows, quantize_tile
+from ..tile_order import tile_of
 from . import _splitk, gemv, gluon_decode_sm90, gluon_sm90
-from ._quant import empty_quantized, quantize_tile
-from ._tiles import tile_of
-from .ref import ACT_QUANT_GROUP, FP8_E4M3_MAX, WEIGHT_QUANT_BLOCK, check_quantized_act
 
-_MIN_AMAX = 1e-12
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@triton.jit
-def _quantize_act_kernel(
-    x_ptr, q_ptr, s_ptr, M, K,
-    stride_xm, stride_xk, stride_qm, stride_qk, stride_sm, stride_sg,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, EXACT_CAST: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    if PDL:  # the next kernel (the GEMM) may launch and start on its weights; launched early
-        gdc_launch_dependents()  # ourselves (launch_pdl), we wait for the kernel before
-        gdc_wait()
-    pid_m = tl.program_id(0)
-    g = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = g * GROUP + tl.arange(0, GROUP)
-    mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
-    rows = offs_m.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + rows * stride_xm + offs_k[None, :] * stride_xk, mask=mask, other=0.0)
-    q, scale = quantize_tile(x.to(tl.float32), FP8_MAX, MIN_AMAX, EXACT_CAST)
-    tl.store(q_ptr + rows * stride_qm + offs_k[None, :] * stride_qk, q, mask=mask)
-    tl.store(s_ptr + offs_m * stride_sm + g * stride_sg, scale, mask=offs_m < M)
 
 
 @triton.jit
@@ -239,26 +221,6 @@ def _check_float_2d(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected 2-D bf16/fp16/fp32, got {t.dtype} {tuple(t.shape)}")
 
 
-def _quantize(
-    x: torch.Tensor, group_size: int, scale_column_major: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    m, k = x.shape
-    num_groups = triton.cdiv(k, group_size)
-    q, scales = empty_quantized(m, k, x.device, group_size, scale_column_major)
-    if m == 0 or k == 0:
-        return q, scales
-    cfg = tuning.lookup("quantize_act", f"group={group_size}", x.device)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), num_groups)
-    pdl = pdl_enabled(x.device)
-    _quantize_act_kernel[grid](
-        x, q, scales, m, k,
-        x.stride(0), x.stride(1), q.stride(0), q.stride(1), scales.stride(0), scales.stride(1),
-        GROUP=group_size, BLOCK_M=cfg["BLOCK_M"], FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
-        EXACT_CAST=interpreter_enabled(), PDL=pdl, num_warps=cfg["num_warps"], launch_pdl=pdl,
-    )  # fmt: skip
-    return q, scales
-
-
 def quantize_act(
     x: torch.Tensor, group_size: int = ACT_QUANT_GROUP
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,7 +228,7 @@ def quantize_act(
     _check_float_2d("x", x)
     if group_size < 16 or group_size & (group_size - 1):
         raise ValueError(f"group_size={group_size}: expected a power of two >= 16")
-    return _quantize(x, group_size, scale_column_major=False)
+    return quantize_rows(x, group_size, scale_column_major=False)
 
 
 def _gemm_key(m: int) -> str:
@@ -373,7 +335,7 @@ def _launch_gemm(
         target, cnt, fold = _splitk.prepare(out, splits, triton.cdiv(n, cfg["BLOCK_N"]))
         gemv.launch_gemv(
             a, a_scales, w_fp8, w_scale_inv, target, out, cnt, fold, per_split, cfg,
-            FP8_E4M3_MAX, _MIN_AMAX,
+            FP8_E4M3_MAX, MIN_AMAX,
         )  # fmt: skip
         _splitk.finish(target, out, fold)
         return
@@ -423,7 +385,7 @@ def _launch_gemm(
         SWAP_AB=cfg.get("swap_ab", False), FOLD=fold,
         A_ROWS=min(block_m, triton.next_power_of_2(m)) if quant_a else block_m,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
-        SCALE_BLOCK=WEIGHT_QUANT_BLOCK, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
+        SCALE_BLOCK=WEIGHT_QUANT_BLOCK, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=MIN_AMAX,
         EXACT_CAST=interpreter_enabled(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
@@ -464,6 +426,6 @@ def fp8_gemm(x: torch.Tensor, w_fp8: torch.Tensor, w_scale_inv: torch.Tensor) ->
     if _gluon_decode(cfg, m, k, x.device) is None and _quantize_inside(cfg, w_fp8.shape[0], k):
         _launch_gemm(x, None, w_fp8, w_scale_inv, out, cfg)
     else:
-        x_fp8, x_scales = _quantize(x, ACT_QUANT_GROUP, scale_column_major=True)
+        x_fp8, x_scales = quantize_rows(x, ACT_QUANT_GROUP, scale_column_major=True)
         _launch_gemm(x_fp8, x_scales, w_fp8, w_scale_inv, out, cfg)
     return out

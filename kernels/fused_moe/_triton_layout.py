@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from .._backend import interpreter_enabled
-from ..fp8_gemm.ref import ACT_QUANT_GROUP, FP8_E4M3_MAX
-from ..fp8_gemm.triton import _MIN_AMAX, quantize_tile
+from ..fp8_quant import ACT_QUANT_GROUP, FP8_E4M3_MAX, MIN_AMAX
+from ..fp8_quant_triton import quantize_tile
 
 # Up to this many (token, expert) assignments one program lays the rows out (`align_rows`): one
 # launch instead of a memset and three. Its work grows as assignments x experts.
@@ -198,7 +198,7 @@ def permute_rows(
     _permute_rows_kernel[(triton.cdiv(max_rows, block_r), num_groups)](
         x, out, scales, sorted_ids, ends, ends.numel(), num_assignments, top_k, hidden,
         x.stride(0), out.stride(0), scales.stride(0), scales.stride(1),
-        QUANT=quant, BLOCK_R=block_r, GROUP=group, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
+        QUANT=quant, BLOCK_R=block_r, GROUP=group, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=MIN_AMAX,
         EXACT_CAST=interpreter_enabled(), num_warps=4,
     )  # fmt: skip
     return out, scales

@@ -1,11 +1,11 @@
 """The fp8 MoE grouped GEMMs for Hopper (sm_90) in Gluon, on the warp-specialized structure of
-`fp8_gemm/gluon_sm90.py` (a TMA producer warp, two consumer warpgroups of 64 rows, each scaling
+`gluon_sm90_common` (a TMA producer warp, two consumer warpgroups of 64 rows, each scaling
 one k-tile's product while the next k-tile's wgmma runs). Rows are in the layout of
 `_triton_layout` (each expert's run padded to 128 rows; x already permuted and quantized), so an
 M-tile belongs to one expert (`tile_experts`, built once from `ends` for both kernels); tiles
 past the last run exit at once.
 
-down: y[rows, D] = act[rows, I] @ w2[e]^T, the dense kernel's consumers and producer with the
+down: y[rows, D] = act[rows, I] @ w2[e]^T, the dense fp8 GEMM's consumers and producer with the
 weight rows offset to expert e.
 
 gate/up: act[rows, I] = silu(x @ gate[e]^T) * (x @ up[e]^T), quantized to fp8 in 1x128 groups.
@@ -22,30 +22,27 @@ import torch
 import triton
 
 from .._backend import num_sms
-from ..fp8_gemm import gluon_sm90 as dense
-from ..fp8_gemm._tiles import tile_of
+from ..gluon_sm90_common import GL_DTYPE, IMPORTED, available
+from ..tile_order import tile_of
 
-if dense._IMPORTED:
-    from triton.experimental.gluon.language.nvidia.hopper import tma
-
-    from ..fp8_gemm.gluon_sm90 import (
+if IMPORTED:
+    from ..gluon_sm90_common import (
         TensorDescriptor,
-        _mma_tile,
-        _ring,
-        _store_tile,
-        _tma_load,
         gl,
         gluon,
         mbarrier,
+        mma_tile,
+        ring,
+        store_tile,
+        tma,
+        tma_load,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-
-available = dense.available
 BLOCK_M = 128  # two consumer warpgroups of 64 rows
 
 
-if dense._IMPORTED:
+if IMPORTED:
 
     @gluon.jit
     def _down_producer(a_desc, b_desc, a_lo, a_hi, b_bufs, ready, empty, tile_expert_ptr,
@@ -68,9 +65,9 @@ if dense._IMPORTED:
                     mbarrier.wait(empty.index(s), (((c + i) // STAGES) & 1) ^ 1)
                     bar = ready.index(s)
                     mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                    _tma_load(a_desc, [off_m, i * BLOCK_K], bar, a_lo.index(s))
-                    _tma_load(a_desc, [off_m + HALF, i * BLOCK_K], bar, a_hi.index(s))
-                    _tma_load(b_desc, [b_row, i * BLOCK_K], bar, b_bufs.index(s))
+                    tma_load(a_desc, [off_m, i * BLOCK_K], bar, a_lo.index(s))
+                    tma_load(a_desc, [off_m + HALF, i * BLOCK_K], bar, a_hi.index(s))
+                    tma_load(b_desc, [b_row, i * BLOCK_K], bar, b_bufs.index(s))
                 c += n_pad
 
     @gluon.jit
@@ -98,13 +95,13 @@ if dense._IMPORTED:
                 as_ptrs = as_ptr + rows * stride_asm
                 bs_tile = bs_ptr + e.to(gl.int64) * stride_bse + (off_n // SCALE_BLOCK) * stride_bsn
                 acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
-                acc, prod_a, prod_b = _mma_tile(a_bufs, b_bufs, ready, empty, as_ptrs, bs_tile, acc,
-                                                prod_a, prod_b, c, n_k, n_pad, stride_ask,
-                                                stride_bsk)  # fmt: skip
+                acc, prod_a, prod_b = mma_tile(a_bufs, b_bufs, ready, empty, as_ptrs, bs_tile, acc,
+                                               prod_a, prod_b, c, n_k, n_pad, stride_ask,
+                                               stride_bsk)  # fmt: skip
                 c += n_pad
                 tma.store_wait(0)  # the previous tile's store has read c_smem
                 gl.thread_barrier()
-                _store_tile(acc, c_desc, c_smem, off_m, off_n)
+                store_tile(acc, c_desc, c_smem, off_m, off_n)
         tma.store_wait(0)
 
     @gluon.jit
@@ -122,7 +119,7 @@ if dense._IMPORTED:
         num_tiles = gl.cdiv(M, 2 * HALF) * num_pid_n
         n_k = gl.cdiv(K, BLOCK_K)
         n_pad = gl.cdiv(n_k, 2) * 2
-        a_lo, a_hi, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES, BLOCK_N)
+        a_lo, a_hi, b_bufs, ready, empty = ring(a_desc, b_desc, STAGES, BLOCK_N)
         c_lo = gl.allocate_shared_memory(c_desc.dtype, [HALF, BLOCK_N], c_desc.layout)
         c_hi = gl.allocate_shared_memory(c_desc.dtype, [HALF, BLOCK_N], c_desc.layout)
         sched = (tile_expert_ptr, num_experts, num_pid_n, num_tiles, N)
@@ -157,11 +154,11 @@ if dense._IMPORTED:
             mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes)
-            _tma_load(a_desc, [off_m, k], bar, a_lo.index(s))
-            _tma_load(a_desc, [off_m + HALF, k], bar, a_hi.index(s))
+            tma_load(a_desc, [off_m, k], bar, a_lo.index(s))
+            tma_load(a_desc, [off_m + HALF, k], bar, a_hi.index(s))
             b = b_bufs.index(s)
-            _tma_load(b_desc, [gate_row + p * HALF_N, k], bar, b.slice(0, HALF_N))
-            _tma_load(b_desc, [up_row + p * HALF_N, k], bar, b.slice(HALF_N, HALF_N))
+            tma_load(b_desc, [gate_row + p * HALF_N, k], bar, b.slice(0, HALF_N))
+            tma_load(b_desc, [up_row + p * HALF_N, k], bar, b.slice(HALF_N, HALF_N))
 
     @gluon.jit
     def _gate_up_consumer(a_bufs, b_bufs, ready, empty, keep, as_ptr, gs_ptr, us_ptr, act_ptr,
@@ -241,7 +238,7 @@ if dense._IMPORTED:
         if e < num_experts:
             n_k = gl.cdiv(K, BLOCK_K)
             n_pad = gl.cdiv(n_k, 2) * 2
-            a_lo, a_hi, b_bufs, ready, empty = _ring(a_desc, b_desc, STAGES, BLOCK_N)
+            a_lo, a_hi, b_bufs, ready, empty = ring(a_desc, b_desc, STAGES, BLOCK_N)
             keep_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
             keep_lo = gl.allocate_shared_memory(gl.float32, [HALF, HALF_N], keep_layout)
             keep_hi = gl.allocate_shared_memory(gl.float32, [HALF, HALF_N], keep_layout)
@@ -346,9 +343,7 @@ def down(
     b_desc = _desc(w2.view(-1, inter), [block_n, 128])
     tiles = (rows // BLOCK_M) * triton.cdiv(hidden, block_n)
     grid = (min(tiles, num_sms(act.device)),)
-    c_layout = gl.NVMMASharedLayout.get_default_for(
-        [BLOCK_M // 2, block_n], dense._GL_DTYPE[y.dtype]
-    )
+    c_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, block_n], GL_DTYPE[y.dtype])
     c_desc = TensorDescriptor.from_tensor(y, [BLOCK_M // 2, block_n], c_layout)
     _down_kernel[grid](
         a_desc, b_desc, c_desc, act_scales, w2_s, tile_expert, num_experts, rows, hidden, inter,

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..fp8_gemm.ref import check_quantized_act, fp8_gemm, scaled_gemm
+from ..fp8_gemm.ref import fp8_gemm, scaled_gemm
+from ..fp8_quant import check_quantized_act
 
 
 def _expert_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor | None):

@@ -24,9 +24,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import tuning
 from .._backend import interpreter_enabled, invariant_phase, tma_ok
-from ..fp8_gemm._quant import empty_quantized
-from ..fp8_gemm.ref import ACT_QUANT_GROUP, FP8_E4M3_MAX, WEIGHT_QUANT_BLOCK
-from ..fp8_gemm.triton import _MIN_AMAX, _quantize, quantize_tile, tile_of
+from ..fp8_quant import ACT_QUANT_GROUP, FP8_E4M3_MAX, MIN_AMAX, WEIGHT_QUANT_BLOCK
+from ..fp8_quant_triton import empty_quantized, quantize_rows, quantize_tile
+from ..tile_order import tile_of
 from . import gluon_sm90
 from ._triton_layout import align_rows, permute_rows
 from .ref import check_x_q
@@ -430,13 +430,13 @@ def _fused_moe(
         if x_q is not None and not permuted:
             x_in, x_scales = x_q  # the kernels take the scales' strides as they come
         elif permuted and (x_q is not None or cfg.get("prequant")):
-            xq, xs = x_q or _quantize(x, ACT_QUANT_GROUP, scale_column_major=False)
+            xq, xs = x_q or quantize_rows(x, ACT_QUANT_GROUP, scale_column_major=False)
             x_in, _ = permute_rows(xq, sorted_ids, ends, num_a, top_k, max_rows, False)
             x_scales, _ = permute_rows(xs, sorted_ids, ends, num_a, top_k, max_rows, False)
         elif permuted:
             x_in, x_scales = permute_rows(x, sorted_ids, ends, num_a, top_k, max_rows, True)
         else:
-            x_in, x_scales = _quantize(x, ACT_QUANT_GROUP, scale_column_major=False)
+            x_in, x_scales = quantize_rows(x, ACT_QUANT_GROUP, scale_column_major=False)
         # column-major scales: a tile's 128 rows read (and write) their scale of a k-tile contiguously
         act, act_scales = empty_quantized(max_rows, inter, x.device, sb)
         w13_s, w2_s = w13_scale_inv, w2_scale_inv
@@ -469,7 +469,7 @@ def _fused_moe(
             FP8=fp8, EVEN_K=hidden % bk1 == 0, UNIFORM_B=sb % bn1 == 0 and inter % sb == 0,
             TMA_B=tma1, PERMUTED_A=permuted,
             BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk1, GROUP_M=cfg["GROUP_M"],
-            E_POW2=e_pow2, SCALE_BLOCK=sb, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
+            E_POW2=e_pow2, SCALE_BLOCK=sb, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=MIN_AMAX,
             EXACT_CAST=interpreter_enabled(),
             num_warps=cfg["warps1"], num_stages=cfg["stages1"],
         )  # fmt: skip

@@ -16,8 +16,8 @@ import triton
 
 from .. import tuning
 from .._backend import interpreter_enabled
-from ..fp8_gemm._quant import empty_quantized
-from ..fp8_gemm.ref import _MIN_AMAX, ACT_QUANT_GROUP, FP8_E4M3_MAX
+from ..fp8_quant import ACT_QUANT_GROUP, FP8_E4M3_MAX, MIN_AMAX
+from ..fp8_quant_triton import empty_quantized
 from .triton import _matmul_kernel
 
 tuning.register(
@@ -53,7 +53,7 @@ def head_matmul_quant(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, t
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=ACT_QUANT_GROUP, BLOCK_K=cfg["BLOCK_K"], GROUP_M=1,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         s_ptr=scales, stride_sm=scales.stride(0), stride_sg=scales.stride(1), QUANT=True,
-        FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX, EXACT_CAST=interpreter_enabled(),
+        FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=MIN_AMAX, EXACT_CAST=interpreter_enabled(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return q, scales

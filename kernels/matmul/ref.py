@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..fp8_gemm.ref import ACT_QUANT_GROUP, quantize_act
+from ..fp8_quant import ACT_QUANT_GROUP, quantize_act
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .. import tuning
 from .._backend import invariant_phase, num_sms
-from ..fp8_gemm._quant import quantize_tile
+from ..fp8_quant_triton import quantize_tile
 from .ref import check_head_out, check_out_dtype
 
 

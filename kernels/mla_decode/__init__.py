@@ -1,14 +1,15 @@
 """MLA decode attention (absorbed, paged latent cache, bf16 or fp8 cache) and the cache writers:
 dispatches to Triton or the torch reference. `quantize_kv_fp8` / `dequantize_kv_fp8` are the fp8 row
-format in plain torch (any device); `fp8_format` documents the format."""
+format in plain torch (any device); `fp8_format` (the shared module `kernels.kv_row_fp8`) documents
+the format."""
 
 from __future__ import annotations
 
 import torch
 
+from .. import kv_row_fp8 as fp8_format
 from .._backend import implementation
-from . import fp8_format
-from .ref import dequantize_kv_fp8, quantize_kv_fp8
+from ..kv_row_fp8 import dequantize_kv_fp8, quantize_kv_fp8
 
 
 def mla_decode(

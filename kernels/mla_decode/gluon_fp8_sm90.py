@@ -1,4 +1,4 @@
-"""MLA decode's split kernel for Hopper (sm_90) in Gluon on an fp8 cache (`fp8_format` rows) under a
+"""MLA decode's split kernel for Hopper (sm_90) in Gluon on an fp8 cache (`kv_row_fp8` rows) under a
 bf16 q: `gluon_sm90`'s kernel with the cache converted on the way. Same grid, chunking and outputs;
 `gluon_sm90.launch` launches it.
 
@@ -6,18 +6,24 @@ On an fp8 cache the producer loads each tile's latent (e4m3), rope (bf16) and sc
 columns through three descriptors over the same rows; the latent lands in the upper half of a
 bf16-sized ring slot, where the consumers convert it in place (exact, in integer ops) for both
 products to read. The per-row scale is applied to S's latent part by column and to P's columns
-(V = K8 * scale by row), never to the tile. The conversion costs most of the gap to the bf16
-cache's kernel (twenty-fourth session, benchmarks/RESULTS.md).
+(V = K8 * scale by row), never to the tile. The conversion is the gap to the bf16 cache's kernel:
+on an H200 (B=128, 128 heads, kv 4096) this kernel took 523 us against the bf16 cache's 358, and
+326 with the conversion left out of the loop.
 """
 
 from __future__ import annotations
 
-from . import gluon_sm90 as _base
+from ..gluon_sm90_common import IMPORTED
 
-if _base._dense._IMPORTED:
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
-
-    from ..fp8_gemm.gluon_sm90 import gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait
+if IMPORTED:
+    from ..gluon_sm90_common import (
+        fence_async_shared,
+        gl,
+        gluon,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
     from ._kernels import E4M3_TO_BF16_PTX
     from .gluon_sm90 import _barriers, _chunk, _finish, _producer, _softmax_tile
 

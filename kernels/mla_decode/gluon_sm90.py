@@ -1,11 +1,11 @@
 """MLA decode's split kernel for Hopper (sm_90) in Gluon: the heads_major case (64 query rows a
-CTA: 128 heads, MTP) on a bf16/fp16 cache, and on an fp8 one (`fp8_format` rows) under a bf16 q.
+CTA: 128 heads, MTP) on a bf16/fp16 cache, and on an fp8 one (`kv_row_fp8` rows) under a bf16 q.
 Same grid, chunking and outputs as the Triton `split_heads_major_kernel`; the launcher's combine
 step follows it unchanged.
 
 Why a second kernel: in Triton, the Q K^T dot feeds the P V dot, and Triton then gives it all the
 CTA's warps on M (`[8, 1]`): with 64 rows both warpgroups compute the same scores, 13.6 MFLOP of
-tensor work a tile where 8.9 are needed (eighth session's SASS, benchmarks/RESULTS.md). Here the
+tensor work a tile where 8.9 are needed (as the compiled kernel's SASS shows). Here the
 layouts are explicit: both products use `warps_per_cta = [4, 2]`, so each warpgroup computes half
 of the tile's score columns and half of the output's latent columns.
 
@@ -26,24 +26,21 @@ from __future__ import annotations
 
 import torch
 
-from ..fp8_gemm import gluon_sm90 as _dense
-from . import fp8_format
+from .. import kv_row_fp8
+from ..gluon_sm90_common import GL_DTYPE, IMPORTED, available
 
-if _dense._IMPORTED:
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
-
-    from ..fp8_gemm.gluon_sm90 import (
-        _GL_DTYPE,
+if IMPORTED:
+    from ..gluon_sm90_common import (
         TensorDescriptor,
-        _tma_load,
+        fence_async_shared,
         gl,
         gluon,
         mbarrier,
+        tma_load,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
 
-available = _dense.available
 BLOCK_M = 64  # query rows a CTA
 SMEM_BYTES = 227 * 1024  # sm_90's shared memory a CTA may take
 SCALE_COLS = 4  # fp8 cache: the fp32 columns a tile's scale load takes (TMA's 16-byte minimum)
@@ -79,7 +76,7 @@ def smem_bytes(lora: int, rope: int, block_n: int, stages: int, fp8: bool) -> in
     return 2 * BLOCK_M * (lora + rope) + stages * tile + 2 * BLOCK_M * block_n + 1024
 
 
-if _dense._IMPORTED:
+if IMPORTED:
 
     @gluon.jit
     def _producer(q_lat_desc, q_pe_desc, lat_desc, pe_desc, sc_desc, q_lat, q_pe, k_lat, k_pe, k_sc,
@@ -95,8 +92,8 @@ if _dense._IMPORTED:
         BLOCK_N: gl.constexpr = k_pe.shape[1]
         D_LATENT: gl.constexpr = q_lat.shape[1]
         mbarrier.expect(q_bar, q_lat_desc.block_type.nbytes + q_pe_desc.block_type.nbytes)
-        _tma_load(q_lat_desc, [q_row0, 0], q_bar, q_lat)
-        _tma_load(q_pe_desc, [q_row0, D_LATENT], q_bar, q_pe)
+        tma_load(q_lat_desc, [q_row0, 0], q_bar, q_lat)
+        tma_load(q_pe_desc, [q_row0, D_LATENT], q_bar, q_pe)
         for j in range(n_tiles):
             s = j % STAGES
             mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)  # the first round passes
@@ -107,11 +104,11 @@ if _dense._IMPORTED:
             if SC_COL > 0:
                 mbarrier.expect(bar, lat_desc.block_type.nbytes + pe_desc.block_type.nbytes
                                 + sc_desc.block_type.nbytes)  # fmt: skip
-                _tma_load(sc_desc, [first, SC_COL], bar, k_sc.index(s))
+                tma_load(sc_desc, [first, SC_COL], bar, k_sc.index(s))
             else:
                 mbarrier.expect(bar, lat_desc.block_type.nbytes + pe_desc.block_type.nbytes)
-            _tma_load(lat_desc, [first, 0], bar, k_lat.index(s * (1 + LAT_HALF) + LAT_HALF))
-            _tma_load(pe_desc, [first, PE_COL], bar, k_pe.index(s))
+            tma_load(lat_desc, [first, 0], bar, k_lat.index(s * (1 + LAT_HALF) + LAT_HALF))
+            tma_load(pe_desc, [first, PE_COL], bar, k_pe.index(s))
 
     @gluon.jit
     def _zero_rows(buf, valid):
@@ -315,7 +312,7 @@ def launch(q, kv_cache, cache_rows, page_table, seq_lens, part, part_lse, o_stri
            num_splits, split_tokens, qk_scale, lora, cfg) -> None:  # fmt: skip
     """The split step of `mla_decode_launch` on this kernel (`usable` must hold; cache_rows: the
     launcher's `tile_rows`): writes part / part_lse (strides o_strides / l_strides, split stride
-    0 when unsplit) like the Triton one. An fp8 cache (`fp8_format` rows) is read through three
+    0 when unsplit) like the Triton one. An fp8 cache (`kv_row_fp8` rows) is read through three
     descriptors over the same bytes: its latent as e4m3, its rope as bf16, its scale as fp32."""
     batch, num_q, num_heads, width = q.shape
     num_rows = num_q * num_heads
@@ -323,7 +320,7 @@ def launch(q, kv_cache, cache_rows, page_table, seq_lens, part, part_lse, o_stri
     block_n = cfg["BLOCK_N"]
     page_size = kv_cache.shape[1]
     rows_per_page = kv_cache.stride(0) // kv_cache.stride(1)
-    dtype = _GL_DTYPE[q.dtype]
+    dtype = GL_DTYPE[q.dtype]
     q2 = q.reshape(batch * num_rows, width)
     lay = gl.NVMMASharedLayout.get_default_for
     q_lat_desc = TensorDescriptor.from_tensor(q2, [BLOCK_M, lora], lay([BLOCK_M, lora], dtype))
@@ -347,8 +344,8 @@ def launch(q, kv_cache, cache_rows, page_table, seq_lens, part, part_lse, o_stri
         split_kernel_fp8[grid](
             q_lat_desc, q_pe_desc, lat_desc, pe_desc, sc_desc, *args,
             NUM_Q=num_q, PAGE_SIZE=page_size, BLOCK_N=block_n, STAGES=stages,
-            PE_COL=fp8_format.rope_offset(lora) // 2,
-            SC_COL=fp8_format.scale_offset(lora, rope) // 4,
+            PE_COL=kv_row_fp8.rope_offset(lora) // 2,
+            SC_COL=kv_row_fp8.scale_offset(lora, rope) // 4,
             NEW_REINTERPRET=hasattr(gl.shared_memory_descriptor, "reinterpret"), num_warps=8,
         )  # fmt: skip
         return

@@ -12,7 +12,7 @@ row p % page_size. A query that sees no position (seq_lens[b] < Q - j, e.g. a pa
 with seq_len 0) gets out 0 and lse -inf.
 
 The cache is either float ([num_pages, page_size, kv_lora_rank + rope], the dtype of q) or fp8:
-uint8 [num_pages, page_size, fp8_format.row_bytes(...)] in the row format of `fp8_format` (e4m3
+uint8 [num_pages, page_size, kv_row_fp8.row_bytes(...)] in the row format of `kv_row_fp8` (e4m3
 latent with a per-token fp32 scale, bf16 rope), written by `write_kv_fp8`.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fp8_format
+from ..kv_row_fp8 import dequantize_kv_fp8, quantize_kv_fp8
 
 
 def mla_decode(
@@ -59,40 +59,6 @@ def mla_decode(
         out[b] = torch.einsum("qhl,ld->qhd", probs, kv[:, :kv_lora_rank]).to(q.dtype)
         lse[b] = lse_b
     return out, lse
-
-
-def quantize_kv_fp8(c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
-    """c_kv: [T, L]; k_pe: [T, R] (any float dtype). Returns [T, row_bytes] uint8 rows in the fp8
-    format."""
-    num_tokens, lora = c_kv.shape
-    rope = k_pe.shape[-1]
-    c = c_kv.float()
-    amax = c.abs().amax(dim=-1, keepdim=True)  # [T, 1]
-    # a tensor divisor: torch's CUDA division by a Python scalar multiplies by its reciprocal, which
-    # is not the correctly rounded quotient the format (and the Triton writer) uses
-    fp8_max = torch.full_like(amax, fp8_format.FP8_E4M3_MAX)
-    scale = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
-    c8 = (c / scale).clamp(-fp8_format.FP8_E4M3_MAX, fp8_format.FP8_E4M3_MAX)
-    c8 = c8.to(torch.float8_e4m3fn)
-    rows = torch.zeros(
-        num_tokens, fp8_format.row_bytes(lora, rope), dtype=torch.uint8, device=c_kv.device
-    )
-    rows[:, :lora] = c8.view(torch.uint8)
-    rope_at, scale_at = fp8_format.rope_offset(lora), fp8_format.scale_offset(lora, rope)
-    rows[:, rope_at:scale_at] = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8)
-    rows[:, scale_at : scale_at + 4] = scale.view(torch.uint8)
-    return rows
-
-
-def dequantize_kv_fp8(rows: torch.Tensor, kv_lora_rank: int, rope_dim: int) -> torch.Tensor:
-    """rows: [..., row_bytes] uint8, fp8 format. Returns fp32 [..., kv_lora_rank + rope_dim]."""
-    lora = kv_lora_rank
-    rope_at, scale_at = fp8_format.rope_offset(lora), fp8_format.scale_offset(lora, rope_dim)
-    rows = rows.contiguous()
-    c = rows[..., :lora].view(torch.float8_e4m3fn).float()
-    k_pe = rows[..., rope_at:scale_at].contiguous().view(torch.bfloat16).float()
-    scale = rows[..., scale_at : scale_at + 4].contiguous().view(torch.float32)
-    return torch.cat([c * scale, k_pe], dim=-1)
 
 
 def write_kv_fp8(

@@ -29,7 +29,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import tuning
 from .._backend import batch_invariant, num_sms
-from . import _kernels, fp8_format, gluon_sm90
+from ..kv_cache_checks import (
+    check_fp8_cache,
+    check_kv_dims,
+    float_cache_inputs,
+    fp8_cache_inputs,
+)
+from ..kv_row_fp8 import FP8_E4M3_MAX
+from . import _kernels, gluon_sm90
 
 LOG2E = 1.4426950408889634
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -51,7 +58,9 @@ _SPLIT_POLICY = {
     "MIN_TILES_PER_SPLIT": 2,
     "SPLIT_OVERHEAD_TILES": 2,
     "INVARIANT_SPLIT_TOKENS": 512,  # batch-invariant mode: cache positions per split
-    # the combine's tiles (see combine_tiles; H200 sweep in benchmarks/RESULTS.md, eighth session)
+    # the combine's tiles (see combine_tiles): on an H200, batch 1 with a 32768-token cache cut
+    # into 64-128 splits, 4 programs an SM reading 4096 elements at once took the combine from
+    # 10.0-10.7 us to 3.1-5.7 (one program per 128 latent dims left most SMs idle)
     "COMBINE_PROGRAMS_PER_SM": 4,
     "COMBINE_TILE": 4096,
     "COMBINE_MAX_D": 512,
@@ -62,14 +71,13 @@ _SPLIT_POLICY = {
 # for 16-32 query rows (72-76% of HBM at B=128, 16 heads); heads_major with TMA for 64+ rows
 # (270 TFLOP/s at 128 heads). fp8 caches: heads_major, whose MMA operands tolerate the in-register
 # fp8 -> bf16 conversion best (kv_major spilled heavily). gluon: 64+ rows on a 16-bit cache take
-# the Gluon split kernel on sm_90 (409-426 TFLOP/s at 128 heads against the tl.dot kernel's 277-286;
-# eleventh session's table, benchmarks/RESULTS.md); gluon_stages: its ring of cache tiles. On an fp8
-# cache (under a bf16 q) the Gluon kernel converts each tile's latent to bf16 in place: 278-288
-# TFLOP/s at B=128, 128 heads, against 175-179 for the tl.dot kernel; 64-position tiles beat
-# 32-position ones (210-219) (twenty-fourth session, benchmarks/RESULTS.md).
+# the Gluon split kernel on sm_90 (409-426 TFLOP/s at 128 heads against the tl.dot kernel's
+# 277-286); gluon_stages: its ring of cache tiles. On an fp8 cache (under a bf16 q) the Gluon
+# kernel converts each tile's latent to bf16 in place: 278-288 TFLOP/s at B=128, 128 heads, against
+# 175-179 for the tl.dot kernel; 64-position tiles beat 32-position ones (210-219).
 # FP8_ASM (default on): under a bf16 q on a GPU the Triton kernels convert fp8 rows by the exact
 # integer conversion (_kernels.E4M3_TO_BF16_PTX) instead of Triton's casts: 16 heads, B=128, 306 -> 269
-# us at kv 4096 (twenty-fifth session).
+# us at kv 4096 (H200).
 _BF16_M16 = {"LAYOUT": "kv_major", "BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
              "USE_TMA": True}  # fmt: skip
 _BF16_M32 = {"LAYOUT": "kv_major", "BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
@@ -264,7 +272,7 @@ def write_kv_fp8(
     _kernels.write_kv_fp8_kernel[(c_kv.shape[0],)](
         c_kv, k_pe, slots, kv_cache, kv_cache.view(torch.bfloat16), kv_cache.view(torch.float32),
         c_kv.stride(0), k_pe.stride(0), kv_cache.stride(0), kv_cache.stride(1),
-        PAGE_SIZE=kv_cache.shape[1], D_LATENT=lora, D_ROPE=rope, FP8_MAX=fp8_format.FP8_E4M3_MAX,
+        PAGE_SIZE=kv_cache.shape[1], D_LATENT=lora, D_ROPE=rope, FP8_MAX=FP8_E4M3_MAX,
         num_warps=4 if lora >= 512 else 1,
     )  # fmt: skip
 
@@ -287,62 +295,6 @@ def write_kv(
         BLOCK_L=triton.next_power_of_2(lora), BLOCK_R=triton.next_power_of_2(rope), ROWS=rows,
         num_warps=2 if lora >= 256 else 1,
     )  # fmt: skip
-
-
-def float_cache_inputs(
-    kv_cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, op: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The checks of a write of [c_kv | k_pe] rows into a float cache [P, S, L + R] (write_kv, and rope
-    when it stores the rotated k_pe there); returns c_kv and k_pe with unit last stride."""
-    if kv_cache.dim() != 3 or kv_cache.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(
-            f"{op}: kv_cache must be a float [P, S, L + R] cache (write_kv_fp8 writes the fp8 "
-            f"one), got {kv_cache.dtype} {tuple(kv_cache.shape)}"
-        )
-    c_kv, k_pe = _write_inputs(kv_cache, slots, c_kv, k_pe, op)
-    lora, rope = c_kv.shape[1], k_pe.shape[1]
-    if kv_cache.shape[2] != lora + rope or kv_cache.stride(2) != 1:
-        raise ValueError(
-            f"{op}: cache rows of {kv_cache.shape[2]} (unit stride) expected L + R = {lora + rope}"
-        )
-    return c_kv, k_pe
-
-
-def fp8_cache_inputs(
-    kv_cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, op: str
-) -> torch.Tensor:
-    """The checks of a write of [c_kv | k_pe] rows into an fp8 cache [P, S, row_bytes] uint8
-    (write_kv_fp8, and rope when it stores the rotated k_pe there); returns c_kv with unit last
-    stride."""
-    if kv_cache.dim() != 3 or kv_cache.dtype != torch.uint8:
-        raise ValueError(
-            f"{op}: kv_cache must be uint8 [P, S, row_bytes], got {kv_cache.dtype} "
-            f"{tuple(kv_cache.shape)}"
-        )
-    c_kv, k_pe = _write_inputs(kv_cache, slots, c_kv, k_pe, op)
-    lora, rope = c_kv.shape[1], k_pe.shape[1]
-    _check_dims(lora, rope, op)
-    _check_fp8_cache(kv_cache, lora, rope, op)
-    return c_kv
-
-
-def _write_inputs(
-    kv_cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, op: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A cache writer's checks of c_kv [T, L], k_pe [T, R] and slots [T] int, all on the cache's
-    device; returns c_kv and k_pe with unit last stride (views when they have it)."""
-    if c_kv.dim() != 2 or k_pe.dim() != 2 or c_kv.shape[0] != k_pe.shape[0]:
-        raise ValueError(
-            f"{op}: c_kv [T, L] and k_pe [T, R] expected, got {tuple(c_kv.shape)}, "
-            f"{tuple(k_pe.shape)}"
-        )
-    if slots.shape != (c_kv.shape[0],) or slots.dtype not in _INT_DTYPES:
-        raise ValueError(f"{op}: slots must be int [{c_kv.shape[0]}], got {slots.dtype}")
-    for name, t in (("slots", slots), ("c_kv", c_kv), ("k_pe", k_pe)):
-        if t.device != kv_cache.device:
-            raise ValueError(f"{op}: {name} on {t.device}, kv_cache on {kv_cache.device}")
-    c_kv = c_kv if c_kv.stride(-1) == 1 else c_kv.contiguous()
-    return c_kv, k_pe if k_pe.stride(-1) == 1 else k_pe.contiguous()
 
 
 def tile_rows(kv_cache: torch.Tensor, block_n: int) -> int | None:
@@ -384,8 +336,8 @@ def choose_num_splits(
     for the combine step when splitting. Fewest splits on ties; at least MIN_TILES_PER_SPLIT tiles
     per split of the longest request, except while the programs fill at most half the SMs: there
     one tile a split is allowed (H200, 128 heads, batch 1, context 1024: 16 splits 13.8 us against
-    8 splits 15.6; with 128 programs it lost, context 4096: 18.5 against 17.0; RESULTS.md,
-    twenty-second session). Cached: it runs on every decode step."""
+    8 splits 15.6; with 128 programs it lost, context 4096: 18.5 against 17.0). Cached: it runs on
+    every decode step."""
     tiles = triton.cdiv(max(max_seq_len, 1), block_n)
     policy = (cfg["MAX_SPLITS"], cfg["MIN_TILES_PER_SPLIT"], cfg["CTAS_PER_SM"])
     return _num_splits(batch * m_blocks, tiles, num_sms, *policy, cfg["SPLIT_OVERHEAD_TILES"])
@@ -397,8 +349,7 @@ def combine_tiles(rows: int, splits_p2: int, lora: int, cfg: dict, num_sms: int)
     per SM (a few rows of a long cache, cut into many splits, would otherwise leave most SMs idle
     while each program walks its splits), and chunks of about COMBINE_TILE elements read at once.
     Many rows take the whole latent a program: in 128-dim blocks, batch 16 at 4 splits (8192
-    programs of 2 KB each) took 24.6 us on an H200 against 5.7 for the same bytes in 1024 programs
-    (RESULTS.md, twenty-second session)."""
+    programs of 2 KB each) took 24.6 us on an H200 against 5.7 for the same bytes in 1024 programs."""
     block_d = min(cfg["COMBINE_MAX_D"], lora)
     while block_d > 16 and rows * (lora // block_d) < cfg["COMBINE_PROGRAMS_PER_SM"] * num_sms:
         block_d //= 2
@@ -421,27 +372,6 @@ def _num_splits(
     return min([*range(1, short + 1), *few], key=lambda s: (cost(s), s))
 
 
-def _check_dims(lora: int, rope: int, op: str) -> None:
-    for name, d in (("kv_lora_rank", lora), ("rope dims", rope)):
-        if d < 16 or d & (d - 1):
-            raise ValueError(f"{op}: {name}={d} must be a power of two >= 16")
-
-
-def _check_fp8_cache(kv_cache: torch.Tensor, lora: int, rope: int, op: str) -> None:
-    want = fp8_format.row_bytes(lora, rope)
-    if kv_cache.shape[-1] != want:
-        raise ValueError(
-            f"{op}: fp8 cache rows are {kv_cache.shape[-1]} bytes, the format needs {want} "
-            f"(kv_lora_rank={lora}, rope={rope})"
-        )
-    if kv_cache.stride(2) != 1 or kv_cache.stride(1) % 16 or kv_cache.stride(0) % 16:
-        raise ValueError(
-            f"{op}: fp8 cache strides {kv_cache.stride()} must be multiples of 16 bytes"
-        )
-    if kv_cache.data_ptr() % 16:
-        raise ValueError(f"{op}: fp8 cache must start 16-byte aligned")
-
-
 def _check(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -454,13 +384,13 @@ def _check(
             f"mla_decode: q must be float [B, Q, H, Dk], got {q.dtype} {tuple(q.shape)}"
         )
     batch, _, _, head_dim = q.shape
-    _check_dims(kv_lora_rank, head_dim - kv_lora_rank, "mla_decode")
+    check_kv_dims(kv_lora_rank, head_dim - kv_lora_rank, "mla_decode")
     if kv_cache.dim() != 3:
         raise ValueError(
             f"mla_decode: kv_cache must be [P, page_size, D], got {tuple(kv_cache.shape)}"
         )
     if kv_cache.dtype == torch.uint8:
-        _check_fp8_cache(kv_cache, kv_lora_rank, head_dim - kv_lora_rank, "mla_decode")
+        check_fp8_cache(kv_cache, kv_lora_rank, head_dim - kv_lora_rank, "mla_decode")
     elif kv_cache.dtype != q.dtype or kv_cache.shape[-1] != head_dim or kv_cache.stride(-1) != 1:
         raise ValueError(
             f"mla_decode: kv_cache must be {q.dtype} [P, page_size, {head_dim}], unit stride last "

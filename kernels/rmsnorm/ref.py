@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fp8_gemm.ref import quantize_act
+from ..fp8_quant import quantize_act
 
 
 def rmsnorm(

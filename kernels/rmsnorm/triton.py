@@ -23,8 +23,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import tuning
 from .._backend import interpreter_enabled, pdl_enabled
-from ..fp8_gemm._quant import empty_quantized, quantize_tile
-from ..fp8_gemm.ref import _MIN_AMAX, ACT_QUANT_GROUP, FP8_E4M3_MAX
+from ..fp8_quant import ACT_QUANT_GROUP, FP8_E4M3_MAX, MIN_AMAX
+from ..fp8_quant_triton import empty_quantized, quantize_tile
 from .ref import check_quant
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -155,7 +155,7 @@ def rmsnorm(
         x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0), *scales.stride(),
         plain2.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK_D=max(block_d, ACT_QUANT_GROUP) if quant else block_d, ROWS=rows,
-        QUANT=bool(quant), PLAIN=plain is not None, GROUP=ACT_QUANT_GROUP, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX,
+        QUANT=bool(quant), PLAIN=plain is not None, GROUP=ACT_QUANT_GROUP, FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=MIN_AMAX,
         EXACT_CAST=interpreter_enabled(), PDL=pdl, num_warps=cfg["num_warps"], launch_pdl=pdl,
     )  # fmt: skip
     return result if residual is None else (result, res_out)

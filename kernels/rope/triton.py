@@ -14,9 +14,9 @@ import triton
 import triton.language as tl
 
 from .. import tuning
-from ..mla_decode import fp8_format
-from ..mla_decode._kernels import quantize_row_fp8, slot_row
-from ..mla_decode.triton import float_cache_inputs, fp8_cache_inputs
+from ..kv_cache_checks import float_cache_inputs, fp8_cache_inputs
+from ..kv_row_fp8 import FP8_E4M3_MAX
+from ..kv_row_triton import quantize_row_fp8, slot_row
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -179,6 +179,6 @@ def rope(
         q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), k_pe2.stride(0), k_pe2.stride(1),
         cos_sin.stride(0), *q_out.stride(), *write,
         ROPE=rope_dim, BLOCK_H=block_h, WRITE=cache is not None,
-        PAGE_SIZE=page_size, D_LATENT=lora, KV_FP8=kv_fp8, FP8_MAX=fp8_format.FP8_E4M3_MAX,
+        PAGE_SIZE=page_size, D_LATENT=lora, KV_FP8=kv_fp8, FP8_MAX=FP8_E4M3_MAX,
         BLOCK_L=triton.next_power_of_2(lora), num_warps=cfg["num_warps"],
     )  # fmt: skip

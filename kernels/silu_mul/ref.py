@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..fp8_gemm.ref import quantize_act
+from ..fp8_quant import quantize_act
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -16,8 +16,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .. import tuning
 from .._backend import interpreter_enabled, pdl_enabled
-from ..fp8_gemm._quant import empty_quantized, quantize_tile
-from ..fp8_gemm.ref import _MIN_AMAX, ACT_QUANT_GROUP, FP8_E4M3_MAX
+from ..fp8_quant import ACT_QUANT_GROUP, FP8_E4M3_MAX, MIN_AMAX
+from ..fp8_quant_triton import empty_quantized, quantize_tile
 from .ref import check_inputs
 
 tuning.register("silu_mul", "any", {"default": {"BLOCK_M": 8, "num_warps": 4}})
@@ -71,7 +71,7 @@ def silu_mul(
             gate, up, out, scales, t, i,
             gate.stride(0), up.stride(0), out.stride(0), scales.stride(0), scales.stride(1),
             QUANT=quant, GROUP=ACT_QUANT_GROUP, BLOCK_M=cfg["BLOCK_M"],
-            FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=_MIN_AMAX, EXACT_CAST=interpreter_enabled(),
+            FP8_MAX=FP8_E4M3_MAX, MIN_AMAX=MIN_AMAX, EXACT_CAST=interpreter_enabled(),
             PDL=pdl, num_warps=cfg["num_warps"], launch_pdl=pdl,
         )  # fmt: skip
     return (out, scales) if quant else out

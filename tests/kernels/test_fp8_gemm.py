@@ -18,6 +18,7 @@ from _poison import poisoned_empty, rel_err
 
 from pdserve.kernels.fp8_gemm import _splitk, ref
 from pdserve.kernels.fp8_gemm import triton as tri
+from pdserve.kernels.fp8_quant_triton import quantize_rows
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -132,7 +133,7 @@ def test_gemm_code_paths(path: str, m: int, n: int, k: int) -> None:
         if path.startswith("fused-quant"):
             tri._launch_gemm(x, None, w_fp8, scale_inv, out, cfg)
         else:
-            x_fp8, x_scales = tri._quantize(x, 128, scale_column_major=True)
+            x_fp8, x_scales = quantize_rows(x, 128, scale_column_major=True)
             tri._launch_gemm(x_fp8, x_scales, w_fp8, scale_inv, out, cfg)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref.fp8_gemm(x, w_fp8, scale_inv)) < TOL[dtype]
@@ -183,7 +184,7 @@ def test_gemv_paths(path: str, prequant: bool, m: int, n: int, k: int) -> None:
     with poisoned_empty():
         out = torch.empty((m, n), dtype=dtype, device=DEVICE)
         if prequant:
-            x_fp8, x_scales = tri._quantize(x, 128, scale_column_major=True)
+            x_fp8, x_scales = quantize_rows(x, 128, scale_column_major=True)
             tri._launch_gemm(x_fp8, x_scales, w_fp8, scale_inv, out, cfg)
         else:
             tri._launch_gemm(x, None, w_fp8, scale_inv, out, cfg)
@@ -211,7 +212,7 @@ def test_per_shape_entries_match_reference(m: int, n: int, k: int) -> None:
     w_fp8, scale_inv = _weight(n, k, seed=n)
     want = ref.fp8_gemm(x, w_fp8, scale_inv)
     assert rel_err(tri.fp8_gemm(x, w_fp8, scale_inv), want) < TOL[torch.bfloat16]
-    x_fp8, x_scales = tri._quantize(x, 128, scale_column_major=True)
+    x_fp8, x_scales = quantize_rows(x, 128, scale_column_major=True)
     got = tri.scaled_gemm(x_fp8, x_scales, w_fp8, scale_inv)
     assert rel_err(got, want) < TOL[torch.bfloat16]
 
@@ -229,7 +230,7 @@ def test_split_k_sum_in_the_launch_matches_the_second_kernel(cfg: dict, monkeypa
     x = _act(m, k, dtype, seed=3)
     w_fp8, scale_inv = _weight(n, k, seed=4)
     if cfg is PATH_CONFIGS["prequant-split-k-n32"]:
-        x, x_scales = tri._quantize(x, 128, scale_column_major=True)
+        x, x_scales = quantize_rows(x, 128, scale_column_major=True)
     else:
         x_scales = None
     runs = []
@@ -257,8 +258,9 @@ def test_fused_quantization_gives_way_past_its_work_bound(max_work: int, monkeyp
     cfg = {**GEMV_CONFIGS["split-k"], "fuse_quant": True, "fuse_max_work": max_work}
     monkeypatch.setattr(tri, "_gemm_config", lambda m, n, k, device: cfg)
     calls = []
-    real = tri._quantize
-    monkeypatch.setattr(tri, "_quantize", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(
+        tri, "quantize_rows", lambda *a, **kw: calls.append(1) or quantize_rows(*a, **kw)
+    )
     out = tri.fp8_gemm(x, w_fp8, scale_inv)
     assert len(calls) == (1 if max_work < 7 * k else 0)
     assert rel_err(out, ref.fp8_gemm(x, w_fp8, scale_inv)) < TOL[dtype]

@@ -14,6 +14,7 @@ from test_fp8_gemm import TOL, _act, _weight
 
 from pdserve.kernels.fp8_gemm import gluon_sm90, ref
 from pdserve.kernels.fp8_gemm import triton as tri
+from pdserve.kernels.fp8_quant_triton import quantize_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -42,7 +43,7 @@ def test_gluon_gemm_matches_reference(
 ) -> None:
     x = _act(m, k, dtype, seed=m + k)
     w_fp8, scale_inv = _weight(n, k, seed=n)
-    x_fp8, x_scales = tri._quantize(x, 128, scale_column_major=True)
+    x_fp8, x_scales = quantize_rows(x, 128, scale_column_major=True)
     out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
     gluon_sm90.launch(x_fp8, x_scales, w_fp8, scale_inv, out, cfg, ref.WEIGHT_QUANT_BLOCK)
     assert torch.isfinite(out).all()

@@ -16,6 +16,7 @@ from test_fp8_gemm import TOL, _act, _weight
 from pdserve.kernels import tuning
 from pdserve.kernels.fp8_gemm import _splitk, gluon_decode_sm90, ref
 from pdserve.kernels.fp8_gemm import triton as tri
+from pdserve.kernels.fp8_quant_triton import quantize_rows
 
 CFG = {"BLOCK_N": 64, "num_stages": 12, "whole_tiles_fill": 0.8, "min_k": 2048, "min_m": 2}
 # the tuned entries: a ring cut to the run (`ring_slots`), 128-row tiles (kv_b), tiles of three
@@ -82,7 +83,7 @@ def _hopper() -> None:
 def _inputs(m: int, n: int, k: int):
     x = _act(m, k, torch.bfloat16, seed=m + k)
     w_fp8, scale_inv = _weight(n, k, seed=n)
-    x_fp8, x_scales = tri._quantize(x, 128, scale_column_major=True)
+    x_fp8, x_scales = quantize_rows(x, 128, scale_column_major=True)
     return x_fp8, x_scales, w_fp8, scale_inv
 
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from _poison import poisoned_empty, rel_err
 
-from pdserve.kernels.fp8_gemm.ref import quantize_act, quantize_weight
-from pdserve.kernels.fp8_gemm.triton import _quantize as quantize_tri
+from pdserve.kernels.fp8_quant import quantize_act, quantize_weight
+from pdserve.kernels.fp8_quant_triton import quantize_rows as quantize_tri
 from pdserve.kernels.fused_moe import _triton_layout as tri_layout
 from pdserve.kernels.fused_moe import ref
 from pdserve.kernels.fused_moe import triton as tri

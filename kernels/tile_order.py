@@ -1,4 +1,5 @@
-"""Output-tile order shared by the fp8 GEMM kernels (Triton and Gluon) and fused_moe."""
+"""Grouped output-tile order (GROUP_M M-tiles sweep N together, for L2 reuse of the N operand),
+shared by the Triton and Gluon GEMM kernels of fp8_gemm and fused_moe."""
 
 import triton
 import triton.language as tl
@@ -13,3 +14,6 @@ def tile_of(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     pid_m = first_m + (pid % group_size) % rows_in_group
     pid_n = (pid % group_size) // rows_in_group
     return pid_m, pid_n
+
+
+__all__ = ["tile_of"]

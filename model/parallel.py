@@ -1,0 +1,136 @@
+"""How one worker's model is split over its ranks: `ParallelLayout`, passed to `Transformer` and the loader.
+
+A worker of N ranks runs one of these layouts, all over one torch.distributed group of the N ranks:
+- attention data-parallel (each rank the full attention weights and its own requests and KV pages) or
+  tensor-parallel (the heads split evenly: wq_b and wkv_b rows by head, wo columns by head, an all-reduce after
+  wo; wq_a / wkv_a replicated, so MLA's latent cache [c_kv | k_pe] is the same on every rank);
+- MoE expert-parallel of size 1 (every rank all routed experts) or N (rank r holds experts [r*E/N, (r+1)*E/N),
+  tokens exchanged through `pdserve.model.expert_exchange`);
+- dense layers and shared experts replicated, or tensor-parallel (intermediate dim split, all-reduce after w2),
+  which needs the same tokens on every rank, so only with tensor-parallel attention.
+
+The default, `ParallelLayout()`, is one rank: the model then takes exactly its single-GPU code path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from .args import ModelArgs
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+AttentionMode = Literal["data", "tensor"]
+DenseMode = Literal["replicated", "tensor"]
+ATTENTION_MODES = ("data", "tensor")
+DENSE_MODES = ("replicated", "tensor")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParallelLayout:
+    world_size: int = 1
+    """Ranks of the worker."""
+    rank: int = 0
+    """This process's rank in `group`, 0 <= rank < world_size."""
+    attention: AttentionMode = "data"
+    """'data': each rank its own requests, full attention weights; 'tensor': heads split over all ranks."""
+    expert_parallel: int = 1
+    """Ranks the routed experts are split over: 1 (each rank all of them) or world_size."""
+    dense: DenseMode = "replicated"
+    """Dense layers and shared experts: 'replicated', or 'tensor' (split over all ranks; tensor attention only)."""
+    group: ProcessGroup | None = dataclasses.field(default=None, compare=False)
+    """The torch.distributed group of the worker's ranks (None: the default group). Every collective of the
+    layout (attention and dense all-reduces, the expert exchange) runs on it, issued in the same order on
+    every rank."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ConfigError(f"parallel layout: world_size={self.world_size} must be >= 1")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(
+                f"parallel layout: rank={self.rank} outside [0, world_size={self.world_size})"
+            )
+        if self.attention not in ATTENTION_MODES:
+            raise ConfigError(
+                f"parallel layout: attention={self.attention!r}, expected one of {ATTENTION_MODES}"
+            )
+        if self.dense not in DENSE_MODES:
+            raise ConfigError(
+                f"parallel layout: dense={self.dense!r}, expected one of {DENSE_MODES}"
+            )
+        if self.expert_parallel not in (1, self.world_size):
+            raise ConfigError(
+                f"parallel layout: expert_parallel={self.expert_parallel} must be 1 or "
+                f"world_size={self.world_size}"
+            )
+        if self.dense == "tensor" and self.attention_tp_size == 1 and self.world_size > 1:
+            raise ConfigError(
+                "parallel layout: dense='tensor' needs attention='tensor' (with data-parallel "
+                "attention the ranks hold different tokens)"
+            )
+
+    @property
+    def attention_tp_size(self) -> int:
+        """Ranks the attention heads are split over (1 with data-parallel attention)."""
+        return self.world_size if self.attention == "tensor" else 1
+
+    @property
+    def attention_dp_size(self) -> int:
+        """Ranks holding different requests."""
+        return self.world_size // self.attention_tp_size
+
+    @property
+    def dense_tp_size(self) -> int:
+        return self.world_size if self.dense == "tensor" else 1
+
+    @property
+    def same_tokens_on_all_ranks(self) -> bool:
+        """Every rank runs the same tokens through the MoE layers (tensor-parallel attention)."""
+        return self.attention_dp_size == 1
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank if self.expert_parallel > 1 else 0
+
+    def check_model(self, args: ModelArgs) -> None:
+        """Raises `ConfigError` naming the dimension that this layout cannot split evenly."""
+        checks = [
+            ("num_attention_heads", args.num_attention_heads, self.attention_tp_size),
+            ("n_routed_experts", args.n_routed_experts, self.expert_parallel),
+            ("intermediate_size", args.intermediate_size, self.dense_tp_size),
+        ]
+        if args.n_shared_experts:
+            shared = args.moe_intermediate_size * args.n_shared_experts
+            checks.append(("moe_intermediate_size * n_shared_experts", shared, self.dense_tp_size))
+        for name, value, parts in checks:
+            if value % parts:
+                raise ConfigError(
+                    f"parallel layout: {name}={value} does not split over {parts} ranks"
+                )
+
+    def local_experts(self, num_experts: int) -> range:
+        """Global ids of the routed experts this rank holds, a contiguous range."""
+        per_rank = num_experts // self.expert_parallel
+        return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
+
+    def shard(self, size: int, parts: int) -> tuple[int, int]:
+        """This rank's [start, stop) of a dimension of `size` split evenly over `parts` ranks (1: all)."""
+        if parts == 1:
+            return 0, size
+        per_rank = size // parts
+        return self.rank * per_rank, (self.rank + 1) * per_rank
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums x over the group in place and returns it."""
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=self.group)
+        return x
+
+
+SINGLE_RANK = ParallelLayout()
