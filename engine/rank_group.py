@@ -93,6 +93,9 @@ class RankGroupConfig:
 class RankLauncher(abc.ABC):
     """Starts and watches the processes of ranks 1..N-1."""
 
+    watches_driver_pid = True
+    """Ranks share the driver's host and exit when its process id is gone."""
+
     @abc.abstractmethod
     def launch(self, bootstraps: list[bytes]) -> None:
         """Start one rank per bootstrap (ranks 1..N-1 in order), each running `run_rank(bootstrap)`; returns at
@@ -183,7 +186,8 @@ class RankGroup:
         boots = [
             RankBootstrap(
                 rank, cfg.world_size, cfg.backend, cfg.channel, cfg.store_host, self._store.port,
-                cfg.join_timeout_s, self.handler_spec, shm, os.getpid(),
+                cfg.join_timeout_s, self.handler_spec, shm,
+                os.getpid() if self.launcher.watches_driver_pid else None,
             ).encode()
             for rank in range(1, cfg.world_size)
         ]  # fmt: skip
