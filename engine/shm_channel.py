@@ -1,12 +1,15 @@
 """`PlanChannel` over one shared-memory file (in /dev/shm) for ranks on the driver's node.
 
 The file holds one plan slot, written by the driver, and one reply slot per rank 1..N-1, written by that rank.
-A slot is a 64-byte header (sequence number, length, CRC-32 of the data) followed by its data. A writer stores
-the data, then the header; a reader takes the data once the slot's sequence number is the one it expects and the
-data's CRC matches (Python has no memory fence: on weakly ordered CPUs the header may become visible before the
-data, and the CRC check makes the reader wait for the rest). The lock-step contract of `PlanChannel` means no slot
-is written while it is read. Waiting spins for `spin_s` (yielding the core between polls), then sleeps with a
-backoff from 20 us up to `max_sleep_s`, so an idle rank costs almost no CPU and a busy one answers in microseconds.
+A slot is a 64-byte header (sequence number, length, CRC-32 of the sequence number and the data) followed by its
+data. A writer stores the data, then length and CRC, then the sequence number; a reader polls the sequence number
+and takes the data once it is the one expected and the CRC matches. The CRC is what makes this safe where stores
+may become visible out of order (Python has no memory fence; aarch64 hosts such as Grace reorder stores): a reader
+that sees the new sequence number before the rest retries. The lock-step contract of `PlanChannel` means a slot is
+never rewritten while a reader copies data it has already accepted.
+
+Waiting spins for `spin_s` (yielding the core between polls), then sleeps with a backoff from 20 us up to
+`max_sleep_s`, so an idle rank costs almost no CPU and a busy one answers in microseconds.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ __all__ = ["ShmPlanChannel", "ShmSpec"]
 
 _MAGIC = 0x70647372616E6B31  # "pdsrank1"
 _FILE_HEADER = struct.Struct("<QQQQ")  # magic, world_size, plan_capacity, reply_capacity
-_SLOT_HEADER = struct.Struct("<QQI")  # sequence number, length, crc32
+_SEQ = struct.Struct("<Q")  # a slot's header: sequence number, then length and CRC-32
+_LEN_CRC = struct.Struct("<QI")
 _HEADER_BYTES = 64
 _CHECK_EVERY_S = 0.01
 _FIRST_SLEEP_S = 20e-6
@@ -45,15 +49,26 @@ class _Slot:
                 "(raise the channel's capacity)"
             )
         self.buf[self.data_offset : self.data_offset + len(data)] = data
-        _SLOT_HEADER.pack_into(self.buf, self.offset, seq, len(data), zlib.crc32(data))
+        # Whole-field stores from packed bytes (struct.pack_into zeroes its target before filling it), the
+        # sequence number last, one aligned 8-byte store.
+        self.buf[self.offset + 8 : self.offset + 20] = _LEN_CRC.pack(len(data), _crc(seq, data))
+        self.buf[self.offset : self.offset + 8] = _SEQ.pack(seq)
 
     def read(self, seq: int) -> bytes | None:
         """The data if the slot holds message `seq` completely, else None."""
-        got_seq, length, crc = _SLOT_HEADER.unpack_from(self.buf, self.offset)
-        if got_seq != seq or length > self.capacity:
+        (got_seq,) = _SEQ.unpack_from(self.buf, self.offset)
+        if got_seq != seq:
+            return None
+        length, crc = _LEN_CRC.unpack_from(self.buf, self.offset + 8)
+        if length > self.capacity:
             return None
         data = bytes(self.buf[self.data_offset : self.data_offset + length])
-        return data if zlib.crc32(data) == crc else None
+        return data if _crc(seq, data) == crc else None
+
+
+def _crc(seq: int, data: bytes) -> int:
+    """CRC-32 of the sequence number and the data: a header half written (or zeroed) never matches."""
+    return zlib.crc32(data, zlib.crc32(_SEQ.pack(seq)))
 
 
 class _Backoff:

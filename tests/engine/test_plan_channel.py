@@ -140,3 +140,25 @@ def test_shm_slots_in_process(tmp_path):
     assert not Path(driver.spec.path).exists()
     with pytest.raises(PlanChannelError, match="closed"):
         driver.broadcast(b"x")
+
+
+def test_shm_half_written_header_is_not_a_message(tmp_path):
+    """A reader that sees a message's sequence number before its length and CRC (zeroed, or a previous
+    message's) waits: an empty message's CRC is 0, so the CRC covers the sequence number too."""
+    driver = ShmPlanChannel.create(2, plan_capacity=64, reply_capacity=16, directory=tmp_path)
+    rank = ShmPlanChannel.open(driver.spec, 1)
+    try:
+        buf, offset = driver._plan.buf, driver._plan.offset
+        buf[offset : offset + 8] = (1).to_bytes(8, "little")  # length and CRC still zero
+        assert rank.receive(0.01) is None
+        driver.broadcast(b"first")
+        assert rank.receive(1.0) == b"first"
+        rank.reply(b"")
+        assert driver.gather(1.0) == [b""]
+        buf[offset : offset + 8] = (2).to_bytes(8, "little")  # length and CRC of message 1
+        assert rank.receive(0.01) is None
+        driver.broadcast(b"")
+        assert rank.receive(1.0) == b""
+    finally:
+        rank.close()
+        driver.close()
