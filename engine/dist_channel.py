@@ -21,14 +21,22 @@ from .plan_channel import PlanChannel, PlanChannelError, PlanTooLargeError, Rank
 
 __all__ = ["DistPlanChannel"]
 
-_GROUP_TIMEOUT_S = 1800.0
+_GROUP_TIMEOUT_S = 7 * 24 * 3600.0
+"""How long a rank waits for its next plan (an idle worker sends none); a driver that dies or hangs is found
+sooner: its sockets close, or the driver's own step timeout fails the step."""
 
 
 class DistPlanChannel(PlanChannel):
     """See the module docstring. Every rank of `group` (a gloo group of the worker's N processes, rank 0 the
-    driver) constructs one; messages above `max_message_bytes` raise `PlanTooLargeError` at the sender."""
+    driver) constructs one; messages above `max_message_bytes` raise `PlanTooLargeError` at the sender, and a
+    broadcast not taken by every rank within `send_timeout_s` raises `RankLostError`."""
 
-    def __init__(self, group: dist.ProcessGroup, max_message_bytes: int = 64 << 20):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        max_message_bytes: int = 64 << 20,
+        send_timeout_s: float = 60.0,
+    ):
         if dist.get_backend(group) != "gloo":
             raise PlanChannelError(
                 f"the plan channel needs a gloo group (CPU tensors), got {dist.get_backend(group)}"
@@ -37,6 +45,8 @@ class DistPlanChannel(PlanChannel):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.max_message_bytes = max_message_bytes
+        self.send_timeout_s = send_timeout_s
+        """Bound on a broadcast: a large one completes only as the ranks take it."""
         self._src = dist.get_global_rank(group, 0)
         self._closed = False
 
@@ -69,10 +79,11 @@ class DistPlanChannel(PlanChannel):
         if self.rank != 0:
             raise PlanChannelError(f"rank {self.rank} cannot broadcast: only the driver does")
         self._check(self.max_message_bytes, len(message), "plan message")
-        self._bcast(torch.tensor([len(message)], dtype=torch.int64), None, "plan length")
+        length = torch.tensor([len(message)], dtype=torch.int64)
+        self._bcast(length, self.send_timeout_s, "plan length")
         if message:
             data = torch.frombuffer(bytearray(message), dtype=torch.uint8)
-            self._bcast(data, None, "plan bytes")
+            self._bcast(data, self.send_timeout_s, "plan bytes")
 
     def _bcast(self, tensor: torch.Tensor, timeout_s: float | None, what: str) -> None:
         work = dist.broadcast(tensor, src=self._src, group=self.group, async_op=True)

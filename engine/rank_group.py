@@ -94,7 +94,7 @@ class RankLauncher(abc.ABC):
     """Starts and watches the processes of ranks 1..N-1."""
 
     watches_driver_pid = True
-    """Ranks share the driver's host and exit when its process id is gone."""
+    """Ranks are child processes of the driver and exit when it is gone."""
 
     @abc.abstractmethod
     def launch(self, bootstraps: list[bytes]) -> None:
@@ -194,7 +194,9 @@ class RankGroup:
         self.launcher.launch(boots)
         join_group(0, cfg.world_size, cfg.backend, self._store, cfg.join_timeout_s)
         if cfg.channel == "dist":
-            self.channel = DistPlanChannel(DistPlanChannel.new_group(), cfg.max_message_bytes)
+            self.channel = DistPlanChannel(
+                DistPlanChannel.new_group(), cfg.max_message_bytes, cfg.step_timeout_s
+            )
         ctx = RankContext(0, cfg.world_size, rank_device(cfg.backend), dist.group.WORLD)
         self.handler = self.handler_spec.build(ctx)
         pids = self._round(OP_HELLO, None, cfg.join_timeout_s)

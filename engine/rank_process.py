@@ -83,7 +83,7 @@ class RankBootstrap:
     shm: dict | None = None
     """`ShmSpec.as_dict()` of the driver's channel (channel 'shm')."""
     driver_pid: int | None = None
-    """The driver's process id when on the same host: the rank exits when it is gone."""
+    """The driver's process id when it is the rank's parent process: the rank exits when it is gone."""
 
     def encode(self) -> bytes:
         d = dataclasses.asdict(self)
@@ -121,22 +121,19 @@ def rank_device(backend: str) -> str:
 
 
 def _driver_alive(pid: int | None) -> bool:
-    if pid is None:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """Whether the driver (this process's parent, when `pid` is given) still lives: an orphaned rank is
+    re-parented, so its parent id changes."""
+    return pid is None or os.getppid() == pid
 
 
 def serve(boot: RankBootstrap, channel: PlanChannel, handler: Callable[[Any], Any] | None,
           setup_error: str | None) -> None:  # fmt: skip
     """The rank loop: one reply per message until 'stop', or until the driver's process is gone."""
+    # The gloo channel cannot resume a timed-out wait: there the rank waits up to the group's timeout, and a
+    # driver that dies closes its sockets, which fails the wait at once.
+    poll_s = _DRIVER_POLL_S if boot.channel == "shm" else None
     while True:
-        message = channel.receive(_DRIVER_POLL_S)
+        message = channel.receive(poll_s)
         if message is None:
             if not _driver_alive(boot.driver_pid):
                 log.warning("rank %d: driver %s is gone, exiting", boot.rank, boot.driver_pid)

@@ -6,7 +6,12 @@ every rank process is gone and the shared-memory file removed."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import select
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -57,6 +62,10 @@ def test_round_trips(world, channel):
             pids |= {r["pid"] for r in replies}
         assert len(pids) == world and os.getpid() in pids
 
+        # an idle driver: the ranks back off to sleeping, and wake for the next step
+        time.sleep(1.5)
+        assert [r["step"] for r in g.step({"step": 50})] == [50] * world
+
         # a plan and replies of 3 MiB each way
         blob = os.urandom(3 << 20)
         replies = g.step({"step": 99, "blob": blob, "reply_bytes": 3 << 20})
@@ -94,6 +103,41 @@ def test_stalled_rank_fails_the_step_at_the_timeout(channel):
             g.step({"step": 0, "stall_on": 1, "stall_s": 30.0})
         assert 3.0 <= time.monotonic() - start < 3.0 + 5
     assert_all_gone(g, None)
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie left for a parent that does not reap counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+@pytest.mark.parametrize("channel", ["shm", "dist"])
+def test_ranks_exit_when_their_driver_is_killed(channel):
+    here = Path(__file__).parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here), env.get("PYTHONPATH")) if p)
+    driver = subprocess.Popen(
+        [sys.executable, str(here / "_orphan_driver.py"), channel], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        ready, _, _ = select.select([driver.stdout], [], [], 120)
+        assert ready, "the driver printed no rank pids within 120 s"
+        pids = json.loads(driver.stdout.readline())
+        assert len(pids) == 2 and not any(_gone(p) for p in pids)
+    finally:
+        driver.kill()
+        driver.wait()
+    deadline = time.monotonic() + 10
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if not _gone(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their killed driver by 10 s"
 
 
 def test_handler_error_names_the_rank_and_its_traceback():
