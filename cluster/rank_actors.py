@@ -67,6 +67,10 @@ class RayRankLauncher(RankLauncher):
 
     watches_driver_pid = False
 
+    def device(self, rank: int, backend: str) -> str:
+        # Ray gives each actor of a GPU bundle its own CUDA_VISIBLE_DEVICES; the driver's worker actor too
+        return "cuda:0" if backend == "nccl" else "cpu"
+
     def __init__(self, group: PlacementGroup, gpus_per_rank: int, cpus_per_rank: float):
         self.group, self.gpus_per_rank, self.cpus_per_rank = group, gpus_per_rank, cpus_per_rank
         self.actors: list = []

@@ -42,7 +42,6 @@ from .rank_process import (
     RankBootstrap,
     RankContext,
     join_group,
-    rank_device,
     run_rank,
 )
 from .shm_channel import ShmPlanChannel
@@ -95,6 +94,11 @@ class RankLauncher(abc.ABC):
 
     watches_driver_pid = True
     """Ranks are child processes of the driver and exit when it is gone."""
+
+    def device(self, rank: int, backend: str) -> str:
+        """The device rank `rank` drives: the CPU on gloo; on NCCL, GPU `rank` of the host (ranks as local
+        processes see every GPU). A launcher whose ranks see only their own GPU answers 'cuda:0'."""
+        return f"cuda:{rank}" if backend == "nccl" else "cpu"
 
     @abc.abstractmethod
     def launch(self, bootstraps: list[bytes]) -> None:
@@ -188,16 +192,18 @@ class RankGroup:
                 rank, cfg.world_size, cfg.backend, cfg.channel, cfg.store_host, self._store.port,
                 cfg.join_timeout_s, self.handler_spec, shm,
                 os.getpid() if self.launcher.watches_driver_pid else None,
+                self.launcher.device(rank, cfg.backend),
             ).encode()
             for rank in range(1, cfg.world_size)
         ]  # fmt: skip
         self.launcher.launch(boots)
-        join_group(0, cfg.world_size, cfg.backend, self._store, cfg.join_timeout_s)
+        device = self.launcher.device(0, cfg.backend)
+        join_group(0, cfg.world_size, cfg.backend, self._store, cfg.join_timeout_s, device)
         if cfg.channel == "dist":
             self.channel = DistPlanChannel(
                 DistPlanChannel.new_group(), cfg.max_message_bytes, cfg.step_timeout_s
             )
-        ctx = RankContext(0, cfg.world_size, rank_device(cfg.backend), dist.group.WORLD)
+        ctx = RankContext(0, cfg.world_size, device, dist.group.WORLD)
         self.handler = self.handler_spec.build(ctx)
         pids = self._round(OP_HELLO, None, cfg.join_timeout_s)
         log.info("rank group of %d up (rank pids %s)", cfg.world_size, pids)

@@ -84,6 +84,8 @@ class RankBootstrap:
     """`ShmSpec.as_dict()` of the driver's channel (channel 'shm')."""
     driver_pid: int | None = None
     """The driver's process id when it is the rank's parent process: the rank exits when it is gone."""
+    device: str = "cpu"
+    """The rank's device: 'cpu', or the one GPU it drives ('cuda:0' where it sees only its own)."""
 
     def encode(self) -> bytes:
         d = dataclasses.asdict(self)
@@ -97,10 +99,12 @@ class RankBootstrap:
 
 
 def join_group(
-    rank: int, world_size: int, backend: str, store: dist.Store, timeout_s: float
+    rank: int, world_size: int, backend: str, store: dist.Store, timeout_s: float, device: str
 ) -> None:
     """Joins this process to the worker's default group (collective: every rank calls it, bounded by
-    `timeout_s`)."""
+    `timeout_s`); on NCCL, `device` becomes this process's current GPU first."""
+    if backend == "nccl":
+        torch.cuda.set_device(device)
     dist.init_process_group(
         backend, store=dist.PrefixStore("pdserve-ranks", store), rank=rank,
         world_size=world_size, timeout=timedelta(seconds=timeout_s),
@@ -114,10 +118,6 @@ def open_channel(boot: RankBootstrap) -> PlanChannel:
     if boot.channel == "shm":
         return ShmPlanChannel.open(ShmSpec.from_dict(boot.shm), boot.rank)
     raise ValueError(f"plan channel {boot.channel!r}, expected 'shm' or 'dist'")
-
-
-def rank_device(backend: str) -> str:
-    return "cuda:0" if backend == "nccl" else "cpu"
 
 
 def _driver_alive(pid: int | None) -> bool:
@@ -166,11 +166,11 @@ def run_rank(bootstrap: bytes) -> None:
         boot.store_host, boot.store_port, boot.world_size, False,
         timeout=timedelta(seconds=boot.join_timeout_s),
     )  # fmt: skip
-    join_group(boot.rank, boot.world_size, boot.backend, store, boot.join_timeout_s)
+    join_group(boot.rank, boot.world_size, boot.backend, store, boot.join_timeout_s, boot.device)
     channel = open_channel(boot)
     handler, setup_error = None, None
     try:
-        ctx = RankContext(boot.rank, boot.world_size, rank_device(boot.backend), dist.group.WORLD)
+        ctx = RankContext(boot.rank, boot.world_size, boot.device, dist.group.WORLD)
         handler = boot.handler.build(ctx)
     except Exception:  # reported to the driver on its first message
         setup_error = traceback.format_exc()

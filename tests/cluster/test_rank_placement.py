@@ -69,6 +69,7 @@ def test_placement_violation():
     assert "rank 1" in placement.placement_violation(["n1", "n4"], labels, "nvlink_domain")
 
 
+@pytest.mark.slow
 def test_ranks_land_per_strategy_on_a_simulated_ray_cluster():
     here = Path(__file__).parent
     env = dict(os.environ)

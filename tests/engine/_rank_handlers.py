@@ -64,3 +64,17 @@ def model_step(ctx, ckpt: str, layout: dict, num_pages: int):
         }
 
     return handle
+
+
+def all_reduce(ctx):
+    """Sums each rank's (rank + 1) x plan["scale"] over the worker's group on the rank's device; replies with
+    the sum and the device it ran on."""
+    import torch
+    import torch.distributed as dist
+
+    def handle(plan):
+        t = torch.full((4,), float(ctx.rank + 1) * plan["scale"], device=ctx.device)
+        dist.all_reduce(t, group=ctx.group)
+        return {"sum": t.tolist(), "device": str(t.device)}
+
+    return handle
