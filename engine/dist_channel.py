@@ -1,8 +1,9 @@
 """`PlanChannel` over a torch.distributed gloo group, for ranks on other nodes than the driver (a GB200 NVL72
 worker spans the nodes of one NVLink domain, where shared memory cannot reach).
 
-A broadcast is two gloo broadcasts from the group's rank 0: the length (int64), then the bytes (uint8). Replies
-are an all-gather of the lengths, then a gather to rank 0 of the bytes padded to the longest. Every collective is posted
+A broadcast is one gloo broadcast from the group's rank 0 of a fixed-size frame (the length, then the bytes), and
+a second one of the rest when the message is longer than the frame. Replies are one all-gather of fixed-size
+frames, and a gather of the overflows only when one is longer. Every collective is posted
 asynchronously and waited on with a deadline; a wait that times out or fails (a peer process died) raises
 `RankLostError`. A gloo collective that timed out leaves the group unusable, so after one the channel is closed.
 `receive(None)` waits up to the group's own timeout (set when the group was made): a driver that may stay idle
@@ -36,6 +37,8 @@ class DistPlanChannel(PlanChannel):
         group: dist.ProcessGroup,
         max_message_bytes: int = 64 << 20,
         send_timeout_s: float = 60.0,
+        plan_inline_bytes: int = 64 << 10,
+        reply_inline_bytes: int = 4 << 10,
     ):
         if dist.get_backend(group) != "gloo":
             raise PlanChannelError(
@@ -47,6 +50,10 @@ class DistPlanChannel(PlanChannel):
         self.max_message_bytes = max_message_bytes
         self.send_timeout_s = send_timeout_s
         """Bound on a broadcast: a large one completes only as the ranks take it."""
+        if min(plan_inline_bytes, reply_inline_bytes) <= _LENGTH_BYTES:
+            raise ValueError(f"frames must exceed {_LENGTH_BYTES} bytes (the length field)")
+        self.plan_inline_bytes, self.reply_inline_bytes = plan_inline_bytes, reply_inline_bytes
+        """Frame sizes: a plan (a reply) that fits is one collective; a longer one takes a second."""
         self._src = dist.get_global_rank(group, 0)
         self._closed = False
 
@@ -79,11 +86,10 @@ class DistPlanChannel(PlanChannel):
         if self.rank != 0:
             raise PlanChannelError(f"rank {self.rank} cannot broadcast: only the driver does")
         self._check(self.max_message_bytes, len(message), "plan message")
-        length = torch.tensor([len(message)], dtype=torch.int64)
-        self._bcast(length, self.send_timeout_s, "plan length")
-        if message:
-            data = torch.frombuffer(bytearray(message), dtype=torch.uint8)
-            self._bcast(data, self.send_timeout_s, "plan bytes")
+        head, rest = _frame(message, self.plan_inline_bytes)
+        self._bcast(head, self.send_timeout_s, "plan")
+        if rest is not None:
+            self._bcast(rest, self.send_timeout_s, "plan overflow")
 
     def _bcast(self, tensor: torch.Tensor, timeout_s: float | None, what: str) -> None:
         work = dist.broadcast(tensor, src=self._src, group=self.group, async_op=True)
@@ -92,14 +98,16 @@ class DistPlanChannel(PlanChannel):
     def receive(self, timeout_s: float | None) -> bytes | None:
         if self._closed:
             raise PlanChannelError("the plan channel is closed")
-        length = torch.zeros(1, dtype=torch.int64)
+        head = torch.empty(self.plan_inline_bytes, dtype=torch.uint8)
         # A rank cannot give up on a posted gloo broadcast and post it again, so a timed-out receive closes
         # the channel like any other failure (no None return on this channel).
-        self._bcast(length, timeout_s, "waiting for the plan")
-        data = torch.empty(int(length), dtype=torch.uint8)
-        if len(data):
-            self._bcast(data, timeout_s, "plan bytes")
-        return data.numpy().tobytes()
+        self._bcast(head, timeout_s, "waiting for the plan")
+        length, first = _unframe(head)
+        if length == len(first):
+            return first
+        rest = torch.empty(length - len(first), dtype=torch.uint8)
+        self._bcast(rest, timeout_s, "plan overflow")
+        return first + rest.numpy().tobytes()
 
     def reply(self, message: bytes) -> None:
         if self.rank == 0:
@@ -115,25 +123,53 @@ class DistPlanChannel(PlanChannel):
         return self._gather_bytes(b"", timeout_s)[1:]
 
     def _gather_bytes(self, message: bytes, timeout_s: float | None) -> list[bytes]:
-        is_root = self.rank == 0
-        length = torch.tensor([len(message)], dtype=torch.int64)
-        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        # all-gather, not gather: every rank pads its reply to the longest, so every rank must know it
-        work = dist.all_gather(lengths, length, group=self.group, async_op=True)
-        self._wait(work, timeout_s, "gathering reply lengths")
-        longest = int(max(lengths).item())
-        if longest == 0:
-            return [b""] * self.world_size
-        data = torch.zeros(longest, dtype=torch.uint8)
-        if message:
-            data[: len(message)] = torch.frombuffer(bytearray(message), dtype=torch.uint8)
-        bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
-        work = dist.gather(data, bufs if is_root else None, dst=self._src, group=self.group,
-                           async_op=True)  # fmt: skip
+        """Every rank's reply at rank 0 (an empty list elsewhere): one all-gather of fixed-size frames, so that
+        every rank learns every length, then, only if some reply overflowed its frame, one gather of the
+        overflows padded to the longest."""
+        head, rest = _frame(message, self.reply_inline_bytes)
+        heads = [torch.empty_like(head) for _ in range(self.world_size)]
+        work = dist.all_gather(heads, head, group=self.group, async_op=True)
         self._wait(work, timeout_s, "gathering replies")
-        if not is_root:
+        framed = [_unframe(h) for h in heads]
+        longest_rest = max(length - len(first) for length, first in framed)
+        if longest_rest == 0:
+            return [first for _, first in framed] if self.rank == 0 else []
+        padded = torch.zeros(longest_rest, dtype=torch.uint8)
+        if rest is not None:
+            padded[: len(rest)] = rest
+        bufs = (
+            [torch.empty_like(padded) for _ in range(self.world_size)] if self.rank == 0 else None
+        )
+        work = dist.gather(padded, bufs, dst=self._src, group=self.group, async_op=True)
+        self._wait(work, timeout_s, "gathering reply overflows")
+        if self.rank != 0:
             return []
-        return [bufs[r][: int(lengths[r])].numpy().tobytes() for r in range(self.world_size)]
+        return [
+            first + bufs[r][: length - len(first)].numpy().tobytes()
+            for r, (length, first) in enumerate(framed)
+        ]
 
     def close(self) -> None:
         self._closed = True
+
+
+_LENGTH_BYTES = 8
+
+
+def _frame(message: bytes, frame_bytes: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A fixed-size frame [length (int64 little-endian) | the message's first bytes | zeros], and the rest of
+    the message when it does not fit."""
+    fits = frame_bytes - _LENGTH_BYTES
+    head = torch.zeros(frame_bytes, dtype=torch.uint8)
+    framed = len(message).to_bytes(_LENGTH_BYTES, "little") + message[:fits]
+    head[: len(framed)] = torch.frombuffer(bytearray(framed), dtype=torch.uint8)
+    if len(message) <= fits:
+        return head, None
+    return head, torch.frombuffer(bytearray(message[fits:]), dtype=torch.uint8)
+
+
+def _unframe(head: torch.Tensor) -> tuple[int, bytes]:
+    """(the message's length, the part of it in the frame)."""
+    raw = head.numpy().tobytes()
+    length = int.from_bytes(raw[:_LENGTH_BYTES], "little")
+    return length, raw[_LENGTH_BYTES : _LENGTH_BYTES + length]

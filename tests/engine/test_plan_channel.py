@@ -206,3 +206,19 @@ def test_shm_half_written_header_is_not_a_message(tmp_path):
     finally:
         rank.close()
         driver.close()
+
+
+def test_dist_frames_at_the_boundary():
+    """The gloo channel's fixed-size frames: a message that fills the frame exactly travels whole in it, one
+    byte more leaves exactly that byte for the overflow collective."""
+    from pdserve.engine.dist_channel import _frame, _unframe
+
+    for n in (0, 1, 56, 57, 200):
+        message = os.urandom(n)
+        head, rest = _frame(message, 64)
+        length, first = _unframe(head)
+        assert len(head) == 64 and length == n
+        assert first == message[:56]
+        assert (rest is None) == (n <= 56)
+        if rest is not None:
+            assert first + rest.numpy().tobytes() == message
