@@ -37,7 +37,7 @@ class DistPlanChannel(PlanChannel):
         group: dist.ProcessGroup,
         max_message_bytes: int = 64 << 20,
         send_timeout_s: float = 60.0,
-        plan_inline_bytes: int = 64 << 10,
+        plan_inline_bytes: int = 4 << 10,
         reply_inline_bytes: int = 4 << 10,
     ):
         if dist.get_backend(group) != "gloo":

@@ -148,7 +148,9 @@ class LocalRankLauncher(RankLauncher):
 
 class RankGroup:
     """The driver of one worker's ranks (see the module docstring). `start()` blocks until every rank joined and
-    built its handler (bounded by `join_timeout_s`); use it as a context manager to close it in all cases."""
+    built its handler (bounded by `join_timeout_s`); use it as a context manager to close it in all cases. The
+    group is the default torch.distributed group of the driver's process and of each rank's, so a process holds
+    at most one rank group (other groups, such as KV transfer's, are made apart from the default one)."""
 
     def __init__(
         self, config: RankGroupConfig, handler: HandlerSpec, launcher: RankLauncher | None = None
@@ -218,8 +220,11 @@ class RankGroup:
         return self._round(OP_STEP, plan, self.config.step_timeout_s)
 
     def _round(self, op: str, plan: Any, timeout_s: float) -> list[Any]:
+        message = encode(
+            [op, plan]
+        )  # a plan that is not plain values fails here, and the group goes on
         try:
-            self.channel.broadcast(encode([op, plan]))
+            self.channel.broadcast(message)
         except PlanTooLargeError:
             raise  # refused before anything was sent: the group goes on
         except BaseException:

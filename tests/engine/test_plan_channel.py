@@ -73,9 +73,11 @@ def test_round_trips(world, channel):
         assert [r["blob"][:1] for r in replies[1:]] == [bytes([rank]) for rank in range(1, world)]
         assert all(len(r["blob"]) == 3 << 20 for r in replies[1:])
 
-        # over the limit: refused at the driver, and the group goes on
+        # over the limit, or not plain values: refused at the driver, and the group goes on
         with pytest.raises(PlanTooLargeError, match="exceeds"):
             g.step({"step": 100, "blob": bytes(MAX_BYTES)})
+        with pytest.raises(TypeError):
+            g.step({"step": 100, "blob": object()})
         assert [r["step"] for r in g.step({"step": 101})] == [101] * world
     assert_all_gone(g, shm_path)
 
