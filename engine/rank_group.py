@@ -208,6 +208,8 @@ class RankGroup:
         ctx = RankContext(0, cfg.world_size, device, dist.group.WORLD)
         self.handler = self.handler_spec.build(ctx)
         pids = self._round(OP_HELLO, None, cfg.join_timeout_s)
+        if isinstance(self.channel, ShmPlanChannel):
+            self.channel.unlink()  # every rank has it mapped now
         log.info("rank group of %d up (rank pids %s)", cfg.world_size, pids)
 
     def step(self, plan: Any) -> list[Any]:

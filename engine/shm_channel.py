@@ -233,6 +233,12 @@ class ShmPlanChannel(PlanChannel):
             raise PlanChannelError("the driver does not reply")
         self._replies[self.rank].write(self._seq, message, f"rank {self.rank}'s reply")
 
+    def unlink(self) -> None:
+        """Driver: remove the file's name once every rank has opened it (their mappings keep it alive), so that
+        no process death, the driver's included, can leave it behind in /dev/shm."""
+        if self._owner:
+            Path(self.spec.path).unlink(missing_ok=True)
+
     def close(self) -> None:
         if self._mmap is None:
             return
@@ -241,5 +247,4 @@ class ShmPlanChannel(PlanChannel):
         self._buf.release()
         self._mmap.close()
         self._mmap = None
-        if self._owner:
-            Path(self.spec.path).unlink(missing_ok=True)
+        self.unlink()

@@ -130,6 +130,16 @@ def test_ranks_exit_when_their_driver_is_killed(channel):
         assert ready, "the driver printed no rank pids within 120 s"
         pids = json.loads(driver.stdout.readline())
         assert len(pids) == 2 and not any(_gone(p) for p in pids)
+        if (
+            channel == "shm"
+        ):  # its name removed once the ranks mapped it: a killed driver leaves nothing
+            for pid in pids:
+                maps = [
+                    m
+                    for m in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                    if "pdserve-plan-" in m
+                ]
+                assert maps and all(m.endswith("(deleted)") for m in maps), maps
     finally:
         driver.kill()
         driver.wait()
