@@ -10,7 +10,6 @@ Public surface (imported from the modules, so that `pdserve generate` does not p
 | `placement` | where a worker goes (pure functions over resource tables) |
 | `actors` | Ray actor shells around PrefillWorker / DecodeWorker (plain classes) |
 | `pools` | `ray.remote`, placing and stopping one worker; `WorkerHandle` |
-| `wire` | msgpack payloads of actor calls |
 | `router` | a request's flow: admission, dispatch, relay, preemption, cleanup |
 | `scaling` | starting, warming up, draining and stopping workers |
 | `validation` | GenerateRequest -> prompt ids + SamplingParams, or INVALID_ARGUMENT naming the field |

@@ -3,9 +3,9 @@
 A shell loads the model on its device (cuda:0 inside the actor when it has GPUs, else the CPU), joins the shared KV
 store the router hosts, builds its worker and runs the worker's loop in a thread. It is a threaded actor: control
 calls (submit, abort, stats) and the router's long-poll for outputs run on other threads while the loop steps.
-Every payload in or out is msgpack bytes (`wire`). The actor is a process boundary: unexpected exceptions are
-logged with their traceback and returned as a `WorkerError`; if the worker's loop itself dies, the process exits
-so that Ray reports the worker dead and the router fails its requests."""
+Every payload in or out is msgpack bytes (`pdserve.engine.messages`). The actor is a process boundary: unexpected
+exceptions are logged with their traceback and returned as a `WorkerError`; if the worker's loop itself dies,
+the process exits so that Ray reports the worker dead and the router fails its requests."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import os
 import threading
 import time
 
+from pdserve.engine import messages
+from pdserve.engine.messages import DecodeRequest, PrefillRequest
 from pdserve.kvtransfer import KVTransferConfig
 
-from . import wire
 from .config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -42,15 +43,22 @@ class _WorkerShell:
         self.worker = None
         self._init_error: BaseException | None = None
         self._stop = threading.Event()
+        self._kernel_choice = (model.kernels, model.batch_invariant)
         try:
-            self._start(model, worker_config, kv_config, num_gpus, cpu_threads)
+            with self._kernels():
+                self._start(model, worker_config, kv_config, num_gpus, cpu_threads)
         except Exception as e:  # process boundary: reported by ready()
             logger.error("%s failed to start", worker_id, exc_info=True)
             self._init_error = e
 
+    def _kernels(self):
+        """The kernel library's context for this worker's configuration. Entered by every thread that runs
+        kernels (model load, graph capture, the loop): a context variable does not cross threads."""
+        from pdserve import kernels
+
+        return kernels.use(*self._kernel_choice)
+
     def _start(self, model, worker_config, kv_config, num_gpus: int, cpu_threads: int) -> None:
-        os.environ["PDSERVE_KERNELS"] = model.kernels  # read by the kernel dispatcher on every call
-        os.environ["PDSERVE_BATCH_INVARIANT"] = "1" if model.batch_invariant else "0"
         import torch
 
         from pdserve.kvtransfer.dist import connect_store
@@ -76,24 +84,25 @@ class _WorkerShell:
 
     def _run(self) -> None:
         try:
-            self.worker.run(self._stop)
+            with self._kernels():
+                self.worker.run(self._stop)
         except BaseException:  # process boundary: the worker is unusable; let Ray report it dead
             logger.critical("%s: worker loop died", self.worker_id, exc_info=True)
             os._exit(1)
 
     def _call(self, fn) -> bytes:
         try:
-            return wire.reply(fn)
+            return messages.reply(fn)
         except Exception as e:  # process boundary: returned to the router as a WorkerError
             logger.error("%s: call failed", self.worker_id, exc_info=True)
-            return wire.reply_error(e)
+            return messages.reply_error(e)
 
     def ready(self) -> bytes:
         """What the router needs to know once the model is loaded: node, device and KV capacity."""
         import ray
 
         if self._init_error is not None:
-            return wire.reply_error(self._init_error)
+            return messages.reply_error(self._init_error)
         return self._call(lambda: {
             "node_ip": ray.util.get_node_ip_address(),
             "device": str(self.device),
@@ -125,16 +134,14 @@ class PrefillShell(_WorkerShell):
         return PrefillWorker(self.worker_id, self.model, worker_config, sender, self.kv_cache_dtype)
 
     def submit(self, request: bytes) -> bytes:
-        from pdserve.prefill import PrefillRequest
-
-        return self._call(lambda: self.worker.submit(wire.decode(PrefillRequest, request)))
+        return self._call(lambda: self.worker.submit(messages.decode(PrefillRequest, request)))
 
     def poll_events(self, timeout_s: float) -> bytes:
         """Failures since the last call; waits up to timeout_s for the first (the router's long-poll)."""
         deadline = time.monotonic() + timeout_s
         while not (events := self.worker.poll_events()) and time.monotonic() < deadline:
             time.sleep(_POLL_EVENTS_S)
-        return wire.encode(events)
+        return messages.encode(events)
 
 
 class DecodeShell(_WorkerShell):
@@ -152,10 +159,8 @@ class DecodeShell(_WorkerShell):
         )
 
     def add_request(self, request: bytes) -> bytes:
-        from pdserve.decode import DecodeRequest
-
-        return self._call(lambda: self.worker.add_request(wire.decode(DecodeRequest, request)))
+        return self._call(lambda: self.worker.add_request(messages.decode(DecodeRequest, request)))
 
     def poll_outputs(self, timeout_s: float) -> bytes:
         """Per-step output batches since the last call; waits up to timeout_s for the first."""
-        return wire.encode(self.worker.poll_outputs(timeout_s))
+        return messages.encode(self.worker.poll_outputs(timeout_s))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import grpc
 
+from pdserve.engine.messages import WorkerError
 from pdserve.model.errors import (
     CapacityError,
     ConfigError,
@@ -14,8 +15,6 @@ from pdserve.model.errors import (
     RequestAbortedError,
     TransferError,
 )
-
-from .wire import WorkerError
 
 
 class DeadlineExceededError(RequestAbortedError):

@@ -13,12 +13,12 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pdserve.decode import DecodeStats
+from pdserve.engine import messages
+from pdserve.engine.messages import DecodeStats, PrefillStats
 from pdserve.kvtransfer import KVTransferConfig
 from pdserve.model.errors import CapacityError
-from pdserve.prefill import PrefillStats
 
-from . import placement, wire
+from . import placement
 from .actors import DecodeShell, PrefillShell
 from .config import ServeConfig
 
@@ -128,7 +128,7 @@ class Launcher:
                 raise CapacityError(
                     f"{worker_id} did not load the model within {cluster.load_timeout_s:g}s"
                 ) from None
-            info = wire.unwrap(dict, ready)
+            info = messages.unwrap(dict, ready)
         except BaseException:
             await self.stop(handle)
             raise

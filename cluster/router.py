@@ -6,26 +6,37 @@ in FIFO order while none has room, up to admission_timeout_s), submit the prompt
 prompt tokens together with D's transfer id (no P: D prefills itself), then stream D's outputs. One long-poll per
 worker brings back D's output batches and P's failures. A request that ends any other way than finishing (client
 cancel, deadline, failure) is aborted on every worker it touched, after its calls in flight have landed, so its
-pages are freed on both sides."""
+pages are freed on both sides.
+
+Inside the system a request is keyed by an id this router makes, unique per submission (`Request.request_id`);
+the client's own `request_id` is only echoed back (`Request.client_id`). So a client that cancels and at once
+resends under the same id gets a new, independent request: the old one's cleanup can only touch the old one."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Callable
 
 import ray
 
-from pdserve.decode import DecodeRequest, RequestOutput, Reservation
+from pdserve.engine import messages
+from pdserve.engine.messages import (
+    DecodeRequest,
+    PrefillFailure,
+    PrefillRequest,
+    RequestOutput,
+    Reservation,
+)
+from pdserve.model.checks import check_pages
 from pdserve.model.errors import CapacityError, InvalidRequestError, PdserveError
 from pdserve.model.pages import pages_needed
 from pdserve.model.sampling_params import FinishReason, SamplingParams
-from pdserve.prefill import PrefillFailure, PrefillRequest
 
-from . import wire
 from .config import RouterConfig
 from .errors import DeadlineExceededError, UnavailableError, WorkerFailedError, WorkerLostError
 from .pools import DECODE, PREFILL, WorkerHandle, WorkerState
@@ -34,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 _ADMISSION_RETRY_S = 0.05
 _CLEANUP_WAIT_S = 10.0
+_IDLE_CHECK_S = 0.02
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -41,11 +53,19 @@ class _Lost:
     reason: str
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Shutdown:
+    """The server is stopping: the request ends with finish_reason abort."""
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """One request in flight. Its events queue receives D's outputs, P's failures and worker losses."""
 
     request_id: str
+    """The router's id, unique per submission: workers and logs know the request by it."""
+    client_id: str
+    """The client's `request_id`, echoed in its responses; never used as a key."""
     prompt_ids: list[int]
     params: SamplingParams
     deadline: float | None
@@ -82,6 +102,7 @@ class Router:
         self._capacity = asyncio.Event()
         self._background: set[asyncio.Task] = set()
         self._closed = False
+        self._ids = itertools.count()
 
     # Pools.
 
@@ -119,16 +140,15 @@ class Router:
     # Requests.
 
     def open(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+        self, client_id: str, prompt_ids: list[int], params: SamplingParams,
         deadline: float | None,
     ) -> Request:  # fmt: skip
-        """Registers a request; the caller streams it with `next_tokens` and must `close` it."""
+        """Registers a request under a new internal id; the caller streams it with `next_tokens` and must
+        `close` it. `client_id` is only echoed: several requests in flight may share it."""
         if self._closed:
             raise UnavailableError("the server is shutting down")
-        if request_id in self.requests:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
-        r = Request(request_id, prompt_ids, params, deadline)
-        self.requests[request_id] = r
+        r = Request(f"req-{next(self._ids)}", client_id, prompt_ids, params, deadline)
+        self.requests[r.request_id] = r
         return r
 
     async def next_tokens(
@@ -142,6 +162,12 @@ class Router:
             await self._place(r, force)
         while True:
             event = await self._next_event(r)
+            if isinstance(event, _Shutdown):
+                r.finish_reason, r.finished_at = FinishReason.ABORT, time.monotonic()
+                self._detach(r)
+                return RequestOutput(
+                    r.request_id, [], FinishReason.ABORT, "the server is shutting down"
+                )
             if isinstance(event, _Lost):
                 raise WorkerLostError(event.reason)
             if isinstance(event, PrefillFailure):
@@ -196,13 +222,10 @@ class Router:
     def _check_fits(self, r: Request, decodes: list[WorkerHandle]) -> None:
         total = len(r.prompt_ids) + r.params.max_tokens
         largest = max(w.num_pages for w in decodes)
-        need = pages_needed(total, decodes[0].page_size)
-        if need > largest:
-            raise InvalidRequestError(
-                "sampling_params.max_tokens",
-                f"prompt ({len(r.prompt_ids)} tokens) + max_tokens ({r.params.max_tokens}) need {need} "
-                f"KV pages; the largest decode worker holds {largest}",
-            )
+        try:
+            check_pages(total, decodes[0].page_size, largest, "the largest decode worker")
+        except CapacityError as e:  # no worker can ever hold it: the request is at fault
+            raise InvalidRequestError("sampling_params.max_tokens", str(e)) from None
 
     async def _place(self, r: Request, force) -> None:
         decodes = self.pool(DECODE, WorkerState.SERVING)
@@ -251,13 +274,13 @@ class Router:
                 self.pool(DECODE, WorkerState.SERVING), key=lambda w: (-w.free_pages, w.num_running)
             )
         peer = prefill.worker_id if prefill is not None else None
-        payload = wire.encode(
+        payload = messages.encode(
             DecodeRequest(r.request_id, r.prompt_ids, r.params, peer, r.generated)
         )
         for d in decodes:
             try:
                 reply = await self._call(r, d, d.actor.add_request.remote(payload))
-                reservation = wire.unwrap(Reservation, reply)
+                reservation = messages.unwrap(Reservation, reply)
             except (CapacityError, WorkerLostError):
                 continue
             r.decode, r.decode_worker = d, d.worker_id
@@ -277,9 +300,9 @@ class Router:
             reservation.transfer_id, reservation.dest_cuts,
         )  # fmt: skip
         try:
-            wire.unwrap(
+            messages.unwrap(
                 None,
-                await self._call(r, prefill, prefill.actor.submit.remote(wire.encode(request))),
+                await self._call(r, prefill, prefill.actor.submit.remote(messages.encode(request))),
             )
         except PdserveError:
             await asyncio.gather(d.actor.abort.remote(r.request_id), return_exceptions=True)
@@ -321,7 +344,7 @@ class Router:
             except ray.exceptions.RayError as e:
                 self.worker_lost(w, str(e).splitlines()[0])
                 return
-            for out in wire.decode(list[RequestOutput], data):
+            for out in messages.decode(list[RequestOutput], data):
                 self.num_output_tokens += len(out.token_ids)
                 r = self.requests.get(out.request_id)
                 if r is not None and r.decode is w:
@@ -336,7 +359,7 @@ class Router:
             except ray.exceptions.RayError as e:
                 self.worker_lost(w, str(e).splitlines()[0])
                 return
-            for failure in wire.decode(list[PrefillFailure], data):
+            for failure in messages.decode(list[PrefillFailure], data):
                 r = self.requests.get(failure.request_id)
                 if r is not None and r.prefill is w:
                     r.events.put_nowait(failure)
@@ -346,11 +369,20 @@ class Router:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    async def wait_idle(self, timeout_s: float) -> None:
+        """Waits until no request is open, or `timeout_s` passed."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + timeout_s
+        while self.requests and loop.time() < give_up:
+            await asyncio.sleep(_IDLE_CHECK_S)
+
     async def close_all(self) -> None:
-        """Stops relaying; requests still open fail with UNAVAILABLE."""
+        """Refuses new requests and ends the open ones: each gets a last output with finish_reason abort
+        (its caller streams it), then relaying stops."""
         self._closed = True
         for r in list(self.requests.values()):
-            r.events.put_nowait(_Lost("the server is shutting down"))
+            r.events.put_nowait(_Shutdown())
+        await self.wait_idle(_CLEANUP_WAIT_S)
         for w in list(self.workers.values()):
             if w.poller is not None:
                 w.poller.cancel()

@@ -19,23 +19,22 @@ import ray
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.decode import DecodeStats
+from pdserve.engine import messages
+from pdserve.engine.messages import DecodeStats, PrefillStats
 from pdserve.kvtransfer import KVTransferConfig
 from pdserve.kvtransfer.dist import connect_store
 from pdserve.model.errors import ConfigError
 from pdserve.model.loader import plan_load
 from pdserve.model.random_checkpoint import resolve_model
-from pdserve.prefill import PrefillStats
 from pdserve.protos import SERVICE_NAMES
-from pdserve.v1 import admin_pb2_grpc, generation_pb2_grpc
 
-from . import placement, wire
+from . import placement
 from .config import ServeConfig
 from .pools import DECODE, PREFILL, Launcher, WorkerState
 from .reaper import tie_ray_to_this_process
 from .router import Router
 from .scaling import Scaler
-from .service import AdminServicer, GenerationServicer
+from .service import add_servicers
 from .validation import ModelInfo
 
 logger = logging.getLogger("pdserve.server")
@@ -163,10 +162,7 @@ class PdServer:
     async def _start_grpc(self) -> None:
         router_config = self.config.router
         self.grpc_server = grpc.aio.server()
-        generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self), self.grpc_server
-        )
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self), self.grpc_server)
+        add_servicers(self, self.grpc_server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         await self._set_health(False)
@@ -220,7 +216,9 @@ class PdServer:
             workers, await asyncio.gather(*calls, return_exceptions=True), strict=True
         ):
             if isinstance(result, bytes):
-                w.stats = wire.unwrap(PrefillStats if w.role == PREFILL else DecodeStats, result)
+                w.stats = messages.unwrap(
+                    PrefillStats if w.role == PREFILL else DecodeStats, result
+                )
                 w.reserved_pages = 0
         now, tokens = time.monotonic(), self.router.num_output_tokens
         then, before = self._rate
@@ -262,16 +260,20 @@ class PdServer:
         return line
 
     async def stop(self) -> None:
-        """Health NOT_SERVING, requests in flight get shutdown_grace_s to finish, then the workers stop."""
+        """Health NOT_SERVING, requests in flight get shutdown_grace_s to finish, those still open then end
+        with a last chunk whose finish_reason is abort, then the workers stop."""
         self.serving = False
+        grace = self.config.router.shutdown_grace_s
         if hasattr(self, "health"):
             await self.health.enter_graceful_shutdown()
+        if hasattr(self, "router"):
+            await self.router.wait_idle(grace)
+            await self.router.close_all()
         if hasattr(self, "grpc_server"):
-            await self.grpc_server.stop(self.config.router.shutdown_grace_s)
+            await self.grpc_server.stop(grace)
         for task in self._tasks:
             task.cancel()
         if hasattr(self, "router"):
-            await self.router.close_all()
             await self.scaler.stop_all()
         logger.info("stopped")
 

@@ -10,12 +10,24 @@ import json
 from pathlib import Path
 
 from pdserve.model.args import ModelArgs
+from pdserve.model.checks import check_context, check_prompt_len, check_token_ids
 from pdserve.model.errors import InvalidRequestError
 from pdserve.model.sampling_params import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.v1 import generation_pb2 as pb
 
 from .config import RouterConfig
+
+MAX_REQUEST_ID_CHARS = 256
+"""Longest client `request_id` accepted: it is echoed in every response chunk."""
+
+
+def check_request_id(request_id: str) -> None:
+    """Raises InvalidRequestError for a client `request_id` too long to echo (its text is never quoted)."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError(
+            "request_id", f"{len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}"
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -76,14 +88,7 @@ def _prompt_ids(request: pb.GenerateRequest, model: ModelInfo) -> tuple[str, lis
             )
         return "prompt", model.tokenizer.encode(request.prompt)
     ids = list(request.prompt_token_ids.ids)
-    if not ids:
-        raise InvalidRequestError("prompt_token_ids", "is empty")
-    for position, token in enumerate(ids):
-        if token >= model.vocab_size:
-            raise InvalidRequestError(
-                "prompt_token_ids",
-                f"id {token} at position {position} is outside the vocabulary [0, {model.vocab_size})",
-            )
+    check_token_ids(ids, model.vocab_size, "prompt_token_ids")
     return "prompt_token_ids", ids
 
 
@@ -94,27 +99,18 @@ def _sampling_params(
     limit = min(router.max_tokens_limit or model.max_model_len, room)
     if sp.HasField("max_tokens"):
         max_tokens = sp.max_tokens
-        if max_tokens == 0:
-            raise InvalidRequestError("sampling_params.max_tokens", "must be >= 1, got 0")
         if router.max_tokens_limit is not None and max_tokens > router.max_tokens_limit:
             raise InvalidRequestError(
                 "sampling_params.max_tokens",
                 f"{max_tokens} exceeds this server's limit of {router.max_tokens_limit}",
             )
-        if max_tokens > room:
-            raise InvalidRequestError(
-                "sampling_params.max_tokens",
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
-                f"model's context of {model.max_model_len}",
-            )
+        check_context(
+            num_prompt_tokens, max_tokens, model.max_model_len, "sampling_params.max_tokens"
+        )
     else:
         max_tokens = min(router.default_max_tokens, limit)
-    for token in sp.stop_token_ids:
-        if token >= model.vocab_size:
-            raise InvalidRequestError(
-                "sampling_params.stop_token_ids",
-                f"id {token} is outside the vocabulary [0, {model.vocab_size})",
-            )
+    if sp.stop_token_ids:
+        check_token_ids(sp.stop_token_ids, model.vocab_size, "sampling_params.stop_token_ids")
     d = model.defaults
     try:
         return SamplingParams(
@@ -138,10 +134,5 @@ def parse_request(
 ) -> tuple[list[int], SamplingParams]:
     """The prompt's token ids and the request's sampling parameters (with a concrete seed)."""
     field, prompt_ids = _prompt_ids(request, model)
-    if len(prompt_ids) >= model.max_model_len:
-        raise InvalidRequestError(
-            field,
-            f"{len(prompt_ids)} tokens; the model's context is {model.max_model_len} tokens, prompt "
-            "and output together",
-        )
+    check_prompt_len(len(prompt_ids), model.max_model_len, field)
     return prompt_ids, _sampling_params(request.sampling_params, len(prompt_ids), model, router)

@@ -1,7 +1,7 @@
 """The decode worker: admits requests by free KV pages, receives their KV from prefill workers (or prefills them
 itself: the aggregated path), runs continuous batching with preemption by recompute, and streams tokens.
 
-Names are imported lazily: the scheduler and its messages import without torch."""
+Names are imported lazily: the scheduler imports without torch (its messages are `pdserve.engine.messages`)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,9 @@ from typing import Any
 
 _EXPORTS = {
     "DecodeConfig": "config",
-    "DecodeRequest": "scheduler",
     "DecodeScheduler": "scheduler",
-    "RequestOutput": "scheduler",
     "RequestState": "scheduler",
-    "DecodeStats": "worker",
     "DecodeWorker": "worker",
-    "Reservation": "worker",
 }
 
 __all__ = sorted(_EXPORTS)

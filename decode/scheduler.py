@@ -15,43 +15,12 @@ import enum
 import itertools
 from collections.abc import Collection
 
+from pdserve.engine.messages import DecodeRequest, RequestOutput
+from pdserve.model.checks import check_context, check_pages, check_token_ids
 from pdserve.model.chunking import plan_prefill_chunks
 from pdserve.model.errors import CapacityError, InvalidRequestError
 from pdserve.model.pages import PageAllocator, pages_needed
-from pdserve.model.sampling_params import (
-    FinishReason,
-    SamplingParams,
-    check_stop,
-)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DecodeRequest:
-    """What the router asks a decode worker to hold."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    """With a concrete seed."""
-    prefill_peer: str | None = None
-    """Worker id of the prefill worker that will send the KV; None: prefill here (aggregated)."""
-    generated_token_ids: list[int] = dataclasses.field(default_factory=list)
-    """Tokens generated before a preemption; their KV is recomputed with the prompt's."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """One request's share of one step, streamed back to the router."""
-
-    request_id: str
-    token_ids: list[int]
-    """Tokens new since the last output."""
-    finish_reason: str | None = None
-    """stop, length or abort once finished."""
-    error: str | None = None
-    """Why the request was aborted by the worker (transfer failure, timeout, ...)."""
-    preempted: bool = False
-    """The worker gave the request's pages away: resubmit it with the tokens generated so far."""
+from pdserve.model.sampling_params import FinishReason, check_stop
 
 
 class RequestState(enum.Enum):
@@ -126,25 +95,12 @@ class DecodeScheduler:
         """Raises InvalidRequestError naming the field when the request can never run on this model."""
         if request.request_id in self.seqs:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
-        if not request.prompt_token_ids:
-            raise InvalidRequestError("prompt", "is empty")
-        bad = next((t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                "prompt_token_ids", f"id {bad} outside [0, {self.vocab_size})"
-            )
-        total = len(request.prompt_token_ids) + request.params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"prompt ({len(request.prompt_token_ids)}) + max_tokens ({request.params.max_tokens}) "
-                f"exceeds the model's context of {self.max_model_len}",
-            )
-        if pages_needed(total, self.page_size) > self.allocator.num_pages:
-            raise CapacityError(
-                f"{total} tokens need {pages_needed(total, self.page_size)} KV pages; this decode worker "
-                f"has {self.allocator.num_pages}"
-            )
+        num_prompt, max_tokens = len(request.prompt_token_ids), request.params.max_tokens
+        check_token_ids(request.prompt_token_ids, self.vocab_size, "prompt_token_ids")
+        check_context(num_prompt, max_tokens, self.max_model_len)
+        check_pages(
+            num_prompt + max_tokens, self.page_size, self.allocator.num_pages, "this decode worker"
+        )
 
     def can_admit(self, num_tokens: int) -> bool:
         return (

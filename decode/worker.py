@@ -9,49 +9,27 @@ queued as one batch for `poll_outputs`.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
-import threading
 import time
 
 from pdserve import kernels
+from pdserve.engine.messages import DecodeRequest, DecodeStats, RequestOutput, Reservation
+from pdserve.engine.worker import Worker
 from pdserve.kvtransfer import ExpectedTransfer, KVReceiver, MakeReceiver
 from pdserve.model.batch import SeqChunk
 from pdserve.model.deepseek import Transformer
-from pdserve.model.pages import PageAllocator
-from pdserve.model.runner import ModelRunner, SampleSpec
+from pdserve.model.runner import SampleSpec
 
 from .config import DecodeConfig
-from .scheduler import DecodeRequest, DecodeScheduler, RequestOutput, RequestState
+from .scheduler import DecodeScheduler, RequestState
 
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Reservation:
-    """Where the prefill worker must send the request's KV: its transfer id here and the page count."""
+class DecodeWorker(Worker):
+    idle_wait_s = 0.005
 
-    transfer_id: int
-    num_pages: int
-    dest_cuts: tuple[int, ...] = ()
-    """The KV receiver's advice to the sender (`KVReceiver.expect`): where to cut the transfer's pages."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DecodeStats:
-    worker_id: str
-    num_running: int
-    num_waiting: int
-    pages_used: int
-    pages_total: int
-    max_running: int
-    tokens_per_page: int
-    num_preemptions: int
-    """Since start."""
-
-
-class DecodeWorker:
     def __init__(
         self,
         worker_id: str,
@@ -61,17 +39,7 @@ class DecodeWorker:
         kv_cache_dtype: str = "auto",
     ):
         """kv_cache_dtype: auto or fp8 (`pdserve.model.kv_cache`); must be the prefill workers'."""
-        self.worker_id, self.model, self.config = worker_id, model, config
-        self.runner = ModelRunner.sized(
-            model,
-            config.page_size,
-            config.num_pages,
-            config.gpu_memory_fraction,
-            config.cpu_cache_bytes,
-            cuda_graphs=config.cuda_graphs,
-            kv_cache_dtype=kv_cache_dtype,
-        )
-        self.allocator = PageAllocator(self.runner.num_pages)
+        super().__init__(worker_id, model, config, kv_cache_dtype, cuda_graphs=config.cuda_graphs)
         args = model.args
         self.scheduler = DecodeScheduler(
             self.allocator, config.page_size, config.max_running, config.max_num_batched_tokens,
@@ -81,13 +49,7 @@ class DecodeWorker:
         self.receiver: KVReceiver | None = (
             make_receiver(self.runner.cache.data) if make_receiver else None
         )
-        self._lock = threading.Lock()
         self._outputs: queue.SimpleQueue[list[RequestOutput]] = queue.SimpleQueue()
-        self._wake = threading.Event()
-
-    @property
-    def num_pages(self) -> int:
-        return self.allocator.num_pages
 
     def add_request(self, request: DecodeRequest) -> Reservation:
         """Admits a request, taking pages for its prompt (and tokens generated before a preemption). With a
@@ -233,12 +195,6 @@ class DecodeWorker:
     def _emit(self, outputs: list[RequestOutput]) -> None:
         if outputs:
             self._outputs.put(outputs)
-
-    def run(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            if not self.step():
-                self._wake.wait(timeout=0.005)
-                self._wake.clear()
 
     def close(self) -> None:
         if self.receiver is not None:

@@ -15,6 +15,7 @@ from ._backend import (
     backend_for,
     batch_invariant,
     forward_phase,
+    use,
     use_backend,
     use_batch_invariant,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "sample",
     "scaled_gemm",
     "silu_mul",
+    "use",
     "use_backend",
     "use_batch_invariant",
     "write_kv",

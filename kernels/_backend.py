@@ -1,8 +1,9 @@
 """Chooses, per call, between a kernel's Triton implementation and its plain-torch reference.
 
-The choice comes from (highest first): the `use_backend()` context, the `PDSERVE_KERNELS` environment variable
-(`auto`, `ref` or `triton`), then `auto`: Triton for CUDA tensors when Triton imports, the reference otherwise.
-Forcing `triton` on CPU tensors needs `TRITON_INTERPRET=1` (the interpreter runs the kernels on the CPU).
+The choice comes from (highest first): the `use()` / `use_backend()` context, the `PDSERVE_KERNELS`
+environment variable (`auto`, `ref` or `triton`), then `auto`: Triton for CUDA tensors when Triton imports,
+the reference otherwise. Forcing `triton` on CPU tensors needs `TRITON_INTERPRET=1` (the interpreter runs the
+kernels on the CPU).
 
 Batch-invariant mode (`PDSERVE_BATCH_INVARIANT=1`, or the `use_batch_invariant()` context) makes every
 token's arithmetic independent of the batch it runs in: dense GEMMs go through `kernels.matmul`'s
@@ -155,6 +156,19 @@ def batch_invariant() -> bool:
 def use_batch_invariant(on: bool = True) -> Iterator[None]:
     """Within the block, batch-invariant mode is `on` whatever the environment says."""
     with _set(_invariant_override, bool(on)):
+        yield
+
+
+@contextlib.contextmanager
+def use(backend: str | None = None, batch_invariant: bool | None = None) -> Iterator[None]:
+    """Within the block, kernels run with `backend` and batch-invariant mode `batch_invariant` (None keeps
+    the surrounding choice). A context variable: every thread that runs kernels (a worker's loop thread, not
+    only the thread that built it) must enter it itself."""
+    with contextlib.ExitStack() as stack:
+        if backend is not None:
+            stack.enter_context(use_backend(backend))
+        if batch_invariant is not None:
+            stack.enter_context(use_batch_invariant(batch_invariant))
         yield
 
 

@@ -9,12 +9,12 @@ from collections.abc import Sequence
 import torch
 
 from .batch import SeqChunk, build_forward_batch
+from .checks import check_context, check_token_ids
 from .deepseek import Transformer
-from .errors import InvalidRequestError
 from .kv_cache import KVCacheLayout, PagedKVCache, resolve_cache_dtype
 from .pages import pages_needed
 from .sampler import sample_tokens
-from .sampling_params import SamplingParams, check_stop, validate_prompt_ids
+from .sampling_params import SamplingParams, check_stop
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -37,14 +37,9 @@ class OfflineGenerator:
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         args = self.model.args
-        validate_prompt_ids(prompt_ids, args.vocab_size)
+        check_token_ids(prompt_ids, args.vocab_size, "prompt_token_ids")
+        check_context(len(prompt_ids), params.max_tokens, args.max_position_embeddings)
         total = len(prompt_ids) + params.max_tokens
-        if total > args.max_position_embeddings:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context of {args.max_position_embeddings}",
-            )
         params = params.with_seed()
         num_pages = pages_needed(total, self.page_size)
         cache = PagedKVCache(self.layout, num_pages, self.device)

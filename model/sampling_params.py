@@ -63,17 +63,6 @@ class SamplingParams:
         return dataclasses.replace(self, seed=random.SystemRandom().randint(0, MAX_SEED))
 
 
-def validate_prompt_ids(token_ids: list[int], vocab_size: int) -> None:
-    """Raises InvalidRequestError naming the field for an empty prompt or an id outside the vocabulary."""
-    if not token_ids:
-        raise InvalidRequestError("prompt", "is empty")
-    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequestError(
-            "prompt_token_ids", f"id {bad} outside the vocabulary [0, {vocab_size})"
-        )
-
-
 def check_stop(
     params: SamplingParams, token_id: int, num_generated: int, eos_token_ids: Collection[int]
 ) -> str | None:

@@ -1,7 +1,7 @@
 """The prefill worker: batches prompts under a token budget (chunking long ones), samples each prompt's first token,
 and hands its KV pages to the decode worker that reserved room for it.
 
-Names are imported lazily: the scheduler and its messages import without torch."""
+Names are imported lazily: the scheduler imports without torch (its messages are `pdserve.engine.messages`)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,7 @@ from typing import Any
 
 _EXPORTS = {
     "PrefillConfig": "config",
-    "PrefillRequest": "scheduler",
     "PrefillScheduler": "scheduler",
-    "PrefillFailure": "worker",
-    "PrefillStats": "worker",
     "PrefillWorker": "worker",
 }
 

@@ -7,29 +7,11 @@ import dataclasses
 import enum
 from collections import deque
 
+from pdserve.engine.messages import PrefillRequest
+from pdserve.model.checks import check_pages, check_token_ids
 from pdserve.model.chunking import plan_prefill_chunks
-from pdserve.model.errors import CapacityError, InvalidRequestError
+from pdserve.model.errors import InvalidRequestError
 from pdserve.model.pages import PageAllocator, pages_needed
-from pdserve.model.sampling_params import SamplingParams
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PrefillRequest:
-    """What the router asks a prefill worker to do."""
-
-    request_id: str
-    token_ids: list[int]
-    """The prompt, followed by any tokens generated before the request was preempted."""
-    params: SamplingParams
-    """With a concrete seed."""
-    num_generated: int
-    """Tokens generated before (the sampling step of the token sampled here)."""
-    decode_peer: str
-    """Worker id of the decode worker that reserved pages for this request."""
-    transfer_id: int
-    """Its id for the transfer, issued by that decode worker."""
-    dest_cuts: tuple[int, ...] = ()
-    """That decode worker's advice on cutting the transfer (`Reservation.dest_cuts`)."""
 
 
 class PrefillState(enum.Enum):
@@ -82,19 +64,10 @@ class PrefillScheduler:
     def add(self, request: PrefillRequest) -> None:
         if request.request_id in self.seqs:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already queued")
-        if not request.token_ids:
-            raise InvalidRequestError("prompt", "is empty")
-        bad = next((t for t in request.token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                "prompt_token_ids", f"id {bad} outside [0, {self.vocab_size})"
-            )
-        need = pages_needed(len(request.token_ids), self.page_size)
-        if need > self.allocator.num_pages:
-            raise CapacityError(
-                f"prompt of {len(request.token_ids)} tokens needs {need} KV pages; this prefill "
-                f"worker has {self.allocator.num_pages}"
-            )
+        check_token_ids(request.token_ids, self.vocab_size, "prompt_token_ids")
+        check_pages(
+            len(request.token_ids), self.page_size, self.allocator.num_pages, "this prefill worker"
+        )
         self.seqs[request.request_id] = PrefillSeq(request)
         self._order.append(request.request_id)
 

@@ -8,73 +8,40 @@ are reported through `poll_events` and fail only the requests involved.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve import kernels
+from pdserve.engine.messages import PrefillFailure, PrefillRequest, PrefillStats
+from pdserve.engine.worker import Worker
 from pdserve.kvtransfer import KVSender
 from pdserve.model.batch import SeqChunk
 from pdserve.model.deepseek import Transformer
 from pdserve.model.errors import PdserveError
-from pdserve.model.pages import PageAllocator
-from pdserve.model.runner import ModelRunner, SampleSpec
+from pdserve.model.runner import SampleSpec
 
 from .config import PrefillConfig
-from .scheduler import PrefillRequest, PrefillScheduler, PrefillSeq, PrefillState
+from .scheduler import PrefillScheduler, PrefillSeq, PrefillState
 
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class PrefillFailure:
-    """A request this worker could not hand over; the router fails it (the decode side frees its pages)."""
-
-    request_id: str
-    error: str
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PrefillStats:
-    worker_id: str
-    num_queued: int
-    queued_tokens: int
-    num_sending: int
-    pages_used: int
-    pages_total: int
-
-
-class PrefillWorker:
+class PrefillWorker(Worker):
     def __init__(
         self, worker_id: str, model: Transformer, config: PrefillConfig, sender: KVSender,
         kv_cache_dtype: str = "auto",
     ):  # fmt: skip
         """kv_cache_dtype: auto or fp8 (`pdserve.model.kv_cache`); must be the decode workers'."""
-        self.worker_id, self.model, self.config, self.sender = worker_id, model, config, sender
-        self.runner = ModelRunner.sized(
-            model,
-            config.page_size,
-            config.num_pages,
-            config.gpu_memory_fraction,
-            config.cpu_cache_bytes,
-            kv_cache_dtype=kv_cache_dtype,
-        )
-        self.allocator = PageAllocator(self.runner.num_pages)
+        super().__init__(worker_id, model, config, kv_cache_dtype)
+        self.sender = sender
         self.scheduler = PrefillScheduler(
             self.allocator, config.page_size, config.max_num_batched_tokens,
             config.max_prefill_chunk, model.args.vocab_size, kernels.batch_invariant(),
         )  # fmt: skip
-        self._lock = threading.Lock()
         self._aborted: set[str] = set()
         self._failures: list[PrefillFailure] = []
         self._sends = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{worker_id}-send")
-        self._wake = threading.Event()
-
-    @property
-    def num_pages(self) -> int:
-        return self.allocator.num_pages
 
     def submit(self, request: PrefillRequest) -> None:
         """Queues a prompt. Raises InvalidRequestError / CapacityError when it cannot ever run here."""
@@ -145,13 +112,6 @@ class PrefillWorker:
                 if c.is_last:
                     self._sends.submit(self._send, seq, token)
         return True
-
-    def run(self, stop: threading.Event) -> None:
-        """The worker's loop: steps while there is work, waits for a submit otherwise."""
-        while not stop.is_set():
-            if not self.step():
-                self._wake.wait(timeout=0.05)
-                self._wake.clear()
 
     def close(self) -> None:
         self._sends.shutdown(wait=True, cancel_futures=False)

@@ -191,17 +191,6 @@ def test_bad_input_is_invalid_argument_naming_the_field(client, request_, field)
     assert chunks[-1].finish_reason == generation_pb2.FINISH_REASON_LENGTH
 
 
-def test_duplicate_request_id_in_flight_is_refused(client):
-    call = client.generate(greedy([0, 3, 4], 500, request_id="dup"), timeout_s=60)
-    next(call)
-    with pytest.raises(grpc.RpcError) as info:
-        collect(client, greedy([0, 3], 2, request_id="dup"))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "request_id" in info.value.details()
-    call.cancel()
-    wait_for(lambda: all_pages_free(client), 10, "pages freed")
-
-
 CLIENT_SCRIPT = """
 import sys, grpc
 sys.path.insert(0, sys.argv[1])

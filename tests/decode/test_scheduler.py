@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from pdserve.decode.scheduler import DecodeRequest, DecodeScheduler, RequestState
+from pdserve.decode.scheduler import DecodeScheduler, RequestState
+from pdserve.engine.messages import DecodeRequest
 from pdserve.model.errors import CapacityError, InvalidRequestError
 from pdserve.model.pages import PageAllocator
 from pdserve.model.sampling_params import SamplingParams
@@ -68,7 +69,7 @@ def test_validation_and_capacity():
     s = scheduler(num_pages=4, max_running=2)
     with pytest.raises(InvalidRequestError) as e:
         s.admit(request("a", 0))
-    assert e.value.field == "prompt"
+    assert str(e.value) == "prompt_token_ids: is empty"
     with pytest.raises(InvalidRequestError) as e:
         s.admit(DecodeRequest("b", [5, 200], SamplingParams(seed=0), "p0"))
     assert e.value.field == "prompt_token_ids"

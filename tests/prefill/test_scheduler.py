@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.engine.messages import PrefillRequest
 from pdserve.model.errors import CapacityError
 from pdserve.model.pages import PageAllocator
 from pdserve.model.sampling_params import SamplingParams
-from pdserve.prefill.scheduler import PrefillRequest, PrefillScheduler, PrefillState
+from pdserve.prefill.scheduler import PrefillScheduler, PrefillState
 
 
 def request(rid: str, n: int) -> PrefillRequest:
@@ -69,5 +70,5 @@ def test_pages_wait_at_the_head_of_the_line():
 
 def test_a_prompt_that_can_never_fit_is_refused():
     s = PrefillScheduler(PageAllocator(2), 4, 100, 100, 100)
-    with pytest.raises(CapacityError, match="needs 3 KV pages"):
+    with pytest.raises(CapacityError, match="need 3 KV pages"):
         s.add(request("a", 9))

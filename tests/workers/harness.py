@@ -8,10 +8,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from pdserve.decode import DecodeRequest
+from pdserve.engine.messages import DecodeRequest, PrefillRequest
 from pdserve.model.errors import CapacityError
 from pdserve.model.sampling_params import SamplingParams
-from pdserve.prefill import PrefillRequest
 
 
 @dataclasses.dataclass

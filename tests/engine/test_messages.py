@@ -5,11 +5,17 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from pdserve.cluster import wire
-from pdserve.decode import DecodeRequest, DecodeStats, RequestOutput, Reservation
+from pdserve.engine import messages
+from pdserve.engine.messages import (
+    DecodeRequest,
+    DecodeStats,
+    PrefillFailure,
+    PrefillRequest,
+    RequestOutput,
+    Reservation,
+)
 from pdserve.model.errors import CapacityError, InvalidRequestError, TransferError
 from pdserve.model.sampling_params import SamplingParams
-from pdserve.prefill import PrefillFailure, PrefillRequest
 
 PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop_token_ids=(4, 5))
 
@@ -32,9 +38,9 @@ PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop_to
     ],
 )
 def test_round_trip(value, hint):
-    data = wire.encode(value)
+    data = messages.encode(value)
     assert isinstance(msgpack.unpackb(data), dict | list)  # plain msgpack, readable anywhere
-    assert wire.decode(hint, data) == value
+    assert messages.decode(hint, data) == value
 
 
 def test_errors_are_raised_again_with_their_type_and_field():
@@ -42,11 +48,11 @@ def test_errors_are_raised_again_with_their_type_and_field():
         raise InvalidRequestError("prompt_token_ids", "id 5000 outside [0, 1024)")
 
     with pytest.raises(InvalidRequestError) as info:
-        wire.unwrap(Reservation, wire.reply(invalid))
+        messages.unwrap(Reservation, messages.reply(invalid))
     assert info.value.field == "prompt_token_ids"
     assert str(info.value) == "prompt_token_ids: id 5000 outside [0, 1024)"
     for error in (CapacityError("full"), TransferError("link down")):
         with pytest.raises(type(error), match=str(error)):
-            wire.unwrap(None, wire.reply_error(error))
-    with pytest.raises(wire.WorkerError, match="ZeroDivisionError"):
-        wire.unwrap(None, wire.reply_error(ZeroDivisionError("x")))
+            messages.unwrap(None, messages.reply_error(error))
+    with pytest.raises(messages.WorkerError, match="ZeroDivisionError"):
+        messages.unwrap(None, messages.reply_error(ZeroDivisionError("x")))

@@ -1,0 +1,214 @@
+"""Every message between the router and its workers, and their codec: msgpack bytes, never pickle.
+
+A message is a frozen dataclass. It travels as a map of its fields and is rebuilt from its type hints (nested
+dataclasses, tuples); an error travels as its class name, message and field, and is raised again on the
+caller's side. Request ids in these messages are the router's internal ids (unique per submission), never the
+client's `request_id`, so a client reusing its id cannot touch another submission's state on a worker."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import msgpack
+
+from pdserve.model import errors
+from pdserve.model.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+_ERRORS: dict[str, type[errors.PdserveError]] = {
+    cls.__name__: cls
+    for cls in (
+        errors.PdserveError,
+        errors.ConfigError,
+        errors.CheckpointError,
+        errors.InvalidRequestError,
+        errors.CapacityError,
+        errors.TransferError,
+        errors.RequestAbortedError,
+    )
+}
+
+
+# Router -> prefill worker.
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefillRequest:
+    """What the router asks a prefill worker to do."""
+
+    request_id: str
+    token_ids: list[int]
+    """The prompt, followed by any tokens generated before the request was preempted."""
+    params: SamplingParams
+    """With a concrete seed."""
+    num_generated: int
+    """Tokens generated before (the sampling step of the token sampled here)."""
+    decode_peer: str
+    """Worker id of the decode worker that reserved pages for this request."""
+    transfer_id: int
+    """Its id for the transfer, issued by that decode worker."""
+    dest_cuts: tuple[int, ...] = ()
+    """That decode worker's advice on cutting the transfer (`Reservation.dest_cuts`)."""
+
+
+# Prefill worker -> router.
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefillFailure:
+    """A request this worker could not hand over; the router fails it (the decode side frees its pages)."""
+
+    request_id: str
+    error: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefillStats:
+    worker_id: str
+    num_queued: int
+    queued_tokens: int
+    num_sending: int
+    pages_used: int
+    pages_total: int
+
+
+# Router -> decode worker.
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DecodeRequest:
+    """What the router asks a decode worker to hold."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    """With a concrete seed."""
+    prefill_peer: str | None = None
+    """Worker id of the prefill worker that will send the KV; None: prefill here (aggregated)."""
+    generated_token_ids: list[int] = dataclasses.field(default_factory=list)
+    """Tokens generated before a preemption; their KV is recomputed with the prompt's."""
+
+
+# Decode worker -> router.
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reservation:
+    """Where the prefill worker must send the request's KV: its transfer id here and the page count."""
+
+    transfer_id: int
+    num_pages: int
+    dest_cuts: tuple[int, ...] = ()
+    """The KV receiver's advice to the sender (`KVReceiver.expect`): where to cut the transfer's pages."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One request's share of one step, streamed back to the router."""
+
+    request_id: str
+    token_ids: list[int]
+    """Tokens new since the last output."""
+    finish_reason: str | None = None
+    """stop, length or abort once finished."""
+    error: str | None = None
+    """Why the request was aborted by the worker (transfer failure, timeout, ...)."""
+    preempted: bool = False
+    """The worker gave the request's pages away: resubmit it with the tokens generated so far."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DecodeStats:
+    worker_id: str
+    num_running: int
+    num_waiting: int
+    pages_used: int
+    pages_total: int
+    max_running: int
+    tokens_per_page: int
+    num_preemptions: int
+    """Since start."""
+
+
+# The codec.
+
+
+class WorkerError(errors.PdserveError):
+    """An unexpected exception inside a worker actor (its message is the worker's `repr` of it)."""
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list | tuple):
+        return [_to_plain(x) for x in obj]
+    return obj
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _from_plain(hint: Any, value: Any) -> Any:
+    if value is None:
+        return None
+    if dataclasses.is_dataclass(hint):
+        hints = _hints(hint)
+        return hint(**{k: _from_plain(hints[k], v) for k, v in value.items()})
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        (item, *_) = typing.get_args(hint)
+        return tuple(_from_plain(item, x) for x in value)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return [_from_plain(item, x) for x in value]
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _from_plain(inner[0], value) if len(inner) == 1 else value
+    return value
+
+
+def encode(obj: Any) -> bytes:
+    """A dataclass (or a list of them, or plain values) as msgpack bytes."""
+    return msgpack.packb(_to_plain(obj), use_bin_type=True)
+
+
+def decode(hint: type[T] | Any, data: bytes) -> T:
+    """The inverse of `encode`, given the type (`RequestOutput`, `list[RequestOutput]`, ...)."""
+    return _from_plain(hint, msgpack.unpackb(data, raw=False))
+
+
+def reply(fn: Callable[[], Any]) -> bytes:
+    """Runs `fn` on the worker's side; its result, or the pdserve error it raised, as a msgpack envelope.
+    Unexpected exceptions propagate (the actor shell logs them and converts them with `reply_error`)."""
+    try:
+        return msgpack.packb({"ok": _to_plain(fn())}, use_bin_type=True)
+    except errors.PdserveError as e:
+        return reply_error(e)
+
+
+def reply_error(e: BaseException) -> bytes:
+    field = getattr(e, "field", None)
+    message = e.args[0] if e.args and isinstance(e, errors.PdserveError) else repr(e)
+    if field is not None:
+        message = message.removeprefix(f"{field}: ")
+    kind = type(e).__name__ if type(e).__name__ in _ERRORS else "WorkerError"
+    return msgpack.packb({"err": [kind, str(message), field]}, use_bin_type=True)
+
+
+def unwrap(hint: type[T] | Any, data: bytes) -> T:
+    """The result inside a `reply` envelope, or the error it carries raised again as its pdserve class."""
+    envelope = msgpack.unpackb(data, raw=False)
+    if "err" in envelope:
+        kind, message, field = envelope["err"]
+        if kind == "InvalidRequestError":
+            raise errors.InvalidRequestError(field or "request", message)
+        raise _ERRORS.get(kind, WorkerError)(message)
+    return _from_plain(hint, envelope["ok"])
