@@ -1,4 +1,4 @@
-"""Handlers for rank-group tests, importable by spawned rank processes as '_rank_handlers:<name>'."""
+"""Handlers for rank-group tests, imported by spawned rank processes by this module's name."""
 
 from __future__ import annotations
 

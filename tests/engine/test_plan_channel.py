@@ -28,7 +28,10 @@ from pdserve.engine.rank_group import RankGroup, RankGroupConfig, RankStepError
 from pdserve.engine.rank_process import HandlerSpec
 from pdserve.engine.shm_channel import ShmPlanChannel, ShmSpec
 
-ECHO = HandlerSpec("_rank_handlers:echo", {"tag": "t"})
+from . import _rank_handlers
+
+# named as this test package imports it: spawned ranks inherit sys.path and import it the same way
+ECHO = HandlerSpec(f"{_rank_handlers.__name__}:echo", {"tag": "t"})
 MAX_BYTES = 4 << 20
 STEP_TIMEOUT_S = 20.0
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _rank_handlers import PAGE_SIZE
 
 from pdserve.engine.rank_group import RankGroup, RankGroupConfig
 from pdserve.engine.rank_process import HandlerSpec
@@ -16,6 +15,9 @@ from pdserve.model.batch import SeqChunk, build_forward_batch
 from pdserve.model.kv_cache import KVCacheLayout, PagedKVCache
 from pdserve.model.loader import load_model
 from pdserve.model.random_checkpoint import make_checkpoint
+
+from . import _rank_handlers
+from ._rank_handlers import PAGE_SIZE
 
 PROMPT_LENS = (5, 19, 33)
 NUM_PAGES = 8 * len(PROMPT_LENS)
@@ -69,7 +71,8 @@ LAYOUTS = {
 def test_driver_steps_equal_single_process(name, tiny, prompts, reference):
     layout, by_rank, decoding = LAYOUTS[name]
     handler = HandlerSpec(
-        "_rank_handlers:model_step", {"ckpt": str(tiny), "layout": layout, "num_pages": NUM_PAGES}
+        f"{_rank_handlers.__name__}:model_step",
+        {"ckpt": str(tiny), "layout": layout, "num_pages": NUM_PAGES},
     )
     config = RankGroupConfig(2, channel="shm", join_timeout_s=180.0, step_timeout_s=120.0)
     with RankGroup(config, handler) as group:

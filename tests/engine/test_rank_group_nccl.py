@@ -8,12 +8,14 @@ import pytest
 from pdserve.engine.rank_group import RankGroup, RankGroupConfig
 from pdserve.engine.rank_process import HandlerSpec
 
+from . import _rank_handlers
+
 
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("channel", ["shm", "dist"])
 def test_nccl_group_all_reduces_per_step(channel):
     config = RankGroupConfig(2, backend="nccl", channel=channel, join_timeout_s=120.0)
-    with RankGroup(config, HandlerSpec("_rank_handlers:all_reduce")) as group:
+    with RankGroup(config, HandlerSpec(f"{_rank_handlers.__name__}:all_reduce")) as group:
         for scale in (1.0, 2.5):
             replies = group.step({"scale": scale})
             assert [r["device"] for r in replies] == ["cuda:0", "cuda:1"]
