@@ -8,6 +8,7 @@ Public surface (imported from the modules, so that `pdserve generate` does not p
 |---|---|
 | `config` | the frozen config dataclasses, YAML and flag loading |
 | `placement` | where a worker goes (pure functions over resource tables) |
+| `rank_actors` | a worker's rank processes as Ray actors on its placement group's bundles |
 | `actors` | Ray actor shells around PrefillWorker / DecodeWorker (plain classes) |
 | `pools` | `ray.remote`, placing and stopping one worker; `WorkerHandle` |
 | `router` | a request's flow: admission, dispatch, relay, preemption, cleanup |

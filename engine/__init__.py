@@ -14,7 +14,8 @@ With torch, imported from their modules: the model runner (`runner`, with `sampl
 `Worker` base the prefill and decode roles share (`worker`); the single-process reference path of `pdserve
 offline` (`offline`); the memory plan of a worker's layout (`memory_plan`: per rank weights by group, activation
 and workspace reserve, KV capacity, from the model's arguments alone, without GPUs; `rank_memory`: the per-rank
-arithmetic it is made of)."""
+arithmetic it is made of); a worker's driver and its rank processes (`rank_group`, `rank_process`), joined by one
+torch.distributed group, talking over a `plan_channel` (shared memory, `shm_channel`, or gloo, `dist_channel`)."""
 
 from .messages import (
     DecodeRequest,

@@ -1,33 +1,58 @@
 """Expert-parallel MoE: moving tokens to the ranks that hold their routed experts and the outputs back.
 
-`ExpertExchange` is the one interface; `AllToAllExchange` (ranks with different tokens: data-parallel attention)
-and `AllReduceExchange` (every rank the same tokens: tensor-parallel attention) implement it on plain
-torch.distributed collectives, so they run on gloo (CPU) and NCCL alike.
+`ExpertExchange` is the one interface, implemented on plain torch.distributed collectives (gloo on CPU, NCCL
+alike) by:
+- `AllGatherExchange` (ranks with different tokens, small expert-parallel groups): every rank gathers every
+  rank's tokens, padded to a capacity, computes its own experts over all of them, and an all-to-all of equal
+  splits brings each rank its tokens' partial sums. With a capacity fixed in advance (`max_tokens_per_rank`) it
+  needs no host sync and no count exchange, so a CUDA graph can capture it;
+- `AllToAllExchange` (ranks with different tokens, any group): each token travels only to the ranks holding its
+  experts; the row counts cross first and the host reads them (one sync per dispatch);
+- `AllReduceExchange` (every rank the same tokens: tensor-parallel attention): no dispatch traffic, one fp32
+  all-reduce in combine.
+`make_exchange` picks one from the layout (`ParallelLayout.exchange`, `ParallelLayout.max_tokens_per_rank`).
 
-A token travels once to each rank that holds at least one of its top-k experts (not once per expert), with all
-k ids: those of other ranks' experts are out of the local range, which `kernels.fused_moe` skips. So the local
+A token travels once to each rank (all-to-all: each rank holding at least one of its top-k experts), with all k
+ids: those of other ranks' experts map to local ids out of range, which `kernels.fused_moe` skips. So the local
 experts run as one `fused_moe` over the received rows, giving per row the weighted sum of its local experts, and
-the home rank adds the ranks' partial sums in rank order, in fp32. Every sum has a fixed order (the kernel's per
-token, then rank order), none depends on arrival order or on the other tokens of the step, so a token's output
-is batch-invariant whenever the kernels are (their batch-invariant mode).
+the home rank adds the ranks' partial sums (each in the activation dtype) in rank order, in fp32. Every sum has a
+fixed order (the kernel's per token, then rank order), none depends on arrival order, on the other tokens of the
+step or on the token's rank, so a token's output is batch-invariant whenever the kernels are (their
+batch-invariant mode), and given the same expert outputs per row, `AllGatherExchange` and `AllToAllExchange`
+give the same bits.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
+from .errors import ConfigError
 from .parallel import ParallelLayout
+
+ALL_GATHER_MAX_EP = 8
+"""`make_exchange`'s 'auto' picks the all-gather exchange up to this many expert-parallel ranks. With top-8 of
+256 experts a token has an expert on a given one of N ranks with probability 1 - C(256 - 256/N, 8) / C(256, 8):
+0.996 at N = 2, 0.90 at 4, 0.66 at 8, 0.40 at 16. So up to 8 ranks gathering every token moves at most 1.5x the
+rows an all-to-all moves, and saves its count exchange, host sync and uneven splits; beyond, the bytes win."""
+
+CombineMode = Literal["all_to_all", "reduce_scatter"]
+
+# torch 2.13 renamed the single-tensor all-gather and reduce-scatter (the old names warn); older torch
+# (the floor is 2.6) has only the old ones
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ExpertBatch:
     """The rows this rank's experts compute in one MoE layer, in `kernels.fused_moe`'s arguments: row i is the
     weighted sum over j of topk_weights[i, j] * expert topk_ids[i, j](x[i]), where ids outside
-    [0, experts per rank) belong to other ranks and contribute nothing."""
+    [0, experts per rank) belong to other ranks (or to no token: padding) and contribute nothing."""
 
     x: torch.Tensor  # [R, D] in the activation dtype
     topk_ids: torch.Tensor  # [R, k] int64, local expert ids (>= experts per rank: not here)
@@ -48,7 +73,7 @@ class ExpertExchange(abc.ABC):
       topk_weights [T, k] fp32, as the router gave them. Returns the `ExpertBatch` this rank's experts must
       compute (R rows, R = 0 allowed) and a handle;
     - the caller computes y [R, D] in the activation dtype, as `ExpertBatch` says (`fused_moe` over the local
-      experts);
+      experts; a row with no local expert gives zeros);
     - `combine(y, handle)` returns [T, D] in x's dtype: for each of this rank's tokens, the sum over its k
       experts of weight * expert output, accumulated in fp32 in a fixed order;
     - a handle is used by exactly one `combine`, on the rank that made it, before the next `dispatch`.
@@ -56,6 +81,7 @@ class ExpertExchange(abc.ABC):
 
     def __init__(self, layout: ParallelLayout, num_experts: int):
         self.layout = layout
+        self.num_experts = num_experts
         self.experts_per_rank = num_experts // layout.expert_parallel
 
     @abc.abstractmethod
@@ -67,12 +93,132 @@ class ExpertExchange(abc.ABC):
     def combine(self, y: torch.Tensor, handle: object) -> torch.Tensor: ...
 
     def _local_ids(self, topk_ids: torch.Tensor, rank: torch.Tensor | int) -> torch.Tensor:
-        """Global ids [R, k] -> `rank`'s local ids ([R] or one rank), experts per rank where another rank's."""
+        """Global ids [R, k] -> `rank`'s local ids ([R] or one rank), experts per rank where another rank's
+        (or no rank's: ids >= num_experts)."""
+        topk_ids = topk_ids.long()
         owner = topk_ids // self.experts_per_rank
         if isinstance(rank, torch.Tensor):
             rank = rank[:, None]
         local = topk_ids % self.experts_per_rank
         return torch.where(owner == rank, local, self.experts_per_rank)
+
+    def _pack_rows(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, rows: int
+    ) -> torch.Tensor:
+        """One byte message of `rows` rows [ids int32 k | weights fp32 k | x | pad], so ids, weights and x
+        cross in one collective, written in place (no padded copies); rows past T are padding: id
+        `num_experts` (no rank's), weight 0, x 0."""
+        num_tokens, k = topk_ids.shape
+        row_bytes = 8 * k + x.shape[1] * x.element_size()
+        row_bytes += -row_bytes % _ROW_ALIGN
+        packed = torch.empty(rows, row_bytes, dtype=torch.uint8, device=x.device)
+        ids, weights, x_rows = _row_views(packed, k, x.shape[1], x.dtype)
+        ids[:num_tokens] = topk_ids
+        weights[:num_tokens] = topk_weights
+        x_rows[:num_tokens] = x
+        ids[num_tokens:] = self.num_experts
+        weights[num_tokens:] = 0.0
+        x_rows[num_tokens:] = 0.0
+        packed[:, 8 * k + x.shape[1] * x.element_size() :] = 0  # the alignment bytes
+        return packed  # [rows, row bytes]
+
+    def _unpack_rows(
+        self, packed: torch.Tensor, k: int, dim: int, dtype: torch.dtype
+    ) -> ExpertBatch:
+        """`_pack_rows`'s message (any ranks' rows, concatenated) -> this rank's `ExpertBatch`."""
+        ids, weights, x = _row_views(packed, k, dim, dtype)
+        local_ids = self._local_ids(ids, self.layout.ep_rank)
+        return ExpertBatch(x.contiguous(), local_ids, weights.contiguous())
+
+
+def _row_views(packed: torch.Tensor, k: int, dim: int, dtype: torch.dtype):
+    """A packed message's ids [R, k] int32, weights [R, k] fp32 and x [R, D] in `dtype`, as strided views."""
+    x_bytes = dim * torch.empty(0, dtype=dtype).element_size()
+    ids = packed[:, : 4 * k].view(torch.int32)
+    weights = packed[:, 4 * k : 8 * k].view(torch.float32)
+    x = packed[:, 8 * k : 8 * k + x_bytes].view(dtype)
+    return ids, weights, x
+
+
+_ROW_ALIGN = 16
+"""Bytes a packed row is padded to, so its int32, fp32 and activation views are aligned."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _AllGatherHandle:
+    num_tokens: int
+    capacity: int
+    out_dtype: torch.dtype
+
+
+class AllGatherExchange(ExpertExchange):
+    """For ranks holding different tokens in a small expert-parallel group. Dispatch: one all-gather of every
+    rank's tokens with their ids and weights, padded to `capacity` rows per rank, so this rank's experts
+    compute N x capacity rows (padding rows and tokens with no expert here cost them nothing). Combine: one
+    all-to-all of equal splits in the activation dtype returns rank r's partial sums for this rank's tokens,
+    which are added in rank order in fp32 (as `AllToAllExchange`: the same bits); or, with
+    `combine_by='reduce_scatter'`, one fp32 reduce-scatter (twice the bytes for bf16, and the sum order is
+    the collective's: with two ranks a + b either way, so still the same bits; with more, NCCL's ring adds
+    in an order that depends on the destination rank, so a token's bits could depend on its rank).
+
+    `capacity` (tokens per rank, the same on every rank) given: no count exchange and no host sync, every
+    shape fixed, so a CUDA graph can capture dispatch and combine; a rank with more tokens raises
+    `ConfigError`. None: each dispatch first all-gathers the ranks' token counts and pads to their maximum
+    (one small collective and one host sync)."""
+
+    def __init__(
+        self, layout: ParallelLayout, num_experts: int, capacity: int | None = None,
+        combine_by: CombineMode = "all_to_all",
+    ):  # fmt: skip
+        super().__init__(layout, num_experts)
+        if capacity is not None and capacity < 1:
+            raise ConfigError(f"expert exchange: capacity={capacity} tokens per rank must be >= 1")
+        if combine_by not in ("all_to_all", "reduce_scatter"):
+            raise ConfigError(
+                f"expert exchange: combine_by={combine_by!r}, expected 'all_to_all' or 'reduce_scatter'"
+            )
+        self.capacity = capacity
+        self.combine_by = combine_by
+
+    def _step_capacity(self, num_tokens: int, device: torch.device) -> int:
+        if self.capacity is not None:
+            if num_tokens > self.capacity:
+                raise ConfigError(
+                    f"expert exchange: {num_tokens} tokens on rank {self.layout.rank} exceed the "
+                    f"all-gather capacity of {self.capacity} tokens per rank (max_tokens_per_rank); a "
+                    "step must not hold more"
+                )
+            return self.capacity
+        world = self.layout.world_size
+        counts = torch.empty(world, dtype=torch.int64, device=device)
+        mine = torch.full((1,), num_tokens, dtype=torch.int64, device=device)
+        _all_gather(counts, mine, group=self.layout.group)
+        return int(counts.max())  # host sync: the padding must be known to size the message
+
+    def dispatch(self, x, topk_ids, topk_weights):
+        world = self.layout.world_size
+        num_tokens, k = topk_ids.shape
+        capacity = self._step_capacity(num_tokens, x.device)
+        packed = self._pack_rows(x, topk_ids, topk_weights, capacity)  # [C, row bytes]
+        gathered = packed.new_empty(world * capacity, packed.shape[1])  # [N * C, row bytes]
+        _all_gather(gathered, packed, group=self.layout.group)
+        batch = self._unpack_rows(gathered, k, x.shape[1], x.dtype)  # R = N * C rows, by rank
+        return batch, _AllGatherHandle(num_tokens, capacity, x.dtype)
+
+    def combine(self, y, handle: _AllGatherHandle):  # type: ignore[override]
+        world, group = self.layout.world_size, self.layout.group
+        capacity, dim = handle.capacity, y.shape[1]
+        if self.combine_by == "reduce_scatter":
+            out = y.new_empty(capacity, dim, dtype=torch.float32)
+            _reduce_scatter(out, y.float().contiguous(), group=group)
+            return out[: handle.num_tokens].to(handle.out_dtype)
+        back = torch.empty_like(y)  # [N * C, D]: rank r's partials of this rank's C rows at r * C
+        dist.all_to_all_single(back, y.contiguous(), group=group)
+        back = back.view(world, capacity, dim)[:, : handle.num_tokens]  # [N, T, D]
+        out = torch.zeros(handle.num_tokens, dim, dtype=torch.float32, device=y.device)
+        for rank in range(world):  # rank order, as AllToAllExchange adds
+            out += back[rank].float()
+        return out.to(handle.out_dtype)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,9 +231,10 @@ class _AllToAllHandle:
 
 
 class AllToAllExchange(ExpertExchange):
-    """For ranks holding different tokens, over `all_to_all_single`: dispatch sends the row counts, then each
-    token's x once to every rank holding one of its experts, then its ids and weights (one fp32 message: ids
-    are exact in fp32 below 2^24); combine sends the partial sums back and adds them at home in rank order."""
+    """For ranks holding different tokens, over `all_to_all_single`: dispatch sends the row counts, reads
+    them on the host (the one host sync: uneven splits must be known there), then sends each token once to
+    every rank holding one of its experts, with its global ids and weights in the same message; combine
+    sends the partial sums back and adds them at home in rank order."""
 
     def dispatch(self, x, topk_ids, topk_weights):
         group, world = self.layout.group, self.layout.world_size
@@ -95,19 +242,19 @@ class AllToAllExchange(ExpertExchange):
         owner = topk_ids.long() // self.experts_per_rank  # [T, k]
         goes = torch.zeros(world, num_tokens, dtype=torch.bool, device=x.device)
         goes.scatter_(0, owner.t(), True)  # [N, T]: the token has an expert on that rank
-        dest, tokens = goes.nonzero(as_tuple=True)  # [S] each, by destination, token order within
         send_counts_t = goes.sum(1)  # [N]
         recv_counts_t = torch.empty_like(send_counts_t)
         dist.all_to_all_single(recv_counts_t, send_counts_t, group=group)
-        send_counts, recv_counts = send_counts_t.tolist(), recv_counts_t.tolist()
-        num_recv = sum(recv_counts)
-        recv_x = x.new_empty(num_recv, x.shape[1])
-        dist.all_to_all_single(recv_x, x[tokens], recv_counts, send_counts, group=group)
-        ids = self._local_ids(topk_ids[tokens].long(), dest)  # [S, k] the destination's ids
-        meta = torch.cat([ids.float(), topk_weights[tokens].float()], dim=1)  # [S, 2k]
-        recv_meta = meta.new_empty(num_recv, 2 * k)
-        dist.all_to_all_single(recv_meta, meta, recv_counts, send_counts, group=group)
-        batch = ExpertBatch(recv_x, recv_meta[:, :k].long(), recv_meta[:, k:].contiguous())
+        counts = torch.cat([send_counts_t, recv_counts_t]).tolist()  # the host sync
+        send_counts, recv_counts = counts[:world], counts[world:]
+        num_sent = sum(send_counts)
+        # [S] (destination, token) pairs by destination, token order within; the size is known, so no sync
+        flat = torch.nonzero_static(goes.view(-1), size=num_sent).squeeze(1)
+        tokens = flat % max(num_tokens, 1)
+        packed = self._pack_rows(x[tokens], topk_ids[tokens], topk_weights[tokens], num_sent)
+        received = packed.new_empty(sum(recv_counts), packed.shape[1])
+        dist.all_to_all_single(received, packed, recv_counts, send_counts, group=group)
+        batch = self._unpack_rows(received, k, x.shape[1], x.dtype)
         return batch, _AllToAllHandle(tokens, send_counts, recv_counts, num_tokens, x.dtype)
 
     def combine(self, y, handle: _AllToAllHandle):  # type: ignore[override]
@@ -139,9 +286,20 @@ class AllReduceExchange(ExpertExchange):
 
 
 def make_exchange(layout: ParallelLayout, num_experts: int) -> ExpertExchange | None:
-    """The exchange a layout's MoE layers use; None when every rank holds all experts."""
+    """The exchange a layout's MoE layers use; None when every rank holds all experts.
+
+    The same tokens on every rank (tensor-parallel attention): `AllReduceExchange`. Different tokens
+    (data-parallel attention), by `layout.exchange`: 'all_gather' or 'all_to_all' as named; 'auto' the
+    all-gather one up to `ALL_GATHER_MAX_EP` expert-parallel ranks, the all-to-all one beyond. The all-gather
+    one pads to `layout.max_tokens_per_rank` when set (no host sync: CUDA-graph capturable), else to the
+    step's largest rank."""
     if layout.expert_parallel == 1:
         return None
     if layout.same_tokens_on_all_ranks:
         return AllReduceExchange(layout, num_experts)
+    kind = layout.exchange
+    if kind == "auto":
+        kind = "all_gather" if layout.expert_parallel <= ALL_GATHER_MAX_EP else "all_to_all"
+    if kind == "all_gather":
+        return AllGatherExchange(layout, num_experts, layout.max_tokens_per_rank)
     return AllToAllExchange(layout, num_experts)

@@ -5,7 +5,7 @@ A worker of N ranks runs one of these layouts, all over one torch.distributed gr
   tensor-parallel (the heads split evenly: wq_b and wkv_b rows by head, wo columns by head, an all-reduce after
   wo; wq_a / wkv_a replicated, so MLA's latent cache [c_kv | k_pe] is the same on every rank);
 - MoE expert-parallel of size 1 (every rank all routed experts) or N (rank r holds experts [r*E/N, (r+1)*E/N),
-  tokens exchanged through `pdserve.model.expert_exchange`);
+  tokens exchanged through `pdserve.model.expert_exchange`, which `exchange` and `max_tokens_per_rank` choose);
 - dense layers and shared experts replicated, or tensor-parallel (intermediate dim split, all-reduce after w2),
   which needs the same tokens on every rank, so only with tensor-parallel attention.
 
@@ -29,6 +29,8 @@ AttentionMode = Literal["data", "tensor"]
 DenseMode = Literal["replicated", "tensor"]
 ATTENTION_MODES = ("data", "tensor")
 DENSE_MODES = ("replicated", "tensor")
+ExchangeKind = Literal["auto", "all_gather", "all_to_all"]
+EXCHANGE_KINDS = ("auto", "all_gather", "all_to_all")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,6 +45,14 @@ class ParallelLayout:
     """Ranks the routed experts are split over: 1 (each rank all of them) or world_size."""
     dense: DenseMode = "replicated"
     """Dense layers and shared experts: 'replicated', or 'tensor' (split over all ranks; tensor attention only)."""
+    exchange: ExchangeKind = "auto"
+    """Expert exchange with data-parallel attention and expert_parallel > 1 (`expert_exchange.make_exchange`):
+    'all_gather' (every rank gathers every rank's tokens), 'all_to_all' (a token goes only to its experts'
+    ranks) or 'auto' (all-gather for small expert-parallel groups)."""
+    max_tokens_per_rank: int | None = None
+    """Most tokens a rank runs in one step, the same bound on every rank: the all-gather exchange pads to it
+    (no host sync, so CUDA graphs can capture it) and refuses a step with more. None: padded per step to the
+    largest rank's count, found by a small collective and a host sync."""
     group: ProcessGroup | None = dataclasses.field(default=None, compare=False)
     """The torch.distributed group of the worker's ranks (None: the default group). Every collective of the
     layout (attention and dense all-reduces, the expert exchange) runs on it, issued in the same order on
@@ -62,6 +72,14 @@ class ParallelLayout:
         if self.dense not in DENSE_MODES:
             raise ConfigError(
                 f"parallel layout: dense={self.dense!r}, expected one of {DENSE_MODES}"
+            )
+        if self.exchange not in EXCHANGE_KINDS:
+            raise ConfigError(
+                f"parallel layout: exchange={self.exchange!r}, expected one of {EXCHANGE_KINDS}"
+            )
+        if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
+            raise ConfigError(
+                f"parallel layout: max_tokens_per_rank={self.max_tokens_per_rank} must be >= 1 or None"
             )
         if self.expert_parallel not in (1, self.world_size):
             raise ConfigError(

@@ -5,7 +5,10 @@ lets a server's outputs equal the offline path's on a GPU.
 
 On CPU the kernels run in the Triton interpreter on the fp32 tiny model (the interpreter's bf16
 `tl.dot` is wrong); on a GPU the bf16 tiny model, and the v2-lite-shape checkpoint when
-$PDSERVE_V2LITE_DIR names one."""
+$PDSERVE_V2LITE_DIR names one. The interpreter's `tl.dot` is numpy's matmul, whose summation order
+depends on the row count on some CPUs (OpenBLAS's small-matrix kernels on AMD EPYC), so on CPU the
+arrangements agree to fp32 rounding (which still catches a wrong page, slot or row) and the bit-for-bit
+claim is the GPU's."""
 
 from __future__ import annotations
 
@@ -21,6 +24,14 @@ from pdserve.model.loader import load_model
 
 PAGE_SIZE = 16
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Bit-for-bit on a GPU; to fp32 rounding under the CPU interpreter (see the module docstring)."""
+    if got.is_cuda:
+        assert torch.equal(got, want), what
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=what)
 
 
 def _prompts(vocab: int, lengths: list[int]) -> list[list[int]]:
@@ -82,8 +93,10 @@ def check_invariance(model, lengths: list[int], steps: int) -> None:
         for step in range(steps + 1):
             for a, out in zip(arrangements[1:], outs[1:], strict=True):
                 for i in a.order:
-                    assert torch.equal(out[i], outs[0][i]), (
-                        f"step {step}: request {i}'s logits differ in arrangement {a.order}"
+                    _same(
+                        out[i],
+                        outs[0][i],
+                        f"step {step}: request {i}'s logits differ in arrangement {a.order}",
                     )
             if step == steps:
                 break
@@ -91,7 +104,7 @@ def check_invariance(model, lengths: list[int], steps: int) -> None:
             outs = [a.decode(tokens) for a in arrangements]
         for a in arrangements[1:]:
             for i in a.order:
-                assert torch.equal(a.cache_rows(i), arrangements[0].cache_rows(i)), i
+                _same(a.cache_rows(i), arrangements[0].cache_rows(i), f"request {i}'s cache rows")
 
 
 def test_tiny_model_is_batch_invariant(checkpoint) -> None:

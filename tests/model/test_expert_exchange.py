@@ -1,8 +1,10 @@
 """The expert exchanges over gloo, two processes, with row-wise stand-in experts (each output row depends only on
 its input row, ids and weights, so any difference comes from the exchange): every token gets the ranks' partial
 sums of its k weighted expert outputs, added in rank order; a token's output is bit-for-bit the same whichever
-tokens share its step and whichever rank it sits on; a token travels once per rank holding its experts; ranks
-with no tokens (one or all) take part."""
+tokens share its step and whichever rank it sits on, and the same from the all-to-all and the all-gather
+exchanges; a token travels once per rank holding its experts (all-to-all) or once to every rank, padded to the
+capacity (all-gather); ranks with no tokens (one or all) take part; the fixed-capacity all-gather issues one
+collective per dispatch and one per combine, and refuses a step above its capacity."""
 
 from __future__ import annotations
 
@@ -10,10 +12,19 @@ import pytest
 import torch
 from _parallel_ranks import spawn_gloo
 
-from pdserve.model.expert_exchange import AllReduceExchange, AllToAllExchange
+from pdserve.model.errors import ConfigError
+from pdserve.model.expert_exchange import (
+    ALL_GATHER_MAX_EP,
+    AllGatherExchange,
+    AllReduceExchange,
+    AllToAllExchange,
+    make_exchange,
+)
 from pdserve.model.parallel import ParallelLayout
 
 NUM_EXPERTS, TOP_K, DIM = 8, 3, 16
+CAPACITY = 8
+"""Tokens per rank of the fixed-capacity all-gather runs: above every step's count (at most 6)."""
 
 
 def expert(global_id: int, x: torch.Tensor) -> torch.Tensor:
@@ -52,27 +63,45 @@ def expected(x, ids, weights, world: int = 2) -> torch.Tensor:
     return acc.to(x.dtype)
 
 
+def make(kind: str, rank: int, world: int):
+    """The exchange `kind` names, on `rank` of `world` expert-parallel ranks."""
+    layout = ParallelLayout(
+        world_size=world, rank=rank, attention="tensor" if kind == "all_reduce" else "data",
+        expert_parallel=world,
+    )  # fmt: skip
+    if kind == "all_reduce":
+        return AllReduceExchange(layout, NUM_EXPERTS)
+    if kind == "all_to_all":
+        return AllToAllExchange(layout, NUM_EXPERTS)
+    capacity = None if kind == "all_gather_per_step" else CAPACITY
+    combine_by = "reduce_scatter" if kind == "all_gather_reduce_scatter" else "all_to_all"
+    return AllGatherExchange(layout, NUM_EXPERTS, capacity, combine_by)
+
+
+def count_collectives(fn, *args):
+    """fn(*args) and the number of collectives it issued, from the profiler's record of gloo's work."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        result = fn(*args)
+    return result, sum(1 for e in prof.events() if e.name.startswith("gloo:"))
+
+
 def _exchange_rank(rank, world, runs):
     """runs: (kind, steps) pairs, steps[rank] this rank's (x, ids, weights) per step; per run and step, the
-    combined output and the rows this rank's experts computed."""
+    combined output, the rows this rank's experts computed and the collectives dispatch and combine issued."""
     outputs = []
     for kind, steps in runs:
-        layout = ParallelLayout(
-            world_size=world, rank=rank, attention="tensor" if kind == "all_reduce" else "data",
-            expert_parallel=world,
-        )  # fmt: skip
-        cls = AllReduceExchange if kind == "all_reduce" else AllToAllExchange
-        exchange = cls(layout, NUM_EXPERTS)
+        exchange = make(kind, rank, world)
         first = rank * exchange.experts_per_rank
+        per_rank = exchange.experts_per_rank
         outputs.append([])
         for x, ids, weights in steps[rank]:
-            local, handle = exchange.dispatch(x, ids, weights)
-            per_rank = exchange.experts_per_rank
+            (local, handle), num_dispatch = count_collectives(exchange.dispatch, x, ids, weights)
             # every row received has at least one expert here (all_to_all sends only there)
             here = (local.topk_ids < per_rank).any(1)
-            assert kind == "all_reduce" or bool(here.all())
+            assert kind != "all_to_all" or bool(here.all())
             y = local_experts(local.x, local.topk_ids, local.topk_weights, first, per_rank)
-            outputs[-1].append((exchange.combine(y, handle), local.num_rows))
+            out, num_combine = count_collectives(exchange.combine, y, handle)
+            outputs[-1].append((out, local.num_rows, (num_dispatch, num_combine)))
     return outputs
 
 
@@ -97,11 +126,16 @@ def all_reduce_steps():
 
 
 DTYPES = (torch.float32, torch.bfloat16)
+EXCHANGE_RUNS = [(kind, dtype) for kind in ("all_to_all", "all_gather") for dtype in DTYPES] + [
+    ("all_gather_per_step", torch.bfloat16),
+    ("all_gather_reduce_scatter", torch.bfloat16),
+]
+"""The runs of tokens on different ranks, each over `all_to_all_steps(dtype)`; the all-reduce run follows."""
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    runs = [("all_to_all", all_to_all_steps(d)) for d in DTYPES]
+    runs = [(kind, all_to_all_steps(dtype)) for kind, dtype in EXCHANGE_RUNS]
     runs.append(("all_reduce", all_reduce_steps()))
     return spawn_gloo(tmp_path_factory.mktemp("exchange"), _exchange_rank, [(runs,)] * 2)
 
@@ -112,28 +146,123 @@ def owner_ranks(ids: torch.Tensor) -> int:
     return sum(len(set((row // per_rank).tolist())) for row in ids)
 
 
-@pytest.mark.parametrize("run", range(len(DTYPES)))
-def test_all_to_all_exchange(results, run):
-    steps = all_to_all_steps(DTYPES[run])
+@pytest.mark.parametrize(
+    "run", range(len(EXCHANGE_RUNS)), ids=[f"{k}-{d}" for k, d in EXCHANGE_RUNS]
+)
+def test_exchange_of_different_tokens(results, run):
+    kind, dtype = EXCHANGE_RUNS[run]
+    steps = all_to_all_steps(dtype)
     for rank in range(2):
-        for step, (out, _) in zip(steps[rank], results[rank][run], strict=True):
-            assert out.shape == step[0].shape and out.dtype == DTYPES[run]
+        for step, (out, _, _) in zip(steps[rank], results[rank][run], strict=True):
+            assert out.shape == step[0].shape and out.dtype == dtype
             assert torch.equal(out, expected(*step))
     # X alone on rank 1 equals X among five companions on rank 0, bit for bit
     assert torch.equal(results[1][run][1][0][0], results[0][run][0][0][0])
-    # a token travels once to each rank holding one of its experts, not once per expert
     for s in range(len(steps[0])):
         rows = sum(results[rank][run][s][1] for rank in range(2))
-        assert rows == sum(owner_ranks(steps[rank][s][1]) for rank in range(2))
+        if kind == "all_to_all":
+            # a token travels once to each rank holding one of its experts, not once per expert
+            assert rows == sum(owner_ranks(steps[rank][s][1]) for rank in range(2))
+        elif kind == "all_gather_per_step":
+            # every rank gets every rank's tokens, padded to the step's largest rank
+            assert rows == 2 * 2 * max(len(steps[rank][s][0]) for rank in range(2))
+        else:
+            assert rows == 2 * 2 * CAPACITY
+    collectives = {results[rank][run][s][2] for rank in range(2) for s in range(len(steps[0]))}
+    if kind in ("all_gather", "all_gather_reduce_scatter"):
+        assert collectives == {(1, 1)}  # no count exchange: the data all-gather, the combine
+    elif kind == "all_gather_per_step":
+        assert collectives == {(2, 1)}  # the counts, then the data
+    else:
+        assert collectives == {(2, 1)}  # the counts, then ids + weights + x in one message
+
+
+def test_all_gather_and_all_to_all_give_the_same_bits(results):
+    runs = {kind_dtype: i for i, kind_dtype in enumerate(EXCHANGE_RUNS)}
+    for dtype in DTYPES:
+        a2a, ag = runs[("all_to_all", dtype)], runs[("all_gather", dtype)]
+        for rank in range(2):
+            for got, want in zip(results[rank][ag], results[rank][a2a], strict=True):
+                assert torch.equal(got[0], want[0])
 
 
 def test_all_reduce_exchange(results):
     steps = all_reduce_steps()
-    run = len(DTYPES)
+    run = len(EXCHANGE_RUNS)
     for rank in range(2):
-        for step, (out, rows) in zip(steps[rank], results[rank][run], strict=True):
+        for step, (out, rows, _) in zip(steps[rank], results[rank][run], strict=True):
             assert out.shape == step[0].shape and rows == step[0].shape[0]
             torch.testing.assert_close(out, expected(*step), rtol=1e-6, atol=1e-6)
     assert torch.equal(results[0][run][0][0], results[1][run][0][0])  # the ranks agree
     # X first or last among the same six tokens, bit for bit
     assert torch.equal(results[0][run][0][0][0], results[0][run][1][0][-1])
+
+
+def test_all_gather_refuses_more_tokens_than_its_capacity():
+    exchange = make("all_gather", 0, 2)
+    x, ids, weights = make_tokens(5, CAPACITY + 1, torch.float32)
+    # raised before any collective: this rank's count alone decides
+    with pytest.raises(ConfigError, match=f"9 tokens on rank 0 exceed .* capacity of {CAPACITY}"):
+        exchange.dispatch(x, ids, weights)
+    with pytest.raises(ConfigError, match="capacity=0"):
+        AllGatherExchange(exchange.layout, NUM_EXPERTS, 0)
+
+
+@pytest.mark.parametrize(
+    ("layout_kwargs", "want"),
+    [
+        ({"attention": "data"}, type(None)),
+        ({"attention": "tensor", "expert_parallel": 2}, AllReduceExchange),
+        ({"attention": "data", "expert_parallel": 2}, AllGatherExchange),
+        ({"attention": "data", "expert_parallel": 2, "exchange": "all_to_all"}, AllToAllExchange),
+        ({"attention": "data", "expert_parallel": 2, "max_tokens_per_rank": 64}, AllGatherExchange),
+        ({"world_size": 16, "attention": "data", "expert_parallel": 16}, AllToAllExchange),
+        (
+            {
+                "world_size": 16,
+                "attention": "data",
+                "expert_parallel": 16,
+                "exchange": "all_gather",
+            },
+            AllGatherExchange,
+        ),
+    ],
+)
+def test_make_exchange_picks_by_layout(layout_kwargs, want):
+    layout = ParallelLayout(**{"world_size": 2, **layout_kwargs})
+    exchange = make_exchange(layout, 32)
+    assert type(exchange) is want
+    if isinstance(exchange, AllGatherExchange):
+        assert exchange.capacity == layout.max_tokens_per_rank
+    assert ALL_GATHER_MAX_EP < 16  # the 16-rank rows above are the all-to-all side of 'auto'
+
+
+def test_layout_rejects_bad_exchange_values():
+    with pytest.raises(ConfigError, match="exchange='ring'"):
+        ParallelLayout(world_size=2, exchange="ring")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="max_tokens_per_rank=0"):
+        ParallelLayout(world_size=2, max_tokens_per_rank=0)
+
+
+def four_rank_steps(dtype):
+    """Step 0: token X first on rank 0 among two others, rank 1 idle, ranks 2 and 3 a few tokens; step 1: X
+    alone on rank 3, the others idle."""
+    x_tok, empty = make_tokens(1, 1, dtype), make_tokens(4, 0, dtype)
+    a, b, c = make_tokens(5, 2, dtype), make_tokens(6, 4, dtype), make_tokens(7, 1, dtype)
+    return [[cat(x_tok, a), empty], [empty, empty], [b, empty], [c, x_tok]]
+
+
+def test_four_ranks_add_in_rank_order(tmp_path):
+    """At four ranks the partials of a token are added in rank order whichever rank it sits on, by both
+    exchanges (a ring reduce-scatter would not promise that)."""
+    runs = [(kind, four_rank_steps(torch.bfloat16)) for kind in ("all_to_all", "all_gather")]
+    results = spawn_gloo(tmp_path, _exchange_rank, [(runs,)] * 4)
+    steps = runs[0][1]
+    for run in range(2):
+        for rank in range(4):
+            for s, (step, (out, _, _)) in enumerate(
+                zip(steps[rank], results[rank][run], strict=True)
+            ):
+                assert torch.equal(out, expected(*step, world=4))
+                assert torch.equal(out, results[rank][0][s][0])  # the all-to-all's bits
+        assert torch.equal(results[3][run][1][0][0], results[0][run][0][0][0])

@@ -1,8 +1,9 @@
 """Model-level parallelism on CPU over gloo, one process per rank: attention data-parallel (DP2), tensor-parallel
 (TP2, dense layers and shared experts tensor-parallel too), expert-parallel MoE with the same tokens on both ranks
-(EP2, attention tensor-parallel) and with different tokens (DP2 + EP2, one rank idle in the decode step) give
-fp32 logits equal to the single-process path within 1e-5 relative, for a prefill and a decode step. Each
-expert-parallel rank holds half the routed-expert bytes and its loader reads no other rank's expert."""
+(EP2, attention tensor-parallel) and with different tokens (DP2 + EP2, one rank idle in the decode step; over
+each expert exchange: all-gather padded per step, all-gather of fixed capacity, all-to-all) give fp32 logits
+equal to the single-process path within 1e-5 relative, for a prefill and a decode step. Each expert-parallel rank
+holds half the routed-expert bytes and its loader reads no other rank's expert."""
 
 from __future__ import annotations
 
@@ -52,7 +53,12 @@ LAYOUTS = {
     "tp2": {"attention": "tensor", "dense": "tensor"},
     "ep2": {"attention": "tensor", "expert_parallel": WORLD},
     "dp2-ep2": {"attention": "data", "expert_parallel": WORLD},
-}
+    "dp2-ep2-capacity": {
+        "attention": "data", "expert_parallel": WORLD, "exchange": "all_gather",
+        "max_tokens_per_rank": sum(PROMPT_LENS),
+    },
+    "dp2-ep2-all-to-all": {"attention": "data", "expert_parallel": WORLD, "exchange": "all_to_all"},
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

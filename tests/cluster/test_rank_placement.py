@@ -1,0 +1,105 @@
+"""A worker's rank bundles as pure functions (`placement.rank_bundles`, `rank_placement`,
+`ranks_unplaceable_reason`, `placement_violation`), and on a real Ray cluster of three simulated nodes on this
+machine (`ray.cluster_utils.Cluster`, fake GPUs, NVLink-domain node labels): ranks of a STRICT_PACK worker all on
+one node, ranks of an NVLink-domain worker spanning the nodes of one domain and never another's, joined into a
+working rank group over both plan channels. The Ray part runs in its own process (`_rank_cluster.py`) so that its
+cluster never meets the session's local Ray, and is killed with its process group if it overruns."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.cluster import placement
+from pdserve.cluster.placement import NVLINK_DOMAIN_LABEL as DOMAIN
+
+CLUSTER_TIMEOUT_S = 420
+
+
+def test_rank_bundles_one_gpu_each():
+    assert placement.rank_bundles(3, 1, 4) == [{"CPU": 4.0, "GPU": 1.0}] * 3
+    assert placement.rank_bundles(2, 0, 0.5) == [{"CPU": 0.5}] * 2
+    for bad in [(0, 1, 1.0), (2, 2, 1.0), (2, 1, 0.0)]:
+        with pytest.raises(ValueError):
+            placement.rank_bundles(*bad)
+
+
+def test_rank_placement_strategies():
+    assert placement.rank_placement("node") == {"strategy": "STRICT_PACK"}
+    assert placement.rank_placement("nvlink_domain") == {
+        "topology_strategy": {"ray.io/node-id": "PACK", DOMAIN: "STRICT_PACK"}
+    }
+    with pytest.raises(ValueError, match="rank span 'rack'"):
+        placement.rank_placement("rack")
+
+
+NODES = [{"CPU": 64, "GPU": 4}, {"CPU": 64, "GPU": 4}, {"CPU": 64, "GPU": 8}]
+LABELS = [{DOMAIN: "a"}, {DOMAIN: "a"}, {DOMAIN: "b"}]
+
+
+def test_unplaceable_per_node_and_per_domain():
+    eight, twelve = placement.rank_bundles(8, 1, 8), placement.rank_bundles(12, 1, 8)
+    assert placement.ranks_unplaceable_reason(eight, NODES, LABELS, "node") is None
+    reason = placement.ranks_unplaceable_reason(twelve, NODES, LABELS, "node")
+    assert "12 bundles" in reason and "best holds 8" in reason
+    # 8 fit domain a (4 + 4 over two nodes) or b; 12 fit none; CPUs count too
+    assert placement.ranks_unplaceable_reason(eight, NODES, LABELS, "nvlink_domain") is None
+    reason = placement.ranks_unplaceable_reason(twelve, NODES, LABELS, "nvlink_domain")
+    assert "'a': 8" in reason and "'b': 8" in reason
+    hungry = placement.rank_bundles(8, 1, 32)
+    assert "'a': 4" in placement.ranks_unplaceable_reason(hungry, NODES, LABELS, "nvlink_domain")
+    unlabelled = placement.ranks_unplaceable_reason(eight, NODES, [{}, {}, {}], "nvlink_domain")
+    assert DOMAIN in unlabelled
+
+
+def test_placement_violation():
+    labels = {"n1": {DOMAIN: "a"}, "n2": {DOMAIN: "a"}, "n3": {DOMAIN: "b"}, "n4": {}}
+    assert placement.placement_violation(["n1", "n1"], labels, "node") is None
+    assert "span nodes" in placement.placement_violation(["n1", "n2"], labels, "node")
+    assert placement.placement_violation(["n1", "n2"], labels, "nvlink_domain") is None
+    assert "domains ['a', 'b']" in placement.placement_violation(
+        ["n1", "n3"], labels, "nvlink_domain"
+    )
+    assert "rank 1" in placement.placement_violation(["n1", "n4"], labels, "nvlink_domain")
+
+
+@pytest.mark.slow
+def test_ranks_land_per_strategy_on_a_simulated_ray_cluster():
+    here = Path(__file__).parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here), env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen(
+        [sys.executable, str(here / "_rank_cluster.py")], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=CLUSTER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"simulated cluster still running after {CLUSTER_TIMEOUT_S} s:\n{err[-3000:]}")
+    assert proc.returncode == 0, err[-5000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    nodes = result["nodes"]  # node id -> name (a1, a2, b1)
+
+    for span in ("node", "nvlink_domain"):
+        rank_nodes = result[span]["rank_nodes"]
+        assert placement.placement_violation(rank_nodes, result["labels"], span) is None, span
+    packed = [nodes[n] for n in result["node"]["rank_nodes"]]
+    assert packed == ["b1"] * 3, packed  # only b1 holds 3 GPUs on one node
+    assert result["node"]["replies"] == [0, 1, 2]
+
+    spread = [nodes[n] for n in result["nvlink_domain"]["rank_nodes"]]
+    assert sorted(spread) == ["a1", "a1", "a2", "a2"], (
+        spread
+    )  # 4 GPUs: domain a's two nodes, never b1
+    assert result["nvlink_domain"]["replies"] == [0, 1, 2, 3]
+    assert "holds 5 bundles" in result["too_big"] and DOMAIN in result["too_big"]
+    assert "'a': 4" in result["too_big"]
+    assert result["leftover_groups"] == 0
