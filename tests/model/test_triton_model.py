@@ -93,6 +93,11 @@ def test_tiny_triton_bf16_matches_fp32_reference(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="1e-2 is below bf16's floor on this random checkpoint: 1.79e-2 here, torch's own reference kernels "
+    "in bf16 1.72e-2 in the same run, HF transformers' bf16 2.74e-2 (the target was closed as blocked)",
+)
 def test_v2_lite_shape_triton_bf16_matches_fp32_reference(tmp_path):
     assert check(bf16_checkpoint(tmp_path, "v2-lite-shape")) <= 1e-2
 
