@@ -28,10 +28,15 @@ _QUIET_SWEEPS = 3
 
 
 def tie_ray_to_this_process() -> None:
-    """Marks this process's environment and starts the watchdog. Call once, before `ray.init` starts a local
-    Ray. The pipe's write end is kept open, unreferenced, for the rest of this process's life: its closing by
-    the kernel is the watchdog's signal."""
-    if OWNER_ENV in os.environ or not sys.platform.startswith("linux"):  # the watchdog reads /proc
+    """Marks this process's environment and starts the watchdog. Call before `ray.init` starts a local Ray; a
+    second call in the same process does nothing. The pipe's write end is kept open, unreferenced, for the rest of
+    this process's life: its closing by the kernel is the watchdog's signal.
+
+    A token inherited from a parent (a `pdserve serve` started by a process that started a Ray of its own, as the
+    tests do) is replaced: this process's Ray must die with this process, not only with the parent."""
+    if not sys.platform.startswith("linux"):  # the watchdog reads /proc
+        return
+    if os.environ.get(OWNER_ENV, "").startswith(f"{os.getpid()}-"):  # tied already
         return
     token = f"{os.getpid()}-{secrets.token_hex(8)}"
     # Both ends are close-on-exec: Ray's processes do not inherit the write end.
