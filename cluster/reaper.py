@@ -6,7 +6,10 @@ exit. So before Ray starts, `tie_ray_to_this_process` marks this process's envir
 process of the Ray it starts inherits (the raylet passes its environment on to the agents and workers), and starts
 a watchdog: this file run as a script (stdlib only, so it starts in milliseconds). The watchdog blocks reading a
 pipe whose only write end this process holds; the kernel closes it when this process ends, and the watchdog then
-SIGKILLs every process of this user whose environment carries the token, until none is left.
+SIGKILLs every process of this user whose environment carries the token, until none is left. The agents retitle
+themselves (`ray::DashboardAgent`), which overwrites what /proc shows of their environment, so while the owner
+lives the watchdog also notes the owner's descendants every half second (pid and start time, so that a reused pid
+is never taken for one of them) and kills those too.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import select
 import signal
 import subprocess
 import sys
@@ -25,6 +29,8 @@ _SWEEP_S = 30.0
 """How long the watchdog keeps sweeping for marked processes (ones still being spawned as it starts)."""
 _QUIET_SWEEPS = 3
 """Sweeps in a row that find nothing before the watchdog is done."""
+_SNAPSHOT_S = 0.5
+"""How often the watchdog notes the owner's descendants while the owner lives."""
 
 
 def tie_ray_to_this_process() -> None:
@@ -67,11 +73,44 @@ def _marked_pids(token: str) -> list[int]:
     return pids
 
 
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a live process, or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = (
+                f.read().rsplit(b")", 1)[1].split()
+            )  # after the command name, which may hold spaces
+    except OSError:
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+def _descendants(root: int) -> set[tuple[int, int]]:
+    """(pid, start time) of root's live descendants."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := _stat(int(entry))) is not None:
+            children.setdefault(stat[0], []).append((int(entry), stat[1]))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child[0])
+    return found
+
+
 def _watch(token: str) -> None:
-    sys.stdin.buffer.read()  # returns at EOF: the owner has ended
+    owner = int(token.split("-", 1)[0])
+    noted: set[tuple[int, int]] = set()
+    while True:  # until EOF on stdin: the owner has ended
+        readable, _, _ = select.select([sys.stdin.buffer], [], [], _SNAPSHOT_S)
+        if readable and not os.read(sys.stdin.fileno(), 4096):
+            break
+        noted |= {d for d in _descendants(owner) if d[0] != os.getpid()}  # not this watchdog
     deadline, quiet = time.monotonic() + _SWEEP_S, 0
     while quiet < _QUIET_SWEEPS and time.monotonic() < deadline:
         pids = _marked_pids(token)
+        pids += [pid for pid, start in noted if (s := _stat(pid)) is not None and s[1] == start]
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):  # exited meanwhile
                 os.kill(pid, signal.SIGKILL)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cluster.client import Client, generate_request
+from pdserve.cluster.reaper import OWNER_ENV
 
 from .conftest import wait_for
 
@@ -37,6 +38,9 @@ def ray_tmpdir():
 def serve_env(ray_tmpdir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_TMPDIR"] = str(ray_tmpdir)
+    # As when this test process started a Ray of its own first: the server inherits that Ray's owner token and
+    # must still tie its own Ray to itself.
+    env[OWNER_ENV] = "1-inherited"
     return env
 
 
