@@ -20,7 +20,7 @@ from pdserve.model.errors import PdserveError
 from .layout import data_parallel_ranks
 from .messages import RequestOutput
 from .pages import PageAllocator
-from .plan_channel import RankLostError
+from .plan_channel import PlanChannelError
 from .rank_group import RankGroup, RankStepError
 from .runner import ModelRunner
 from .scheduler import Scheduler, StepOutcome
@@ -67,7 +67,7 @@ class Worker:
         self.failed: str | None = None
         """Why the worker's rank group failed (then the loop ends)."""
         self.scheduler: Scheduler
-        """Set by the role, over `allocator`."""
+        """Set by the role (`_make_scheduler`), over `allocators`."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
 
@@ -97,7 +97,7 @@ class Worker:
         else:
             try:
                 results = [result_from_wire(r) for r in self.ranks.step(plan_to_wire(plan))]
-            except (RankLostError, RankStepError) as e:
+            except (PlanChannelError, RankStepError) as e:  # a rank lost, stalled or raised
                 return self._fail_ranks(plan, e)
         with self._lock:
             return self.scheduler.finish_step(plan, results)

@@ -56,6 +56,8 @@ def test_file_then_flags(tmp_path):
         ({"decode": {"ranks": 2, "expert_parallel": 3}}, "decode.expert_parallel=3"),
         ({"prefill": {"attention": "pipeline"}}, "prefill.attention='pipeline'"),
         ({"prefill": {"ranks": 2, "dense": "tensor"}}, "prefill.dense='tensor'"),
+        ({"decode": {"ranks": 2}}, "decode.ranks=2 needs cluster.num_prefill=0"),
+        ({"prefill": {"ranks": 2}}, "prefill.attention='data' with prefill.ranks=2"),
     ],
 )
 def test_bad_values_name_the_field(values, message):
@@ -65,7 +67,8 @@ def test_bad_values_name_the_field(values, message):
 
 def test_layout_flags():
     config = build_config(
-        overrides={"decode": {"ranks": 2, "attention": "data", "expert_parallel": 2},
+        overrides={"cluster": {"num_prefill": 0},
+                   "decode": {"ranks": 2, "attention": "data", "expert_parallel": 2},
                    "prefill": {"ranks": 2, "attention": "tensor", "dense": "tensor"}}
     )  # fmt: skip
     assert (config.decode.ranks, config.decode.attention, config.decode.expert_parallel) == (

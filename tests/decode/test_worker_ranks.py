@@ -1,10 +1,12 @@
-"""A decode worker of 2 CPU ranks (the driver and one spawned rank process, gloo) with data-parallel attention and
-expert-parallel MoE: aggregated requests, spread over both ranks, stream the tokens `pdserve offline` generates
-on one process; killing the other rank's process fails every request with an error naming it, frees every page
-and ends the worker's loop."""
+"""A decode worker of 2 CPU ranks (the driver and one spawned rank process, gloo), with data-parallel attention and
+expert-parallel MoE or with tensor-parallel attention and dense layers: aggregated requests (spread over both
+ranks under data-parallel attention) stream the tokens `pdserve offline` generates on one process; killing the
+other rank's process fails every request with an error naming it, frees every page and ends the worker's
+loop."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -25,6 +27,7 @@ CONFIG = DecodeConfig(
     page_size=PAGE, num_pages=32, max_prefill_chunk=4, cuda_graphs=False, ranks=2,
     attention="data", expert_parallel=2,
 )  # fmt: skip
+TP2 = dataclasses.replace(CONFIG, attention="tensor", expert_parallel=1, dense="tensor")
 
 
 @pytest.fixture(scope="module")
@@ -33,24 +36,30 @@ def ckpt(tmp_path_factory):
     return make_checkpoint(out, "tiny", dtype="fp32", shard_bytes=2 << 20, progress=False)
 
 
-def worker(ckpt) -> DecodeWorker:
-    group = start_rank_group(CONFIG, str(ckpt), "fp32", "auto")
-    return DecodeWorker("d0", None, CONFIG, ranks=group)
+def worker(ckpt, config=CONFIG) -> DecodeWorker:
+    group = start_rank_group(config, str(ckpt), "fp32", "auto")
+    return DecodeWorker("d0", None, config, ranks=group)
 
 
-def test_dp2_ep2_requests_give_the_offline_tokens(ckpt):
-    decode = worker(ckpt)
+@pytest.mark.parametrize("config", [CONFIG, TP2], ids=["dp2-ep2", "tp2"])
+def test_requests_give_the_offline_tokens(ckpt, config):
+    decode = worker(ckpt, config)
     try:
         for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
             decode.add_request(DecodeRequest(f"r{i}", prompt, params))
         ranks = {r.request_id: r.rank for r in decode.scheduler.requests.values()}
-        assert set(ranks.values()) == {0, 1}, ranks  # both ranks hold requests
-        # the driver holds half the routed experts
         ffn = decode.model.layers[-1].ffn
         routed = ffn.experts.w2.shape[0] - int(ffn.fused_shared)
-        assert routed * 2 == decode.model.args.n_routed_experts
+        if config.attention == "data":
+            assert set(ranks.values()) == {0, 1}, ranks  # both ranks hold requests
+            assert (
+                routed * 2 == decode.model.args.n_routed_experts
+            )  # the driver holds half the experts
+        else:
+            assert decode.model.layers[0].attn.n_heads * 2 == decode.model.args.num_attention_heads
         got = drain(decode, ["r0", "r1", "r2"])
-        assert decode.num_used_pages == 0 and decode.num_pages == 64
+        pages = 2 * 32 if config.attention == "data" else 32  # one allocator per data-parallel rank
+        assert decode.num_used_pages == 0 and decode.num_pages == pages
     finally:
         decode.close()
     assert got == offline(load_model(ckpt, dtype=torch.float32))
