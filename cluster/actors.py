@@ -5,7 +5,14 @@ store the router hosts, builds its worker and runs the worker's loop in a thread
 calls (submit, abort, stats) and the router's long-poll for outputs run on other threads while the loop steps.
 Every payload in or out is msgpack bytes (`pdserve.engine.messages`). The actor is a process boundary: unexpected
 exceptions are logged with their traceback and returned as a `WorkerError`; if the worker's loop itself dies,
-the process exits so that Ray reports the worker dead and the router fails its requests."""
+the process exits so that Ray reports the worker dead and the router fails its requests.
+
+A worker of several ranks (`ranks` > 1 in its role config) runs in a placement group of one bundle per rank: the
+shell is rank 0 on bundle 0 and starts ranks 1..N-1 as Ray actors on the other bundles (`RayRankLauncher`),
+all joined by one torch.distributed group (NCCL on GPUs, gloo on CPU); each rank loads only its shard. Its KV
+cache takes part in no transfer yet, so such a decode worker serves aggregated requests only. When a rank is
+lost the worker fails its requests and its loop dies, which ends the shell's process as above (its rank
+actors go with it: Ray ends the actors an actor owns)."""
 
 from __future__ import annotations
 
@@ -36,14 +43,18 @@ class _WorkerShell:
 
     def __init__(
         self, worker_id: str, model: ModelConfig, worker_config, kv_config: KVTransferConfig,
-        num_gpus: int, cpu_threads: int,
+        num_gpus: int, cpu_threads: int, cpus_per_rank: float = 1.0,
     ):  # fmt: skip
+        """num_gpus: of this process (rank 0 of a worker of several ranks: 0 or 1, as each other rank);
+        cpus_per_rank: what each other rank's actor reserves."""
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         self.worker_id = worker_id
         self.worker = None
         self._init_error: BaseException | None = None
         self._stop = threading.Event()
         self._kernel_choice = (model.kernels, model.batch_invariant)
+        self.ranks = None
+        self._cpus_per_rank = cpus_per_rank
         try:
             with self._kernels():
                 self._start(model, worker_config, kv_config, num_gpus, cpu_threads)
@@ -72,12 +83,35 @@ class _WorkerShell:
             torch.set_num_threads(cpu_threads)
             self.device = torch.device("cpu")
         path = resolve_model(model.path)  # `tiny` is made on this node if its cache lacks it
-        self.model = load_model(path, self.device, _torch_dtype(model.dtype), progress=False)
+        if worker_config.ranks > 1:
+            self.model = None  # rank 0's shard is loaded by its rank handler
+            self.ranks = self._start_ranks(str(path), model, worker_config, num_gpus)
+        else:
+            self.model = load_model(path, self.device, _torch_dtype(model.dtype), progress=False)
         self.store = connect_store(kv_config, is_master=False)
         self.kv_cache_dtype = model.kv_cache_dtype
         self.worker = self._build(worker_config, kv_config)
         self._loop = threading.Thread(target=self._run, name=f"{self.worker_id}-loop", daemon=True)
         self._loop.start()
+
+    def _start_ranks(self, path: str, model: ModelConfig, worker_config, num_gpus: int):
+        """Starts ranks 1..N-1 on the other bundles of this actor's placement group and joins them."""
+        import ray
+
+        from pdserve.engine.rank_runner import start_rank_group
+
+        from .rank_actors import RayRankLauncher
+
+        group = ray.util.get_current_placement_group()
+        if group is None:
+            raise RuntimeError(
+                f"{self.worker_id}: a worker of several ranks needs a placement group"
+            )
+        launcher = RayRankLauncher(group, int(num_gpus > 0), self._cpus_per_rank)
+        return start_rank_group(
+            worker_config, path, model.dtype, model.kv_cache_dtype, launcher,
+            backend="nccl" if num_gpus > 0 else "gloo", kernel_choice=self._kernel_choice,
+        )  # fmt: skip
 
     def _build(self, worker_config, kv_config):
         raise NotImplementedError
@@ -108,6 +142,7 @@ class _WorkerShell:
             "device": str(self.device),
             "num_pages": self.worker.num_pages,
             "page_size": self.worker.config.page_size,
+            "rank_pids": [] if self.ranks is None else list(self.ranks.rank_pids),
         })  # fmt: skip
 
     def stats(self) -> bytes:
@@ -131,7 +166,9 @@ class PrefillShell(_WorkerShell):
         from pdserve.prefill import PrefillWorker
 
         sender = DistKVSender(kv_config, self.store, self.worker_id, self.device)
-        return PrefillWorker(self.worker_id, self.model, worker_config, sender, self.kv_cache_dtype)
+        return PrefillWorker(
+            self.worker_id, self.model, worker_config, sender, self.kv_cache_dtype, self.ranks
+        )
 
     def submit(self, request: bytes) -> bytes:
         return self._call(lambda: self.worker.submit(messages.decode(PrefillRequest, request)))
@@ -155,8 +192,9 @@ class DecodeShell(_WorkerShell):
             return DistKVReceiver(kv_config, self.store, self.worker_id, cache)
 
         return DecodeWorker(
-            self.worker_id, self.model, worker_config, make_receiver, self.kv_cache_dtype
-        )
+            self.worker_id, self.model, worker_config,
+            make_receiver if self.ranks is None else None, self.kv_cache_dtype, self.ranks,
+        )  # fmt: skip
 
     def add_request(self, request: bytes) -> bytes:
         return self._call(lambda: self.worker.add_request(messages.decode(DecodeRequest, request)))

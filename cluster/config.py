@@ -147,6 +147,16 @@ class ServeConfig:
                 f"prefill.page_size={self.prefill.page_size} and decode.page_size="
                 f"{self.decode.page_size} must be equal"
             )
+        if self.decode.ranks > 1 and self.cluster.num_prefill > 0:
+            raise ValueError(
+                f"decode.ranks={self.decode.ranks} needs cluster.num_prefill=0: KV pages are not yet sent "
+                "to the ranks of a decode worker, so it serves aggregated requests only"
+            )
+        if self.prefill.ranks > 1 and self.prefill.attention != "tensor":
+            raise ValueError(
+                f"prefill.attention={self.prefill.attention!r} with prefill.ranks={self.prefill.ranks}: a "
+                "prefill worker sends its KV from rank 0, so several ranks need attention='tensor'"
+            )
         if self.kvtransfer.idle_timeout_s <= self.decode.kv_wait_timeout_s:
             raise ValueError(
                 f"kvtransfer.idle_timeout_s={self.kvtransfer.idle_timeout_s} must exceed "

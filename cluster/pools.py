@@ -89,7 +89,13 @@ class Launcher:
         cluster cannot place it within placement_timeout_s, or the error its actor failed to start with."""
         cluster = self.config.cluster
         worker_id = f"{role}-{next(self._ids[role])}"
-        bundles = placement.worker_bundles(self.num_gpus, cluster.cpus_per_worker)
+        worker_config = self.config.prefill if role == PREFILL else self.config.decode
+        num_gpus = self.num_gpus
+        if worker_config.ranks > 1:  # one bundle per rank, each rank one GPU (or none on CPU)
+            num_gpus = int(self.num_gpus > 0)
+            bundles = placement.rank_bundles(worker_config.ranks, num_gpus, cluster.cpus_per_worker)
+        else:
+            bundles = placement.worker_bundles(self.num_gpus, cluster.cpus_per_worker)
         nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
         reason = placement.unplaceable_reason(bundles, nodes)
         if reason is not None:
@@ -97,7 +103,7 @@ class Launcher:
         group = ray.util.placement_group(
             bundles, strategy=placement.STRATEGY, name=f"pdserve-{worker_id}"
         )
-        handle = WorkerHandle(worker_id, role, None, group, self.num_gpus)
+        handle = WorkerHandle(worker_id, role, None, group, num_gpus)
         if not placement.fits_now(bundles, ray.available_resources()):
             logger.warning(
                 "%s waits up to %gs for %s (available now: %s)", worker_id,
@@ -112,15 +118,14 @@ class Launcher:
                     f"{cluster.placement_timeout_s:g}s (available: "
                     f"{_rounded(ray.available_resources())})"
                 ) from None
-            worker_config = self.config.prefill if role == PREFILL else self.config.decode
             handle.actor = _SHELLS[role].options(
                 num_cpus=cluster.cpus_per_worker,
-                num_gpus=self.num_gpus,
+                num_gpus=num_gpus,
                 max_concurrency=cluster.actor_max_concurrency,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, 0),
             ).remote(
-                worker_id, self.config.model, worker_config, self.kv_config, self.num_gpus,
-                placement.cpu_threads(cluster.cpus_per_worker),
+                worker_id, self.config.model, worker_config, self.kv_config, num_gpus,
+                placement.cpu_threads(cluster.cpus_per_worker), cluster.cpus_per_worker,
             )  # fmt: skip
             try:
                 ready = await asyncio.wait_for(handle.actor.ready.remote(), cluster.load_timeout_s)

@@ -56,7 +56,12 @@ def connect_ray(config: ServeConfig) -> None:
     num_cpus = None
     if address == "local":
         cluster = config.cluster
-        demand = (cluster.num_prefill + cluster.num_decode) * cluster.cpus_per_worker
+        ranks = (
+            cluster.num_prefill * config.prefill.ranks + cluster.num_decode * config.decode.ranks
+        )
+        demand = (
+            ranks * cluster.cpus_per_worker
+        )  # a worker of several ranks takes a bundle per rank
         num_cpus = max(os.cpu_count() or 1, math.ceil(2 * demand))
         tie_ray_to_this_process()
     ray.init(

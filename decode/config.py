@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pdserve.engine.layout import check_layout_fields
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DecodeConfig:
@@ -26,8 +28,17 @@ class DecodeConfig:
     """Longest piece of one prompt per local-prefill step."""
     cuda_graphs: bool = True
     """On a GPU, replay decode steps as CUDA graphs (one launch per step instead of hundreds)."""
+    ranks: int = 1
+    """Ranks (one GPU each, or CPU processes) of one worker; 1: the worker is one process."""
+    attention: str = "data"
+    """Attention over the ranks: 'data' (each rank its own requests and KV pages) or 'tensor' (heads split)."""
+    expert_parallel: int = 1
+    """Ranks the routed experts are split over: 1 (each rank all of them) or `ranks`."""
+    dense: str = "replicated"
+    """Dense layers and shared experts: 'replicated' or 'tensor' (split; needs attention 'tensor')."""
 
     def __post_init__(self) -> None:
+        check_layout_fields(self)
         for name in ("page_size", "max_running", "max_num_batched_tokens", "max_prefill_chunk"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be positive")

@@ -16,8 +16,8 @@ import time
 
 from pdserve import kernels
 from pdserve.engine.messages import DecodeRequest, DecodeStats, RequestOutput, Reservation
+from pdserve.engine.rank_group import RankGroup
 from pdserve.engine.request import Policy, Request, RequestState
-from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.worker import Worker
 from pdserve.kvtransfer import ExpectedTransfer, KVReceiver, MakeReceiver
 from pdserve.model.deepseek import Transformer
@@ -31,16 +31,20 @@ class DecodeWorker(Worker):
     def __init__(
         self,
         worker_id: str,
-        model: Transformer,
+        model: Transformer | None,
         config: DecodeConfig,
         make_receiver: MakeReceiver | None = None,
         kv_cache_dtype: str = "auto",
+        ranks: RankGroup | None = None,
     ):
-        """kv_cache_dtype: auto or fp8 (`pdserve.model.kv_cache`); must be the prefill workers'."""
-        super().__init__(worker_id, model, config, kv_cache_dtype, cuda_graphs=config.cuda_graphs)
-        args = model.args
-        self.scheduler = Scheduler(
-            self.allocator, config.page_size, config.max_num_batched_tokens,
+        """kv_cache_dtype: auto or fp8 (`pdserve.model.kv_cache`); must be the prefill workers'; ranks: the
+        worker's running rank group when `config.ranks` > 1 (`Worker`; then `model` is unused)."""
+        super().__init__(
+            worker_id, model, config, kv_cache_dtype, cuda_graphs=config.cuda_graphs, ranks=ranks
+        )
+        args = self.model.args
+        self.scheduler = self._make_scheduler(
+            config.page_size, config.max_num_batched_tokens,
             config.max_prefill_chunk, args.vocab_size, args.max_position_embeddings, args.eos_token_ids,
             max_running=config.max_running, fixed_chunks=kernels.batch_invariant(),
             worker_kind="decode worker",
@@ -111,8 +115,8 @@ class DecodeWorker(Worker):
                 self.worker_id,
                 sum(r.state is RequestState.RUNNING for r in records),
                 sum(r.state is not RequestState.RUNNING for r in records),
-                self.allocator.num_used,
-                self.allocator.num_pages,
+                self.num_used_pages,
+                self.num_pages,
                 self.config.max_running,
                 self.config.page_size,
                 self.scheduler.num_preemptions,
@@ -149,3 +153,4 @@ class DecodeWorker(Worker):
     def close(self) -> None:
         if self.receiver is not None:
             self.receiver.close()
+        self.close_ranks()

@@ -8,14 +8,15 @@ Pure Python (no torch; the router and the schedulers import these without it): t
 `request`); the per-step plan and its results (`step`, msgpack-able); every router <-> worker message and their
 msgpack codec (`messages`); per-request sampling parameters and stop rules (`sampling_params`); the request
 checks the front end, the scheduler and the offline path share (`checks`); the page allocator (`pages`);
-chunked-prefill planning (`chunking`).
+chunked-prefill planning (`chunking`); the per-pool layout fields' checks (`layout`).
 
 With torch, imported from their modules: the model runner (`runner`, with `sampler` and `cuda_graphs`); the
 `Worker` base the prefill and decode roles share (`worker`); the single-process reference path of `pdserve
 offline` (`offline`); the memory plan of a worker's layout (`memory_plan`: per rank weights by group, activation
 and workspace reserve, KV capacity, from the model's arguments alone, without GPUs; `rank_memory`: the per-rank
 arithmetic it is made of); a worker's driver and its rank processes (`rank_group`, `rank_process`), joined by one
-torch.distributed group, talking over a `plan_channel` (shared memory, `shm_channel`, or gloo, `dist_channel`)."""
+torch.distributed group, talking over a `plan_channel` (shared memory, `shm_channel`, or gloo, `dist_channel`);
+each rank's model shard and runner behind a step handler (`rank_runner`)."""
 
 from .messages import (
     DecodeRequest,

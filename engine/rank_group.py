@@ -161,6 +161,8 @@ class RankGroup:
         self.handler = None
         self._store: dist.TCPStore | None = None
         self._failed = False
+        self.rank_pids: list[int] = []
+        """Process ids of ranks 1..N-1, once started."""
 
     def __enter__(self) -> RankGroup:
         try:
@@ -208,6 +210,7 @@ class RankGroup:
         ctx = RankContext(0, cfg.world_size, device, dist.group.WORLD)
         self.handler = self.handler_spec.build(ctx)
         pids = self._round(OP_HELLO, None, cfg.join_timeout_s)
+        self.rank_pids = pids[1:]
         if isinstance(self.channel, ShmPlanChannel):
             self.channel.unlink()  # every rank has it mapped now
         log.info("rank group of %d up (rank pids %s)", cfg.world_size, pids)

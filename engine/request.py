@@ -60,6 +60,8 @@ class Request:
     """Arrival order; preemption takes the latest first."""
     transfer_id: int = 0
     """DECODE_ONLY: the id the prefill worker's transfer carries."""
+    rank: int = 0
+    """The data-parallel rank holding its pages and running its rows (0 on a worker of one such rank)."""
 
     @property
     def num_tokens(self) -> int:

@@ -53,6 +53,7 @@ class ModelRunner:
         cpu_cache_bytes: int,
         cuda_graphs: bool = True,
         kv_cache_dtype: str = "auto",
+        rank: int = 0,
     ) -> ModelRunner:
         """A runner whose cache has `num_pages`, or as many as `capacity_pages` finds room for."""
         cache_dtype = resolve_cache_dtype(kv_cache_dtype, model.dtype)
@@ -61,7 +62,7 @@ class ModelRunner:
         pages = capacity_pages(layout, device, num_pages, gpu_memory_fraction, cpu_cache_bytes)
         if num_pages is None and device.type == "cuda" and cuda_graphs:
             pages -= 1  # room for the graphs' scratch page
-        return cls(model, page_size, pages, kv_cache_dtype, cuda_graphs)
+        return cls(model, page_size, pages, kv_cache_dtype, cuda_graphs, rank)
 
     @property
     def num_pages(self) -> int:
@@ -76,9 +77,15 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> RankResult:
         """Runs this rank's rows of `plan`: the prefill pass, then the decode pass. A pass that raises fails
-        alone: its error is returned (and logged), the other pass still runs."""
+        alone: its error is returned (and logged), the other pass still runs.
+
+        Under an expert-parallel layout with data-parallel attention every rank must issue the same collectives
+        each step: a pass that some rank runs is run by every rank, those without rows of it running the
+        model's idle forward (which joins each MoE layer's expert exchange)."""
         step = plan.ranks[self.rank]
         result = RankResult(plan.step_id)
+        if not step.prefill and self._joins_idle and any(r.prefill for r in plan.ranks):
+            self._run(self._idle, None)
         if step.prefill:
             try:
                 result.prefill_tokens.extend(self._run(self._prefill, step.prefill))
@@ -87,6 +94,8 @@ class ModelRunner:
             ) as e:  # the scheduler fails this pass's requests; the worker keeps serving
                 logger.error("prefill pass failed", exc_info=True)
                 result = dataclasses.replace(result, prefill_error=str(e))
+        if not step.decode and self._joins_idle and any(r.decode for r in plan.ranks):
+            self._run(self._idle, None)
         if step.decode:
             try:
                 result.decode_tokens.extend(self._run(self._decode, step.decode))
@@ -94,6 +103,15 @@ class ModelRunner:
                 logger.error("decode pass failed", exc_info=True)
                 result = dataclasses.replace(result, decode_error=str(e))
         return result
+
+    @property
+    def _joins_idle(self) -> bool:
+        """Whether a rank with no rows must still run a pass: its MoE layers exchange tokens with the others."""
+        layout = self.model.layout
+        return layout.expert_parallel > 1 and not layout.same_tokens_on_all_ranks
+
+    def _idle(self, _rows) -> None:
+        self.model.forward_idle()
 
     @torch.inference_mode()
     def _run(self, run_pass, rows):

@@ -13,7 +13,14 @@ path). A step is `schedule()` -> `StepPlan` -> the runner's `RankResult`s -> `fi
 - after the step, sampled tokens are appended and the stop rules applied.
 
 Pages freed while a step is in flight (an abort from another thread) are held back until `finish_step`, since
-the step's forward passes may still write them."""
+the step's forward passes may still write them.
+
+A worker of several ranks: with one page allocator per rank (data-parallel attention) each admitted request is
+assigned to one rank (the one with the fewest KV pages in use, then the fewest requests) and lives there: its
+pages come from that rank's allocator, its chunks count against that rank's token budget, preemption takes
+victims of that rank only, and the plan has one `RankStep` per rank (empty for an idle rank). With one allocator
+and several ranks (tensor-parallel attention: the latent cache is the same on every rank) every rank gets the
+same `RankStep`, and rank 0's result is taken."""
 
 from __future__ import annotations
 
@@ -45,15 +52,16 @@ class StepOutcome:
 @dataclasses.dataclass(frozen=True, slots=True)
 class _InFlight:
     plan: StepPlan
-    prefill: list[tuple[Request, int, int]]
-    """(request, start, length) per prefill row of rank 0."""
-    decode: list[Request]
+    prefill: list[list[tuple[Request, int, int]]]
+    """Per data-parallel rank: (request, start, length) per prefill row of its RankStep."""
+    decode: list[list[Request]]
+    """Per data-parallel rank: the request of each decode row."""
 
 
 class Scheduler:
     def __init__(
         self,
-        allocator: PageAllocator,
+        allocator: PageAllocator | Sequence[PageAllocator],
         page_size: int,
         token_budget: int,
         max_chunk: int,
@@ -63,11 +71,25 @@ class Scheduler:
         max_running: int | None = None,
         fixed_chunks: bool = False,
         worker_kind: str = "worker",
+        ranks: int | None = None,
     ):
-        """token_budget, max_chunk: prompt tokens per step, and per request per step; max_running: requests
-        admitted at once (None: no limit); fixed_chunks (batch-invariant mode): cut prompts only at multiples of
-        the chunk size (`plan_prefill_chunks`); worker_kind: how refusals name this worker ("decode worker")."""
-        self.allocator, self.page_size = allocator, page_size
+        """allocator: the KV pages of the worker's one rank, or one allocator per data-parallel rank (of equal
+        sizes); ranks: ranks of the worker (default: one per allocator; with one allocator and more ranks, each
+        rank runs the same rows); token_budget, max_chunk: prompt tokens per step (per rank), and per request
+        per step; max_running: requests admitted at once (None: no limit); fixed_chunks (batch-invariant mode):
+        cut prompts only at multiples of the chunk size (`plan_prefill_chunks`); worker_kind: how refusals name
+        this worker ("decode worker")."""
+        allocators = [allocator] if isinstance(allocator, PageAllocator) else list(allocator)
+        ranks = len(allocators) if ranks is None else ranks
+        if not allocators or len(allocators) not in (1, ranks):
+            raise ValueError(
+                f"{len(allocators)} page allocators for ranks={ranks}: expected 1 or {ranks}"
+            )
+        if len({a.num_pages for a in allocators}) != 1:
+            raise ValueError(
+                f"page allocators of unequal sizes {[a.num_pages for a in allocators]}"
+            )
+        self.allocators, self.ranks, self.page_size = allocators, ranks, page_size
         self.token_budget, self.max_chunk, self.fixed_chunks = token_budget, max_chunk, fixed_chunks
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.eos_token_ids = eos_token_ids
@@ -82,6 +104,31 @@ class Scheduler:
         self._transfer_ids = itertools.count(1)
         self._step_ids = itertools.count()
         self._in_flight: _InFlight | None = None
+
+    @property
+    def allocator(self) -> PageAllocator:
+        """Rank 0's page allocator (the only one unless attention is data-parallel)."""
+        return self.allocators[0]
+
+    @property
+    def num_used_pages(self) -> int:
+        return sum(a.num_used for a in self.allocators)
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of every rank's allocator together."""
+        return sum(a.num_pages for a in self.allocators)
+
+    def _pick_rank(self, num_pages: int) -> int | None:
+        """The data-parallel rank a new request goes to: of those with `num_pages` free, the fewest pages in use,
+        then the fewest requests, then the lowest rank; None when no rank has them free."""
+        if len(self.allocators) == 1:
+            return 0 if self.allocators[0].can_allocate(num_pages) else None
+        counts = [0] * len(self.allocators)
+        for r in self.requests.values():
+            counts[r.rank] += 1
+        fits = [d for d, a in enumerate(self.allocators) if a.can_allocate(num_pages)]
+        return min(fits, key=lambda d: (self.allocators[d].num_used, counts[d], d), default=None)
 
     # Admission.
 
@@ -109,7 +156,7 @@ class Scheduler:
         return (
             (self.max_running is None or self.num_active < self.max_running)
             and not self.waiting
-            and self.allocator.can_allocate(pages_needed(num_tokens, self.page_size))
+            and self._pick_rank(pages_needed(num_tokens, self.page_size)) is not None
         )
 
     def add(self, request: Request) -> None:
@@ -122,13 +169,14 @@ class Scheduler:
             self.waiting.append(request)
         else:
             if not self.can_admit(request.num_tokens):
+                free = [a.num_free for a in self.allocators]
                 raise CapacityError(
-                    f"{self.worker_kind} full: {self.allocator.num_free} free KV pages, "
+                    f"{self.worker_kind} full: {'/'.join(map(str, free))} free KV pages, "
                     f"{self.num_active}/{self.max_running} requests"
                 )
-            request.pages = self.allocator.allocate(
-                pages_needed(request.num_tokens, self.page_size)
-            )
+            need = pages_needed(request.num_tokens, self.page_size)
+            request.rank = self._pick_rank(need)
+            request.pages = self.allocators[request.rank].allocate(need)
             if request.policy is Policy.DECODE_ONLY:
                 request.state = RequestState.WAITING_FOR_KV
                 request.transfer_id = next(self._transfer_ids)
@@ -186,7 +234,7 @@ class Scheduler:
 
     def _release(self, request: Request, state: RequestState) -> None:
         request.state = state
-        self.allocator.free(request.pages)
+        self.allocators[request.rank].free(request.pages)
         request.pages = []
         self.requests.pop(request.request_id, None)
         self._by_transfer.pop(request.transfer_id, None)
@@ -209,9 +257,13 @@ class Scheduler:
         assert self._in_flight is None, "the previous step is not finished"
         outputs: list[RequestOutput] = []
         self._take_pages_in_order()
-        prefilling = [r for r in self.requests.values() if r.state is RequestState.PREFILLING]
-        pending = [(r, r.num_computed, r.num_tokens) for r in prefilling]
-        prefill = plan_prefill_chunks(pending, self.token_budget, self.max_chunk, self.fixed_chunks)
+        prefill: list[tuple[Request, int, int]] = []
+        for rank in range(len(self.allocators)):  # each rank's token budget
+            pending = [(r, r.num_computed, r.num_tokens) for r in self.requests.values()
+                       if r.state is RequestState.PREFILLING and r.rank == rank]  # fmt: skip
+            prefill += plan_prefill_chunks(
+                pending, self.token_budget, self.max_chunk, self.fixed_chunks
+            )
         decode: list[Request] = []
         running = sorted(
             (r for r in self.requests.values() if r.state is RequestState.RUNNING),
@@ -220,24 +272,34 @@ class Scheduler:
         for request in running:
             if request.state is not RequestState.RUNNING:
                 continue  # preempted while making room for an earlier one
+            allocator = self.allocators[request.rank]
             need = pages_needed(request.num_tokens, self.page_size) - len(request.pages)
-            while need > 0 and not self.allocator.can_allocate(need):
+            while need > 0 and not allocator.can_allocate(need):
                 victim = self._pick_victim(exclude=request, protected=decode)
                 if victim is None:
                     break
                 outputs.extend(self._preempt(victim))
                 prefill = [c for c in prefill if c[0] is not victim]
-            if need > 0 and not self.allocator.can_allocate(need):
+            if need > 0 and not allocator.can_allocate(need):
                 outputs.extend(self._preempt(request))
                 continue
             if need > 0:
-                request.pages.extend(self.allocator.allocate(need))
+                request.pages.extend(allocator.allocate(need))
             decode.append(request)
         if not prefill and not decode:
             return None, outputs
-        plan = StepPlan(next(self._step_ids), [self._rank_step(prefill, decode)])
-        self._in_flight = _InFlight(plan, prefill, decode)
-        self.allocator.hold_frees()
+        by_rank = range(len(self.allocators))
+        prefill_by_rank = [[c for c in prefill if c[0].rank == d] for d in by_rank]
+        decode_by_rank = [[r for r in decode if r.rank == d] for d in by_rank]
+        steps = [
+            self._rank_step(p, d) for p, d in zip(prefill_by_rank, decode_by_rank, strict=True)
+        ]
+        if len(steps) < self.ranks:
+            steps *= self.ranks  # the same rows on every rank
+        plan = StepPlan(next(self._step_ids), steps)
+        self._in_flight = _InFlight(plan, prefill_by_rank, decode_by_rank)
+        for allocator in self.allocators:
+            allocator.hold_frees()
         return plan, outputs
 
     @staticmethod
@@ -268,21 +330,25 @@ class Scheduler:
         while self.waiting:
             request = self.waiting[0]
             need = pages_needed(request.num_tokens, self.page_size)
-            if not self.allocator.can_allocate(need):
+            rank = self._pick_rank(need)
+            if rank is None:
                 return
-            request.pages = self.allocator.allocate(need)
+            request.rank = rank
+            request.pages = self.allocators[rank].allocate(need)
             request.state = RequestState.PREFILLING
             self.waiting.popleft()
 
     def _pick_victim(self, exclude: Request, protected: list[Request]) -> Request | None:
-        """The most recently admitted request holding pages, other than `exclude` and those already planned."""
+        """The most recently admitted request holding pages of `exclude`'s rank, other than `exclude` and those
+        already planned."""
         candidates = [r for r in self.requests.values() if r is not exclude and r not in protected
-                      and r.pages and r.state in (RequestState.RUNNING, RequestState.PREFILLING)]  # fmt: skip
+                      and r.rank == exclude.rank and r.pages
+                      and r.state in (RequestState.RUNNING, RequestState.PREFILLING)]  # fmt: skip
         return max(candidates, key=lambda r: r.admit_order, default=None)
 
     def _preempt(self, request: Request) -> list[RequestOutput]:
         self.num_preemptions += 1
-        self.allocator.free(request.pages)
+        self.allocators[request.rank].free(request.pages)
         request.pages = []
         request.num_computed = 0
         if request.policy is Policy.DECODE_ONLY:
@@ -299,13 +365,32 @@ class Scheduler:
         assert in_flight is not None and in_flight.plan.step_id == plan.step_id, (
             "not the step in flight"
         )
-        self.allocator.release_held()
-        (result,) = results
-        assert result.step_id == plan.step_id, "a result of another step"
+        for allocator in self.allocators:
+            allocator.release_held()
+        assert len(results) == len(plan.ranks), (
+            f"{len(results)} results for {len(plan.ranks)} ranks"
+        )
         outputs: list[RequestOutput] = []
         to_send: list[tuple[Request, int]] = []
+        # zip stops at the data-parallel ranks: with replicated rows rank 0's result is taken
+        for prefill, decode, result in zip(
+            in_flight.prefill, in_flight.decode, results, strict=False
+        ):
+            assert result.step_id == plan.step_id, "a result of another step"
+            self._apply(prefill, decode, result, outputs, to_send)
+        return StepOutcome(outputs, to_send)
+
+    def _apply(
+        self,
+        prefill: list[tuple[Request, int, int]],
+        decode: list[Request],
+        result: RankResult,
+        outputs: list[RequestOutput],
+        to_send: list[tuple[Request, int]],
+    ) -> None:
+        """Applies one rank's result to its rows, adding to `outputs` and `to_send`."""
         for (request, start, length), token in zip(
-            in_flight.prefill, result.prefill_tokens or [None] * len(in_flight.prefill), strict=True
+            prefill, result.prefill_tokens or [None] * len(prefill), strict=True
         ):
             if request.state is not RequestState.PREFILLING:
                 continue  # aborted while the step ran
@@ -322,7 +407,7 @@ class Scheduler:
                 request.state = RequestState.RUNNING
                 outputs += self._append(request, token)
         for request, token in zip(
-            in_flight.decode, result.decode_tokens or [None] * len(in_flight.decode), strict=True
+            decode, result.decode_tokens or [None] * len(decode), strict=True
         ):
             if request.state is not RequestState.RUNNING:
                 continue
@@ -331,4 +416,3 @@ class Scheduler:
                 continue
             request.num_computed = request.num_tokens
             outputs += self._append(request, token)
-        return StepOutcome(outputs, to_send)

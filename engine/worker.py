@@ -1,18 +1,36 @@
 """`Worker`: what a prefill and a decode worker share. A model runner over the worker's paged KV cache, its page
 allocator, the lock that control calls (any thread) and the loop thread take, running a step plan of the role's
 scheduler (`pdserve.engine.scheduler`), and the loop: step while there is work, otherwise wait for a wake-up or
-`idle_wait_s`. A role subclasses it with its scheduler's policy and its `step`."""
+`idle_wait_s`. A role subclasses it with its scheduler's policy and its `step`.
+
+A worker of several ranks (`config.ranks` > 1) is given its running `RankGroup` (`rank_runner.start_rank_group`):
+its runner is the driver's (rank 0's) shard, each plan runs on every rank through the group, and with
+data-parallel attention it keeps one page allocator per rank. When the group fails (a rank died, stalled or
+raised), every request of the worker fails with an error naming the rank, every page is freed, the ranks are
+stopped and the loop raises `RanksFailedError`, ending the worker."""
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from pdserve.model.deepseek import Transformer
+from pdserve.model.errors import PdserveError
 
+from .layout import data_parallel_ranks
+from .messages import RequestOutput
 from .pages import PageAllocator
+from .plan_channel import PlanChannelError
+from .rank_group import RankGroup, RankStepError
 from .runner import ModelRunner
 from .scheduler import Scheduler, StepOutcome
-from .step import StepPlan
+from .step import RankResult, StepPlan, plan_to_wire, result_from_wire
+
+logger = logging.getLogger(__name__)
+
+
+class RanksFailedError(PdserveError):
+    """A worker's rank group failed; the worker has failed its requests and cannot go on."""
 
 
 class Worker:
@@ -20,30 +38,51 @@ class Worker:
     """Longest the loop sleeps with nothing to do when nothing wakes it."""
 
     def __init__(
-        self, worker_id: str, model: Transformer, config, kv_cache_dtype: str = "auto",
-        cuda_graphs: bool = True,
+        self, worker_id: str, model: Transformer | None, config, kv_cache_dtype: str = "auto",
+        cuda_graphs: bool = True, ranks: RankGroup | None = None,
     ):  # fmt: skip
-        """config: the role's config (page_size, num_pages, gpu_memory_fraction, cpu_cache_bytes);
-        kv_cache_dtype: auto or fp8 (`pdserve.model.kv_cache`), the same on both sides of a transfer."""
-        self.worker_id, self.model, self.config = worker_id, model, config
-        self.runner = ModelRunner.sized(
-            model,
-            config.page_size,
-            config.num_pages,
-            config.gpu_memory_fraction,
-            config.cpu_cache_bytes,
-            cuda_graphs=cuda_graphs,
-            kv_cache_dtype=kv_cache_dtype,
-        )
-        self.allocator = PageAllocator(self.runner.num_pages)
+        """config: the role's config (page_size, num_pages, gpu_memory_fraction, cpu_cache_bytes, ranks,
+        attention); kv_cache_dtype: auto or fp8 (`pdserve.model.kv_cache`), the same on both sides of a
+        transfer; ranks: the worker's running rank group when it has several ranks (then `model` is unused:
+        the driver's shard is rank 0's handler's); the worker closes it."""
+        self.worker_id, self.config, self.ranks = worker_id, config, ranks
+        if ranks is None:
+            self.runner = ModelRunner.sized(
+                model,
+                config.page_size,
+                config.num_pages,
+                config.gpu_memory_fraction,
+                config.cpu_cache_bytes,
+                cuda_graphs=cuda_graphs,
+                kv_cache_dtype=kv_cache_dtype,
+            )
+        else:
+            self.runner = ranks.handler.runner
+        self.model = self.runner.model
+        self.num_ranks = 1 if ranks is None else ranks.world_size
+        num_allocators = 1 if ranks is None else data_parallel_ranks(config)
+        self.allocators = [PageAllocator(self.runner.num_pages) for _ in range(num_allocators)]
+        self.allocator = self.allocators[0]
+        """Rank 0's pages (the worker's only allocator unless attention is data-parallel)."""
+        self.failed: str | None = None
+        """Why the worker's rank group failed (then the loop ends)."""
         self.scheduler: Scheduler
-        """Set by the role, over `allocator`."""
+        """Set by the role (`_make_scheduler`), over `allocators`."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
 
     @property
     def num_pages(self) -> int:
-        return self.allocator.num_pages
+        """KV pages of every data-parallel rank together."""
+        return sum(a.num_pages for a in self.allocators)
+
+    @property
+    def num_used_pages(self) -> int:
+        return sum(a.num_used for a in self.allocators)
+
+    def _make_scheduler(self, *args, **kwargs) -> Scheduler:
+        """The role's scheduler over this worker's allocators and ranks (Scheduler's arguments after them)."""
+        return Scheduler(self.allocators, *args, ranks=self.num_ranks, **kwargs)
 
     def step(self) -> bool:
         """Runs one step of the role's work; False when there was nothing to do."""
@@ -51,14 +90,42 @@ class Worker:
 
     def _run_plan(self, plan: StepPlan) -> StepOutcome:
         """Runs a plan the scheduler made (under the lock) without the lock, so control calls never wait for a
-        forward pass, then applies its results under the lock."""
-        result = self.runner.execute(plan)
+        forward pass, then applies its results under the lock. When the worker's rank group fails, every
+        request fails (the outcome's outputs) and `failed` is set."""
+        if self.ranks is None:
+            results = [self.runner.execute(plan)]
+        else:
+            try:
+                results = [result_from_wire(r) for r in self.ranks.step(plan_to_wire(plan))]
+            except (PlanChannelError, RankStepError) as e:  # a rank lost, stalled or raised
+                return self._fail_ranks(plan, e)
         with self._lock:
-            return self.scheduler.finish_step(plan, [result])
+            return self.scheduler.finish_step(plan, results)
+
+    def _fail_ranks(self, plan: StepPlan, error: Exception) -> StepOutcome:
+        """Fails the step in flight and every other request, freeing their pages, and stops the ranks."""
+        why = f"worker {self.worker_id}: rank group failed: {error}"
+        logger.error("%s", why)
+        self.failed = why
+        failed = RankResult(plan.step_id, prefill_error=why, decode_error=why)
+        with self._lock:
+            outcome = self.scheduler.finish_step(plan, [failed] * len(plan.ranks))
+            outputs: list[RequestOutput] = list(outcome.outputs)
+            for request_id in list(self.scheduler.requests):
+                outputs += self.scheduler.abort(request_id, why)
+        self.ranks.close()
+        return StepOutcome(outputs, [])
+
+    def close_ranks(self) -> None:
+        """Stops the worker's other ranks (a role's `close` calls it); idempotent."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def run(self, stop: threading.Event) -> None:
         """The worker's loop: steps while there is work, waits for a wake-up otherwise, until `stop`."""
         while not stop.is_set():
+            if self.failed is not None:
+                raise RanksFailedError(self.failed)
             if not self.step():
                 self._wake.wait(timeout=self.idle_wait_s)
                 self._wake.clear()

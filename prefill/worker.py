@@ -16,12 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pdserve import kernels
 from pdserve.engine.messages import PrefillFailure, PrefillRequest, PrefillStats
+from pdserve.engine.rank_group import RankGroup
 from pdserve.engine.request import Policy, Request, RequestState
-from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.worker import Worker
 from pdserve.kvtransfer import KVSender
 from pdserve.model.deepseek import Transformer
-from pdserve.model.errors import PdserveError
+from pdserve.model.errors import ConfigError, PdserveError
 
 from .config import PrefillConfig
 
@@ -30,15 +30,22 @@ logger = logging.getLogger(__name__)
 
 class PrefillWorker(Worker):
     def __init__(
-        self, worker_id: str, model: Transformer, config: PrefillConfig, sender: KVSender,
-        kv_cache_dtype: str = "auto",
+        self, worker_id: str, model: Transformer | None, config: PrefillConfig, sender: KVSender,
+        kv_cache_dtype: str = "auto", ranks: RankGroup | None = None,
     ):  # fmt: skip
-        """kv_cache_dtype: auto or fp8 (`pdserve.model.kv_cache`); must be the decode workers'."""
-        super().__init__(worker_id, model, config, kv_cache_dtype)
+        """kv_cache_dtype: auto or fp8 (`pdserve.model.kv_cache`); must be the decode workers'; ranks: the
+        worker's running rank group when `config.ranks` > 1 (`Worker`; then `model` is unused). Rank 0 sends
+        the KV pages, so several ranks need tensor-parallel attention (the same latent cache on each)."""
+        if ranks is not None and config.attention != "tensor":
+            raise ConfigError(
+                f"prefill attention={config.attention!r} with ranks={config.ranks}: a prefill worker of "
+                "several ranks sends its KV from rank 0, so it needs attention='tensor'"
+            )
+        super().__init__(worker_id, model, config, kv_cache_dtype, ranks=ranks)
         self.sender = sender
-        args = model.args
-        self.scheduler = Scheduler(
-            self.allocator, config.page_size, config.max_num_batched_tokens,
+        args = self.model.args
+        self.scheduler = self._make_scheduler(
+            config.page_size, config.max_num_batched_tokens,
             config.max_prefill_chunk, args.vocab_size, args.max_position_embeddings,
             args.eos_token_ids, fixed_chunks=kernels.batch_invariant(), worker_kind="prefill worker",
         )  # fmt: skip
@@ -87,8 +94,8 @@ class PrefillWorker(Worker):
                 len(requests) - num_sending,
                 self.scheduler.queued_tokens,
                 num_sending,
-                self.allocator.num_used,
-                self.allocator.num_pages,
+                self.num_used_pages,
+                self.num_pages,
             )
 
     def step(self) -> bool:
@@ -109,6 +116,7 @@ class PrefillWorker(Worker):
     def close(self) -> None:
         self._sends.shutdown(wait=True, cancel_futures=False)
         self.sender.close()
+        self.close_ranks()
 
     def _fail(self, request_id: str, error: str) -> None:
         """Under the lock: forget the request, free its pages, report it."""

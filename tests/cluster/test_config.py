@@ -52,11 +52,32 @@ def test_file_then_flags(tmp_path):
         ({"cluster": {"num_decode": 0}}, "cluster.num_decode=0"),
         ({"prefill": {"page_size": 32}}, "page_size"),
         ({"model": {"dtype": "fp64"}}, "dtype='fp64'"),
+        ({"decode": {"ranks": 0}}, "decode.ranks=0"),
+        ({"decode": {"ranks": 2, "expert_parallel": 3}}, "decode.expert_parallel=3"),
+        ({"prefill": {"attention": "pipeline"}}, "prefill.attention='pipeline'"),
+        ({"prefill": {"ranks": 2, "dense": "tensor"}}, "prefill.dense='tensor'"),
+        ({"decode": {"ranks": 2}}, "decode.ranks=2 needs cluster.num_prefill=0"),
+        ({"prefill": {"ranks": 2}}, "prefill.attention='data' with prefill.ranks=2"),
     ],
 )
 def test_bad_values_name_the_field(values, message):
     with pytest.raises(ConfigError, match=message):
         build_config(values)
+
+
+def test_layout_flags():
+    config = build_config(
+        overrides={"cluster": {"num_prefill": 0},
+                   "decode": {"ranks": 2, "attention": "data", "expert_parallel": 2},
+                   "prefill": {"ranks": 2, "attention": "tensor", "dense": "tensor"}}
+    )  # fmt: skip
+    assert (config.decode.ranks, config.decode.attention, config.decode.expert_parallel) == (
+        2,
+        "data",
+        2,
+    )
+    assert (config.prefill.ranks, config.prefill.dense) == (2, "tensor")
+    assert ServeConfig().decode.ranks == 1 and ServeConfig().prefill.ranks == 1
 
 
 def test_bad_flag_value_names_the_flag():

@@ -1,0 +1,102 @@
+"""A worker of several ranks: each rank's step handler (`make_rank_runner`, a `HandlerSpec` target that
+`RankGroup` builds in every rank process and in the driver) holds that rank's model shard and `ModelRunner`, and
+runs its share of each step plan, sent as `plan_to_wire` lists and answered as `result_to_wire` lists.
+`start_rank_group` starts such a group for a role's config.
+
+Every rank sizes its cache as the driver does, then the ranks agree on the smallest count (a collective while
+the handlers are built), so a page id the driver's scheduler hands out exists on every rank."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pdserve import kernels
+from pdserve.model.loader import load_model
+from pdserve.model.parallel import ParallelLayout
+
+from .layout import layout_kwargs
+from .rank_group import RankGroup, RankGroupConfig, RankLauncher
+from .rank_process import HandlerSpec, RankContext
+from .runner import ModelRunner
+from .step import plan_from_wire, result_to_wire
+
+__all__ = ["RankRunner", "make_rank_runner", "start_rank_group"]
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class RankRunner:
+    """One rank's step handler: `handler(plan wire) -> result wire`, within the worker's kernel choice."""
+
+    def __init__(self, runner: ModelRunner, kernel_choice: tuple[str | None, bool | None]):
+        self.runner, self.kernel_choice = runner, kernel_choice
+
+    def __call__(self, wire: list) -> list:
+        with kernels.use(*self.kernel_choice):
+            return result_to_wire(self.runner.execute(plan_from_wire(wire)))
+
+
+def make_rank_runner(
+    ctx: RankContext, model_path: str, dtype: str | None, layout: dict[str, Any], page_size: int,
+    num_pages: int | None, gpu_memory_fraction: float, cpu_cache_bytes: int, kv_cache_dtype: str,
+    load_format: str = "safetensors", kernel_backend: str | None = None,
+    batch_invariant: bool | None = None,
+) -> RankRunner:  # fmt: skip
+    """Loads rank `ctx.rank`'s shard of the model under `ParallelLayout(**layout)` over the group the rank
+    joined and builds its runner (collective: every rank of the group calls it at once). Decode steps run
+    without CUDA graphs: the expert exchange's per-step padding is found by a host sync."""
+    choice = (kernel_backend, batch_invariant)
+    parallel = ParallelLayout(rank=ctx.rank, group=ctx.group, **layout)
+    with kernels.use(*choice):
+        model = load_model(
+            model_path, ctx.device, DTYPES.get(dtype or ""), progress=False, layout=parallel,
+            load_format=load_format,
+        )  # fmt: skip
+        sized = ModelRunner.sized(
+            model, page_size, num_pages, gpu_memory_fraction, cpu_cache_bytes,
+            cuda_graphs=False, kv_cache_dtype=kv_cache_dtype, rank=ctx.rank,
+        )  # fmt: skip
+    pages = torch.tensor([sized.num_pages], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=ctx.group)
+    agreed = int(pages.item())
+    runner = sized
+    if agreed != sized.num_pages:
+        del sized
+        runner = ModelRunner(
+            model, page_size, agreed, kv_cache_dtype, cuda_graphs=False, rank=ctx.rank
+        )
+    log.info("rank %d of %d: model shard loaded, %d KV pages", ctx.rank, ctx.world_size, agreed)
+    return RankRunner(runner, choice)
+
+
+def start_rank_group(
+    config: Any, model_path: str, dtype: str | None, kv_cache_dtype: str,
+    launcher: RankLauncher | None = None, backend: str = "gloo", load_format: str = "safetensors",
+    kernel_choice: tuple[str | None, bool | None] = (None, None),
+) -> RankGroup:  # fmt: skip
+    """Starts the `config.ranks` ranks of a worker whose role config is `config` (`PrefillConfig` or
+    `DecodeConfig`); rank 0 is this process. Returns the running group (close it when the worker stops)."""
+    handler = HandlerSpec(
+        f"{__name__}:make_rank_runner",
+        {
+            "model_path": model_path, "dtype": dtype, "layout": layout_kwargs(config),
+            "page_size": config.page_size, "num_pages": config.num_pages,
+            "gpu_memory_fraction": config.gpu_memory_fraction,
+            "cpu_cache_bytes": config.cpu_cache_bytes, "kv_cache_dtype": kv_cache_dtype,
+            "load_format": load_format, "kernel_backend": kernel_choice[0],
+            "batch_invariant": kernel_choice[1],
+        },
+    )  # fmt: skip
+    group = RankGroup(RankGroupConfig(config.ranks, backend=backend), handler, launcher)
+    try:
+        group.start()
+    except BaseException:
+        group.close()
+        raise
+    return group

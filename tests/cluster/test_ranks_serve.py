@@ -1,0 +1,86 @@
+"""Aggregated serving by a decode worker of 2 CPU ranks (data-parallel attention + expert-parallel MoE, gloo):
+rank 0 in the worker's actor, rank 1 a Ray actor on the second bundle of the worker's placement group. Greedy
+outputs equal `pdserve offline`'s; killing the rank's process fails the worker's requests within the timeout and
+leaves no request or page held."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import ray
+
+from pdserve.cluster.client import Client
+from pdserve.engine import messages
+from pdserve.v1 import admin_pb2
+
+from .conftest import start_server, wait_for, workload
+from .test_generate import all_pages_free, collect, greedy
+
+LAYOUT = {"ranks": 2, "attention": "data", "expert_parallel": 2}
+
+
+def tokens(chunks) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, model_dir):
+    with start_server(
+        model_dir,
+        cluster={"num_prefill": 0},
+        prefill={"page_size": 16},  # both pools' pages must agree
+        decode={"num_pages": 128, "page_size": 16, **LAYOUT},
+    ) as server:  # fmt: skip
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server.address) as client:
+        yield client
+
+
+def decode_workers(client: Client):
+    return [w for pool in client.status().pools for w in pool.workers
+            if pool.role == admin_pb2.ROLE_DECODE]  # fmt: skip
+
+
+def test_greedy_outputs_equal_offline(client, reference):
+    requests = workload(6, seed=21, max_len=60)
+    with ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(lambda r: collect(client, greedy(*r)), requests))
+    for (prompt, max_tokens), chunks in zip(requests, results, strict=True):
+        assert tokens(chunks) == reference(prompt, max_tokens)
+    wait_for(lambda: all_pages_free(client), 10, "pages freed")
+
+
+def test_killing_a_rank_fails_the_workers_requests(server, client):
+    (worker,) = decode_workers(client)
+    handle = server.server.router.workers[worker.worker_id]
+    (rank_pid,) = messages.unwrap(dict, ray.get(handle.actor.ready.remote()))["rank_pids"]
+    requests = [(prompt, 400) for prompt, _ in workload(3, seed=5, max_len=30)]
+
+    def run(prompt, max_tokens):
+        try:
+            return collect(client, greedy(prompt, max_tokens), timeout_s=60)
+        except grpc.RpcError as e:
+            return e
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        futures = [pool.submit(run, *r) for r in requests]
+        wait_for(lambda: decode_workers(client)[0].num_requests == len(requests), 30, "running")
+        os.kill(rank_pid, signal.SIGKILL)
+        start = time.monotonic()
+        results = [f.result(timeout=90) for f in futures]
+    assert time.monotonic() - start < 60
+    assert all(isinstance(r, grpc.RpcError) for r in results), results
+    for error in results:
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+        assert worker.worker_id in error.details(), error.details()
+    wait_for(lambda: all_pages_free(client), 15, "no request or page held")
+    wait_for(lambda: not decode_workers(client), 30, "the failed worker leaves the pool")

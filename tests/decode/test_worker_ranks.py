@@ -1,0 +1,90 @@
+"""A decode worker of 2 CPU ranks (the driver and one spawned rank process, gloo), with data-parallel attention and
+expert-parallel MoE or with tensor-parallel attention and dense layers: aggregated requests (spread over both
+ranks under data-parallel attention) stream the tokens `pdserve offline` generates on one process; killing the
+other rank's process fails every request with an error naming it, frees every page and ends the worker's
+loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from pdserve.decode import DecodeConfig, DecodeWorker
+from pdserve.engine.messages import DecodeRequest
+from pdserve.engine.rank_runner import start_rank_group
+from pdserve.engine.worker import RanksFailedError
+from pdserve.model.loader import load_model
+from pdserve.model.random_checkpoint import make_checkpoint
+
+from .test_worker import PAGE, PARAMS, PROMPTS, drain, offline
+
+CONFIG = DecodeConfig(
+    page_size=PAGE, num_pages=32, max_prefill_chunk=4, cuda_graphs=False, ranks=2,
+    attention="data", expert_parallel=2,
+)  # fmt: skip
+TP2 = dataclasses.replace(CONFIG, attention="tensor", expert_parallel=1, dense="tensor")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "tiny"
+    return make_checkpoint(out, "tiny", dtype="fp32", shard_bytes=2 << 20, progress=False)
+
+
+def worker(ckpt, config=CONFIG) -> DecodeWorker:
+    group = start_rank_group(config, str(ckpt), "fp32", "auto")
+    return DecodeWorker("d0", None, config, ranks=group)
+
+
+@pytest.mark.parametrize("config", [CONFIG, TP2], ids=["dp2-ep2", "tp2"])
+def test_requests_give_the_offline_tokens(ckpt, config):
+    decode = worker(ckpt, config)
+    try:
+        for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
+            decode.add_request(DecodeRequest(f"r{i}", prompt, params))
+        ranks = {r.request_id: r.rank for r in decode.scheduler.requests.values()}
+        ffn = decode.model.layers[-1].ffn
+        routed = ffn.experts.w2.shape[0] - int(ffn.fused_shared)
+        if config.attention == "data":
+            assert set(ranks.values()) == {0, 1}, ranks  # both ranks hold requests
+            assert (
+                routed * 2 == decode.model.args.n_routed_experts
+            )  # the driver holds half the experts
+        else:
+            assert decode.model.layers[0].attn.n_heads * 2 == decode.model.args.num_attention_heads
+        got = drain(decode, ["r0", "r1", "r2"])
+        pages = 2 * 32 if config.attention == "data" else 32  # one allocator per data-parallel rank
+        assert decode.num_used_pages == 0 and decode.num_pages == pages
+    finally:
+        decode.close()
+    assert got == offline(load_model(ckpt, dtype=torch.float32))
+
+
+def test_a_killed_rank_fails_every_request_and_frees_every_page(ckpt):
+    decode = worker(ckpt)
+    try:
+        for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
+            decode.add_request(DecodeRequest(f"r{i}", prompt, params))
+        assert decode.step()
+        os.kill(decode.ranks.launcher.procs[0].pid, signal.SIGKILL)
+        errors: dict[str, str] = {}
+        for _ in range(10):
+            decode.step()
+            for out in decode.poll_outputs():
+                if out.error is not None:
+                    errors[out.request_id] = out.error
+            if decode.failed:
+                break
+        assert set(errors) == {"r0", "r1", "r2"}
+        assert all("rank group failed" in e and "ranks [1]" in e for e in errors.values()), errors
+        assert decode.num_used_pages == 0 and not decode.scheduler.requests
+        with pytest.raises(RanksFailedError, match="ranks \\[1\\]"):
+            decode.run(threading.Event())
+        assert not decode.ranks.launcher.procs[0].is_alive()
+    finally:
+        decode.close()
