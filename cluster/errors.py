@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import grpc
 
-from pdserve.engine.messages import WorkerError
+from pdserve.engine.messages import RANK_GROUP_FAILED, WorkerError
 from pdserve.model.errors import (
     CapacityError,
     ConfigError,
@@ -34,8 +34,11 @@ class WorkerFailedError(PdserveError):
 
     def __init__(self, message: str):
         super().__init__(message)
-        # Forward passes that raised are bugs or bad hardware (INTERNAL); transfers and timeouts are retryable.
-        self.internal = "prefill failed:" in message or "decode failed:" in message
+        # Forward passes that raised are bugs or bad hardware (INTERNAL); transfers, timeouts and a worker's lost
+        # rank (its pass fails with the rank group) are retryable.
+        self.internal = (
+            "prefill failed:" in message or "decode failed:" in message
+        ) and RANK_GROUP_FAILED not in message
 
 
 class NotFoundError(PdserveError):

@@ -103,7 +103,8 @@ class Launcher:
         group = ray.util.placement_group(
             bundles, strategy=placement.STRATEGY, name=f"pdserve-{worker_id}"
         )
-        handle = WorkerHandle(worker_id, role, None, group, num_gpus)
+        # the worker's GPUs in all (each of its ranks holds num_gpus)
+        handle = WorkerHandle(worker_id, role, None, group, num_gpus * worker_config.ranks)
         if not placement.fits_now(bundles, ray.available_resources()):
             logger.warning(
                 "%s waits up to %gs for %s (available now: %s)", worker_id,

@@ -210,7 +210,8 @@ class PdServer:
         logger.info(
             "serving %s on %s: %d prefill + %d decode workers, %s, %s; KV capacity per decode worker: %s",
             self.model_dir, self.address, len(self.router.pool(PREFILL)), len(decodes),
-            f"{gpus} GPU(s) each" if gpus else "CPU", mode, kv,
+            ", ".join(f"{w.worker_id} {w.num_gpus} GPU(s)" for w in self.router.workers.values())
+            if gpus else "CPU", mode, kv,
         )  # fmt: skip
 
     async def refresh_stats(self) -> None:

@@ -38,6 +38,10 @@ _ERRORS: dict[str, type[errors.PdserveError]] = {
 # Router -> prefill worker.
 
 
+RANK_GROUP_FAILED = "rank group failed"
+"""In the error of every request a failed rank group ends: the router reports it as a lost worker (retryable)."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class PrefillRequest:
     """What the router asks a prefill worker to do."""

@@ -18,7 +18,7 @@ from pdserve.model.deepseek import Transformer
 from pdserve.model.errors import PdserveError
 
 from .layout import data_parallel_ranks
-from .messages import RequestOutput
+from .messages import RANK_GROUP_FAILED, RequestOutput
 from .pages import PageAllocator
 from .plan_channel import PlanChannelError
 from .rank_group import RankGroup, RankStepError
@@ -104,7 +104,7 @@ class Worker:
 
     def _fail_ranks(self, plan: StepPlan, error: Exception) -> StepOutcome:
         """Fails the step in flight and every other request, freeing their pages, and stops the ranks."""
-        why = f"worker {self.worker_id}: rank group failed: {error}"
+        why = f"worker {self.worker_id}: {RANK_GROUP_FAILED}: {error}"
         logger.error("%s", why)
         self.failed = why
         failed = RankResult(plan.step_id, prefill_error=why, decode_error=why)
