@@ -329,6 +329,7 @@ class DistKVReceiver(KVReceiver):
             raise TransferError(error)
         if magic != MAGIC or min(sizes) <= 0:
             raise TransferError(f"garbled or incompatible header from {peer}: {header}")
+        self._await_expectation(transfer_id)
         deadline = time.monotonic() + self.config.timeout_s
         with self._lock:  # it came: no receive is kept posted for it any more
             self._dropped.pop(transfer_id, None)
@@ -406,6 +407,20 @@ class DistKVReceiver(KVReceiver):
             next_header = self._post_header(pair)
         wait_ops([ack_op], deadline, f"ack of {what}", self.config.spin_s)
         return next_header
+
+    def _await_expectation(self, transfer_id: int) -> None:
+        """Waits up to `expect_grace_s` for a transfer whose header came before its `expect` (neither expected
+        nor dropped here yet): a rank of a decode worker of several ranks is told what to expect with its
+        worker's next step, possibly after the prefill worker sent. Past the grace it is received and
+        discarded."""
+        until = time.monotonic() + self.config.expect_grace_s
+        while True:
+            with self._lock:
+                if transfer_id in self._expected or transfer_id in self._dropped:
+                    return
+            if time.monotonic() >= until or self._closed.is_set():
+                return
+            time.sleep(IDLE_POLL_S / 10)
 
     def _give_up_check(self, transfer_id: int):
         """For waits on a transfer arriving in place: True once it has been cancelled for `_CANCEL_GRACE_S`."""

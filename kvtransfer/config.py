@@ -38,6 +38,10 @@ class KVTransferConfig:
     """How long a wait for the link spins (polling, yielding between polls) before it sleeps between polls
     (tens of microseconds per wake-up). Spinning keeps those wake-ups off a transfer's latency, but a spinning
     thread competes for the GIL with the worker's loop thread; 0 never spins."""
+    expect_grace_s: float = 5.0
+    """How long a decode worker waits for its own expectation of a transfer whose header came first. A rank of a
+    decode worker of several ranks learns what to expect with its worker's next step, which may come after the
+    router has already asked the prefill worker to send; past this the transfer is discarded (acknowledged)."""
     idle_timeout_s: float = 900.0
     """Timeout of a pair's process group itself: a receive posted for an expected transfer may wait this long;
     the decode side retires a link whose next header has not come for half of it (an idle pair is rebuilt on
@@ -48,6 +52,8 @@ class KVTransferConfig:
             raise ValueError(f"backend={self.backend!r}: expected auto, nccl or gloo")
         if min(self.timeout_s, self.connect_timeout_s, self.idle_timeout_s) <= 0:
             raise ValueError("timeout_s, connect_timeout_s and idle_timeout_s must be positive")
+        if self.expect_grace_s < 0:
+            raise ValueError(f"expect_grace_s={self.expect_grace_s}: must not be negative")
         if not 0 <= self.store_port < 65536:
             raise ValueError(f"store_port={self.store_port}: not a port number")
         if self.spin_s < 0:

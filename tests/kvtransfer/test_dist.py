@@ -58,11 +58,12 @@ def make_link():
     them after the test."""
     built = []
 
-    def make(idle_timeout_s: float = 900.0, in_place: bool = False):
+    def make(idle_timeout_s: float = 900.0, in_place: bool = False, expect_grace_s: float = 5.0):
         page_bytes = LAYERS * PAGE_SIZE * DIM * 4
         config = KVTransferConfig(
             store_port=free_port(), timeout_s=10, connect_timeout_s=10, idle_timeout_s=idle_timeout_s,
             chunk_bytes=4 * page_bytes, first_piece_bytes=page_bytes, pipeline_min_bytes=0,
+            expect_grace_s=expect_grace_s,
         )  # fmt: skip
         d_store = connect_store(config, is_master=True)
         p_store = connect_store(config, is_master=False)
@@ -224,6 +225,43 @@ def test_cancelled_transfer_is_discarded_and_pair_stays_usable(link):
     assert [r.error for r in wait_results(receiver, 1)] == [None]
     assert torch.equal(dest[20:33], source[:13])
     assert receiver.poll() == []
+
+
+def test_a_header_before_its_expectation_waits_for_it(link):
+    """A rank of a decode worker of several ranks learns of a transfer with its worker's next step, which may
+    come after the prefill worker sent: the header waits for the expectation, behind another expected one."""
+    sender, receiver, source, dest = link
+    expect(receiver, 1, [0])  # the link is up and a header receive posted for transfer 1's sake
+    early = threading.Thread(target=sender.send, args=("d0", 2, source, [3, 4], 2 * PAGE_SIZE, 9))
+    early.start()
+    time.sleep(0.3)
+    assert early.is_alive() and receiver.poll() == [] and not dest[10:12].any()
+    expect(receiver, 2, [10, 11])
+    early.join(timeout=10)
+    assert not early.is_alive()
+    [result] = wait_results(receiver, 1)
+    assert (result.transfer_id, result.num_tokens, result.first_token, result.error) == (
+        2,
+        8,
+        9,
+        None,
+    )
+    assert torch.equal(dest[10:12], source[3:5])
+    sender.send("d0", 1, source, [5], PAGE_SIZE, 4)
+    assert [(r.transfer_id, r.error) for r in wait_results(receiver, 1)] == [(1, None)]
+    assert torch.equal(dest[0], source[5])
+
+
+def test_a_header_never_expected_is_discarded_after_the_grace(make_link):
+    sender, receiver, source, dest = make_link(expect_grace_s=0.2)
+    expect(receiver, 1, [0])
+    started = time.monotonic()
+    sender.send("d0", 7, source, [3], PAGE_SIZE, 9)  # answered (discarded), not left to time out
+    assert 0.2 <= time.monotonic() - started < 5
+    assert receiver.poll() == [] and not dest.any()
+    sender.send("d0", 1, source, [5], PAGE_SIZE, 4)  # the pair stays usable
+    assert [(r.transfer_id, r.error) for r in wait_results(receiver, 1)] == [(1, None)]
+    assert torch.equal(dest[0], source[5])
 
 
 def test_page_count_mismatch_fails_only_that_transfer(link):
