@@ -85,7 +85,7 @@ class _WorkerShell:
         path = resolve_model(model.path)  # `tiny` is made on this node if its cache lacks it
         if worker_config.ranks > 1:
             self.model = None  # rank 0's shard is loaded by its rank handler
-            self.ranks = self._start_ranks(str(path), model, worker_config, num_gpus)
+            self.ranks = self._start_ranks(str(path), model, worker_config, num_gpus, kv_config)
         else:
             self.model = load_model(path, self.device, _torch_dtype(model.dtype), progress=False)
         self.store = connect_store(kv_config, is_master=False)
@@ -94,8 +94,14 @@ class _WorkerShell:
         self._loop = threading.Thread(target=self._run, name=f"{self.worker_id}-loop", daemon=True)
         self._loop.start()
 
-    def _start_ranks(self, path: str, model: ModelConfig, worker_config, num_gpus: int):
-        """Starts ranks 1..N-1 on the other bundles of this actor's placement group and joins them."""
+    def _start_ranks(
+        self, path: str, model: ModelConfig, worker_config, num_gpus: int,
+        kv_config: KVTransferConfig,
+    ):  # fmt: skip
+        """Starts ranks 1..N-1 on the other bundles of this actor's placement group and joins them; a decode
+        worker's ranks each receive their own requests' KV pages."""
+        import dataclasses
+
         import ray
 
         from pdserve.engine.rank_runner import start_rank_group
@@ -108,9 +114,11 @@ class _WorkerShell:
                 f"{self.worker_id}: a worker of several ranks needs a placement group"
             )
         launcher = RayRankLauncher(group, int(num_gpus > 0), self._cpus_per_rank)
+        kv = {"config": dataclasses.asdict(kv_config), "worker_id": self.worker_id}
         return start_rank_group(
             worker_config, path, model.dtype, model.kv_cache_dtype, launcher,
             backend="nccl" if num_gpus > 0 else "gloo", kernel_choice=self._kernel_choice,
+            kv=kv if self.role == "decode" else None,
         )  # fmt: skip
 
     def _build(self, worker_config, kv_config):

@@ -147,10 +147,15 @@ class ServeConfig:
                 f"prefill.page_size={self.prefill.page_size} and decode.page_size="
                 f"{self.decode.page_size} must be equal"
             )
-        if self.decode.ranks > 1 and self.cluster.num_prefill > 0:
+        if (
+            self.decode.ranks > 1
+            and self.decode.attention != "data"
+            and self.cluster.num_prefill > 0
+        ):
             raise ValueError(
-                f"decode.ranks={self.decode.ranks} needs cluster.num_prefill=0: KV pages are not yet sent "
-                "to the ranks of a decode worker, so it serves aggregated requests only"
+                f"decode.attention={self.decode.attention!r} with decode.ranks={self.decode.ranks} needs "
+                "cluster.num_prefill=0: each rank of a decode worker receives the KV pages of its own "
+                "requests (attention='data'); a tensor-parallel one serves aggregated requests only"
             )
         if self.prefill.ranks > 1 and self.prefill.attention != "tensor":
             raise ValueError(

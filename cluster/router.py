@@ -296,7 +296,7 @@ class Router:
         prefill.requests.add(r.request_id)
         prefill.queued_tokens += len(tokens)
         request = PrefillRequest(
-            r.request_id, tokens, r.params, len(r.generated), r.decode_worker,
+            r.request_id, tokens, r.params, len(r.generated), reservation.endpoint or r.decode_worker,
             reservation.transfer_id, reservation.dest_cuts,
         )  # fmt: skip
         try:

@@ -7,6 +7,11 @@ thread; `step` runs on the worker's loop thread, its forward passes without the 
 meanwhile is held back until the step ends, since the pass may still write it). KV pages arrive through a
 `KVReceiver` writing straight into the cache; with no prefill peer the worker prefills the request itself (the
 aggregated path). Outputs of each step are queued as one batch for `poll_outputs`.
+
+A worker of several ranks whose ranks hold KV endpoints (`pdserve.engine.rank_kv`) receives each request's pages
+on the rank that holds it: `add_request` names that rank's endpoint in its `Reservation`, and what the ranks are
+to expect or cancel travels with the next step round (a round with no plan carries it when no step is due, and
+polls the ranks while transfers are awaited).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import time
 from pdserve import kernels
 from pdserve.engine.messages import DecodeRequest, DecodeStats, RequestOutput, Reservation
 from pdserve.engine.rank_group import RankGroup
+from pdserve.engine.rank_kv import RankKVControl, rank_endpoint
 from pdserve.engine.request import Policy, Request, RequestState
 from pdserve.engine.worker import Worker
 from pdserve.kvtransfer import ExpectedTransfer, KVReceiver, MakeReceiver
@@ -52,6 +58,11 @@ class DecodeWorker(Worker):
         self.receiver: KVReceiver | None = (
             make_receiver(self.runner.cache.data) if make_receiver else None
         )
+        kv = None if ranks is None else ranks.handler.kv
+        self.rank_kv = None if kv is None else RankKVControl(self.num_ranks)
+        """What the ranks are to expect or cancel, when they receive the KV themselves."""
+        self._advisor = self.receiver if kv is None else kv.receiver
+        """The receiver whose cut advice goes back to the router (every rank's cache has its shape)."""
         self._outputs: queue.SimpleQueue[list[RequestOutput]] = queue.SimpleQueue()
 
     def add_request(self, request: DecodeRequest) -> Reservation:
@@ -59,7 +70,7 @@ class DecodeWorker(Worker):
         prefill peer the pages wait for that worker's transfer; without, this worker prefills them.
         Raises InvalidRequestError (never fits) or CapacityError (full right now)."""
         with self._lock:
-            if request.prefill_peer is not None and self.receiver is None:
+            if request.prefill_peer is not None and self._advisor is None:
                 raise ValueError(f"{self.worker_id} has no KV receiver: prefill_peer must be None")
             policy = Policy.AGGREGATED if request.prefill_peer is None else Policy.DECODE_ONLY
             tokens = [*request.prompt_token_ids, *request.generated_token_ids]
@@ -68,17 +79,24 @@ class DecodeWorker(Worker):
                 len(request.generated_token_ids), payload=request,
             )  # fmt: skip
             self.scheduler.add(record)
-            if request.prefill_peer is not None:
+            cuts, endpoint = (), ""
+            if request.prefill_peer is not None and self.rank_kv is not None:
+                what = f"transfer {record.transfer_id}"
+                cuts = self._advisor.advise(list(record.pages), what)
+                self.rank_kv.expect(
+                    record.rank, record.transfer_id, request.prefill_peer, list(record.pages),
+                    self.config.kv_wait_timeout_s,
+                )  # fmt: skip
+                endpoint = rank_endpoint(self.worker_id, record.rank)
+            elif request.prefill_peer is not None:
                 deadline = time.monotonic() + self.config.kv_wait_timeout_s
                 cuts = self.receiver.expect(
                     ExpectedTransfer(
                         record.transfer_id, request.prefill_peer, list(record.pages), deadline
                     )
                 )
-            else:
-                cuts = ()
         self._wake.set()
-        return Reservation(record.transfer_id, len(record.pages), tuple(cuts))
+        return Reservation(record.transfer_id, len(record.pages), tuple(cuts), endpoint)
 
     def abort(self, request_id: str) -> None:
         """Cancels a request and frees its pages; its last output says finish_reason=abort."""
@@ -86,9 +104,16 @@ class DecodeWorker(Worker):
             record = self.scheduler.requests.get(request_id)
             if record is None:
                 return
-            if record.state is RequestState.WAITING_FOR_KV:
+            held: list[int] | None = None
+            if record.state is RequestState.WAITING_FOR_KV and self.rank_kv is not None:
+                # its rank may be writing them: they are freed once the rank has cancelled
+                pages, record.pages = record.pages, []
+                held = self.rank_kv.cancel(record.rank, record.transfer_id, pages)
+            elif record.state is RequestState.WAITING_FOR_KV:
                 self.receiver.cancel(record.transfer_id)  # no page write after this returns
             outputs = self.scheduler.abort(request_id)
+            if held:
+                self.allocators[record.rank].free(held)
         self._emit(outputs)
 
     def poll_outputs(self, timeout_s: float = 0.0) -> list[RequestOutput]:
@@ -133,18 +158,38 @@ class DecodeWorker(Worker):
             outputs: list[RequestOutput] = []
             if self.receiver is not None:
                 for r in self.receiver.poll():
-                    if r.error is None:
-                        outputs += self.scheduler.kv_arrived(
-                            r.transfer_id, r.num_tokens, r.first_token
-                        )
-                    else:
-                        outputs += self.scheduler.kv_failed(r.transfer_id, r.error)
+                    outputs += self._arrived(r.transfer_id, r.num_tokens, r.first_token, r.error)
             plan, planned = self.scheduler.schedule()
             outputs += planned
-        if plan is not None:
-            outputs += self._run_plan(plan).outputs
+            control = poll = None
+            if self.rank_kv is not None:
+                control, poll = self.rank_kv.take(), bool(self.rank_kv.awaited)
+        if plan is not None or control is not None or poll:
+            outcome, arrivals = self._run_round(plan, control)
+            outputs += outcome.outputs
+            if self.rank_kv is not None and self.failed is None:
+                with self._lock:
+                    for rank, pages in self.rank_kv.delivered():
+                        self.allocators[rank].free(pages)
+                    for a in self.rank_kv.arrived(arrivals):
+                        outputs += self._arrived(
+                            a.transfer_id, a.num_tokens, a.first_token, a.error
+                        )
         self._emit(outputs)
         return bool(plan is not None or outputs)
+
+    def _arrived(
+        self, transfer_id: int, num_tokens: int, first_token: int, error: str | None
+    ) -> list[RequestOutput]:
+        """Under the lock: a transfer arrived (or failed)."""
+        if error is None:
+            return self.scheduler.kv_arrived(transfer_id, num_tokens, first_token)
+        return self.scheduler.kv_failed(transfer_id, error)
+
+    def _ranks_failed(self) -> None:
+        if self.rank_kv is not None:  # the ranks are gone: nothing writes the held pages any more
+            for rank, pages in self.rank_kv.drop():
+                self.allocators[rank].free(pages)
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         if outputs:

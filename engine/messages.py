@@ -54,7 +54,8 @@ class PrefillRequest:
     num_generated: int
     """Tokens generated before (the sampling step of the token sampled here)."""
     decode_peer: str
-    """Worker id of the decode worker that reserved pages for this request."""
+    """KV endpoint of the decode worker that reserved pages for this request (its worker id, or that of the rank
+    holding the request: `Reservation.endpoint`)."""
     transfer_id: int
     """Its id for the transfer, issued by that decode worker."""
     dest_cuts: tuple[int, ...] = ()
@@ -110,6 +111,9 @@ class Reservation:
     num_pages: int
     dest_cuts: tuple[int, ...] = ()
     """The KV receiver's advice to the sender (`KVReceiver.expect`): where to cut the transfer's pages."""
+    endpoint: str = ""
+    """The KV endpoint the prefill worker sends to: the rank of a decode worker of several ranks that holds the
+    request (`pdserve.engine.rank_kv.rank_endpoint`); empty: the decode worker itself."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

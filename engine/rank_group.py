@@ -41,6 +41,7 @@ from .rank_process import (
     HandlerSpec,
     RankBootstrap,
     RankContext,
+    close_handler,
     join_group,
     run_rank,
 )
@@ -270,6 +271,7 @@ class RankGroup:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
+        close_handler(self.handler)
         if dist.is_initialized():
             dist.destroy_process_group()
         self._store = None

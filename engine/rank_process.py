@@ -25,7 +25,7 @@ from .dist_channel import DistPlanChannel
 from .plan_channel import PlanChannel, PlanChannelError, decode, encode
 from .shm_channel import ShmPlanChannel, ShmSpec
 
-__all__ = ["HandlerSpec", "RankBootstrap", "RankContext", "join_group", "run_rank"]
+__all__ = ["HandlerSpec", "RankBootstrap", "RankContext", "close_handler", "join_group", "run_rank"]
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,16 @@ def serve(boot: RankBootstrap, channel: PlanChannel, handler: Callable[[Any], An
         channel.reply(encode(reply))
 
 
+def close_handler(handler: Any) -> None:
+    """Releases what a handler holds (its `close()`, when it has one); never raises."""
+    close = getattr(handler, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception:  # shutting down: what it held goes with the process
+            log.warning("closing the rank's handler failed", exc_info=True)
+
+
 def run_rank(bootstrap: bytes) -> None:
     """A rank process's whole life (see the module docstring)."""
     boot = RankBootstrap.decode(bootstrap)
@@ -179,5 +189,6 @@ def run_rank(bootstrap: bytes) -> None:
     except PlanChannelError:
         log.warning("rank %d: plan channel failed", boot.rank, exc_info=True)
     finally:
+        close_handler(handler)
         channel.close()
         dist.destroy_process_group()

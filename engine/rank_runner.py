@@ -1,7 +1,9 @@
 """A worker of several ranks: each rank's step handler (`make_rank_runner`, a `HandlerSpec` target that
 `RankGroup` builds in every rank process and in the driver) holds that rank's model shard and `ModelRunner`, and
-runs its share of each step plan, sent as `plan_to_wire` lists and answered as `result_to_wire` lists.
-`start_rank_group` starts such a group for a role's config.
+runs its share of each step round: `[plan_to_wire(plan) or None, KV control or None]`, answered
+`[result_to_wire(result) or None, KV arrivals]`. A decode worker's ranks each hold a KV endpoint (`rank_kv`):
+the round's control for the rank is applied before its share of the plan runs, and the transfers that arrived
+are polled after it. `start_rank_group` starts such a group for a role's config.
 
 Every rank sizes its cache as the driver does, then the ranks agree on the smallest count (a collective while
 the handlers are built), so a page id the driver's scheduler hands out exists on every rank."""
@@ -20,6 +22,7 @@ from pdserve.model.parallel import ParallelLayout
 
 from .layout import layout_kwargs
 from .rank_group import RankGroup, RankGroupConfig, RankLauncher
+from .rank_kv import RankKVEndpoint, rank_endpoint
 from .rank_process import HandlerSpec, RankContext
 from .runner import ModelRunner
 from .step import plan_from_wire, result_to_wire
@@ -32,25 +35,41 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class RankRunner:
-    """One rank's step handler: `handler(plan wire) -> result wire`, within the worker's kernel choice."""
+    """One rank's step handler: `handler(round) -> reply` (see the module docstring), within the worker's kernel
+    choice."""
 
-    def __init__(self, runner: ModelRunner, kernel_choice: tuple[str | None, bool | None]):
-        self.runner, self.kernel_choice = runner, kernel_choice
+    def __init__(
+        self, runner: ModelRunner, kernel_choice: tuple[str | None, bool | None], rank: int,
+        kv: RankKVEndpoint | None = None,
+    ):  # fmt: skip
+        self.runner, self.kernel_choice, self.rank, self.kv = runner, kernel_choice, rank, kv
 
     def __call__(self, wire: list) -> list:
-        with kernels.use(*self.kernel_choice):
-            return result_to_wire(self.runner.execute(plan_from_wire(wire)))
+        plan, control = wire
+        if self.kv is not None:
+            self.kv.apply(None if control is None else control[self.rank])
+        result = None
+        if plan is not None:
+            with kernels.use(*self.kernel_choice):
+                result = result_to_wire(self.runner.execute(plan_from_wire(plan)))
+        return [result, [] if self.kv is None else self.kv.poll()]
+
+    def close(self) -> None:
+        if self.kv is not None:
+            self.kv.close()
 
 
 def make_rank_runner(
     ctx: RankContext, model_path: str, dtype: str | None, layout: dict[str, Any], page_size: int,
     num_pages: int | None, gpu_memory_fraction: float, cpu_cache_bytes: int, kv_cache_dtype: str,
     load_format: str = "safetensors", kernel_backend: str | None = None,
-    batch_invariant: bool | None = None,
+    batch_invariant: bool | None = None, kv: dict[str, Any] | None = None,
 ) -> RankRunner:  # fmt: skip
     """Loads rank `ctx.rank`'s shard of the model under `ParallelLayout(**layout)` over the group the rank
     joined and builds its runner (collective: every rank of the group calls it at once). Decode steps run
-    without CUDA graphs: the expert exchange's per-step padding is found by a host sync."""
+    without CUDA graphs: the expert exchange's per-step padding is found by a host sync. kv (a decode worker's
+    ranks): `{"config": KVTransferConfig fields, "worker_id": the worker's id}`: the rank receives KV pages
+    at `rank_endpoint(worker_id, rank)`."""
     choice = (kernel_backend, batch_invariant)
     parallel = ParallelLayout(rank=ctx.rank, group=ctx.group, **layout)
     with kernels.use(*choice):
@@ -72,16 +91,26 @@ def make_rank_runner(
             model, page_size, agreed, kv_cache_dtype, cuda_graphs=False, rank=ctx.rank
         )
     log.info("rank %d of %d: model shard loaded, %d KV pages", ctx.rank, ctx.world_size, agreed)
-    return RankRunner(runner, choice)
+    endpoint = None
+    if kv is not None:
+        from pdserve.kvtransfer import KVTransferConfig
+        from pdserve.kvtransfer.dist import DistKVReceiver, connect_store
+
+        config = KVTransferConfig(**kv["config"])
+        name = rank_endpoint(kv["worker_id"], ctx.rank)
+        store = connect_store(config, is_master=False)
+        endpoint = RankKVEndpoint(DistKVReceiver(config, store, name, runner.cache.data))
+    return RankRunner(runner, choice, ctx.rank, endpoint)
 
 
 def start_rank_group(
     config: Any, model_path: str, dtype: str | None, kv_cache_dtype: str,
     launcher: RankLauncher | None = None, backend: str = "gloo", load_format: str = "safetensors",
-    kernel_choice: tuple[str | None, bool | None] = (None, None),
+    kernel_choice: tuple[str | None, bool | None] = (None, None), kv: dict[str, Any] | None = None,
 ) -> RankGroup:  # fmt: skip
     """Starts the `config.ranks` ranks of a worker whose role config is `config` (`PrefillConfig` or
-    `DecodeConfig`); rank 0 is this process. Returns the running group (close it when the worker stops)."""
+    `DecodeConfig`); rank 0 is this process. kv: each rank's KV endpoint (`make_rank_runner`). Returns the
+    running group (close it when the worker stops)."""
     handler = HandlerSpec(
         f"{__name__}:make_rank_runner",
         {
@@ -90,7 +119,7 @@ def start_rank_group(
             "gpu_memory_fraction": config.gpu_memory_fraction,
             "cpu_cache_bytes": config.cpu_cache_bytes, "kv_cache_dtype": kv_cache_dtype,
             "load_format": load_format, "kernel_backend": kernel_choice[0],
-            "batch_invariant": kernel_choice[1],
+            "batch_invariant": kernel_choice[1], "kv": kv,
         },
     )  # fmt: skip
     group = RankGroup(RankGroupConfig(config.ranks, backend=backend), handler, launcher)

@@ -92,29 +92,47 @@ class Worker:
         """Runs a plan the scheduler made (under the lock) without the lock, so control calls never wait for a
         forward pass, then applies its results under the lock. When the worker's rank group fails, every
         request fails (the outcome's outputs) and `failed` is set."""
+        return self._run_round(plan)[0]
+
+    def _run_round(
+        self, plan: StepPlan | None, kv_control: list | None = None
+    ) -> tuple[StepOutcome, list[list]]:
+        """`_run_plan` for a worker whose ranks also take KV control (`pdserve.engine.rank_kv`): runs one round
+        of the plan (None: KV control alone) and returns its outcome and each rank's KV arrivals."""
         if self.ranks is None:
             results = [self.runner.execute(plan)]
+            arrivals: list[list] = []
         else:
+            wire = None if plan is None else plan_to_wire(plan)
             try:
-                results = [result_from_wire(r) for r in self.ranks.step(plan_to_wire(plan))]
+                replies = self.ranks.step([wire, kv_control])
             except (PlanChannelError, RankStepError) as e:  # a rank lost, stalled or raised
-                return self._fail_ranks(plan, e)
+                return self._fail_ranks(plan, e), []
+            results = [] if plan is None else [result_from_wire(r[0]) for r in replies]
+            arrivals = [r[1] for r in replies]
+        if plan is None:
+            return StepOutcome([], []), arrivals
         with self._lock:
-            return self.scheduler.finish_step(plan, results)
+            return self.scheduler.finish_step(plan, results), arrivals
 
-    def _fail_ranks(self, plan: StepPlan, error: Exception) -> StepOutcome:
+    def _fail_ranks(self, plan: StepPlan | None, error: Exception) -> StepOutcome:
         """Fails the step in flight and every other request, freeing their pages, and stops the ranks."""
         why = f"worker {self.worker_id}: {RANK_GROUP_FAILED}: {error}"
         logger.error("%s", why)
         self.failed = why
-        failed = RankResult(plan.step_id, prefill_error=why, decode_error=why)
         with self._lock:
-            outcome = self.scheduler.finish_step(plan, [failed] * len(plan.ranks))
-            outputs: list[RequestOutput] = list(outcome.outputs)
+            outputs: list[RequestOutput] = []
+            if plan is not None:
+                failed = RankResult(plan.step_id, prefill_error=why, decode_error=why)
+                outputs += self.scheduler.finish_step(plan, [failed] * len(plan.ranks)).outputs
+            self._ranks_failed()
             for request_id in list(self.scheduler.requests):
                 outputs += self.scheduler.abort(request_id, why)
         self.ranks.close()
         return StepOutcome(outputs, [])
+
+    def _ranks_failed(self) -> None:
+        """Under the lock, once the rank group failed: a role frees what it keeps for its ranks."""
 
     def close_ranks(self) -> None:
         """Stops the worker's other ranks (a role's `close` calls it); idempotent."""

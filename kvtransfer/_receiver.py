@@ -117,18 +117,24 @@ class DistKVReceiver(KVReceiver):
         """(transfer id, header seen, every receive of its pages posted) in time.monotonic(), for the last
         transfers received: where D's time goes before the pages move (benchmarks/kv_transfer.py)."""
 
+    def advise(self, dest_pages: list[int], what: str = "transfer") -> tuple[int, ...]:
+        """The cuts `expect` returns for a transfer into `dest_pages`, registering nothing (the same for every
+        receiver over a cache of this shape: a decode worker of several ranks advises for its ranks)."""
+        return self._advise(dest_pages, what)[0]
+
+    def _advise(self, dest_pages: list[int], what: str) -> tuple[tuple[int, ...], list[int] | None]:
+        breaks = run_breaks(dest_pages) if self.in_place else None
+        check_pages(dest_pages, self.cache.shape[0], what, breaks)
+        size = len(dest_pages) * self.cache[0].numel() * self.cache.element_size()
+        few = breaks and len(breaks) < self.config.max_receiver_runs
+        return (tuple(breaks) if few and size > self.config.pipeline_min_bytes else ()), breaks
+
     def expect(self, transfer: ExpectedTransfer) -> tuple[int, ...]:
         """Returns, when the pages form 2 .. `max_receiver_runs` runs and the transfer is over
         `pipeline_min_bytes`, where they break runs: P cuts the transfer there (see `DistKVSender.send`). Below
         that size unpacking a copy costs less than a message per run."""
         # Where its pages break runs, worked out now rather than once its header is in.
-        breaks = run_breaks(transfer.dest_pages) if self.in_place else None
-        check_pages(
-            transfer.dest_pages, self.cache.shape[0], f"transfer {transfer.transfer_id}", breaks
-        )
-        size = len(transfer.dest_pages) * self.cache[0].numel() * self.cache.element_size()
-        few = breaks and len(breaks) < self.config.max_receiver_runs
-        cuts = tuple(breaks) if few and size > self.config.pipeline_min_bytes else ()
+        cuts, breaks = self._advise(transfer.dest_pages, f"transfer {transfer.transfer_id}")
         with self._lock:
             self._expected[transfer.transfer_id] = transfer
             self._breaks[transfer.transfer_id] = breaks

@@ -56,7 +56,10 @@ def test_file_then_flags(tmp_path):
         ({"decode": {"ranks": 2, "expert_parallel": 3}}, "decode.expert_parallel=3"),
         ({"prefill": {"attention": "pipeline"}}, "prefill.attention='pipeline'"),
         ({"prefill": {"ranks": 2, "dense": "tensor"}}, "prefill.dense='tensor'"),
-        ({"decode": {"ranks": 2}}, "decode.ranks=2 needs cluster.num_prefill=0"),
+        (
+            {"decode": {"ranks": 2, "attention": "tensor"}},
+            "decode.attention='tensor' with decode.ranks=2 needs",
+        ),
         ({"prefill": {"ranks": 2}}, "prefill.attention='data' with prefill.ranks=2"),
     ],
 )

@@ -15,11 +15,14 @@ import pytest
 import torch
 
 from pdserve.decode import DecodeConfig, DecodeWorker
-from pdserve.engine.messages import DecodeRequest
+from pdserve.engine.messages import DecodeRequest, PrefillRequest
 from pdserve.engine.rank_runner import start_rank_group
 from pdserve.engine.worker import RanksFailedError
+from pdserve.kvtransfer import KVTransferConfig
+from pdserve.kvtransfer.dist import DistKVSender, connect_store
 from pdserve.model.loader import load_model
 from pdserve.model.random_checkpoint import make_checkpoint
+from pdserve.prefill import PrefillConfig, PrefillWorker
 
 from .test_worker import PAGE, PARAMS, PROMPTS, drain, offline
 
@@ -88,3 +91,54 @@ def test_a_killed_rank_fails_every_request_and_frees_every_page(ckpt):
         assert not decode.ranks.launcher.procs[0].is_alive()
     finally:
         decode.close()
+
+
+@pytest.fixture
+def kv_store():
+    """The deployment's KV rendezvous store, hosted here on a free port; yields its config."""
+    config = KVTransferConfig(store_port=0, timeout_s=20, connect_timeout_s=20)
+    store = connect_store(config, is_master=True)
+    yield dataclasses.replace(config, store_port=store.port)
+    del store
+
+
+def test_disaggregated_requests_land_on_their_ranks_and_give_the_offline_tokens(ckpt, kv_store):
+    """A prefill worker sends each request's pages to the decode rank that holds it (its reservation names the
+    rank's endpoint); a request cancelled while its KV is awaited on rank 1 frees its pages once the rank has
+    cancelled, and the ranks go on receiving."""
+    kv = {"config": dataclasses.asdict(kv_store), "worker_id": "d0"}
+    decode = DecodeWorker(
+        "d0", None, CONFIG, ranks=start_rank_group(CONFIG, str(ckpt), "fp32", "auto", kv=kv)
+    )
+    model = load_model(ckpt, dtype=torch.float32)
+    sender = DistKVSender(kv_store, connect_store(kv_store, False), "p0", torch.device("cpu"))
+    prefill = PrefillWorker("p0", model, PrefillConfig(page_size=PAGE, num_pages=32), sender)
+    try:
+        endpoints = {}
+        for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
+            reservation = decode.add_request(DecodeRequest(f"r{i}", prompt, params, "p0"))
+            endpoints[f"r{i}"] = reservation.endpoint
+            prefill.submit(
+                PrefillRequest(
+                    f"r{i}", prompt, params, 0, reservation.endpoint, reservation.transfer_id
+                )
+            )
+        assert sorted(set(endpoints.values())) == ["d0.r0", "d0.r1"], endpoints
+        # Cancelled while awaited on rank 1 (told to the rank with the next round): pages held until then.
+        late = decode.add_request(DecodeRequest("late", PROMPTS[1], PARAMS[1], "p0"))
+        assert late.endpoint == "d0.r1", late
+        assert decode.step() is not None
+        used = decode.num_used_pages
+        decode.abort("late")
+        assert decode.num_used_pages == used  # rank 1 was told to expect it: held until it cancels
+        assert [(o.request_id, o.finish_reason) for o in decode.poll_outputs()] == [
+            ("late", "abort")
+        ]
+        got = drain(decode, ["r0", "r1", "r2"], prefill)
+        decode.step()
+        assert decode.num_used_pages == 0 and not decode.rank_kv.awaited
+    finally:
+        prefill.close()
+        decode.close()
+    assert got == offline(model)
+    assert prefill.poll_events() == [] and prefill.stats().pages_used == 0

@@ -1,6 +1,8 @@
-"""Disaggregated serving with a prefill worker of 2 CPU ranks (tensor-parallel attention and dense layers,
-gloo; the latent cache is the same on both ranks, and rank 0 sends it) and a decode worker of one rank: greedy
-outputs equal `pdserve offline`'s and every page comes back on both sides."""
+"""Disaggregated serving with workers of several CPU ranks (gloo): a prefill worker of 2 ranks (tensor-parallel
+attention and dense layers; the latent cache is the same on both ranks, and rank 0 sends it) and a decode worker
+of 2 ranks (data-parallel attention, expert-parallel MoE; each rank receives the KV pages of its own requests):
+greedy outputs equal `pdserve offline`'s, both decode ranks take requests, and every page comes back on both
+sides."""
 
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from .test_generate import all_pages_free, collect, greedy
 @pytest.fixture(scope="module")
 def server(ray_cluster, model_dir):
     with start_server(
-        model_dir, prefill={"ranks": 2, "attention": "tensor", "dense": "tensor"}
+        model_dir,
+        prefill={"ranks": 2, "attention": "tensor", "dense": "tensor"},
+        decode={"ranks": 2, "attention": "data", "expert_parallel": 2},
     ) as server:
         yield server
 
@@ -30,13 +34,13 @@ def client(server):
         yield client
 
 
-def test_tp2_prefill_outputs_equal_offline(server, client, reference):
+def test_tp2_prefill_to_dp2_ep2_decode_outputs_equal_offline(server, client, reference):
     rank_pids = {
         w.role: messages.unwrap(dict, ray.get(w.actor.ready.remote()))["rank_pids"]
         for w in server.server.router.workers.values()
     }
-    assert {role: len(pids) for role, pids in rank_pids.items()} == {"prefill": 1, "decode": 0}
-    requests = workload(4, seed=33, max_len=80)
+    assert {role: len(pids) for role, pids in rank_pids.items()} == {"prefill": 1, "decode": 1}
+    requests = workload(6, seed=33, max_len=80)
     with ThreadPoolExecutor(len(requests)) as pool:
         results = list(pool.map(lambda r: collect(client, greedy(*r)), requests))
     for (prompt, max_tokens), chunks in zip(requests, results, strict=True):
