@@ -91,6 +91,7 @@ class _WorkerShell:
         self.store = connect_store(kv_config, is_master=False)
         self.kv_cache_dtype = model.kv_cache_dtype
         self.worker = self._build(worker_config, kv_config)
+        self.worker.warm_up()  # every kernel compiled, every decode graph captured, before it serves
         self._loop = threading.Thread(target=self._run, name=f"{self.worker_id}-loop", daemon=True)
         self._loop.start()
 

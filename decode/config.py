@@ -28,6 +28,9 @@ class DecodeConfig:
     """Longest piece of one prompt per local-prefill step."""
     cuda_graphs: bool = True
     """On a GPU, replay decode steps as CUDA graphs (one launch per step instead of hundreds)."""
+    warm_up_context: int = 8192
+    """Before it serves, the worker captures the decode CUDA graph of every batch bucket for page tables of
+    contexts up to this many tokens (longer contexts capture their bucket when first run); 0: none."""
     ranks: int = 1
     """Ranks (one GPU each, or CPU processes) of one worker; 1: the worker is one process."""
     attention: str = "data"
@@ -39,6 +42,8 @@ class DecodeConfig:
 
     def __post_init__(self) -> None:
         check_layout_fields(self)
+        if self.warm_up_context < 0:
+            raise ValueError(f"warm_up_context={self.warm_up_context}: must not be negative")
         for name in ("page_size", "max_running", "max_num_batched_tokens", "max_prefill_chunk"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be positive")

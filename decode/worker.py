@@ -186,6 +186,12 @@ class DecodeWorker(Worker):
             return self.scheduler.kv_arrived(transfer_id, num_tokens, first_token)
         return self.scheduler.kv_failed(transfer_id, error)
 
+    def warm_up(self) -> None:
+        """Prompt chunks up to `max_prefill_chunk` (the aggregated path) and a decode graph for every bucket of
+        up to `max_running` rows and `warm_up_context` tokens."""
+        c = self.config
+        self._warm_up(c.max_prefill_chunk, c.max_running, c.warm_up_context)
+
     def _ranks_failed(self) -> None:
         if self.rank_kv is not None:  # the ranks are gone: nothing writes the held pages any more
             for rank, pages in self.rank_kv.drop():

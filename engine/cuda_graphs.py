@@ -54,27 +54,23 @@ class DecodeGraphs:
         """The (batch, pages) bucket of a decode batch of one query token per request, or None (run eagerly)."""
         if not batch.is_decode or batch.num_queries_per_seq != 1:
             return None
-        i = bisect.bisect_left(self.batch_buckets, batch.num_seqs)
+        return self.key(batch.num_seqs, batch.page_table.shape[1])
+
+    def key(self, num_seqs: int, num_pages: int) -> tuple[int, int] | None:
+        """The (batch, pages) bucket of `num_seqs` rows whose page tables are `num_pages` wide, or None."""
+        i = bisect.bisect_left(self.batch_buckets, num_seqs)
         if i == len(self.batch_buckets):
             return None
-        pages = max(16, 1 << (batch.page_table.shape[1] - 1).bit_length())
-        return self.batch_buckets[i], pages
+        return self.batch_buckets[i], max(16, 1 << (max(num_pages, 1) - 1).bit_length())
 
     @torch.inference_mode()
-    def logits(self, batch: ForwardBatch) -> torch.Tensor:
-        """Decode logits [B, V] fp32 for `batch`, through a graph when one fits."""
-        key = self.bucket(batch) if self.enabled else None
-        if key is None:
-            return self.model.compute_logits(self.model(batch, self.cache))
-        graph = self._graphs.get(key)
+    def logits(self, batch: ForwardBatch, key: tuple[int, int] | None = None) -> torch.Tensor:
+        """Decode logits [B, V] fp32 for `batch`, through a graph when one fits. key: the bucket to run it in
+        (at least `bucket(batch)`; the ranks of a worker run a step in a bucket they share)."""
+        key = (key or self.bucket(batch)) if self.enabled else None
+        graph = None if key is None else self._graph(key)
         if graph is None:
-            try:
-                graph = self._capture(*key)
-            except RuntimeError:
-                logger.warning("CUDA graph capture failed: decode steps run eagerly", exc_info=True)
-                self.enabled = False
-                torch.cuda.current_stream(self.device).synchronize()
-                return self.model.compute_logits(self.model(batch, self.cache))
+            return self.model.compute_logits(self.model(batch, self.cache))
         b, width = batch.num_seqs, batch.page_table.shape[1]
         s = graph.batch
         s.input_ids[:b].copy_(batch.input_ids)
@@ -85,6 +81,29 @@ class DecodeGraphs:
         self._pad(s, b)
         graph.graph.replay()
         return graph.logits[:b]
+
+    @torch.inference_mode()
+    def idle(self, key: tuple[int, int]) -> bool:
+        """Replays bucket `key`'s graph with padding rows only: a rank with no rows of a step its worker's other
+        ranks run in that bucket joins their collectives so. False (nothing run) when graphs are off."""
+        graph = self._graph(key) if self.enabled else None
+        if graph is None:
+            return False
+        self._pad(graph.batch, 0)
+        graph.graph.replay()
+        return True
+
+    def _graph(self, key: tuple[int, int]) -> _Graph | None:
+        """Bucket `key`'s graph, captured now if need be; None when capture failed (graphs are then off)."""
+        graph = self._graphs.get(key)
+        if graph is None:
+            try:
+                graph = self._capture(*key)
+            except RuntimeError:
+                logger.warning("CUDA graph capture failed: decode steps run eagerly", exc_info=True)
+                self.enabled = False
+                torch.cuda.current_stream(self.device).synchronize()
+        return graph
 
     def _pad(self, s: ForwardBatch, start: int) -> None:
         """Rows from `start` on attend to and write only the scratch page's first slot."""

@@ -63,11 +63,12 @@ def make_rank_runner(
     ctx: RankContext, model_path: str, dtype: str | None, layout: dict[str, Any], page_size: int,
     num_pages: int | None, gpu_memory_fraction: float, cpu_cache_bytes: int, kv_cache_dtype: str,
     load_format: str = "safetensors", kernel_backend: str | None = None,
-    batch_invariant: bool | None = None, kv: dict[str, Any] | None = None,
+    batch_invariant: bool | None = None, kv: dict[str, Any] | None = None, cuda_graphs: bool = False,
 ) -> RankRunner:  # fmt: skip
     """Loads rank `ctx.rank`'s shard of the model under `ParallelLayout(**layout)` over the group the rank
-    joined and builds its runner (collective: every rank of the group calls it at once). Decode steps run
-    without CUDA graphs: the expert exchange's per-step padding is found by a host sync. kv (a decode worker's
+    joined and builds its runner (collective: every rank of the group calls it at once). Decode steps replay
+    CUDA graphs (`cuda_graphs`, on GPUs) unless an expert exchange needs the host (the all-to-all one). kv (a
+    decode worker's
     ranks): `{"config": KVTransferConfig fields, "worker_id": the worker's id}`: the rank receives KV pages
     at `rank_endpoint(worker_id, rank)`."""
     choice = (kernel_backend, batch_invariant)
@@ -77,9 +78,14 @@ def make_rank_runner(
             model_path, ctx.device, DTYPES.get(dtype or ""), progress=False, layout=parallel,
             load_format=load_format,
         )  # fmt: skip
+        graphs = cuda_graphs and not any(e.host_sync for e in model.exchanges)
+        if cuda_graphs and not graphs and ctx.rank == 0:
+            log.warning(
+                "decode steps run without CUDA graphs: the all-to-all exchange syncs the host"
+            )
         sized = ModelRunner.sized(
             model, page_size, num_pages, gpu_memory_fraction, cpu_cache_bytes,
-            cuda_graphs=False, kv_cache_dtype=kv_cache_dtype, rank=ctx.rank,
+            cuda_graphs=graphs, kv_cache_dtype=kv_cache_dtype, rank=ctx.rank,
         )  # fmt: skip
     pages = torch.tensor([sized.num_pages], dtype=torch.int64, device=ctx.device)
     dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=ctx.group)
@@ -88,7 +94,7 @@ def make_rank_runner(
     if agreed != sized.num_pages:
         del sized
         runner = ModelRunner(
-            model, page_size, agreed, kv_cache_dtype, cuda_graphs=False, rank=ctx.rank
+            model, page_size, agreed, kv_cache_dtype, cuda_graphs=graphs, rank=ctx.rank
         )
     log.info("rank %d of %d: model shard loaded, %d KV pages", ctx.rank, ctx.world_size, agreed)
     endpoint = None
@@ -120,6 +126,7 @@ def start_rank_group(
             "cpu_cache_bytes": config.cpu_cache_bytes, "kv_cache_dtype": kv_cache_dtype,
             "load_format": load_format, "kernel_backend": kernel_choice[0],
             "batch_invariant": kernel_choice[1], "kv": kv,
+            "cuda_graphs": getattr(config, "cuda_graphs", False),
         },
     )  # fmt: skip
     group = RankGroup(RankGroupConfig(config.ranks, backend=backend), handler, launcher)

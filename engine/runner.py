@@ -81,27 +81,39 @@ class ModelRunner:
 
         Under an expert-parallel layout with data-parallel attention every rank must issue the same collectives
         each step: a pass that some rank runs is run by every rank, those without rows of it running the
-        model's idle forward (which joins each MoE layer's expert exchange)."""
+        model's idle forward (which joins each MoE layer's expert exchange). The plan tells each rank every
+        rank's rows, so the exchanges pad to the pass's largest rank without asking the others (no host sync),
+        and the decode pass runs in the CUDA-graph bucket of the largest rank on every rank (a rank without
+        rows replays it with padding rows)."""
         step = plan.ranks[self.rank]
         result = RankResult(plan.step_id)
-        if not step.prefill and self._joins_idle and any(r.prefill for r in plan.ranks):
-            self._run(self._idle, None)
-        if step.prefill:
-            try:
-                result.prefill_tokens.extend(self._run(self._prefill, step.prefill))
-            except (
-                Exception
-            ) as e:  # the scheduler fails this pass's requests; the worker keeps serving
-                logger.error("prefill pass failed", exc_info=True)
-                result = dataclasses.replace(result, prefill_error=str(e))
-        if not step.decode and self._joins_idle and any(r.decode for r in plan.ranks):
-            self._run(self._idle, None)
-        if step.decode:
-            try:
-                result.decode_tokens.extend(self._run(self._decode, step.decode))
-            except Exception as e:  # as above
-                logger.error("decode pass failed", exc_info=True)
-                result = dataclasses.replace(result, decode_error=str(e))
+        joins = self._joins_idle
+        if any(r.prefill for r in plan.ranks) and (step.prefill or joins):
+            tokens = max(sum(len(r.token_ids) for r in s.prefill) for s in plan.ranks)
+            with self.model.step_tokens(tokens if joins else None):
+                if not step.prefill:
+                    self._run(self._idle, None)
+                else:
+                    try:
+                        result.prefill_tokens.extend(self._run(self._prefill, step.prefill))
+                    except Exception as e:  # the scheduler fails this pass's requests; we go on
+                        logger.error("prefill pass failed", exc_info=True)
+                        result = dataclasses.replace(result, prefill_error=str(e))
+        if any(r.decode for r in plan.ranks) and (step.decode or joins):
+            rows = max(len(s.decode) for s in plan.ranks)
+            key = None
+            if joins and self.graphs is not None and self.graphs.enabled:
+                width = max(len(r.page_ids) for s in plan.ranks for r in s.decode)
+                key = self.graphs.key(rows, width)
+            with self.model.step_tokens((key[0] if key else rows) if joins else None):
+                if not step.decode:
+                    self._run(self._idle_decode, key)
+                else:
+                    try:
+                        result.decode_tokens.extend(self._run(self._decode, step.decode, key))
+                    except Exception as e:  # as above
+                        logger.error("decode pass failed", exc_info=True)
+                        result = dataclasses.replace(result, decode_error=str(e))
         return result
 
     @property
@@ -113,10 +125,14 @@ class ModelRunner:
     def _idle(self, _rows) -> None:
         self.model.forward_idle()
 
+    def _idle_decode(self, key: tuple[int, int] | None) -> None:
+        if key is None or not self.graphs.idle(key):
+            self.model.forward_idle()
+
     @torch.inference_mode()
-    def _run(self, run_pass, rows):
+    def _run(self, run_pass, *args):
         with self._on_device():
-            return run_pass(rows)
+            return run_pass(*args)
 
     def _prefill(self, rows: Sequence[PrefillRow]) -> list[int | None]:
         """Runs prompt chunks (writing their KV); samples the next token of the rows that ask for it."""
@@ -133,12 +149,12 @@ class ModelRunner:
                 out[i] = t
         return out
 
-    def _decode(self, rows: Sequence[DecodeRow]) -> list[int]:
-        """One decode token per row; returns each row's next token."""
+    def _decode(self, rows: Sequence[DecodeRow], key: tuple[int, int] | None = None) -> list[int]:
+        """One decode token per row (in CUDA-graph bucket `key` when given); returns each row's next token."""
         chunks = [SeqChunk([r.token_id], r.position, r.page_ids) for r in rows]
         batch = build_forward_batch(chunks, self.page_size, self.device, decode=True)
         if self.graphs is not None:
-            logits = self.graphs.logits(batch)
+            logits = self.graphs.logits(batch, key)
         else:
             logits = self.model.compute_logits(self.model(batch, self.cache))
         specs = [r.sample for r in rows]

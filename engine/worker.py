@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from pdserve.model.deepseek import Transformer
 from pdserve.model.errors import PdserveError
@@ -25,6 +26,7 @@ from .rank_group import RankGroup, RankStepError
 from .runner import ModelRunner
 from .scheduler import Scheduler, StepOutcome
 from .step import RankResult, StepPlan, plan_to_wire, result_from_wire
+from .warm_up import warm_up_plans
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +132,39 @@ class Worker:
                 outputs += self.scheduler.abort(request_id, why)
         self.ranks.close()
         return StepOutcome(outputs, [])
+
+    def _warm_up(self, prefill_tokens: int, decode_rows: int, decode_tokens: int) -> None:
+        """Runs `warm_up_plans` on every rank before the worker serves (GPU only: on the CPU nothing compiles).
+        Raises RuntimeError naming the pass that failed."""
+        if self.runner.device.type != "cuda":
+            return
+        start = time.monotonic()
+        plans = warm_up_plans(
+            self.num_ranks, self.config.page_size, self.runner.num_pages, prefill_tokens,
+            decode_rows if self.runner.graphs is not None else 0, decode_tokens,
+        )  # fmt: skip
+        for plan in plans:
+            if self.ranks is None:
+                results = [self.runner.execute(plan)]
+            else:
+                results = [
+                    result_from_wire(r[0]) for r in self.ranks.step([plan_to_wire(plan), None])
+                ]
+            for rank, r in enumerate(results):
+                if r.prefill_error or r.decode_error:
+                    raise RuntimeError(
+                        f"worker {self.worker_id}: warm-up failed on rank {rank}: "
+                        f"{r.prefill_error or r.decode_error}"
+                    )
+        logger.info(
+            "%s: warmed up in %.1f s (%d passes: prompt chunks up to %d tokens, decode graphs up to %d "
+            "rows x %d tokens)", self.worker_id, time.monotonic() - start, len(plans), prefill_tokens,
+            decode_rows, decode_tokens,
+        )  # fmt: skip
+
+    def warm_up(self) -> None:
+        """Compiles and captures every shape the role runs, before it serves (a role sizes `_warm_up`)."""
+        raise NotImplementedError
 
     def _ranks_failed(self) -> None:
         """Under the lock, once the rank group failed: a role frees what it keeps for its ranks."""

@@ -14,6 +14,7 @@ checkpoint names to them. Weights are allocated empty; the loader or the random-
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -545,6 +546,28 @@ class Transformer(nn.Module):
             for layer in self.layers:
                 x, residual = layer(x, residual, batch, cache, self.cos_sin)
             return self.norm(x, residual)[0]
+
+    @property
+    def exchanges(self) -> list[ExpertExchange]:
+        """The expert exchanges of every MoE layer (MTP's included), in layer order."""
+        found = self.__dict__.get("_exchanges")
+        if found is None:
+            found = [m.exchange for m in self.modules() if isinstance(m, MoE) and m.exchange]
+            self.__dict__["_exchanges"] = found
+        return found
+
+    @contextlib.contextmanager
+    def step_tokens(self, num_tokens: int | None):
+        """Within: every rank holds at most `num_tokens` tokens in each pass (the same number on every rank, as
+        a step plan tells it), so the expert exchanges pad to it without asking the other ranks."""
+        exchanges = self.exchanges
+        for e in exchanges:
+            e.step_tokens = num_tokens
+        try:
+            yield
+        finally:
+            for e in exchanges:
+                e.step_tokens = None
 
     @torch.inference_mode()
     def forward_idle(self) -> None:

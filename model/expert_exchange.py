@@ -79,10 +79,17 @@ class ExpertExchange(abc.ABC):
     - a handle is used by exactly one `combine`, on the rank that made it, before the next `dispatch`.
     """
 
+    host_sync = False
+    """Whether a dispatch waits for the host even when told the pass's `step_tokens` (then it cannot run inside
+    a CUDA graph)."""
+
     def __init__(self, layout: ParallelLayout, num_experts: int):
         self.layout = layout
         self.num_experts = num_experts
         self.experts_per_rank = num_experts // layout.expert_parallel
+        self.step_tokens: int | None = None
+        """Most tokens any rank holds in the pass under way, the same on every rank, when the caller knows it
+        (a worker's step plan tells every rank every rank's rows): set by `Transformer.step_tokens`."""
 
     @abc.abstractmethod
     def dispatch(
@@ -161,10 +168,11 @@ class AllGatherExchange(ExpertExchange):
     the collective's: with two ranks a + b either way, so still the same bits; with more, NCCL's ring adds
     in an order that depends on the destination rank, so a token's bits could depend on its rank).
 
-    `capacity` (tokens per rank, the same on every rank) given: no count exchange and no host sync, every
-    shape fixed, so a CUDA graph can capture dispatch and combine; a rank with more tokens raises
-    `ConfigError`. None: each dispatch first all-gathers the ranks' token counts and pads to their maximum
-    (one small collective and one host sync)."""
+    Padding, in order: the pass's `step_tokens` when the caller set it (a worker's runner does, from its
+    plan), else `capacity` (tokens per rank, the same on every rank) when given; either way no count exchange
+    and no host sync, every shape fixed, so a CUDA graph can capture dispatch and combine; a rank with more
+    tokens raises `ConfigError`. Neither: each dispatch first all-gathers the ranks' token counts and pads to
+    their maximum (one small collective and one host sync)."""
 
     def __init__(
         self, layout: ParallelLayout, num_experts: int, capacity: int | None = None,
@@ -181,6 +189,13 @@ class AllGatherExchange(ExpertExchange):
         self.combine_by = combine_by
 
     def _step_capacity(self, num_tokens: int, device: torch.device) -> int:
+        if self.step_tokens is not None:
+            if num_tokens > self.step_tokens:
+                raise ConfigError(
+                    f"expert exchange: {num_tokens} tokens on rank {self.layout.rank}, more than the "
+                    f"{self.step_tokens} the step said a rank holds at most"
+                )
+            return self.step_tokens
         if self.capacity is not None:
             if num_tokens > self.capacity:
                 raise ConfigError(
@@ -235,6 +250,8 @@ class AllToAllExchange(ExpertExchange):
     them on the host (the one host sync: uneven splits must be known there), then sends each token once to
     every rank holding one of its experts, with its global ids and weights in the same message; combine
     sends the partial sums back and adds them at home in rank order."""
+
+    host_sync = True
 
     def dispatch(self, x, topk_ids, topk_weights):
         group, world = self.layout.group, self.layout.world_size

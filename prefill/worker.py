@@ -113,6 +113,10 @@ class PrefillWorker(Worker):
             self._sends.submit(self._send, request, first_token)
         return True
 
+    def warm_up(self) -> None:
+        """Prompt chunks up to `max_prefill_chunk` tokens."""
+        self._warm_up(self.config.max_prefill_chunk, 0, 0)
+
     def close(self) -> None:
         self._sends.shutdown(wait=True, cancel_futures=False)
         self.sender.close()

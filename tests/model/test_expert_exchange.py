@@ -73,7 +73,7 @@ def make(kind: str, rank: int, world: int):
         return AllReduceExchange(layout, NUM_EXPERTS)
     if kind == "all_to_all":
         return AllToAllExchange(layout, NUM_EXPERTS)
-    capacity = None if kind == "all_gather_per_step" else CAPACITY
+    capacity = None if kind in ("all_gather_per_step", "all_gather_step_tokens") else CAPACITY
     combine_by = "reduce_scatter" if kind == "all_gather_reduce_scatter" else "all_to_all"
     return AllGatherExchange(layout, NUM_EXPERTS, capacity, combine_by)
 
@@ -94,7 +94,9 @@ def _exchange_rank(rank, world, runs):
         first = rank * exchange.experts_per_rank
         per_rank = exchange.experts_per_rank
         outputs.append([])
-        for x, ids, weights in steps[rank]:
+        for s, (x, ids, weights) in enumerate(steps[rank]):
+            if kind == "all_gather_step_tokens":  # as a worker's plan tells each rank
+                exchange.step_tokens = max(len(steps[r][s][0]) for r in range(world))
             (local, handle), num_dispatch = count_collectives(exchange.dispatch, x, ids, weights)
             # every row received has at least one expert here (all_to_all sends only there)
             here = (local.topk_ids < per_rank).any(1)
@@ -128,6 +130,7 @@ def all_reduce_steps():
 DTYPES = (torch.float32, torch.bfloat16)
 EXCHANGE_RUNS = [(kind, dtype) for kind in ("all_to_all", "all_gather") for dtype in DTYPES] + [
     ("all_gather_per_step", torch.bfloat16),
+    ("all_gather_step_tokens", torch.bfloat16),
     ("all_gather_reduce_scatter", torch.bfloat16),
 ]
 """The runs of tokens on different ranks, each over `all_to_all_steps(dtype)`; the all-reduce run follows."""
@@ -163,13 +166,13 @@ def test_exchange_of_different_tokens(results, run):
         if kind == "all_to_all":
             # a token travels once to each rank holding one of its experts, not once per expert
             assert rows == sum(owner_ranks(steps[rank][s][1]) for rank in range(2))
-        elif kind == "all_gather_per_step":
+        elif kind in ("all_gather_per_step", "all_gather_step_tokens"):
             # every rank gets every rank's tokens, padded to the step's largest rank
             assert rows == 2 * 2 * max(len(steps[rank][s][0]) for rank in range(2))
         else:
             assert rows == 2 * 2 * CAPACITY
     collectives = {results[rank][run][s][2] for rank in range(2) for s in range(len(steps[0]))}
-    if kind in ("all_gather", "all_gather_reduce_scatter"):
+    if kind in ("all_gather", "all_gather_reduce_scatter", "all_gather_step_tokens"):
         assert collectives == {(1, 1)}  # no count exchange: the data all-gather, the combine
     elif kind == "all_gather_per_step":
         assert collectives == {(2, 1)}  # the counts, then the data
@@ -206,6 +209,9 @@ def test_all_gather_refuses_more_tokens_than_its_capacity():
         exchange.dispatch(x, ids, weights)
     with pytest.raises(ConfigError, match="capacity=0"):
         AllGatherExchange(exchange.layout, NUM_EXPERTS, 0)
+    exchange.step_tokens = 3  # the step said at most 3 tokens a rank
+    with pytest.raises(ConfigError, match="9 tokens on rank 0, more than the 3 the step said"):
+        exchange.dispatch(x, ids, weights)
 
 
 @pytest.mark.parametrize(

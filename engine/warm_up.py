@@ -1,0 +1,64 @@
+"""A worker's warm-up before it serves: step plans of made-up rows that run every shape the worker will run, so
+that Triton compiles its kernels and each decode CUDA-graph bucket is captured now, not in a client's request.
+
+The plans go through the worker's ordinary step path (`Worker.warm_up`), on every rank of a worker of several
+ranks at once, so the ranks capture the same buckets in the same order (a capture runs the pass's collectives).
+The rows read and write pages no request owns yet (a worker warms up before it admits any) and their tokens are
+dropped. Pure Python (no torch)."""
+
+from __future__ import annotations
+
+from .cuda_graphs import BATCH_BUCKETS
+from .pages import pages_needed
+from .step import DecodeRow, PrefillRow, RankStep, SampleSpec, StepPlan
+
+__all__ = ["PREFILL_SIZES", "page_buckets", "warm_up_plans"]
+
+PREFILL_SIZES = (1, 7, 16)
+"""Prompt chunk lengths a prefill warm-up runs besides the largest (Triton specializes integer arguments on
+being 1 and on divisibility by 16)."""
+
+_GREEDY = SampleSpec(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, step=0)
+
+
+def page_buckets(max_tokens: int, page_size: int) -> list[int]:
+    """The page-table widths of decode graph buckets (`DecodeGraphs.key`: powers of two from 16) that
+    sequences of up to `max_tokens` tokens use."""
+    need = pages_needed(max(max_tokens, 1), page_size)
+    out, width = [], 16
+    while True:
+        out.append(width)
+        if width >= need:
+            return out
+        width *= 2
+
+
+def warm_up_plans(
+    num_ranks: int, page_size: int, num_pages: int, prefill_tokens: int, decode_rows: int,
+    decode_tokens: int,
+) -> list[StepPlan]:  # fmt: skip
+    """Plans for a worker of `num_ranks` ranks (every rank the same rows: as many as the busiest rank of a
+    data-parallel worker runs, or the rows of a tensor-parallel one): prefill passes of `PREFILL_SIZES` and
+    `prefill_tokens` tokens per rank, then (decode_rows > 0) one decode pass per graph bucket of up to
+    `decode_rows` rows per rank and page tables for up to `decode_tokens` tokens. Page ids stay below
+    `num_pages`."""
+    plans: list[StepPlan] = []
+
+    def plan(step: RankStep) -> None:
+        plans.append(StepPlan(-1 - len(plans), [step] * num_ranks))
+
+    for n in sorted({*PREFILL_SIZES, prefill_tokens}):
+        if n > prefill_tokens or pages_needed(n, page_size) > num_pages:
+            continue
+        pages = list(range(pages_needed(n, page_size)))
+        plan(RankStep(prefill=[PrefillRow("warm-up", [0] * n, 0, pages, _GREEDY)]))
+    if decode_rows <= 0 or decode_tokens <= 0:
+        return plans
+    batches = [b for b in BATCH_BUCKETS if b <= decode_rows]
+    for width in page_buckets(min(decode_tokens, num_pages * page_size), page_size):
+        for b in batches:
+            # every row attends over the whole width (the most work its bucket runs), writing page 0
+            position = min(width * page_size, decode_tokens) - 1
+            rows = [DecodeRow(f"warm-up-{i}", 0, position, [0] * width, _GREEDY) for i in range(b)]
+            plan(RankStep(decode=rows))
+    return plans

@@ -1,0 +1,40 @@
+"""Warm-up plans: every prompt size and decode graph bucket a worker will run, on every rank alike, within the
+worker's pages and context."""
+
+from __future__ import annotations
+
+from pdserve.engine.cuda_graphs import BATCH_BUCKETS
+from pdserve.engine.warm_up import PREFILL_SIZES, page_buckets, warm_up_plans
+
+
+def test_page_buckets_cover_the_context():
+    assert page_buckets(1, 64) == [16]
+    assert page_buckets(1024, 64) == [16]
+    assert page_buckets(1025, 64) == [16, 32]
+    assert page_buckets(8192, 64) == [16, 32, 64, 128]
+
+
+def test_plans_run_every_bucket_on_every_rank():
+    plans = warm_up_plans(
+        2, page_size=64, num_pages=1000, prefill_tokens=2048, decode_rows=64, decode_tokens=4096
+    )
+    prefill = [p for p in plans if p.ranks[0].prefill]
+    decode = [p for p in plans if p.ranks[0].decode]
+    assert len(prefill) + len(decode) == len(plans)
+    assert [len(p.ranks[0].prefill[0].token_ids) for p in prefill] == [*PREFILL_SIZES, 2048]
+    batches = [b for b in BATCH_BUCKETS if b <= 64]
+    keys = [(len(p.ranks[0].decode), len(p.ranks[0].decode[0].page_ids)) for p in decode]
+    assert keys == [(b, w) for w in (16, 32, 64) for b in batches]
+    for p in plans:
+        assert len(p.ranks) == 2 and p.ranks[0] == p.ranks[1]
+        for row in p.ranks[0].decode:
+            assert row.position < 4096 and row.position < len(row.page_ids) * 64
+        for row in p.ranks[0].prefill:
+            assert max(row.page_ids) < 1000
+    assert len({p.step_id for p in plans}) == len(plans)
+
+
+def test_plans_stay_within_the_pages_and_skip_decode_without_graphs():
+    plans = warm_up_plans(1, 16, num_pages=2, prefill_tokens=64, decode_rows=0, decode_tokens=4096)
+    assert [len(p.ranks[0].prefill[0].token_ids) for p in plans] == [1, 7, 16]  # 64 needs 4 pages
+    assert warm_up_plans(1, 16, 8, 16, decode_rows=8, decode_tokens=0)[-1].ranks[0].prefill
