@@ -7,7 +7,9 @@
 # MODEL_DIR defaults to /tmp/v2l (made there as the v2-lite-shape random checkpoint when absent). Writes
 # serve.log and serving.json under $OUT (default /tmp). Environment: REQUESTS (128), CONCURRENCY (64),
 # INPUT_LEN (1024), OUTPUT_LEN (256), CHECK_N (8), INVARIANT (1: serve and check in batch-invariant mode),
-# KV_CACHE_DTYPE (auto; fp8: serve and check on fp8 KV rows).
+# KV_CACHE_DTYPE (auto; fp8: serve and check on fp8 KV rows), BENCH_ARGS (more serving.py flags, e.g.
+# "--request-rate 16 --warmup 0 --repeat 2 --slo-ttft-ms 2000 --slo-tpot-ms 30": the identical Poisson load twice
+# right after SERVING).
 set -euo pipefail
 MODEL=${1:-/tmp/v2l}
 shift || true
@@ -35,5 +37,5 @@ python -m pdserve.cluster.cli generate --wait-s 300 --max-tokens 8 "Hello" || {
 }
 python benchmarks/serving.py --num-requests "${REQUESTS:-128}" --concurrency "${CONCURRENCY:-64}" \
     --input-len "${INPUT_LEN:-1024}" --output-len "${OUTPUT_LEN:-256}" --check-offline \
-    --model "$MODEL" --dtype auto --device cuda:0 --check-n "${CHECK_N:-8}" "${check[@]}"
+    --model "$MODEL" --dtype auto --device cuda:0 --check-n "${CHECK_N:-8}" "${check[@]}" ${BENCH_ARGS:-}
 grep -E "stats|KV capacity|startup|pdserve serving" "$OUT/serve.log" | tail -n 4 || true

@@ -1,0 +1,255 @@
+"""Decode step of a worker of N GPUs (attention data-parallel + expert-parallel MoE) against one GPU holding all
+experts, at the same batch per GPU, through the engine's own path: a `RankGroup` of N rank processes (NCCL) whose
+driver sends each step plan and gathers the sampled tokens (`make_rank_runner`, CUDA graphs, all-gather
+exchange), timed wall clock per step at the driver, median over `--steps`.
+
+    python benchmarks/decode_step_ranks.py [--preset v3-shape --layers 8] [--ranks 2] [--batch 64,128]
+        [--context 4096] [--steps 30] [--check]
+
+Weights are `load_format="dummy"` (random, fp8 experts with block scales, made on each GPU from config.json), the
+KV cache random rows. Per GPU: output tokens/s = batch / step; the roofline counts the weight bytes a rank reads
+(its replicated weights and all its routed experts: at these batches nearly every expert is routed to), the KV
+bytes of its rows, and the exchange bytes it receives (all-gather of every rank's padded rows, all-to-all of
+the partial sums back), at the HBM and NVLink rates measured on the same GPUs in the same run.
+
+--check first runs a small batch-invariant greedy comparison: N ranks with B rows each against one GPU with the
+same N x B rows, every row's KV filled from its own seed; the sampled tokens must be equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent)
+)  # rank processes import this file's handler
+
+from pdserve.engine.rank_group import RankGroup, RankGroupConfig  # noqa: E402
+from pdserve.engine.rank_process import HandlerSpec  # noqa: E402
+from pdserve.engine.rank_runner import make_rank_runner  # noqa: E402
+from pdserve.engine.step import DecodeRow, RankStep, SampleSpec, StepPlan, plan_to_wire  # noqa: E402
+from pdserve.model.random_checkpoint import preset_config  # noqa: E402
+
+
+def bench_rank(ctx, seeds: list[int] | None, pages_per_row: int, **kwargs):
+    """A rank's handler for this benchmark: the engine's `RankRunner` (see `make_rank_runner`) over a cache of
+    random rows (`seeds`: row r's pages [r * pages_per_row, ...) filled from seed seeds[r]; None: all random),
+    plus the rank's measured HBM and NVLink rates and its weight bytes, answered to a "facts" message."""
+    runner = make_rank_runner(ctx, **kwargs)
+    cache = runner.runner.cache
+    gen = torch.Generator(device=cache.device)
+    if seeds is None:
+        gen.manual_seed(1000 + ctx.rank)
+        cache.data.normal_(generator=gen)
+    else:
+        for r, seed in enumerate(seeds):
+            gen.manual_seed(seed)
+            cache.data[r * pages_per_row : (r + 1) * pages_per_row].normal_(generator=gen)
+    facts = _facts(ctx, runner.runner.model)
+
+    def handler(wire):
+        if wire == "facts":
+            return facts
+        return runner(wire)
+
+    return handler
+
+
+def _facts(ctx, model) -> dict:
+    torch.cuda.synchronize()
+    a = torch.empty(1 << 28, dtype=torch.uint8, device=ctx.device)  # 256 MiB
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    hbm = 2 * a.numel() / statistics.median(times)
+    link = None
+    if ctx.world_size > 1:
+        x = torch.empty(1 << 26, dtype=torch.bfloat16, device=ctx.device)  # 128 MiB a rank
+        out = torch.empty(ctx.world_size * x.numel(), dtype=x.dtype, device=ctx.device)
+        times = []
+        for _ in range(10):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            dist.all_gather_into_tensor(out, x, group=ctx.group)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        link = (ctx.world_size - 1) * x.numel() * 2 / statistics.median(times)  # bytes in a rank
+    skip = {id(p) for m in model.mtp for p in m.parameters()} | {id(model.embed.weight)}
+    weight_bytes = sum(
+        p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip
+    )
+    del a, b
+    torch.cuda.empty_cache()
+    return {"hbm": hbm, "link": link, "weight_bytes": weight_bytes}
+
+
+def run(model_dir: str, ranks: int, batch: int, context: int, steps: int, invariant: bool,
+        seeds: list[list[int]] | None) -> dict:  # fmt: skip
+    """One group of `ranks` ranks, `batch` rows each, `steps` timed steps; returns times and tokens."""
+    pages_per_row = -(-(context + steps + 8) // 64)
+    layout = {
+        "world_size": ranks,
+        "attention": "data",
+        "expert_parallel": ranks,
+        "dense": "replicated",
+    }
+    spec = HandlerSpec(
+        f"{Path(__file__).stem}:_by_rank",  # this file, imported by the rank processes (sys.path carries it)
+        {
+            "seeds": [None] * ranks if seeds is None else seeds, "pages_per_row": pages_per_row,
+            "model_path": model_dir, "dtype": "bf16", "layout": layout, "page_size": 64,
+            "num_pages": batch * pages_per_row, "gpu_memory_fraction": 0.9, "cpu_cache_bytes": 0,
+            "kv_cache_dtype": "auto", "load_format": "dummy", "batch_invariant": invariant,
+            "cuda_graphs": True,
+        },
+    )  # fmt: skip
+    config = RankGroupConfig(ranks, backend="nccl", join_timeout_s=600, step_timeout_s=600)
+    with RankGroup(config, spec) as group:
+        facts = group.step("facts")
+        tokens = [[3 + (r * batch + b) % 1000 for b in range(batch)] for r in range(ranks)]
+        times, history = [], []
+        for step in range(steps + 5):
+            pos = context + step
+            plan = StepPlan(
+                step,
+                [
+                    RankStep(
+                        decode=[
+                            DecodeRow(
+                                f"{r}-{b}",
+                                tokens[r][b],
+                                pos,
+                                list(range(b * pages_per_row, (b + 1) * pages_per_row)),
+                                SampleSpec(0.0, 1.0, -1, 0.0, 0, step),
+                            )  # fmt: skip
+                            for b in range(batch)
+                        ]
+                    )
+                    for r in range(ranks)
+                ],
+            )
+            wire = [plan_to_wire(plan), None]
+            start = time.perf_counter()
+            replies = group.step(wire)
+            elapsed = time.perf_counter() - start
+            results = [reply[0] for reply in replies]
+            for r, result in enumerate(results):
+                if result[4] is not None:
+                    raise RuntimeError(f"rank {r}: decode step failed: {result[4]}")
+                tokens[r] = result[2]
+            history.append([t for r in range(ranks) for t in tokens[r]])
+            if step >= 5:
+                times.append(elapsed)
+    return {"step_s": statistics.median(times), "facts": facts, "tokens": history}
+
+
+def _by_rank(ctx, seeds, **kwargs):
+    return bench_rank(ctx, seeds[ctx.rank], **kwargs)
+
+
+def roofline(cfg: dict, ranks: int, batch: int, context: int, facts: list[dict]) -> float:
+    """Seconds a step of `batch` rows per rank needs at least on rank 0: its bytes over the measured rates."""
+    f = facts[0]
+    layers = cfg["num_hidden_layers"]
+    moe_layers = layers - min(cfg["first_k_dense_replace"], layers)
+    kv_row = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 2
+    kv = batch * context * layers * kv_row
+    seconds = (f["weight_bytes"] + kv) / f["hbm"]
+    if ranks > 1:
+        hidden = cfg["hidden_size"]
+        # all-gather: the other ranks' padded rows (activations + ids + weights, ~16 B of routing a row);
+        # combine: the other ranks' partial sums of this rank's rows
+        row = hidden * 2 + cfg["num_experts_per_tok"] * 8
+        received = (ranks - 1) * batch * (row + hidden * 2) * moe_layers
+        seconds += received / f["link"]
+    return seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--preset", default="v3-shape")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--batch", default="64,128", help="rows per GPU, comma-separated")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument(
+        "--check", action="store_true", help="first the batch-invariant greedy comparison"
+    )
+    args = p.parse_args()
+    cfg = preset_config(args.preset, args.layers, "fp8")
+    out = {"device": torch.cuda.get_device_name(), "preset": args.preset, "layers": args.layers}
+    lines = []
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "config.json").write_text(json.dumps(cfg))
+        if args.check:
+            b, ctx, n = 8, 256, 6
+            seeds = [[r * b + i for i in range(b)] for r in range(args.ranks)]
+            many = run(tmp, args.ranks, b, ctx, n, True, seeds)
+            one = run(tmp, 1, args.ranks * b, ctx, n, True, [sum(seeds, [])])
+            equal = many["tokens"] == one["tokens"]
+            out["check"] = {"equal": equal, "rows": args.ranks * b, "steps": n + 5}
+            lines.append(
+                f"greedy, batch-invariant, {args.ranks} ranks x {b} rows vs 1 GPU x {args.ranks * b} "
+                f"rows, {n + 5} steps at context {ctx}: {'EQUAL' if equal else 'DIFFERENT'}"
+            )
+            if not equal:
+                print("\n".join(lines))
+                sys.exit(1)
+        lines.append(
+            "| batch/GPU | GPUs | step | tok/s per GPU | vs 1 GPU | roofline | step/roofline |\n"
+            "|---|---|---|---|---|---|---|"
+        )
+        out["rows"] = []
+        for batch in [int(x) for x in args.batch.split(",")]:
+            res = {}
+            for ranks in (1, args.ranks):
+                r = run(tmp, ranks, batch, args.context, args.steps, False, None)
+                res[ranks] = r
+                roof = roofline(cfg, ranks, batch, args.context, r["facts"])
+                tps = batch / r["step_s"]
+                ratio = tps / (batch / res[1]["step_s"])
+                lines.append(
+                    f"| {batch} | {ranks} | {1e3 * r['step_s']:.2f} ms | {tps:.0f} | {ratio:.2f}x | "
+                    f"{1e3 * roof:.2f} ms | {r['step_s'] / roof:.2f}x |"
+                )
+                out["rows"].append(
+                    {
+                        "batch": batch,
+                        "ranks": ranks,
+                        "step_s": r["step_s"],
+                        "roofline_s": roof,
+                        "facts": r["facts"],
+                    }  # fmt: skip
+                )
+    header = (
+        f"{out['device']} | {args.preset}, {args.layers} layers, fp8 experts, dummy weights | context "
+        f"{args.context} | DP{args.ranks} + EP{args.ranks} vs 1 GPU | CUDA graphs"
+    )
+    text = "\n".join([header, *lines])
+    print(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "decode_step_ranks.md").write_text(text + "\n")
+        Path(os.environ["OUT"], "decode_step_ranks.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""A decode worker of 2 GPUs (attention data-parallel, experts split over both: DP2 + EP2, NCCL) replaying its
+decode steps as CUDA graphs after its warm-up, in batch-invariant mode: every request streams exactly the tokens
+the one-GPU offline path generates, while the ranks run different batch sizes and one rank idles."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve import kernels
+from pdserve.decode import DecodeConfig, DecodeWorker
+from pdserve.engine.messages import DecodeRequest
+from pdserve.engine.offline import OfflineGenerator
+from pdserve.engine.rank_runner import start_rank_group
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.model.loader import load_model
+from pdserve.model.random_checkpoint import make_checkpoint
+
+from .test_worker import drain
+
+pytestmark = [pytest.mark.multi_gpu, pytest.mark.slow]
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = os.environ.get("PDSERVE_V2LITE_DIR")
+    if path:
+        return Path(path)
+    out = tmp_path_factory.mktemp("ck") / "v2l"
+    return make_checkpoint(out, "v2-lite-shape", dtype="bf16", device="cuda", progress=False)
+
+
+def test_dp2_ep2_graphs_give_the_one_gpu_tokens(model_dir):
+    g = torch.Generator().manual_seed(7)
+    prompts = [
+        [0, *torch.randint(3, 100000, (n - 1,), generator=g).tolist()] for n in (5, 130, 47, 300, 9)
+    ]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 12, 25, 33, 3)]
+    with kernels.use(batch_invariant=True):
+        model = load_model(model_dir, "cuda:0", torch.bfloat16, progress=False)
+        generator = OfflineGenerator(model, PAGE)
+        want = {
+            f"r{i}": (generator.generate(p, s).token_ids, "length")
+            for i, (p, s) in enumerate(zip(prompts, params, strict=True))
+        }
+        del generator, model
+        torch.cuda.empty_cache()
+        config = DecodeConfig(
+            page_size=PAGE, num_pages=256, max_prefill_chunk=64, ranks=2, attention="data",
+            expert_parallel=2, max_running=16, warm_up_context=1024,
+        )  # fmt: skip
+        group = start_rank_group(
+            config, str(model_dir), "bf16", "auto", backend="nccl", kernel_choice=(None, True)
+        )
+        decode = DecodeWorker("d0", None, config, ranks=group)
+        try:
+            decode.warm_up()
+            graphs = decode.runner.graphs
+            assert graphs is not None and graphs.enabled
+            captured = set(graphs._graphs)
+            assert {(1, 16), (16, 16)} <= captured, captured
+            for i, (p, s) in enumerate(zip(prompts, params, strict=True)):
+                decode.add_request(DecodeRequest(f"r{i}", p, s))
+            got = drain(decode, list(want))
+            assert (
+                graphs.enabled and set(graphs._graphs) == captured
+            )  # nothing captured while serving
+            assert decode.num_used_pages == 0
+        finally:
+            decode.close()
+    assert got == want
