@@ -62,6 +62,7 @@ def bench_rank(ctx, seeds: list[int] | None, pages_per_row: int, **kwargs):
             return facts
         return runner(wire)
 
+    handler.close = runner.close  # its CUDA graphs go before the group is destroyed
     return handler
 
 

@@ -93,6 +93,13 @@ class DecodeGraphs:
         graph.graph.replay()
         return True
 
+    def close(self) -> None:
+        """Destroys the captured graphs (before the process groups whose collectives they hold are destroyed:
+        NCCL cannot tear down a communicator a live graph still launches on)."""
+        self.enabled = False
+        self._graphs.clear()
+        torch.cuda.synchronize(self.device)
+
     def _graph(self, key: tuple[int, int]) -> _Graph | None:
         """Bucket `key`'s graph, captured now if need be; None when capture failed (graphs are then off)."""
         graph = self._graphs.get(key)

@@ -147,6 +147,18 @@ class LocalRankLauncher(RankLauncher):
                 p.join()
 
 
+def _abort_group() -> None:
+    """Aborts this process's default (NCCL) group, ending any collective in flight; never raises."""
+    from torch.distributed import distributed_c10d
+
+    try:
+        distributed_c10d._abort_process_group()
+    except (
+        Exception
+    ):  # already torn down, or a torch without it: destroy_process_group follows anyway
+        log.warning("aborting the rank group's communicator failed", exc_info=True)
+
+
 class RankGroup:
     """The driver of one worker's ranks (see the module docstring). `start()` blocks until every rank joined and
     built its handler (bounded by `join_timeout_s`); use it as a context manager to close it in all cases. The
@@ -271,7 +283,13 @@ class RankGroup:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
-        close_handler(self.handler)
+        if not stopped and cfg.backend == "nccl" and dist.is_initialized():
+            # a rank died or hung: a collective of ours may wait for it forever, and a clean teardown (or a
+            # device sync) with it; aborting the communicator ends them
+            _abort_group()
+        close_handler(
+            self.handler
+        )  # after a clean stop: its CUDA graphs go before the communicator
         if dist.is_initialized():
             dist.destroy_process_group()
         self._store = None

@@ -57,6 +57,7 @@ class RankRunner:
     def close(self) -> None:
         if self.kv is not None:
             self.kv.close()
+        self.runner.close()  # its graphs hold the group's collectives: gone before the group is
 
 
 def make_rank_runner(

@@ -64,6 +64,12 @@ class ModelRunner:
             pages -= 1  # room for the graphs' scratch page
         return cls(model, page_size, pages, kv_cache_dtype, cuda_graphs, rank)
 
+    def close(self) -> None:
+        """Releases the decode graphs (see `DecodeGraphs.close`); steps after it run eagerly."""
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs = None
+
     @property
     def num_pages(self) -> int:
         """Pages requests may own."""
