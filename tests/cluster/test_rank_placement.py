@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cluster import placement
+from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.placement import NVLINK_DOMAIN_LABEL as DOMAIN
 
 CLUSTER_TIMEOUT_S = 420
@@ -37,6 +38,19 @@ def test_rank_placement_strategies():
     }
     with pytest.raises(ValueError, match="rank span 'rack'"):
         placement.rank_placement("rack")
+
+
+def test_rank_channel_crosses_nodes_over_gloo():
+    assert placement.rank_channel(["n1", "n1", "n1"]) == "shm"
+    assert placement.rank_channel(["n1", "n1", "n2", "n2"]) == "dist"
+    with pytest.raises(ValueError, match="at least one bundle"):
+        placement.rank_channel([])
+
+
+def test_rank_span_is_checked():
+    assert ClusterConfig(rank_span="nvlink_domain").rank_span == "nvlink_domain"
+    with pytest.raises(ValueError, match="rank_span='rack'"):
+        ClusterConfig(rank_span="rack")
 
 
 NODES = [{"CPU": 64, "GPU": 4}, {"CPU": 64, "GPU": 4}, {"CPU": 64, "GPU": 8}]
