@@ -1,8 +1,15 @@
-"""Run by test_rank_placement as its own process: a Ray cluster of three simulated nodes (a1, a2 in NVLink domain
-'a' with 2 fake GPUs each, b1 in domain 'b' with 3), one worker's rank group placed on it per span, the driver
-being this process. Prints one JSON line: each node's name by id, and per span where the ranks landed and what
-they replied; then the reason a 5-rank domain worker is refused. Also the handler the rank actors run (this
-folder is on their PYTHONPATH)."""
+"""Run by test_rank_placement as its own process, in one of two scenarios (argv[1]); prints one JSON line.
+
+`ranks` (the default): a Ray cluster of three simulated nodes (a1, a2 in NVLink domain 'a' with 2 fake GPUs each,
+b1 in domain 'b' with 3), one worker's rank group placed on it per span, the driver being this process: each
+node's name by id, and per span where the ranks landed and what they replied; then the reason a 5-rank domain
+worker is refused. Also the handler the rank actors run (this folder is on their PYTHONPATH).
+
+`trays`: placement only (no rank processes), on a rack-like cluster: trays t1, t2 of NVLink domain r0 and t3 of
+r1 (4 fake GPUs each) and u1, an unlabelled node of 8. Where each worker's bundles landed, in order: 8 ranks over
+a domain, 4 ranks over a domain, 8 ranks on one node; then a 2-rank domain worker that fits no free domain
+(times out), a 12-rank one that fits no domain (refused at once), and the 2-rank one again once the first
+worker is gone."""
 
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ def run_worker(span: str, num_ranks: int, channel: str) -> dict:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from pdserve.cluster.rank_actors import RayRankLauncher, make_rank_placement_group
+    from pdserve.cluster.rank_actors import RayRankLauncher, bundle_nodes, make_rank_placement_group
     from pdserve.engine.rank_group import RankGroup, RankGroupConfig
     from pdserve.engine.rank_process import HandlerSpec
 
@@ -47,41 +54,107 @@ def run_worker(span: str, num_ranks: int, channel: str) -> dict:
             replies = ranks.step({})
             actor_nodes = launcher.rank_nodes(timeout_s=60)
         assert [r["node"] for r in replies[1:]] == actor_nodes
-        return {"rank_nodes": [driver_node, *actor_nodes], "replies": [r["rank"] for r in replies]}
+        return {
+            "rank_nodes": [driver_node, *actor_nodes], "bundle_nodes": bundle_nodes(group),
+            "replies": [r["rank"] for r in replies],
+        }  # fmt: skip
     finally:
         ray.util.remove_placement_group(group)
 
 
+RANK_NODES = (("a1", "a", 2, 2), ("a2", "a", 2, 2), ("b1", "b", 3, 2))
+"""(name, NVLink domain, fake GPUs, CPUs) of each simulated node of the `ranks` scenario, beside a head
+that holds nothing."""
+TRAYS = (("t1", "r0", 4, 2), ("t2", "r0", 4, 2), ("t3", "r1", 4, 2))
+"""The `trays` scenario's nodes; the first is the head (one raylet fewer to start)."""
+TRAY_CPUS_PER_RANK = 0.5
+TRAY_TIMEOUT_S = 3.0
+
+
+def _attempt(num_ranks: int, span: str) -> dict:
+    """Places a worker's ranks (then frees them): where its bundles went, or the error and how long it took."""
+    import time
+
+    import ray
+
+    from pdserve.cluster.errors import UnavailableError
+    from pdserve.cluster.rank_actors import bundle_nodes, make_rank_placement_group
+
+    start = time.monotonic()
+    try:
+        group = make_rank_placement_group(
+            num_ranks, 1, TRAY_CPUS_PER_RANK, span, timeout_s=TRAY_TIMEOUT_S
+        )
+    except UnavailableError as e:
+        return {"error": str(e), "waited_s": time.monotonic() - start}
+    nodes = bundle_nodes(group)
+    ray.util.remove_placement_group(group)
+    return {"bundle_nodes": nodes}
+
+
+def trays() -> dict:
+    import ray
+
+    from pdserve.cluster.rank_actors import bundle_nodes, make_rank_placement_group
+
+    result: dict = {"timeout_s": TRAY_TIMEOUT_S}
+    held = {}
+    for key, num_ranks in (("wide", 8), ("tray", 4)):
+        held[key] = make_rank_placement_group(
+            num_ranks, 1, TRAY_CPUS_PER_RANK, "nvlink_domain", timeout_s=30
+        )
+        result[key] = bundle_nodes(held[key])
+    result["busy"] = _attempt(2, "nvlink_domain")
+    result["too_big"] = _attempt(12, "nvlink_domain")
+    ray.util.remove_placement_group(held.pop("wide"))
+    result["after"] = _attempt(2, "nvlink_domain")
+    ray.util.remove_placement_group(held.pop("tray"))
+    return result
+
+
+def ranks() -> dict:
+    from pdserve.cluster.errors import UnavailableError
+    from pdserve.cluster.rank_actors import make_rank_placement_group
+
+    result = {"node": run_worker("node", 3, "shm")}
+    result["nvlink_domain"] = run_worker("nvlink_domain", 4, "dist")
+    try:
+        make_rank_placement_group(5, 1, 0.5, "nvlink_domain", timeout_s=10)
+        result["too_big"] = "placed"
+    except UnavailableError as e:
+        result["too_big"] = str(e)
+    return result
+
+
+SCENARIOS = {"ranks": (RANK_NODES, False, ranks), "trays": (TRAYS, True, trays)}
+"""Per scenario: its nodes, whether the first of them is the head, and what runs on the cluster."""
+
+
 def main() -> None:
+    import sys
+
     import ray
     from ray.cluster_utils import Cluster
 
-    from pdserve.cluster.errors import UnavailableError
     from pdserve.cluster.placement import NVLINK_DOMAIN_LABEL
-    from pdserve.cluster.rank_actors import make_rank_placement_group, node_labels
+    from pdserve.cluster.rank_actors import node_labels
 
+    nodes, head_is_a_node, scenario = SCENARIOS[sys.argv[1] if len(sys.argv) > 1 else "ranks"]
+    specs = [
+        (name, {"num_cpus": cpus, "num_gpus": gpus, "labels": {NVLINK_DOMAIN_LABEL: domain}})
+        for name, domain, gpus, cpus in nodes
+    ]
+    head_name, head_args = specs.pop(0) if head_is_a_node else (None, {"num_cpus": 0})
     cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "include_dashboard": False},
+        initialize_head=True, head_node_args={**head_args, "include_dashboard": False}
     )
     try:
-        names = {}
-        for name, gpus in (("a1", 2), ("a2", 2), ("b1", 3)):
-            node = cluster.add_node(
-                num_cpus=2, num_gpus=gpus, labels={NVLINK_DOMAIN_LABEL: name[0]}
-            )
-            names[node.node_id] = name
+        names = {} if head_name is None else {cluster.head_node.node_id: head_name}
+        for name, node_args in specs:
+            names[cluster.add_node(**node_args).node_id] = name
         ray.init(address=cluster.address, logging_level=logging.WARNING)
         cluster.wait_for_nodes()
-        result = {"nodes": names}
-        result["labels"] = node_labels()
-        result["node"] = run_worker("node", 3, "shm")
-        result["nvlink_domain"] = run_worker("nvlink_domain", 4, "dist")
-        try:
-            make_rank_placement_group(5, 1, 0.5, "nvlink_domain", timeout_s=10)
-            result["too_big"] = "placed"
-        except UnavailableError as e:
-            result["too_big"] = str(e)
+        result = {"nodes": names, "labels": node_labels(), **scenario()}
         table = ray.util.placement_group_table()
         result["leftover_groups"] = sum(g["state"] != "REMOVED" for g in table.values())
         print(json.dumps(result))

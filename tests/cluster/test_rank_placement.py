@@ -2,7 +2,8 @@
 `ranks_unplaceable_reason`, `placement_violation`), and on a real Ray cluster of three simulated nodes on this
 machine (`ray.cluster_utils.Cluster`, fake GPUs, NVLink-domain node labels): ranks of a STRICT_PACK worker all on
 one node, ranks of an NVLink-domain worker spanning the nodes of one domain and never another's, joined into a
-working rank group over both plan channels. The Ray part runs in its own process (`_rank_cluster.py`) so that its
+working rank group over both plan channels; and placement alone on three simulated trays of two NVLink
+domains, as on a GB200 NVL72 rack. Each Ray part runs in its own process (`_rank_cluster.py`) so that its
 cluster never meets the session's local Ray, and is killed with its process group if it overruns."""
 
 from __future__ import annotations
@@ -83,14 +84,14 @@ def test_placement_violation():
     assert "rank 1" in placement.placement_violation(["n1", "n4"], labels, "nvlink_domain")
 
 
-@pytest.mark.slow
-def test_ranks_land_per_strategy_on_a_simulated_ray_cluster():
+def _run_cluster(scenario: str) -> dict:
+    """The JSON line `_rank_cluster.py <scenario>` prints (its own process: see the module docstring)."""
     here = Path(__file__).parent
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here), env.get("PYTHONPATH")) if p)
     proc = subprocess.Popen(
-        [sys.executable, str(here / "_rank_cluster.py")], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [sys.executable, str(here / "_rank_cluster.py"), scenario], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
         out, err = proc.communicate(timeout=CLUSTER_TIMEOUT_S)
@@ -99,12 +100,20 @@ def test_ranks_land_per_strategy_on_a_simulated_ray_cluster():
         out, err = proc.communicate()
         pytest.fail(f"simulated cluster still running after {CLUSTER_TIMEOUT_S} s:\n{err[-3000:]}")
     assert proc.returncode == 0, err[-5000:]
-    result = json.loads(out.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_ranks_land_per_strategy_on_a_simulated_ray_cluster():
+    result = _run_cluster("ranks")
     nodes = result["nodes"]  # node id -> name (a1, a2, b1)
 
-    for span in ("node", "nvlink_domain"):
+    for span, channel in (("node", "shm"), ("nvlink_domain", "dist")):
         rank_nodes = result[span]["rank_nodes"]
         assert placement.placement_violation(rank_nodes, result["labels"], span) is None, span
+        # the placement group table a worker reads says where its ranks run, and so their channel
+        assert result[span]["bundle_nodes"] == rank_nodes, span
+        assert placement.rank_channel(rank_nodes) == channel, span
     packed = [nodes[n] for n in result["node"]["rank_nodes"]]
     assert packed == ["b1"] * 3, packed  # only b1 holds 3 GPUs on one node
     assert result["node"]["replies"] == [0, 1, 2]
@@ -116,4 +125,33 @@ def test_ranks_land_per_strategy_on_a_simulated_ray_cluster():
     assert result["nvlink_domain"]["replies"] == [0, 1, 2, 3]
     assert "holds 5 bundles" in result["too_big"] and DOMAIN in result["too_big"]
     assert "'a': 4" in result["too_big"]
+    assert result["leftover_groups"] == 0
+
+
+def test_a_rack_of_trays_on_a_simulated_ray_cluster():
+    """Placement only, as on a GB200 NVL72 rack's trays: t1, t2 (4 fake GPUs each) form NVLink domain r0, t3
+    is domain r1. An 8-rank worker takes both trays of r0, never t3; a 4-rank one then takes t3 (one node: the
+    shared-memory channel); a 2-rank one fits a domain but finds none free, and fails once its placement
+    timeout has passed; a 12-rank one fits no domain and is refused at once; the 2-rank one places in r0 once
+    the 8-rank worker is gone."""
+    result = _run_cluster("trays")
+    nodes, labels, timeout_s = result["nodes"], result["labels"], result["timeout_s"]
+    assert sorted(nodes.values()) == ["t1", "t2", "t3"]
+
+    wide = result["wide"]
+    assert sorted(nodes[n] for n in wide) == ["t1"] * 4 + ["t2"] * 4, wide
+    assert placement.placement_violation(wide, labels, "nvlink_domain") is None
+    assert placement.rank_channel(wide) == "dist"
+    assert [nodes[n] for n in result["tray"]] == ["t3"] * 4
+    assert placement.rank_channel(result["tray"]) == "shm"
+
+    busy = result["busy"]
+    assert f"not ready in {timeout_s} s" in busy["error"] and "held by others" in busy["error"]
+    assert timeout_s <= busy["waited_s"] < CLUSTER_TIMEOUT_S
+    too_big = result["too_big"]
+    assert "holds 12 bundles" in too_big["error"], too_big
+    assert "'r0': 8" in too_big["error"] and "'r1': 4" in too_big["error"]
+    assert too_big["waited_s"] < timeout_s  # refused before any wait
+    after = [nodes[n] for n in result["after"]["bundle_nodes"]]
+    assert len(after) == 2 and set(after) <= {"t1", "t2"}, after
     assert result["leftover_groups"] == 0
