@@ -1,7 +1,8 @@
 """Every example serve config under deploy/configs builds a valid ServeConfig (as `pdserve serve --config` reads
 it), so a renamed or re-validated field cannot leave an example behind; and every worker of several ranks in them
 is sized by the `pdserve plan` command its header quotes: the command's layout is the worker's, the plan fits,
-and the header's figures (weights and KV tokens per rank) are the plan's own."""
+and the header's figures (weights and KV tokens per rank) are the plan's own. The `ray up` YAMLs' `ray start`
+commands parse with Ray's own CLI and give each node its GPUs and, on an NVL72 rack, its NVLink-domain label."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import shlex
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pdserve.cluster.config import ServeConfig, build_config, load_yaml
+from pdserve.cluster.placement import NVLINK_DOMAIN_LABEL
 from pdserve.cluster.plan_command import add_plan_command, plan_from_args
 
 CONFIGS = sorted((Path(__file__).parents[2] / "deploy" / "configs").glob("*.yaml"))
@@ -115,3 +118,44 @@ def test_no_full_size_worker_fits_half_a_b200_node() -> None:
             _plan_args(f"pdserve plan --preset v3-shape --gpus 4 --gpu-memory-gib 180{layout}")
         )
         assert not plan.fits and "weights" in plan.shortfall
+
+
+RAY_YAMLS = Path(__file__).parents[2] / "deploy" / "ray"
+
+
+def _ray_starts(name: str) -> list[dict]:
+    """The options of every `ray start` in a `ray up` YAML's start commands, as Ray's own CLI parses them."""
+    from ray._private.label_utils import parse_node_labels_string
+    from ray.scripts.scripts import start
+
+    spec = yaml.safe_load((RAY_YAMLS / name).read_text())
+    starts = []
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        for command in spec[key]:
+            for part in command.split(";"):
+                words = shlex.split(part)
+                if words[:2] == ["ray", "start"]:
+                    params = start.make_context("start", words[2:]).params
+                    params["labels"] = parse_node_labels_string(params["labels"] or "")
+                    starts.append(params)
+    return starts
+
+
+# Ray's CLI module imports Ray Serve, whose pydantic models warn of deprecations that are Ray's to fix
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_ray_yamls_offer_each_node_s_gpus_and_label_nvl72_trays() -> None:
+    trays = _ray_starts("gb200-nvl72.yaml")
+    assert len(trays) == 2 and trays[0]["head"] and not trays[1]["head"]
+    for tray in trays:
+        assert tray["num_gpus"] == 4
+        assert set(tray["labels"]) == {NVLINK_DOMAIN_LABEL}
+    assert trays[0]["labels"] == trays[1]["labels"]  # one rack, one domain
+    spec = yaml.safe_load((RAY_YAMLS / "gb200-nvl72.yaml").read_text())
+    num_trays = 1 + len(spec["provider"]["worker_ips"])
+    assert num_trays == 18
+    assert _gpus(_config("gb200-nvl72.yaml")) == num_trays * 4  # the rack config fills every tray
+
+    nodes = _ray_starts("hgx-b200.yaml")
+    assert [n["num_gpus"] for n in nodes] == [8, 8]
+    spec = yaml.safe_load((RAY_YAMLS / "hgx-b200.yaml").read_text())
+    assert 1 + len(spec["provider"]["worker_ips"]) >= _gpus(_config("hgx-b200x2-1p1d.yaml")) // 8
