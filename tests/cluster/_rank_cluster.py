@@ -5,6 +5,11 @@ b1 in domain 'b' with 3), one worker's rank group placed on it per span, the dri
 node's name by id, and per span where the ranks landed and what they replied; then the reason a 5-rank domain
 worker is refused. Also the handler the rank actors run (this folder is on their PYTHONPATH).
 
+`serve`: `pdserve serve`'s router in this process and one aggregated decode worker of 2 CPU ranks (DP2 + EP2,
+the tiny model) with rank_span nvlink_domain on two nodes d1, d2 of one domain with one CPU each, so that its
+ranks must span both: each request's greedy tokens beside the offline path's, and the nodes of the worker's
+bundles.
+
 `trays`: placement only (no rank processes), on a rack-like cluster: trays t1, t2 of NVLink domain r0 and t3 of
 r1 (4 fake GPUs each) and u1, an unlabelled node of 8. Where each worker's bundles landed, in order: 8 ranks over
 a domain, 4 ranks over a domain, 8 ranks on one node; then a 2-rank domain worker that fits no free domain
@@ -112,6 +117,62 @@ def trays() -> dict:
     return result
 
 
+SERVE_NODES = (("d1", "d", 0, 1), ("d2", "d", 0, 1))
+SERVE_REQUESTS = (([0, 5, 9, 14, 3], 6), ([0, *range(20, 70)], 5), ([0, 7], 8))
+
+
+def serve() -> dict:
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    import ray
+    import torch
+
+    from pdserve.cluster.client import Client, generate_request
+    from pdserve.cluster.config import build_config
+    from pdserve.cluster.server import ServerThread, free_port
+    from pdserve.engine.offline import generate_greedy
+    from pdserve.model.loader import load_model
+    from pdserve.model.random_checkpoint import make_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_checkpoint(Path(tmp) / "tiny", "tiny", dtype="fp32", progress=False)
+        layout = {"ranks": 2, "attention": "data", "expert_parallel": 2}
+        config = build_config(None, {
+            "model": {"path": str(model_dir), "dtype": "fp32"},
+            "cluster": {
+                "num_prefill": 0, "num_decode": 1, "gpus_per_worker": 0, "cpus_per_worker": 1.0,
+                "rank_span": "nvlink_domain", "placement_timeout_s": 60.0, "load_timeout_s": 180.0,
+            },
+            "router": {"port": 0, "stats_interval_s": 0.0},
+            "prefill": {"page_size": 16},
+            "decode": {"num_pages": 128, "page_size": 16, "max_prefill_chunk": 128,
+                       "max_num_batched_tokens": 512, **layout},
+            "kvtransfer": {"store_port": free_port(), "connect_timeout_s": 20.0},
+        })  # fmt: skip
+        with ServerThread(config) as server, Client(server.address) as client:
+            [group] = [g for g in ray.util.placement_group_table().values()
+                       if g["name"] == "pdserve-decode-0" and g["state"] == "CREATED"]  # fmt: skip
+
+            def generate(request) -> list[int]:
+                prompt, max_tokens = request
+                call = generate_request(
+                    prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+                )
+                return [t for c in client.generate(call, timeout_s=120) for t in c.token_ids]
+
+            with ThreadPoolExecutor(len(SERVE_REQUESTS)) as pool:
+                served = list(pool.map(generate, SERVE_REQUESTS))
+        model = load_model(model_dir, dtype=torch.float32, progress=False)
+        offline = [generate_greedy(model, p, n) for p, n in SERVE_REQUESTS]
+    bundles = group["bundles_to_node_id"]
+    return {
+        "bundle_nodes": [bundles[i] for i in range(len(bundles))],
+        "served": served, "offline": offline,
+    }  # fmt: skip
+
+
 def ranks() -> dict:
     from pdserve.cluster.errors import UnavailableError
     from pdserve.cluster.rank_actors import make_rank_placement_group
@@ -126,7 +187,11 @@ def ranks() -> dict:
     return result
 
 
-SCENARIOS = {"ranks": (RANK_NODES, False, ranks), "trays": (TRAYS, True, trays)}
+SCENARIOS = {
+    "ranks": (RANK_NODES, False, ranks),
+    "trays": (TRAYS, True, trays),
+    "serve": (SERVE_NODES, False, serve),
+}
 """Per scenario: its nodes, whether the first of them is the head, and what runs on the cluster."""
 
 

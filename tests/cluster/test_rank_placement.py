@@ -1,10 +1,11 @@
 """A worker's rank bundles as pure functions (`placement.rank_bundles`, `rank_placement`,
-`ranks_unplaceable_reason`, `placement_violation`), and on a real Ray cluster of three simulated nodes on this
-machine (`ray.cluster_utils.Cluster`, fake GPUs, NVLink-domain node labels): ranks of a STRICT_PACK worker all on
-one node, ranks of an NVLink-domain worker spanning the nodes of one domain and never another's, joined into a
-working rank group over both plan channels; and placement alone on three simulated trays of two NVLink
-domains, as on a GB200 NVL72 rack. Each Ray part runs in its own process (`_rank_cluster.py`) so that its
-cluster never meets the session's local Ray, and is killed with its process group if it overruns."""
+`ranks_unplaceable_reason`, `placement_violation`, `rank_channel`), and on real Ray clusters of simulated nodes on
+this machine (`ray.cluster_utils.Cluster`, fake GPUs, NVLink-domain node labels): ranks of a STRICT_PACK worker
+all on one node, ranks of an NVLink-domain worker spanning the nodes of one domain and never another's, joined
+into a working rank group over both plan channels; placement alone on three simulated trays of two NVLink
+domains, as on a GB200 NVL72 rack; and `pdserve serve` with a worker whose ranks span two nodes. Each Ray part
+runs in its own process (`_rank_cluster.py`) so that its cluster never meets the session's local Ray, and is
+killed with its process group if it overruns."""
 
 from __future__ import annotations
 
@@ -154,4 +155,18 @@ def test_a_rack_of_trays_on_a_simulated_ray_cluster():
     assert too_big["waited_s"] < timeout_s  # refused before any wait
     after = [nodes[n] for n in result["after"]["bundle_nodes"]]
     assert len(after) == 2 and set(after) <= {"t1", "t2"}, after
+    assert result["leftover_groups"] == 0
+
+
+@pytest.mark.slow
+def test_a_worker_serves_with_its_ranks_on_two_nodes_of_a_domain():
+    """`pdserve serve` with cluster.rank_span nvlink_domain: a decode worker of 2 CPU ranks (DP2 + EP2) on two
+    simulated nodes of one domain with one CPU each (so one rank each; span 'node' could not place it) serves
+    greedy tokens equal to the offline path's."""
+    result = _run_cluster("serve")
+    nodes = result["nodes"]
+    assert sorted(nodes[n] for n in result["bundle_nodes"]) == ["d1", "d2"]
+    assert placement.rank_channel(result["bundle_nodes"]) == "dist"
+    assert result["served"] == result["offline"]
+    assert all(result["served"])
     assert result["leftover_groups"] == 0
