@@ -107,7 +107,8 @@ class _WorkerShell:
 
         from pdserve.engine.rank_runner import start_rank_group
 
-        from .rank_actors import RayRankLauncher
+        from .placement import rank_channel
+        from .rank_actors import RayRankLauncher, bundle_nodes
 
         group = ray.util.get_current_placement_group()
         if group is None:
@@ -116,10 +117,13 @@ class _WorkerShell:
             )
         launcher = RayRankLauncher(group, int(num_gpus > 0), self._cpus_per_rank)
         kv = {"config": dataclasses.asdict(kv_config), "worker_id": self.worker_id}
+        # ranks over several nodes (an NVLink domain's trays) plan over gloo and reach this node's store
+        channel = rank_channel(bundle_nodes(group))
+        store_host = ray.util.get_node_ip_address() if channel == "dist" else "127.0.0.1"
         return start_rank_group(
             worker_config, path, model.dtype, model.kv_cache_dtype, launcher,
             backend="nccl" if num_gpus > 0 else "gloo", kernel_choice=self._kernel_choice,
-            kv=kv if self.role == "decode" else None,
+            kv=kv if self.role == "decode" else None, channel=channel, store_host=store_host,
         )  # fmt: skip
 
     def _build(self, worker_config, kv_config):

@@ -19,6 +19,8 @@ from pdserve.kvtransfer import KVTransferConfig
 from pdserve.model.errors import ConfigError
 from pdserve.prefill import PrefillConfig
 
+from .placement import RANK_SPANS
+
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 KERNELS = ("auto", "ref", "triton")
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -71,6 +73,10 @@ class ClusterConfig:
     local Ray), or None: RAY_ADDRESS if set, else a new local Ray."""
     placement_timeout_s: float = 300.0
     """Longest a new worker may wait for free resources (its placement group) before it counts as failed."""
+    rank_span: str = "node"
+    """Where the ranks of a worker of several ranks may go: 'node' (all on one node) or 'nvlink_domain' (over
+    the nodes of one NVLink domain, as the trays of a GB200 NVL72 rack: each node labelled
+    `pdserve.nvlink_domain=<domain>` by `ray start --labels`)."""
     load_timeout_s: float = 1800.0
     """Longest a placed worker may take to load the model and warm up."""
     actor_max_concurrency: int = 16
@@ -85,6 +91,10 @@ class ClusterConfig:
             raise ValueError(f"gpus_per_worker={self.gpus_per_worker}: must be >= 0")
         if self.cpus_per_worker <= 0:
             raise ValueError(f"cpus_per_worker={self.cpus_per_worker}: must be positive")
+        if self.rank_span not in RANK_SPANS:
+            raise ValueError(
+                f"rank_span={self.rank_span!r}: expected one of {', '.join(RANK_SPANS)}"
+            )
         if min(self.placement_timeout_s, self.load_timeout_s) <= 0:
             raise ValueError("placement_timeout_s and load_timeout_s must be positive")
         if self.actor_max_concurrency < 4:

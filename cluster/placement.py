@@ -1,7 +1,8 @@
 """Where workers go, as pure functions over resource tables: one placement group per worker, a single bundle
 holding all its GPUs and CPUs, STRICT_PACK (a worker's GPUs share a node). A worker of N rank processes has one
 bundle per rank instead (`rank_bundles`), kept on one node (STRICT_PACK) or, on a GB200 NVL72 rack, within the
-nodes of one NVLink domain (`rank_placement`), the domain named by each node's `NVLINK_DOMAIN_LABEL`."""
+nodes of one NVLink domain (`rank_placement`), the domain named by each node's `NVLINK_DOMAIN_LABEL`; ranks
+that landed on several nodes plan their steps over the network (`rank_channel`)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,14 @@ def rank_placement(span: str) -> dict[str, object]:
     if span == "nvlink_domain":
         return {"topology_strategy": {NODE_ID_LABEL: "PACK", NVLINK_DOMAIN_LABEL: "STRICT_PACK"}}
     raise ValueError(f"rank span {span!r}, expected one of {RANK_SPANS}")
+
+
+def rank_channel(bundle_nodes: list[str]) -> str:
+    """Plan channel of a worker's rank group whose bundle i landed on node `bundle_nodes[i]`: 'shm' (shared
+    memory) when every bundle is on one node, else 'dist' (a gloo group, which crosses nodes)."""
+    if not bundle_nodes:
+        raise ValueError("a rank group has at least one bundle")
+    return "shm" if len(set(bundle_nodes)) == 1 else "dist"
 
 
 def _bundles_held(node: Mapping[str, float], bundle: Mapping[str, float]) -> int:

@@ -4,6 +4,10 @@ layout fits and 2 (a one-line `error: ...` naming the shortfall and what to chan
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.engine.memory_plan import MemoryPlan
 
 DESCRIPTION = (
     "Plans the memory of one worker of N GPUs from the model's config alone (no GPU, no weights read): per rank "
@@ -90,6 +94,14 @@ def add_plan_command(sub) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    plan = plan_from_args(args)
+    print(plan.format_table(args.preset or args.model))
+    plan.check()
+    return 0
+
+
+def plan_from_args(args: argparse.Namespace) -> MemoryPlan:
+    """The `MemoryPlan` that `pdserve plan` prints for its parsed arguments."""
     from pdserve.engine.memory_plan import PlanLayout, PlanSettings, model_for_plan, plan_memory
 
     model_args, dtype = model_for_plan(args.model, args.preset, args.layers, args.dtype)
@@ -100,7 +112,4 @@ def cmd_plan(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_running=args.max_running,
         max_model_len=args.max_model_len, use_mtp=not args.no_mtp,
     )  # fmt: skip
-    plan = plan_memory(model_args, dtype, layout, settings)
-    print(plan.format_table(args.preset or args.model))
-    plan.check()
-    return 0
+    return plan_memory(model_args, dtype, layout, settings)

@@ -17,7 +17,7 @@ from pdserve.engine.rank_process import run_rank
 from . import placement
 from .errors import UnavailableError
 
-__all__ = ["RayRankLauncher", "make_rank_placement_group", "node_labels"]
+__all__ = ["RayRankLauncher", "bundle_nodes", "make_rank_placement_group", "node_labels"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,12 @@ class _RankActor:
 def node_labels() -> dict[str, dict[str, str]]:
     """Labels of every live node of the connected Ray cluster, by node id."""
     return {n["NodeID"]: dict(n.get("Labels", {})) for n in ray.nodes() if n["Alive"]}
+
+
+def bundle_nodes(group: PlacementGroup) -> list[str]:
+    """Node id of each bundle of a ready placement group, in bundle order."""
+    placed = ray.util.placement_group_table(group)["bundles_to_node_id"]
+    return [placed[i] for i in range(len(placed))]
 
 
 def make_rank_placement_group(

@@ -114,10 +114,12 @@ def start_rank_group(
     config: Any, model_path: str, dtype: str | None, kv_cache_dtype: str,
     launcher: RankLauncher | None = None, backend: str = "gloo", load_format: str = "safetensors",
     kernel_choice: tuple[str | None, bool | None] = (None, None), kv: dict[str, Any] | None = None,
+    channel: str = "shm", store_host: str = "127.0.0.1",
 ) -> RankGroup:  # fmt: skip
     """Starts the `config.ranks` ranks of a worker whose role config is `config` (`PrefillConfig` or
-    `DecodeConfig`); rank 0 is this process. kv: each rank's KV endpoint (`make_rank_runner`). Returns the
-    running group (close it when the worker stops)."""
+    `DecodeConfig`); rank 0 is this process. kv: each rank's KV endpoint (`make_rank_runner`); channel,
+    store_host: as `RankGroupConfig`'s ('dist' and this node's address when ranks run on other nodes). Returns
+    the running group (close it when the worker stops)."""
     handler = HandlerSpec(
         f"{__name__}:make_rank_runner",
         {
@@ -130,7 +132,10 @@ def start_rank_group(
             "cuda_graphs": getattr(config, "cuda_graphs", False),
         },
     )  # fmt: skip
-    group = RankGroup(RankGroupConfig(config.ranks, backend=backend), handler, launcher)
+    group_config = RankGroupConfig(
+        config.ranks, backend=backend, channel=channel, store_host=store_host
+    )
+    group = RankGroup(group_config, handler, launcher)
     try:
         group.start()
     except BaseException:

@@ -1,15 +1,55 @@
 """Every example serve config under deploy/configs builds a valid ServeConfig (as `pdserve serve --config` reads
-it), so a renamed or re-validated field cannot leave an example behind."""
+it), so a renamed or re-validated field cannot leave an example behind; and every worker of several ranks in them
+is sized by the `pdserve plan` command its header quotes: the command's layout is the worker's, the plan fits,
+and the header's figures (weights and KV tokens per rank) are the plan's own. The `ray up` YAMLs' `ray start`
+commands parse with Ray's own CLI and give each node its GPUs and, on an NVL72 rack, its NVLink-domain label."""
 
 from __future__ import annotations
 
+import argparse
+import re
+import shlex
 from pathlib import Path
 
 import pytest
+import yaml
 
-from pdserve.cluster.config import build_config, load_yaml
+from pdserve.cluster.config import ServeConfig, build_config, load_yaml
+from pdserve.cluster.placement import NVLINK_DOMAIN_LABEL
+from pdserve.cluster.plan_command import add_plan_command, plan_from_args
 
 CONFIGS = sorted((Path(__file__).parents[2] / "deploy" / "configs").glob("*.yaml"))
+PLAN_LINE = re.compile(
+    r"^#\s+(?P<role>prefill|decode): (?P<command>pdserve plan .+)\n"
+    r"#\s+fits: (?P<weights_gib>[\d.]+) GiB of weights per rank, (?P<kv_tokens>\d+) KV tokens per rank"
+    r"(?: \((?P<worker_tokens>\d+) per worker\))?",
+    re.MULTILINE,
+)
+PLAN_ATTENTION = {"dp": "data", "tp": "tensor"}
+PLAN_DENSE = {"replicated": "replicated", "tp": "tensor"}
+
+
+def _config(name: str) -> ServeConfig:
+    return build_config(load_yaml(CONFIGS[0].parent / name))
+
+
+def _workers_of_several_ranks(config: ServeConfig) -> dict[str, object]:
+    """Role -> role config, for each role that runs workers of several ranks."""
+    roles = {"prefill": config.prefill, "decode": config.decode}
+    if config.cluster.num_prefill == 0:
+        del roles["prefill"]
+    return {role: worker for role, worker in roles.items() if worker.ranks > 1}
+
+
+def _plan_args(command: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pdserve")
+    add_plan_command(parser.add_subparsers(dest="command"))
+    return parser.parse_args(shlex.split(command)[1:])
+
+
+def _gpus(config: ServeConfig) -> int:
+    c = config.cluster
+    return c.num_prefill * config.prefill.ranks + c.num_decode * config.decode.ranks
 
 
 def test_there_are_configs() -> None:
@@ -22,10 +62,100 @@ def test_config_builds(path: Path) -> None:
     assert config.cluster.num_decode >= 1
 
 
-def test_full_size_layout_is_dp8_ep8() -> None:
-    config = build_config(load_yaml(CONFIGS[0].parent / "hgx-b200-dep8.yaml"))
-    assert (config.decode.ranks, config.decode.attention, config.decode.expert_parallel) == (
-        8,
-        "data",
-        8,
-    )
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_workers_of_several_ranks_are_sized_by_pdserve_plan(path: Path) -> None:
+    config = build_config(load_yaml(path))
+    plans = {m["role"]: m for m in PLAN_LINE.finditer(path.read_text())}
+    workers = _workers_of_several_ranks(config)
+    assert sorted(plans) == sorted(workers), f"{path.name}: plan lines {sorted(plans)}"
+    for role, worker in workers.items():
+        line = plans[role]
+        args = _plan_args(line["command"])
+        assert args.command == "plan"
+        assert (args.gpus, PLAN_ATTENTION[args.attention], PLAN_DENSE[args.dense]) == (
+            worker.ranks, worker.attention, worker.dense,
+        ), role  # fmt: skip
+        assert (args.ep or args.gpus) == worker.expert_parallel, role
+        assert args.page_size == worker.page_size, role
+        assert args.max_num_batched_tokens == worker.max_num_batched_tokens, role
+        assert args.kv_cache_dtype == config.model.kv_cache_dtype, role
+        if role == "decode":
+            assert args.max_running == worker.max_running, role
+        plan = plan_from_args(args)
+        plan.check()
+        assert f"{plan.total_weight_bytes / 2**30:.2f}" == line["weights_gib"], role
+        assert plan.kv_tokens == int(line["kv_tokens"]), role
+        if line["worker_tokens"] is not None:
+            assert plan.worker_tokens == int(line["worker_tokens"]), role
+
+
+def test_full_size_layouts() -> None:
+    dep8 = _config("hgx-b200-dep8.yaml")
+    assert (dep8.decode.ranks, dep8.decode.attention, dep8.decode.expert_parallel) == (8, "data", 8)
+    assert (dep8.cluster.num_prefill, _gpus(dep8)) == (0, 8)
+
+    two_nodes = _config("hgx-b200x2-1p1d.yaml")
+    prefill, decode = two_nodes.prefill, two_nodes.decode
+    assert (prefill.ranks, prefill.attention, prefill.expert_parallel) == (8, "tensor", 8)
+    assert (decode.ranks, decode.attention, decode.expert_parallel) == (8, "data", 8)
+    assert (two_nodes.cluster.rank_span, _gpus(two_nodes)) == ("node", 16)
+
+    rack = _config("gb200-nvl72.yaml")
+    assert (rack.prefill.ranks, rack.prefill.attention, rack.prefill.expert_parallel) == (
+        8, "tensor", 8,
+    )  # fmt: skip
+    assert (rack.decode.ranks, rack.decode.attention, rack.decode.expert_parallel) == (
+        16, "data", 16,
+    )  # fmt: skip
+    # a worker spans trays of 4 GPUs, so only within the rack's NVLink domain
+    assert (rack.cluster.rank_span, _gpus(rack)) == ("nvlink_domain", 72)
+
+
+def test_no_full_size_worker_fits_half_a_b200_node() -> None:
+    """Why no HGX B200 config splits one node into P and D: no worker of 4 GPUs holds DeepSeek-V3's weights."""
+    for layout in ("", " --attention tp --dense tp"):
+        plan = plan_from_args(
+            _plan_args(f"pdserve plan --preset v3-shape --gpus 4 --gpu-memory-gib 180{layout}")
+        )
+        assert not plan.fits and "weights" in plan.shortfall
+
+
+RAY_YAMLS = Path(__file__).parents[2] / "deploy" / "ray"
+
+
+def _ray_starts(name: str) -> list[dict]:
+    """The options of every `ray start` in a `ray up` YAML's start commands, as Ray's own CLI parses them."""
+    from ray._private.label_utils import parse_node_labels_string
+    from ray.scripts.scripts import start
+
+    spec = yaml.safe_load((RAY_YAMLS / name).read_text())
+    starts = []
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        for command in spec[key]:
+            for part in command.split(";"):
+                words = shlex.split(part)
+                if words[:2] == ["ray", "start"]:
+                    params = start.make_context("start", words[2:]).params
+                    params["labels"] = parse_node_labels_string(params["labels"] or "")
+                    starts.append(params)
+    return starts
+
+
+# Ray's CLI module imports Ray Serve, whose pydantic models warn of deprecations that are Ray's to fix
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_ray_yamls_offer_each_node_s_gpus_and_label_nvl72_trays() -> None:
+    trays = _ray_starts("gb200-nvl72.yaml")
+    assert len(trays) == 2 and trays[0]["head"] and not trays[1]["head"]
+    for tray in trays:
+        assert tray["num_gpus"] == 4
+        assert set(tray["labels"]) == {NVLINK_DOMAIN_LABEL}
+    assert trays[0]["labels"] == trays[1]["labels"]  # one rack, one domain
+    spec = yaml.safe_load((RAY_YAMLS / "gb200-nvl72.yaml").read_text())
+    num_trays = 1 + len(spec["provider"]["worker_ips"])
+    assert num_trays == 18
+    assert _gpus(_config("gb200-nvl72.yaml")) == num_trays * 4  # the rack config fills every tray
+
+    nodes = _ray_starts("hgx-b200.yaml")
+    assert [n["num_gpus"] for n in nodes] == [8, 8]
+    spec = yaml.safe_load((RAY_YAMLS / "hgx-b200.yaml").read_text())
+    assert 1 + len(spec["provider"]["worker_ips"]) >= _gpus(_config("hgx-b200x2-1p1d.yaml")) // 8
