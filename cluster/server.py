@@ -30,6 +30,7 @@ from pdserve.protos import SERVICE_NAMES
 
 from . import placement
 from .config import ServeConfig
+from .engine_client import EngineClient
 from .pools import DECODE, PREFILL, Launcher, WorkerState
 from .reaper import tie_ray_to_this_process
 from .router import Router
@@ -150,6 +151,7 @@ class PdServer:
         )
         self.router = Router(config.router)
         self.router.on_workers_changed = self._update_health
+        self.engine = EngineClient(self)
         self.scaler = Scaler(
             config, self.router, Launcher(config, kv, gpus), self.model.bos_token_id
         )
@@ -167,7 +169,7 @@ class PdServer:
     async def _start_grpc(self) -> None:
         router_config = self.config.router
         self.grpc_server = grpc.aio.server()
-        add_servicers(self, self.grpc_server)
+        add_servicers(self.engine, self.grpc_server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         await self._set_health(False)
