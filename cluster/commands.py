@@ -46,10 +46,17 @@ _SHORT_FLAGS = {
     "--ray-address": ("cluster", "ray_address", str, "auto|ADDR", "join this Ray cluster"),
     "--host": ("router", "host", str, "HOST", "listen address (default 127.0.0.1; 0.0.0.0: all)"),
     "--port": ("router", "port", int, "PORT", "gRPC port (default 50051; 0: any free port)"),
+    "--http-port": (
+        "router",
+        "http_port",
+        int,
+        "PORT",
+        "OpenAI-compatible HTTP port (default 8000; 0: any free port; --router.http-port none: off)",
+    ),
 }
 SERVE_USAGE = (
     "pdserve serve [--model DIR|tiny] [--prefill N] [--decode M] [--gpus-per-worker K] [--host HOST]\n"
-    "                     [--port PORT] [--config FILE.yaml] [--ray-address auto|ADDR]\n"
+    "                     [--port PORT] [--http-port PORT] [--config FILE.yaml] [--ray-address auto|ADDR]\n"
     "                     [--SECTION.FIELD VALUE ...] [--print-config]"
 )
 SAMPLING_DEFAULT = (
@@ -150,6 +157,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             await server.start()
             logger.info('ready: `pdserve generate --addr %s "Hello"`; Ctrl-C stops', server.address)
+            if server.http_url:
+                logger.info(
+                    "OpenAI-compatible API at %s (model %r)", server.http_url, server.model.name
+                )
             await stop.wait()
             logger.info(
                 "shutting down (requests in flight get %gs)", config.router.shutdown_grace_s
@@ -250,7 +261,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     overrides = {
         "model": {"path": args.model, "dtype": args.dtype, "kernels": args.kernels},
         "cluster": {"ray_address": "local"},
-        "router": {"port": 0, "stats_interval_s": 0.0},
+        "router": {"port": 0, "http_port": None, "stats_interval_s": 0.0},
     }
     return run_demo(build_config(None, overrides), args.max_tokens)
 
