@@ -1,0 +1,241 @@
+"""The OpenAI-compatible HTTP API end to end on CPU, through the official `openai` client: a real `PdServer` (one
+prefill and one decode worker as Ray actors) serving gRPC and HTTP side by side. Greedy outputs equal the offline
+path's for the same prompt tokens, streamed or whole; usage counts right; chat prompts are the checkpoint's
+template as transformers renders and tokenizes it; reasoning is split from content; a client that disconnects
+mid-stream frees its pages on both workers; bad parameters are 400 naming them."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from pdserve.cluster.client import Client
+from pdserve.model.tokenizer import THINK_END, Tokenizer
+
+from .conftest import start_server, wait_for
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, model_dir):
+    with start_server(model_dir, router={"http_port": 0}) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    return openai.OpenAI(base_url=server.http_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def grpc_client(server):
+    with Client(server.address) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return Tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def chat_ids(model_dir):
+    """A chat prompt's token ids as transformers templates and tokenizes it."""
+    hf = AutoTokenizer.from_pretrained(str(model_dir))
+
+    def ids(messages) -> list[int]:
+        text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return hf(text, add_special_tokens=False)["input_ids"]
+
+    return ids
+
+
+def model_name(server) -> str:
+    return server.server.model.name
+
+
+def greedy(max_tokens: int) -> dict:
+    return {"max_tokens": max_tokens, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def all_pages_free(client: Client) -> bool:
+    status = client.status()
+    used = [w.kv_pages_used for pool in status.pools for w in pool.workers]
+    return status.num_requests == 0 and not any(used)
+
+
+def test_models_health_and_version(server, api):
+    assert [m.id for m in api.models.list().data] == [model_name(server)]
+    root = server.http_url.removesuffix("/v1")
+    with urllib.request.urlopen(f"{root}/health", timeout=10) as reply:
+        assert reply.status == 200
+    with urllib.request.urlopen(f"{root}/version", timeout=10) as reply:
+        assert "version" in json.loads(reply.read())
+
+
+def test_completion_from_token_ids_equals_offline(server, api, reference, tokenizer):
+    prompt = [0, *range(40, 70)]
+    expected = reference(prompt, 12)
+    reply = api.completions.create(model=model_name(server), prompt=prompt, **greedy(12))
+    (choice,) = reply.choices
+    assert choice.text == tokenizer.decode(expected)
+    assert choice.finish_reason == "length"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt), 12)
+    assert reply.usage.total_tokens == len(prompt) + 12
+
+
+def test_streamed_text_completion_equals_offline_with_usage(server, api, reference, tokenizer):
+    text = "The quick brown fox"
+    prompt = tokenizer.encode(text)
+    expected = reference(prompt, 10)
+    stream = api.completions.create(
+        model=model_name(server), prompt=text, stream=True,
+        stream_options={"include_usage": True}, **greedy(10),
+    )  # fmt: skip
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == tokenizer.decode(expected)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and not any(finishes[:-1])
+    *body, last = chunks
+    assert not last.choices and all(c.usage is None for c in body)
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), 10)
+
+
+def test_chat_whole_and_streamed_equal_offline(server, api, reference, tokenizer, chat_ids):
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour."},
+    ]
+    prompt = chat_ids(messages)
+    expected = tokenizer.decode(reference(prompt, 16))
+    reply = api.chat.completions.create(model=model_name(server), messages=messages, **greedy(16))
+    (choice,) = reply.choices
+    message = choice.message
+    assert message.role == "assistant" and choice.finish_reason == "length"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt), 16)
+    # The template opened a think block: until the model closes it, its text is reasoning.
+    reasoning, closed, content = expected.partition(THINK_END)
+    assert (message.reasoning_content or "", message.content or "") == (
+        (reasoning, content) if closed else (expected, "")
+    )
+    assert message.reasoning == message.reasoning_content
+
+    stream = api.chat.completions.create(
+        model=model_name(server), messages=messages, stream=True,
+        stream_options={"include_usage": True}, **greedy(16),
+    )  # fmt: skip
+    chunks = list(stream)
+    first = chunks[0].choices[0].delta
+    assert first.role == "assistant"
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed_reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    streamed_content = "".join(d.content or "" for d in deltas)
+    assert (streamed_reasoning, streamed_content) == (
+        message.reasoning_content or "",
+        message.content or "",
+    )
+    assert chunks[-1].usage.completion_tokens == 16
+
+
+def test_reasoning_and_content_split_in_whole_and_streamed_replies(
+    server, api, reference, tokenizer, chat_ids
+):
+    # Random weights close the think block only for some prompts: find one among a few questions.
+    questions = [
+        [{"role": "user", "content": f"Question {i}: what is {i}+{i}?"}] for i in range(32)
+    ]
+
+    def ask(messages):
+        return api.chat.completions.create(
+            model=model_name(server), messages=messages, **greedy(24)
+        )
+
+    with ThreadPoolExecutor(16) as pool:
+        replies = list(pool.map(ask, questions))
+    found = [
+        (q, r) for q, r in zip(questions, replies, strict=True) if r.choices[0].message.content
+    ]
+    assert found, "no question made the tiny model close its think block"
+    messages, reply = found[0]
+    expected = tokenizer.decode(reference(chat_ids(messages), 24))
+    reasoning, closed, content = expected.partition(THINK_END)
+    assert closed
+    message = reply.choices[0].message
+    assert (message.reasoning_content, message.content) == (reasoning or None, content)
+    assert THINK_END not in message.content + (message.reasoning_content or "")
+
+    stream = api.chat.completions.create(
+        model=model_name(server), messages=messages, stream=True, **greedy(24)
+    )
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    streamed_reasoning = "".join(getattr(d, "reasoning", None) or "" for d in deltas)
+    streamed_content = "".join(d.content or "" for d in deltas)
+    assert (streamed_reasoning, streamed_content) == (reasoning, content)
+    # Reasoning comes first, then content: no delta carries reasoning after content began.
+    began = [i for i, d in enumerate(deltas) if d.content]
+    assert not any(getattr(d, "reasoning", None) for d in deltas[began[0] :])
+
+
+def test_disconnect_mid_stream_frees_pages_on_both_workers(server, api, grpc_client):
+    stream = api.completions.create(
+        model=model_name(server), prompt=[0, *range(10, 200)], stream=True, **greedy(3000)
+    )
+    chunks = iter(stream)
+    for _ in range(3):
+        assert next(chunks).choices[0].finish_reason is None
+    status = grpc_client.status()
+    held = {w.worker_id: w.kv_pages_used for pool in status.pools for w in pool.workers}
+    assert status.num_requests == 1 and held["decode-0"] > 0, held
+    stream.close()
+    wait_for(lambda: all_pages_free(grpc_client), 10, "pages freed after the client disconnected")
+
+
+@pytest.mark.parametrize(
+    "params, param",
+    [
+        ({"n": 2}, "n"),
+        ({"stop": ["\n"]}, "stop"),
+        ({"logprobs": True}, "logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"extra_body": {"min_tokens": 2}}, "min_tokens"),
+        ({"extra_body": {"stop_token_ids": [10**6]}}, "stop_token_ids"),
+    ],
+)
+def test_bad_chat_parameter_is_400_naming_it(server, api, params, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(
+            model=model_name(server), messages=[{"role": "user", "content": "hi"}], **params
+        )
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param and e.value.body["type"] == "invalid_request_error"
+
+
+def test_context_overflow_states_the_limit_and_what_was_asked(server, api):
+    limit = server.server.model.max_model_len
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(model=model_name(server), prompt=[0, 5, 6], max_tokens=limit)
+    assert e.value.body["param"] == "max_tokens"
+    message = e.value.body["message"]
+    assert f"prompt (3 tokens) + max_tokens ({limit})" in message and f"{limit} tokens" in message
+
+
+def test_unknown_model_is_404_and_the_server_keeps_serving(server, api, reference, tokenizer):
+    with pytest.raises(openai.NotFoundError):
+        api.completions.create(model="gpt-4o", prompt=[0, 5], max_tokens=2)
+    request = urllib.request.Request(
+        f"{server.http_url}/completions", data=b"{not json", method="POST",
+        headers={"content-type": "application/json"},
+    )  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=10)
+    assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "body"
+    reply = api.completions.create(model=model_name(server), prompt=[0, 5, 6, 7], **greedy(4))
+    assert reply.choices[0].text == tokenizer.decode(reference([0, 5, 6, 7], 4))
