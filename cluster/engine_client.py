@@ -9,14 +9,16 @@ generation closed before its last chunk is aborted on every worker it touched, s
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING
 
 from pdserve.engine.messages import DecodeStats, PrefillStats
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import FinishReason, SamplingParams
 
 from .errors import UnavailableError
 from .pools import PREFILL, ROLES
 from .router import Request, Router
+from .text_stream import TextStream
 
 if TYPE_CHECKING:
     from .config import RouterConfig
@@ -41,6 +43,9 @@ class Chunk:
     """One step of a generation: the tokens it added, and on the last chunk the finish reason and timings."""
 
     token_ids: list[int]
+    text: str
+    """Their text: deltas concatenate to the output's text, which ends before a stop string; empty when the
+    model has no tokenizer."""
     num_prompt_tokens: int
     num_generated_tokens: int
     """Generated so far, this chunk's tokens included."""
@@ -52,14 +57,14 @@ class Chunk:
     """On the last chunk."""
 
 
-def _timings(r: Request) -> Timings:
+def _timings(r: Request, finished_at: float | None) -> Timings:
     def since_arrival(t: float | None) -> float:
         return 0.0 if t is None else t - r.arrival
 
     return Timings(
         queued_s=since_arrival(r.admitted_at),
         time_to_first_token_s=since_arrival(r.first_token_at),
-        total_s=since_arrival(r.finished_at),
+        total_s=since_arrival(finished_at),
         num_preemptions=r.num_preemptions,
         prefill_worker=r.prefill_worker,
         decode_worker=r.decode_worker,
@@ -68,12 +73,15 @@ def _timings(r: Request) -> Timings:
 
 class Generation:
     """A submitted request: iterate it for its chunks (the last has a finish reason; iteration raises
-    PdserveError subclasses on failure), and close it with `cancel` or `async with`."""
+    PdserveError subclasses on failure), and close it with `cancel` or `async with`. A stop string ends it with
+    finish reason stop, and it is then aborted on its workers (the model is not told about stop strings)."""
 
-    def __init__(self, router: Router, request: Request):
+    def __init__(self, router: Router, request: Request, text: TextStream | None):
         self._router = router
         self._request = request
+        self._text = text
         self._closed = False
+        self._stopped = False
 
     @property
     def request_id(self) -> str:
@@ -88,26 +96,36 @@ class Generation:
     def params(self) -> SamplingParams:
         return self._request.params
 
-    @property
-    def finished(self) -> bool:
-        return self._request.finish_reason is not None
-
     def __aiter__(self) -> Generation:
         return self
 
     async def __anext__(self) -> Chunk:
         r = self._request
+        if self._stopped:
+            raise StopAsyncIteration
         out = await self._router.next_tokens(r)
         if out is None:
             raise StopAsyncIteration
-        last = out.finish_reason is not None
+        finish_reason, finished_at = out.finish_reason, r.finished_at
+        text = ""
+        if self._text is not None and finish_reason != FinishReason.ABORT:
+            text, stopped = self._text.push(out.token_ids)
+            if not stopped and finish_reason is not None:
+                more, stopped = self._text.finish()
+                text += more
+            if stopped:
+                finish_reason, finished_at = FinishReason.STOP, time.monotonic()
+                self._stopped = True
+                self.cancel()
+        last = finish_reason is not None
         return Chunk(
             token_ids=list(out.token_ids),
+            text=text,
             num_prompt_tokens=len(r.prompt_ids),
             num_generated_tokens=len(r.generated),
-            finish_reason=out.finish_reason,
+            finish_reason=finish_reason,
             error=(out.error or "") if last else "",
-            timings=_timings(r) if last else None,
+            timings=_timings(r, finished_at) if last else None,
         )
 
     def cancel(self) -> None:
@@ -177,13 +195,17 @@ class EngineClient:
             raise UnavailableError("the workers are not serving yet (or shutting down)")
 
     def submit(
-        self, client_id: str, prompt_ids: list[int], params: SamplingParams, deadline: float | None
-    ) -> Generation:
-        """Registers a checked request; its placement and prefill start when it is first iterated. `deadline`
-        is the loop's time() by which it must finish, or None. `client_id` is only echoed."""
+        self, client_id: str, prompt_ids: list[int], params: SamplingParams, deadline: float | None,
+        stop: tuple[str, ...] = (),
+    ) -> Generation:  # fmt: skip
+        """Registers a checked request (`validation.check_stop_strings` for `stop`); its placement and prefill
+        start when it is first iterated. `deadline` is the loop's time() by which it must finish, or None.
+        `client_id` is only echoed."""
         self.check_ready()
         router = self._server.router
-        return Generation(router, router.open(client_id, prompt_ids, params, deadline))
+        tokenizer = self.model.tokenizer
+        text = TextStream(tokenizer, prompt_ids, stop) if tokenizer is not None else None
+        return Generation(router, router.open(client_id, prompt_ids, params, deadline), text)
 
     async def status(self) -> ServerStatus:
         """Fresh stats of every worker (bounded wait) and the router's counters."""

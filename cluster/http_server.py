@@ -30,13 +30,12 @@ from starlette.types import Receive, Scope, Send
 from pdserve.engine.checks import check_prompt_len, check_token_ids
 from pdserve.engine.sampling_params import FinishReason
 from pdserve.model.errors import InvalidRequestError, PdserveError
-from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 from . import openai_api as api
 from .engine_client import Chunk, EngineClient, Generation
 from .errors import NotFoundError, UnavailableError, http_error_for
 from .reasoning import ReasoningSplitter, split_reasoning
-from .validation import sampling_params
+from .validation import check_stop_strings, sampling_params
 
 logger = logging.getLogger(__name__)
 
@@ -109,27 +108,6 @@ class _EventStream(StreamingResponse):
             pass
         finally:
             await self.events.aclose()
-
-
-class _Text:
-    """Generated ids -> text deltas whose concatenation equals the whole output's decode."""
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
-        self._tokenizer = tokenizer
-        self._incremental = IncrementalDetokenizer(tokenizer, prompt_ids)
-        self._ids: list[int] = []
-        self._emitted = 0
-
-    def push(self, token_ids: list[int]) -> str:
-        self._ids.extend(token_ids)
-        delta = self._incremental.push(token_ids)
-        self._emitted += len(delta)
-        return delta
-
-    def finish(self) -> str:
-        """What the incremental path held back (bytes of an unfinished character at the end)."""
-        whole = self._tokenizer.decode(self._ids)
-        return whole[self._emitted :] if len(whole) > self._emitted else ""
 
 
 class _Server(uvicorn.Server):
@@ -298,7 +276,8 @@ class HttpFrontEnd:
                 req.sampling, len(prompt_ids), engine.model, engine.limits, "", req.max_tokens_field
             )
             head = api.ResponseHead(api.new_id(kind), engine.model.name)
-            generation = engine.submit(head.id, prompt_ids, params, None)
+            stop = check_stop_strings(req.stop, engine.model, "stop")
+            generation = engine.submit(head.id, prompt_ids, params, None, stop)
         except Exception as e:  # process boundary
             return self._error(e, f"{kind} request")
         try:
@@ -329,11 +308,11 @@ class HttpFrontEnd:
         self, req: api.OpenAIRequest, head: api.ResponseHead, generation: Generation, first: Chunk,
         reasoning: bool,
     ) -> Response:  # fmt: skip
-        ids, chunk = list(first.token_ids), first
+        pieces, chunk = [first.text], first
         while chunk.finish_reason is None:
             chunk = await _next(generation)
-            ids.extend(chunk.token_ids)
-        text = self.engine.model.tokenizer.decode(ids) if self.engine.model.tokenizer else ""
+            pieces.append(chunk.text)
+        text = "".join(pieces)
         usage = api.usage(chunk.num_prompt_tokens, chunk.num_generated_tokens)
         if req.kind == api.COMPLETIONS:
             return JSONResponse(api.completion(head, text, chunk.finish_reason, usage))
@@ -350,8 +329,6 @@ class HttpFrontEnd:
     ) -> AsyncIterator[bytes]:  # fmt: skip
         chat = req.kind == api.CHAT
         extra = {"usage": None} if req.include_usage else {}
-        tokenizer = self.engine.model.tokenizer
-        text = _Text(tokenizer, generation.prompt_ids) if tokenizer else None
         splitter = ReasoningSplitter() if reasoning else None
         try:
             if chat:
@@ -360,10 +337,7 @@ class HttpFrontEnd:
                 )
             chunk = first
             while True:
-                last = chunk.finish_reason is not None
-                delta = text.push(chunk.token_ids) if text else ""
-                if last and text:
-                    delta += text.finish()
+                last, delta = chunk.finish_reason is not None, chunk.text
                 if chat:
                     if body := _chat_delta(splitter, delta, last):
                         yield _sse({**api.chat_chunk(head, body, None), **extra})

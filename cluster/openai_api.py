@@ -72,6 +72,8 @@ class OpenAIRequest:
     add_generation_prompt: bool
     chat_template_kwargs: dict[str, Any]
     sampling: SamplingRequest
+    stop: list[str]
+    """Stop strings (checked by `validation.check_stop_strings`)."""
     max_tokens_field: str
     """The parameter max_tokens came from (errors about it name this one)."""
     stream: bool
@@ -120,20 +122,15 @@ def _check_logprobs(body: dict, kind: str) -> None:
     raise InvalidRequestError("logprobs", f"{value!r:.80} is {_UNSUPPORTED_HINT}")
 
 
-def _check_stop(body: dict) -> None:
+def _stop_strings(body: dict) -> list[str]:
     stop = body.get("stop")
-    if stop is None or stop == [] or stop == "":
-        return
-    if not (
-        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
-    ):
-        raise InvalidRequestError(
-            "stop", f"expected a string or a list of strings, got {stop!r:.80}"
-        )
-    raise InvalidRequestError(
-        "stop",
-        f"stop strings are {_UNSUPPORTED_HINT}; stop_token_ids are (token ids that end generation)",
-    )
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise InvalidRequestError("stop", f"expected a string or a list of strings, got {stop!r:.80}")
 
 
 def _completion_prompt(body: dict) -> tuple[str | None, list[int] | None]:
@@ -202,7 +199,6 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
             raise InvalidRequestError(name, "unknown parameter")
     _check_inert(body)
     _check_logprobs(body, kind)
-    _check_stop(body)
     model = _optional(body, "model", lambda v: isinstance(v, str), "a string")
     stream = _optional(body, "stream", lambda v: isinstance(v, bool), "true or false") or False
     options = _optional(body, "stream_options", lambda v: isinstance(v, dict), "an object")
@@ -259,7 +255,7 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
         )
     return OpenAIRequest(
         kind, model, prompt_text, prompt_ids, messages, add_generation_prompt, template_kwargs,
-        sampling, max_tokens_field, stream, include_usage,
+        sampling, _stop_strings(body), max_tokens_field, stream, include_usage,
     )  # fmt: skip
 
 

@@ -20,7 +20,6 @@ from typing import Any
 import grpc
 
 from pdserve.model.errors import ConfigError, InvalidRequestError, PdserveError
-from pdserve.model.tokenizer import IncrementalDetokenizer
 from pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 from .engine_client import EngineClient, ServerStatus, Timings, WorkerInfo
@@ -76,14 +75,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             engine.check_ready()
             check_request_id(request.request_id)
-            prompt_ids, params = parse_request(request, engine.model, engine.limits)
+            prompt_ids, params, stop = parse_request(request, engine.model, engine.limits)
             remaining = context.time_remaining()
             deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
-            generation = engine.submit(request.request_id, prompt_ids, params, deadline)
+            generation = engine.submit(request.request_id, prompt_ids, params, deadline, stop)
         except Exception as e:  # process boundary
             await _abort(context, e, "Generate")
-        tokenizer = engine.model.tokenizer
-        detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer else None
         # The client's id is echoed (an empty one gets the internal id, so every chunk names its request).
         request_id = request.request_id or generation.request_id
         try:
@@ -91,7 +88,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 response = generation_pb2.GenerateResponse(
                     request_id=request_id,
                     token_ids=chunk.token_ids,
-                    text=detokenizer.push(chunk.token_ids) if detokenizer else "",
+                    text=chunk.text,
                 )
                 if chunk.finish_reason is not None:
                     response.finish_reason = _FINISH[chunk.finish_reason]

@@ -107,6 +107,30 @@ MAX_STOP_TOKEN_IDS = 1024
 """Most stop token ids one request may give (each is checked on every generated token)."""
 
 
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
+"""Stop strings per request, and characters per stop string, at most (each is matched in every text delta)."""
+
+
+def check_stop_strings(stop: list[str], model: ModelInfo, field: str) -> tuple[str, ...]:
+    """The request's stop strings, or InvalidRequestError naming `field`: too many, empty or too long ones, or
+    a model without a tokenizer (stop strings are matched in the text)."""
+    if not stop:
+        return ()
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(field, f"{len(stop)} stop strings; at most {MAX_STOP_STRINGS}")
+    for i, s in enumerate(stop):
+        if not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
+            raise InvalidRequestError(
+                field, f"stop string {i} has {len(s)} characters; 1 to {MAX_STOP_STRING_CHARS}"
+            )
+    if model.tokenizer is None:
+        raise InvalidRequestError(
+            field, f"{model.name} has no tokenizer.json: stop strings need one (use stop_token_ids)"
+        )
+    return tuple(stop)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class SamplingRequest:
     """A request's sampling fields as its front end received them (None: unset), before defaults and checks."""
@@ -188,8 +212,11 @@ def _sampling_params(
 
 def parse_request(
     request: pb.GenerateRequest, model: ModelInfo, router: RouterConfig
-) -> tuple[list[int], SamplingParams]:
-    """The prompt's token ids and the request's sampling parameters (with a concrete seed)."""
+) -> tuple[list[int], SamplingParams, tuple[str, ...]]:
+    """The prompt's token ids, the request's sampling parameters (with a concrete seed) and its stop
+    strings."""
     field, prompt_ids = _prompt_ids(request, model)
     check_prompt_len(len(prompt_ids), model.max_model_len, field)
-    return prompt_ids, _sampling_params(request.sampling_params, len(prompt_ids), model, router)
+    params = _sampling_params(request.sampling_params, len(prompt_ids), model, router)
+    stop = check_stop_strings(list(request.sampling_params.stop), model, "sampling_params.stop")
+    return prompt_ids, params, stop

@@ -13,7 +13,8 @@ from transformers import AutoTokenizer
 from pdserve.cluster.chat_template import ChatTemplate
 from pdserve.cluster.openai_api import CHAT, COMPLETIONS, parse
 from pdserve.cluster.reasoning import ReasoningSplitter, split_reasoning
-from pdserve.cluster.validation import ModelInfo
+from pdserve.cluster.text_stream import TextStream
+from pdserve.cluster.validation import MAX_STOP_STRINGS, ModelInfo, check_stop_strings
 from pdserve.model.errors import InvalidRequestError
 from pdserve.model.tokenizer import CHAT_TOKENS, THINK_END, Tokenizer
 
@@ -128,8 +129,8 @@ def test_reasoning_split_of_any_stream_equals_the_whole(text):
     "kind, body, param",
     [
         (CHAT, {"n": 2}, "n"),
-        (CHAT, {"stop": ["\n"]}, "stop"),
-        (COMPLETIONS, {"stop": "x"}, "stop"),
+        (COMPLETIONS, {"stop": 5}, "stop"),
+        (CHAT, {"stop": ["a", 1]}, "stop"),
         (CHAT, {"logprobs": True}, "logprobs"),
         (COMPLETIONS, {"logprobs": 1}, "logprobs"),
         (CHAT, {"top_logprobs": 2}, "top_logprobs"),
@@ -187,3 +188,45 @@ def test_values_that_ask_for_nothing_are_accepted():
     assert request.stream and request.include_usage
     ids = parse({"prompt": [[0, 5, 6]]}, COMPLETIONS)
     assert ids.prompt_ids == [0, 5, 6] and ids.prompt_text is None
+
+
+def _stream(tokenizer, ids, stop, sizes) -> tuple[str, bool]:
+    """The text a TextStream gives for `ids` pushed in pieces of `sizes` (cycled), finish included."""
+    stream, text, start, i = TextStream(tokenizer, [0], stop), "", 0, 0
+    while start < len(ids):
+        piece = ids[start : start + sizes[i % len(sizes)]]
+        start, i = start + len(piece), i + 1
+        delta, stopped = stream.push(piece)
+        text += delta
+        if stopped:
+            return text, True
+    delta, stopped = stream.finish()
+    return text + delta, stopped
+
+
+def test_stop_strings_match_across_tokens_and_are_never_shown(model_dir):
+    tokenizer = Tokenizer(model_dir)
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog, then naps.", add_bos=False)
+    whole = tokenizer.decode(ids)
+    boundaries = [len(tokenizer.decode(ids[:k])) for k in range(1, len(ids))]
+    spanning = [whole[b - 2 : b + 3] for b in boundaries if 2 <= b <= len(whole) - 3]
+    assert spanning
+    for sizes in ([1], [2, 3], [len(ids)]):
+        assert _stream(tokenizer, ids, (), sizes) == (whole, False)
+        for stop in spanning:
+            expected = whole[: whole.find(stop)]
+            assert _stream(tokenizer, ids, (stop,), sizes) == (expected, True), (stop, sizes)
+        # The earliest of several stop strings wins; one that never occurs changes nothing.
+        stops = (spanning[-1], spanning[len(spanning) // 2], "never there")
+        first = min(whole.find(s) for s in stops[:2])
+        assert _stream(tokenizer, ids, stops, sizes) == (whole[:first], True)
+        assert _stream(tokenizer, ids, ("zzz never", "dog!"), sizes) == (whole, False)
+
+
+def test_stop_string_limits_name_the_field(model_dir):
+    model = ModelInfo.load(model_dir, "tiny")
+    assert check_stop_strings(["a", "bc"], model, "stop") == ("a", "bc")
+    for stop in (["x"] * (MAX_STOP_STRINGS + 1), [""], ["y" * 1000]):
+        with pytest.raises(InvalidRequestError) as e:
+            check_stop_strings(stop, model, "sampling_params.stop")
+        assert e.value.field == "sampling_params.stop"

@@ -15,8 +15,9 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from pdserve.cluster.client import Client
+from pdserve.cluster.client import Client, generate_request
 from pdserve.model.tokenizer import THINK_END, Tokenizer
+from pdserve.v1 import generation_pb2
 
 from .conftest import start_server, wait_for
 
@@ -199,7 +200,7 @@ def test_disconnect_mid_stream_frees_pages_on_both_workers(server, api, grpc_cli
     "params, param",
     [
         ({"n": 2}, "n"),
-        ({"stop": ["\n"]}, "stop"),
+        ({"stop": ["x"] * 33}, "stop"),
         ({"logprobs": True}, "logprobs"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"temperature": -1}, "temperature"),
@@ -239,3 +240,37 @@ def test_unknown_model_is_404_and_the_server_keeps_serving(server, api, referenc
     assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "body"
     reply = api.completions.create(model=model_name(server), prompt=[0, 5, 6, 7], **greedy(4))
     assert reply.choices[0].text == tokenizer.decode(reference([0, 5, 6, 7], 4))
+
+
+def test_stop_string_spanning_tokens_ends_the_text_before_it(
+    server, api, grpc_client, reference, tokenizer
+):
+    prompt = [0, *range(100, 130)]
+    ids = reference(prompt, 16)
+    whole = tokenizer.decode(ids)
+    # A stop string across the token boundary nearest the middle of the output.
+    bounds = [
+        b for k in range(1, len(ids)) if whole.startswith(text := tokenizer.decode(ids[:k]))
+        and 2 <= (b := len(text)) <= len(whole) - 2
+    ]  # fmt: skip
+    b = min(bounds, key=lambda b: abs(b - len(whole) // 2))
+    stop = whole[b - 2 : b + 2]
+    expected = whole[: whole.find(stop)]
+    assert len(expected) < len(whole)
+
+    reply = api.completions.create(model=model_name(server), prompt=prompt, stop=stop, **greedy(16))
+    (choice,) = reply.choices
+    assert (choice.text, choice.finish_reason) == (expected, "stop")
+    assert reply.usage.completion_tokens < 16
+    stream = api.completions.create(
+        model=model_name(server), prompt=prompt, stop=[stop, "never there"], stream=True, **greedy(16)
+    )  # fmt: skip
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.text for c in chunks) == expected and chunks[-1].finish_reason == "stop"
+
+    request = generate_request(prompt, max_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop])
+    replies = list(grpc_client.generate(request, timeout_s=60))
+    assert "".join(r.text for r in replies) == expected
+    assert replies[-1].finish_reason == generation_pb2.FINISH_REASON_STOP
+    # The workers were told to stop: the request's pages are freed.
+    wait_for(lambda: all_pages_free(grpc_client), 10, "pages freed after a stop string")
