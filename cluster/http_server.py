@@ -35,7 +35,7 @@ from . import openai_api as api
 from .engine_client import Chunk, EngineClient, Generation
 from .errors import NotFoundError, UnavailableError, http_error_for
 from .reasoning import ReasoningSplitter, split_reasoning
-from .validation import check_stop_strings, sampling_params
+from .validation import check_prompt_bytes, check_stop_strings, sampling_params
 
 logger = logging.getLogger(__name__)
 
@@ -250,13 +250,7 @@ class HttpFrontEnd:
                 req.messages, req.add_generation_prompt, req.chat_template_kwargs
             )
             add_bos = False  # the template writes its own BOS, as transformers assumes
-        num_bytes = len(text.encode("utf-8", "surrogatepass"))
-        limit = self.engine.limits.max_prompt_bytes
-        if num_bytes > limit:
-            raise InvalidRequestError(
-                field,
-                f"{num_bytes} bytes of text; this server takes at most {limit} (router.max_prompt_bytes)",
-            )
+        check_prompt_bytes(text, self.engine.limits, field)
         ids = model.tokenizer.encode(text, add_bos=add_bos)
         check_prompt_len(len(ids), model.max_model_len, field)
         return ids

@@ -75,7 +75,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             engine.check_ready()
             check_request_id(request.request_id)
-            prompt_ids, params, stop = parse_request(request, engine.model, engine.limits)
+            # Tokenizing a long text takes CPU: off the loop, other streams keep flowing meanwhile.
+            prompt_ids, params, stop = await asyncio.to_thread(
+                parse_request, request, engine.model, engine.limits
+            )
             remaining = context.time_remaining()
             deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
             generation = engine.submit(request.request_id, prompt_ids, params, deadline, stop)

@@ -86,7 +86,20 @@ class ModelInfo:
         )  # fmt: skip
 
 
-def _prompt_ids(request: pb.GenerateRequest, model: ModelInfo) -> tuple[str, list[int]]:
+def check_prompt_bytes(text: str, router: RouterConfig, field: str) -> None:
+    """Raises InvalidRequestError for prompt text over router.max_prompt_bytes (checked before tokenizing)."""
+    num_bytes = len(text.encode("utf-8", "surrogatepass"))
+    if num_bytes > router.max_prompt_bytes:
+        raise InvalidRequestError(
+            field,
+            f"{num_bytes} bytes of text; this server takes at most {router.max_prompt_bytes} "
+            "(router.max_prompt_bytes)",
+        )
+
+
+def _prompt_ids(
+    request: pb.GenerateRequest, model: ModelInfo, router: RouterConfig
+) -> tuple[str, list[int]]:
     which = request.WhichOneof("input")
     if which is None:
         raise InvalidRequestError("prompt", "missing: set prompt (text) or prompt_token_ids")
@@ -97,6 +110,7 @@ def _prompt_ids(request: pb.GenerateRequest, model: ModelInfo) -> tuple[str, lis
             raise InvalidRequestError(
                 "prompt", f"{model.name} has no tokenizer.json: send prompt_token_ids instead"
             )
+        check_prompt_bytes(request.prompt, router, "prompt")
         return "prompt", model.tokenizer.encode(request.prompt)
     ids = list(request.prompt_token_ids.ids)
     check_token_ids(ids, model.vocab_size, "prompt_token_ids")
@@ -214,8 +228,8 @@ def parse_request(
     request: pb.GenerateRequest, model: ModelInfo, router: RouterConfig
 ) -> tuple[list[int], SamplingParams, tuple[str, ...]]:
     """The prompt's token ids, the request's sampling parameters (with a concrete seed) and its stop
-    strings."""
-    field, prompt_ids = _prompt_ids(request, model)
+    strings. Tokenizes: call it off the event loop."""
+    field, prompt_ids = _prompt_ids(request, model, router)
     check_prompt_len(len(prompt_ids), model.max_model_len, field)
     params = _sampling_params(request.sampling_params, len(prompt_ids), model, router)
     stop = check_stop_strings(list(request.sampling_params.stop), model, "sampling_params.stop")

@@ -11,11 +11,18 @@ import pytest
 from transformers import AutoTokenizer
 
 from pdserve.cluster.chat_template import ChatTemplate
+from pdserve.cluster.errors import (
+    DeadlineExceededError,
+    NotFoundError,
+    UnavailableError,
+    WorkerFailedError,
+    http_error_for,
+)
 from pdserve.cluster.openai_api import CHAT, COMPLETIONS, parse
 from pdserve.cluster.reasoning import ReasoningSplitter, split_reasoning
 from pdserve.cluster.text_stream import TextStream
 from pdserve.cluster.validation import MAX_STOP_STRINGS, ModelInfo, check_stop_strings
-from pdserve.model.errors import InvalidRequestError
+from pdserve.model.errors import CapacityError, InvalidRequestError
 from pdserve.model.tokenizer import CHAT_TOKENS, THINK_END, Tokenizer
 
 CONVERSATIONS = [
@@ -230,3 +237,28 @@ def test_stop_string_limits_name_the_field(model_dir):
         with pytest.raises(InvalidRequestError) as e:
             check_stop_strings(stop, model, "sampling_params.stop")
         assert e.value.field == "sampling_params.stop"
+
+
+@pytest.mark.parametrize(
+    "error, status, kind, param",
+    [
+        (InvalidRequestError("top_p", "must be in (0, 1]"), 400, "invalid_request_error", "top_p"),
+        (CapacityError("no decode worker had room"), 429, "rate_limit_error", None),
+        (UnavailableError("starting"), 503, "service_unavailable_error", None),
+        (DeadlineExceededError("deadline exceeded"), 504, "timeout_error", None),
+        (NotFoundError("no such model"), 404, "not_found_error", None),
+        (WorkerFailedError("decode-0: decode failed: boom"), 500, "server_error", None),
+        (
+            WorkerFailedError("decode-0: KV transfer timed out"),
+            503,
+            "service_unavailable_error",
+            None,
+        ),
+        (RuntimeError("a bug"), 500, "server_error", None),
+    ],
+)
+def test_errors_map_to_http_statuses_in_openai_shape(error, status, kind, param):
+    e = http_error_for(error)
+    assert (e.status, e.type, e.param) == (status, kind, param)
+    body = e.body()["error"]
+    assert set(body) == {"message", "type", "param", "code"} and str(error) in body["message"]

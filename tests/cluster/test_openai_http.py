@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import openai
 import pytest
 from transformers import AutoTokenizer
@@ -21,10 +22,14 @@ from pdserve.v1 import generation_pb2
 
 from .conftest import start_server, wait_for
 
+PROMPT_BYTES = 16 << 10
+
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, model_dir):
-    with start_server(model_dir, router={"http_port": 0}) as server:
+    with start_server(
+        model_dir, router={"http_port": 0, "max_prompt_bytes": PROMPT_BYTES}
+    ) as server:
         yield server
 
 
@@ -274,3 +279,30 @@ def test_stop_string_spanning_tokens_ends_the_text_before_it(
     assert replies[-1].finish_reason == generation_pb2.FINISH_REASON_STOP
     # The workers were told to stop: the request's pages are freed.
     wait_for(lambda: all_pages_free(grpc_client), 10, "pages freed after a stop string")
+
+
+def test_prompt_and_body_sizes_are_refused_naming_the_limit(server, api, grpc_client):
+    text = "word " * (PROMPT_BYTES // 5 + 1)
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(model=model_name(server), prompt=text, max_tokens=2)
+    assert e.value.body["param"] == "prompt"
+    assert f"at most {PROMPT_BYTES} (router.max_prompt_bytes)" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(
+            model=model_name(server), messages=[{"role": "user", "content": text}], max_tokens=2
+        )
+    assert e.value.body["param"] == "messages"
+    body = json.dumps({"prompt": "x" * (2 * PROMPT_BYTES + (1 << 20))}).encode()
+    request = urllib.request.Request(
+        f"{server.http_url}/completions", data=body, method="POST",
+        headers={"content-type": "application/json"},
+    )  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=30)
+    assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "body"
+    with pytest.raises(grpc.RpcError) as e:
+        list(grpc_client.generate(generate_request(text, max_tokens=2), timeout_s=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        e.value.details().startswith("prompt: ") and "router.max_prompt_bytes" in e.value.details()
+    )
