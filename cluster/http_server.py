@@ -309,7 +309,7 @@ class HttpFrontEnd:
         text = "".join(pieces)
         usage = api.usage(chunk.num_prompt_tokens, chunk.num_generated_tokens)
         if req.kind == api.COMPLETIONS:
-            return JSONResponse(api.completion(head, text, chunk.finish_reason, usage))
+            return JSONResponse(api.completion(head, text, chunk.finish_reason, usage=usage))
         if reasoning:
             thought, content = split_reasoning(text)
             message = api.chat_message(content, thought)
@@ -326,24 +326,23 @@ class HttpFrontEnd:
         splitter = ReasoningSplitter() if reasoning else None
         try:
             if chat:
-                yield _sse(
-                    {**api.chat_chunk(head, {"role": "assistant", "content": ""}, None), **extra}
-                )
+                role = {"role": "assistant", "content": ""}
+                yield _sse(api.chat_chunk(head, role, None, **extra))
             chunk = first
             while True:
                 last, delta = chunk.finish_reason is not None, chunk.text
                 if chat:
                     if body := _chat_delta(splitter, delta, last):
-                        yield _sse({**api.chat_chunk(head, body, None), **extra})
+                        yield _sse(api.chat_chunk(head, body, None, **extra))
                 elif delta:
-                    yield _sse({**api.completion_chunk(head, delta, None), **extra})
+                    yield _sse(api.completion(head, delta, None, **extra))
                 if last:
                     break
                 chunk = await _next(generation)
             if chat:
-                yield _sse({**api.chat_chunk(head, {}, chunk.finish_reason), **extra})
+                yield _sse(api.chat_chunk(head, {}, chunk.finish_reason, **extra))
             else:
-                yield _sse({**api.completion_chunk(head, "", chunk.finish_reason), **extra})
+                yield _sse(api.completion(head, "", chunk.finish_reason, **extra))
             if req.include_usage:
                 usage = api.usage(chunk.num_prompt_tokens, chunk.num_generated_tokens)
                 yield _sse(api.usage_chunk(head, req.kind, usage))
@@ -378,5 +377,5 @@ async def _next(generation: Generation) -> Chunk:
     """The next chunk; an abort (the server shutting down) is an error here."""
     chunk = await anext(generation)
     if chunk.finish_reason == FinishReason.ABORT:
-        raise UnavailableError(f"the server is shutting down ({chunk.error or 'request aborted'})")
+        raise UnavailableError(chunk.error or "the server is shutting down")
     return chunk

@@ -282,26 +282,19 @@ class ResponseHead:
     model: str
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
-
-def completion(head: ResponseHead, text: str, finish_reason: str, usage_: dict) -> dict:
-    return {
-        "id": head.id,
-        "object": "text_completion",
-        "created": head.created,
-        "model": head.model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage_,
-    }
+    def wrap(self, kind: str, choices: list[dict], **fields) -> dict:
+        """A response object of `kind` (its `object` field) around `choices`."""
+        head = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+        return {**head, "choices": choices, **fields}
 
 
-def completion_chunk(head: ResponseHead, text: str, finish_reason: str | None) -> dict:
-    return {
-        "id": head.id,
-        "object": "text_completion",
-        "created": head.created,
-        "model": head.model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-    }
+def _choice(finish_reason: str | None, **fields) -> dict:
+    return {"index": 0, **fields, "logprobs": None, "finish_reason": finish_reason}
+
+
+def completion(head: ResponseHead, text: str, finish_reason: str | None, **fields) -> dict:
+    """A whole completion (give `usage=`) or one chunk of a stream."""
+    return head.wrap("text_completion", [_choice(finish_reason, text=text)], **fields)
 
 
 def chat_message(content: str, reasoning: str | None) -> dict:
@@ -315,35 +308,15 @@ def chat_message(content: str, reasoning: str | None) -> dict:
 
 
 def chat_completion(head: ResponseHead, message: dict, finish_reason: str, usage_: dict) -> dict:
-    return {
-        "id": head.id,
-        "object": "chat.completion",
-        "created": head.created,
-        "model": head.model,
-        "choices": [
-            {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-        ],
-        "usage": usage_,
-    }
+    return head.wrap("chat.completion", [_choice(finish_reason, message=message)], usage=usage_)
 
 
-def chat_chunk(head: ResponseHead, delta: dict, finish_reason: str | None) -> dict:
-    return {
-        "id": head.id,
-        "object": "chat.completion.chunk",
-        "created": head.created,
-        "model": head.model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-    }
+def chat_chunk(head: ResponseHead, delta: dict, finish_reason: str | None, **fields) -> dict:
+    return head.wrap("chat.completion.chunk", [_choice(finish_reason, delta=delta)], **fields)
 
 
 def usage_chunk(head: ResponseHead, kind: str, usage_: dict) -> dict:
     """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
-    return {
-        "id": head.id,
-        "object": "chat.completion.chunk" if kind == CHAT else "text_completion",
-        "created": head.created,
-        "model": head.model,
-        "choices": [],
-        "usage": usage_,
-    }
+    return head.wrap(
+        "chat.completion.chunk" if kind == CHAT else "text_completion", [], usage=usage_
+    )
