@@ -189,6 +189,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt, max_tokens=args.max_tokens, temperature=temperature_of(args), top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos,
         stop_token_ids=[int(x) for x in args.stop_token_ids.split(",") if x.strip()],
+        stop=args.stop,
     )  # fmt: skip
     with Client(args.addr) as client:
         if args.wait_s:
@@ -298,6 +299,10 @@ def add_commands(sub, config_flags: bool = True) -> dict:
     gen.add_argument("--min-p", type=float, default=None, help="unset: the model's")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop-token-ids", default="", help="comma-separated ids")
+    gen.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT",
+        help="stop string: the text ends just before it (repeatable)",
+    )  # fmt: skip
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     gen.add_argument("--wait-s", type=float, default=0, help="first wait this long for SERVING")

@@ -6,8 +6,11 @@ mid-stream frees its pages on both workers; bad parameters are 400 naming them."
 
 from __future__ import annotations
 
+import http.client
 import json
+import logging
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -199,6 +202,32 @@ def test_disconnect_mid_stream_frees_pages_on_both_workers(server, api, grpc_cli
     assert status.num_requests == 1 and held["decode-0"] > 0, held
     stream.close()
     wait_for(lambda: all_pages_free(grpc_client), 10, "pages freed after the client disconnected")
+
+
+def test_disconnect_during_prefill_frees_pages_on_both_workers(server, api, grpc_client, caplog):
+    # About half a second of prefill on a CPU: the response has not started when the client leaves.
+    caplog.set_level(logging.INFO, logger="pdserve.cluster.http_server")
+    prompt = [0, *[(7 * i) % 900 + 3 for i in range(2000)]]
+    body = {"model": model_name(server), "prompt": prompt, "max_tokens": 2000, "stream": True}
+    url = urllib.parse.urlsplit(server.http_url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    connection.request(
+        "POST", f"{url.path}/completions", json.dumps(body), {"content-type": "application/json"}
+    )
+
+    def pages_in_use() -> dict[str, int]:
+        return {w.worker_id: w.kv_pages_used for p in grpc_client.status().pools for w in p.workers}
+
+    held = wait_for(
+        lambda: (p := pages_in_use())["prefill-0"] > 0 and p, 30,
+        "the prompt on the prefill worker", interval_s=0.01,
+    )  # fmt: skip
+    assert held["decode-0"] > 0, held
+    connection.close()
+    wait_for(lambda: all_pages_free(grpc_client), 5, "pages freed after a disconnect in prefill")
+    assert "cancelled: the HTTP client disconnected" in caplog.text  # before its first chunk
+    reply = api.completions.create(model=model_name(server), prompt=[0, 1, 2], **greedy(2))
+    assert reply.choices[0].finish_reason == "length"  # still serving
 
 
 @pytest.mark.parametrize(
