@@ -16,7 +16,7 @@ from pdserve.engine.messages import DecodeStats, PrefillStats
 from pdserve.engine.sampling_params import FinishReason, SamplingParams
 
 from .errors import UnavailableError
-from .pools import PREFILL, ROLES
+from .pools import DECODE, PREFILL, ROLES, WorkerState
 from .router import Request, Router
 from .text_stream import TextStream
 
@@ -188,6 +188,11 @@ class EngineClient:
     def ready(self) -> bool:
         """Whether requests are taken now: every worker warm, not shutting down."""
         return self._server.serving
+
+    @property
+    def healthy(self) -> bool:
+        """What health checks report: `ready`, and a decode worker serving (as grpc.health.v1 says)."""
+        return self.ready and bool(self._server.router.pool(DECODE, WorkerState.SERVING))
 
     def check_ready(self) -> None:
         """Raises UnavailableError unless `ready`."""

@@ -170,9 +170,13 @@ class HttpFrontEnd:
     # Plain endpoints.
 
     async def health(self, request: Request) -> Response:
-        if self.engine.ready:
+        if self.engine.healthy:
             return Response(status_code=200)
-        return self._error(UnavailableError("the workers are not serving yet (or shutting down)"))
+        return self._error(
+            UnavailableError(
+                "no decode worker is serving (starting up, shutting down, or all lost)"
+            )
+        )
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": _version()})

@@ -321,14 +321,16 @@ def test_prompt_and_body_sizes_are_refused_naming_the_limit(server, api, grpc_cl
             model=model_name(server), messages=[{"role": "user", "content": text}], max_tokens=2
         )
     assert e.value.body["param"] == "messages"
-    body = json.dumps({"prompt": "x" * (2 * PROMPT_BYTES + (1 << 20))}).encode()
-    request = urllib.request.Request(
-        f"{server.http_url}/completions", data=body, method="POST",
-        headers={"content-type": "application/json"},
-    )  # fmt: skip
-    with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(request, timeout=30)
-    assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "body"
+    # A body declared too large is refused before it is read (so none is sent here).
+    url = urllib.parse.urlsplit(server.http_url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    connection.putrequest("POST", f"{url.path}/completions")
+    connection.putheader("content-type", "application/json")
+    connection.putheader("content-length", str(2 * PROMPT_BYTES + (1 << 20) + 1))
+    connection.endheaders()
+    reply = connection.getresponse()
+    assert reply.status == 400 and json.loads(reply.read())["error"]["param"] == "body"
+    connection.close()
     with pytest.raises(grpc.RpcError) as e:
         list(grpc_client.generate(generate_request(text, max_tokens=2), timeout_s=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
