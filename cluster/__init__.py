@@ -13,9 +13,12 @@ Public surface (imported from the modules, so that `pdserve generate` does not p
 | `pools` | `ray.remote`, placing and stopping one worker; `WorkerHandle` |
 | `router` | a request's flow: admission, dispatch, relay, preemption, cleanup |
 | `scaling` | starting, warming up, draining and stopping workers |
-| `validation` | GenerateRequest -> prompt ids + SamplingParams, or INVALID_ARGUMENT naming the field |
-| `errors` | exceptions -> gRPC status codes |
+| `validation` | a request -> prompt ids + SamplingParams (checks both front ends share), errors naming the field |
+| `errors` | exceptions -> gRPC status codes, and HTTP statuses in OpenAI's error shape |
+| `engine_client` | the one interface the front ends use: submit and stream, cancel, health, status, scale |
 | `service` | the thin gRPC servicers |
+| `openai_api`, `chat_template`, `reasoning` | OpenAI's JSON shapes, chat templates (as transformers), `<think>` split |
+| `http_server` | the OpenAI-compatible HTTP front end (Starlette on uvicorn, on the router's loop) |
 | `server` | the serving process: Ray, KV store, gRPC server, health, reflection, logs |
 | `reaper` | the watchdog that ends a local Ray with the process that started it, `kill -9` included |
 | `client`, `commands`, `cli`, `demo` | the client library and the command line |

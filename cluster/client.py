@@ -23,10 +23,12 @@ def generate_request(
     prompt: str | Sequence[int], *, request_id: str = "", max_tokens: int | None = None,
     temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
     min_p: float | None = None, seed: int | None = None, stop_token_ids: Sequence[int] = (),
-    ignore_eos: bool = False,
+    ignore_eos: bool = False, stop: Sequence[str] = (),
 ) -> generation_pb2.GenerateRequest:  # fmt: skip
     """A GenerateRequest; None leaves a sampling field unset (the model's or the server's default)."""
-    sp = generation_pb2.SamplingParams(stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    sp = generation_pb2.SamplingParams(
+        stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, stop=list(stop)
+    )
     for name, value in (
         ("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
         ("top_k", top_k), ("min_p", min_p), ("seed", seed),

@@ -46,10 +46,17 @@ _SHORT_FLAGS = {
     "--ray-address": ("cluster", "ray_address", str, "auto|ADDR", "join this Ray cluster"),
     "--host": ("router", "host", str, "HOST", "listen address (default 127.0.0.1; 0.0.0.0: all)"),
     "--port": ("router", "port", int, "PORT", "gRPC port (default 50051; 0: any free port)"),
+    "--http-port": (
+        "router",
+        "http_port",
+        int,
+        "PORT",
+        "OpenAI-compatible HTTP port (default 8000; 0: any free port; --router.http-port none: off)",
+    ),
 }
 SERVE_USAGE = (
     "pdserve serve [--model DIR|tiny] [--prefill N] [--decode M] [--gpus-per-worker K] [--host HOST]\n"
-    "                     [--port PORT] [--config FILE.yaml] [--ray-address auto|ADDR]\n"
+    "                     [--port PORT] [--http-port PORT] [--config FILE.yaml] [--ray-address auto|ADDR]\n"
     "                     [--SECTION.FIELD VALUE ...] [--print-config]"
 )
 SAMPLING_DEFAULT = (
@@ -150,6 +157,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             await server.start()
             logger.info('ready: `pdserve generate --addr %s "Hello"`; Ctrl-C stops', server.address)
+            if server.http_url:
+                logger.info(
+                    "OpenAI-compatible API at %s (model %r)", server.http_url, server.model.name
+                )
             await stop.wait()
             logger.info(
                 "shutting down (requests in flight get %gs)", config.router.shutdown_grace_s
@@ -178,6 +189,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt, max_tokens=args.max_tokens, temperature=temperature_of(args), top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, seed=args.seed, ignore_eos=args.ignore_eos,
         stop_token_ids=[int(x) for x in args.stop_token_ids.split(",") if x.strip()],
+        stop=args.stop,
     )  # fmt: skip
     with Client(args.addr) as client:
         if args.wait_s:
@@ -250,7 +262,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     overrides = {
         "model": {"path": args.model, "dtype": args.dtype, "kernels": args.kernels},
         "cluster": {"ray_address": "local"},
-        "router": {"port": 0, "stats_interval_s": 0.0},
+        "router": {"port": 0, "http_port": None, "stats_interval_s": 0.0},
     }
     return run_demo(build_config(None, overrides), args.max_tokens)
 
@@ -259,10 +271,12 @@ def add_commands(sub, config_flags: bool = True) -> dict:
     """Adds the serving subcommands to `pdserve`'s subparsers; returns {name: handler}."""
     serve = sub.add_parser(
         "serve",
-        help="serve a model over gRPC with Ray prefill and decode pools",
+        help="serve a model over gRPC and OpenAI-compatible HTTP with Ray prefill and decode pools",
         description="Starts (or joins, --ray-address) a Ray cluster, places one actor per worker, and serves "
-        "the gRPC API (pdserve.v1.Generation, pdserve.v1.Admin, grpc.health.v1, reflection). With no "
-        "arguments: the tiny model on the CPU, one prefill and one decode worker, on 127.0.0.1:50051.",
+        "the gRPC API (pdserve.v1.Generation, pdserve.v1.Admin, grpc.health.v1, reflection) and, on "
+        "--http-port, the OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions, "
+        "/health, /version). With no arguments: the tiny model on the CPU, one prefill and one decode "
+        "worker, gRPC on 127.0.0.1:50051 and HTTP on 127.0.0.1:8000.",
         allow_abbrev=False,
         usage=SERVE_USAGE,
     )
@@ -285,6 +299,10 @@ def add_commands(sub, config_flags: bool = True) -> dict:
     gen.add_argument("--min-p", type=float, default=None, help="unset: the model's")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop-token-ids", default="", help="comma-separated ids")
+    gen.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT",
+        help="stop string: the text ends just before it (repeatable)",
+    )  # fmt: skip
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     gen.add_argument("--wait-s", type=float, default=0, help="first wait this long for SERVING")

@@ -25,6 +25,7 @@ DTYPES = ("auto", "bf16", "fp16", "fp32")
 KERNELS = ("auto", "ref", "triton")
 KV_CACHE_DTYPES = ("auto", "fp8")
 """As pdserve.model.kv_cache's (not imported: it would import torch into the command line)."""
+REASONING_PARSERS = ("auto", "deepseek_r1", "none")
 CPU_CACHE_BYTES = 256 << 20
 """KV cache per worker on a CPU when serving (the workers' own default, 1 GiB, is more than a laptop wants)."""
 
@@ -107,6 +108,15 @@ class RouterConfig:
     """Address the gRPC server listens on (0.0.0.0: every interface)."""
     port: int = 50051
     """gRPC port; 0 picks a free one."""
+    http_port: int | None = 8000
+    """OpenAI-compatible HTTP port (on `host`, beside gRPC); 0 picks a free one; none turns HTTP off."""
+    reasoning_parser: str = "auto"
+    """Where chat responses put text inside <think>...</think>: deepseek_r1 (in reasoning_content, the rest in
+    content), none (all in content), or auto (deepseek_r1 when the checkpoint's chat template closes a think
+    block and its vocabulary has both think tokens)."""
+    max_prompt_bytes: int = 8 << 20
+    """Largest prompt text (a chat's rendered messages included) in bytes, refused before it is tokenized; an
+    HTTP request body may be twice that plus 1 MiB (JSON escapes), refused before it is parsed."""
     default_max_tokens: int = 256
     """max_tokens of a request that does not set it."""
     max_tokens_limit: int | None = None
@@ -127,6 +137,15 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port={self.port}: not a port number")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port={self.http_port}: not a port number (none: no HTTP)")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser={self.reasoning_parser!r}: expected one of "
+                f"{', '.join(REASONING_PARSERS)}"
+            )
+        if self.max_prompt_bytes < 1:
+            raise ValueError(f"max_prompt_bytes={self.max_prompt_bytes}: must be >= 1")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens={self.default_max_tokens}: must be >= 1")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:

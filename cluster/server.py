@@ -1,6 +1,7 @@
 """The serving process: joins (or starts) Ray, hosts the KV store, starts the gRPC server (Generation, Admin,
-grpc.health.v1, reflection), brings up the pools, and logs a startup summary and a stats line every few seconds.
-Health is NOT_SERVING until every worker is warm, and again from the start of a shutdown."""
+grpc.health.v1, reflection) and the OpenAI-compatible HTTP server, brings up the pools, and logs a startup
+summary and a stats line every few seconds. Health is NOT_SERVING (HTTP /health: 503) until every worker is
+warm, and again from the start of a shutdown."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from pdserve.protos import SERVICE_NAMES
 
 from . import placement
 from .config import ServeConfig
+from .engine_client import EngineClient
+from .http_server import HttpFrontEnd
 from .pools import DECODE, PREFILL, Launcher, WorkerState
 from .reaper import tie_ray_to_this_process
 from .router import Router
@@ -98,6 +101,8 @@ class PdServer:
         self.config = config
         self.serving = False
         self.port = 0
+        self.http_port = 0
+        """The OpenAI-compatible HTTP port once started (0: HTTP is off)."""
         self._started_at = time.monotonic()
         self._tasks: list[asyncio.Task] = []
         self._rate = (time.monotonic(), 0)
@@ -109,8 +114,17 @@ class PdServer:
 
     @property
     def address(self) -> str:
+        return f"{self._connect_host}:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """The OpenAI-compatible API's base URL (empty when HTTP is off)."""
+        return f"http://{self._connect_host}:{self.http_port}/v1" if self.http_port else ""
+
+    @property
+    def _connect_host(self) -> str:
         host = self.config.router.host
-        return f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.port}"
+        return "127.0.0.1" if host in ("0.0.0.0", "::") else host
 
     def _kv_config(self) -> KVTransferConfig:
         """The store address workers get: the port the store got, and the router's node IP when the cluster
@@ -132,6 +146,8 @@ class PdServer:
         plan_load(self.model_dir)
         self.model = ModelInfo.load(self.model_dir, config.model.path)
         check_port_free(config.router.host, config.router.port, "--port")
+        if config.router.http_port is not None:
+            check_port_free(config.router.host, config.router.http_port, "--http-port")
         port = config.kvtransfer.store_port
         try:
             self._store = connect_store(config.kvtransfer, is_master=True)
@@ -150,10 +166,12 @@ class PdServer:
         )
         self.router = Router(config.router)
         self.router.on_workers_changed = self._update_health
+        self.engine = EngineClient(self)
         self.scaler = Scaler(
             config, self.router, Launcher(config, kv, gpus), self.model.bos_token_id
         )
         await self._start_grpc()
+        await self._start_http()
         logger.info(
             "starting %d prefill and %d decode workers (%d GPUs each) for %s",
             config.cluster.num_prefill, config.cluster.num_decode, gpus, self.model_dir,
@@ -167,7 +185,7 @@ class PdServer:
     async def _start_grpc(self) -> None:
         router_config = self.config.router
         self.grpc_server = grpc.aio.server()
-        add_servicers(self, self.grpc_server)
+        add_servicers(self.engine, self.grpc_server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         await self._set_health(False)
@@ -182,6 +200,24 @@ class PdServer:
         logger.info(
             "gRPC listening on %s:%d (health: NOT_SERVING until the workers are warm)",
             router_config.host, self.port,
+        )  # fmt: skip
+
+    async def _start_http(self) -> None:
+        router_config = self.config.router
+        if router_config.http_port is None:
+            return
+        self.http = HttpFrontEnd(self.engine, router_config.reasoning_parser)
+        try:
+            self.http_port = await self.http.start(
+                router_config.host, router_config.http_port, router_config.shutdown_grace_s
+            )
+        except OSError as e:
+            raise ConfigError(
+                f"--http-port {router_config.http_port}: cannot listen on {router_config.host} ({e.strerror})"
+            ) from e
+        logger.info(
+            "OpenAI-compatible HTTP listening on http://%s:%d/v1 (/health: 503 until the workers are warm)",
+            router_config.host, self.http_port,
         )  # fmt: skip
 
     async def _set_health(self, serving: bool) -> None:
@@ -277,6 +313,8 @@ class PdServer:
             await self.router.close_all()
         if hasattr(self, "grpc_server"):
             await self.grpc_server.stop(grace)
+        if hasattr(self, "http"):
+            await self.http.stop()
         for task in self._tasks:
             task.cancel()
         if hasattr(self, "router"):
@@ -305,6 +343,10 @@ class ServerThread:
     @property
     def address(self) -> str:
         return self.server.address
+
+    @property
+    def http_url(self) -> str:
+        return self.server.http_url
 
     def call(self, coro, timeout_s: float = 60.0):
         """Runs a coroutine on the server's loop (tests reach into the router through this)."""

@@ -1,8 +1,9 @@
-"""The gRPC servicers, kept thin: `Generation` turns a request into a router stream and the stream into response
-chunks; `Admin` reports and changes the pools. Both are process boundaries: pdserve errors become status codes
-through `errors.status_for`; anything else is logged with its traceback and returned as INTERNAL. A client's
-cancel is ordinary: one INFO line, no traceback. Request bytes that do not decode as the method's message get
-INVALID_ARGUMENT (`add_servicers` registers the services with a deserializer that cannot raise).
+"""The gRPC servicers, kept thin and peers of the HTTP server over `EngineClient`: `Generation` turns a request
+into a submitted generation and its chunks into response messages; `Admin` reports and changes the pools. Both
+are process boundaries: pdserve errors become status codes through `errors.status_for`; anything else is logged
+with its traceback and returned as INTERNAL. A client's cancel is ordinary: one INFO line, no traceback. Request
+bytes that do not decode as the method's message get INVALID_ARGUMENT (`add_servicers` registers the services
+with a deserializer that cannot raise).
 
 Logs name a request by the router's internal id, never by the client's `request_id` (any bytes, any length)."""
 
@@ -14,21 +15,17 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 from pdserve.model.errors import ConfigError, InvalidRequestError, PdserveError
-from pdserve.model.tokenizer import IncrementalDetokenizer
 from pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
-from .errors import UnavailableError, status_for
-from .pools import DECODE, PREFILL, ROLES, WorkerHandle
-from .router import Request
+from .engine_client import EngineClient, ServerStatus, Timings, WorkerInfo
+from .errors import status_for
+from .pools import DECODE, PREFILL, ROLES
 from .validation import check_request_id, parse_request
-
-if TYPE_CHECKING:
-    from .server import PdServer
 
 logger = logging.getLogger(__name__)
 
@@ -58,76 +55,73 @@ class _ClientGone(Exception):
     """A response could not be written: the client cancelled the call or its connection went away."""
 
 
-def _timings(r: Request) -> generation_pb2.Timings:
-    def since_arrival(t: float | None) -> float:
-        return 0.0 if t is None else t - r.arrival
-
+def _timings(t: Timings) -> generation_pb2.Timings:
     return generation_pb2.Timings(
-        queued_s=since_arrival(r.admitted_at),
-        time_to_first_token_s=since_arrival(r.first_token_at),
-        total_s=since_arrival(r.finished_at),
-        num_preemptions=r.num_preemptions,
-        prefill_worker=r.prefill_worker,
-        decode_worker=r.decode_worker,
+        queued_s=t.queued_s,
+        time_to_first_token_s=t.time_to_first_token_s,
+        total_s=t.total_s,
+        num_preemptions=t.num_preemptions,
+        prefill_worker=t.prefill_worker,
+        decode_worker=t.decode_worker,
     )
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, server: PdServer):
-        self.server = server
+    def __init__(self, engine: EngineClient):
+        self.engine = engine
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context) -> None:
-        server = self.server
+        engine = self.engine
         try:
-            if not server.serving:
-                raise UnavailableError("the workers are not serving yet (or shutting down)")
+            engine.check_ready()
             check_request_id(request.request_id)
-            prompt_ids, params = parse_request(request, server.model, server.config.router)
+            # Tokenizing a long text takes CPU: off the loop, other streams keep flowing meanwhile.
+            prompt_ids, params, stop = await asyncio.to_thread(
+                parse_request, request, engine.model, engine.limits
+            )
             remaining = context.time_remaining()
             deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
-            r = server.router.open(request.request_id, prompt_ids, params, deadline)
+            generation = engine.submit(request.request_id, prompt_ids, params, deadline, stop)
         except Exception as e:  # process boundary
             await _abort(context, e, "Generate")
-        tokenizer = server.model.tokenizer
-        detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer else None
         # The client's id is echoed (an empty one gets the internal id, so every chunk names its request).
-        request_id = request.request_id or r.request_id
+        request_id = request.request_id or generation.request_id
         try:
-            while (out := await server.router.next_tokens(r)) is not None:
+            async for chunk in generation:
                 response = generation_pb2.GenerateResponse(
                     request_id=request_id,
-                    token_ids=out.token_ids,
-                    text=detokenizer.push(out.token_ids) if detokenizer else "",
+                    token_ids=chunk.token_ids,
+                    text=chunk.text,
                 )
-                if out.finish_reason is not None:
-                    response.finish_reason = _FINISH[out.finish_reason]
-                    response.usage.prompt_tokens = len(prompt_ids)
-                    response.usage.completion_tokens = len(r.generated)
-                    response.timings.CopyFrom(_timings(r))
+                if chunk.finish_reason is not None:
+                    response.finish_reason = _FINISH[chunk.finish_reason]
+                    response.usage.prompt_tokens = chunk.num_prompt_tokens
+                    response.usage.completion_tokens = chunk.num_generated_tokens
+                    response.timings.CopyFrom(_timings(chunk.timings))
                 try:
                     await context.write(response)
                 except Exception as e:  # the call ended under the write: a cancel that raced it
                     raise _ClientGone from e
         except asyncio.CancelledError:  # the client cancelled (or its deadline passed): ordinary
-            logger.info("request %s cancelled by the client", r.request_id)
+            logger.info("request %s cancelled by the client", generation.request_id)
             raise
         except _ClientGone:
-            logger.info("request %s cancelled by the client", r.request_id)
+            logger.info("request %s cancelled by the client", generation.request_id)
         except Exception as e:  # process boundary
-            await _abort(context, e, f"Generate {r.request_id}")
+            await _abort(context, e, f"Generate {generation.request_id}")
         finally:
-            server.router.close(r)
+            generation.cancel()
 
 
-def worker_status(w: WorkerHandle) -> admin_pb2.WorkerStatus:
+def worker_status(w: WorkerInfo) -> admin_pb2.WorkerStatus:
     status = admin_pb2.WorkerStatus(
         worker_id=w.worker_id,
         role=_ROLE[w.role],
         state=_STATE.get(w.state, admin_pb2.WORKER_STATE_UNSPECIFIED),
         num_gpus=w.num_gpus,
         node_ip=w.node_ip,
-        num_requests=len(w.requests),
-        kv_pages_total=w.num_pages,
+        num_requests=w.num_requests,
+        kv_pages_total=w.kv_pages_total,
         page_size=w.page_size,
     )
     s = w.stats
@@ -141,48 +135,47 @@ def worker_status(w: WorkerHandle) -> admin_pb2.WorkerStatus:
     return status
 
 
-def pool_status(server: PdServer, role: str) -> admin_pb2.PoolStatus:
-    workers = sorted(server.router.pool(role), key=lambda w: w.worker_id)
-    return admin_pb2.PoolStatus(role=_ROLE[role], workers=[worker_status(w) for w in workers])
+def pool_status(status: ServerStatus, role: str) -> admin_pb2.PoolStatus:
+    return admin_pb2.PoolStatus(
+        role=_ROLE[role], workers=[worker_status(w) for w in status.workers[role]]
+    )
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
-    def __init__(self, server: PdServer):
-        self.server = server
+    def __init__(self, engine: EngineClient):
+        self.engine = engine
 
     async def GetStatus(self, request, context) -> admin_pb2.GetStatusResponse:
-        server = self.server
         try:
-            await server.refresh_stats()
+            status = await self.engine.status()
             return admin_pb2.GetStatusResponse(
-                model=str(server.model_dir),
-                pools=[pool_status(server, role) for role in ROLES],
-                num_requests=len(server.router.requests),
-                output_tokens_per_s=server.output_tokens_per_s,
-                uptime_s=server.uptime_s,
-                aggregated=not server.router.pool(PREFILL),
-                kv_cache_dtype=server.config.model.kv_cache_dtype,
+                model=status.model,
+                pools=[pool_status(status, role) for role in ROLES],
+                num_requests=status.num_requests,
+                output_tokens_per_s=status.output_tokens_per_s,
+                uptime_s=status.uptime_s,
+                aggregated=status.aggregated,
+                kv_cache_dtype=status.kv_cache_dtype,
             )
         except Exception as e:  # process boundary
             await _abort(context, e, "GetStatus")
 
     async def ScalePool(self, request, context) -> admin_pb2.ScalePoolResponse:
-        server = self.server
         try:
             role = _ROLE_NAME.get(request.role)
             if role is None:
                 raise ConfigError("role: expected ROLE_PREFILL or ROLE_DECODE")
-            added, removed = await server.scaler.scale(role, request.count)
-            await server.refresh_stats()
+            added, removed = await self.engine.scale(role, request.count)
+            status = await self.engine.status()
             return admin_pb2.ScalePoolResponse(
-                added=added, removed=removed, pool=pool_status(server, role)
+                added=added, removed=removed, pool=pool_status(status, role)
             )
         except Exception as e:  # process boundary
             await _abort(context, e, "ScalePool")
 
     async def DrainWorker(self, request, context) -> admin_pb2.DrainWorkerResponse:
         try:
-            drained = await self.server.scaler.drain(request.worker_id)
+            drained = await self.engine.drain(request.worker_id)
             return admin_pb2.DrainWorkerResponse(
                 worker_id=request.worker_id, num_requests_drained=drained
             )
@@ -257,8 +250,8 @@ class _LenientRegistry:
         self.server.add_registered_method_handlers(service, handlers)
 
 
-def add_servicers(server: PdServer, grpc_server: grpc.aio.Server) -> None:
-    """Registers the Generation and Admin servicers of `server` on `grpc_server`."""
+def add_servicers(engine: EngineClient, grpc_server: grpc.aio.Server) -> None:
+    """Registers the Generation and Admin servicers over `engine` on `grpc_server`."""
     registry = _LenientRegistry(grpc_server)
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(server), registry)
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(server), registry)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), registry)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(engine), registry)

@@ -13,9 +13,10 @@ from pdserve.engine.checks import check_context, check_prompt_len, check_token_i
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.args import ModelArgs
 from pdserve.model.errors import InvalidRequestError
-from pdserve.model.tokenizer import Tokenizer
+from pdserve.model.tokenizer import THINK_END, THINK_START, Tokenizer
 from pdserve.v1 import generation_pb2 as pb
 
+from .chat_template import ChatTemplate
 from .config import RouterConfig
 
 MAX_REQUEST_ID_CHARS = 256
@@ -63,19 +64,42 @@ class ModelInfo:
     bos_token_id: int | None
     defaults: GenerationDefaults
     tokenizer: Tokenizer | None
+    chat_template: ChatTemplate | None = None
+    thinks: bool = False
+    """The chat template closes a think block and the vocabulary has both think tokens (DeepSeek-R1's
+    format): `reasoning_parser: auto` splits reasoning from content for such a model."""
 
     @classmethod
     def load(cls, model_dir: Path, name: str) -> ModelInfo:
         args = ModelArgs.from_json(model_dir / "config.json")
         tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         defaults = GenerationDefaults.from_file(model_dir / "generation_config.json")
+        template = ChatTemplate.load(model_dir) if tokenizer is not None else None
+        thinks = (
+            template is not None
+            and THINK_END in template.source
+            and None not in (tokenizer.token_id(THINK_START), tokenizer.token_id(THINK_END))
+        )
         return cls(
             name, args.vocab_size, args.max_position_embeddings, args.bos_token_id, defaults,
-            tokenizer,
+            tokenizer, template, thinks,
         )  # fmt: skip
 
 
-def _prompt_ids(request: pb.GenerateRequest, model: ModelInfo) -> tuple[str, list[int]]:
+def check_prompt_bytes(text: str, router: RouterConfig, field: str) -> None:
+    """Raises InvalidRequestError for prompt text over router.max_prompt_bytes (checked before tokenizing)."""
+    num_bytes = len(text.encode("utf-8", "surrogatepass"))
+    if num_bytes > router.max_prompt_bytes:
+        raise InvalidRequestError(
+            field,
+            f"{num_bytes} bytes of text; this server takes at most {router.max_prompt_bytes} "
+            "(router.max_prompt_bytes)",
+        )
+
+
+def _prompt_ids(
+    request: pb.GenerateRequest, model: ModelInfo, router: RouterConfig
+) -> tuple[str, list[int]]:
     which = request.WhichOneof("input")
     if which is None:
         raise InvalidRequestError("prompt", "missing: set prompt (text) or prompt_token_ids")
@@ -86,53 +110,127 @@ def _prompt_ids(request: pb.GenerateRequest, model: ModelInfo) -> tuple[str, lis
             raise InvalidRequestError(
                 "prompt", f"{model.name} has no tokenizer.json: send prompt_token_ids instead"
             )
+        check_prompt_bytes(request.prompt, router, "prompt")
         return "prompt", model.tokenizer.encode(request.prompt)
     ids = list(request.prompt_token_ids.ids)
     check_token_ids(ids, model.vocab_size, "prompt_token_ids")
     return "prompt_token_ids", ids
 
 
-def _sampling_params(
-    sp: pb.SamplingParams, num_prompt_tokens: int, model: ModelInfo, router: RouterConfig
-) -> SamplingParams:
+MAX_STOP_TOKEN_IDS = 1024
+"""Most stop token ids one request may give (each is checked on every generated token)."""
+
+
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
+"""Stop strings per request, and characters per stop string, at most (each is matched in every text delta)."""
+
+
+def check_stop_strings(stop: list[str], model: ModelInfo, field: str) -> tuple[str, ...]:
+    """The request's stop strings, or InvalidRequestError naming `field`: too many, empty or too long ones, or
+    a model without a tokenizer (stop strings are matched in the text)."""
+    if not stop:
+        return ()
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(field, f"{len(stop)} stop strings; at most {MAX_STOP_STRINGS}")
+    for i, s in enumerate(stop):
+        if not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
+            raise InvalidRequestError(
+                field, f"stop string {i} has {len(s)} characters; 1 to {MAX_STOP_STRING_CHARS}"
+            )
+    if model.tokenizer is None:
+        raise InvalidRequestError(
+            field, f"{model.name} has no tokenizer.json: stop strings need one (use stop_token_ids)"
+        )
+    return tuple(stop)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplingRequest:
+    """A request's sampling fields as its front end received them (None: unset), before defaults and checks."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+def sampling_params(
+    given: SamplingRequest, num_prompt_tokens: int, model: ModelInfo, router: RouterConfig,
+    prefix: str = "", max_tokens_field: str = "max_tokens",
+) -> SamplingParams:  # fmt: skip
+    """`given` with the model's defaults for unset fields and the router's default max_tokens (capped by the
+    context left), checked. Errors name the field as the front end spells it: `prefix` + the field name
+    (`max_tokens_field` for max_tokens)."""
     room = model.max_model_len - num_prompt_tokens
     limit = min(router.max_tokens_limit or model.max_model_len, room)
-    if sp.HasField("max_tokens"):
-        max_tokens = sp.max_tokens
+    if given.max_tokens is not None:
+        max_tokens = given.max_tokens
         if router.max_tokens_limit is not None and max_tokens > router.max_tokens_limit:
             raise InvalidRequestError(
-                "sampling_params.max_tokens",
+                max_tokens_field,
                 f"{max_tokens} exceeds this server's limit of {router.max_tokens_limit}",
             )
-        check_context(
-            num_prompt_tokens, max_tokens, model.max_model_len, "sampling_params.max_tokens"
-        )
+        check_context(num_prompt_tokens, max_tokens, model.max_model_len, max_tokens_field)
     else:
         max_tokens = min(router.default_max_tokens, limit)
-    if sp.stop_token_ids:
-        check_token_ids(sp.stop_token_ids, model.vocab_size, "sampling_params.stop_token_ids")
+    if given.stop_token_ids:
+        if len(given.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"{prefix}stop_token_ids",
+                f"{len(given.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}",
+            )
+        check_token_ids(given.stop_token_ids, model.vocab_size, f"{prefix}stop_token_ids")
     d = model.defaults
+
+    def either(value, default):
+        return default if value is None else value
+
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=sp.temperature if sp.HasField("temperature") else d.temperature,
-            top_p=sp.top_p if sp.HasField("top_p") else d.top_p,
-            top_k=sp.top_k if sp.HasField("top_k") else d.top_k,
-            min_p=sp.min_p if sp.HasField("min_p") else d.min_p,
-            seed=sp.seed if sp.HasField("seed") else None,
-            stop_token_ids=tuple(sp.stop_token_ids),
-            ignore_eos=sp.ignore_eos,
+            temperature=either(given.temperature, d.temperature),
+            top_p=either(given.top_p, d.top_p),
+            top_k=either(given.top_k, d.top_k),
+            min_p=either(given.min_p, d.min_p),
+            seed=given.seed,
+            stop_token_ids=tuple(given.stop_token_ids),
+            ignore_eos=given.ignore_eos,
         ).with_seed()
     except InvalidRequestError as e:
-        raise InvalidRequestError(
-            f"sampling_params.{e.field}", str(e).removeprefix(f"{e.field}: ")
-        ) from None
+        field = max_tokens_field if e.field == "max_tokens" else f"{prefix}{e.field}"
+        raise InvalidRequestError(field, str(e).removeprefix(f"{e.field}: ")) from None
+
+
+def _sampling_params(
+    sp: pb.SamplingParams, num_prompt_tokens: int, model: ModelInfo, router: RouterConfig
+) -> SamplingParams:
+    given = SamplingRequest(
+        max_tokens=sp.max_tokens if sp.HasField("max_tokens") else None,
+        temperature=sp.temperature if sp.HasField("temperature") else None,
+        top_p=sp.top_p if sp.HasField("top_p") else None,
+        top_k=sp.top_k if sp.HasField("top_k") else None,
+        min_p=sp.min_p if sp.HasField("min_p") else None,
+        seed=sp.seed if sp.HasField("seed") else None,
+        stop_token_ids=tuple(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+    )
+    return sampling_params(
+        given, num_prompt_tokens, model, router, "sampling_params.", "sampling_params.max_tokens"
+    )
 
 
 def parse_request(
     request: pb.GenerateRequest, model: ModelInfo, router: RouterConfig
-) -> tuple[list[int], SamplingParams]:
-    """The prompt's token ids and the request's sampling parameters (with a concrete seed)."""
-    field, prompt_ids = _prompt_ids(request, model)
+) -> tuple[list[int], SamplingParams, tuple[str, ...]]:
+    """The prompt's token ids, the request's sampling parameters (with a concrete seed) and its stop
+    strings. Tokenizes: call it off the event loop."""
+    field, prompt_ids = _prompt_ids(request, model, router)
     check_prompt_len(len(prompt_ids), model.max_model_len, field)
-    return prompt_ids, _sampling_params(request.sampling_params, len(prompt_ids), model, router)
+    params = _sampling_params(request.sampling_params, len(prompt_ids), model, router)
+    stop = check_stop_strings(list(request.sampling_params.stop), model, "sampling_params.stop")
+    return prompt_ids, params, stop

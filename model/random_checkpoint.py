@@ -319,7 +319,7 @@ def cache_dir() -> Path:
     return Path(base) / "pdserve"
 
 
-CACHED_PRESET_VERSION = 1
+CACHED_PRESET_VERSION = 2
 """Bump when a preset's weights or layout change, so stale cached copies are not reused."""
 
 

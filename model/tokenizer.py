@@ -16,6 +16,39 @@ from .errors import CheckpointError
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
 PAD_TOKEN = "<｜▁pad▁｜>"
+USER_TOKEN = "<｜User｜>"
+ASSISTANT_TOKEN = "<｜Assistant｜>"
+THINK_START = "<think>"
+THINK_END = "</think>"
+CHAT_TOKENS = (USER_TOKEN, ASSISTANT_TOKEN, THINK_START, THINK_END)
+"""Added (not special) tokens of DeepSeek-R1's chat format: decoded text keeps them, as R1's tokenizer does."""
+
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(system='') -%}"
+    "{%- for message in messages if message['role'] == 'system' -%}"
+    "{%- set ns.system = ns.system + ('\n\n' if ns.system else '') + message['content'] -%}"
+    "{%- endfor -%}"
+    "{{- bos_token + ns.system -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' -%}"
+    "{{- '" + USER_TOKEN + "' + message['content'] -}}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{%- set content = message['content'] or '' -%}"
+    "{%- if '" + THINK_END + "' in content -%}"
+    "{%- set content = content.split('" + THINK_END + "')[-1] -%}"
+    "{%- endif -%}"
+    "{{- '" + ASSISTANT_TOKEN + "' + content + eos_token -}}"
+    "{%- elif message['role'] != 'system' -%}"
+    "{{- raise_exception('roles must be system, user or assistant, got ' + message['role']) -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '" + ASSISTANT_TOKEN + THINK_START + "\n' -}}"
+    "{%- endif -%}"
+)
+"""A chat template of DeepSeek-R1's shape for checkpoints made here: system prompts first after BOS, user and
+assistant turns marked by their tokens, earlier answers stripped of their reasoning, and the generation prompt
+opening a think block (so the model's output is reasoning up to `</think>`, then the answer)."""
 
 
 class Tokenizer:
@@ -47,14 +80,21 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        if self.add_bos and self.bos_id is not None:
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """`add_bos=False` for text that carries its own BOS (a rendered chat template)."""
+        # encode_batch releases the GIL while it tokenizes (encode holds it throughout), so a long text
+        # tokenized in a worker thread does not stall the caller's event loop.
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        if add_bos and self.add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int | None:
+        """The id of one token of the vocabulary (e.g. `</think>`), None if it has none."""
+        return self._tok.token_to_id(token)
 
 
 class IncrementalDetokenizer:
@@ -79,20 +119,22 @@ class IncrementalDetokenizer:
 
 
 def build_tokenizer(out_dir: str | Path, vocab_size: int, model_max_length: int) -> None:
-    """Trains a byte-level BPE of at most `vocab_size` tokens on a short built-in text and writes
-    tokenizer.json + tokenizer_config.json. Ids 0, 1, 2 are BOS, EOS, PAD (as in DeepSeek-V3)."""
+    """Trains a byte-level BPE on a short built-in text and writes tokenizer.json + tokenizer_config.json with
+    DeepSeek-R1's chat tokens (`CHAT_TOKENS`, the last ids) and a chat template of its shape; at most
+    `vocab_size` tokens in all. Ids 0, 1, 2 are BOS, EOS, PAD (as in DeepSeek-V3)."""
     out_dir = Path(out_dir)
     corpus = resources.files("pdserve.model").joinpath("data/corpus.txt").read_text()
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(CHAT_TOKENS),
         special_tokens=[BOS_TOKEN, EOS_TOKEN, PAD_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(corpus.splitlines(keepends=True), trainer)
+    tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in CHAT_TOKENS])
     tok.save(str(out_dir / "tokenizer.json"))
     config = {
         "add_bos_token": True,
@@ -104,5 +146,6 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int, model_max_length: int)
         "legacy": True,
         "model_max_length": model_max_length,
         "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": CHAT_TEMPLATE,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -51,7 +51,12 @@ def serve_config(model_dir, **sections):
     values = {
         "model": {"path": str(model_dir), "dtype": "fp32"},
         "cluster": {"cpus_per_worker": 0.25, "placement_timeout_s": 60.0, "load_timeout_s": 120.0},
-        "router": {"port": 0, "stats_interval_s": 0.0, "admission_timeout_s": 20.0},
+        "router": {
+            "port": 0,
+            "http_port": None,
+            "stats_interval_s": 0.0,
+            "admission_timeout_s": 20.0,
+        },
         "prefill": {"num_pages": 512, "max_prefill_chunk": 128, "max_num_batched_tokens": 512},
         "decode": {"num_pages": 512, "max_prefill_chunk": 128, "max_num_batched_tokens": 512},
         "kvtransfer": {"store_port": free_port(), "connect_timeout_s": 20.0},

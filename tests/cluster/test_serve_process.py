@@ -97,6 +97,10 @@ def test_busy_ports_fail_before_ray(ray_tmpdir, model_dir, busy_port):
     out = run_serve(ray_tmpdir, "--model", str(model_dir), "--port", str(busy_port))
     assert_fails_before_ray(out, ray_tmpdir, f"--port {busy_port}: cannot listen")
     out = run_serve(
+        ray_tmpdir, "--model", str(model_dir), "--port", "0", "--http-port", str(busy_port)
+    )
+    assert_fails_before_ray(out, ray_tmpdir, f"--http-port {busy_port}: cannot listen")
+    out = run_serve(
         ray_tmpdir,
         "--model",
         str(model_dir),
@@ -154,7 +158,7 @@ class ServeProcess:
         self.log = log
         self.proc = subprocess.Popen(
             [*CLI, "serve", "--model", str(model_dir), "--dtype", "fp32", "--port", "0",
-             "--cluster.cpus-per-worker", "0.25"],
+             "--http-port", "0", "--cluster.cpus-per-worker", "0.25"],
             stdout=subprocess.DEVNULL, stderr=log.open("w"), env=serve_env(ray_tmpdir),
             start_new_session=True,
         )  # fmt: skip

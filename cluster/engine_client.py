@@ -1,0 +1,254 @@
+"""The one interface the front ends (the gRPC servicers, the OpenAI-compatible HTTP server) use to reach the
+serving process: submit a request and stream its chunks, cancel it, read health and status, and (admin) scale and
+drain. Front ends are peers over it: neither touches the router, the scaler or the server object, and each maps
+chunks and errors to its own wire format (`errors.status_for`, `errors.http_error_for`).
+
+Everything here runs on the server's event loop. A `Generation` must be closed (`cancel`, or `async with`): a
+generation closed before its last chunk is aborted on every worker it touched, so its KV pages are freed."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+from pdserve.engine.messages import DecodeStats, PrefillStats
+from pdserve.engine.sampling_params import FinishReason, SamplingParams
+
+from .errors import UnavailableError
+from .pools import DECODE, PREFILL, ROLES, WorkerState
+from .router import Request, Router
+from .text_stream import TextStream
+
+if TYPE_CHECKING:
+    from .config import RouterConfig
+    from .server import PdServer
+    from .validation import ModelInfo
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Timings:
+    """Where a finished request's time went, in seconds since it arrived at the router (0: never reached)."""
+
+    queued_s: float
+    time_to_first_token_s: float
+    total_s: float
+    num_preemptions: int
+    prefill_worker: str
+    decode_worker: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Chunk:
+    """One step of a generation: the tokens it added, and on the last chunk the finish reason and timings."""
+
+    token_ids: list[int]
+    text: str
+    """Their text: deltas concatenate to the output's text, which ends before a stop string; empty when the
+    model has no tokenizer."""
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    """Generated so far, this chunk's tokens included."""
+    finish_reason: str | None = None
+    """stop, length or abort (the server is shutting down) on the last chunk; None before."""
+    error: str = ""
+    """Why an abort happened."""
+    timings: Timings | None = None
+    """On the last chunk."""
+
+
+def _timings(r: Request, finished_at: float | None) -> Timings:
+    def since_arrival(t: float | None) -> float:
+        return 0.0 if t is None else t - r.arrival
+
+    return Timings(
+        queued_s=since_arrival(r.admitted_at),
+        time_to_first_token_s=since_arrival(r.first_token_at),
+        total_s=since_arrival(finished_at),
+        num_preemptions=r.num_preemptions,
+        prefill_worker=r.prefill_worker,
+        decode_worker=r.decode_worker,
+    )
+
+
+class Generation:
+    """A submitted request: iterate it for its chunks (the last has a finish reason; iteration raises
+    PdserveError subclasses on failure), and close it with `cancel` or `async with`. A stop string ends it with
+    finish reason stop, and it is then aborted on its workers (the model is not told about stop strings)."""
+
+    def __init__(self, router: Router, request: Request, text: TextStream | None):
+        self._router = router
+        self._request = request
+        self._text = text
+        self._closed = False
+        self._stopped = False
+
+    @property
+    def request_id(self) -> str:
+        """The router's id for this request (logs, workers); never the client's."""
+        return self._request.request_id
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self._request.prompt_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self._request.params
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        r = self._request
+        if self._stopped:
+            raise StopAsyncIteration
+        out = await self._router.next_tokens(r)
+        if out is None:
+            raise StopAsyncIteration
+        finish_reason, finished_at = out.finish_reason, r.finished_at
+        text = ""
+        if self._text is not None and finish_reason != FinishReason.ABORT:
+            text, stopped = self._text.push(out.token_ids)
+            if not stopped and finish_reason is not None:
+                more, stopped = self._text.finish()
+                text += more
+            if stopped:
+                finish_reason, finished_at = FinishReason.STOP, time.monotonic()
+                self._stopped = True
+                self.cancel()
+        last = finish_reason is not None
+        return Chunk(
+            token_ids=list(out.token_ids),
+            text=text,
+            num_prompt_tokens=len(r.prompt_ids),
+            num_generated_tokens=len(r.generated),
+            finish_reason=finish_reason,
+            error=(out.error or "") if last else "",
+            timings=_timings(r, finished_at) if last else None,
+        )
+
+    def cancel(self) -> None:
+        """Ends the request (idempotent): unless it finished, it is aborted on every worker it touched."""
+        if not self._closed:
+            self._closed = True
+            self._router.close(self._request)
+
+    async def __aenter__(self) -> Generation:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.cancel()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """One worker as status reports it."""
+
+    worker_id: str
+    role: str
+    state: str
+    num_gpus: int
+    node_ip: str
+    num_requests: int
+    kv_pages_total: int
+    page_size: int
+    stats: PrefillStats | DecodeStats | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServerStatus:
+    model: str
+    workers: dict[str, list[WorkerInfo]]
+    """Per role (prefill, decode), sorted by worker id."""
+    num_requests: int
+    output_tokens_per_s: float
+    uptime_s: float
+    aggregated: bool
+    kv_cache_dtype: str
+
+
+class EngineClient:
+    """What a front end may do with the serving process (see the module docstring)."""
+
+    def __init__(self, server: PdServer):
+        self._server = server
+
+    @property
+    def model(self) -> ModelInfo:
+        """The served model's name, vocabulary, context length, defaults and tokenizer."""
+        return self._server.model
+
+    @property
+    def limits(self) -> RouterConfig:
+        """The router's request limits and defaults (max_tokens, queue, prompt size)."""
+        return self._server.config.router
+
+    @property
+    def ready(self) -> bool:
+        """Whether requests are taken now: every worker warm, not shutting down."""
+        return self._server.serving
+
+    @property
+    def healthy(self) -> bool:
+        """What health checks report: `ready`, and a decode worker serving (as grpc.health.v1 says)."""
+        return self.ready and bool(self._server.router.pool(DECODE, WorkerState.SERVING))
+
+    def check_ready(self) -> None:
+        """Raises UnavailableError unless `ready`."""
+        if not self.ready:
+            raise UnavailableError("the workers are not serving yet (or shutting down)")
+
+    def submit(
+        self, client_id: str, prompt_ids: list[int], params: SamplingParams, deadline: float | None,
+        stop: tuple[str, ...] = (),
+    ) -> Generation:  # fmt: skip
+        """Registers a checked request (`validation.check_stop_strings` for `stop`); its placement and prefill
+        start when it is first iterated. `deadline` is the loop's time() by which it must finish, or None.
+        `client_id` is only echoed."""
+        self.check_ready()
+        router = self._server.router
+        tokenizer = self.model.tokenizer
+        text = TextStream(tokenizer, prompt_ids, stop) if tokenizer is not None else None
+        return Generation(router, router.open(client_id, prompt_ids, params, deadline), text)
+
+    async def status(self) -> ServerStatus:
+        """Fresh stats of every worker (bounded wait) and the router's counters."""
+        server = self._server
+        await server.refresh_stats()
+        router = server.router
+        workers = {}
+        for role in ROLES:
+            pool = sorted(router.pool(role), key=lambda w: w.worker_id)
+            workers[role] = [
+                WorkerInfo(
+                    w.worker_id,
+                    w.role,
+                    w.state,
+                    w.num_gpus,
+                    w.node_ip,
+                    len(w.requests),
+                    w.num_pages,
+                    w.page_size,
+                    w.stats,
+                )  # fmt: skip
+                for w in pool
+            ]
+        return ServerStatus(
+            model=str(server.model_dir),
+            workers=workers,
+            num_requests=len(router.requests),
+            output_tokens_per_s=server.output_tokens_per_s,
+            uptime_s=server.uptime_s,
+            aggregated=not router.pool(PREFILL),
+            kv_cache_dtype=server.config.model.kv_cache_dtype,
+        )
+
+    async def scale(self, role: str, count: int) -> tuple[list[str], list[str]]:
+        """Grows or shrinks a pool to `count` workers; returns the ids added and removed."""
+        added, removed = await self._server.scaler.scale(role, count)
+        return added, removed
+
+    async def drain(self, worker_id: str) -> int:
+        """Stops one worker after its requests finish; returns how many it finished."""
+        return await self._server.scaler.drain(worker_id)

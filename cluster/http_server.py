@@ -1,0 +1,385 @@
+"""The OpenAI-compatible HTTP front end, a peer of the gRPC servicers over `EngineClient`, served by uvicorn on the
+router's event loop: /v1/models, /v1/completions, /v1/chat/completions (streamed as server-sent events or whole),
+/health and /version.
+
+A request's body is size-checked before it is parsed; parsing a large body, rendering the chat template and
+tokenizing run in a worker thread, so that other streams keep flowing meanwhile. The response waits for the first
+chunk before it starts, so that errors of admission (429, 503) and of the request (400) get their status; after
+that an error arrives as a last `data: {"error": ...}` event. A client that disconnects, before or during the
+stream, cancels its request: its pages are freed on every worker. Errors have OpenAI's shape
+(`errors.http_error_for`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import json
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from pdserve.engine.checks import check_prompt_len, check_token_ids
+from pdserve.engine.sampling_params import FinishReason
+from pdserve.model.errors import InvalidRequestError, PdserveError
+
+from . import openai_api as api
+from .engine_client import Chunk, EngineClient, Generation
+from .errors import NotFoundError, UnavailableError, http_error_for
+from .reasoning import ReasoningSplitter, split_reasoning
+from .validation import check_prompt_bytes, check_stop_strings, sampling_params
+
+logger = logging.getLogger(__name__)
+
+_PARSE_IN_THREAD_BYTES = 64 << 10
+"""Bodies larger than this are decoded from JSON in a worker thread."""
+_STARTUP_TIMEOUT_S = 10.0
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "unknown"
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected."""
+
+
+async def _until_disconnect(receive: Receive, work: Awaitable):
+    """`work`'s result, or _ClientGone as soon as the client disconnects (its body already read)."""
+    work = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not work.done():
+        work.cancel()
+        with contextlib.suppress(BaseException):
+            await work
+        raise _ClientGone
+    return work.result()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(data: dict) -> bytes:
+    return (
+        b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    )
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """A server-sent event stream that ends (closing its events, which cancels the request) as soon as the client
+    disconnects, whether or not an event is being written."""
+
+    def __init__(self, events: AsyncIterator[bytes]):
+        super().__init__(
+            events, media_type="text/event-stream", headers={"cache-control": "no-cache"}
+        )
+        self.events = events
+
+    async def _send_all(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        async for event in self.events:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await _until_disconnect(receive, self._send_all(send))
+        except (_ClientGone, OSError):
+            pass
+        finally:
+            await self.events.aclose()
+
+
+class _Server(uvicorn.Server):
+    def capture_signals(self):
+        """The serving process handles SIGINT/SIGTERM itself (a graceful stop of both front ends)."""
+        return contextlib.nullcontext()
+
+
+class HttpFrontEnd:
+    """The Starlette app and its uvicorn server. `start` and `stop` run on the server's event loop."""
+
+    def __init__(self, engine: EngineClient, reasoning_parser: str):
+        self.engine = engine
+        model = engine.model
+        self.reasoning = model.thinks if reasoning_parser == "auto" else reasoning_parser != "none"
+        self.port = 0
+        self.app = Starlette(
+            routes=[
+                Route("/health", self.health, methods=["GET"]),
+                Route("/version", self.version, methods=["GET"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            ]
+        )
+        self._server: _Server | None = None
+        self._task: asyncio.Task | None = None
+
+    # Lifecycle.
+
+    async def start(self, host: str, port: int, graceful_s: float) -> int:
+        """Listens on host:port (0: a free port) and returns the port."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app, lifespan="off", log_config=None, access_log=False,
+            timeout_graceful_shutdown=graceful_s,
+        )  # fmt: skip
+        self._server = _Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="http")
+        give_up = time.monotonic() + _STARTUP_TIMEOUT_S
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise RuntimeError("the HTTP server stopped while starting")
+            if time.monotonic() > give_up:
+                raise RuntimeError(f"the HTTP server did not start within {_STARTUP_TIMEOUT_S}s")
+            await asyncio.sleep(0.01)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(Exception):
+                await self._task
+
+    # Plain endpoints.
+
+    async def health(self, request: Request) -> Response:
+        if self.engine.healthy:
+            return Response(status_code=200)
+        return self._error(
+            UnavailableError(
+                "no decode worker is serving (starting up, shutting down, or all lost)"
+            )
+        )
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": _version()})
+
+    async def models(self, request: Request) -> Response:
+        model = self.engine.model
+        card = {
+            "id": model.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+            "root": model.name,
+            "max_model_len": model.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    # Generation.
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, api.COMPLETIONS)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, api.CHAT)
+
+    def _error(self, error: BaseException, what: str = "") -> JSONResponse:
+        if not isinstance(error, PdserveError):
+            logger.error("%s failed", what or "HTTP request", exc_info=error)
+        e = http_error_for(error)
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def _read_json(self, request: Request):
+        limit = 2 * self.engine.limits.max_prompt_bytes + (1 << 20)
+        too_big = InvalidRequestError(
+            "body",
+            f"larger than this server's limit of {limit} bytes (twice router.max_prompt_bytes, plus 1 MiB)",
+        )
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_big
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise too_big
+            parts.append(part)
+        body = b"".join(parts)
+        try:
+            if len(body) > _PARSE_IN_THREAD_BYTES:
+                return await asyncio.to_thread(json.loads, body)
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InvalidRequestError("body", f"not valid JSON ({e})") from None
+
+    def _tokenize(self, req: api.OpenAIRequest) -> list[int]:
+        """The prompt's token ids (runs in a worker thread: templates and tokenizing take CPU)."""
+        model = self.engine.model
+        if req.prompt_ids is not None:
+            check_token_ids(req.prompt_ids, model.vocab_size, "prompt")
+            check_prompt_len(len(req.prompt_ids), model.max_model_len, "prompt")
+            return req.prompt_ids
+        field = "prompt" if req.kind == api.COMPLETIONS else "messages"
+        if model.tokenizer is None:
+            raise InvalidRequestError(
+                field, f"{model.name} has no tokenizer.json: send prompt as token ids instead"
+            )
+        if req.kind == api.COMPLETIONS:
+            text, add_bos = req.prompt_text, True
+        else:
+            if model.chat_template is None:
+                raise InvalidRequestError(
+                    field,
+                    f"{model.name} has no chat template (tokenizer_config.json's chat_template)",
+                )
+            text = model.chat_template.render(
+                req.messages, req.add_generation_prompt, req.chat_template_kwargs
+            )
+            add_bos = False  # the template writes its own BOS, as transformers assumes
+        check_prompt_bytes(text, self.engine.limits, field)
+        ids = model.tokenizer.encode(text, add_bos=add_bos)
+        check_prompt_len(len(ids), model.max_model_len, field)
+        return ids
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        engine = self.engine
+        try:
+            engine.check_ready()
+            req = api.parse(await self._read_json(request), kind)
+            if req.model is not None and req.model != engine.model.name:
+                raise NotFoundError(
+                    f"model {req.model!r:.100} is not served here (this server serves {engine.model.name!r}; "
+                    "see /v1/models)"
+                )
+            prompt_ids = await asyncio.to_thread(self._tokenize, req)
+            params = sampling_params(
+                req.sampling, len(prompt_ids), engine.model, engine.limits, "", req.max_tokens_field
+            )
+            head = api.ResponseHead(api.new_id(kind), engine.model.name)
+            stop = check_stop_strings(req.stop, engine.model, "stop")
+            generation = engine.submit(head.id, prompt_ids, params, None, stop)
+        except Exception as e:  # process boundary
+            return self._error(e, f"{kind} request")
+        try:
+            first = await _until_disconnect(request.receive, _next(generation))
+        except _ClientGone:
+            logger.info("request %s cancelled: the HTTP client disconnected", generation.request_id)
+            generation.cancel()
+            return Response(status_code=499)
+        except Exception as e:  # process boundary
+            generation.cancel()
+            return self._error(e, f"request {generation.request_id}")
+        reasoning = self.reasoning and kind == api.CHAT
+        if req.stream:
+            return _EventStream(self._events(req, head, generation, first, reasoning))
+        try:
+            return await _until_disconnect(
+                request.receive, self._whole(req, head, generation, first, reasoning)
+            )
+        except _ClientGone:
+            logger.info("request %s cancelled: the HTTP client disconnected", generation.request_id)
+            return Response(status_code=499)
+        except Exception as e:  # process boundary
+            return self._error(e, f"request {generation.request_id}")
+        finally:
+            generation.cancel()
+
+    async def _whole(
+        self, req: api.OpenAIRequest, head: api.ResponseHead, generation: Generation, first: Chunk,
+        reasoning: bool,
+    ) -> Response:  # fmt: skip
+        pieces, chunk = [first.text], first
+        while chunk.finish_reason is None:
+            chunk = await _next(generation)
+            pieces.append(chunk.text)
+        text = "".join(pieces)
+        usage = api.usage(chunk.num_prompt_tokens, chunk.num_generated_tokens)
+        if req.kind == api.COMPLETIONS:
+            return JSONResponse(api.completion(head, text, chunk.finish_reason, usage=usage))
+        if reasoning:
+            thought, content = split_reasoning(text)
+            message = api.chat_message(content, thought)
+        else:
+            message = api.chat_message(text, None)
+        return JSONResponse(api.chat_completion(head, message, chunk.finish_reason, usage))
+
+    async def _events(
+        self, req: api.OpenAIRequest, head: api.ResponseHead, generation: Generation, first: Chunk,
+        reasoning: bool,
+    ) -> AsyncIterator[bytes]:  # fmt: skip
+        chat = req.kind == api.CHAT
+        extra = {"usage": None} if req.include_usage else {}
+        splitter = ReasoningSplitter() if reasoning else None
+        try:
+            if chat:
+                role = {"role": "assistant", "content": ""}
+                yield _sse(api.chat_chunk(head, role, None, **extra))
+            chunk = first
+            while True:
+                last, delta = chunk.finish_reason is not None, chunk.text
+                if chat:
+                    if body := _chat_delta(splitter, delta, last):
+                        yield _sse(api.chat_chunk(head, body, None, **extra))
+                elif delta:
+                    yield _sse(api.completion(head, delta, None, **extra))
+                if last:
+                    break
+                chunk = await _next(generation)
+            if chat:
+                yield _sse(api.chat_chunk(head, {}, chunk.finish_reason, **extra))
+            else:
+                yield _sse(api.completion(head, "", chunk.finish_reason, **extra))
+            if req.include_usage:
+                usage = api.usage(chunk.num_prompt_tokens, chunk.num_generated_tokens)
+                yield _sse(api.usage_chunk(head, req.kind, usage))
+        except (
+            Exception
+        ) as e:  # process boundary: the status line is sent, so the error is an event
+            if not isinstance(e, PdserveError):
+                logger.error("request %s failed", generation.request_id, exc_info=e)
+            yield _sse(http_error_for(e).body())
+        finally:
+            generation.cancel()
+        yield _DONE
+
+
+def _chat_delta(splitter: ReasoningSplitter | None, text: str, last: bool) -> dict[str, str]:
+    """A chat stream's delta for `text` (empty: nothing to send); `last` flushes what the splitter held."""
+    if splitter is None:
+        return {"content": text} if text else {}
+    thought, content = splitter.push(text)
+    if last:
+        more_thought, more_content = splitter.flush()
+        thought, content = thought + more_thought, content + more_content
+    body = {}
+    if thought:
+        body["reasoning_content"] = body["reasoning"] = thought
+    if content:
+        body["content"] = content
+    return body
+
+
+async def _next(generation: Generation) -> Chunk:
+    """The next chunk; an abort (the server shutting down) is an error here."""
+    chunk = await anext(generation)
+    if chunk.finish_reason == FinishReason.ABORT:
+        raise UnavailableError(chunk.error or "the server is shutting down")
+    return chunk

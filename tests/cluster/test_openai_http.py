@@ -1,0 +1,339 @@
+"""The OpenAI-compatible HTTP API end to end on CPU, through the official `openai` client: a real `PdServer` (one
+prefill and one decode worker as Ray actors) serving gRPC and HTTP side by side. Greedy outputs equal the offline
+path's for the same prompt tokens, streamed or whole; usage counts right; chat prompts are the checkpoint's
+template as transformers renders and tokenizes it; reasoning is split from content; a client that disconnects
+mid-stream frees its pages on both workers; bad parameters are 400 naming them."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from pdserve.cluster.client import Client, generate_request
+from pdserve.model.tokenizer import THINK_END, Tokenizer
+from pdserve.v1 import generation_pb2
+
+from .conftest import start_server, wait_for
+
+PROMPT_BYTES = 16 << 10
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, model_dir):
+    with start_server(
+        model_dir, router={"http_port": 0, "max_prompt_bytes": PROMPT_BYTES}
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    return openai.OpenAI(base_url=server.http_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def grpc_client(server):
+    with Client(server.address) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return Tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def chat_ids(model_dir):
+    """A chat prompt's token ids as transformers templates and tokenizes it."""
+    hf = AutoTokenizer.from_pretrained(str(model_dir))
+
+    def ids(messages) -> list[int]:
+        text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return hf(text, add_special_tokens=False)["input_ids"]
+
+    return ids
+
+
+def model_name(server) -> str:
+    return server.server.model.name
+
+
+def greedy(max_tokens: int) -> dict:
+    return {"max_tokens": max_tokens, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def all_pages_free(client: Client) -> bool:
+    status = client.status()
+    used = [w.kv_pages_used for pool in status.pools for w in pool.workers]
+    return status.num_requests == 0 and not any(used)
+
+
+def test_models_health_and_version(server, api):
+    assert [m.id for m in api.models.list().data] == [model_name(server)]
+    root = server.http_url.removesuffix("/v1")
+    with urllib.request.urlopen(f"{root}/health", timeout=10) as reply:
+        assert reply.status == 200
+    with urllib.request.urlopen(f"{root}/version", timeout=10) as reply:
+        assert "version" in json.loads(reply.read())
+
+
+def test_completion_from_token_ids_equals_offline(server, api, reference, tokenizer):
+    prompt = [0, *range(40, 70)]
+    expected = reference(prompt, 12)
+    reply = api.completions.create(model=model_name(server), prompt=prompt, **greedy(12))
+    (choice,) = reply.choices
+    assert choice.text == tokenizer.decode(expected)
+    assert choice.finish_reason == "length"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt), 12)
+    assert reply.usage.total_tokens == len(prompt) + 12
+
+
+def test_streamed_text_completion_equals_offline_with_usage(server, api, reference, tokenizer):
+    text = "The quick brown fox"
+    prompt = tokenizer.encode(text)
+    expected = reference(prompt, 10)
+    stream = api.completions.create(
+        model=model_name(server), prompt=text, stream=True,
+        stream_options={"include_usage": True}, **greedy(10),
+    )  # fmt: skip
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == tokenizer.decode(expected)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and not any(finishes[:-1])
+    *body, last = chunks
+    assert not last.choices and all(c.usage is None for c in body)
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), 10)
+
+
+def test_chat_whole_and_streamed_equal_offline(server, api, reference, tokenizer, chat_ids):
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour."},
+    ]
+    prompt = chat_ids(messages)
+    expected = tokenizer.decode(reference(prompt, 16))
+    reply = api.chat.completions.create(model=model_name(server), messages=messages, **greedy(16))
+    (choice,) = reply.choices
+    message = choice.message
+    assert message.role == "assistant" and choice.finish_reason == "length"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt), 16)
+    # The template opened a think block: until the model closes it, its text is reasoning.
+    reasoning, closed, content = expected.partition(THINK_END)
+    assert (message.reasoning_content or "", message.content or "") == (
+        (reasoning, content) if closed else (expected, "")
+    )
+    assert message.reasoning == message.reasoning_content
+
+    stream = api.chat.completions.create(
+        model=model_name(server), messages=messages, stream=True,
+        stream_options={"include_usage": True}, **greedy(16),
+    )  # fmt: skip
+    chunks = list(stream)
+    first = chunks[0].choices[0].delta
+    assert first.role == "assistant"
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed_reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    streamed_content = "".join(d.content or "" for d in deltas)
+    assert (streamed_reasoning, streamed_content) == (
+        message.reasoning_content or "",
+        message.content or "",
+    )
+    assert chunks[-1].usage.completion_tokens == 16
+
+
+def test_reasoning_and_content_split_in_whole_and_streamed_replies(
+    server, api, reference, tokenizer, chat_ids
+):
+    # Random weights close the think block only for some prompts: find one among a few questions.
+    questions = [
+        [{"role": "user", "content": f"Question {i}: what is {i}+{i}?"}] for i in range(32)
+    ]
+
+    def ask(messages):
+        return api.chat.completions.create(
+            model=model_name(server), messages=messages, **greedy(24)
+        )
+
+    with ThreadPoolExecutor(16) as pool:
+        replies = list(pool.map(ask, questions))
+    found = [
+        (q, r) for q, r in zip(questions, replies, strict=True) if r.choices[0].message.content
+    ]
+    assert found, "no question made the tiny model close its think block"
+    messages, reply = found[0]
+    expected = tokenizer.decode(reference(chat_ids(messages), 24))
+    reasoning, closed, content = expected.partition(THINK_END)
+    assert closed
+    message = reply.choices[0].message
+    assert (message.reasoning_content, message.content) == (reasoning or None, content)
+    assert THINK_END not in message.content + (message.reasoning_content or "")
+
+    stream = api.chat.completions.create(
+        model=model_name(server), messages=messages, stream=True, **greedy(24)
+    )
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    streamed_reasoning = "".join(getattr(d, "reasoning", None) or "" for d in deltas)
+    streamed_content = "".join(d.content or "" for d in deltas)
+    assert (streamed_reasoning, streamed_content) == (reasoning, content)
+    # Reasoning comes first, then content: no delta carries reasoning after content began.
+    began = [i for i, d in enumerate(deltas) if d.content]
+    assert not any(getattr(d, "reasoning", None) for d in deltas[began[0] :])
+
+
+def test_disconnect_mid_stream_frees_pages_on_both_workers(server, api, grpc_client):
+    stream = api.completions.create(
+        model=model_name(server), prompt=[0, *range(10, 200)], stream=True, **greedy(3000)
+    )
+    chunks = iter(stream)
+    for _ in range(3):
+        assert next(chunks).choices[0].finish_reason is None
+    status = grpc_client.status()
+    held = {w.worker_id: w.kv_pages_used for pool in status.pools for w in pool.workers}
+    assert status.num_requests == 1 and held["decode-0"] > 0, held
+    stream.close()
+    wait_for(lambda: all_pages_free(grpc_client), 10, "pages freed after the client disconnected")
+
+
+def test_disconnect_during_prefill_frees_pages_on_both_workers(server, api, grpc_client, caplog):
+    # About half a second of prefill on a CPU: the response has not started when the client leaves.
+    caplog.set_level(logging.INFO, logger="pdserve.cluster.http_server")
+    prompt = [0, *[(7 * i) % 900 + 3 for i in range(2000)]]
+    body = {"model": model_name(server), "prompt": prompt, "max_tokens": 2000, "stream": True}
+    url = urllib.parse.urlsplit(server.http_url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    connection.request(
+        "POST", f"{url.path}/completions", json.dumps(body), {"content-type": "application/json"}
+    )
+
+    def pages_in_use() -> dict[str, int]:
+        return {w.worker_id: w.kv_pages_used for p in grpc_client.status().pools for w in p.workers}
+
+    held = wait_for(
+        lambda: (p := pages_in_use())["prefill-0"] > 0 and p, 30,
+        "the prompt on the prefill worker", interval_s=0.01,
+    )  # fmt: skip
+    assert held["decode-0"] > 0, held
+    connection.close()
+    wait_for(lambda: all_pages_free(grpc_client), 5, "pages freed after a disconnect in prefill")
+    assert "cancelled: the HTTP client disconnected" in caplog.text  # before its first chunk
+    reply = api.completions.create(model=model_name(server), prompt=[0, 1, 2], **greedy(2))
+    assert reply.choices[0].finish_reason == "length"  # still serving
+
+
+@pytest.mark.parametrize(
+    "params, param",
+    [
+        ({"n": 2}, "n"),
+        ({"stop": ["x"] * 33}, "stop"),
+        ({"logprobs": True}, "logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"extra_body": {"min_tokens": 2}}, "min_tokens"),
+        ({"extra_body": {"stop_token_ids": [10**6]}}, "stop_token_ids"),
+    ],
+)
+def test_bad_chat_parameter_is_400_naming_it(server, api, params, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(
+            model=model_name(server), messages=[{"role": "user", "content": "hi"}], **params
+        )
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param and e.value.body["type"] == "invalid_request_error"
+
+
+def test_context_overflow_states_the_limit_and_what_was_asked(server, api):
+    limit = server.server.model.max_model_len
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(model=model_name(server), prompt=[0, 5, 6], max_tokens=limit)
+    assert e.value.body["param"] == "max_tokens"
+    message = e.value.body["message"]
+    assert f"prompt (3 tokens) + max_tokens ({limit})" in message and f"{limit} tokens" in message
+
+
+def test_unknown_model_is_404_and_the_server_keeps_serving(server, api, reference, tokenizer):
+    with pytest.raises(openai.NotFoundError):
+        api.completions.create(model="gpt-4o", prompt=[0, 5], max_tokens=2)
+    request = urllib.request.Request(
+        f"{server.http_url}/completions", data=b"{not json", method="POST",
+        headers={"content-type": "application/json"},
+    )  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=10)
+    assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "body"
+    reply = api.completions.create(model=model_name(server), prompt=[0, 5, 6, 7], **greedy(4))
+    assert reply.choices[0].text == tokenizer.decode(reference([0, 5, 6, 7], 4))
+
+
+def test_stop_string_spanning_tokens_ends_the_text_before_it(
+    server, api, grpc_client, reference, tokenizer
+):
+    prompt = [0, *range(100, 130)]
+    ids = reference(prompt, 16)
+    whole = tokenizer.decode(ids)
+    # A stop string across the token boundary nearest the middle of the output.
+    bounds = [
+        b for k in range(1, len(ids)) if whole.startswith(text := tokenizer.decode(ids[:k]))
+        and 2 <= (b := len(text)) <= len(whole) - 2
+    ]  # fmt: skip
+    b = min(bounds, key=lambda b: abs(b - len(whole) // 2))
+    stop = whole[b - 2 : b + 2]
+    expected = whole[: whole.find(stop)]
+    assert len(expected) < len(whole)
+
+    reply = api.completions.create(model=model_name(server), prompt=prompt, stop=stop, **greedy(16))
+    (choice,) = reply.choices
+    assert (choice.text, choice.finish_reason) == (expected, "stop")
+    assert reply.usage.completion_tokens < 16
+    stream = api.completions.create(
+        model=model_name(server), prompt=prompt, stop=[stop, "never there"], stream=True, **greedy(16)
+    )  # fmt: skip
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.text for c in chunks) == expected and chunks[-1].finish_reason == "stop"
+
+    request = generate_request(prompt, max_tokens=16, temperature=0.0, ignore_eos=True, stop=[stop])
+    replies = list(grpc_client.generate(request, timeout_s=60))
+    assert "".join(r.text for r in replies) == expected
+    assert replies[-1].finish_reason == generation_pb2.FINISH_REASON_STOP
+    # The workers were told to stop: the request's pages are freed.
+    wait_for(lambda: all_pages_free(grpc_client), 10, "pages freed after a stop string")
+
+
+def test_prompt_and_body_sizes_are_refused_naming_the_limit(server, api, grpc_client):
+    text = "word " * (PROMPT_BYTES // 5 + 1)
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(model=model_name(server), prompt=text, max_tokens=2)
+    assert e.value.body["param"] == "prompt"
+    assert f"at most {PROMPT_BYTES} (router.max_prompt_bytes)" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(
+            model=model_name(server), messages=[{"role": "user", "content": text}], max_tokens=2
+        )
+    assert e.value.body["param"] == "messages"
+    # A body declared too large is refused before it is read (so none is sent here).
+    url = urllib.parse.urlsplit(server.http_url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    connection.putrequest("POST", f"{url.path}/completions")
+    connection.putheader("content-type", "application/json")
+    connection.putheader("content-length", str(2 * PROMPT_BYTES + (1 << 20) + 1))
+    connection.endheaders()
+    reply = connection.getresponse()
+    assert reply.status == 400 and json.loads(reply.read())["error"]["param"] == "body"
+    connection.close()
+    with pytest.raises(grpc.RpcError) as e:
+        list(grpc_client.generate(generate_request(text, max_tokens=2), timeout_s=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        e.value.details().startswith("prompt: ") and "router.max_prompt_bytes" in e.value.details()
+    )
