@@ -25,7 +25,7 @@ from torch import nn
 from .. import kernels
 from .args import QUANT_BLOCK, ModelArgs, stacked_rows
 from .batch import ForwardBatch
-from .expert_exchange import ExpertExchange, make_exchange
+from .expert_exchange import ExpertExchange, make_exchange, reduce_tree
 from .kv_cache import PagedKVCache
 from .parallel import SINGLE_RANK, ParallelLayout
 from .shared_expert import FUSED_SHARED_MAX_TOKENS, alias_slot, can_fuse_shared
@@ -341,11 +341,13 @@ class Experts(nn.Module):
         return self.w13_scale_inv is not None
 
     def forward(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, x_q=None
-    ) -> torch.Tensor:
-        """x_q: x quantized (fp8 experts only), as `kernels.fused_moe` takes it."""
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, x_q=None,
+        tree: tuple[int, int] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """x_q: x quantized (fp8 experts only), as `kernels.fused_moe` takes it; tree: its sum order (then
+        fp32)."""
         return kernels.fused_moe(
-            x, self.w13, self.w2, weights, ids, self.w13_scale_inv, self.w2_scale_inv, x_q
+            x, self.w13, self.w2, weights, ids, self.w13_scale_inv, self.w2_scale_inv, x_q, tree
         )
 
 
@@ -357,7 +359,12 @@ class MoE(nn.Module):
 
     Expert-parallel (`exchange` set): the gate routes as on one rank, the exchange carries each (token, slot)
     to the rank holding its expert and the outputs back (`expert_exchange.py`); the shared expert runs on the
-    token's home rank as its own MLP."""
+    token's home rank as its own MLP.
+
+    Batch-invariant mode sums a token's routed outputs as a tree over `REDUCE_GROUPS` groups of experts
+    (`kernels.fused_moe`'s `tree`): each rank of an expert-parallel group sums its own groups' subtree and the
+    exchange adds the ranks' subtrees as the tree's top levels, so a token gets the same bits on one GPU and
+    on N (N dividing `REDUCE_GROUPS`, the experts a multiple of it)."""
 
     def __init__(
         self, args: ModelArgs, dtype: torch.dtype, is_fp8: IsFp8, path: str,
@@ -382,6 +389,8 @@ class MoE(nn.Module):
         self.experts = Experts(args, dtype, experts_fp8, int(self.fused_shared), layout)
         if self.fused_shared:
             alias_slot(self.shared_experts, self.experts, args.n_routed_experts)
+        self.tree = reduce_tree(args.n_routed_experts, layout.expert_parallel)
+        """`kernels.fused_moe`'s tree for this rank's experts in batch-invariant mode (None: slot order)."""
 
     def forward(
         self, x: torch.Tensor, x_q: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -390,6 +399,10 @@ class MoE(nn.Module):
         if self.exchange is not None:
             return self._forward_expert_parallel(x, x_q)
         expert_x_q = x_q if self.experts.is_fp8 else None
+        if self.tree is not None and kernels.batch_invariant():
+            weights, ids = self.gate(x)
+            y = self.experts(x, weights, ids, expert_x_q, tree=self.tree).to(x.dtype)
+            return y if self.shared_experts is None else y + self._shared(x, x_q)
         if (
             self.fused_shared
             and x.shape[0] <= FUSED_SHARED_MAX_TOKENS
@@ -411,12 +424,13 @@ class MoE(nn.Module):
         """Collective over the expert-parallel group: every rank calls it, with zero tokens too."""
         weights, ids = self.gate(x)  # [T, k] each
         local, handle = self.exchange.dispatch(x, ids, weights)
+        tree = self.tree if kernels.batch_invariant() else None
         if local.num_rows:
             # x travels in the activation dtype: fp8 experts quantize it here
-            y = self.experts(local.x, local.topk_weights, local.topk_ids)  # [R, D]
-        else:
-            y = local.x.new_empty(0, x.shape[1])
-        out = self.exchange.combine(y, handle)  # [T, D]
+            y = self.experts(local.x, local.topk_weights, local.topk_ids, tree=tree)  # [R, D]
+        else:  # every rank sends the same dtype: fp32 subtrees in the tree's mode
+            y = local.x.new_empty(0, x.shape[1], dtype=x.dtype if tree is None else torch.float32)
+        out = self.exchange.combine(y, handle, tree=tree is not None)  # [T, D]
         if self.shared_experts is None:
             return out
         return out + self._shared(x, x_q)

@@ -31,6 +31,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from ..kernels.fused_moe.ref import tree_sum
 from .errors import ConfigError
 from .parallel import ParallelLayout
 
@@ -41,6 +42,21 @@ ALL_GATHER_MAX_EP = 8
 rows an all-to-all moves, and saves its count exchange, host sync and uneven splits; beyond, the bytes win."""
 
 CombineMode = Literal["all_to_all", "reduce_scatter"]
+
+REDUCE_GROUPS = 8
+"""Groups of consecutive experts a token's routed outputs are summed over as a tree in batch-invariant mode
+(`kernels.fused_moe`'s `tree`); expert-parallel sizes dividing it give one GPU's bits."""
+
+
+def reduce_tree(num_experts: int, expert_parallel: int) -> tuple[int, int] | None:
+    """The `tree` a rank of `expert_parallel` ranks passes `fused_moe` for its share of `num_experts` routed
+    experts: its REDUCE_GROUPS / N groups of num_experts / REDUCE_GROUPS experts each. None where the split
+    does not fall on whole groups (then the ranks' sums follow slot order: batch-invariant within the
+    layout, not across layouts)."""
+    if num_experts % REDUCE_GROUPS or REDUCE_GROUPS % expert_parallel:
+        return None
+    return REDUCE_GROUPS // expert_parallel, num_experts // REDUCE_GROUPS
+
 
 # torch 2.13 renamed the single-tensor all-gather and reduce-scatter (the old names warn); older torch
 # (the floor is 2.6) has only the old ones
@@ -97,7 +113,9 @@ class ExpertExchange(abc.ABC):
     ) -> tuple[ExpertBatch, object]: ...
 
     @abc.abstractmethod
-    def combine(self, y: torch.Tensor, handle: object) -> torch.Tensor: ...
+    def combine(self, y: torch.Tensor, handle: object, tree: bool = False) -> torch.Tensor:
+        """tree: y holds each row's fp32 subtree of `fused_moe`'s tree sum; the ranks' subtrees of a token are
+        added as the tree's top levels (`tree_sum`, in rank order)."""
 
     def _local_ids(self, topk_ids: torch.Tensor, rank: torch.Tensor | int) -> torch.Tensor:
         """Global ids [R, k] -> `rank`'s local ids ([R] or one rank), experts per rank where another rank's
@@ -220,9 +238,14 @@ class AllGatherExchange(ExpertExchange):
         batch = self._unpack_rows(gathered, k, x.shape[1], x.dtype)  # R = N * C rows, by rank
         return batch, _AllGatherHandle(num_tokens, capacity, x.dtype)
 
-    def combine(self, y, handle: _AllGatherHandle):  # type: ignore[override]
+    def combine(self, y, handle: _AllGatherHandle, tree: bool = False):  # type: ignore[override]
         world, group = self.layout.world_size, self.layout.group
         capacity, dim = handle.capacity, y.shape[1]
+        if tree:
+            back = torch.empty_like(y)  # [N * C, D] fp32 subtrees
+            dist.all_to_all_single(back, y.contiguous(), group=group)
+            parts = back.view(world, capacity, dim)[:, : handle.num_tokens]
+            return tree_sum(parts, 0).to(handle.out_dtype)
         if self.combine_by == "reduce_scatter":
             out = y.new_empty(capacity, dim, dtype=torch.float32)
             _reduce_scatter(out, y.float().contiguous(), group=group)
@@ -274,11 +297,22 @@ class AllToAllExchange(ExpertExchange):
         batch = self._unpack_rows(received, k, x.shape[1], x.dtype)
         return batch, _AllToAllHandle(tokens, send_counts, recv_counts, num_tokens, x.dtype)
 
-    def combine(self, y, handle: _AllToAllHandle):  # type: ignore[override]
+    def combine(self, y, handle: _AllToAllHandle, tree: bool = False):  # type: ignore[override]
         back = y.new_empty(handle.tokens.shape[0], y.shape[1])  # [S, D]
         dist.all_to_all_single(
             back, y.contiguous(), handle.send_counts, handle.recv_counts, group=self.layout.group
         )
+        if tree:  # each rank's subtree of a token in its own slot (zero where it holds none of its experts)
+            world = len(handle.send_counts)
+            parts = torch.zeros(
+                world, handle.num_tokens, y.shape[1], dtype=y.dtype, device=y.device
+            )
+            start = 0
+            for rank, count in enumerate(handle.send_counts):
+                rows = slice(start, start + count)
+                parts[rank].index_copy_(0, handle.tokens[rows], back[rows])
+                start += count
+            return tree_sum(parts, 0).to(handle.out_dtype)
         out = torch.zeros(handle.num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
         start = 0
         for count in handle.send_counts:  # rank order; a token appears at most once per rank
@@ -296,7 +330,8 @@ class AllReduceExchange(ExpertExchange):
         ids = self._local_ids(topk_ids.long(), self.layout.ep_rank)
         return ExpertBatch(x, ids, topk_weights.float()), x.dtype
 
-    def combine(self, y, handle: torch.dtype):  # type: ignore[override]
+    def combine(self, y, handle: torch.dtype, tree: bool = False):  # type: ignore[override]
+        # the group's sum order is the collective's: a tree only with two ranks (a + b either way)
         partial = y.float()
         dist.all_reduce(partial, group=self.layout.group)
         return partial.to(handle)

@@ -16,10 +16,11 @@ def fused_moe(
     w13_scale_inv: torch.Tensor | None = None,
     w2_scale_inv: torch.Tensor | None = None,
     x_q: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tree: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """See `ref.fused_moe` for the contract."""
     return implementation(__name__, x).fused_moe(
-        x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, x_q
+        x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, x_q, tree
     )
 
 

@@ -29,7 +29,7 @@ from ..fp8_quant_triton import empty_quantized, quantize_rows, quantize_tile
 from ..tile_order import tile_of
 from . import gluon_sm90
 from ._triton_layout import align_rows, permute_rows
-from .ref import check_x_q
+from .ref import check_tree, check_x_q
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -257,6 +257,44 @@ def _combine_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+@triton.jit
+def _combine_tree_kernel(
+    y_ptr, row_of_ptr, w_ptr, ids_ptr, out_ptr, hidden, top_k, group_size,
+    stride_ym, stride_wt, stride_wk, stride_it, stride_ik, stride_ot,
+    GROUPS: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """`_combine_kernel` summed as `ref.tree_combine` says: per group of experts in slot order, then the
+    groups as a balanced binary tree; stores fp32."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs < hidden
+    groups = tl.arange(0, GROUPS)
+    acc = tl.zeros((GROUPS, BLOCK_D), dtype=tl.float32)
+    for j in range(top_k):
+        row = tl.load(row_of_ptr + t * top_k + j)
+        weight = tl.load(w_ptr + t * stride_wt + j * stride_wk).to(tl.float32)
+        expert = tl.load(ids_ptr + t * stride_it + j * stride_ik).to(tl.int64)
+        group = tl.where(row >= 0, expert // group_size, -1)  # another rank's expert: no group here
+        y = tl.load(
+            y_ptr + tl.maximum(row, 0).to(tl.int64) * stride_ym + offs,
+            mask=d_mask & (tl.zeros_like(offs) + row >= 0),
+            other=0.0,
+        )
+        contribution = weight * y.to(tl.float32)
+        acc += tl.where((groups == group)[:, None], contribution[None, :], 0.0)
+    # the balanced tree: neighbours first, each level one exact-order add per pair
+    if GROUPS >= 16:
+        acc = tl.sum(tl.reshape(acc, (8, 2, BLOCK_D)), axis=1)
+    if GROUPS >= 8:
+        acc = tl.sum(tl.reshape(acc, (4, 2, BLOCK_D)), axis=1)
+    if GROUPS >= 4:
+        acc = tl.sum(tl.reshape(acc, (2, 2, BLOCK_D)), axis=1)
+    if GROUPS >= 2:
+        acc = tl.sum(tl.reshape(acc, (1, 2, BLOCK_D)), axis=1)
+    out_ptrs = out_ptr + t.to(tl.int64) * stride_ot + offs
+    tl.store(out_ptrs, tl.reshape(acc, (BLOCK_D,)), mask=d_mask)
+
+
 # ---- launcher ------------------------------------------------------------------------------------
 def _check_inputs(
     x: torch.Tensor,
@@ -333,24 +371,27 @@ def fused_moe(
     w13_scale_inv: torch.Tensor | None = None,
     w2_scale_inv: torch.Tensor | None = None,
     x_q: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tree: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """x: [T, D]; w13: [E, 2I, D]; w2: [E, D, I]; topk_weights: [T, k] fp32; topk_ids: [T, k] int.
 
     Scales (fp8 only): w13_scale_inv [E, ceil(2I/128), ceil(D/128)],
     w2_scale_inv [E, ceil(D/128), ceil(I/128)]. x_q (fp8 only): x already quantized, as
     `ref.fused_moe` says; no quantization launch of its own then. An id outside [0, E) contributes
-    nothing (used for experts owned by another rank). Returns [T, D].
+    nothing (used for experts owned by another rank). tree: `ref.fused_moe`'s. Returns [T, D].
     """
     fp8 = _check_inputs(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv)
     check_x_q(x, x_q, fp8)
+    check_tree(tree)
     num_tokens, hidden = x.shape
     num_experts, top_k = w13.shape[0], topk_ids.shape[1]
-    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    out_dtype = x.dtype if tree is None else torch.float32
+    out = torch.empty((num_tokens, hidden), dtype=out_dtype, device=x.device)
     if num_tokens == 0 or top_k == 0:
         return out.zero_()
     cfg = tuning.lookup("fused_moe", _config_key(fp8, num_tokens * top_k, num_experts), x.device)
     return _fused_moe(
-        x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, cfg, out, x_q
+        x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, cfg, out, x_q, tree
     )
 
 
@@ -411,6 +452,7 @@ def _fused_moe(
     cfg: dict,
     out: torch.Tensor,
     x_q: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tree: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """fused_moe with an explicit launch config (tests and the sweep pass their own)."""
     fp8 = w13_scale_inv is not None
@@ -455,7 +497,7 @@ def _fused_moe(
         gluon_sm90.gate_up(x_in, x_scales, w13, w13_s, act, act_scales, tile_expert, cfg)
         if cfg.get("gluon_down", True):
             gluon_sm90.down(act, act_scales, w2, w2_s, y, tile_expert, cfg)
-            return _combine(y, row_of, topk_weights, out)
+            return _combine(y, row_of, topk_weights, out, topk_ids, tree)
     else:
         bn1, bk1 = cfg["BLOCK_N1"], cfg["BLOCK_K1"]
         w13_arg, tma1 = _weight_operand(w13, bn1, bk1, cfg.get("tma", False))
@@ -478,15 +520,29 @@ def _fused_moe(
     tiles2 = (cfg["BLOCK_N2"], cfg["BLOCK_K2"], cfg["warps2"], cfg["stages2"])
     _grouped_gemm(act, act_scales, w2, w2_s, y, ends=ends, num_pid_m=num_pid_m, fp8=fp8, cfg=cfg,
                   tiles=tiles2, tma_a=cfg.get("tma_act", False))  # fmt: skip
-    return _combine(y, row_of, topk_weights, out)
+    return _combine(y, row_of, topk_weights, out, topk_ids, tree)
 
 
 def _combine(
-    y: torch.Tensor, row_of: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor
+    y: torch.Tensor,
+    row_of: torch.Tensor,
+    topk_weights: torch.Tensor,
+    out: torch.Tensor,
+    topk_ids: torch.Tensor | None = None,
+    tree: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Step 5: out[t] = sum_j topk_weights[t, j] * y[row_of[t, j]]."""
+    """Step 5: out[t] = sum_j topk_weights[t, j] * y[row_of[t, j]] (in slot order, or by `tree`)."""
     num_tokens, hidden = out.shape
     top_k = topk_weights.shape[1]
+    if tree is not None:
+        groups, group_size = tree
+        block_d = max(16, min(1024, triton.next_power_of_2(hidden), 8192 // groups))
+        _combine_tree_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
+            y, row_of, topk_weights, topk_ids, out, hidden, top_k, group_size,
+            y.stride(0), topk_weights.stride(0), topk_weights.stride(1), topk_ids.stride(0),
+            topk_ids.stride(1), out.stride(0), GROUPS=groups, BLOCK_D=block_d, num_warps=4,
+        )  # fmt: skip
+        return out
     block_d = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block_d))](
         y, row_of, topk_weights, out, hidden, top_k,
