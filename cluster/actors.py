@@ -9,8 +9,10 @@ the process exits so that Ray reports the worker dead and the router fails its r
 
 A worker of several ranks (`ranks` > 1 in its role config) runs in a placement group of one bundle per rank: the
 shell is rank 0 on bundle 0 and starts ranks 1..N-1 as Ray actors on the other bundles (`RayRankLauncher`),
-all joined by one torch.distributed group (NCCL on GPUs, gloo on CPU); each rank loads only its shard. Its KV
-cache takes part in no transfer yet, so such a decode worker serves aggregated requests only. When a rank is
+all joined by one torch.distributed group (NCCL on GPUs, gloo on CPU); each rank loads only its shard. A
+prefill worker sends from rank 0 (its ranks are tensor-parallel: the same latent cache on each); each
+data-parallel rank of a decode worker receives its own requests' KV pages (`pdserve.engine.rank_kv`). Before
+`ready` answers, the worker runs its warm-up (every prompt size and decode graph bucket it will run). When a rank is
 lost the worker fails its requests and its loop dies, which ends the shell's process as above (its rank
 actors go with it: Ray ends the actors an actor owns)."""
 

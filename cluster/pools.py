@@ -118,7 +118,8 @@ class Launcher:
                 await asyncio.wait_for(group.ready(), cluster.placement_timeout_s)
             except TimeoutError:
                 raise CapacityError(
-                    f"cannot place {worker_id}: {bundles[0]} not free on any node within "
+                    f"cannot place {worker_id}: {len(bundles)} x {bundles[0]} not free where its placement "
+                    "allows (one node, or one NVLink domain with cluster.rank_span=nvlink_domain) within "
                     f"{cluster.placement_timeout_s:g}s (available: "
                     f"{_rounded(ray.available_resources())})"
                 ) from None
