@@ -423,11 +423,19 @@ class MoE(nn.Module):
     def _forward_expert_parallel(self, x: torch.Tensor, x_q) -> torch.Tensor:
         """Collective over the expert-parallel group: every rank calls it, with zero tokens too."""
         weights, ids = self.gate(x)  # [T, k] each
-        local, handle = self.exchange.dispatch(x, ids, weights)
+        # fp8 experts: x travels quantized (as their GEMM takes it), or in the activation dtype to be quantized
+        # there (layout.dispatch_fp8 off); every rank sends the same kind of message
+        if self.experts.is_fp8 and x_q is None and x.shape[0]:
+            x_q = kernels.quantize_act(x)
+        local, handle = self.exchange.dispatch(
+            x, ids, weights, x_q if self.experts.is_fp8 else None
+        )
         tree = self.tree if kernels.batch_invariant() else None
         if local.num_rows:
-            # x travels in the activation dtype: fp8 experts quantize it here
-            y = self.experts(local.x, local.topk_weights, local.topk_ids, tree=tree)  # [R, D]
+            rows = local.x
+            if rows is None:  # fused_moe reads x_q and only the shape and dtype of x
+                rows = torch.empty(local.num_rows, x.shape[1], dtype=x.dtype, device=x.device)
+            y = self.experts(rows, local.topk_weights, local.topk_ids, local.x_q, tree=tree)
         else:  # every rank sends the same dtype: fp32 subtrees in the tree's mode
             y = local.x.new_empty(0, x.shape[1], dtype=x.dtype if tree is None else torch.float32)
         out = self.exchange.combine(y, handle, tree=tree is not None)  # [T, D]
@@ -440,7 +448,13 @@ class MoE(nn.Module):
         assert self.exchange is not None
         dim = self.gate.weight.shape[1]
         x = self.gate.weight.new_empty(0, dim)
-        self._forward_expert_parallel(x, None)
+        x_q = None
+        if self.experts.is_fp8:  # the same message layout as the ranks with tokens send
+            x_q = (
+                x.new_empty(0, dim, dtype=torch.float8_e4m3fn),
+                x.new_empty(0, -(-dim // 128), dtype=torch.float32),
+            )
+        self._forward_expert_parallel(x, x_q)
 
 
 class Block(nn.Module):

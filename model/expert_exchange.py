@@ -31,6 +31,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from ..kernels.fp8_quant import ACT_QUANT_GROUP
 from ..kernels.fused_moe.ref import tree_sum
 from .errors import ConfigError
 from .parallel import ParallelLayout
@@ -70,13 +71,15 @@ class ExpertBatch:
     weighted sum over j of topk_weights[i, j] * expert topk_ids[i, j](x[i]), where ids outside
     [0, experts per rank) belong to other ranks (or to no token: padding) and contribute nothing."""
 
-    x: torch.Tensor  # [R, D] in the activation dtype
+    x: torch.Tensor | None  # [R, D] in the activation dtype; None when the rows came quantized
     topk_ids: torch.Tensor  # [R, k] int64, local expert ids (>= experts per rank: not here)
     topk_weights: torch.Tensor  # [R, k] fp32
+    x_q: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The rows quantized, (e4m3 [R, D], fp32 scales [R, D / 128]), as `kernels.fused_moe` takes them."""
 
     @property
     def num_rows(self) -> int:
-        return self.x.shape[0]
+        return self.topk_ids.shape[0]
 
 
 class ExpertExchange(abc.ABC):
@@ -109,8 +112,10 @@ class ExpertExchange(abc.ABC):
 
     @abc.abstractmethod
     def dispatch(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> tuple[ExpertBatch, object]: ...
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        x_q: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[ExpertBatch, object]:  # fmt: skip
+        """x_q: x quantized for fp8 experts (every rank gives it, or none): the rows travel so."""
 
     @abc.abstractmethod
     def combine(self, y: torch.Tensor, handle: object, tree: bool = False) -> torch.Tensor:
@@ -128,41 +133,89 @@ class ExpertExchange(abc.ABC):
         return torch.where(owner == rank, local, self.experts_per_rank)
 
     def _pack_rows(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, rows: int
-    ) -> torch.Tensor:
-        """One byte message of `rows` rows [ids int32 k | weights fp32 k | x | pad], so ids, weights and x
-        cross in one collective, written in place (no padded copies); rows past T are padding: id
-        `num_experts` (no rank's), weight 0, x 0."""
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, rows: int,
+        x_q: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """One byte message of `rows` rows [ids int32 k | weights fp32 k | x | pad], or with `x_q`
+        [ids | weights | scales fp32 D/128 | x e4m3 | pad], so ids, weights and x cross in one collective,
+        written in place (no padded copies); rows past T are padding: id `num_experts` (no rank's), weight 0,
+        x 0 (scale 1)."""
         num_tokens, k = topk_ids.shape
-        row_bytes = 8 * k + x.shape[1] * x.element_size()
-        row_bytes += -row_bytes % _ROW_ALIGN
-        packed = torch.empty(rows, row_bytes, dtype=torch.uint8, device=x.device)
-        ids, weights, x_rows = _row_views(packed, k, x.shape[1], x.dtype)
+        layout = _RowLayout.of(k, x.shape[1], x.dtype, x_q is not None)
+        packed = torch.empty(rows, layout.row_bytes, dtype=torch.uint8, device=x.device)
+        ids, weights, x_rows, scales = layout.views(packed)
         ids[:num_tokens] = topk_ids
         weights[:num_tokens] = topk_weights
-        x_rows[:num_tokens] = x
         ids[num_tokens:] = self.num_experts
         weights[num_tokens:] = 0.0
-        x_rows[num_tokens:] = 0.0
-        packed[:, 8 * k + x.shape[1] * x.element_size() :] = 0  # the alignment bytes
+        if x_q is None:
+            x_rows[:num_tokens] = x
+            x_rows[num_tokens:] = 0.0
+        else:
+            x_rows[:num_tokens] = x_q[0]
+            x_rows[num_tokens:] = 0.0
+            scales[:num_tokens] = x_q[1]
+            scales[num_tokens:] = 1.0
+        packed[:, layout.used_bytes :] = 0  # the alignment bytes
         return packed  # [rows, row bytes]
 
     def _unpack_rows(
-        self, packed: torch.Tensor, k: int, dim: int, dtype: torch.dtype
+        self, packed: torch.Tensor, k: int, dim: int, dtype: torch.dtype, quantized: bool = False
     ) -> ExpertBatch:
         """`_pack_rows`'s message (any ranks' rows, concatenated) -> this rank's `ExpertBatch`."""
-        ids, weights, x = _row_views(packed, k, dim, dtype)
+        ids, weights, x, scales = _RowLayout.of(k, dim, dtype, quantized).views(packed)
         local_ids = self._local_ids(ids, self.layout.ep_rank)
+        if quantized:
+            return ExpertBatch(
+                None, local_ids, weights.contiguous(), (x.contiguous(), scales.contiguous())
+            )
         return ExpertBatch(x.contiguous(), local_ids, weights.contiguous())
 
+    def _quantized(self, x_q) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The quantized rows to send, where the layout sends them so."""
+        return x_q if self.layout.dispatch_fp8 else None
 
-def _row_views(packed: torch.Tensor, k: int, dim: int, dtype: torch.dtype):
-    """A packed message's ids [R, k] int32, weights [R, k] fp32 and x [R, D] in `dtype`, as strided views."""
-    x_bytes = dim * torch.empty(0, dtype=dtype).element_size()
-    ids = packed[:, : 4 * k].view(torch.int32)
-    weights = packed[:, 4 * k : 8 * k].view(torch.float32)
-    x = packed[:, 8 * k : 8 * k + x_bytes].view(dtype)
-    return ids, weights, x
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _RowLayout:
+    """Where a packed row's parts lie: ids int32 [k] | weights fp32 [k] | (scales fp32 [D/128]) | x | pad."""
+
+    k: int
+    dim: int
+    dtype: torch.dtype
+    quantized: bool
+
+    @classmethod
+    def of(cls, k: int, dim: int, dtype: torch.dtype, quantized: bool) -> _RowLayout:
+        return cls(k, dim, dtype, quantized)
+
+    @property
+    def num_scales(self) -> int:
+        return -(-self.dim // ACT_QUANT_GROUP) if self.quantized else 0
+
+    @property
+    def x_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self.quantized else self.dtype
+
+    @property
+    def used_bytes(self) -> int:
+        x_bytes = self.dim * torch.empty(0, dtype=self.x_dtype).element_size()
+        return 8 * self.k + 4 * self.num_scales + x_bytes
+
+    @property
+    def row_bytes(self) -> int:
+        return self.used_bytes + -self.used_bytes % _ROW_ALIGN
+
+    def views(self, packed: torch.Tensor):
+        """ids [R, k] int32, weights [R, k] fp32, x [R, D] and scales [R, D/128] fp32 (None unquantized), as
+        strided views of `packed`."""
+        k, s = self.k, self.num_scales
+        ids = packed[:, : 4 * k].view(torch.int32)
+        weights = packed[:, 4 * k : 8 * k].view(torch.float32)
+        start = 8 * k + 4 * s
+        scales = packed[:, 8 * k : start].view(torch.float32) if self.quantized else None
+        x = packed[:, start : self.used_bytes].view(self.x_dtype)
+        return ids, weights, x, scales
 
 
 _ROW_ALIGN = 16
@@ -228,14 +281,16 @@ class AllGatherExchange(ExpertExchange):
         _all_gather(counts, mine, group=self.layout.group)
         return int(counts.max())  # host sync: the padding must be known to size the message
 
-    def dispatch(self, x, topk_ids, topk_weights):
+    def dispatch(self, x, topk_ids, topk_weights, x_q=None):
         world = self.layout.world_size
         num_tokens, k = topk_ids.shape
+        x_q = self._quantized(x_q)
         capacity = self._step_capacity(num_tokens, x.device)
-        packed = self._pack_rows(x, topk_ids, topk_weights, capacity)  # [C, row bytes]
+        packed = self._pack_rows(x, topk_ids, topk_weights, capacity, x_q)  # [C, row bytes]
         gathered = packed.new_empty(world * capacity, packed.shape[1])  # [N * C, row bytes]
         _all_gather(gathered, packed, group=self.layout.group)
-        batch = self._unpack_rows(gathered, k, x.shape[1], x.dtype)  # R = N * C rows, by rank
+        # R = N * C rows, by rank
+        batch = self._unpack_rows(gathered, k, x.shape[1], x.dtype, x_q is not None)
         return batch, _AllGatherHandle(num_tokens, capacity, x.dtype)
 
     def combine(self, y, handle: _AllGatherHandle, tree: bool = False):  # type: ignore[override]
@@ -276,8 +331,9 @@ class AllToAllExchange(ExpertExchange):
 
     host_sync = True
 
-    def dispatch(self, x, topk_ids, topk_weights):
+    def dispatch(self, x, topk_ids, topk_weights, x_q=None):
         group, world = self.layout.group, self.layout.world_size
+        x_q = self._quantized(x_q)
         num_tokens, k = topk_ids.shape
         owner = topk_ids.long() // self.experts_per_rank  # [T, k]
         goes = torch.zeros(world, num_tokens, dtype=torch.bool, device=x.device)
@@ -291,10 +347,13 @@ class AllToAllExchange(ExpertExchange):
         # [S] (destination, token) pairs by destination, token order within; the size is known, so no sync
         flat = torch.nonzero_static(goes.view(-1), size=num_sent).squeeze(1)
         tokens = flat % max(num_tokens, 1)
-        packed = self._pack_rows(x[tokens], topk_ids[tokens], topk_weights[tokens], num_sent)
+        sent_q = None if x_q is None else (x_q[0][tokens], x_q[1][tokens])
+        packed = self._pack_rows(
+            x[tokens], topk_ids[tokens], topk_weights[tokens], num_sent, sent_q
+        )
         received = packed.new_empty(sum(recv_counts), packed.shape[1])
         dist.all_to_all_single(received, packed, recv_counts, send_counts, group=group)
-        batch = self._unpack_rows(received, k, x.shape[1], x.dtype)
+        batch = self._unpack_rows(received, k, x.shape[1], x.dtype, x_q is not None)
         return batch, _AllToAllHandle(tokens, send_counts, recv_counts, num_tokens, x.dtype)
 
     def combine(self, y, handle: _AllToAllHandle, tree: bool = False):  # type: ignore[override]
@@ -326,9 +385,9 @@ class AllReduceExchange(ExpertExchange):
     """For ranks holding the same tokens: no dispatch traffic (every rank computes all tokens over its own
     experts); combine sums the partials over the group with one fp32 all-reduce."""
 
-    def dispatch(self, x, topk_ids, topk_weights):
+    def dispatch(self, x, topk_ids, topk_weights, x_q=None):
         ids = self._local_ids(topk_ids.long(), self.layout.ep_rank)
-        return ExpertBatch(x, ids, topk_weights.float()), x.dtype
+        return ExpertBatch(x, ids, topk_weights.float(), x_q), x.dtype
 
     def combine(self, y, handle: torch.dtype, tree: bool = False):  # type: ignore[override]
         # the group's sum order is the collective's: a tree only with two ranks (a + b either way)

@@ -272,3 +272,46 @@ def test_four_ranks_add_in_rank_order(tmp_path):
                 assert torch.equal(out, expected(*step, world=4))
                 assert torch.equal(out, results[rank][0][s][0])  # the all-to-all's bits
         assert torch.equal(results[3][run][1][0][0], results[0][run][0][0][0])
+
+
+def _dispatch_fp8_rank(rank, world, steps):
+    """Per exchange kind, with the rows sent quantized and in bf16: what this rank's experts get."""
+    from pdserve.kernels.fp8_quant import quantize_act
+
+    x, ids, weights = steps[rank]
+    got = {}
+    for kind in ("all_gather", "all_to_all"):
+        for fp8 in (True, False):
+            layout = ParallelLayout(
+                world_size=world, rank=rank, attention="data", expert_parallel=world,
+                dispatch_fp8=fp8,
+            )  # fmt: skip
+            if kind == "all_gather":
+                exchange = AllGatherExchange(layout, NUM_EXPERTS, CAPACITY)
+            else:
+                exchange = AllToAllExchange(layout, NUM_EXPERTS)
+            local, _ = exchange.dispatch(x, ids, weights, quantize_act(x))
+            got[kind, fp8] = (local.x, local.x_q, local.topk_ids, local.topk_weights)
+    return got
+
+
+def test_fp8_dispatch_carries_the_rows_quantized(tmp_path):
+    """Rows quantized for fp8 experts travel so (no bf16 copy): each rank's experts get exactly the bytes and
+    scales that quantizing the bf16 rows they would otherwise get gives, with the same ids and weights; a rank
+    with no tokens sends the same kind of message."""
+    from pdserve.kernels.fp8_quant import quantize_act
+
+    steps = [make_tokens(11, 5, torch.bfloat16), make_tokens(12, 0, torch.bfloat16)]
+    results = spawn_gloo(tmp_path, _dispatch_fp8_rank, [(steps,)] * 2)
+    for rank in range(2):
+        for kind in ("all_gather", "all_to_all"):
+            x8, q, ids8, w8 = results[rank][kind, True]
+            x16, none, ids16, w16 = results[rank][kind, False]
+            assert x8 is None and none is None and x16.dtype == torch.bfloat16
+            assert torch.equal(ids8, ids16) and torch.equal(w8, w16)
+            real = w16.sum(1) > 0  # padding rows carry no weight
+            assert int(real.sum()) > 0
+            want = quantize_act(x16[real])
+            assert q[0].dtype == torch.float8_e4m3fn
+            assert torch.equal(q[0][real].view(torch.uint8), want[0].view(torch.uint8))
+            assert torch.equal(q[1][real], want[1])

@@ -123,3 +123,28 @@ def test_fp8_split_off_quant_blocks_is_refused(checkpoint):
     layout = ParallelLayout(world_size=2, rank=1, attention="tensor")
     with pytest.raises(CheckpointError, match=r"q_b_proj.weight: fp8 .* rank 1 of 2"):
         load_model(checkpoint("tiny-fp8"), layout=layout)
+
+
+def test_fp8_experts_dp2_ep2_dispatch_quantized_rows(checkpoint, tmp_path):
+    """fp8 experts under DP2 + EP2: the rows travel quantized (`dispatch_fp8`) and the logits equal the single
+    process's, which quantizes the same rows at its experts."""
+    fp8 = checkpoint("tiny-fp8")
+    model = load_model(fp8, dtype=torch.float32, progress=False)
+    requests = make_requests(model.args.vocab_size)
+    expected = run_steps(model, requests, NUM_PAGES)
+    by_rank, decoding = [[requests[0], requests[2]], [requests[1]]], {0, 2}
+    layout_kwargs = {"attention": "data", "expert_parallel": WORLD}
+    for sent_fp8 in (True, False):
+        layout_kwargs["dispatch_fp8"] = sent_fp8
+        run_dir = tmp_path / f"dispatch-fp8-{sent_fp8}"
+        run_dir.mkdir()
+        results = run_ranks(run_dir, fp8, layout_kwargs, by_rank, decoding, NUM_PAGES)
+        for rank, (result, mine) in enumerate(zip(results, by_rank, strict=True)):
+            for step in ("prefill", "decode"):
+                for r in mine:
+                    if step == "decode" and r.index not in decoding:
+                        continue
+                    err = rel_err(result["logits"][step][r.index], expected[step][r.index])
+                    assert err <= 1e-5, (
+                        f"fp8 dispatch={sent_fp8} rank {rank} {step} {r.index}: {err:.2e}"
+                    )
