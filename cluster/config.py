@@ -133,6 +133,18 @@ class RouterConfig:
     """Seconds between stats log lines (running/waiting, tokens/s, KV usage); 0 turns them off."""
     shutdown_grace_s: float = 10.0
     """On shutdown, how long requests in flight may still finish."""
+    migration_limit: int = 3
+    """Times one request may move to another worker after losing its own (its prompt and the tokens already
+    sent are recomputed there and the stream goes on unchanged); past it the request fails with UNAVAILABLE
+    naming the worker. 0: requests of a lost worker fail."""
+    max_restarts: int = 3
+    """Lost workers replaced per role within restart_window_s; past it (a crash loop) lost workers of that
+    role are not replaced and `pdserve status` says why. 0: never replace."""
+    restart_window_s: float = 600.0
+    """The window of max_restarts, in seconds."""
+    heartbeat_timeout_s: float = 30.0
+    """A worker that answers no stats call (sent every second) for this long is declared lost, killed and
+    replaced."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -150,7 +162,16 @@ class RouterConfig:
             raise ValueError(f"default_max_tokens={self.default_max_tokens}: must be >= 1")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ValueError(f"max_tokens_limit={self.max_tokens_limit}: must be >= 1")
-        for name in ("admission_timeout_s", "drain_timeout_s", "poll_timeout_s"):
+        if self.migration_limit < 0 or self.max_restarts < 0:
+            raise ValueError(
+                f"migration_limit={self.migration_limit}, max_restarts={self.max_restarts}: "
+                "must be >= 0"
+            )
+        names = (
+            "admission_timeout_s", "drain_timeout_s", "poll_timeout_s", "restart_window_s",
+            "heartbeat_timeout_s",
+        )  # fmt: skip
+        for name in names:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be positive")
         if self.max_queued_requests < 1:

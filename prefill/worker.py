@@ -135,6 +135,11 @@ class PrefillWorker(Worker):
 
     def _send(self, request: Request, first_token: int) -> None:
         r: PrefillRequest = request.payload
+        with self._lock:
+            if r.request_id in self._aborted:  # aborted while queued (e.g. its decode worker was lost)
+                self._aborted.discard(r.request_id)
+                self.scheduler.release(r.request_id)
+                return
         try:
             start = time.perf_counter()
             self.sender.send(
