@@ -187,6 +187,9 @@ class PrefillShell(_WorkerShell):
     def submit(self, request: bytes) -> bytes:
         return self._call(lambda: self.worker.submit(messages.decode(PrefillRequest, request)))
 
+    def peer_lost(self, decode_worker: str) -> bytes:
+        return self._call(lambda: self.worker.peer_lost(decode_worker))
+
     def poll_events(self, timeout_s: float) -> bytes:
         """Failures since the last call; waits up to timeout_s for the first (the router's long-poll)."""
         deadline = time.monotonic() + timeout_s

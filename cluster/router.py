@@ -152,6 +152,9 @@ class Router:
             return
         logger.error("%s worker %s lost: %s", w.role, w.worker_id, reason)
         state, w.state = w.state, WorkerState.DEAD
+        if w.role == DECODE:  # sends to it fail at once and free their pages; no answer is awaited
+            for p in self.pool(PREFILL):
+                p.actor.peer_lost.remote(w.worker_id)
         self.fail_requests(w, f"{w.role} worker {w.worker_id} was lost: {reason}")
         self.remove_worker(w)
         self.on_worker_lost(w, reason, state)

@@ -58,6 +58,7 @@ class Supervisor:
         self._restarts: dict[str, collections.deque[float]] = {
             role: collections.deque() for role in ROLES
         }
+        self._tasks: set[asyncio.Task] = set()
         router.on_worker_lost = self.worker_lost
 
     def worker_lost(self, w: WorkerHandle, reason: str, state: str) -> None:

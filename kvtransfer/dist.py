@@ -115,11 +115,14 @@ class DistKVSender(KVSender):
 
     def _pair(self, peer: str) -> Pair:
         with self._lock:
-            if peer not in self._pairs:
-                self._pairs[peer] = Pair(
-                    self.store, self.worker_id, peer, 0, self.backend, self.config, self.device
-                )
-            return self._pairs[peer]
+            return self._pair_locked(peer)
+
+    def _pair_locked(self, peer: str) -> Pair:
+        if peer not in self._pairs:
+            self._pairs[peer] = Pair(
+                self.store, self.worker_id, peer, 0, self.backend, self.config, self.device
+            )
+        return self._pairs[peer]
 
     def connect(self, peer: str) -> None:
         pair = self._pair(peer)
@@ -202,6 +205,11 @@ class DistKVSender(KVSender):
         self.last_profile[peer] = SendProfile(
             start, header_at - start, posted - start, now - start, len(plan)
         )
+
+    def forget(self, peer: str) -> None:
+        with self._lock:
+            for name in [peer, *(p for p in self._pairs if p.startswith(f"{peer}."))]:
+                self._pair_locked(name).gone = True
 
     def close(self) -> None:
         with self._lock:
