@@ -110,6 +110,8 @@ class DistKVSender(KVSender):
         """Send runs of pages straight from the cache. Only where a failed link can be torn down under a posted
         send (NCCL's abort; gloo cannot withdraw one), so that no send reads pages after `send` returned."""
         self._pairs: dict[str, Pair] = {}
+        self._gone: set[str] = set()
+        """Decode workers forgotten (`forget`): their endpoints' pairs are born gone."""
         self._lock = threading.Lock()
         self.last_profile: dict[str, SendProfile] = {}
 
@@ -122,6 +124,7 @@ class DistKVSender(KVSender):
             self._pairs[peer] = Pair(
                 self.store, self.worker_id, peer, 0, self.backend, self.config, self.device
             )
+            self._pairs[peer].gone = self._is_gone(peer)
         return self._pairs[peer]
 
     def connect(self, peer: str) -> None:
@@ -208,8 +211,12 @@ class DistKVSender(KVSender):
 
     def forget(self, peer: str) -> None:
         with self._lock:
-            for name in [peer, *(p for p in self._pairs if p.startswith(f"{peer}."))]:
-                self._pair_locked(name).gone = True
+            self._gone.add(peer)
+            for name, pair in self._pairs.items():
+                pair.gone = pair.gone or self._is_gone(name)
+
+    def _is_gone(self, peer: str) -> bool:
+        return any(peer == g or peer.startswith(f"{g}.") for g in self._gone)
 
     def close(self) -> None:
         with self._lock:
