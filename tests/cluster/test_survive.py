@@ -6,6 +6,7 @@ themselves); the restart budget is per role, so the crash loop, last, counts the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -27,6 +28,7 @@ SEND_TIMEOUT_S = 10.0
 """kvtransfer.timeout_s. A prefill worker's send under way to a lost decode worker fails, freeing its pages,
 within kvtransfer.connect_timeout_s (the link to the dead worker is not rebuilt) plus this."""
 CONNECT_TIMEOUT_S = 20.0
+HEARTBEAT_TIMEOUT_S = 8.0
 REPLACE_TIMEOUT_S = 90
 STREAM_TIMEOUT_S = 180
 
@@ -36,7 +38,10 @@ def server(ray_cluster, model_dir):
     with start_server(
         model_dir,
         cluster={"num_decode": 2},
-        router={"max_restarts": MAX_RESTARTS, "restart_window_s": 3600.0},
+        router={
+            "max_restarts": MAX_RESTARTS, "restart_window_s": 3600.0,
+            "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+        },
         kvtransfer={"timeout_s": SEND_TIMEOUT_S, "connect_timeout_s": CONNECT_TIMEOUT_S},
     ) as server:  # fmt: skip
         yield server
@@ -124,21 +129,26 @@ def check_finished(results, requests, expected) -> None:
         assert result.usage.completion_tokens == len(want)
 
 
+def seeded(client: Client, prompts, max_tokens: int):
+    """Seeded sampling requests and their tokens in an undisturbed run on the same server."""
+    requests = [
+        generate_request(p, max_tokens=max_tokens, temperature=0.8, top_p=0.9, seed=7 + i,
+                         ignore_eos=True, request_id=f"seeded{i}")
+        for i, (p, _) in enumerate(prompts)
+    ]  # fmt: skip
+    undisturbed = Streams(client, requests)
+    undisturbed.results()
+    return requests, undisturbed.tokens
+
+
 def test_decode_worker_killed_mid_stream(server, client, reference):
     ensure_pools(client, 1, 2)
     prompts = workload(16, seed=31, max_len=80)
     requests = [greedy(p, 48, request_id=f"greedy{i}") for i, (p, _) in enumerate(prompts)]
     expected = [reference(p, 48) for p, _ in prompts]
-    # Seeded sampling: the undisturbed run first, on the same server.
-    sampled = [
-        generate_request(p, max_tokens=48, temperature=0.8, top_p=0.9, seed=7 + i,
-                         ignore_eos=True, request_id=f"seeded{i}")
-        for i, (p, _) in enumerate(prompts[:4])
-    ]  # fmt: skip
-    undisturbed = Streams(client, sampled)
-    undisturbed.results()
+    sampled, undisturbed = seeded(client, prompts[:4], 48)
     requests += sampled
-    expected += undisturbed.tokens
+    expected += undisturbed
 
     victim = max(workers(client, admin_pb2.ROLE_DECODE), key=lambda w: w.num_requests).worker_id
     pid = pid_of(server, victim)
@@ -170,16 +180,43 @@ def test_single_decode_worker_killed_streams_wait_for_its_replacement(server, cl
     prompts = workload(8, seed=32, max_len=60)
     requests = [greedy(p, 40, request_id=f"alone{i}") for i, (p, _) in enumerate(prompts)]
     expected = [reference(p, 40) for p, _ in prompts]
+    sampled, undisturbed = seeded(client, prompts[:2], 40)
+    requests += sampled
+    expected += undisturbed
     (victim,) = [w.worker_id for w in workers(client, admin_pb2.ROLE_DECODE)]
     pid = pid_of(server, victim)
     streams = Streams(client, requests)
-    wait_for(lambda: streams.first_tokens >= 4, 60, "streams running", interval_s=0.01)
+    wait_for(lambda: streams.first_tokens >= 6, 60, "streams running", interval_s=0.01)
     os.kill(pid, signal.SIGKILL)
     check_finished(streams.results(), requests, [streams.tokens, expected])
     record = wait_replaced(client, victim)
     assert record.num_requests_migrated >= 1
     assert [w.worker_id for w in workers(client, admin_pb2.ROLE_DECODE)] == [record.replaced_by]
     assert client.is_serving()
+    wait_pages_free(client)
+
+
+def test_a_hung_decode_worker_is_lost_at_its_heartbeat_timeout(server, client, reference):
+    ensure_pools(client, 1, 2)
+    prompts = workload(6, seed=35, max_len=60)
+    requests = [greedy(p, 40, request_id=f"hung{i}") for i, (p, _) in enumerate(prompts)]
+    expected = [reference(p, 40) for p, _ in prompts]
+    victim = workers(client, admin_pb2.ROLE_DECODE)[0].worker_id
+    pid = pid_of(server, victim)
+    streams = Streams(client, requests)
+    wait_for(
+        lambda: router_requests(server, victim) >= 1 and streams.first_tokens >= 2,
+        60, f"streams running on {victim}", interval_s=0.01,
+    )  # fmt: skip
+    os.kill(pid, signal.SIGSTOP)  # alive but silent: only the heartbeat tells
+    try:
+        check_finished(streams.results(), requests, [streams.tokens, expected])
+        record = wait_replaced(client, victim)
+    finally:  # the supervisor killed it already; a failed test must not leave it stopped
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert "heartbeat" in record.reason
+    assert len(workers(client, admin_pb2.ROLE_DECODE)) == 2
     wait_pages_free(client)
 
 
