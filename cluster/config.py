@@ -126,7 +126,8 @@ class RouterConfig:
     max_queued_requests: int = 4096
     """Requests waiting for admission at most; more are refused at once with RESOURCE_EXHAUSTED."""
     drain_timeout_s: float = 600.0
-    """Longest a draining worker's requests may run; those left then fail with UNAVAILABLE."""
+    """Longest a draining worker's requests may run; those left then move to other workers (as a lost
+    worker's do, within migration_limit)."""
     poll_timeout_s: float = 0.5
     """Long-poll wait of the router's output and event polls on each worker."""
     stats_interval_s: float = 5.0

@@ -97,6 +97,8 @@ class Request:
     num_preemptions: int = 0
     num_migrations: int = 0
     """Times the request moved to another worker after losing its own."""
+    moved_at: float | None = None
+    """time.monotonic() of its latest move, until its next token arrives."""
     finish_reason: str | None = None
     touched: set[WorkerHandle] = dataclasses.field(default_factory=set)
     calls: set[asyncio.Future] = dataclasses.field(default_factory=set)
@@ -110,9 +112,7 @@ class Router:
         self.num_output_tokens = 0
         """Generated tokens relayed since start."""
         self.on_workers_changed: Callable[[], None] = lambda: None
-        self.on_worker_lost: Callable[[WorkerHandle, str, str], None] = lambda w, reason, state: (
-            None
-        )
+        self.on_worker_lost: Callable[[WorkerHandle, str, str], None] = lambda *_: None
         """Called with a lost worker, why, and the state it was in (the supervisor replaces it)."""
         self.num_replacing = {PREFILL: 0, DECODE: 0}
         """Replacements under way per role: requests wait for a decode worker while one is coming."""
@@ -219,6 +219,12 @@ class Router:
             now = time.monotonic()
             if event.token_ids and r.first_token_at is None:
                 r.first_token_at = now
+            if event.token_ids and r.moved_at is not None:
+                logger.info(
+                    "%s resumed on %s %.2fs after it moved", r.request_id, r.decode_worker,
+                    now - r.moved_at,
+                )  # fmt: skip
+                r.moved_at = None
             r.generated.extend(event.token_ids)
             if event.finish_reason is not None:
                 r.finish_reason, r.finished_at = event.finish_reason, now
@@ -258,6 +264,7 @@ class Router:
                 f"router.migration_limit={self.config.migration_limit})"
             )
         r.num_migrations += 1
+        r.moved_at = time.monotonic()
         self.num_migrated += 1
         if lost is not None:
             lost.num_migrated += 1
