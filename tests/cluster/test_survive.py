@@ -129,26 +129,27 @@ def check_finished(results, requests, expected) -> None:
         assert result.usage.completion_tokens == len(want)
 
 
-def seeded(client: Client, prompts, max_tokens: int):
-    """Seeded sampling requests and their tokens in an undisturbed run on the same server."""
-    requests = [
+def greedy_and_seeded(client: Client, reference, prompts, max_tokens: int, num_seeded: int):
+    """Greedy requests for `prompts` with offline's tokens, then seeded sampling requests for the first
+    `num_seeded` with their tokens in an undisturbed run on the same server: (requests, expected tokens)."""
+    requests = [greedy(p, max_tokens, request_id=f"greedy{i}") for i, (p, _) in enumerate(prompts)]
+    expected = [reference(p, max_tokens) for p, _ in prompts]
+    sampled = [
         generate_request(p, max_tokens=max_tokens, temperature=0.8, top_p=0.9, seed=7 + i,
                          ignore_eos=True, request_id=f"seeded{i}")
-        for i, (p, _) in enumerate(prompts)
+        for i, (p, _) in enumerate(prompts[:num_seeded])
     ]  # fmt: skip
-    undisturbed = Streams(client, requests)
+    if not sampled:
+        return requests, expected
+    undisturbed = Streams(client, sampled)
     undisturbed.results()
-    return requests, undisturbed.tokens
+    return requests + sampled, expected + undisturbed.tokens
 
 
 def test_decode_worker_killed_mid_stream(server, client, reference):
     ensure_pools(client, 1, 2)
     prompts = workload(16, seed=31, max_len=80)
-    requests = [greedy(p, 48, request_id=f"greedy{i}") for i, (p, _) in enumerate(prompts)]
-    expected = [reference(p, 48) for p, _ in prompts]
-    sampled, undisturbed = seeded(client, prompts[:4], 48)
-    requests += sampled
-    expected += undisturbed
+    requests, expected = greedy_and_seeded(client, reference, prompts, 48, num_seeded=4)
 
     victim = max(workers(client, admin_pb2.ROLE_DECODE), key=lambda w: w.num_requests).worker_id
     pid = pid_of(server, victim)
@@ -178,11 +179,7 @@ def test_decode_worker_killed_mid_stream(server, client, reference):
 def test_single_decode_worker_killed_streams_wait_for_its_replacement(server, client, reference):
     ensure_pools(client, 1, 1)
     prompts = workload(8, seed=32, max_len=60)
-    requests = [greedy(p, 40, request_id=f"alone{i}") for i, (p, _) in enumerate(prompts)]
-    expected = [reference(p, 40) for p, _ in prompts]
-    sampled, undisturbed = seeded(client, prompts[:2], 40)
-    requests += sampled
-    expected += undisturbed
+    requests, expected = greedy_and_seeded(client, reference, prompts, 40, num_seeded=2)
     (victim,) = [w.worker_id for w in workers(client, admin_pb2.ROLE_DECODE)]
     pid = pid_of(server, victim)
     streams = Streams(client, requests)
@@ -199,8 +196,7 @@ def test_single_decode_worker_killed_streams_wait_for_its_replacement(server, cl
 def test_a_hung_decode_worker_is_lost_at_its_heartbeat_timeout(server, client, reference):
     ensure_pools(client, 1, 2)
     prompts = workload(6, seed=35, max_len=60)
-    requests = [greedy(p, 40, request_id=f"hung{i}") for i, (p, _) in enumerate(prompts)]
-    expected = [reference(p, 40) for p, _ in prompts]
+    requests, expected = greedy_and_seeded(client, reference, prompts, 40, num_seeded=0)
     victim = workers(client, admin_pb2.ROLE_DECODE)[0].worker_id
     pid = pid_of(server, victim)
     streams = Streams(client, requests)
@@ -224,8 +220,7 @@ def test_a_hung_decode_worker_is_lost_at_its_heartbeat_timeout(server, client, r
 def test_prefill_worker_killed_with_prompts_queued(server, client, reference, num_prefill):
     ensure_pools(client, num_prefill, 1)
     prompts = workload(16, seed=33 + num_prefill, max_len=250)
-    requests = [greedy(p, 8, request_id=f"queued{i}") for i, (p, _) in enumerate(prompts)]
-    expected = [reference(p, 8) for p, _ in prompts]
+    requests, expected = greedy_and_seeded(client, reference, prompts, 8, num_seeded=2)
     prefills = [w.worker_id for w in workers(client, admin_pb2.ROLE_PREFILL)]
     pids = {w: pid_of(server, w) for w in prefills}
     streams = Streams(client, requests)
