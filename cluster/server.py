@@ -266,7 +266,9 @@ class PdServer:
                 )
                 w.reserved_pages = 0
                 w.last_heartbeat = time.monotonic()
-            elif isinstance(result, ray.exceptions.RayActorError):
+            elif isinstance(
+                result, ray.exceptions.ActorDiedError
+            ):  # unreachable: the heartbeat tells
                 self.router.worker_lost(w, str(result).splitlines()[0])
         self.supervisor.check_heartbeats()
         now, tokens = time.monotonic(), self.router.num_output_tokens
