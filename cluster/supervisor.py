@@ -58,6 +58,8 @@ class Supervisor:
         self._restarts: dict[str, collections.deque[float]] = {
             role: collections.deque() for role in ROLES
         }
+        self._stopped: dict[str, str] = {}
+        """Per role, why its lost workers are no longer replaced (until its budget comes back)."""
         self._tasks: set[asyncio.Task] = set()
         router.on_worker_lost = self.worker_lost
 
@@ -75,6 +77,7 @@ class Supervisor:
         elif not self._may_restart(w.role):
             self._stop_restarts(record)
         else:
+            self._set_stopped(w.role, None)
             self.router.num_replacing[w.role] += 1
             self._spawn(self._replace(record))
             return
@@ -104,12 +107,20 @@ class Supervisor:
 
     def _stop_restarts(self, record: LostWorker) -> None:
         w = record.worker
-        record.not_replaced = self.router.restarts_stopped = (
+        record.not_replaced = (
             f"restarts stopped: {len(self._restarts[w.role])} {w.role} workers were replaced within "
             f"{self.config.restart_window_s:g}s (router.max_restarts={self.config.max_restarts}); "
-            f"{w.worker_id} was not"
+            f"{w.worker_id} was not (`pdserve scale` starts workers again)"
         )
+        self._set_stopped(w.role, record.not_replaced)
         logger.error("%s", record.not_replaced)
+
+    def _set_stopped(self, role: str, why: str | None) -> None:
+        if why is None:
+            self._stopped.pop(role, None)
+        else:
+            self._stopped[role] = why
+        self.router.restarts_stopped = "; ".join(self._stopped.values())
 
     async def _replace(self, record: LostWorker) -> None:
         """Starts the replacement (the first restart is already taken from the budget), trying again within

@@ -260,3 +260,9 @@ def test_crash_loop_stops_at_the_restart_bound(server, client, reference):
         list(client.generate(greedy([0, 5], 3), timeout_s=30))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "restarts stopped" in info.value.details()
+    # The operator brings the pool back.
+    (added,) = client.scale("decode", 1, timeout_s=REPLACE_TIMEOUT_S).added
+    wait_for(lambda: client.is_serving(), 10, "SERVING again")
+    chunks = list(client.generate(greedy([0, 5], 3), timeout_s=60))
+    assert [t for c in chunks for t in c.token_ids] == reference([0, 5], 3)
+    assert chunks[-1].timings.decode_worker == added
