@@ -5,16 +5,16 @@ store the router hosts, builds its worker and runs the worker's loop in a thread
 calls (submit, abort, stats) and the router's long-poll for outputs run on other threads while the loop steps.
 Every payload in or out is msgpack bytes (`pdserve.engine.messages`). The actor is a process boundary: unexpected
 exceptions are logged with their traceback and returned as a `WorkerError`; if the worker's loop itself dies,
-the process exits so that Ray reports the worker dead and the router fails its requests.
+the process exits so that Ray reports the worker dead and the router moves its requests to other workers.
 
 A worker of several ranks (`ranks` > 1 in its role config) runs in a placement group of one bundle per rank: the
 shell is rank 0 on bundle 0 and starts ranks 1..N-1 as Ray actors on the other bundles (`RayRankLauncher`),
 all joined by one torch.distributed group (NCCL on GPUs, gloo on CPU); each rank loads only its shard. A
 prefill worker sends from rank 0 (its ranks are tensor-parallel: the same latent cache on each); each
 data-parallel rank of a decode worker receives its own requests' KV pages (`pdserve.engine.rank_kv`). Before
-`ready` answers, the worker runs its warm-up (every prompt size and decode graph bucket it will run). When a rank is
-lost the worker fails its requests and its loop dies, which ends the shell's process as above (its rank
-actors go with it: Ray ends the actors an actor owns)."""
+`ready` answers, the worker runs its warm-up (every prompt size and decode graph bucket it will run). When a rank
+is lost the worker fails its requests (the router moves them) and its loop dies, which ends the shell's process
+as above (its rank actors go with it: Ray ends the actors an actor owns)."""
 
 from __future__ import annotations
 
@@ -157,6 +157,7 @@ class _WorkerShell:
             "device": str(self.device),
             "num_pages": self.worker.num_pages,
             "page_size": self.worker.config.page_size,
+            "pid": os.getpid(),
             "rank_pids": [] if self.ranks is None else list(self.ranks.rank_pids),
         })  # fmt: skip
 
@@ -187,6 +188,9 @@ class PrefillShell(_WorkerShell):
 
     def submit(self, request: bytes) -> bytes:
         return self._call(lambda: self.worker.submit(messages.decode(PrefillRequest, request)))
+
+    def peer_lost(self, decode_worker: str) -> bytes:
+        return self._call(lambda: self.worker.peer_lost(decode_worker))
 
     def poll_events(self, timeout_s: float) -> bytes:
         """Failures since the last call; waits up to timeout_s for the first (the router's long-poll)."""

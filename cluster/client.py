@@ -114,4 +114,24 @@ def format_status(status: admin_pb2.GetStatusResponse) -> str:
                 f"{w.worker_id:<12}{state:<10}{w.node_ip:<16}{w.num_gpus:>5}{w.num_requests:>6}"
                 f"{w.num_queued:>8}{w.queued_tokens:>10}{w.num_running:>9}{w.num_waiting:>9}{used:>18}"
             )
+    if status.num_workers_lost:
+        lines.append(
+            f"lost workers {status.num_workers_lost}, replaced {status.num_workers_replaced}, "
+            f"requests migrated {status.num_requests_migrated}"
+        )
+    for w in status.lost_workers:
+        if w.replaced_by:
+            fate = f"replaced by {w.replaced_by}"
+        elif w.not_replaced:
+            fate = f"not replaced: {w.not_replaced}"
+        else:
+            fate = "replacement starting" + (
+                f" (last try failed: {w.replacement_error})" if w.replacement_error else ""
+            )
+        lines.append(
+            f"{w.worker_id:<12}{'lost':<10}{w.lost_s_ago:.0f}s ago, {w.num_requests_migrated} requests "
+            f"migrated, {fate}; {w.reason}"
+        )
+    if status.restarts_stopped:
+        lines.append(status.restarts_stopped)
     return "\n".join(lines)

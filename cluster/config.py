@@ -126,13 +126,26 @@ class RouterConfig:
     max_queued_requests: int = 4096
     """Requests waiting for admission at most; more are refused at once with RESOURCE_EXHAUSTED."""
     drain_timeout_s: float = 600.0
-    """Longest a draining worker's requests may run; those left then fail with UNAVAILABLE."""
+    """Longest a draining worker's requests may run; those left then move to other workers (as a lost
+    worker's do, within migration_limit)."""
     poll_timeout_s: float = 0.5
     """Long-poll wait of the router's output and event polls on each worker."""
     stats_interval_s: float = 5.0
     """Seconds between stats log lines (running/waiting, tokens/s, KV usage); 0 turns them off."""
     shutdown_grace_s: float = 10.0
     """On shutdown, how long requests in flight may still finish."""
+    migration_limit: int = 3
+    """Times one request may move to another worker after losing its own (its prompt and the tokens already
+    sent are recomputed there and the stream goes on unchanged); past it the request fails with UNAVAILABLE
+    naming the worker. 0: requests of a lost worker fail."""
+    max_restarts: int = 3
+    """Lost workers replaced per role within restart_window_s; past it (a crash loop) lost workers of that
+    role are not replaced and `pdserve status` says why. 0: never replace."""
+    restart_window_s: float = 600.0
+    """The window of max_restarts, in seconds."""
+    heartbeat_timeout_s: float = 30.0
+    """A worker that answers no stats call (sent every second) for this long is declared lost, killed and
+    replaced."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -150,7 +163,16 @@ class RouterConfig:
             raise ValueError(f"default_max_tokens={self.default_max_tokens}: must be >= 1")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ValueError(f"max_tokens_limit={self.max_tokens_limit}: must be >= 1")
-        for name in ("admission_timeout_s", "drain_timeout_s", "poll_timeout_s"):
+        if self.migration_limit < 0 or self.max_restarts < 0:
+            raise ValueError(
+                f"migration_limit={self.migration_limit}, max_restarts={self.max_restarts}: "
+                "must be >= 0"
+            )
+        names = (
+            "admission_timeout_s", "drain_timeout_s", "poll_timeout_s", "restart_window_s",
+            "heartbeat_timeout_s",
+        )  # fmt: skip
+        for name in names:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be positive")
         if self.max_queued_requests < 1:

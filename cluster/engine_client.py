@@ -157,6 +157,22 @@ class WorkerInfo:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class LostWorkerInfo:
+    """A lost worker and what became of it (`supervisor.LostWorker`)."""
+
+    worker_id: str
+    role: str
+    reason: str
+    lost_s_ago: float
+    replaced_by: str
+    """Its replacement once that serves; empty before, or when none will come."""
+    not_replaced: str
+    """Why no replacement will come, if none will."""
+    replacement_error: str
+    num_requests_migrated: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ServerStatus:
     model: str
     workers: dict[str, list[WorkerInfo]]
@@ -166,6 +182,13 @@ class ServerStatus:
     uptime_s: float
     aggregated: bool
     kv_cache_dtype: str
+    lost_workers: list[LostWorkerInfo] = dataclasses.field(default_factory=list)
+    """Oldest first (the latest few hundred)."""
+    num_workers_lost: int = 0
+    num_workers_replaced: int = 0
+    num_requests_migrated: int = 0
+    restarts_stopped: str = ""
+    """Why lost workers are no longer replaced (the restart bound), or empty."""
 
 
 class EngineClient:
@@ -216,7 +239,7 @@ class EngineClient:
         """Fresh stats of every worker (bounded wait) and the router's counters."""
         server = self._server
         await server.refresh_stats()
-        router = server.router
+        router, supervisor, now = server.router, server.supervisor, time.monotonic()
         workers = {}
         for role in ROLES:
             pool = sorted(router.pool(role), key=lambda w: w.worker_id)
@@ -242,6 +265,23 @@ class EngineClient:
             uptime_s=server.uptime_s,
             aggregated=not router.pool(PREFILL),
             kv_cache_dtype=server.config.model.kv_cache_dtype,
+            lost_workers=[
+                LostWorkerInfo(
+                    x.worker.worker_id,
+                    x.worker.role,
+                    x.reason,
+                    now - x.lost_at,
+                    x.replaced_by,
+                    x.not_replaced,
+                    x.replacement_error,
+                    x.worker.num_migrated,
+                )  # fmt: skip
+                for x in supervisor.lost
+            ],
+            num_workers_lost=supervisor.num_lost,
+            num_workers_replaced=supervisor.num_replaced,
+            num_requests_migrated=router.num_migrated,
+            restarts_stopped=router.restarts_stopped,
         )
 
     async def scale(self, role: str, count: int) -> tuple[list[str], list[str]]:

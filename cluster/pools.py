@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import time
 from typing import Any
 
 import ray
@@ -35,6 +36,7 @@ class WorkerState:
     SERVING = "serving"
     DRAINING = "draining"
     DEAD = "dead"
+    """Stopped or lost: out of the pools."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -61,6 +63,10 @@ class WorkerHandle:
     reserved_pages: int = 0
     """Decode: pages reserved here since `stats` was taken."""
     poller: asyncio.Task | None = None
+    last_heartbeat: float = 0.0
+    """time.monotonic() of the worker's latest answer to a stats call (or of its start)."""
+    num_migrated: int = 0
+    """Requests moved off this worker after it was lost."""
 
     @property
     def free_pages(self) -> int:
@@ -143,6 +149,7 @@ class Launcher:
             await self.stop(handle)
             raise
         handle.node_ip, handle.device = info["node_ip"], info["device"]
+        handle.last_heartbeat = time.monotonic()
         handle.num_pages, handle.page_size = info["num_pages"], info["page_size"]
         logger.info(
             "%s up on %s (%s): %d KV pages = %d tokens", worker_id, handle.node_ip,
@@ -150,10 +157,12 @@ class Launcher:
         )  # fmt: skip
         return handle
 
-    async def stop(self, handle: WorkerHandle) -> None:
-        """Closes the worker (bounded), kills its actor and frees its placement group."""
+    async def stop(self, handle: WorkerHandle, close: bool = True) -> None:
+        """Closes the worker (bounded; not when `close` is false: a lost one), kills its actor and frees its
+        placement group."""
         if handle.actor is not None:
-            with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
-                await asyncio.wait_for(handle.actor.close.remote(), _STOP_TIMEOUT_S)
+            if close:
+                with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+                    await asyncio.wait_for(handle.actor.close.remote(), _STOP_TIMEOUT_S)
             ray.kill(handle.actor)
         ray.util.remove_placement_group(handle.placement_group)

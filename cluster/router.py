@@ -10,7 +10,14 @@ pages are freed on both sides.
 
 Inside the system a request is keyed by an id this router makes, unique per submission (`Request.request_id`);
 the client's own `request_id` is only echoed back (`Request.client_id`). So a client that cancels and at once
-resends under the same id gets a new, independent request: the old one's cleanup can only touch the old one."""
+resends under the same id gets a new, independent request: the old one's cleanup can only touch the old one.
+
+A lost worker (its actor died, it stopped answering, or its rank group failed) does not end its requests: each
+migrates (`_migrate`). Its other worker aborts it, it takes a new internal id (so nothing the old submission still
+sends can reach the new one) and is placed again like a preempted request: prompt plus the tokens already sent,
+recomputed through prefill, with sampling drawn by (seed, step), so the stream goes on from the next token exactly
+as it would have. With no decode worker serving it waits, within its deadline, for the replacement the supervisor
+starts; with no prefill worker serving the decode worker prefills it. `router.migration_limit` caps the moves."""
 
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ import ray
 from pdserve.engine import messages
 from pdserve.engine.checks import check_pages
 from pdserve.engine.messages import (
+    RANK_GROUP_FAILED,
     DecodeRequest,
     PrefillFailure,
     PrefillRequest,
@@ -50,6 +58,10 @@ _IDLE_CHECK_S = 0.02
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Lost:
+    """The worker that held submission `request_id` of a request was lost."""
+
+    request_id: str
+    worker: WorkerHandle
     reason: str
 
 
@@ -83,6 +95,10 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     num_preemptions: int = 0
+    num_migrations: int = 0
+    """Times the request moved to another worker after losing its own."""
+    moved_at: float | None = None
+    """time.monotonic() of its latest move, until its next token arrives."""
     finish_reason: str | None = None
     touched: set[WorkerHandle] = dataclasses.field(default_factory=set)
     calls: set[asyncio.Future] = dataclasses.field(default_factory=set)
@@ -96,7 +112,14 @@ class Router:
         self.num_output_tokens = 0
         """Generated tokens relayed since start."""
         self.on_workers_changed: Callable[[], None] = lambda: None
-        self.on_worker_lost: Callable[[WorkerHandle], None] = lambda w: None
+        self.on_worker_lost: Callable[[WorkerHandle, str, str], None] = lambda *_: None
+        """Called with a lost worker, why, and the state it was in (the supervisor replaces it)."""
+        self.num_replacing = {PREFILL: 0, DECODE: 0}
+        """Replacements under way per role: requests wait for a decode worker while one is coming."""
+        self.restarts_stopped = ""
+        """Why lost workers are no longer replaced (the supervisor's restart bound), or empty."""
+        self.num_migrated = 0
+        """Moves of requests off lost workers since start."""
         self._admission = asyncio.Lock()  # FIFO: requests are admitted in arrival order
         self._num_waiting = 0
         self._capacity = asyncio.Event()
@@ -123,19 +146,24 @@ class Router:
         self.on_workers_changed()
 
     def worker_lost(self, w: WorkerHandle, reason: str) -> None:
-        """A worker died: fail its requests (their other side is aborted by their cleanup)."""
+        """A worker died, hangs or lost a rank: its requests migrate (`_migrate`), and the supervisor is told.
+        Idempotent."""
         if w.state == WorkerState.DEAD:
             return
         logger.error("%s worker %s lost: %s", w.role, w.worker_id, reason)
-        w.state = WorkerState.DEAD
-        self.fail_requests(w, f"{w.role} worker {w.worker_id} died: {reason}")
+        state, w.state = w.state, WorkerState.DEAD
+        if w.role == DECODE:  # sends to it fail at once and free their pages; no answer is awaited
+            for p in self.pool(PREFILL):
+                p.actor.peer_lost.remote(w.worker_id)
+        self.fail_requests(w, f"{w.role} worker {w.worker_id} was lost: {reason}")
         self.remove_worker(w)
-        self.on_worker_lost(w)
+        self.on_worker_lost(w, reason, state)
 
     def fail_requests(self, w: WorkerHandle, reason: str) -> None:
+        """Ends each of the worker's requests' stay on it: they migrate (within router.migration_limit)."""
         for request_id in list(w.requests):
             if (r := self.requests.get(request_id)) is not None:
-                r.events.put_nowait(_Lost(reason))
+                r.events.put_nowait(_Lost(request_id, w, reason))
 
     # Requests.
 
@@ -162,6 +190,8 @@ class Router:
             await self._place(r, force)
         while True:
             event = await self._next_event(r)
+            if getattr(event, "request_id", r.request_id) != r.request_id:
+                continue  # from a submission that migrated away
             if isinstance(event, _Shutdown):
                 r.finish_reason, r.finished_at = FinishReason.ABORT, time.monotonic()
                 self._detach(r)
@@ -169,20 +199,32 @@ class Router:
                     r.request_id, [], FinishReason.ABORT, "the server is shutting down"
                 )
             if isinstance(event, _Lost):
-                raise WorkerLostError(event.reason)
+                if force is not None:  # a warm-up: the new worker failed it
+                    raise WorkerLostError(event.reason)
+                await self._migrate(r, event.reason, event.worker)
+                continue
             if isinstance(event, PrefillFailure):
-                raise WorkerFailedError(event.error)
+                await self._failed(r, r.prefill, event.error, force)
+                continue
             if event.preempted:
                 r.num_preemptions += 1
                 self._detach(r)
                 await self._place(r, force)
                 continue
             if event.finish_reason == FinishReason.ABORT:
-                raise WorkerFailedError(f"{r.decode_worker}: {event.error or 'request aborted'}")
+                error = f"{r.decode_worker}: {event.error or 'request aborted'}"
+                await self._failed(r, r.decode, error, force)
+                continue
             self._prefill_done(r)
             now = time.monotonic()
             if event.token_ids and r.first_token_at is None:
                 r.first_token_at = now
+            if event.token_ids and r.moved_at is not None:
+                logger.info(
+                    "%s resumed on %s %.2fs after it moved", r.request_id, r.decode_worker,
+                    now - r.moved_at,
+                )  # fmt: skip
+                r.moved_at = None
             r.generated.extend(event.token_ids)
             if event.finish_reason is not None:
                 r.finish_reason, r.finished_at = event.finish_reason, now
@@ -197,16 +239,71 @@ class Router:
         if r.finish_reason is None and (r.touched or r.calls):
             self.spawn(self._abort_everywhere(r))
 
+    async def _failed(
+        self, r: Request, worker: WorkerHandle | None, error: str, force
+    ) -> None:  # fmt: skip
+        """A worker failed the request. A lost rank makes the worker lost (the request's _Lost follows); a
+        failed forward pass raises (INTERNAL); anything else (a KV transfer whose peer died, a timeout) is
+        retryable, and the request migrates."""
+        if RANK_GROUP_FAILED in error and worker is not None:
+            self.worker_lost(worker, error)
+            return
+        failure = WorkerFailedError(error)
+        if force is not None or failure.internal:
+            raise failure
+        await self._migrate(r, error, None)
+
+    async def _migrate(self, r: Request, reason: str, lost: WorkerHandle | None) -> None:
+        """Moves the request off a lost worker (or after a retryable failure, `lost` None): aborts it where it
+        still is (freeing its pages there), gives it a new internal id and places it again with the tokens
+        already sent. Raises WorkerLostError naming the worker past router.migration_limit, UnavailableError
+        when no decode worker serves or is coming."""
+        if r.num_migrations >= self.config.migration_limit:
+            raise WorkerLostError(
+                f"{reason} (the request had moved {r.num_migrations} times already: "
+                f"router.migration_limit={self.config.migration_limit})"
+            )
+        r.num_migrations += 1
+        r.moved_at = time.monotonic()
+        self.num_migrated += 1
+        if lost is not None:
+            lost.num_migrated += 1
+        logger.warning(
+            "%s moves after %d tokens (move %d): %s", r.request_id, len(r.generated),
+            r.num_migrations, reason,
+        )  # fmt: skip
+        others = {w for w in (r.prefill, r.decode) if w is not None}
+        self._detach(r)
+        if r.calls:  # an add_request or submit still under way lands first, so the abort finds it
+            await asyncio.wait(list(r.calls), timeout=_CLEANUP_WAIT_S)
+        aborts = [w.actor.abort.remote(r.request_id) for w in others if w.state != WorkerState.DEAD]
+        await self._await_aborts(r, aborts)
+        self.requests.pop(r.request_id, None)
+        r.request_id = f"{r.request_id.split('.')[0]}.{r.num_migrations}"
+        self.requests[r.request_id] = r
+        r.touched = set()
+        self._capacity.set()
+        await self._place(r, None)
+
     async def _abort_everywhere(self, r: Request) -> None:
         if r.calls:  # an add_request or submit still under way lands first, so the abort finds it
             await asyncio.wait(list(r.calls), timeout=_CLEANUP_WAIT_S)
         aborts = [
             w.actor.abort.remote(r.request_id) for w in r.touched if w.state != WorkerState.DEAD
         ]
+        await self._await_aborts(r, aborts)
+        self._capacity.set()
+
+    @property
+    def closed(self) -> bool:
+        """True from the start of a shutdown: no new request is taken."""
+        return self._closed
+
+    @staticmethod
+    async def _await_aborts(r: Request, aborts: list) -> None:
         for result in await asyncio.gather(*aborts, return_exceptions=True):
             if isinstance(result, Exception):
                 logger.warning("abort of %s failed: %s", r.request_id, result)
-        self._capacity.set()
 
     async def _next_event(self, r: Request):
         timeout = None if r.deadline is None else r.deadline - asyncio.get_running_loop().time()
@@ -228,10 +325,9 @@ class Router:
             raise InvalidRequestError("sampling_params.max_tokens", str(e)) from None
 
     async def _place(self, r: Request, force) -> None:
-        decodes = self.pool(DECODE, WorkerState.SERVING)
-        if force is None and not decodes:
-            raise UnavailableError("no decode worker is serving (starting up, or all were lost)")
-        self._check_fits(r, decodes or [force[1]])
+        if force is None:
+            await self._wait_for_decode(r)
+        self._check_fits(r, self.pool(DECODE, WorkerState.SERVING) or [force[1]])
         if self._num_waiting >= self.config.max_queued_requests:
             raise CapacityError(
                 f"{self._num_waiting} requests are already waiting for a decode worker "
@@ -244,7 +340,8 @@ class Router:
             async with self._admission:
                 while not await self._try_admit(r, force):
                     if force is None and not self.pool(DECODE, WorkerState.SERVING):
-                        raise UnavailableError("no decode worker is serving (all were lost)")
+                        await self._wait_for_decode(r)
+                        give_up = loop.time() + self.config.admission_timeout_s
                     now = loop.time()
                     if r.deadline is not None and now >= r.deadline:
                         raise DeadlineExceededError("deadline exceeded while waiting for admission")
@@ -262,17 +359,35 @@ class Router:
         if r.admitted_at is None:
             r.admitted_at = time.monotonic()
 
+    async def _wait_for_decode(self, r: Request) -> None:
+        """Returns once a decode worker serves; while none does but a replacement is coming, waits for it
+        (within the request's deadline). Raises UnavailableError when none serves and none is coming."""
+        loop = asyncio.get_running_loop()
+        while not self.pool(DECODE, WorkerState.SERVING):
+            if not self.num_replacing[DECODE]:
+                why = f": {self.restarts_stopped}" if self.restarts_stopped else ""
+                raise UnavailableError(
+                    f"no decode worker is serving (starting up, or all were lost{why})"
+                )
+            if r.deadline is not None and loop.time() >= r.deadline:
+                raise DeadlineExceededError(
+                    "deadline exceeded while waiting for a lost decode worker's replacement"
+                )
+            await asyncio.sleep(_ADMISSION_RETRY_S)
+
     async def _try_admit(self, r: Request, force) -> bool:
         tokens = [*r.prompt_ids, *r.generated]
         if force is not None:
             prefill, decodes = force[0], [force[1]]
         else:
-            need = pages_needed(len(tokens), self.pool(DECODE)[0].page_size)
-            prefills = [w for w in self.pool(PREFILL, WorkerState.SERVING) if w.num_pages >= need]
-            prefill = min(prefills, key=lambda w: w.queued_tokens, default=None)
             decodes = sorted(
                 self.pool(DECODE, WorkerState.SERVING), key=lambda w: (-w.free_pages, w.num_running)
             )
+            if not decodes:  # all lost meanwhile: the caller waits for a replacement
+                return False
+            need = pages_needed(len(tokens), decodes[0].page_size)
+            prefills = [w for w in self.pool(PREFILL, WorkerState.SERVING) if w.num_pages >= need]
+            prefill = min(prefills, key=lambda w: w.queued_tokens, default=None)
         peer = prefill.worker_id if prefill is not None else None
         payload = messages.encode(
             DecodeRequest(r.request_id, r.prompt_ids, r.params, peer, r.generated)
@@ -304,6 +419,12 @@ class Router:
                 None,
                 await self._call(r, prefill, prefill.actor.submit.remote(messages.encode(request))),
             )
+        except WorkerLostError:
+            if force is not None:
+                await asyncio.gather(d.actor.abort.remote(r.request_id), return_exceptions=True)
+                self._detach(r)
+                raise
+            # The prefill worker died under the submit: the request's _Lost is queued, it migrates.
         except PdserveError:
             await asyncio.gather(d.actor.abort.remote(r.request_id), return_exceptions=True)
             self._detach(r)

@@ -1,7 +1,7 @@
 """Growing and shrinking the pools: start workers (placed, loaded, warmed up by one short request through a real
 (P, D) pair, then serving), drain workers (no new requests; stopped once their requests are done or after
-drain_timeout_s, when those left fail with UNAVAILABLE), and replace nothing on its own: a lost worker is logged
-and its pool runs one short until the operator scales it back."""
+drain_timeout_s, when those left move to other workers). Lost workers are replaced by the supervisor
+(`supervisor`), through `add`."""
 
 from __future__ import annotations
 
@@ -28,12 +28,16 @@ class Scaler:
         self.config, self.router, self.launcher = config, router, launcher
         self._warm_up_prompt = [bos_id or 0, *range(3, 3 + 15)]
         self._lock = asyncio.Lock()  # one scaling operation at a time
-        router.on_worker_lost = lambda w: router.spawn(self.launcher.stop(w))
 
     async def start(self, num_prefill: int, num_decode: int) -> None:
         """Starts both pools; raises (after stopping what did start) if any worker fails."""
         async with self._lock:
             await self._add({PREFILL: num_prefill, DECODE: num_decode})
+
+    async def add(self, role: str, count: int) -> list[WorkerHandle]:
+        """Starts `count` more workers of `role` (warm and serving on return); raises if any fails."""
+        async with self._lock:
+            return await self._add({role: count})
 
     async def _add(self, counts: dict[str, int]) -> list[WorkerHandle]:
         launches = [

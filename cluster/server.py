@@ -38,6 +38,7 @@ from .reaper import tie_ray_to_this_process
 from .router import Router
 from .scaling import Scaler
 from .service import add_servicers
+from .supervisor import Supervisor
 from .validation import ModelInfo
 
 logger = logging.getLogger("pdserve.server")
@@ -167,9 +168,9 @@ class PdServer:
         self.router = Router(config.router)
         self.router.on_workers_changed = self._update_health
         self.engine = EngineClient(self)
-        self.scaler = Scaler(
-            config, self.router, Launcher(config, kv, gpus), self.model.bos_token_id
-        )
+        launcher = Launcher(config, kv, gpus)
+        self.scaler = Scaler(config, self.router, launcher, self.model.bos_token_id)
+        self.supervisor = Supervisor(config.router, self.router, self.scaler, launcher)
         await self._start_grpc()
         await self._start_http()
         logger.info(
@@ -251,7 +252,9 @@ class PdServer:
         )  # fmt: skip
 
     async def refresh_stats(self) -> None:
-        """Fetches every worker's stats (bounded wait); they steer admission and feed status and logs."""
+        """Fetches every worker's stats (bounded wait); they steer admission and feed status and logs. The
+        answers are the workers' heartbeats: a dead actor, or one silent for router.heartbeat_timeout_s, is
+        declared lost."""
         workers = [w for w in self.router.workers.values() if w.state != WorkerState.DEAD]
         calls = [asyncio.wait_for(w.actor.stats.remote(), _STATS_TIMEOUT_S) for w in workers]
         for w, result in zip(
@@ -262,6 +265,12 @@ class PdServer:
                     PrefillStats if w.role == PREFILL else DecodeStats, result
                 )
                 w.reserved_pages = 0
+                w.last_heartbeat = time.monotonic()
+            elif isinstance(
+                result, ray.exceptions.ActorDiedError
+            ):  # unreachable: the heartbeat tells
+                self.router.worker_lost(w, str(result).splitlines()[0])
+        self.supervisor.check_heartbeats()
         now, tokens = time.monotonic(), self.router.num_output_tokens
         then, before = self._rate
         if now - then >= _REFRESH_S:
@@ -308,6 +317,8 @@ class PdServer:
         grace = self.config.router.shutdown_grace_s
         if hasattr(self, "health"):
             await self.health.enter_graceful_shutdown()
+        if hasattr(self, "supervisor"):
+            await self.supervisor.stop()
         if hasattr(self, "router"):
             await self.router.wait_idle(grace)
             await self.router.close_all()

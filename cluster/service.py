@@ -156,6 +156,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 uptime_s=status.uptime_s,
                 aggregated=status.aggregated,
                 kv_cache_dtype=status.kv_cache_dtype,
+                lost_workers=[
+                    admin_pb2.LostWorker(**{**dataclasses.asdict(x), "role": _ROLE[x.role]})
+                    for x in status.lost_workers
+                ],
+                num_workers_lost=status.num_workers_lost,
+                num_workers_replaced=status.num_workers_replaced,
+                num_requests_migrated=status.num_requests_migrated,
+                restarts_stopped=status.restarts_stopped,
             )
         except Exception as e:  # process boundary
             await _abort(context, e, "GetStatus")

@@ -110,6 +110,8 @@ class Pair:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._scratch: Scratch | None = None
+        self.gone = False
+        """The peer was lost for good (set from any thread): connecting fails at once."""
 
     def on_device(self) -> contextlib.AbstractContextManager:
         """Makes the pair's device and side stream current for the calling thread (both are per thread)."""
@@ -133,6 +135,8 @@ class Pair:
     def connect(self, epoch_ttl_s: float = 0.0) -> dist.ProcessGroup:
         """The pair's group for the current epoch, building it (meeting the peer) when needed. With
         `epoch_ttl_s`, an epoch read that recently is trusted without asking the store."""
+        if self.gone:
+            raise PeerAbsent(f"{self.peer} was lost")
         fresh = time.monotonic() - self._epoch_read_at < epoch_ttl_s
         if self.group is not None and fresh:
             return self.group
@@ -146,6 +150,8 @@ class Pair:
         # request at a time, so a long wait would hold up every other pair's epoch checks.
         deadline = time.monotonic() + self.config.connect_timeout_s
         while not self.store.check([f"{prefix}/ready{1 - self.rank}"]):
+            if self.gone:
+                raise PeerAbsent(f"{self.peer} was lost")
             if time.monotonic() > deadline:
                 raise PeerAbsent(
                     f"{self.peer} did not join the KV link within {self.config.connect_timeout_s:g}s"

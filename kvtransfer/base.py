@@ -71,6 +71,10 @@ class KVSender(abc.ABC):
         """Starts building the link to `peer` in the background, so that it is up by the time a transfer is ready.
         Called when a request for `peer` arrives; the decode side reads a peer that never joins as dead."""
 
+    def forget(self, peer: str) -> None:  # noqa: B027 (optional hook)
+        """Decode worker `peer` (and each of its ranks' endpoints, `peer.rN`) is gone for good: sends to it, waiting
+        for its link or to come, fail at once instead of after connect_timeout_s."""
+
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Releases the channels."""
 

@@ -110,16 +110,22 @@ class DistKVSender(KVSender):
         """Send runs of pages straight from the cache. Only where a failed link can be torn down under a posted
         send (NCCL's abort; gloo cannot withdraw one), so that no send reads pages after `send` returned."""
         self._pairs: dict[str, Pair] = {}
+        self._gone: set[str] = set()
+        """Decode workers forgotten (`forget`): their endpoints' pairs are born gone."""
         self._lock = threading.Lock()
         self.last_profile: dict[str, SendProfile] = {}
 
     def _pair(self, peer: str) -> Pair:
         with self._lock:
-            if peer not in self._pairs:
-                self._pairs[peer] = Pair(
-                    self.store, self.worker_id, peer, 0, self.backend, self.config, self.device
-                )
-            return self._pairs[peer]
+            return self._pair_locked(peer)
+
+    def _pair_locked(self, peer: str) -> Pair:
+        if peer not in self._pairs:
+            self._pairs[peer] = Pair(
+                self.store, self.worker_id, peer, 0, self.backend, self.config, self.device
+            )
+            self._pairs[peer].gone = self._is_gone(peer)
+        return self._pairs[peer]
 
     def connect(self, peer: str) -> None:
         pair = self._pair(peer)
@@ -202,6 +208,15 @@ class DistKVSender(KVSender):
         self.last_profile[peer] = SendProfile(
             start, header_at - start, posted - start, now - start, len(plan)
         )
+
+    def forget(self, peer: str) -> None:
+        with self._lock:
+            self._gone.add(peer)
+            for name, pair in self._pairs.items():
+                pair.gone = pair.gone or self._is_gone(name)
+
+    def _is_gone(self, peer: str) -> bool:
+        return any(peer == g or peer.startswith(f"{g}.") for g in self._gone)
 
     def close(self) -> None:
         with self._lock:

@@ -80,6 +80,11 @@ class PrefillWorker(Worker):
             else:
                 self.scheduler.abort(request_id)
 
+    def peer_lost(self, decode_worker: str) -> None:
+        """Decode worker `decode_worker` was lost: sends to it fail at once (freeing their pages) rather than
+        wait for it; its requests' aborts come from the router."""
+        self.sender.forget(decode_worker)
+
     def poll_events(self) -> list[PrefillFailure]:
         with self._lock:
             failures, self._failures = self._failures, []
@@ -135,6 +140,13 @@ class PrefillWorker(Worker):
 
     def _send(self, request: Request, first_token: int) -> None:
         r: PrefillRequest = request.payload
+        with self._lock:
+            if (
+                r.request_id in self._aborted
+            ):  # aborted while queued (e.g. its decode worker was lost)
+                self._aborted.discard(r.request_id)
+                self.scheduler.release(r.request_id)
+                return
         try:
             start = time.perf_counter()
             self.sender.send(

@@ -2,10 +2,12 @@
 attention and dense layers; the latent cache is the same on both ranks, and rank 0 sends it) and a decode worker
 of 2 ranks (data-parallel attention, expert-parallel MoE; each rank receives the KV pages of its own requests):
 greedy outputs equal `pdserve offline`'s, both decode ranks take requests, and every page comes back on both
-sides."""
+sides; killing a decode rank loses that worker as a whole, and its requests finish on its replacement."""
 
 from __future__ import annotations
 
+import os
+import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -13,6 +15,7 @@ import ray
 
 from pdserve.cluster.client import Client
 from pdserve.engine import messages
+from pdserve.v1 import admin_pb2
 
 from .conftest import start_server, wait_for, workload
 from .test_generate import all_pages_free, collect, greedy
@@ -49,3 +52,23 @@ def test_tp2_prefill_to_dp2_ep2_decode_outputs_equal_offline(server, client, ref
             -1
         ].timings.prefill_worker  # prefilled by the prefill worker, not the decode one
     wait_for(lambda: all_pages_free(client), 10, "pages freed")
+
+
+def test_killing_a_decode_rank_moves_its_requests_to_the_replacement(server, client, reference):
+    (decode,) = [w for w in server.server.router.workers.values() if w.role == "decode"]
+    lost_id = decode.worker_id
+    (rank_pid,) = messages.unwrap(dict, ray.get(decode.actor.ready.remote()))["rank_pids"]
+    requests = [(prompt, 64) for prompt, _ in workload(6, seed=34, max_len=80)]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        futures = [pool.submit(collect, client, greedy(*r), 150) for r in requests]
+        wait_for(lambda: len(decode.requests) == len(requests), 30, "requests on the decode worker")
+        os.kill(rank_pid, signal.SIGKILL)
+        results = [f.result(timeout=180) for f in futures]
+    for (prompt, max_tokens), chunks in zip(requests, results, strict=True):
+        assert [t for c in chunks for t in c.token_ids] == reference(prompt, max_tokens)
+    status = client.status()
+    (lost,) = [w for w in status.lost_workers if w.worker_id == lost_id]
+    assert lost.replaced_by and lost.num_requests_migrated >= 1
+    (pool,) = [p for p in status.pools if p.role == admin_pb2.ROLE_DECODE]
+    assert [w.worker_id for w in pool.workers] == [lost.replaced_by]
+    wait_for(lambda: all_pages_free(client), 30, "pages freed on both sides")

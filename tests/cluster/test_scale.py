@@ -1,6 +1,6 @@
 """Scaling a running service on CPU (real Ray, real gRPC): a decode worker added by ScalePool serves requests;
 shrinking back drains one without failing its requests; prefill 1 -> 0 -> 1 switches to aggregated serving and back;
-admin errors name what is wrong."""
+admin errors name what is wrong; with router.migration_limit 0 a lost worker's requests fail (and it is replaced)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from .test_generate import all_pages_free, collect, greedy
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, model_dir):
-    with start_server(model_dir) as server:
+    with start_server(model_dir, router={"migration_limit": 0}) as server:
         yield server
 
 
@@ -112,7 +112,9 @@ def test_admin_errors_name_the_problem(client):
     assert client.is_serving()
 
 
-def test_lost_decode_worker_fails_only_its_requests_and_serving_goes_on(server, client, reference):
+def test_lost_decode_worker_past_the_migration_limit_fails_only_its_requests(
+    server, client, reference
+):
     import ray
 
     (victim,) = client.scale("decode", 2, timeout_s=120).added
@@ -141,10 +143,16 @@ def test_lost_decode_worker_fails_only_its_requests_and_serving_goes_on(server, 
     assert failed, "the killed worker's requests must fail"
     for error in failed:
         assert error.code() == grpc.StatusCode.UNAVAILABLE and victim in error.details()
+        assert "router.migration_limit=0" in error.details()
     for (prompt, max_tokens), result in zip(requests, results, strict=True):
         if not isinstance(result, grpc.RpcError):
             assert tokens(result) == reference(prompt, max_tokens)
-    assert [w.worker_id for w in workers(client, admin_pb2.ROLE_DECODE)] == survivors
+    replacement = wait_for(
+        lambda: next((w.replaced_by for w in client.status().lost_workers if w.replaced_by), None),
+        90, f"{victim} replaced",
+    )  # fmt: skip
+    decodes = [w.worker_id for w in workers(client, admin_pb2.ROLE_DECODE)]
+    assert sorted(decodes) == sorted([*survivors, replacement])
     assert client.is_serving()
     chunks = collect(client, greedy([0, 5], 3))
     assert tokens(chunks) == reference([0, 5], 3)

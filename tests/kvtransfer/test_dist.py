@@ -387,3 +387,27 @@ def test_pair_makes_its_stream_current_and_restores_the_threads_own():
             assert torch.cuda.current_stream(device) == pair.stream
         assert torch.cuda.current_device() == start_device
         assert torch.cuda.current_stream(device) == own
+
+
+def test_a_forgotten_peer_fails_its_waiting_and_later_sends_at_once(make_link):
+    sender, _, source, _ = make_link()  # connect_timeout_s 10: nobody joins as "d-lost"
+    outcome: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            sender.send("d-lost", 1, source, [0, 1], 2 * PAGE_SIZE, 7)
+        except TransferError as e:
+            outcome.append(e)
+
+    waiting = threading.Thread(target=send)
+    waiting.start()
+    time.sleep(0.3)  # the send waits for the peer to join its link
+    start = time.monotonic()
+    sender.forget("d-lost")
+    waiting.join(timeout=5)
+    assert not waiting.is_alive() and time.monotonic() - start < 2
+    (error,) = outcome
+    assert "d-lost was lost" in str(error)
+    with pytest.raises(TransferError, match="d-lost.r1 was lost"):
+        sender.forget("d-lost")  # its ranks' endpoints too (a decode worker of several ranks)
+        sender.send("d-lost.r1", 2, source, [0], PAGE_SIZE, 7)

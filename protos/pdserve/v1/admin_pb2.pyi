@@ -71,8 +71,28 @@ class PoolStatus(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     def __init__(self, role: _Optional[_Union[Role, str]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
+class LostWorker(_message.Message):
+    __slots__ = ("worker_id", "role", "reason", "lost_s_ago", "replaced_by", "not_replaced", "replacement_error", "num_requests_migrated")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LOST_S_AGO_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_BY_FIELD_NUMBER: _ClassVar[int]
+    NOT_REPLACED_FIELD_NUMBER: _ClassVar[int]
+    REPLACEMENT_ERROR_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_MIGRATED_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: Role
+    reason: str
+    lost_s_ago: float
+    replaced_by: str
+    not_replaced: str
+    replacement_error: str
+    num_requests_migrated: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., reason: _Optional[str] = ..., lost_s_ago: _Optional[float] = ..., replaced_by: _Optional[str] = ..., not_replaced: _Optional[str] = ..., replacement_error: _Optional[str] = ..., num_requests_migrated: _Optional[int] = ...) -> None: ...
+
 class GetStatusResponse(_message.Message):
-    __slots__ = ("model", "pools", "num_requests", "output_tokens_per_s", "uptime_s", "aggregated", "kv_cache_dtype")
+    __slots__ = ("model", "pools", "num_requests", "output_tokens_per_s", "uptime_s", "aggregated", "kv_cache_dtype", "lost_workers", "num_workers_lost", "num_workers_replaced", "num_requests_migrated", "restarts_stopped")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +100,11 @@ class GetStatusResponse(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     AGGREGATED_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LOST_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_LOST_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_REPLACED_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_MIGRATED_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_STOPPED_FIELD_NUMBER: _ClassVar[int]
     model: str
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     num_requests: int
@@ -87,7 +112,12 @@ class GetStatusResponse(_message.Message):
     uptime_s: float
     aggregated: bool
     kv_cache_dtype: str
-    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., num_requests: _Optional[int] = ..., output_tokens_per_s: _Optional[float] = ..., uptime_s: _Optional[float] = ..., aggregated: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    lost_workers: _containers.RepeatedCompositeFieldContainer[LostWorker]
+    num_workers_lost: int
+    num_workers_replaced: int
+    num_requests_migrated: int
+    restarts_stopped: str
+    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., num_requests: _Optional[int] = ..., output_tokens_per_s: _Optional[float] = ..., uptime_s: _Optional[float] = ..., aggregated: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ..., lost_workers: _Optional[_Iterable[_Union[LostWorker, _Mapping]]] = ..., num_workers_lost: _Optional[int] = ..., num_workers_replaced: _Optional[int] = ..., num_requests_migrated: _Optional[int] = ..., restarts_stopped: _Optional[str] = ...) -> None: ...
 
 class ScalePoolRequest(_message.Message):
     __slots__ = ("role", "count")
