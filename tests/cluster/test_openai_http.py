@@ -429,10 +429,20 @@ def test_metrics_count_what_http_and_grpc_requests_did(server, api, grpc_client)
     assert value(after, "pdserve:num_preemptions", "_total", worker="decode-0") >= 0
     assert value(after, "pdserve:prefill_queue_tokens", worker="prefill-0") >= 0
 
-    # A client that leaves mid-stream: its request counts as finished with abort.
+    # A long request shows on its decode worker's gauges; a client that leaves mid-stream counts as
+    # finished with abort.
     aborted = value(after, success, "_total", finished_reason="abort")
     replies = grpc_client.generate(generate_request(prompt, max_tokens=3000, ignore_eos=True))
     next(replies), next(replies)
+
+    def decoding():
+        families = scrape(metrics_url(server))
+        running = value(families, "pdserve:num_requests_running", worker="decode-0")
+        return (
+            running == 1 and value(families, "pdserve:kv_cache_usage_perc", worker="decode-0") > 0
+        )
+
+    wait_for(decoding, 10, "the running request in decode-0's gauges")
     replies.cancel()
 
     def abort_counted():
