@@ -133,7 +133,8 @@ class _WorkerCollector(Collector):
 
 
 class Metrics:
-    """The process's metrics registry; `RequestMetrics` records into it, `exposition` renders it."""
+    """The process's metrics registry; `RequestMetrics` records into it, `exposition` renders it. The series
+    of this server's model are bound once here (a label lookup per token would cost more than the count)."""
 
     def __init__(self, model_name: str, router: Router):
         self.model_name = model_name
@@ -144,24 +145,31 @@ class Metrics:
             return Counter(f"{PREFIX}{name}", doc, [*model, *labels], registry=self.registry)
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(f"{PREFIX}{name}", doc, model, buckets=buckets, registry=self.registry)
+            family = Histogram(
+                f"{PREFIX}{name}", doc, model, buckets=buckets, registry=self.registry
+            )
+            return family.labels(model_name)
 
+        # Every series a dashboard reads exists from the start (at 0), not only after its first event.
         self.prompt_tokens = counter(
             "prompt_tokens", "Prompt tokens of requests that got a first token."
-        )
-        self.generation_tokens = counter("generation_tokens", "Tokens generated and relayed.")
-        self.request_success = counter(
+        ).labels(model_name)
+        self.generation_tokens = counter(
+            "generation_tokens", "Tokens generated and relayed."
+        ).labels(model_name)
+        self.admission_rejections = counter(
+            "admission_rejections",
+            "Requests refused because no decode worker had room in time or the admission queue was full.",
+        ).labels(model_name)
+        request_success = counter(
             "request_success",
             "Requests finished, by finish reason (stop, length; abort: the client left or the server "
             "shut down).",
             "finished_reason",
         )
+        self.request_success = {r: request_success.labels(model_name, r) for r in FINISH_REASONS}
         self.request_failures = counter(
             "request_failures", "Requests that ended with an error, by its type.", "error"
-        )
-        self.admission_rejections = counter(
-            "admission_rejections",
-            "Requests refused because no decode worker had room in time or the admission queue was full.",
         )
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds",
@@ -183,15 +191,6 @@ class Metrics:
             "Arrival at the router to admission on a decode worker, of finished requests.",
             _LATENCY_BUCKETS_S,
         )
-        # Every series a dashboard reads exists from the start (at 0), not only after its first event.
-        for metric in (
-            self.prompt_tokens, self.generation_tokens, self.admission_rejections,
-            self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency,
-            self.request_queue_time,
-        ):  # fmt: skip
-            metric.labels(model_name)
-        for reason in FINISH_REASONS:
-            self.request_success.labels(model_name, reason)
         self.registry.register(_WorkerCollector(model_name, router))
 
     def exposition(self) -> bytes:
@@ -204,40 +203,39 @@ class RequestMetrics:
 
     def __init__(self, metrics: Metrics):
         self._m = metrics
-        self._label = metrics.model_name
         self._last_step_at: float | None = None
         self._ended = False
 
     def step(self, num_tokens: int, num_prompt_tokens: int, now: float, first_token_at: float | None,
              arrival: float) -> None:  # fmt: skip
         """A chunk with `num_tokens` tokens arrived at `now` (monotonic seconds)."""
-        m, label = self._m, self._label
         if not num_tokens:
             return
+        m = self._m
         if self._last_step_at is None:
-            m.prompt_tokens.labels(label).inc(num_prompt_tokens)
-            m.time_to_first_token.labels(label).observe((first_token_at or now) - arrival)
+            m.prompt_tokens.inc(num_prompt_tokens)
+            m.time_to_first_token.observe((first_token_at or now) - arrival)
         else:
-            m.inter_token_latency.labels(label).observe(now - self._last_step_at)
+            m.inter_token_latency.observe(now - self._last_step_at)
         self._last_step_at = now
-        m.generation_tokens.labels(label).inc(num_tokens)
+        m.generation_tokens.inc(num_tokens)
 
     def finished(self, finish_reason: str, queued_s: float, total_s: float) -> None:
         self._ended = True
-        m, label = self._m, self._label
-        m.request_success.labels(label, finish_reason).inc()
-        m.e2e_request_latency.labels(label).observe(total_s)
-        m.request_queue_time.labels(label).observe(queued_s)
+        m = self._m
+        m.request_success[finish_reason].inc()
+        m.e2e_request_latency.observe(total_s)
+        m.request_queue_time.observe(queued_s)
 
     def failed(self, error: BaseException) -> None:
         self._ended = True
-        m, label = self._m, self._label
-        m.request_failures.labels(label, type(error).__name__).inc()
+        m = self._m
+        m.request_failures.labels(m.model_name, type(error).__name__).inc()
         if isinstance(error, CapacityError):
-            m.admission_rejections.labels(label).inc()
+            m.admission_rejections.inc()
 
     def closed(self, finish_reason: str) -> None:
         """The request was closed: unless it had ended, it counts as finished with `finish_reason` (abort)."""
         if not self._ended:
             self._ended = True
-            self._m.request_success.labels(self._label, finish_reason).inc()
+            self._m.request_success[finish_reason].inc()
