@@ -275,8 +275,8 @@ def add_commands(sub, config_flags: bool = True) -> dict:
         description="Starts (or joins, --ray-address) a Ray cluster, places one actor per worker, and serves "
         "the gRPC API (pdserve.v1.Generation, pdserve.v1.Admin, grpc.health.v1, reflection) and, on "
         "--http-port, the OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions, "
-        "/health, /version). With no arguments: the tiny model on the CPU, one prefill and one decode "
-        "worker, gRPC on 127.0.0.1:50051 and HTTP on 127.0.0.1:8000.",
+        "/health, /version, /metrics: Prometheus). With no arguments: the tiny model on the CPU, one "
+        "prefill and one decode worker, gRPC on 127.0.0.1:50051 and HTTP on 127.0.0.1:8000.",
         allow_abbrev=False,
         usage=SERVE_USAGE,
     )

@@ -110,6 +110,9 @@ class RouterConfig:
     """gRPC port; 0 picks a free one."""
     http_port: int | None = 8000
     """OpenAI-compatible HTTP port (on `host`, beside gRPC); 0 picks a free one; none turns HTTP off."""
+    metrics_port: int | None = None
+    """A port (on `host`) serving only Prometheus' /metrics, for when HTTP is off or kept apart; 0 picks a
+    free one; none: no such port (the HTTP port serves /metrics too)."""
     reasoning_parser: str = "auto"
     """Where chat responses put text inside <think>...</think>: deepseek_r1 (in reasoning_content, the rest in
     content), none (all in content), or auto (deepseek_r1 when the checkpoint's chat template closes a think
@@ -152,6 +155,8 @@ class RouterConfig:
             raise ValueError(f"port={self.port}: not a port number")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ValueError(f"http_port={self.http_port}: not a port number (none: no HTTP)")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port={self.metrics_port}: not a port number (none: off)")
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(
                 f"reasoning_parser={self.reasoning_parser!r}: expected one of "

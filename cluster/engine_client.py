@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 
 from pdserve.engine.messages import DecodeStats, PrefillStats
 from pdserve.engine.sampling_params import FinishReason, SamplingParams
+from pdserve.model.errors import PdserveError
 
+from . import metrics
 from .errors import UnavailableError
 from .pools import DECODE, PREFILL, ROLES, WorkerState
 from .router import Request, Router
@@ -74,12 +76,17 @@ def _timings(r: Request, finished_at: float | None) -> Timings:
 class Generation:
     """A submitted request: iterate it for its chunks (the last has a finish reason; iteration raises
     PdserveError subclasses on failure), and close it with `cancel` or `async with`. A stop string ends it with
-    finish reason stop, and it is then aborted on its workers (the model is not told about stop strings)."""
+    finish reason stop, and it is then aborted on its workers (the model is not told about stop strings).
+    Its figures go to `metrics` as its chunks pass; one closed before it ended counts as finished with abort."""
 
-    def __init__(self, router: Router, request: Request, text: TextStream | None):
+    def __init__(
+        self, router: Router, request: Request, text: TextStream | None,
+        request_metrics: metrics.RequestMetrics,
+    ):  # fmt: skip
         self._router = router
         self._request = request
         self._text = text
+        self._metrics = request_metrics
         self._closed = False
         self._stopped = False
 
@@ -103,7 +110,11 @@ class Generation:
         r = self._request
         if self._stopped:
             raise StopAsyncIteration
-        out = await self._router.next_tokens(r)
+        try:
+            out = await self._router.next_tokens(r)
+        except PdserveError as e:
+            self._metrics.failed(e)
+            raise
         if out is None:
             raise StopAsyncIteration
         finish_reason, finished_at = out.finish_reason, r.finished_at
@@ -116,8 +127,15 @@ class Generation:
             if stopped:
                 finish_reason, finished_at = FinishReason.STOP, time.monotonic()
                 self._stopped = True
-                self.cancel()
         last = finish_reason is not None
+        timings = _timings(r, finished_at) if last else None
+        self._metrics.step(
+            len(out.token_ids), len(r.prompt_ids), time.monotonic(), r.first_token_at, r.arrival
+        )
+        if timings is not None:
+            self._metrics.finished(finish_reason, timings.queued_s, timings.total_s)
+        if self._stopped:
+            self.cancel()
         return Chunk(
             token_ids=list(out.token_ids),
             text=text,
@@ -125,13 +143,14 @@ class Generation:
             num_generated_tokens=len(r.generated),
             finish_reason=finish_reason,
             error=(out.error or "") if last else "",
-            timings=_timings(r, finished_at) if last else None,
+            timings=timings,
         )
 
     def cancel(self) -> None:
         """Ends the request (idempotent): unless it finished, it is aborted on every worker it touched."""
         if not self._closed:
             self._closed = True
+            self._metrics.closed(FinishReason.ABORT)
             self._router.close(self._request)
 
     async def __aenter__(self) -> Generation:
@@ -196,6 +215,8 @@ class EngineClient:
 
     def __init__(self, server: PdServer):
         self._server = server
+        self.metrics = metrics.Metrics(server.model.name, server.router)
+        """This server's metrics (its own registry)."""
 
     @property
     def model(self) -> ModelInfo:
@@ -233,7 +254,12 @@ class EngineClient:
         router = self._server.router
         tokenizer = self.model.tokenizer
         text = TextStream(tokenizer, prompt_ids, stop) if tokenizer is not None else None
-        return Generation(router, router.open(client_id, prompt_ids, params, deadline), text)
+        request = router.open(client_id, prompt_ids, params, deadline)
+        return Generation(router, request, text, metrics.RequestMetrics(self.metrics))
+
+    def metrics_exposition(self) -> tuple[bytes, str]:
+        """The metrics in Prometheus' text format, and its content type."""
+        return self.metrics.exposition(), metrics.CONTENT_TYPE
 
     async def status(self) -> ServerStatus:
         """Fresh stats of every worker (bounded wait) and the router's counters."""

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP front end, a peer of the gRPC servicers over `EngineClient`, served by uvicorn on the
 router's event loop: /v1/models, /v1/completions, /v1/chat/completions (streamed as server-sent events or whole),
-/health and /version.
+/health, /version and /metrics (Prometheus' text format; `metrics_only` serves that alone, on a port of its own).
 
 A request's body is size-checked before it is parsed; parsing a large body, rendering the chat template and
 tokenizing run in a worker thread, so that other streams keep flowing meanwhile. The response waits for the first
@@ -119,20 +119,21 @@ class _Server(uvicorn.Server):
 class HttpFrontEnd:
     """The Starlette app and its uvicorn server. `start` and `stop` run on the server's event loop."""
 
-    def __init__(self, engine: EngineClient, reasoning_parser: str):
+    def __init__(self, engine: EngineClient, reasoning_parser: str, metrics_only: bool = False):
         self.engine = engine
         model = engine.model
         self.reasoning = model.thinks if reasoning_parser == "auto" else reasoning_parser != "none"
         self.port = 0
-        self.app = Starlette(
-            routes=[
+        routes = [Route("/metrics", self.metrics, methods=["GET"])]
+        if not metrics_only:
+            routes += [
                 Route("/health", self.health, methods=["GET"]),
                 Route("/version", self.version, methods=["GET"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             ]
-        )
+        self.app = Starlette(routes=routes)
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
 
@@ -177,6 +178,10 @@ class HttpFrontEnd:
                 "no decode worker is serving (starting up, shutting down, or all lost)"
             )
         )
+
+    async def metrics(self, request: Request) -> Response:
+        body, content_type = self.engine.metrics_exposition()
+        return Response(body, headers={"content-type": content_type})
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": _version()})

@@ -104,6 +104,8 @@ class PdServer:
         self.port = 0
         self.http_port = 0
         """The OpenAI-compatible HTTP port once started (0: HTTP is off)."""
+        self.metrics_port = 0
+        """The metrics-only port once started (0: none)."""
         self._started_at = time.monotonic()
         self._tasks: list[asyncio.Task] = []
         self._rate = (time.monotonic(), 0)
@@ -149,6 +151,8 @@ class PdServer:
         check_port_free(config.router.host, config.router.port, "--port")
         if config.router.http_port is not None:
             check_port_free(config.router.host, config.router.http_port, "--http-port")
+        if config.router.metrics_port is not None:
+            check_port_free(config.router.host, config.router.metrics_port, "--router.metrics-port")
         port = config.kvtransfer.store_port
         try:
             self._store = connect_store(config.kvtransfer, is_master=True)
@@ -173,6 +177,7 @@ class PdServer:
         self.supervisor = Supervisor(config.router, self.router, self.scaler, launcher)
         await self._start_grpc()
         await self._start_http()
+        await self._start_metrics()
         logger.info(
             "starting %d prefill and %d decode workers (%d GPUs each) for %s",
             config.cluster.num_prefill, config.cluster.num_decode, gpus, self.model_dir,
@@ -220,6 +225,24 @@ class PdServer:
             "OpenAI-compatible HTTP listening on http://%s:%d/v1 (/health: 503 until the workers are warm)",
             router_config.host, self.http_port,
         )  # fmt: skip
+
+    async def _start_metrics(self) -> None:
+        router_config = self.config.router
+        if router_config.metrics_port is None:
+            return
+        self.metrics_http = HttpFrontEnd(self.engine, "none", metrics_only=True)
+        try:
+            self.metrics_port = await self.metrics_http.start(
+                router_config.host, router_config.metrics_port, 0.0
+            )
+        except OSError as e:
+            raise ConfigError(
+                f"--router.metrics-port {router_config.metrics_port}: cannot listen on "
+                f"{router_config.host} ({e.strerror})"
+            ) from e
+        logger.info(
+            "Prometheus metrics on http://%s:%d/metrics", router_config.host, self.metrics_port
+        )
 
     async def _set_health(self, serving: bool) -> None:
         status = (
@@ -326,6 +349,8 @@ class PdServer:
             await self.grpc_server.stop(grace)
         if hasattr(self, "http"):
             await self.http.stop()
+        if hasattr(self, "metrics_http"):
+            await self.metrics_http.stop()
         for task in self._tasks:
             task.cancel()
         if hasattr(self, "router"):

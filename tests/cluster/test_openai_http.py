@@ -2,13 +2,17 @@
 prefill and one decode worker as Ray actors) serving gRPC and HTTP side by side. Greedy outputs equal the offline
 path's for the same prompt tokens, streamed or whole; usage counts right; chat prompts are the checkpoint's
 template as transformers renders and tokenizes it; reasoning is split from content; a client that disconnects
-mid-stream frees its pages on both workers; bad parameters are 400 naming them."""
+mid-stream frees its pages on both workers; bad parameters are 400 naming them; /metrics parses with
+prometheus-client's own parser, its counters move by what requests did, and the Grafana dashboard reads only
+metrics it has."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import logging
+import pathlib
+import re
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -17,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from pdserve.cluster.client import Client, generate_request
@@ -31,7 +36,7 @@ PROMPT_BYTES = 16 << 10
 @pytest.fixture(scope="module")
 def server(ray_cluster, model_dir):
     with start_server(
-        model_dir, router={"http_port": 0, "max_prompt_bytes": PROMPT_BYTES}
+        model_dir, router={"http_port": 0, "metrics_port": 0, "max_prompt_bytes": PROMPT_BYTES}
     ) as server:
         yield server
 
@@ -337,3 +342,151 @@ def test_prompt_and_body_sizes_are_refused_naming_the_limit(server, api, grpc_cl
     assert (
         e.value.details().startswith("prompt: ") and "router.max_prompt_bytes" in e.value.details()
     )
+
+
+DASHBOARD = pathlib.Path(__file__).parents[2] / "deploy" / "grafana" / "pdserve.json"
+# A histogram family's samples, and a counter's (the parser names a counter's family without its _total).
+SAMPLE_SUFFIXES = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",)}
+
+
+def scrape(url: str) -> dict:
+    """The metric families at `url` (Prometheus' text format), by family name."""
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        assert reply.status == 200
+        assert reply.headers["content-type"].startswith("text/plain")
+        text = reply.read().decode()
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def metrics_url(server) -> str:
+    return f"{server.http_url.removesuffix('/v1')}/metrics"
+
+
+def value(families: dict, name: str, sample: str = "", **labels) -> float:
+    """The one sample of family `name` (sample name `name + sample`) whose labels include `labels`."""
+    (found,) = [
+        s.value for s in families[name].samples
+        if s.name == name + sample and labels.items() <= s.labels.items()
+    ]  # fmt: skip
+    return found
+
+
+def test_metrics_count_what_http_and_grpc_requests_did(server, api, grpc_client):
+    model = model_name(server)
+    before = scrape(metrics_url(server))
+    histograms = (
+        "pdserve:time_to_first_token_seconds",
+        "pdserve:e2e_request_latency_seconds",
+        "pdserve:request_queue_time_seconds",
+        "pdserve:inter_token_latency_seconds",
+    )
+
+    def moved(families, name, sample="", **labels):
+        return value(families, name, sample, **labels) - value(before, name, sample, **labels)
+
+    whole = api.completions.create(model=model, prompt=[0, *range(20, 45)], **greedy(6))
+    stream = api.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Count."}], stream=True,
+        stream_options={"include_usage": True}, **greedy(5),
+    )  # fmt: skip
+    streamed = list(stream)[-1].usage
+    http_usage = [whole.usage, streamed]
+    middle = scrape(metrics_url(server))
+    # One observation per step after the first: at least one each (several tokens), at most one per token.
+    itl = moved(middle, histograms[3], "_count")
+    assert 2 <= itl <= sum(u.completion_tokens - 1 for u in http_usage)
+
+    prompt = [0, *range(300, 340)]
+    replies = list(grpc_client.generate(generate_request(prompt, max_tokens=7, ignore_eos=True)))
+    steps = [r for r in replies if r.token_ids]
+    after = scrape(metrics_url(server))
+
+    prompt_tokens = sum(u.prompt_tokens for u in http_usage) + len(prompt)
+    generated = sum(u.completion_tokens for u in http_usage) + 7
+    assert moved(after, "pdserve:prompt_tokens", "_total", model_name=model) == prompt_tokens
+    assert moved(after, "pdserve:generation_tokens", "_total", model_name=model) == generated
+    success = "pdserve:request_success"
+    assert moved(after, success, "_total", finished_reason="length") == 3
+    assert moved(after, success, "_total", finished_reason="stop") == 0
+    assert moved(after, success, "_total", finished_reason="abort") == 0
+    for name in histograms[:3]:
+        assert moved(after, name, "_count") == 3, name
+    assert moved(after, histograms[3], "_count") - itl == len(steps) - 1
+    # Each request's end-to-end time covers its time to first token, which covers its queue time.
+    ttft, e2e, queued = (moved(after, name, "_sum") for name in histograms[:3])
+    assert e2e > ttft > queued >= 0
+
+    # The workers' own figures, one series per worker, from stats the server polls each second.
+    def workers_seen():
+        families = scrape(metrics_url(server))
+        seen = {s.labels["worker"] for s in families["pdserve:kv_cache_usage_perc"].samples}
+        return seen == {"prefill-0", "decode-0"} and families
+
+    after = wait_for(workers_seen, 10, "every worker's KV cache usage in /metrics")
+    for worker in ("prefill-0", "decode-0"):
+        assert 0 <= value(after, "pdserve:kv_cache_usage_perc", worker=worker) <= 1
+    assert value(after, "pdserve:num_requests_running", worker="decode-0") >= 0
+    assert value(after, "pdserve:num_preemptions", "_total", worker="decode-0") >= 0
+    assert value(after, "pdserve:prefill_queue_tokens", worker="prefill-0") >= 0
+
+    # A long request shows on its decode worker's gauges; a client that leaves mid-stream counts as
+    # finished with abort.
+    aborted = value(after, success, "_total", finished_reason="abort")
+    replies = grpc_client.generate(generate_request(prompt, max_tokens=3000, ignore_eos=True))
+    next(replies), next(replies)
+
+    def decoding():
+        families = scrape(metrics_url(server))
+        running = value(families, "pdserve:num_requests_running", worker="decode-0")
+        return (
+            running == 1 and value(families, "pdserve:kv_cache_usage_perc", worker="decode-0") > 0
+        )
+
+    wait_for(decoding, 10, "the running request in decode-0's gauges")
+    replies.cancel()
+
+    def abort_counted():
+        families = scrape(metrics_url(server))
+        return (
+            value(families, success, "_total", finished_reason="abort") == aborted + 1 and families
+        )
+
+    settled = wait_for(abort_counted, 10, "the cancelled request counted as abort")
+
+    # The metrics-only port serves the same registry, and nothing else.
+    port = server.server.metrics_port
+    assert port and port != server.server.http_port
+    alone = scrape(f"http://127.0.0.1:{port}/metrics")
+    assert value(alone, "pdserve:generation_tokens", "_total") == value(
+        settled, "pdserve:generation_tokens", "_total"
+    )
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10)
+    assert e.value.code == 404
+
+
+def test_dashboard_uses_only_metrics_the_server_exposes(server):
+    dashboard = json.loads(DASHBOARD.read_text())
+    families = scrape(metrics_url(server))
+    exposed = {
+        family.name + suffix
+        for family in families.values()
+        for suffix in SAMPLE_SUFFIXES.get(family.type, ("",))
+    }
+    queries = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    queries += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    assert len(queries) >= 10
+    used = set()
+    for query in queries:
+        names = set(re.findall(r"pdserve:[A-Za-z0-9_:]+", query))
+        assert names, f"a query reads no pdserve metric: {query}"
+        used |= names
+    assert used <= exposed, sorted(used - exposed)
+    # The latencies, throughput, queues and KV usage are all on it.
+    for name in (
+        "pdserve:time_to_first_token_seconds_bucket", "pdserve:inter_token_latency_seconds_bucket",
+        "pdserve:e2e_request_latency_seconds_bucket", "pdserve:generation_tokens_total",
+        "pdserve:prompt_tokens_total", "pdserve:num_requests_running",
+        "pdserve:num_requests_waiting", "pdserve:kv_cache_usage_perc",
+    ):  # fmt: skip
+        assert name in used, name
