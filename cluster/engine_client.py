@@ -215,7 +215,9 @@ class EngineClient:
 
     def __init__(self, server: PdServer):
         self._server = server
-        self.metrics = metrics.Metrics(server.model.name, server.router)
+        self.metrics = metrics.Metrics(
+            server.model.name, server.router, lambda: getattr(server, "supervisor", None)
+        )
         """This server's metrics (its own registry)."""
 
     @property

@@ -54,9 +54,11 @@ _STEP_BUCKETS_S = (
 class _WorkerCollector(Collector):
     """Per-worker gauges and counters from the latest polled stats (a worker with none yet is left out)."""
 
-    def __init__(self, model_name: str, router: Router):
+    def __init__(self, model_name: str, router: Router, supervisor=None):
+        """supervisor: a callable returning the server's `Supervisor` (None until it exists)."""
         self._model_name = model_name
         self._router = router
+        self._supervisor = supervisor or (lambda: None)
 
     def _families(self) -> dict[str, Metric]:
         labels = ["model_name", "worker"]
@@ -103,6 +105,21 @@ class _WorkerCollector(Collector):
                 "Requests at the router not yet admitted on any decode worker.",
                 labels=["model_name"],
             ),
+            "lost": counter(
+                f"{PREFIX}workers_lost",
+                "Workers lost (process died, heartbeats missed, a rank of the worker lost).",
+                labels=["model_name"],
+            ),
+            "replaced": counter(
+                f"{PREFIX}workers_replaced",
+                "Replacements the supervisor started for lost workers.",
+                labels=["model_name"],
+            ),
+            "migrated": counter(
+                f"{PREFIX}requests_migrated",
+                "Moves of requests off a lost worker (or a failed transfer) onto another worker.",
+                labels=["model_name"],
+            ),
         }
 
     def describe(self) -> Iterator[Metric]:
@@ -129,6 +146,12 @@ class _WorkerCollector(Collector):
             r.admitted_at is None and r.finish_reason is None for r in router.requests.values()
         )
         f["admission"].add_metric([self._model_name], waiting)
+        supervisor = self._supervisor()
+        f["lost"].add_metric([self._model_name], 0 if supervisor is None else supervisor.num_lost)
+        f["replaced"].add_metric(
+            [self._model_name], 0 if supervisor is None else supervisor.num_replaced
+        )
+        f["migrated"].add_metric([self._model_name], router.num_migrated)
         return iter(f.values())
 
 
@@ -136,7 +159,8 @@ class Metrics:
     """The process's metrics registry; `RequestMetrics` records into it, `exposition` renders it. The series
     of this server's model are bound once here (a label lookup per token would cost more than the count)."""
 
-    def __init__(self, model_name: str, router: Router):
+    def __init__(self, model_name: str, router: Router, supervisor=None):
+        """supervisor: a callable returning the server's `Supervisor` (None until it exists)."""
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         model = ["model_name"]
@@ -191,7 +215,7 @@ class Metrics:
             "Arrival at the router to admission on a decode worker, of finished requests.",
             _LATENCY_BUCKETS_S,
         )
-        self.registry.register(_WorkerCollector(model_name, router))
+        self.registry.register(_WorkerCollector(model_name, router, supervisor))
 
     def exposition(self) -> bytes:
         """The text exposition format (`CONTENT_TYPE`)."""

@@ -22,6 +22,7 @@ from pdserve.v1 import admin_pb2
 
 from .conftest import start_server, wait_for, workload
 from .test_generate import all_pages_free, greedy
+from .test_openai_http import scrape
 
 MAX_RESTARTS = 5
 SEND_TIMEOUT_S = 10.0
@@ -40,7 +41,7 @@ def server(ray_cluster, model_dir):
         cluster={"num_decode": 2},
         router={
             "max_restarts": MAX_RESTARTS, "restart_window_s": 3600.0,
-            "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+            "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S, "metrics_port": 0,
         },
         kvtransfer={"timeout_s": SEND_TIMEOUT_S, "connect_timeout_s": CONNECT_TIMEOUT_S},
     ) as server:  # fmt: skip
@@ -254,6 +255,15 @@ def test_crash_loop_stops_at_the_restart_bound(server, client, reference):
     assert not record.replaced_by and record.not_replaced == status.restarts_stopped
     assert status.num_workers_replaced == sum(1 for w in status.lost_workers if w.replaced_by)
     assert status.restarts_stopped in format_status(status)
+    # the same counts in /metrics
+    families = scrape(f"http://127.0.0.1:{server.server.metrics_port}/metrics")
+
+    def total(name: str) -> float:
+        return sum(s.value for s in families[name].samples if s.name == f"{name}_total")
+
+    assert total("pdserve:workers_lost") == status.num_workers_lost > 0
+    assert total("pdserve:workers_replaced") == status.num_workers_replaced
+    assert total("pdserve:requests_migrated") == status.num_requests_migrated
     assert not workers(client, admin_pb2.ROLE_DECODE)
     wait_for(lambda: not client.is_serving(), 10, "NOT_SERVING with no decode worker")
     with pytest.raises(grpc.RpcError) as info:
