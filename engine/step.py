@@ -131,12 +131,9 @@ class RankResult:
 _I32, _I64, _F64 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("<f8")
 _NO_TOKEN = -1
 """A prefill row's token in a result's int32 array where the row sampled none (token ids are >= 0)."""
-_SAMPLE_FLOATS = attrgetter("temperature", "top_p", "min_p")
-_SAMPLE_INTS = attrgetter("top_k", "seed", "step")
-_DECODE_FLOATS = attrgetter("sample.temperature", "sample.top_p", "sample.min_p")
-_DECODE_INTS = attrgetter("token_id", "position", "sample.top_k", "sample.seed", "sample.step")
-_REQUEST_ID = attrgetter("request_id")
-_PAGE_IDS = attrgetter("page_ids")
+_PREFILL_FIELDS = attrgetter("request_id", "token_ids", "start", "page_ids", "sample")
+_DECODE_FIELDS = attrgetter("request_id", "token_id", "position", "page_ids", "sample")
+_SAMPLE_FIELDS = attrgetter("temperature", "top_p", "min_p", "top_k", "seed", "step")
 
 
 def _pack(values: Iterable[Any], dtype: np.dtype) -> bytes:
@@ -165,12 +162,31 @@ def _split(flat: np.ndarray, counts: np.ndarray) -> list[list[int]]:
     return [values[a:b] for a, b in zip([0, *ends], ends, strict=False)]  # the starts run one over
 
 
+def _samples_to_wire(samples: Sequence[SampleSpec]) -> list[bytes]:
+    """float64 [3, samples] (temperature, top_p, min_p) and int64 [3, samples] (top_k, seed, step)."""
+    if not samples:
+        return [b"", b""]
+    n = len(samples)
+    temperature, top_p, min_p, top_k, seed, step = zip(*map(_SAMPLE_FIELDS, samples), strict=True)
+    return [
+        _pack_known("d", 3 * n, chain(temperature, top_p, min_p)),
+        _pack_known("q", 3 * n, chain(top_k, seed, step)),
+    ]
+
+
+def _samples_from_wire(floats: bytes, ints: bytes, n: int, what: str) -> tuple[np.ndarray, ...]:
+    return (
+        _array(floats, _F64, 3 * n, f"{what} sampling floats").reshape(3, n),
+        _array(ints, _I64, 3 * n, f"{what} sampling ints").reshape(3, n),
+    )
+
+
 def _sample_specs(floats: np.ndarray, ints: np.ndarray) -> list[SampleSpec]:
-    """The specs of [rows, 3] float64 (temperature, top_p, min_p) and [rows, 3] int64 (top_k, seed, step)."""
+    """The specs `_samples_to_wire` packed, as `_samples_from_wire` reads them."""
     return [
         SampleSpec(temperature, top_p, top_k, min_p, seed, step)
-        for (temperature, top_p, min_p), (top_k, seed, step) in zip(
-            floats.tolist(), ints.tolist(), strict=True
+        for temperature, top_p, min_p, top_k, seed, step in zip(
+            *floats.tolist(), *ints.tolist(), strict=True
         )
     ]
 
@@ -185,14 +201,13 @@ class PageTableCache:
         self._last: dict[str, tuple[list[int], bytes]] = {}
         self._next: dict[str, tuple[list[int], bytes]] = {}
 
-    def _page_ids(self, rows: Sequence[PrefillRow] | Sequence[DecodeRow]) -> bytes:
+    def _page_ids(self, request_ids: Sequence[str], page_ids: Sequence[list[int]]) -> bytes:
         last, next_, blobs = self._last, self._next, []
-        for row in rows:
-            pages = row.page_ids
-            known = last.get(row.request_id)
+        for request_id, pages in zip(request_ids, page_ids, strict=True):
+            known = last.get(request_id)
             if known is None or known[0] != pages:
                 known = (list(pages), _pack(pages, _I32))  # a copy: the plan's list is not ours
-            next_[row.request_id] = known
+            next_[request_id] = known
             blobs.append(known[1])
         return b"".join(blobs)
 
@@ -201,25 +216,25 @@ class PageTableCache:
 
 
 def _page_ids_to_wire(
-    rows: Sequence[PrefillRow] | Sequence[DecodeRow], cache: PageTableCache | None
+    request_ids: Sequence[str], page_ids: Sequence[list[int]], cache: PageTableCache | None
 ) -> bytes:
     if cache is not None:
-        return cache._page_ids(rows)
-    return _pack(chain.from_iterable(map(_PAGE_IDS, rows)), _I32)
+        return cache._page_ids(request_ids, page_ids)
+    return _pack(chain.from_iterable(page_ids), _I32)
 
 
 class WireRows(Sequence):
-    """One pass's rows as a rank reads them off the wire: their fields as numpy arrays (read-only; for a
-    reader that needs no row objects) and, as a sequence, the row objects, made on first access and kept.
-    Equal to any list or tuple of the same rows. Every kind has `request_ids` (a list), `page_counts` int32
-    [rows] and `page_ids` int32 [sum of page_counts], row after row."""
+    """One pass's rows as a rank reads them off the wire: their fields as read-only numpy arrays (for a reader
+    that needs no row objects) and, as a sequence, the row objects, made on first access and kept. Equal to any
+    list or tuple of the same rows. Every kind has `request_ids` (a list), `page_counts` int32 [rows],
+    `page_ids` int32 [sum of page_counts] (row after row), and for its sampled rows `sample_floats` float64
+    [3, sampled] (temperature, top_p, min_p) and `sample_ints` int64 [3, sampled] (top_k, seed, step)."""
 
-    __slots__ = ("request_ids", "page_counts", "page_ids", "_rows")
+    __slots__ = ("request_ids", "page_counts", "page_ids", "sample_floats", "sample_ints", "_rows")
 
-    def __init__(self, request_ids: list[str], page_counts: bytes, page_ids: bytes, what: str):
-        self.request_ids = request_ids
-        self.page_counts = _array(page_counts, _I32, len(request_ids), f"{what} page counts")
-        self.page_ids = _array(page_ids, _I32, int(self.page_counts.sum()), f"{what} page ids")
+    def __init__(self, what: str, request_ids: list[str], page_counts: np.ndarray, page_ids: bytes):
+        self.request_ids, self.page_counts = request_ids, page_counts
+        self.page_ids = _array(page_ids, _I32, int(page_counts.sum()), f"{what} page ids")
         self._rows: list | None = None
 
     def _make(self) -> list:
@@ -250,23 +265,27 @@ class WireRows(Sequence):
         return f"{type(self).__name__}({self._made()!r})"
 
 
-class _PrefillWireRows(WireRows):
-    """Also `starts`, `token_counts` int32 [rows], `token_ids` int32 [sum of token_counts], `sampled` bool
-    [rows], and for the sampled rows `sample_floats` float64 [sampled, 3] (temperature, top_p, min_p) and
-    `sample_ints` int64 [sampled, 3] (top_k, seed, step)."""
+def _heads(data: bytes, rows: int, what: str) -> np.ndarray:
+    """A pass's int32 [3, rows] per-row fields, the page counts last."""
+    return _array(data, _I32, 3 * rows, f"{what} rows").reshape(3, rows)
 
-    __slots__ = ("starts", "token_counts", "token_ids", "sampled", "sample_floats", "sample_ints")
+
+class _PrefillWireRows(WireRows):
+    """Also `starts`, `token_counts` int32 [rows], `token_ids` int32 [sum of token_counts] and `sampled` bool
+    [rows]."""
+
+    __slots__ = ("starts", "token_counts", "token_ids", "sampled")
 
     def __init__(self, wire: list):
-        request_ids, heads, token_ids, page_counts, page_ids, sampled, floats, ints = wire
-        super().__init__(request_ids, page_counts, page_ids, "prefill")
+        request_ids, heads, token_ids, page_ids, sampled, floats, ints = wire
         n = len(request_ids)
-        self.starts, self.token_counts = _array(heads, _I32, 2 * n, "prefill rows").reshape(2, n)
+        self.starts, self.token_counts, page_counts = _heads(heads, n, "prefill")
+        super().__init__("prefill", request_ids, page_counts, page_ids)
         self.token_ids = _array(token_ids, _I32, int(self.token_counts.sum()), "prefill token ids")
         self.sampled = _array(sampled, np.dtype(np.bool_), n, "prefill sample flags")
-        m = int(self.sampled.sum())
-        self.sample_floats = _array(floats, _F64, 3 * m, "prefill sampling").reshape(m, 3)
-        self.sample_ints = _array(ints, _I64, 3 * m, "prefill sampling").reshape(m, 3)
+        self.sample_floats, self.sample_ints = _samples_from_wire(
+            floats, ints, int(self.sampled.sum()), "prefill"
+        )
 
     def _make(self) -> list[PrefillRow]:
         specs = iter(_sample_specs(self.sample_floats, self.sample_ints))
@@ -280,18 +299,16 @@ class _PrefillWireRows(WireRows):
 
 
 class _DecodeWireRows(WireRows):
-    """Also `token_ids`, `positions` int64 [rows], `sample_floats` float64 [rows, 3] (temperature, top_p,
-    min_p) and `sample_ints` int64 [rows, 3] (top_k, seed, step)."""
+    """Also `token_ids` and `positions` int32 [rows]."""
 
-    __slots__ = ("token_ids", "positions", "sample_floats", "sample_ints")
+    __slots__ = ("token_ids", "positions")
 
     def __init__(self, wire: list):
-        request_ids, ints, floats, page_counts, page_ids = wire
-        super().__init__(request_ids, page_counts, page_ids, "decode")
+        request_ids, heads, page_ids, floats, ints = wire
         n = len(request_ids)
-        ints = _array(ints, _I64, 5 * n, "decode rows").reshape(n, 5)
-        self.token_ids, self.positions, self.sample_ints = ints[:, 0], ints[:, 1], ints[:, 2:]
-        self.sample_floats = _array(floats, _F64, 3 * n, "decode sampling").reshape(n, 3)
+        self.token_ids, self.positions, page_counts = _heads(heads, n, "decode")
+        super().__init__("decode", request_ids, page_counts, page_ids)
+        self.sample_floats, self.sample_ints = _samples_from_wire(floats, ints, n, "decode")
 
     def _make(self) -> list[DecodeRow]:
         return list(
@@ -304,37 +321,34 @@ class _DecodeWireRows(WireRows):
 
 
 def _prefill_to_wire(rows: Sequence[PrefillRow], cache: PageTableCache | None) -> list | None:
-    """[request ids, int32 [2, rows] (start, token count), token ids, page counts, page ids, one byte per row
-    (1: sampled), the sampled rows' float64 [sampled, 3] and int64 [sampled, 3] fields], None for no rows."""
+    """[request ids, int32 [3, rows] (start, token count, page count), token ids, page ids, one byte per row
+    (1: sampled), the sampled rows' `_samples_to_wire`], None for no rows."""
     if not rows:
         return None
     n = len(rows)
-    tokens = list(map(attrgetter("token_ids"), rows))
-    samples = [r.sample for r in rows if r.sample is not None]
+    request_ids, tokens, starts, pages, samples = zip(*map(_PREFILL_FIELDS, rows), strict=True)
     return [
-        list(map(_REQUEST_ID, rows)),
-        _pack_known("i", 2 * n, chain((r.start for r in rows), map(len, tokens))),
+        list(request_ids),
+        _pack_known("i", 3 * n, chain(starts, map(len, tokens), map(len, pages))),
         _pack(chain.from_iterable(tokens), _I32),
-        _pack_known("i", n, map(len, map(_PAGE_IDS, rows))),
-        _page_ids_to_wire(rows, cache),
-        bytes(r.sample is not None for r in rows),
-        _pack_known("d", 3 * len(samples), chain.from_iterable(map(_SAMPLE_FLOATS, samples))),
-        _pack_known("q", 3 * len(samples), chain.from_iterable(map(_SAMPLE_INTS, samples))),
+        _page_ids_to_wire(request_ids, pages, cache),
+        bytes(s is not None for s in samples),
+        *_samples_to_wire([s for s in samples if s is not None]),
     ]
 
 
 def _decode_to_wire(rows: Sequence[DecodeRow], cache: PageTableCache | None) -> list | None:
-    """[request ids, int64 [rows, 5] (token id, position, top_k, seed, step), float64 [rows, 3] (temperature,
-    top_p, min_p), page counts, page ids], None for no rows."""
+    """[request ids, int32 [3, rows] (token id, position, page count), page ids, `_samples_to_wire`], None for
+    no rows."""
     if not rows:
         return None
     n = len(rows)
+    request_ids, tokens, positions, pages, samples = zip(*map(_DECODE_FIELDS, rows), strict=True)
     return [
-        list(map(_REQUEST_ID, rows)),
-        _pack_known("q", 5 * n, chain.from_iterable(map(_DECODE_INTS, rows))),
-        _pack_known("d", 3 * n, chain.from_iterable(map(_DECODE_FLOATS, rows))),
-        _pack_known("i", n, map(len, map(_PAGE_IDS, rows))),
-        _page_ids_to_wire(rows, cache),
+        list(request_ids),
+        _pack_known("i", 3 * n, chain(tokens, positions, map(len, pages))),
+        _page_ids_to_wire(request_ids, pages, cache),
+        *_samples_to_wire(samples),
     ]
 
 
