@@ -133,6 +133,7 @@ class DecodeBatches:
             batches, requests, 2, -1
         )
         self.slot_pages = spare.tolist()
+        self.num_pages = spare.size
         self.step = 0
 
     def plan(self) -> StepPlan:
@@ -161,7 +162,7 @@ def measure_engine(world: int, channel: str, fmt: str, layout: str, requests: in
     batches = DecodeBatches(world, layout, requests, args.context, args.page_size)
     config = RankGroupConfig(world, channel=channel, join_timeout_s=120, step_timeout_s=30)
     handler = HandlerSpec("plan_channel:engine_rank", {"make_rows": fmt == "engine-rows"})
-    cache = PageTableCache()
+    cache = PageTableCache(batches.num_pages)
     encode_times, times, size = [], [], 0
     with RankGroup(config, handler) as group:
         for step in range(args.warmup + args.steps):

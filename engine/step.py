@@ -3,13 +3,13 @@ runner hands back. Plain data (strings, ints, floats and sequences of them).
 
 On the wire (`plan_to_wire` / `plan_from_wire`, `result_to_wire` / `result_from_wire`) a plan is a few plain
 values a plan channel carries as msgpack, its bulk raw little-endian buffers (msgpack `bin`): per rank and pass,
-int32 arrays of token ids, positions or chunk starts, page counts and the page ids flattened, and the sampling
+int32 arrays of token ids, positions or chunk starts and page counts, the page ids flattened, and the sampling
 fields as float64 and int64 arrays; the request ids go as a list of strings. Neither side makes a Python object
 per token or page: a rank reads its rows as `WireRows`, sequences that hold the arrays and make the row objects
 only when first read. A rank whose `RankStep` is the same object as an earlier rank's (the same rows on every
 rank) is sent as that rank's index. A driver that encodes a plan every step passes a `PageTableCache`, so a
-request's page ids, which change once every page_size decode steps, are converted once. Pure Python and numpy
-(no torch).
+request's page ids, which change once every page_size decode steps, are converted once, and go as uint16 where
+its cache has at most 65536 pages (else, and without a cache, int32). Pure Python and numpy (no torch).
 
 A rank's step is at most two forward passes, run in this order: one prefill pass over prompt chunks (each
 writes its KV; a request's last chunk samples its next token) and one decode pass of one token per request."""
@@ -129,6 +129,10 @@ class RankResult:
 # The wire (see the module docstring).
 
 _I32, _I64, _F64 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("<f8")
+_U16 = np.dtype("<u2")
+_PAGE_ID_TYPES = {dtype.itemsize: dtype for dtype in (_U16, _I32)}
+"""Page ids go as uint16 where the driver's cache has at most 65536 pages, else int32; the wire names which by
+its item size."""
 _NO_TOKEN = -1
 """A prefill row's token in a result's int32 array where the row sampled none (token ids are >= 0)."""
 _PREFILL_FIELDS = attrgetter("request_id", "token_ids", "start", "page_ids", "sample")
@@ -195,21 +199,28 @@ class PageTableCache:
     """A driver's memory of the page ids it last put on the wire, per request, as wire bytes. A request's page
     ids change once every page_size decode steps (or when it is preempted and prefilled again), so most steps
     reuse them; a row's page ids are compared with the remembered ones every step, never assumed unchanged.
-    Remembers the requests of the last plan encoded only. One per driver, used from one thread."""
+    Remembers the requests of the last plan encoded only. One per driver, used from one thread.
 
-    def __init__(self) -> None:
+    num_pages: the driver's page ids are below it (a rank's KV pages); up to 65536 they go as uint16, half the
+    bytes of int32."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages <= 0:
+            raise ValueError(f"num_pages={num_pages}: must be positive")
+        self._dtype = _U16 if num_pages <= 1 << 16 else _I32
         self._last: dict[str, tuple[list[int], bytes]] = {}
         self._next: dict[str, tuple[list[int], bytes]] = {}
 
-    def _page_ids(self, request_ids: Sequence[str], page_ids: Sequence[list[int]]) -> bytes:
+    def _page_ids(self, request_ids: Sequence[str], page_ids: Sequence[list[int]]) -> list:
         last, next_, blobs = self._last, self._next, []
         for request_id, pages in zip(request_ids, page_ids, strict=True):
             known = last.get(request_id)
             if known is None or known[0] != pages:
-                known = (list(pages), _pack(pages, _I32))  # a copy: the plan's list is not ours
+                # a copy of the pages: the plan's list is not ours to keep
+                known = (list(pages), _pack(pages, self._dtype))
             next_[request_id] = known
             blobs.append(known[1])
-        return b"".join(blobs)
+        return [self._dtype.itemsize, b"".join(blobs)]
 
     def _plan_done(self) -> None:
         self._last, self._next = self._next, {}
@@ -217,24 +228,30 @@ class PageTableCache:
 
 def _page_ids_to_wire(
     request_ids: Sequence[str], page_ids: Sequence[list[int]], cache: PageTableCache | None
-) -> bytes:
+) -> list:
+    """[bytes per page id, the page ids, row after row]."""
     if cache is not None:
         return cache._page_ids(request_ids, page_ids)
-    return _pack(chain.from_iterable(page_ids), _I32)
+    return [_I32.itemsize, _pack(chain.from_iterable(page_ids), _I32)]
 
 
 class WireRows(Sequence):
     """One pass's rows as a rank reads them off the wire: their fields as read-only numpy arrays (for a reader
     that needs no row objects) and, as a sequence, the row objects, made on first access and kept. Equal to any
     list or tuple of the same rows. Every kind has `request_ids` (a list), `page_counts` int32 [rows],
-    `page_ids` int32 [sum of page_counts] (row after row), and for its sampled rows `sample_floats` float64
-    [3, sampled] (temperature, top_p, min_p) and `sample_ints` int64 [3, sampled] (top_k, seed, step)."""
+    `page_ids` uint16 or int32 [sum of page_counts] (row after row), and for its sampled rows
+    `sample_floats` float64 [3, sampled] (temperature, top_p, min_p) and `sample_ints` int64 [3, sampled]
+    (top_k, seed, step)."""
 
     __slots__ = ("request_ids", "page_counts", "page_ids", "sample_floats", "sample_ints", "_rows")
 
-    def __init__(self, what: str, request_ids: list[str], page_counts: np.ndarray, page_ids: bytes):
+    def __init__(self, what: str, request_ids: list[str], page_counts: np.ndarray, page_ids: list):
         self.request_ids, self.page_counts = request_ids, page_counts
-        self.page_ids = _array(page_ids, _I32, int(page_counts.sum()), f"{what} page ids")
+        itemsize, data = page_ids
+        dtype = _PAGE_ID_TYPES.get(itemsize)
+        if dtype is None:
+            raise ValueError(f"plan wire: {what} page ids of {itemsize} bytes")
+        self.page_ids = _array(data, dtype, int(page_counts.sum()), f"{what} page ids")
         self._rows: list | None = None
 
     def _make(self) -> list:

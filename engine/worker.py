@@ -72,7 +72,7 @@ class Worker:
         """Set by the role (`_make_scheduler`), over `allocators`."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._page_tables = PageTableCache()
+        self._page_tables = PageTableCache(self.runner.num_pages)
         """The page ids of the last plan sent to the ranks (the loop thread's)."""
 
     @property
@@ -145,13 +145,13 @@ class Worker:
             self.num_ranks, self.config.page_size, self.runner.num_pages, prefill_tokens,
             decode_rows if self.runner.graphs is not None else 0, decode_tokens,
         )  # fmt: skip
+        page_tables = PageTableCache(self.runner.num_pages)
         for plan in plans:
             if self.ranks is None:
                 results = [self.runner.execute(plan)]
             else:
-                results = [
-                    result_from_wire(r[0]) for r in self.ranks.step([plan_to_wire(plan), None])
-                ]
+                wire = plan_to_wire(plan, page_tables)
+                results = [result_from_wire(r[0]) for r in self.ranks.step([wire, None])]
             for rank, r in enumerate(results):
                 if r.prefill_error or r.decode_error:
                     raise RuntimeError(

@@ -137,9 +137,9 @@ def test_the_wire_is_raw_buffers():
     values = list(leaves(wire))
     prefill = [r for rank in plan.ranks for r in rank.prefill]
     decode_rows = [r for rank in plan.ranks for r in rank.decode]
-    # the step id, one string per row, and a fixed number of buffers per pass
+    # the step id, one string per row, and per pass a fixed number of buffers and one page-id size
     assert sum(isinstance(v, bytes) for v in values) == 2 * (6 + 4)
-    assert len(values) == 1 + len(prefill) + len(decode_rows) + 2 * (6 + 4)
+    assert len(values) == 1 + len(prefill) + len(decode_rows) + 2 * (6 + 4 + 2)
     page_ids = sum(len(r.page_ids) for r in [*prefill, *decode_rows])
     sampled = sum(r.sample is not None for r in prefill)
     buffers = (
@@ -185,7 +185,7 @@ def test_rows_stay_arrays_until_read():
 
 def test_cached_page_tables_follow_every_change():
     rng = random.Random(5)
-    cache = PageTableCache()
+    cache = PageTableCache(1 << 20)
     rows = {f"r{i}": random_pages(rng) for i in range(6)}
     sample = SampleSpec(0.0, 1.0, -1, 0.0, 1, 0)
     for step in range(40):
@@ -211,7 +211,7 @@ def test_cached_page_tables_follow_every_change():
 
 
 def test_the_cache_is_not_fooled_by_a_list_changed_in_place():
-    cache = PageTableCache()
+    cache = PageTableCache(1 << 20)
     pages = [1, 2, 3]
     sample = SampleSpec(0.0, 1.0, -1, 0.0, 1, 0)
     plan = StepPlan(0, [RankStep(decode=[DecodeRow("a", 1, 2, pages, sample)])])
@@ -239,12 +239,15 @@ def test_a_malformed_wire_is_refused_naming_the_field():
     rng = random.Random(2)
     wire = decode(encode(plan_to_wire(StepPlan(1, [random_rank(rng, 2, 3)]))))
     prefill, decode_pass = wire[1][0]
-    decode_pass[2] = decode_pass[2][:-4]
+    decode_pass[2][1] = decode_pass[2][1][:-4]
     with pytest.raises(ValueError, match="decode page ids"):
         plan_from_wire(wire)
     prefill[2] = prefill[2] + b"\0\0\0\0"
     with pytest.raises(ValueError, match="prefill token ids"):
         plan_from_wire([1, [[prefill, None]]])
+    decode_pass[2] = [3, b"\0" * 3 * 6]
+    with pytest.raises(ValueError, match="decode page ids of 3 bytes"):
+        plan_from_wire([1, [[None, decode_pass]]])
     with pytest.raises(ValueError, match="rank 0 refers to rank 0"):
         plan_from_wire([1, [0]])
     sample = SampleSpec(0.0, 1.0, -1, 0.0, 1, 0)
@@ -260,3 +263,29 @@ def test_wire_rows_compare_like_lists():
     assert got == want and want == got and got == tuple(want) and got != want[:-1]
     assert got != "not rows" and list(got) == want and got.index(want[2]) == 2
     assert np.array_equal(got.sample_ints[2], [r.sample.step for r in want])
+
+
+@pytest.mark.parametrize(
+    ("num_pages", "bytes_per_page"), [(None, 4), (1, 2), (1 << 16, 2), ((1 << 16) + 1, 4)]
+)
+def test_page_ids_go_as_uint16_where_the_cache_allows(num_pages, bytes_per_page):
+    sample = SampleSpec(0.0, 1.0, -1, 0.0, 1, 0)
+    top = min(num_pages or 1 << 31, 1 << 31) - 1
+    rows = [DecodeRow("a", 1, 2, [0, top, top // 2], sample), DecodeRow("b", 1, 2, [top], sample)]
+    plan = StepPlan(0, [RankStep([PrefillRow("c", [1], 0, [top, 0], None)], rows)])
+    cache = None if num_pages is None else PageTableCache(num_pages)
+    wire = plan_to_wire(plan, cache)
+    (prefill, decode_pass) = wire[1][0]
+    assert decode_pass[2] == [bytes_per_page, decode_pass[2][1]] and prefill[3][0] == bytes_per_page
+    assert len(decode_pass[2][1]) == 4 * bytes_per_page and len(prefill[3][1]) == 2 * bytes_per_page
+    assert_same_plan(plan_from_wire(decode(encode(wire))), plan)
+
+
+def test_a_page_id_the_cache_cannot_hold_is_refused():
+    sample = SampleSpec(0.0, 1.0, -1, 0.0, 1, 0)
+    for page in (1 << 16, -1):
+        plan = StepPlan(0, [RankStep(decode=[DecodeRow("a", 1, 2, [page], sample)])])
+        with pytest.raises(OverflowError):
+            plan_to_wire(plan, PageTableCache(1 << 16))
+    with pytest.raises(ValueError, match="num_pages=0"):
+        PageTableCache(0)
