@@ -37,7 +37,14 @@ sys.path.insert(
 from pdserve.engine.rank_group import RankGroup, RankGroupConfig  # noqa: E402
 from pdserve.engine.rank_process import HandlerSpec  # noqa: E402
 from pdserve.engine.rank_runner import make_rank_runner  # noqa: E402
-from pdserve.engine.step import DecodeRow, RankStep, SampleSpec, StepPlan, plan_to_wire  # noqa: E402
+from pdserve.engine.step import (  # noqa: E402
+    DecodeRow,
+    RankStep,
+    SampleSpec,
+    StepPlan,
+    plan_to_wire,
+    result_from_wire,
+)
 from pdserve.model.random_checkpoint import preset_config  # noqa: E402
 
 
@@ -149,11 +156,11 @@ def run(model_dir: str, ranks: int, batch: int, context: int, steps: int, invari
             start = time.perf_counter()
             replies = group.step(wire)
             elapsed = time.perf_counter() - start
-            results = [reply[0] for reply in replies]
+            results = [result_from_wire(reply[0]) for reply in replies]
             for r, result in enumerate(results):
-                if result[4] is not None:
-                    raise RuntimeError(f"rank {r}: decode step failed: {result[4]}")
-                tokens[r] = result[2]
+                if result.decode_error is not None:
+                    raise RuntimeError(f"rank {r}: decode step failed: {result.decode_error}")
+                tokens[r] = result.decode_tokens
             history.append([t for r in range(ranks) for t in tokens[r]])
             if step >= 5:
                 times.append(elapsed)

@@ -1,8 +1,15 @@
 """The per-step plan: what each rank runs this step, the only thing the scheduler hands the runner, and what the
-runner hands back. Plain data (strings, ints, floats and lists of them): `plan_to_wire` / `plan_from_wire` and
-`result_to_wire` / `result_from_wire` turn them into plain nested lists and back, positionally (no field names,
-no reflection), so a driver can send each step to rank processes cheaply (a plan channel carries such values);
-`encode_*` / `decode_*` are the same as msgpack bytes. Pure Python (no torch).
+runner hands back. Plain data (strings, ints, floats and sequences of them).
+
+On the wire (`plan_to_wire` / `plan_from_wire`, `result_to_wire` / `result_from_wire`) a plan is a few plain
+values a plan channel carries as msgpack, its bulk raw little-endian buffers (msgpack `bin`): per rank and pass,
+int32 arrays of token ids, positions or chunk starts and page counts, the page ids flattened, and the sampling
+fields as float64 and int64 arrays; the request ids go as a list of strings. Neither side makes a Python object
+per token or page: a rank reads its rows as `WireRows`, sequences that hold the arrays and make the row objects
+only when first read. A rank whose `RankStep` is the same object as an earlier rank's (the same rows on every
+rank) is sent as that rank's index. A driver that encodes a plan every step passes a `PageTableCache`, so a
+request's page ids, which change once every page_size decode steps, are converted once, and go as uint16 where
+its cache has at most 65536 pages (else, and without a cache, int32). Pure Python and numpy (no torch).
 
 A rank's step is at most two forward passes, run in this order: one prefill pass over prompt chunks (each
 writes its KV; a request's last chunk samples its next token) and one decode pass of one token per request."""
@@ -10,10 +17,30 @@ writes its KV; a request's last chunk samples its next token) and one decode pas
 from __future__ import annotations
 
 import dataclasses
+import struct
+from collections.abc import Iterable, Sequence
+from itertools import chain
+from operator import attrgetter
+from typing import Any
 
-import msgpack
+import numpy as np
 
 from .sampling_params import SamplingParams
+
+__all__ = [
+    "DecodeRow",
+    "PageTableCache",
+    "PrefillRow",
+    "RankResult",
+    "RankStep",
+    "SampleSpec",
+    "StepPlan",
+    "WireRows",
+    "plan_from_wire",
+    "plan_to_wire",
+    "result_from_wire",
+    "result_to_wire",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -65,10 +92,11 @@ class DecodeRow:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RankStep:
-    """One rank's share of a step; either list may be empty (an idle rank still takes part in the step)."""
+    """One rank's share of a step; either pass may have no rows (an idle rank still takes part in the step).
+    The scheduler makes lists; a plan read from the wire holds `WireRows`."""
 
-    prefill: list[PrefillRow] = dataclasses.field(default_factory=list)
-    decode: list[DecodeRow] = dataclasses.field(default_factory=list)
+    prefill: Sequence[PrefillRow] = dataclasses.field(default_factory=list)
+    decode: Sequence[DecodeRow] = dataclasses.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -98,66 +126,305 @@ class RankResult:
     """Why the decode pass failed (then `decode_tokens` is empty)."""
 
 
-def _sample_to_wire(sample: SampleSpec | None) -> list | None:
-    if sample is None:
+# The wire (see the module docstring).
+
+_I32, _I64, _F64 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("<f8")
+_U16 = np.dtype("<u2")
+_PAGE_ID_TYPES = {dtype.itemsize: dtype for dtype in (_U16, _I32)}
+"""Page ids go as uint16 where the driver's cache has at most 65536 pages, else int32; the wire names which by
+its item size."""
+_NO_TOKEN = -1
+"""A prefill row's token in a result's int32 array where the row sampled none (token ids are >= 0)."""
+_PREFILL_FIELDS = attrgetter("request_id", "token_ids", "start", "page_ids", "sample")
+_DECODE_FIELDS = attrgetter("request_id", "token_id", "position", "page_ids", "sample")
+_SAMPLE_FIELDS = attrgetter("temperature", "top_p", "min_p", "top_k", "seed", "step")
+
+
+def _pack(values: Iterable[Any], dtype: np.dtype) -> bytes:
+    """Python numbers as the raw bytes of `dtype`; a value out of its range raises OverflowError."""
+    return np.fromiter(values, dtype).tobytes()
+
+
+def _pack_known(code: str, count: int, values: Iterable[Any]) -> bytes:
+    """`count` Python numbers as little-endian `struct` `code` values (faster than `_pack` where the count is
+    known); a value out of range raises struct.error."""
+    return struct.pack(f"<{count}{code}", *values)
+
+
+def _array(data: bytes, dtype: np.dtype, count: int, what: str) -> np.ndarray:
+    """`count` values of `dtype` from the wire (a read-only view of `data`)."""
+    if len(data) != count * dtype.itemsize:
+        raise ValueError(
+            f"plan wire: {what}: {len(data)} bytes, expected {count} x {dtype.itemsize}"
+        )
+    return np.frombuffer(data, dtype)
+
+
+def _split(flat: np.ndarray, counts: np.ndarray) -> list[list[int]]:
+    """`flat` cut into consecutive lists of `counts` values."""
+    values, ends = flat.tolist(), np.cumsum(counts).tolist()
+    return [values[a:b] for a, b in zip([0, *ends], ends, strict=False)]  # the starts run one over
+
+
+def _samples_to_wire(samples: Sequence[SampleSpec]) -> list[bytes]:
+    """float64 [3, samples] (temperature, top_p, min_p) and int64 [3, samples] (top_k, seed, step)."""
+    if not samples:
+        return [b"", b""]
+    n = len(samples)
+    temperature, top_p, min_p, top_k, seed, step = zip(*map(_SAMPLE_FIELDS, samples), strict=True)
+    return [
+        _pack_known("d", 3 * n, chain(temperature, top_p, min_p)),
+        _pack_known("q", 3 * n, chain(top_k, seed, step)),
+    ]
+
+
+def _samples_from_wire(floats: bytes, ints: bytes, n: int, what: str) -> tuple[np.ndarray, ...]:
+    return (
+        _array(floats, _F64, 3 * n, f"{what} sampling floats").reshape(3, n),
+        _array(ints, _I64, 3 * n, f"{what} sampling ints").reshape(3, n),
+    )
+
+
+def _sample_specs(floats: np.ndarray, ints: np.ndarray) -> list[SampleSpec]:
+    """The specs `_samples_to_wire` packed, as `_samples_from_wire` reads them."""
+    return [
+        SampleSpec(temperature, top_p, top_k, min_p, seed, step)
+        for temperature, top_p, min_p, top_k, seed, step in zip(
+            *floats.tolist(), *ints.tolist(), strict=True
+        )
+    ]
+
+
+class PageTableCache:
+    """A driver's memory of the page ids it last put on the wire, per request, as wire bytes. A request's page
+    ids change once every page_size decode steps (or when it is preempted and prefilled again), so most steps
+    reuse them; a row's page ids are compared with the remembered ones every step, never assumed unchanged.
+    Remembers the requests of the last plan encoded only. One per driver, used from one thread.
+
+    num_pages: the driver's page ids are below it (a rank's KV pages); up to 65536 they go as uint16, half the
+    bytes of int32."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages <= 0:
+            raise ValueError(f"num_pages={num_pages}: must be positive")
+        self._dtype = _U16 if num_pages <= 1 << 16 else _I32
+        self._last: dict[str, tuple[list[int], bytes]] = {}
+        self._next: dict[str, tuple[list[int], bytes]] = {}
+
+    def _page_ids(self, request_ids: Sequence[str], page_ids: Sequence[list[int]]) -> list:
+        last, next_, blobs = self._last, self._next, []
+        for request_id, pages in zip(request_ids, page_ids, strict=True):
+            known = last.get(request_id)
+            if known is None or known[0] != pages:
+                # a copy of the pages: the plan's list is not ours to keep
+                known = (list(pages), _pack(pages, self._dtype))
+            next_[request_id] = known
+            blobs.append(known[1])
+        return [self._dtype.itemsize, b"".join(blobs)]
+
+    def _plan_done(self) -> None:
+        self._last, self._next = self._next, {}
+
+
+def _page_ids_to_wire(
+    request_ids: Sequence[str], page_ids: Sequence[list[int]], cache: PageTableCache | None
+) -> list:
+    """[bytes per page id, the page ids, row after row]."""
+    if cache is not None:
+        return cache._page_ids(request_ids, page_ids)
+    return [_I32.itemsize, _pack(chain.from_iterable(page_ids), _I32)]
+
+
+class WireRows(Sequence):
+    """One pass's rows as a rank reads them off the wire: their fields as read-only numpy arrays (for a reader
+    that needs no row objects) and, as a sequence, the row objects, made on first access and kept. Equal to any
+    list or tuple of the same rows. Every kind has `request_ids` (a list), `page_counts` int32 [rows],
+    `page_ids` uint16 or int32 [sum of page_counts] (row after row), and for its sampled rows
+    `sample_floats` float64 [3, sampled] (temperature, top_p, min_p) and `sample_ints` int64 [3, sampled]
+    (top_k, seed, step)."""
+
+    __slots__ = ("request_ids", "page_counts", "page_ids", "sample_floats", "sample_ints", "_rows")
+
+    def __init__(self, what: str, request_ids: list[str], page_counts: np.ndarray, page_ids: list):
+        self.request_ids, self.page_counts = request_ids, page_counts
+        itemsize, data = page_ids
+        dtype = _PAGE_ID_TYPES.get(itemsize)
+        if dtype is None:
+            raise ValueError(f"plan wire: {what} page ids of {itemsize} bytes")
+        self.page_ids = _array(data, dtype, int(page_counts.sum()), f"{what} page ids")
+        self._rows: list | None = None
+
+    def _make(self) -> list:
+        raise NotImplementedError
+
+    def _made(self) -> list:
+        if self._rows is None:
+            self._rows = self._make()
+        return self._rows
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def __getitem__(self, index):
+        return self._made()[index]
+
+    def __iter__(self):
+        return iter(self._made())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, WireRows | list | tuple):
+            return self._made() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, so unhashable as they are
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._made()!r})"
+
+
+def _heads(data: bytes, rows: int, what: str) -> np.ndarray:
+    """A pass's int32 [3, rows] per-row fields, the page counts last."""
+    return _array(data, _I32, 3 * rows, f"{what} rows").reshape(3, rows)
+
+
+class _PrefillWireRows(WireRows):
+    """Also `starts`, `token_counts` int32 [rows], `token_ids` int32 [sum of token_counts] and `sampled` bool
+    [rows]."""
+
+    __slots__ = ("starts", "token_counts", "token_ids", "sampled")
+
+    def __init__(self, wire: list):
+        request_ids, heads, token_ids, page_ids, sampled, floats, ints = wire
+        n = len(request_ids)
+        self.starts, self.token_counts, page_counts = _heads(heads, n, "prefill")
+        super().__init__("prefill", request_ids, page_counts, page_ids)
+        self.token_ids = _array(token_ids, _I32, int(self.token_counts.sum()), "prefill token ids")
+        self.sampled = _array(sampled, np.dtype(np.bool_), n, "prefill sample flags")
+        self.sample_floats, self.sample_ints = _samples_from_wire(
+            floats, ints, int(self.sampled.sum()), "prefill"
+        )
+
+    def _make(self) -> list[PrefillRow]:
+        specs = iter(_sample_specs(self.sample_floats, self.sample_ints))
+        samples = [next(specs) if s else None for s in self.sampled.tolist()]
+        return list(
+            map(
+                PrefillRow, self.request_ids, _split(self.token_ids, self.token_counts),
+                self.starts.tolist(), _split(self.page_ids, self.page_counts), samples,
+            )
+        )  # fmt: skip
+
+
+class _DecodeWireRows(WireRows):
+    """Also `token_ids` and `positions` int32 [rows]."""
+
+    __slots__ = ("token_ids", "positions")
+
+    def __init__(self, wire: list):
+        request_ids, heads, page_ids, floats, ints = wire
+        n = len(request_ids)
+        self.token_ids, self.positions, page_counts = _heads(heads, n, "decode")
+        super().__init__("decode", request_ids, page_counts, page_ids)
+        self.sample_floats, self.sample_ints = _samples_from_wire(floats, ints, n, "decode")
+
+    def _make(self) -> list[DecodeRow]:
+        return list(
+            map(
+                DecodeRow, self.request_ids, self.token_ids.tolist(), self.positions.tolist(),
+                _split(self.page_ids, self.page_counts),
+                _sample_specs(self.sample_floats, self.sample_ints),
+            )
+        )  # fmt: skip
+
+
+def _prefill_to_wire(rows: Sequence[PrefillRow], cache: PageTableCache | None) -> list | None:
+    """[request ids, int32 [3, rows] (start, token count, page count), token ids, page ids, one byte per row
+    (1: sampled), the sampled rows' `_samples_to_wire`], None for no rows."""
+    if not rows:
         return None
-    return [sample.temperature, sample.top_p, sample.top_k, sample.min_p, sample.seed, sample.step]
+    n = len(rows)
+    request_ids, tokens, starts, pages, samples = zip(*map(_PREFILL_FIELDS, rows), strict=True)
+    return [
+        list(request_ids),
+        _pack_known("i", 3 * n, chain(starts, map(len, tokens), map(len, pages))),
+        _pack(chain.from_iterable(tokens), _I32),
+        _page_ids_to_wire(request_ids, pages, cache),
+        bytes(s is not None for s in samples),
+        *_samples_to_wire([s for s in samples if s is not None]),
+    ]
 
 
-def _sample_from_wire(fields: list | None) -> SampleSpec | None:
-    return None if fields is None else SampleSpec(*fields)
+def _decode_to_wire(rows: Sequence[DecodeRow], cache: PageTableCache | None) -> list | None:
+    """[request ids, int32 [3, rows] (token id, position, page count), page ids, `_samples_to_wire`], None for
+    no rows."""
+    if not rows:
+        return None
+    n = len(rows)
+    request_ids, tokens, positions, pages, samples = zip(*map(_DECODE_FIELDS, rows), strict=True)
+    return [
+        list(request_ids),
+        _pack_known("i", 3 * n, chain(tokens, positions, map(len, pages))),
+        _page_ids_to_wire(request_ids, pages, cache),
+        *_samples_to_wire(samples),
+    ]
 
 
-def plan_to_wire(plan: StepPlan) -> list:
-    """The plan as plain nested lists (what msgpack, and a plan channel, carry), field order positional."""
-    ranks = [
-        [
-            [[r.request_id, r.token_ids, r.start, r.page_ids, _sample_to_wire(r.sample)]
-             for r in rank.prefill],
-            [[r.request_id, r.token_id, r.position, r.page_ids, _sample_to_wire(r.sample)]
-             for r in rank.decode],
-        ]
-        for rank in plan.ranks
-    ]  # fmt: skip
+def plan_to_wire(plan: StepPlan, cache: PageTableCache | None = None) -> list:
+    """The plan as msgpack-ready values: [step_id, per rank: [prefill pass, decode pass] (each None when it
+    has no rows), or the index of an earlier rank whose `RankStep` is the same object]. cache: the driver's
+    `PageTableCache` when it encodes a plan every step."""
+    first_rank: dict[int, int] = {}
+    ranks: list = []
+    for rank, step in enumerate(plan.ranks):
+        same = first_rank.setdefault(id(step), rank)
+        if same != rank:
+            ranks.append(same)
+        else:
+            prefill = _prefill_to_wire(step.prefill, cache)
+            ranks.append([prefill, _decode_to_wire(step.decode, cache)])
+    if cache is not None:
+        cache._plan_done()
     return [plan.step_id, ranks]
 
 
 def plan_from_wire(wire: list) -> StepPlan:
-    step_id, ranks = wire
-    return StepPlan(
-        step_id,
-        [
+    """The plan `plan_to_wire` encoded, its rows as `WireRows` (ranks sent as an index share one `RankStep`).
+    Raises ValueError where the wire's arrays disagree with their counts."""
+    step_id, ranks_wire = wire
+    ranks: list[RankStep] = []
+    for rank, entry in enumerate(ranks_wire):
+        if isinstance(entry, int):
+            if not 0 <= entry < rank:
+                raise ValueError(f"plan wire: rank {rank} refers to rank {entry}")
+            ranks.append(ranks[entry])
+            continue
+        prefill, decode = entry
+        ranks.append(
             RankStep(
-                [PrefillRow(rid, ids, start, pages, _sample_from_wire(s))
-                 for rid, ids, start, pages, s in prefill],
-                [DecodeRow(rid, token, pos, pages, _sample_from_wire(s))
-                 for rid, token, pos, pages, s in decode],
+                [] if prefill is None else _PrefillWireRows(prefill),
+                [] if decode is None else _DecodeWireRows(decode),
             )
-            for prefill, decode in ranks
-        ],
-    )  # fmt: skip
+        )
+    return StepPlan(step_id, ranks)
 
 
 def result_to_wire(result: RankResult) -> list:
-    return [result.step_id, result.prefill_tokens, result.decode_tokens, result.prefill_error,
-            result.decode_error]  # fmt: skip
+    """[step_id, prefill tokens (int32, -1 for a row that sampled none), decode tokens (int32), prefill
+    error, decode error]."""
+    prefill = (_NO_TOKEN if t is None else t for t in result.prefill_tokens)
+    return [
+        result.step_id, _pack(prefill, _I32), _pack(result.decode_tokens, _I32),
+        result.prefill_error, result.decode_error,
+    ]  # fmt: skip
 
 
 def result_from_wire(wire: list) -> RankResult:
-    return RankResult(*wire)
-
-
-def encode_plan(plan: StepPlan) -> bytes:
-    return msgpack.packb(plan_to_wire(plan), use_bin_type=True)
-
-
-def decode_plan(data: bytes) -> StepPlan:
-    return plan_from_wire(msgpack.unpackb(data, raw=False))
-
-
-def encode_result(result: RankResult) -> bytes:
-    return msgpack.packb(result_to_wire(result), use_bin_type=True)
-
-
-def decode_result(data: bytes) -> RankResult:
-    return result_from_wire(msgpack.unpackb(data, raw=False))
+    step_id, prefill, decode, prefill_error, decode_error = wire
+    prefill_tokens = np.frombuffer(prefill, _I32).tolist()
+    return RankResult(
+        step_id,
+        [None if t == _NO_TOKEN else t for t in prefill_tokens],
+        np.frombuffer(decode, _I32).tolist(),
+        prefill_error,
+        decode_error,
+    )

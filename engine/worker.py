@@ -25,7 +25,7 @@ from .plan_channel import PlanChannelError
 from .rank_group import RankGroup, RankStepError
 from .runner import ModelRunner
 from .scheduler import Scheduler, StepOutcome
-from .step import RankResult, StepPlan, plan_to_wire, result_from_wire
+from .step import PageTableCache, RankResult, StepPlan, plan_to_wire, result_from_wire
 from .warm_up import warm_up_plans
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,8 @@ class Worker:
         """Set by the role (`_make_scheduler`), over `allocators`."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._page_tables = PageTableCache(self.runner.num_pages)
+        """The page ids of the last plan sent to the ranks (the loop thread's)."""
 
     @property
     def num_pages(self) -> int:
@@ -105,7 +107,7 @@ class Worker:
             results = [self.runner.execute(plan)]
             arrivals: list[list] = []
         else:
-            wire = None if plan is None else plan_to_wire(plan)
+            wire = None if plan is None else plan_to_wire(plan, self._page_tables)
             try:
                 replies = self.ranks.step([wire, kv_control])
             except (PlanChannelError, RankStepError) as e:  # a rank lost, stalled or raised
@@ -143,13 +145,13 @@ class Worker:
             self.num_ranks, self.config.page_size, self.runner.num_pages, prefill_tokens,
             decode_rows if self.runner.graphs is not None else 0, decode_tokens,
         )  # fmt: skip
+        page_tables = PageTableCache(self.runner.num_pages)
         for plan in plans:
             if self.ranks is None:
                 results = [self.runner.execute(plan)]
             else:
-                results = [
-                    result_from_wire(r[0]) for r in self.ranks.step([plan_to_wire(plan), None])
-                ]
+                wire = plan_to_wire(plan, page_tables)
+                results = [result_from_wire(r[0]) for r in self.ranks.step([wire, None])]
             for rank, r in enumerate(results):
                 if r.prefill_error or r.decode_error:
                     raise RuntimeError(

@@ -1,12 +1,13 @@
 """`ModelRunner.execute` on the CPU with the tiny model: a step plan's rows give the tokens a direct forward of
-the model gives, a plan that went through msgpack runs alike, and a failing pass is returned, not raised, while
-the other pass of the step still runs."""
+the model gives, a plan that went through the wire (msgpack) runs alike, and a failing pass is returned, not
+raised, while the other pass of the step still runs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pdserve.engine import plan_channel
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step import (
@@ -15,8 +16,8 @@ from pdserve.engine.step import (
     RankStep,
     SampleSpec,
     StepPlan,
-    decode_plan,
-    encode_plan,
+    plan_from_wire,
+    plan_to_wire,
 )
 from pdserve.model.batch import SeqChunk, build_forward_batch
 from pdserve.model.loader import load_model
@@ -66,7 +67,9 @@ def test_rows_give_the_model_s_tokens_and_survive_msgpack(model):
     expected = direct_next_tokens(
         model, [SeqChunk([30], 10, [0, 1, 2]), SeqChunk([31], 7, [3, 4])], decode=True
     )
-    for plan in (StepPlan(8, [decode]), decode_plan(encode_plan(StepPlan(8, [decode])))):
+    message = plan_channel.encode(plan_to_wire(StepPlan(8, [decode])))
+    wired = plan_from_wire(plan_channel.decode(message))
+    for plan in (StepPlan(8, [decode]), wired):
         runner = ModelRunner(model, PAGE, 16, cuda_graphs=False)
         first = RankStep(
             prefill=[PrefillRow(r, list(range(5, 5 + r_len)), 0, pages, None)
