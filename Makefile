@@ -30,7 +30,7 @@ demo: $(VENV)/.installed-serve
 	$(BIN)/pdserve demo
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -m "not gpu and not multi_gpu"
+	$(BIN)/python -m pytest -q -m "not gpu and not multi_gpu" --durations=25
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -272,8 +272,8 @@ def _shard(w: torch.Tensor, ids: torch.Tensor, rank: int, ranks: int):
 
 
 TREE_CASES = [
-    (13, 256, 128, 16, 4, torch.float32),
-    (5, 192, 96, 32, 6, torch.float16),
+    (13, 128, 64, 16, 4, torch.float32),
+    (5, 128, 32, 32, 6, torch.float16),
     pytest.param(64, 7168, 2048, 64, 8, torch.bfloat16, marks=gpu),
     pytest.param(300, 2048, 1408, 64, 6, torch.bfloat16, marks=gpu),
 ]
@@ -287,6 +287,8 @@ def test_tree_sum_gives_the_same_bits_on_any_expert_split(impl, t, d, i, e, k, d
     relies on), and the tree is the slot-order sum to rounding."""
     if impl is tri and dtype is torch.bfloat16 and not CUDA:
         pytest.skip("the Triton interpreter's bf16 dot is wrong")
+    if impl is tri and dtype is torch.float16 and not CUDA:
+        pytest.skip("the interpreter runs the fp32 case; each case costs it ~13 s")
     if impl is tri and dtype is torch.float32 and CUDA:
         pytest.skip(
             "fp32 experts on a GPU: launch configs tuned for 16-bit run out of shared memory"
