@@ -231,7 +231,7 @@ def test_inputs_are_checked() -> None:
 
 @pytest.mark.parametrize("path", ["default", *sorted(p for p in PATH_CONFIGS if p.endswith("fp8"))])
 @pytest.mark.parametrize(
-    ("t", "d", "i"), [(21, 320, 192), pytest.param(64, 7168, 2048, marks=gpu)]
+    ("t", "d", "i"), [(7, 320, 192), pytest.param(64, 7168, 2048, marks=gpu)]
 )  # fmt: skip
 def test_x_quantized_by_its_producer_gives_the_same_bits(path: str, t: int, d: int, i: int) -> None:
     """x_q (x quantized in 1x128 groups; scales column-major as rmsnorm(quant=True) hands them out, or
