@@ -17,7 +17,7 @@ from pdserve.model.kv_cache import KVCacheLayout, PagedKVCache, capacity_pages, 
 
 from .cuda_graphs import DecodeGraphs
 from .sampler import sample_tokens
-from .step import DecodeRow, PrefillRow, RankResult, StepPlan
+from .step import DecodeRow, PrefillRow, RankResult, StepPlan, max_pages, prefill_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class ModelRunner:
         result = RankResult(plan.step_id)
         joins = self._joins_idle
         if any(r.prefill for r in plan.ranks) and (step.prefill or joins):
-            tokens = max(sum(len(r.token_ids) for r in s.prefill) for s in plan.ranks)
+            tokens = max(prefill_tokens(s.prefill) for s in plan.ranks)
             with self.model.step_tokens(tokens if joins else None):
                 if not step.prefill:
                     self._run(self._idle, None)
@@ -109,7 +109,7 @@ class ModelRunner:
             rows = max(len(s.decode) for s in plan.ranks)
             key = None
             if joins and self.graphs is not None and self.graphs.enabled:
-                width = max(len(r.page_ids) for s in plan.ranks for r in s.decode)
+                width = max(max_pages(s.decode) for s in plan.ranks)
                 key = self.graphs.key(rows, width)
             with self.model.step_tokens((key[0] if key else rows) if joins else None):
                 if not step.decode:

@@ -282,6 +282,21 @@ class WireRows(Sequence):
         return f"{type(self).__name__}({self._made()!r})"
 
 
+def prefill_tokens(rows: Sequence[PrefillRow]) -> int:
+    """Prompt tokens of a pass's prefill rows, from the wire's counts where the rows came off it (no row
+    objects made)."""
+    if isinstance(rows, _PrefillWireRows):
+        return int(rows.token_counts.sum())
+    return sum(len(r.token_ids) for r in rows)
+
+
+def max_pages(rows: Sequence[PrefillRow | DecodeRow]) -> int:
+    """The widest page table of a pass's rows (0 for none), from the wire's counts where it can."""
+    if isinstance(rows, WireRows):
+        return int(rows.page_counts.max(initial=0))
+    return max((len(r.page_ids) for r in rows), default=0)
+
+
 def _heads(data: bytes, rows: int, what: str) -> np.ndarray:
     """A pass's int32 [3, rows] per-row fields, the page counts last."""
     return _array(data, _I32, 3 * rows, f"{what} rows").reshape(3, rows)

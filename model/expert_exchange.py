@@ -141,7 +141,7 @@ class ExpertExchange(abc.ABC):
         written in place (no padded copies); rows past T are padding: id `num_experts` (no rank's), weight 0,
         x 0 (scale 1)."""
         num_tokens, k = topk_ids.shape
-        layout = _RowLayout.of(k, x.shape[1], x.dtype, x_q is not None)
+        layout = _RowLayout(k, x.shape[1], x.dtype, x_q is not None)
         packed = torch.empty(rows, layout.row_bytes, dtype=torch.uint8, device=x.device)
         ids, weights, x_rows, scales = layout.views(packed)
         ids[:num_tokens] = topk_ids
@@ -163,7 +163,7 @@ class ExpertExchange(abc.ABC):
         self, packed: torch.Tensor, k: int, dim: int, dtype: torch.dtype, quantized: bool = False
     ) -> ExpertBatch:
         """`_pack_rows`'s message (any ranks' rows, concatenated) -> this rank's `ExpertBatch`."""
-        ids, weights, x, scales = _RowLayout.of(k, dim, dtype, quantized).views(packed)
+        ids, weights, x, scales = _RowLayout(k, dim, dtype, quantized).views(packed)
         local_ids = self._local_ids(ids, self.layout.ep_rank)
         if quantized:
             return ExpertBatch(
@@ -184,10 +184,6 @@ class _RowLayout:
     dim: int
     dtype: torch.dtype
     quantized: bool
-
-    @classmethod
-    def of(cls, k: int, dim: int, dtype: torch.dtype, quantized: bool) -> _RowLayout:
-        return cls(k, dim, dtype, quantized)
 
     @property
     def num_scales(self) -> int:

@@ -24,3 +24,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs 2 CUDA GPUs"))
         elif "gpu" in item.keywords and _CUDA_DEVICES < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+@pytest.fixture(scope="session")
+def v2lite_dir(tmp_path_factory):
+    """A v2-lite-shape bf16 checkpoint for GPU tests: $PDSERVE_V2LITE_DIR, or made on the GPU once a session."""
+    from pathlib import Path
+
+    from pdserve.model.random_checkpoint import make_checkpoint
+
+    path = os.environ.get("PDSERVE_V2LITE_DIR")
+    if path:
+        return Path(path)
+    out = tmp_path_factory.mktemp("ck") / "v2l"
+    return make_checkpoint(out, "v2-lite-shape", dtype="bf16", device="cuda", progress=False)

@@ -5,9 +5,6 @@ run different batch sizes and one rank idles."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -18,7 +15,6 @@ from pdserve.engine.offline import OfflineGenerator
 from pdserve.engine.rank_runner import start_rank_group
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.loader import load_model
-from pdserve.model.random_checkpoint import make_checkpoint
 
 from .test_worker import drain
 
@@ -27,12 +23,8 @@ PAGE = 16
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = os.environ.get("PDSERVE_V2LITE_DIR")
-    if path:
-        return Path(path)
-    out = tmp_path_factory.mktemp("ck") / "v2l"
-    return make_checkpoint(out, "v2-lite-shape", dtype="bf16", device="cuda", progress=False)
+def model_dir(v2lite_dir):
+    return v2lite_dir
 
 
 def test_dp2_ep2_graphs_give_the_one_gpu_tokens(model_dir):

@@ -21,8 +21,10 @@ from pdserve.engine.step import (
     SampleSpec,
     StepPlan,
     WireRows,
+    max_pages,
     plan_from_wire,
     plan_to_wire,
+    prefill_tokens,
     result_from_wire,
     result_to_wire,
 )
@@ -181,6 +183,19 @@ def test_rows_stay_arrays_until_read():
     assert got.decode._rows is None
     assert got.decode[1] == want[1] and got.decode[-2:] == want[-2:]
     assert got.decode[0] is got.decode[0]  # made once
+
+
+def test_pass_sizes_come_from_the_wire_without_row_objects():
+    rng = random.Random(12)
+    plan = StepPlan(3, [random_rank(rng, 3, 5), random_rank(rng, 0, 0)])
+    got = over_the_wire(plan)
+    for rank, want in zip(got.ranks, plan.ranks, strict=True):
+        assert prefill_tokens(rank.prefill) == prefill_tokens(want.prefill)
+        assert prefill_tokens(want.prefill) == sum(len(r.token_ids) for r in want.prefill)
+        assert max_pages(rank.decode) == max_pages(want.decode)
+        assert max_pages(want.decode) == max((len(r.page_ids) for r in want.decode), default=0)
+        assert max_pages(rank.prefill) == max_pages(want.prefill)
+    assert all(getattr(r.decode, "_rows", None) is None for r in got.ranks)
 
 
 def test_cached_page_tables_follow_every_change():

@@ -9,9 +9,7 @@ made here (~31 GB)."""
 
 from __future__ import annotations
 
-import os
 import socket
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +20,6 @@ from pdserve.kvtransfer import KVTransferConfig
 from pdserve.model.batch import SeqChunk, build_forward_batch
 from pdserve.model.kv_cache import KVCacheLayout, PagedKVCache
 from pdserve.model.loader import load_model
-from pdserve.model.random_checkpoint import make_checkpoint
 from pdserve.prefill import PrefillConfig
 
 from .harness import MiniRouter
@@ -33,12 +30,8 @@ MAX_TOKENS, PAGE_SIZE = 24, 16
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = os.environ.get("PDSERVE_V2LITE_DIR")
-    if path:
-        return Path(path)
-    out = tmp_path_factory.mktemp("ck") / "v2l"
-    return make_checkpoint(out, "v2-lite-shape", dtype="bf16", device="cuda", progress=False)
+def model_dir(v2lite_dir):
+    return v2lite_dir
 
 
 def prompts(count: int, seed: int) -> dict[str, list[int]]:
