@@ -108,14 +108,16 @@ def _facts(ctx, model) -> dict:
 
 
 def run(model_dir: str, ranks: int, batch: int, context: int, steps: int, invariant: bool,
-        seeds: list[list[int]] | None) -> dict:  # fmt: skip
-    """One group of `ranks` ranks, `batch` rows each, `steps` timed steps; returns times and tokens."""
+        seeds: list[list[int]] | None, dispatch_fp8: bool = False) -> dict:  # fmt: skip
+    """One group of `ranks` ranks, `batch` rows each, `steps` timed steps; returns times and tokens.
+    dispatch_fp8: the exchange carries the fp8 experts' rows quantized (`ParallelLayout.dispatch_fp8`)."""
     pages_per_row = -(-(context + steps + 8) // 64)
     layout = {
         "world_size": ranks,
         "attention": "data",
         "expert_parallel": ranks,
         "dense": "replicated",
+        "dispatch_fp8": dispatch_fp8,
     }
     spec = HandlerSpec(
         f"{Path(__file__).stem}:_by_rank",  # this file, imported by the rank processes (sys.path carries it)
@@ -171,7 +173,8 @@ def _by_rank(ctx, seeds, **kwargs):
     return bench_rank(ctx, seeds[ctx.rank], **kwargs)
 
 
-def roofline(cfg: dict, ranks: int, batch: int, context: int, facts: list[dict]) -> float:
+def roofline(cfg: dict, ranks: int, batch: int, context: int, facts: list[dict],
+             dispatch_fp8: bool = False) -> float:  # fmt: skip
     """Seconds a step of `batch` rows per rank needs at least on rank 0: its bytes over the measured rates."""
     f = facts[0]
     layers = cfg["num_hidden_layers"]
@@ -183,7 +186,9 @@ def roofline(cfg: dict, ranks: int, batch: int, context: int, facts: list[dict])
         hidden = cfg["hidden_size"]
         # all-gather: the other ranks' padded rows (activations + ids + weights, ~16 B of routing a row);
         # combine: the other ranks' partial sums of this rank's rows
-        row = hidden * 2 + cfg["num_experts_per_tok"] * 8
+        # (fp8 rows: 1 byte a value plus an fp32 scale per 128)
+        x_bytes = hidden + 4 * (-(-hidden // 128)) if dispatch_fp8 else hidden * 2
+        row = x_bytes + cfg["num_experts_per_tok"] * 8
         received = (ranks - 1) * batch * (row + hidden * 2) * moe_layers
         seconds += received / f["link"]
     return seconds
@@ -201,6 +206,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument(
         "--check", action="store_true", help="first the batch-invariant greedy comparison"
+    )
+    p.add_argument(
+        "--dispatch",
+        default="bf16",
+        help="how the exchange carries the experts' rows, comma-separated: bf16, fp8 (a row per kind)",
     )
     args = p.parse_args()
     cfg = preset_config(args.preset, args.layers, "fp8")
@@ -227,22 +237,29 @@ def main() -> None:
             "|---|---|---|---|---|---|---|"
         )
         out["rows"] = []
+        kinds = args.dispatch.split(",")
+        for kind in kinds:
+            if kind not in ("bf16", "fp8"):
+                p.error(f"--dispatch: {kind!r} is not bf16 or fp8")
         for batch in [int(x) for x in args.batch.split(",")]:
             res = {}
-            for ranks in (1, args.ranks):
-                r = run(tmp, ranks, batch, args.context, args.steps, False, None)
-                res[ranks] = r
-                roof = roofline(cfg, ranks, batch, args.context, r["facts"])
+            for ranks, kind in [(1, "bf16")] + [(args.ranks, k) for k in kinds]:
+                fp8 = kind == "fp8"
+                r = run(tmp, ranks, batch, args.context, args.steps, False, None, fp8)
+                res.setdefault(ranks, r)
+                roof = roofline(cfg, ranks, batch, args.context, r["facts"], fp8)
                 tps = batch / r["step_s"]
                 ratio = tps / (batch / res[1]["step_s"])
+                name = f"{ranks}" if ranks == 1 else f"{ranks} ({kind} dispatch)"
                 lines.append(
-                    f"| {batch} | {ranks} | {1e3 * r['step_s']:.2f} ms | {tps:.0f} | {ratio:.2f}x | "
+                    f"| {batch} | {name} | {1e3 * r['step_s']:.2f} ms | {tps:.0f} | {ratio:.2f}x | "
                     f"{1e3 * roof:.2f} ms | {r['step_s'] / roof:.2f}x |"
                 )
                 out["rows"].append(
                     {
                         "batch": batch,
                         "ranks": ranks,
+                        "dispatch": kind,
                         "step_s": r["step_s"],
                         "roofline_s": roof,
                         "facts": r["facts"],

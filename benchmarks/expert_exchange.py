@@ -9,6 +9,8 @@ received rows are sent back as they are), for each exchange:
 - `all_gather_per_step`: the same padded per step (a count all-gather and a host sync first);
 - `all_gather_rs`: capacity T, combined by an fp32 reduce-scatter instead of an all-to-all of the partials;
 - `all_gather` captured in a CUDA graph (dispatch, echo, combine), replayed (GPUs only; its own table, last).
+`--fp8` adds each exchange carrying the rows quantized (e4m3 + fp32 1x128 scales, as fp8 experts take them;
+`ParallelLayout.dispatch_fp8`), combined in bf16 as before.
 The peer rows move T x D values in one all_to_all_single with an even split, in bf16 and as fp8 bytes. Times are
 medians of CUDA-event timings after warm-up, each call bracketed by a barrier; "host syncs" counts the
 synchronizing CUDA calls of one dispatch + combine (torch.cuda's sync debug mode). Each exchange's output is
@@ -26,6 +28,7 @@ rounds per exchange at the first token count.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -85,6 +88,9 @@ def _count_syncs(fn, device: torch.device) -> int | None:
 def _make_exchange(name: str, layout, args, num_tokens: int):
     from pdserve.model.expert_exchange import AllGatherExchange, AllToAllExchange
 
+    if name.endswith(" fp8"):  # the same exchange carrying the rows quantized (fp8 experts)
+        name, layout = name[: -len(" fp8")], dataclasses.replace(layout, dispatch_fp8=True)
+
     if name == "all_to_all":
         return AllToAllExchange(layout, args.experts)
     capacity = None if name == "all_gather_per_step" else num_tokens
@@ -101,14 +107,21 @@ def _tokens(rank: int, num_tokens: int, args, device: torch.device):
     return x, ids, weights
 
 
-def _echo(exchange, x, ids, weights) -> torch.Tensor:
+def _echo(exchange, x, ids, weights, x_q=None) -> torch.Tensor:
     """Dispatch, each row times its local weights (the stand-in for the experts), combine: each token gets
-    back sum over ranks of (its local weights) x itself."""
-    batch, handle = exchange.dispatch(x, ids, weights)
+    back sum over ranks of (its local weights) x itself (its fp8 rows dequantized, when they came so)."""
+    batch, handle = exchange.dispatch(x, ids, weights, x_q)
     local_weight = torch.where(
         batch.topk_ids < exchange.experts_per_rank, batch.topk_weights, 0.0
     ).sum(1, keepdim=True)
-    return exchange.combine((batch.x.float() * local_weight).to(x.dtype), handle)
+    rows = batch.x.float() if batch.x_q is None else _dequantize(*batch.x_q)
+    return exchange.combine((rows * local_weight).to(x.dtype), handle)
+
+
+def _dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    from pdserve.kernels.fp8_quant import dequantize_act
+
+    return dequantize_act(q, scales)
 
 
 def _check(rank: int, name: str, out: torch.Tensor, x, weights) -> None:
@@ -120,18 +133,26 @@ def _check(rank: int, name: str, out: torch.Tensor, x, weights) -> None:
 def _measure(rank: int, layout, num_tokens: int, args, device) -> list[tuple]:
     """Rank `rank`'s rows of the table at `num_tokens` tokens per rank: per exchange (name, rows its
     experts computed, host syncs, dispatch, combine, dispatch + combine), then the two peer rows."""
+    from pdserve.kernels.fp8_quant import quantize_act
+
     x, ids, weights = _tokens(rank, num_tokens, args, device)
+    quantized = quantize_act(x)
+    y = x.new_empty(0)  # combine's rows take x's dtype when the rows came quantized
     rows = []
-    for name in EXCHANGES:
+    for name in EXCHANGES + tuple(f"{e} fp8" for e in EXCHANGES if args.fp8):
         exchange = _make_exchange(name, layout, args, num_tokens)
-        _check(rank, name, _echo(exchange, x, ids, weights), x, weights)
+        x_q = quantized if name.endswith(" fp8") else None
+        sent = x if x_q is None else _dequantize(*x_q).to(x.dtype)  # what the rows carry
+        _check(rank, name, _echo(exchange, x, ids, weights, x_q), sent, weights)
         state = {}
 
-        def dispatch(exchange=exchange, state=state):
-            state["batch"], state["handle"] = exchange.dispatch(x, ids, weights)
+        def dispatch(exchange=exchange, state=state, x_q=x_q):
+            state["batch"], state["handle"] = exchange.dispatch(x, ids, weights, x_q)
 
         def combine(exchange=exchange, state=state):
-            exchange.combine(state["batch"].x, state["handle"])
+            batch = state["batch"]
+            rows = batch.x if batch.x is not None else y.new_empty(batch.num_rows, x.shape[1])
+            exchange.combine(rows, state["handle"])
 
         def round_trip():
             dispatch()
@@ -265,6 +286,11 @@ def main() -> None:
     p.add_argument("--top-k", type=int)
     p.add_argument("--iters", type=int)
     p.add_argument("--profile", action="store_true", help="print rank 0's profile per exchange")
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="also each exchange carrying the rows as fp8 (e4m3 + 1x128 scales), as fp8 experts take them",
+    )
     args = p.parse_args()
     for key, value in (CPU_DEFAULTS if args.cpu else GPU_DEFAULTS).items():
         if getattr(args, key) is None:
