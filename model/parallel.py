@@ -49,10 +49,12 @@ class ParallelLayout:
     """Expert exchange with data-parallel attention and expert_parallel > 1 (`expert_exchange.make_exchange`):
     'all_gather' (every rank gathers every rank's tokens), 'all_to_all' (a token goes only to its experts'
     ranks) or 'auto' (all-gather for small expert-parallel groups)."""
-    dispatch_fp8: bool = False
+    dispatch_fp8: bool = True
     """Where the experts are fp8, the exchange carries a token's rows quantized (1x128 groups, as their GEMM
-    takes them): about half the bytes of the activation dtype, and the same bits as quantizing at the experts.
-    Off by default until measured on GPUs; False: the activation dtype."""
+    takes them): about half the bytes of the activation dtype, the same bits as quantizing at the experts, and
+    each token quantized once by its own rank instead of by every rank it reaches (2x H200, v3-shape 8 layers,
+    DP2 + EP2 decode at 64 rows a rank: 11.4 ms a step against 12.8 ms in bf16; equal at 128). False: the
+    rows travel in the activation dtype."""
     max_tokens_per_rank: int | None = None
     """Most tokens a rank runs in one step, the same bound on every rank: the all-gather exchange pads to it
     (no host sync, so CUDA graphs can capture it) and refuses a step with more. None: padded per step to the
