@@ -190,7 +190,9 @@ class DecodeWorker(Worker):
         """Prompt chunks up to `max_prefill_chunk` (the aggregated path) and a decode graph for every bucket of
         up to `max_running` rows and `warm_up_context` tokens."""
         c = self.config
-        self._warm_up(c.max_prefill_chunk, c.max_running, c.warm_up_context)
+        self._warm_up(
+            c.max_prefill_chunk, c.max_running, c.warm_up_context, c.max_num_batched_tokens
+        )
 
     def _ranks_failed(self) -> None:
         if self.rank_kv is not None:  # the ranks are gone: nothing writes the held pages any more

@@ -35,13 +35,16 @@ def page_buckets(max_tokens: int, page_size: int) -> list[int]:
 
 def warm_up_plans(
     num_ranks: int, page_size: int, num_pages: int, prefill_tokens: int, decode_rows: int,
-    decode_tokens: int,
+    decode_tokens: int, prefill_budget: int | None = None,
 ) -> list[StepPlan]:  # fmt: skip
     """Plans for a worker of `num_ranks` ranks (every rank the same rows: as many as the busiest rank of a
-    data-parallel worker runs, or the rows of a tensor-parallel one): prefill passes of `PREFILL_SIZES` and
-    `prefill_tokens` tokens per rank, then (decode_rows > 0) one decode pass per graph bucket of up to
-    `decode_rows` rows per rank and page tables for up to `decode_tokens` tokens. Page ids stay below
-    `num_pages`."""
+    data-parallel worker runs, or the rows of a tensor-parallel one): prefill passes of one prompt of
+    `PREFILL_SIZES` and `prefill_tokens` tokens per rank; with `prefill_budget` (prompt tokens a step may
+    batch) passes of several prompts, 16 tokens each, one per batch bucket of rows (the head's rows and the
+    sampler's batch are the prompts; kernels specialize on their power-of-two class), a pass filling the
+    budget with prompt chunks and a chunk that continues a prompt; then (decode_rows > 0) one decode pass per
+    graph bucket of up to `decode_rows` rows per rank and page tables for up to `decode_tokens` tokens. Page
+    ids stay below `num_pages`; rows of one pass may share pages (their KV is never read)."""
     plans: list[StepPlan] = []
 
     def plan(step: RankStep) -> None:
@@ -52,6 +55,8 @@ def warm_up_plans(
             continue
         pages = list(range(pages_needed(n, page_size)))
         plan(RankStep(prefill=[PrefillRow("warm-up", [0] * n, 0, pages, _GREEDY)]))
+    if prefill_budget:
+        _batched_prefill(plan, page_size, num_pages, prefill_tokens, prefill_budget)
     if decode_rows <= 0 or decode_tokens <= 0:
         return plans
     batches = [b for b in BATCH_BUCKETS if b <= decode_rows]
@@ -62,3 +67,31 @@ def warm_up_plans(
             rows = [DecodeRow(f"warm-up-{i}", 0, position, [0] * width, _GREEDY) for i in range(b)]
             plan(RankStep(decode=rows))
     return plans
+
+
+def _batched_prefill(plan, page_size: int, num_pages: int, chunk: int, budget: int) -> None:
+    """Prefill passes of several prompts (see `warm_up_plans`), each twice: with a multiple of 16 tokens in
+    all and with one token fewer (kernels specialize on an integer's divisibility by 16, and the MoE's
+    launches on the tokens an expert gets)."""
+
+    def rows_of(sizes: list[int], start: int = 0) -> None:
+        for cut in (0, 1):
+            lengths = sizes[:-1] + [sizes[-1] - cut]
+            pages = list(range(pages_needed(start + max(lengths), page_size)))
+            plan(RankStep(prefill=[
+                PrefillRow(f"warm-up-{i}", [0] * n, start, pages, _GREEDY)
+                for i, n in enumerate(lengths)
+            ]))  # fmt: skip
+
+    short = 16
+    if pages_needed(short, page_size) <= num_pages:
+        for rows in BATCH_BUCKETS:
+            if rows > 1 and rows * short <= budget:
+                rows_of([short] * rows)
+    chunk = min(chunk, budget)
+    if pages_needed(chunk, page_size) <= num_pages:
+        rows_of([chunk] * (budget // chunk) + ([budget % chunk] if budget % chunk > 1 else []))
+    if (
+        pages_needed(2 * chunk, page_size) <= num_pages
+    ):  # a prompt's second chunk: attends to its first
+        rows_of([chunk], start=chunk)

@@ -31,6 +31,22 @@ from .warm_up import warm_up_plans
 logger = logging.getLogger(__name__)
 
 
+def plan_shape(plan: StepPlan) -> str:
+    """A plan's shape for a log line: per rank, its prompt chunks as tokens@start and its decode rows with the
+    widest page table."""
+    parts = []
+    for rank, step in enumerate(plan.ranks):
+        chunks = " ".join(f"{len(r.token_ids)}@{r.start}" for r in step.prefill) or "-"
+        pages = max((len(r.page_ids) for r in step.decode), default=0)
+        parts.append(
+            f"rank {rank}: prefill [{chunks}], decode {len(step.decode)} rows <= {pages} pages"
+        )
+        if len(parts) == 4 and len(plan.ranks) > 4:
+            parts.append(f"... {len(plan.ranks) - 4} more ranks")
+            break
+    return "; ".join(parts)
+
+
 class RanksFailedError(PdserveError):
     """A worker's rank group failed; the worker has failed its requests and cannot go on."""
 
@@ -38,6 +54,9 @@ class RanksFailedError(PdserveError):
 class Worker:
     idle_wait_s = 0.05
     """Longest the loop sleeps with nothing to do when nothing wakes it."""
+    slow_step_s = 1.0
+    """A step that runs longer is logged (WARNING) with its shape: on a GPU after warm-up one usually means a
+    shape the warm-up missed (a Triton compile or a graph capture in a client's request)."""
 
     def __init__(
         self, worker_id: str, model: Transformer | None, config, kv_cache_dtype: str = "auto",
@@ -103,6 +122,7 @@ class Worker:
     ) -> tuple[StepOutcome, list[list]]:
         """`_run_plan` for a worker whose ranks also take KV control (`pdserve.engine.rank_kv`): runs one round
         of the plan (None: KV control alone) and returns its outcome and each rank's KV arrivals."""
+        start = time.monotonic()
         if self.ranks is None:
             results = [self.runner.execute(plan)]
             arrivals: list[list] = []
@@ -114,6 +134,15 @@ class Worker:
                 return self._fail_ranks(plan, e), []
             results = [] if plan is None else [result_from_wire(r[0]) for r in replies]
             arrivals = [r[1] for r in replies]
+        elapsed = time.monotonic() - start
+        if elapsed > self.slow_step_s and plan is not None:
+            logger.warning(
+                "%s: step %d took %.2f s: %s",
+                self.worker_id,
+                plan.step_id,
+                elapsed,
+                plan_shape(plan),
+            )
         if plan is None:
             return StepOutcome([], []), arrivals
         with self._lock:
@@ -135,7 +164,9 @@ class Worker:
         self.ranks.close()
         return StepOutcome(outputs, [])
 
-    def _warm_up(self, prefill_tokens: int, decode_rows: int, decode_tokens: int) -> None:
+    def _warm_up(
+        self, prefill_tokens: int, decode_rows: int, decode_tokens: int, prefill_budget: int | None = None
+    ) -> None:
         """Runs `warm_up_plans` on every rank before the worker serves (GPU only: on the CPU nothing compiles).
         Raises RuntimeError naming the pass that failed."""
         if self.runner.device.type != "cuda":
@@ -143,7 +174,7 @@ class Worker:
         start = time.monotonic()
         plans = warm_up_plans(
             self.num_ranks, self.config.page_size, self.runner.num_pages, prefill_tokens,
-            decode_rows if self.runner.graphs is not None else 0, decode_tokens,
+            decode_rows if self.runner.graphs is not None else 0, decode_tokens, prefill_budget,
         )  # fmt: skip
         page_tables = PageTableCache(self.runner.num_pages)
         for plan in plans:
@@ -159,9 +190,9 @@ class Worker:
                         f"{r.prefill_error or r.decode_error}"
                     )
         logger.info(
-            "%s: warmed up in %.1f s (%d passes: prompt chunks up to %d tokens, decode graphs up to %d "
-            "rows x %d tokens)", self.worker_id, time.monotonic() - start, len(plans), prefill_tokens,
-            decode_rows, decode_tokens,
+            "%s: warmed up in %.1f s (%d passes: prompt chunks up to %d tokens, %s tokens a pass, decode "
+            "graphs up to %d rows x %d tokens)", self.worker_id, time.monotonic() - start, len(plans),
+            prefill_tokens, prefill_budget or prefill_tokens, decode_rows, decode_tokens,
         )  # fmt: skip
 
     def warm_up(self) -> None:

@@ -120,7 +120,8 @@ class PrefillWorker(Worker):
 
     def warm_up(self) -> None:
         """Prompt chunks up to `max_prefill_chunk` tokens."""
-        self._warm_up(self.config.max_prefill_chunk, 0, 0)
+        c = self.config
+        self._warm_up(c.max_prefill_chunk, 0, 0, c.max_num_batched_tokens)
 
     def close(self) -> None:
         self._sends.shutdown(wait=True, cancel_futures=False)

@@ -310,6 +310,12 @@ def _tma_fits(k: torch.Tensor, v: torch.Tensor, whole_blocks: bool) -> bool:
     return whole_blocks and all(x.is_contiguous() and x.numel() > 0 and tma_ok(x) for x in (k, v))
 
 
+def _search_steps(num_seqs: int) -> int:
+    """Binary-search steps that find a program's sequence among `num_seqs`: at least 16 (extra steps are no-ops),
+    so that a batch's count of prompts does not compile another kernel (up to 32767 prompts)."""
+    return max(16, num_seqs.bit_length() + 1)
+
+
 def mla_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -351,7 +357,7 @@ def mla_prefill(
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         num_seqs, softmax_scale * LOG2E,
         D_A=d_a, D_B=d_b, D_QK_B=d_qk_b, D_V=d_v, BLOCK_DV=block_dv,
-        BLOCK_M=block_m, BLOCK_N=block_n, SEARCH_STEPS=num_seqs.bit_length() + 1,
+        BLOCK_M=block_m, BLOCK_N=block_n, SEARCH_STEPS=_search_steps(num_seqs),
         CAUSAL=bool(causal), TMA=tma, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=num_stages,
     )  # fmt: skip

@@ -38,3 +38,23 @@ def test_plans_stay_within_the_pages_and_skip_decode_without_graphs():
     plans = warm_up_plans(1, 16, num_pages=2, prefill_tokens=64, decode_rows=0, decode_tokens=4096)
     assert [len(p.ranks[0].prefill[0].token_ids) for p in plans] == [1, 7, 16]  # 64 needs 4 pages
     assert warm_up_plans(1, 16, 8, 16, decode_rows=8, decode_tokens=0)[-1].ranks[0].prefill
+
+
+def test_a_token_budget_adds_batched_prompts_the_budget_and_a_later_chunk():
+    plans = warm_up_plans(
+        1, page_size=64, num_pages=1000, prefill_tokens=2048, decode_rows=0, decode_tokens=0,
+        prefill_budget=5000,
+    )  # fmt: skip
+    shapes = [[(len(r.token_ids), r.start) for r in p.ranks[0].prefill] for p in plans]
+    singles = [[(n, 0)] for n in (*PREFILL_SIZES, 2048)]
+    batched = []
+    for b in BATCH_BUCKETS:
+        if 1 < b <= 5000 // 16:
+            batched += [[(16, 0)] * b, [(16, 0)] * (b - 1) + [(15, 0)]]
+    budget = [[(2048, 0), (2048, 0), (904, 0)], [(2048, 0), (2048, 0), (903, 0)]]
+    later = [[(2048, 2048)], [(2047, 2048)]]
+    assert shapes == [*singles, *batched, *budget, *later]
+    for p in plans:
+        for row in p.ranks[0].prefill:
+            assert max(row.page_ids) < 1000
+            assert len(row.page_ids) * 64 >= row.start + len(row.token_ids)
