@@ -89,7 +89,10 @@ class _WorkerShell:
             self.model = None  # rank 0's shard is loaded by its rank handler
             self.ranks = self._start_ranks(str(path), model, worker_config, num_gpus, kv_config)
         else:
-            self.model = load_model(path, self.device, _torch_dtype(model.dtype), progress=False)
+            self.model = load_model(
+                path, self.device, _torch_dtype(model.dtype), progress=False,
+                load_format=model.load_format,
+            )  # fmt: skip
         self.store = connect_store(kv_config, is_master=False)
         self.kv_cache_dtype = model.kv_cache_dtype
         self.worker = self._build(worker_config, kv_config)
@@ -124,7 +127,8 @@ class _WorkerShell:
         store_host = ray.util.get_node_ip_address() if channel == "dist" else "127.0.0.1"
         return start_rank_group(
             worker_config, path, model.dtype, model.kv_cache_dtype, launcher,
-            backend="nccl" if num_gpus > 0 else "gloo", kernel_choice=self._kernel_choice,
+            backend="nccl" if num_gpus > 0 else "gloo", load_format=model.load_format,
+            kernel_choice=self._kernel_choice,
             kv=kv if self.role == "decode" else None, channel=channel, store_host=store_host,
         )  # fmt: skip
 

@@ -52,6 +52,11 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
         help="activation dtype; auto: config.json's torch_dtype",
     )  # fmt: skip
     g.add_argument(
+        "--load-format", default="safetensors", choices=["safetensors", "dummy"],
+        help="safetensors: the checkpoint's weights; dummy: random weights of config.json's shapes made "
+        "on the device (as `make-checkpoint --seed 0` writes them; no weight read from disk)",
+    )  # fmt: skip
+    g.add_argument(
         "--kernels", default="auto", choices=["auto", "ref", "triton"],
         help="auto: Triton on CUDA, torch references on CPU; ref/triton force one",
     )  # fmt: skip
@@ -107,6 +112,11 @@ def _build_parser(config_flags: bool = True) -> tuple[argparse.ArgumentParser, d
     mk.add_argument(
         "--gen-device", default="cpu", help="where random numbers are drawn (cpu or cuda)"
     )
+    mk.add_argument(
+        "--config-only", action="store_true",
+        help="config.json, generation_config.json and the tokenizer, no weights: serve or run it with "
+        "`--model.load-format dummy` / `--load-format dummy` (the same weights for the same --seed)",
+    )  # fmt: skip
     mk.add_argument(
         "--override", action="append", default=[], metavar="KEY=JSON",
         help="set a config.json field, e.g. --override q_lora_rank=null (repeatable)",
@@ -188,9 +198,12 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     out = make_checkpoint(
         args.out, args.preset, args.layers, args.dtype, args.seed, overrides,
-        shard_bytes=args.shard_size_mb << 20, device=args.gen_device,
+        shard_bytes=args.shard_size_mb << 20, device=args.gen_device, weights=not args.config_only,
     )  # fmt: skip
-    print(f"wrote {args.preset} ({args.dtype}) to {out} in {time.perf_counter() - start:.1f}s")
+    what = "config and tokenizer, no weights," if args.config_only else ""
+    print(
+        f"wrote {args.preset} ({args.dtype}) {what} to {out} in {time.perf_counter() - start:.1f}s"
+    )
     return 0
 
 
@@ -210,7 +223,10 @@ def cmd_offline(args: argparse.Namespace) -> int:
     else:
         prompt_ids = _int_list(args.prompt_ids, "--prompt-ids")
     with use_backend(args.kernels), use_batch_invariant(args.batch_invariant):
-        model = load_model(model_dir, _resolve_device(args.device), _resolve_dtype(args.dtype))
+        model = load_model(
+            model_dir, _resolve_device(args.device), _resolve_dtype(args.dtype),
+            load_format=args.load_format,
+        )  # fmt: skip
         generator = OfflineGenerator(model, args.page_size, args.prefill_chunk, args.kv_cache_dtype)
         start = time.perf_counter()
         result = generator.generate(prompt_ids, params)

@@ -25,6 +25,8 @@ DTYPES = ("auto", "bf16", "fp16", "fp32")
 KERNELS = ("auto", "ref", "triton")
 KV_CACHE_DTYPES = ("auto", "fp8")
 """As pdserve.model.kv_cache's (not imported: it would import torch into the command line)."""
+LOAD_FORMATS = ("safetensors", "dummy")
+"""As pdserve.model.loader's (not imported, for the same reason)."""
 REASONING_PARSERS = ("auto", "deepseek_r1", "none")
 CPU_CACHE_BYTES = 256 << 20
 """KV cache per worker on a CPU when serving (the workers' own default, 1 GiB, is more than a laptop wants)."""
@@ -45,12 +47,21 @@ class ModelConfig:
     kv_cache_dtype: str = "auto"
     """KV cache rows: auto (the activation dtype) or fp8 (the latent in e4m3 with a per-token scale,
     rope in bf16: 1.76x the tokens per GiB for DeepSeek-V3, attention on a small loss of accuracy)."""
+    load_format: str = "safetensors"
+    """safetensors (the checkpoint's weights; each rank reads only its share) or dummy: random weights of
+    config.json's shapes made on each GPU, no weight read from disk (a full-size model without its 700 GB
+    checkpoint: `pdserve make-checkpoint DIR --preset v3-shape --config-only`). Outputs are meaningless, speed
+    and memory are the real model's."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: expected one of {', '.join(DTYPES)}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels={self.kernels!r}: expected one of {', '.join(KERNELS)}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format={self.load_format!r}: expected one of {', '.join(LOAD_FORMATS)}"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype={self.kv_cache_dtype!r}: expected one of "

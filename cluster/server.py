@@ -146,7 +146,8 @@ class PdServer:
             return
         config = self.config
         self.model_dir = resolve_model(config.model.path)
-        plan_load(self.model_dir)
+        if config.model.load_format == "safetensors":  # dummy weights need config.json alone
+            plan_load(self.model_dir)
         self.model = ModelInfo.load(self.model_dir, config.model.path)
         check_port_free(config.router.host, config.router.port, "--port")
         if config.router.http_port is not None:

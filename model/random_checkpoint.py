@@ -192,14 +192,39 @@ def make_checkpoint(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     device: str = "cpu",
     progress: bool | None = None,
+    weights: bool = True,
 ) -> Path:
-    """Writes a random checkpoint to `out` (created; must be empty if it exists) and returns its path."""
+    """Writes a random checkpoint to `out` (created; must be empty if it exists) and returns its path.
+    weights=False: config.json, generation_config.json and the tokenizer only, for `load_format="dummy"`
+    (whose weights for `seed` equal the ones written here)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out}: exists and is not empty")
     config = preset_config(preset, layers, dtype, overrides)
     args = ModelArgs.from_dict(config)
     out.mkdir(parents=True, exist_ok=True)
+    if weights:
+        _write_weights(out, args, dtype, seed, shard_bytes, device, progress)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {
+        "_from_model_config": True,
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"],
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "transformers_version": "4.46.3",
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    build_tokenizer(out, args.vocab_size, args.max_position_embeddings)
+    return out
+
+
+def _write_weights(
+    out: Path, args: ModelArgs, dtype: str, seed: int, shard_bytes: int, device: str,
+    progress: bool | None,
+) -> None:  # fmt: skip
+    """The safetensors shards and their index (see `make_checkpoint`)."""
     weight_dtype = DTYPES[dtype]
     planned: list[_Planned] = []
     for spec in checkpoint_weights(args, args.num_nextn_predict_layers):
@@ -228,19 +253,6 @@ def make_checkpoint(
             del tensors
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {
-        "_from_model_config": True,
-        "bos_token_id": config["bos_token_id"],
-        "eos_token_id": config["eos_token_id"],
-        "do_sample": True,
-        "temperature": 0.6,
-        "top_p": 0.95,
-        "transformers_version": "4.46.3",
-    }
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    build_tokenizer(out, args.vocab_size, args.max_position_embeddings)
-    return out
 
 
 def _numel(shape: tuple[int, ...]) -> int:
