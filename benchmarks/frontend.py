@@ -1,20 +1,20 @@
 """Front-end throughput: tokens streamed per second through the OpenAI HTTP API and through gRPC, and the latency
 each front end adds per chunk, against a decode side that emits at a fixed rate without a model (the benchmark-only
-`cluster.benchmark_fake_decode_ms`: every interval each running request gets --tokens-per-tick digits).
+`cluster.benchmark_fake_decode_ms`: every interval each running request gets --tokens-per-tick tokens of one
+symbol that names the tick).
 
     python benchmarks/frontend.py --interval-ms 20 --tokens-per-tick 1 --streams 200,400,800 --seconds 6
 
 Starts `pdserve serve` (the tiny model's tokenizer, no prefill worker, one fake decode worker) in a child process,
-then for each protocol and each --streams count opens that many streams at once, each asking for
---seconds worth of ticks, and times every chunk on arrival. The decode side emits tick n at n * interval on the
-node's monotonic clock with digit n mod 10, so a chunk's emission time is the latest grid time before its arrival
-with its digit: added latency = arrival - emission (it includes this client's own reading of the socket, and the
+then for each protocol and each --streams count opens that many streams at once, each asking for --seconds worth
+of ticks, and times every chunk on arrival. The decode side emits tick n at n * interval on the node's monotonic
+clock with symbol n mod 62, so a chunk's emission time is the latest grid time before its arrival with its first
+token's symbol: added latency = arrival - emission (it includes this client's own reading of the socket, and the
 decode worker waking late). Throughput counts tokens received while every stream was open (from the last
 stream's first chunk to the first stream's end). Offered: streams x tokens-per-tick / interval. The serving
 process's CPU time per chunk (router and front ends; the decode actor is another process) is the figure least
-moved by other load on the machine. Prints one line per
-(protocol, streams) and writes $OUT/frontend.json when OUT is set. --profile DIR runs the server under cProfile
-and writes its stats there when it stops."""
+moved by other load on the machine. Prints one line per (protocol, streams) and writes $OUT/frontend.json when
+OUT is set. --profile DIR runs the server under cProfile and writes its stats there when it stops."""
 
 from __future__ import annotations
 
@@ -36,9 +36,11 @@ import numpy as np
 from _sse import HttpStatusError, post_events
 
 from pdserve.cluster.client import generate_request
+from pdserve.cluster.fixed_rate_decode import SYMBOLS
 from pdserve.v1 import generation_pb2_grpc
 
-_TEXT = re.compile(rb'"text":"([0-9]*)"')
+_TEXT = re.compile(rb'"text":"([0-9a-zA-Z]*)"')
+_SYMBOL_INDEX = {ord(c): i for i, c in enumerate(SYMBOLS)}
 _SERVE_TIMEOUT_S = 180.0
 
 
@@ -49,7 +51,7 @@ def free_port() -> int:
 
 
 class Stream:
-    """One stream's chunks: (arrival time.monotonic(), digit, tokens)."""
+    """One stream's chunks: (arrival time.monotonic(), the index of its first token's symbol, tokens)."""
 
     __slots__ = ("chunks", "error")
 
@@ -67,7 +69,7 @@ async def http_stream(port: int, max_tokens: int) -> Stream:
                 match = _TEXT.search(payload)
                 if match and match.group(1):
                     text = match.group(1)
-                    out.chunks.append((now, text[0] - 48, len(text)))
+                    out.chunks.append((now, _SYMBOL_INDEX[text[0]], len(text)))
     except (HttpStatusError, OSError) as e:
         out.error = str(e)
     return out
@@ -80,18 +82,19 @@ async def grpc_stream(stub, max_tokens: int) -> Stream:
         async for chunk in stub.Generate(request, timeout=600):
             now = time.monotonic()
             if chunk.text:
-                out.chunks.append((now, ord(chunk.text[0]) - 48, len(chunk.token_ids)))
+                out.chunks.append((now, _SYMBOL_INDEX[ord(chunk.text[0])], len(chunk.token_ids)))
     except grpc.aio.AioRpcError as e:
         out.error = f"{e.code().name}: {e.details()}"
     return out
 
 
 def added_latency_ms(streams: list[Stream], interval_s: float) -> np.ndarray:
-    """Each chunk's arrival minus its emission time (the latest grid tick before arrival with its digit)."""
+    """Each chunk's arrival minus its first token's emission time (the latest grid tick before arrival with
+    its symbol)."""
     arrival = np.array([a for s in streams for a, _, _ in s.chunks])
-    digit = np.array([d for s in streams for _, d, _ in s.chunks])
+    symbol = np.array([d for s in streams for _, d, _ in s.chunks])
     tick = np.floor(arrival / interval_s).astype(np.int64)
-    tick -= (tick - digit) % 10
+    tick -= (tick - symbol) % len(SYMBOLS)
     return (arrival - tick * interval_s) * 1e3
 
 
@@ -190,7 +193,9 @@ def main() -> None:
     p.add_argument("--streams", default="100,200,400", help="comma-separated stream counts")
     p.add_argument("--seconds", type=float, default=6.0, help="how long each stream lasts")
     p.add_argument("--protocols", default="http,grpc")
-    p.add_argument("--model", default="tiny", help="whose tokenizer (needs one token per digit)")
+    p.add_argument(
+        "--model", default="tiny", help="whose tokenizer (one token per digit and letter)"
+    )
     p.add_argument("--log", default="/tmp/pdserve-frontend-serve.log", help="the server's log")
     p.add_argument("--profile", default=None, help="run the server under cProfile, stats here")
     args = p.parse_args()

@@ -312,7 +312,7 @@ def plot_sweep(points: list[dict], swept: str, path: Path, title: str) -> None:
     key = "goodput_requests_per_s" if "goodput_requests_per_s" in points[0] else "requests_per_s"
     right.plot(swept_values, [p[key] for p in points], "o-", label=key.replace("_", " "))
     if swept == "request_rate":
-        right.plot(swept_values, swept_values, ":", color="gray", label="offered")
+        right.plot(swept_values, swept_values, ":", color="gray", label="offered (nominal rate)")
     right.set_xlabel(swept.replace("_", " "))
     right.set_ylabel("requests/s")
     slo = points[0].get("goodput_slo")

@@ -84,10 +84,9 @@ class ClusterConfig:
     """Threads per worker actor for control calls (submit, abort, stats, the output long-poll)."""
     benchmark_fake_decode_ms: float = 0.0
     """BENCHMARK ONLY, never for serving: > 0 replaces each decode worker by one that loads no model and emits
-    digits, not the model's tokens: every this many ms (a grid on the node's monotonic clock) each running
-    request gets benchmark_fake_decode_tokens tokens, all the digit of the tick's number mod 10 (so a client
-    can tell each chunk's emission time). Measures the front ends (benchmarks/frontend.py); needs
-    num_prefill 0."""
+    symbols, not the model's tokens: every this many ms (a grid on the node's monotonic clock) each running
+    request gets benchmark_fake_decode_tokens tokens, all one symbol that names the tick (so a client can tell
+    each chunk's emission time). Measures the front ends (benchmarks/frontend.py); needs num_prefill 0."""
     benchmark_fake_decode_tokens: int = 1
     """BENCHMARK ONLY: tokens per request per tick of benchmark_fake_decode_ms."""
 

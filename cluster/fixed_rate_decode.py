@@ -4,9 +4,10 @@ front ends (router relay, gRPC and HTTP streaming) can be measured alone at rate
 It speaks the decode shell's protocol (`actors.DecodeShell`: ready, add_request, poll_outputs, abort, stats,
 close) and reserves no memory. Ticks fall on a fixed grid of the node's monotonic clock: tick n at
 n * interval seconds. At each tick every running request gets `tokens_per_tick` tokens, all the single-token
-digit of n mod 10, in one output; the request ends with finish reason length at max_tokens. A client on the same
-node finds each chunk's emission time from its arrival time and its digit (the latest grid time before arrival
-with that digit), unambiguously while the front end adds less than ten intervals. Aggregated only: requests
+symbol SYMBOLS[n mod 62] (digits, then lower- and upper-case letters), in one output; the request ends with
+finish reason length at max_tokens. A client on the same node finds each chunk's emission time from its arrival
+time and its symbol (the latest grid time before arrival with that symbol), unambiguously while the front end
+adds less than 62 intervals. Aggregated only: requests
 are never prefilled, so `num_prefill` must be 0 (the config refuses it otherwise)."""
 
 from __future__ import annotations
@@ -27,22 +28,26 @@ from .config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
+SYMBOLS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+"""What tick n emits: SYMBOLS[n % len(SYMBOLS)]."""
 PAGE_SIZE = 64
 NUM_PAGES = 1 << 20
 """Room it claims: admission never waits on it."""
 
 
-def digit_token_ids(model_path: str) -> list[int]:
-    """The token ids of "0" .. "9" in the checkpoint's tokenizer; ConfigError unless each is one token."""
+def symbol_token_ids(model_path: str) -> list[int]:
+    """The token ids of SYMBOLS in the checkpoint's tokenizer; ConfigError unless each is one token that
+    decodes to itself."""
     from pdserve.model.random_checkpoint import resolve_model
     from pdserve.model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(resolve_model(model_path))
-    ids = [tokenizer.encode(str(d), add_bos=False) for d in range(10)]
-    if any(len(x) != 1 for x in ids):
+    ids = [tokenizer.encode(c, add_bos=False) for c in SYMBOLS]
+    bad = [c for c, x in zip(SYMBOLS, ids, strict=True) if len(x) != 1 or tokenizer.decode(x) != c]
+    if bad:
         raise ConfigError(
-            f"cluster.benchmark_fake_decode_ms needs a tokenizer with one token per digit; {model_path}'s "
-            f"encodes 0-9 as {ids}"
+            f"cluster.benchmark_fake_decode_ms needs a tokenizer with one token for each of {SYMBOLS}; "
+            f"{model_path}'s has none for {''.join(bad)}"
         )
     return [x[0] for x in ids]
 
@@ -69,7 +74,7 @@ class FixedRateDecodeShell:
         self.tokens_per_tick = tokens_per_tick
         self._init_error: BaseException | None = None
         try:
-            self.digits = digit_token_ids(model.path)
+            self.symbols = symbol_token_ids(model.path)
         except Exception as e:  # process boundary: reported by ready()
             self._init_error = e
         self._running: dict[str, _Running] = {}
@@ -83,7 +88,7 @@ class FixedRateDecodeShell:
         if self._init_error is None:
             self._thread.start()
         logger.warning(
-            "%s: BENCHMARK-ONLY decode worker: no model, %d digit token(s) per request every %g ms",
+            "%s: BENCHMARK-ONLY decode worker: no model, %d symbol token(s) per request every %g ms",
             worker_id, tokens_per_tick, interval_ms,
         )  # fmt: skip
 
@@ -98,7 +103,7 @@ class FixedRateDecodeShell:
                 # more than a tick behind: emit now, as a late real step would, rather than catch up
                 self.num_late_ticks += 1
                 tick = math.floor(time.monotonic() / self.interval_s)
-            token = self.digits[tick % 10]
+            token = self.symbols[tick % len(SYMBOLS)]
             with self._cond:
                 for r in list(self._running.values()):
                     n = min(self.tokens_per_tick, r.remaining)
@@ -123,7 +128,7 @@ class FixedRateDecodeShell:
             return messages.reply_error(self._init_error)
         return messages.reply(lambda: {
             "node_ip": ray.util.get_node_ip_address(),
-            "device": "cpu (benchmark only: fixed-rate digits, no model)",
+            "device": "cpu (benchmark only: fixed-rate symbols, no model)",
             "num_pages": NUM_PAGES,
             "page_size": PAGE_SIZE,
             "pid": os.getpid(),

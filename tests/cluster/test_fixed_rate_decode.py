@@ -1,5 +1,5 @@
 """The benchmark-only fixed-rate decode worker (`cluster.benchmark_fake_decode_ms`) as a plain class: outputs on
-the tick grid with the tick's digit, the request's length honoured, aborts and stats; and the config refusing it
+the tick grid with the tick's symbol, the request's length honoured, aborts and stats; and the config refusing it
 beside prefill workers."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import time
 import pytest
 
 from pdserve.cluster.config import ModelConfig, build_config
-from pdserve.cluster.fixed_rate_decode import FixedRateDecodeShell, digit_token_ids
+from pdserve.cluster.fixed_rate_decode import SYMBOLS, FixedRateDecodeShell, symbol_token_ids
 from pdserve.engine import messages
 from pdserve.engine.messages import DecodeRequest, DecodeStats, RequestOutput, Reservation
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.errors import CheckpointError, ConfigError
 
-INTERVAL_MS = 5.0
+INTERVAL_MS = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +35,14 @@ def test_config_refuses_it_with_prefill_workers_and_bad_values():
     assert config.cluster.benchmark_fake_decode_ms == 5.0
 
 
-def test_emits_the_ticks_digit_on_the_grid_until_max_tokens(model_path):
-    digits = digit_token_ids(model_path)
+def test_emits_the_ticks_symbol_on_the_grid_until_max_tokens(model_path):
+    symbols = symbol_token_ids(model_path)
     shell = FixedRateDecodeShell("decode-0", ModelConfig(path=model_path), INTERVAL_MS, 3)
+    interval_s = INTERVAL_MS / 1e3
     try:
         assert messages.unwrap(dict, shell.ready())["num_pages"] > 0
         request = DecodeRequest("r1", [0, 5, 6], SamplingParams(max_tokens=8))
+        added_at = time.monotonic()
         reservation = messages.unwrap(Reservation, shell.add_request(messages.encode(request)))
         assert reservation.num_pages == 1
         outputs = []
@@ -54,12 +56,12 @@ def test_emits_the_ticks_digit_on_the_grid_until_max_tokens(model_path):
         ticks = []
         for received, out in outputs:
             (token,) = set(out.token_ids)
-            # The tick it came from: the latest grid time before it was received, with its digit.
-            tick = int(received * 1e3 // INTERVAL_MS)
-            tick -= (tick - digits.index(token)) % 10
+            # The tick it came from: the latest grid time before it was received, with its symbol.
+            tick = int(received // interval_s)
+            tick -= (tick - symbols.index(token)) % len(SYMBOLS)
             ticks.append(tick)
-            assert 0 <= received - tick * INTERVAL_MS / 1e3 < 10 * INTERVAL_MS / 1e3
-        assert ticks == list(range(ticks[0], ticks[0] + 3))
+        # Later ticks than the one running when the request came (a late emitter skips ticks, never repeats).
+        assert ticks == sorted(set(ticks)) and ticks[0] * interval_s > added_at - interval_s
         stats = messages.unwrap(DecodeStats, shell.stats())
         assert (stats.num_running, stats.pages_used) == (0, 0)
     finally:
