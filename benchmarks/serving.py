@@ -284,9 +284,10 @@ def parse_goodput(items: list[str]) -> dict[str, float]:
     return bounds
 
 
-def plot_sweep(points: list[dict], swept: str, path: Path, title: str) -> None:
-    """Two panels: output tokens/s per GPU against tokens/s per user (each point labelled with its swept
-    value), and goodput (or, without --goodput, completed requests/s) against the swept value."""
+def plot_sweep(series: dict[str, list[dict]], swept: str, path: Path, title: str) -> None:
+    """Two panels, one line per series (e.g. disaggregated and aggregated): output tokens/s per GPU against
+    tokens/s per user (each point labelled with its swept value), and goodput (or, without --goodput, completed
+    requests/s) against the swept value."""
     try:
         import matplotlib
 
@@ -297,31 +298,56 @@ def plot_sweep(points: list[dict], swept: str, path: Path, title: str) -> None:
             "the plot needs matplotlib: pip install .[benchmarks] (the sweep's JSON is written)"
         )
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
-    xs = [p["tokens_per_s_per_user"] or 0.0 for p in points]
-    ys = [p["output_tokens_per_s_per_gpu"] for p in points]
-    left.plot(xs, ys, "o-")
-    for x, y, p in zip(xs, ys, points, strict=True):
-        left.annotate(
-            f"{p[swept]:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8
+    first = next(iter(series.values()))
+    key = "goodput_requests_per_s" if "goodput_requests_per_s" in first[0] else "requests_per_s"
+    for label, points in series.items():
+        xs = [p["tokens_per_s_per_user"] or 0.0 for p in points]
+        ys = [p["output_tokens_per_s_per_gpu"] for p in points]
+        left.plot(xs, ys, "o-", label=label or None)
+        for x, y, p in zip(xs, ys, points, strict=True):
+            left.annotate(
+                f"{p[swept]:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8
+            )
+        swept_values = [p[swept] for p in points]
+        right.plot(
+            swept_values, [p[key] for p in points], "o-", label=label or key.replace("_", " ")
         )
+    if swept == "request_rate":
+        offered = sorted({p[swept] for points in series.values() for p in points})
+        right.plot(offered, offered, ":", color="gray", label="offered (nominal rate)")
     left.set_xlabel("output tokens/s per user (1 / median TPOT)")
     left.set_ylabel("output tokens/s per GPU")
     left.set_title(f"throughput against interactivity (labels: {swept.replace('_', ' ')})")
+    if len(series) > 1:
+        left.legend()
     left.grid(alpha=0.3)
-    swept_values = [p[swept] for p in points]
-    key = "goodput_requests_per_s" if "goodput_requests_per_s" in points[0] else "requests_per_s"
-    right.plot(swept_values, [p[key] for p in points], "o-", label=key.replace("_", " "))
-    if swept == "request_rate":
-        right.plot(swept_values, swept_values, ":", color="gray", label="offered (nominal rate)")
     right.set_xlabel(swept.replace("_", " "))
-    right.set_ylabel("requests/s")
-    slo = points[0].get("goodput_slo")
+    right.set_ylabel("good requests/s" if key == "goodput_requests_per_s" else "requests/s")
+    slo = first[0].get("goodput_slo")
     right.set_title(f"goodput ({slo})" if slo else "completed requests/s")
     right.legend()
     right.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def plot_files(p: argparse.ArgumentParser, items: list[str], prefix: Path) -> None:
+    """--plot-from: one plot of sweeps already written (`FILE.json[=LABEL]` each)."""
+    series, swept, titles = {}, None, []
+    for item in items:
+        file, _, label = item.partition("=")
+        try:
+            record = json.loads(Path(file).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            p.error(f"--plot-from {file}: {e}")
+        if swept not in (None, record["swept"]):
+            p.error(f"--plot-from: {file} sweeps {record['swept']}, the first file {swept}")
+        swept = record["swept"]
+        series[label or Path(file).stem] = record["points"]
+        titles.append(record.get("title", ""))
+    plot_sweep(series, swept, prefix.with_suffix(".png"), titles[0])
+    print(f"wrote {prefix.with_suffix('.png')}")
 
 
 def main() -> None:
@@ -352,6 +378,10 @@ def main() -> None:
     sweep = p.add_mutually_exclusive_group()
     sweep.add_argument("--sweep-rates", default=None, help="comma-separated request rates")
     sweep.add_argument("--sweep-concurrency", default=None, help="comma-separated concurrencies")
+    sweep.add_argument(
+        "--plot-from", nargs="+", default=None, metavar="FILE.json[=LABEL]",
+        help="no load: plot sweeps already written into one figure (--sweep-out PREFIX.png)",
+    )  # fmt: skip
     p.add_argument(
         "--sweep-out", default=None,
         help="sweep: write PREFIX.json and PREFIX.png (default $OUT/sweep, else ./sweep)",
@@ -395,6 +425,11 @@ def main() -> None:
                 args.goodput.update(parse_goodput([f"{key}:{bound}"]))
     except ValueError as e:
         p.error(f"--goodput {e}")
+    if args.plot_from:
+        plot_files(
+            p, args.plot_from, Path(args.sweep_out or Path(os.environ.get("OUT", ".")) / "sweep")
+        )
+        return
     if args.sweep_rates or args.sweep_concurrency:
         sweep_main(p, args)
         return
@@ -439,7 +474,12 @@ def sweep_main(p: argparse.ArgumentParser, args) -> None:
             + f", errors {summary['errors']}",
             flush=True,
         )  # fmt: skip
+    title = (
+        f"{args.protocol}, ISL {args.input_len} / OSL {args.output_len}, "
+        f"{args.num_requests} requests per point, {args.num_gpus} GPU(s)"
+    )
     record = {
+        "title": title,
         "command": " ".join(["python", *sys.argv]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "swept": swept,
@@ -448,11 +488,7 @@ def sweep_main(p: argparse.ArgumentParser, args) -> None:
     }
     prefix.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {prefix.with_suffix('.json')}")
-    title = (
-        f"{args.protocol}, ISL {args.input_len} / OSL {args.output_len}, "
-        f"{args.num_requests} requests per point, {args.num_gpus} GPU(s)"
-    )
-    plot_sweep(points, swept, prefix.with_suffix(".png"), title)
+    plot_sweep({"": points}, swept, prefix.with_suffix(".png"), title)
     print(f"wrote {prefix.with_suffix('.png')}")
 
 
