@@ -299,7 +299,10 @@ def add_eval_command(sub) -> None:
         "--task", default="gsm8k-mini",
         help=f"a built-in task ({', '.join(BUILTIN_TASKS)}) or a task file (default %(default)s)",
     )  # fmt: skip
-    p.add_argument("--api", default=COMPLETIONS, choices=[COMPLETIONS, CHAT])
+    p.add_argument(
+        "--api", default=COMPLETIONS, choices=[COMPLETIONS, CHAT],
+        help="/v1/completions with a Question/Answer prompt (default), or /v1/chat/completions",
+    )  # fmt: skip
     p.add_argument("--model", default=None, help="model id to ask for (default: the served one)")
     p.add_argument(
         "--num-fewshot", type=int, default=0, help="worked examples before each question"
