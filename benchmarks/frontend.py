@@ -109,6 +109,8 @@ def summarize(
     start: float,
 ) -> dict:  # fmt: skip
     ok = [s for s in streams if not s.error and s.chunks]
+    if not ok:
+        sys.exit(f"{protocol}: every stream failed; the first: {streams[0].error or 'no chunks'}")
     begin = max(s.chunks[0][0] for s in ok)
     end = min(s.chunks[-1][0] for s in ok)
     window = [n for s in ok for a, _, n in s.chunks if begin < a <= end]
