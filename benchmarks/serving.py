@@ -1,22 +1,31 @@
-"""Serving benchmark: N streamed Generate calls over gRPC against a running `pdserve serve`, closed-loop (at most
---concurrency in flight) or open-loop (Poisson arrivals at --request-rate, each request sent on time whatever is
-in flight).
+"""Serving benchmark: N streamed requests against a running `pdserve serve`, over gRPC (Generate) or its
+OpenAI-compatible HTTP API (/v1/completions, server-sent events), closed-loop (at most --concurrency in flight) or
+open-loop (Poisson arrivals at --request-rate, each request sent on time whatever is in flight); or a sweep over
+rates or concurrencies that writes JSON and a PNG plot.
 
     python benchmarks/serving.py --addr 127.0.0.1:50051 --num-requests 256 --concurrency 64 \
         --input-len 1024 --output-len 256 [--check-offline --model DIR --dtype bf16]
-    python benchmarks/serving.py --request-rate 16 --num-requests 256 --warmup 0 --repeat 2 \
-        --slo-ttft-ms 2000 --slo-tpot-ms 30
+    python benchmarks/serving.py --protocol http --base-url http://127.0.0.1:8000/v1 --request-rate 16 \
+        --num-requests 256 --warmup 0 --repeat 2 --goodput ttft:2000 tpot:30
+    python benchmarks/serving.py --sweep-rates 4,8,16,32 --num-gpus 2 --goodput ttft:2000 tpot:30 \
+        --sweep-out benchmarks/figures/sweep  # writes sweep.json and sweep.png
 
-With SLOs given, goodput is the share of requests (and their rate) that met both. --repeat runs the identical
+Per request: TTFT (to the first chunk with tokens), TPOT (time per output token after the first), ITL (gaps
+between chunks) and end-to-end latency; printed as p50/p99 with output tokens/s and requests/s over the timed run,
+after --warmup requests that are not timed. Goodput (DistServe's definition): completed requests per second that
+met every bound given with --goodput (`ttft:MS`, `tpot:MS`, `e2el:MS`), and their share. --repeat runs the identical
 timed load again (same prompts, same arrival times) and reports every run: the first run right after the server
 says SERVING against the next shows what a cold server costs.
 
-Every request is greedy with ignore_eos, so each generates exactly --output-len tokens. Prints TTFT p50/p99, TPOT
-(time per output token after the first) p50/p99, output tokens/s and requests/s over the timed run, after
---warmup requests that are not timed. --check-offline regenerates the first --check-n prompts with the offline
-path (`pdserve offline`'s, in this process, on --device) and reports how many outputs are identical and where the
-first divergence is (bf16 batching may legitimately diverge late; fp32 on CPU must match exactly). Writes
-$OUT/serving.json when OUT is set."""
+A sweep (--sweep-rates or --sweep-concurrency) runs one timed load per point and plots output tokens/s per GPU
+(--num-gpus) against tokens/s per user (1 / median TPOT), and goodput against the swept value; the plot needs
+matplotlib (`pip install .[benchmarks]`), the JSON does not.
+
+Every request is greedy with ignore_eos, so each generates exactly --output-len tokens. --check-offline
+regenerates the first --check-n prompts with the offline path (`pdserve offline`'s, in this process, on --device)
+and reports how many outputs are identical and where the first divergence is (bf16 batching may legitimately
+diverge late; fp32 on CPU must match exactly; gRPC only: HTTP returns text). Writes $OUT/serving.json when OUT is
+set."""
 
 from __future__ import annotations
 
@@ -28,10 +37,12 @@ import os
 import random
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 import numpy as np
+from _sse import HttpStatusError, post_events
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.cluster.client import generate_request
@@ -42,34 +53,67 @@ from pdserve.v1 import generation_pb2_grpc
 class Result:
     prompt: list[int]
     token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_tokens: int = 0
     ttft_s: float = 0.0
     tpot_s: float | None = None
+    e2e_s: float = 0.0
+    itl_s: list[float] = dataclasses.field(default_factory=list)
     error: str | None = None
 
+    def timed(self, start: float, chunk_times: list[float]) -> Result:
+        """Fills the latencies from the send time and the arrival of each chunk with tokens."""
+        first, last = chunk_times[0], chunk_times[-1]
+        self.ttft_s, self.e2e_s = first - start, last - start
+        self.itl_s = list(np.diff(chunk_times))
+        if self.num_tokens > 1:
+            self.tpot_s = (last - first) / (self.num_tokens - 1)
+        return self
 
-async def one(
-    stub, request_id: str, prompt: list[int], output_len: int, timeout_s: float
-) -> Result:
+
+async def one_grpc(stub, request_id: str, prompt: list[int], args) -> Result:
     result = Result(prompt)
     request = generate_request(
-        prompt, request_id=request_id, max_tokens=output_len, temperature=0.0, ignore_eos=True
+        prompt, request_id=request_id, max_tokens=args.output_len, temperature=0.0, ignore_eos=True
     )
-    start = time.perf_counter()
-    first = last = None
+    start, times = time.perf_counter(), []
     try:
-        async for chunk in stub.Generate(request, timeout=timeout_s):
-            now = time.perf_counter()
-            if chunk.token_ids and first is None:
-                first = now
-            last = now
-            result.token_ids.extend(chunk.token_ids)
+        async for chunk in stub.Generate(request, timeout=args.timeout):
+            if chunk.token_ids:
+                times.append(time.perf_counter())
+                result.token_ids.extend(chunk.token_ids)
     except grpc.aio.AioRpcError as e:
         result.error = f"{e.code().name}: {e.details()}"
         return result
-    result.ttft_s = first - start
-    if len(result.token_ids) > 1:
-        result.tpot_s = (last - first) / (len(result.token_ids) - 1)
-    return result
+    result.num_tokens = len(result.token_ids)
+    return result.timed(start, times) if times else result
+
+
+async def one_http(model: str, prompt: list[int], args) -> Result:
+    """A streamed /v1/completions; the token count comes from the usage chunk (chunks carry text)."""
+    result = Result(prompt)
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0.0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    start, times = time.perf_counter(), []
+    try:
+        async with asyncio.timeout(args.timeout):
+            async for _, payloads in post_events(args.base_url, "/completions", body, args.api_key):
+                now = time.perf_counter()
+                for payload in payloads:
+                    if payload == b"[DONE]":
+                        continue
+                    event = json.loads(payload)
+                    if "error" in event:
+                        raise HttpStatusError(event["error"].get("message", str(event)))
+                    if event.get("usage"):
+                        result.num_tokens = event["usage"]["completion_tokens"]
+                    if event["choices"] and event["choices"][0]["text"]:
+                        times.append(now)
+    except (HttpStatusError, OSError, TimeoutError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    return result.timed(start, times) if times else result
 
 
 def make_prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -88,23 +132,49 @@ def arrival_times(n: int, rate: float | None, seed: int) -> list[float]:
     return out
 
 
-async def run(args) -> list[dict]:
+async def _served_model(args) -> str:
+    def models() -> str:
+        request = urllib.request.Request(args.base_url.rstrip("/") + "/models")
+        if args.api_key:
+            request.add_header("authorization", f"Bearer {args.api_key}")
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return json.loads(reply.read())["data"][0]["id"]
+
+    try:
+        return await asyncio.to_thread(models)
+    except OSError as e:
+        sys.exit(f"{args.base_url}/models: {e}")
+
+
+async def run(args, point: dict | None = None) -> list[dict]:
+    """The timed runs of one load (`point` overrides request_rate or concurrency for a sweep)."""
+    args = argparse.Namespace(**{**vars(args), **(point or {})})
     prompts = make_prompts(args.num_requests + args.warmup, args.input_len, args.vocab, args.seed)
     arrivals = arrival_times(args.num_requests, args.request_rate, args.seed)
     async with grpc.aio.insecure_channel(args.addr) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=30)
-        if reply.status != health_pb2.HealthCheckResponse.SERVING:
-            sys.exit(f"{args.addr} is not SERVING")
-        stub = generation_pb2_grpc.GenerationStub(channel)
+        if args.protocol == "grpc":
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=30)
+            if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                sys.exit(f"{args.addr} is not SERVING")
+            stub = generation_pb2_grpc.GenerationStub(channel)
+
+            def send(i: int, prompt: list[int]):
+                return one_grpc(stub, f"bench-{i}", prompt, args)
+        else:
+            model = await _served_model(args)
+
+            def send(i: int, prompt: list[int]):
+                return one_http(model, prompt, args)
+
         limit = asyncio.Semaphore(args.concurrency)
 
         async def bounded(i: int, prompt: list[int], at: float = 0.0, start: float = 0.0) -> Result:
             if args.request_rate is not None:  # open loop: sent on time, never held back
                 await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-                return await one(stub, f"bench-{i}", prompt, args.output_len, args.timeout)
+                return await send(i, prompt)
             async with limit:
-                return await one(stub, f"bench-{i}", prompt, args.output_len, args.timeout)
+                return await send(i, prompt)
 
         warm = prompts[: args.warmup]
         await asyncio.gather(*(bounded(-i - 1, p) for i, p in enumerate(warm)))
@@ -123,14 +193,25 @@ async def run(args) -> list[dict]:
     return summaries
 
 
+def _percentiles(summary: dict, name: str, values_s: list[float]) -> None:
+    values = np.array(values_s) * 1e3
+    for q in (50, 99):
+        summary[f"{name}_ms_p{q}"] = float(np.percentile(values, q)) if len(values) else None
+
+
+def meets_goodput(r: Result, bounds_ms: dict[str, float]) -> bool:
+    """Whether a completed request met every bound (DistServe's goodput: all SLOs at once)."""
+    measured = {"ttft": r.ttft_s, "tpot": r.tpot_s, "e2el": r.e2e_s}
+    return all(measured[k] is None or 1e3 * measured[k] <= bound for k, bound in bounds_ms.items())
+
+
 def summarize(args, results: list[Result], wall: float, repeat: int) -> dict:
     ok = [r for r in results if r.error is None]
-    ttft = np.array([r.ttft_s for r in ok]) * 1e3
-    tpot = np.array([r.tpot_s for r in ok if r.tpot_s is not None]) * 1e3
-    out_tokens = sum(len(r.token_ids) for r in ok)
+    out_tokens = sum(r.num_tokens for r in ok)
     summary = {
         "run": repeat + 1,
-        "addr": args.addr,
+        "protocol": args.protocol,
+        "addr": args.addr if args.protocol == "grpc" else args.base_url,
         "num_requests": args.num_requests,
         "request_rate": args.request_rate,
         "concurrency": None if args.request_rate is not None else args.concurrency,
@@ -139,20 +220,19 @@ def summarize(args, results: list[Result], wall: float, repeat: int) -> dict:
         "errors": len(results) - len(ok),
         "first_error": next((r.error for r in results if r.error), None),
         "wall_s": wall,
-        "ttft_ms_p50": float(np.percentile(ttft, 50)) if len(ttft) else None,
-        "ttft_ms_p99": float(np.percentile(ttft, 99)) if len(ttft) else None,
-        "tpot_ms_p50": float(np.percentile(tpot, 50)) if len(tpot) else None,
-        "tpot_ms_p99": float(np.percentile(tpot, 99)) if len(tpot) else None,
-        "output_tokens_per_s": out_tokens / wall,
-        "requests_per_s": len(ok) / wall,
     }
-    if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None:
-        good = [
-            r for r in ok
-            if (args.slo_ttft_ms is None or 1e3 * r.ttft_s <= args.slo_ttft_ms)
-            and (args.slo_tpot_ms is None or r.tpot_s is None or 1e3 * r.tpot_s <= args.slo_tpot_ms)
-        ]  # fmt: skip
-        summary["slo"] = f"TTFT <= {args.slo_ttft_ms} ms, TPOT <= {args.slo_tpot_ms} ms"
+    _percentiles(summary, "ttft", [r.ttft_s for r in ok])
+    _percentiles(summary, "tpot", [r.tpot_s for r in ok if r.tpot_s is not None])
+    _percentiles(summary, "itl", [gap for r in ok for gap in r.itl_s])
+    _percentiles(summary, "e2el", [r.e2e_s for r in ok])
+    summary["output_tokens_per_s"] = out_tokens / wall
+    summary["output_tokens_per_s_per_gpu"] = out_tokens / wall / args.num_gpus
+    median_tpot_ms = summary["tpot_ms_p50"]
+    summary["tokens_per_s_per_user"] = 1e3 / median_tpot_ms if median_tpot_ms else None
+    summary["requests_per_s"] = len(ok) / wall
+    if args.goodput:
+        good = [r for r in ok if meets_goodput(r, args.goodput)]
+        summary["goodput_slo"] = " ".join(f"{k}<={v:g}ms" for k, v in args.goodput.items())
         summary["goodput_share"] = len(good) / len(results)
         summary["goodput_requests_per_s"] = len(good) / wall
     if args.check_offline and repeat == 0:
@@ -185,11 +265,101 @@ def check_offline(args, results: list[Result]) -> dict:
     return {"checked": len(results), "identical": identical, "first_divergence_at": divergences}
 
 
+GOODPUT_KEYS = ("ttft", "tpot", "e2el")
+
+
+def parse_goodput(items: list[str]) -> dict[str, float]:
+    """`ttft:2000 tpot:30` -> {"ttft": 2000.0, "tpot": 30.0}; ValueError naming the bad item."""
+    bounds = {}
+    for item in items:
+        key, sep, value = item.partition(":")
+        if not sep or key not in GOODPUT_KEYS:
+            raise ValueError(f"{item!r}: expected KEY:MS with KEY one of {', '.join(GOODPUT_KEYS)}")
+        try:
+            bounds[key] = float(value)
+        except ValueError:
+            raise ValueError(f"{item!r}: {value!r} is not a number of milliseconds") from None
+        if bounds[key] <= 0:
+            raise ValueError(f"{item!r}: the bound must be positive")
+    return bounds
+
+
+def plot_sweep(series: dict[str, list[dict]], swept: str, path: Path, title: str) -> None:
+    """Two panels, one line per series (e.g. disaggregated and aggregated): output tokens/s per GPU against
+    tokens/s per user (each point labelled with its swept value), and goodput (or, without --goodput, completed
+    requests/s) against the swept value."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.exit(
+            "the plot needs matplotlib: pip install .[benchmarks] (the sweep's JSON is written)"
+        )
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    first = next(iter(series.values()))
+    key = "goodput_requests_per_s" if "goodput_requests_per_s" in first[0] else "requests_per_s"
+    for label, points in series.items():
+        xs = [p["tokens_per_s_per_user"] or 0.0 for p in points]
+        ys = [p["output_tokens_per_s_per_gpu"] for p in points]
+        left.plot(xs, ys, "o-", label=label or None)
+        for x, y, p in zip(xs, ys, points, strict=True):
+            left.annotate(
+                f"{p[swept]:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8
+            )
+        swept_values = [p[swept] for p in points]
+        right.plot(
+            swept_values, [p[key] for p in points], "o-", label=label or key.replace("_", " ")
+        )
+    if swept == "request_rate":
+        offered = sorted({p[swept] for points in series.values() for p in points})
+        right.plot(offered, offered, ":", color="gray", label="offered (nominal rate)")
+    left.set_xlabel("output tokens/s per user (1 / median TPOT)")
+    left.set_ylabel("output tokens/s per GPU")
+    left.set_title(f"throughput against interactivity (labels: {swept.replace('_', ' ')})")
+    if len(series) > 1:
+        left.legend()
+    left.grid(alpha=0.3)
+    right.set_xlabel(swept.replace("_", " "))
+    right.set_ylabel("good requests/s" if key == "goodput_requests_per_s" else "requests/s")
+    slo = first[0].get("goodput_slo")
+    right.set_title(f"goodput ({slo})" if slo else "completed requests/s")
+    right.legend()
+    right.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_files(p: argparse.ArgumentParser, items: list[str], prefix: Path) -> None:
+    """--plot-from: one plot of sweeps already written (`FILE.json[=LABEL]` each)."""
+    series, swept, titles = {}, None, []
+    for item in items:
+        file, _, label = item.partition("=")
+        try:
+            record = json.loads(Path(file).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            p.error(f"--plot-from {file}: {e}")
+        if swept not in (None, record["swept"]):
+            p.error(f"--plot-from: {file} sweeps {record['swept']}, the first file {swept}")
+        swept = record["swept"]
+        series[label or Path(file).stem] = record["points"]
+        titles.append(record.get("title", ""))
+    plot_sweep(series, swept, prefix.with_suffix(".png"), titles[0])
+    print(f"wrote {prefix.with_suffix('.png')}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--addr", default="127.0.0.1:50051")
+    p.add_argument("--protocol", default="grpc", choices=["grpc", "http"])
+    p.add_argument("--addr", default="127.0.0.1:50051", help="gRPC address")
+    p.add_argument(
+        "--base-url", default="http://127.0.0.1:8000/v1", help="HTTP: the OpenAI API's base URL"
+    )
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"), help="HTTP: bearer key")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument(
         "--concurrency", type=int, default=32, help="closed loop: streams in flight at once"
@@ -198,8 +368,24 @@ def main() -> None:
         "--request-rate", type=float, default=None,
         help="open loop: Poisson arrivals at this many requests/s (--concurrency is then ignored)",
     )  # fmt: skip
-    p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT bound")
-    p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT bound")
+    p.add_argument(
+        "--goodput", nargs="+", default=[], metavar="KEY:MS",
+        help="SLO bounds for goodput: ttft:MS tpot:MS e2el:MS (any of them)",
+    )  # fmt: skip
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="the same as --goodput ttft:MS")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="the same as --goodput tpot:MS")
+    p.add_argument("--num-gpus", type=int, default=1, help="GPUs serving: for tokens/s per GPU")
+    sweep = p.add_mutually_exclusive_group()
+    sweep.add_argument("--sweep-rates", default=None, help="comma-separated request rates")
+    sweep.add_argument("--sweep-concurrency", default=None, help="comma-separated concurrencies")
+    sweep.add_argument(
+        "--plot-from", nargs="+", default=None, metavar="FILE.json[=LABEL]",
+        help="no load: plot sweeps already written into one figure (--sweep-out PREFIX.png)",
+    )  # fmt: skip
+    p.add_argument(
+        "--sweep-out", default=None,
+        help="sweep: write PREFIX.json and PREFIX.png (default $OUT/sweep, else ./sweep)",
+    )  # fmt: skip
     p.add_argument("--repeat", type=int, default=1, help="timed runs of the identical load")
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens")
     p.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
@@ -228,14 +414,82 @@ def main() -> None:
         p.error(f"--request-rate {args.request_rate}: must be positive")
     if args.repeat < 1:
         p.error(f"--repeat {args.repeat}: must be at least 1")
+    if args.num_gpus < 1:
+        p.error(f"--num-gpus {args.num_gpus}: must be at least 1")
+    if args.check_offline and args.protocol != "grpc":
+        p.error("--check-offline compares token ids: gRPC only")
+    try:
+        args.goodput = parse_goodput(args.goodput)
+        for key, bound in (("ttft", args.slo_ttft_ms), ("tpot", args.slo_tpot_ms)):
+            if bound is not None:
+                args.goodput.update(parse_goodput([f"{key}:{bound}"]))
+    except ValueError as e:
+        p.error(f"--goodput {e}")
+    if args.plot_from:
+        plot_files(
+            p, args.plot_from, Path(args.sweep_out or Path(os.environ.get("OUT", ".")) / "sweep")
+        )
+        return
+    if args.sweep_rates or args.sweep_concurrency:
+        sweep_main(p, args)
+        return
     summaries = asyncio.run(run(args))
     for summary in summaries:
-        for key, value in summary.items():
-            print(f"{key:>22}: {value:.3f}" if isinstance(value, float) else f"{key:>22}: {value}")
+        print_summary(summary)
     if os.environ.get("OUT"):
         path = Path(os.environ["OUT"]) / "serving.json"
         path.write_text(json.dumps(summaries if args.repeat > 1 else summaries[0], indent=2) + "\n")
         print(f"wrote {path}")
+
+
+def print_summary(summary: dict) -> None:
+    for key, value in summary.items():
+        print(f"{key:>28}: {value:.3f}" if isinstance(value, float) else f"{key:>28}: {value}")
+
+
+def sweep_main(p: argparse.ArgumentParser, args) -> None:
+    swept = "request_rate" if args.sweep_rates else "concurrency"
+    text = args.sweep_rates or args.sweep_concurrency
+    try:
+        values = [float(x) if swept == "request_rate" else int(x) for x in text.split(",")]
+    except ValueError:
+        p.error(f"--sweep-{'rates' if args.sweep_rates else 'concurrency'} {text!r}: not numbers")
+    if any(v <= 0 for v in values):
+        p.error(f"sweep values must be positive: {text}")
+    prefix = Path(args.sweep_out or Path(os.environ.get("OUT", ".")) / "sweep")
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    points = []
+    for value in values:
+        point = {"request_rate": value} if swept == "request_rate" else {"concurrency": value}
+        if swept == "concurrency":
+            point["request_rate"] = None
+        (summary,) = asyncio.run(run(argparse.Namespace(**{**vars(args), "repeat": 1}), point))
+        points.append(summary)
+        good = summary.get("goodput_requests_per_s")
+        print(
+            f"{swept} {value:g}: {summary['output_tokens_per_s_per_gpu']:.1f} output tok/s/GPU, "
+            f"{summary['tokens_per_s_per_user'] or 0:.1f} tok/s/user, TTFT p50 "
+            f"{summary['ttft_ms_p50'] or 0:.0f} ms, TPOT p50 {summary['tpot_ms_p50'] or 0:.1f} ms"
+            + (f", goodput {good:.2f} req/s ({100 * summary['goodput_share']:.0f}%)" if args.goodput else "")
+            + f", errors {summary['errors']}",
+            flush=True,
+        )  # fmt: skip
+    title = (
+        f"{args.protocol}, ISL {args.input_len} / OSL {args.output_len}, "
+        f"{args.num_requests} requests per point, {args.num_gpus} GPU(s)"
+    )
+    record = {
+        "title": title,
+        "command": " ".join(["python", *sys.argv]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "swept": swept,
+        "num_gpus": args.num_gpus,
+        "points": points,
+    }
+    prefix.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {prefix.with_suffix('.json')}")
+    plot_sweep({"": points}, swept, prefix.with_suffix(".png"), title)
+    print(f"wrote {prefix.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

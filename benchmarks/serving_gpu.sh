@@ -8,7 +8,7 @@
 # serve.log and serving.json under $OUT (default /tmp). Environment: REQUESTS (128), CONCURRENCY (64),
 # INPUT_LEN (1024), OUTPUT_LEN (256), CHECK_N (8), INVARIANT (1: serve and check in batch-invariant mode),
 # KV_CACHE_DTYPE (auto; fp8: serve and check on fp8 KV rows), BENCH_ARGS (more serving.py flags, e.g.
-# "--request-rate 16 --warmup 0 --repeat 2 --slo-ttft-ms 2000 --slo-tpot-ms 30": the identical Poisson load twice
+# "--request-rate 16 --warmup 0 --repeat 2 --goodput ttft:2000 tpot:30": the identical Poisson load twice
 # right after SERVING).
 set -euo pipefail
 MODEL=${1:-/tmp/v2l}

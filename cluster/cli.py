@@ -18,6 +18,7 @@ from pdserve.cluster.commands import (
     add_temperature_flags,
     temperature_of,
 )
+from pdserve.cluster.evaluate import add_eval_command, cmd_eval
 from pdserve.cluster.plan_command import add_plan_command, cmd_plan
 from pdserve.model.errors import PdserveError
 
@@ -142,6 +143,7 @@ def _build_parser(config_flags: bool = True) -> tuple[argparse.ArgumentParser, d
     _add_sampling_flags(off)
     _add_runtime_flags(off)
     add_plan_command(sub)
+    add_eval_command(sub)
     return parser, add_commands(sub, config_flags)
 
 
@@ -244,7 +246,9 @@ def cmd_offline(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"make-checkpoint": cmd_make_checkpoint, "offline": cmd_offline, "plan": cmd_plan}
+COMMANDS = {
+    "make-checkpoint": cmd_make_checkpoint, "offline": cmd_offline, "plan": cmd_plan, "eval": cmd_eval,
+}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,6 +93,13 @@ class ClusterConfig:
     """Longest a placed worker may take to load the model and warm up."""
     actor_max_concurrency: int = 16
     """Threads per worker actor for control calls (submit, abort, stats, the output long-poll)."""
+    benchmark_fake_decode_ms: float = 0.0
+    """BENCHMARK ONLY, never for serving: > 0 replaces each decode worker by one that loads no model and emits
+    symbols, not the model's tokens: every this many ms (a grid on the node's monotonic clock) each running
+    request gets benchmark_fake_decode_tokens tokens, all one symbol that names the tick (so a client can tell
+    each chunk's emission time). Measures the front ends (benchmarks/frontend.py); needs num_prefill 0."""
+    benchmark_fake_decode_tokens: int = 1
+    """BENCHMARK ONLY: tokens per request per tick of benchmark_fake_decode_ms."""
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0:
@@ -111,6 +118,16 @@ class ClusterConfig:
             raise ValueError("placement_timeout_s and load_timeout_s must be positive")
         if self.actor_max_concurrency < 4:
             raise ValueError(f"actor_max_concurrency={self.actor_max_concurrency}: must be >= 4")
+        if self.benchmark_fake_decode_ms < 0 or self.benchmark_fake_decode_tokens < 1:
+            raise ValueError(
+                f"benchmark_fake_decode_ms={self.benchmark_fake_decode_ms} must be >= 0 (0: off) and "
+                f"benchmark_fake_decode_tokens={self.benchmark_fake_decode_tokens} >= 1"
+            )
+        if self.benchmark_fake_decode_ms > 0 and self.num_prefill > 0:
+            raise ValueError(
+                f"benchmark_fake_decode_ms={self.benchmark_fake_decode_ms} (benchmark only: decode workers "
+                f"without a model) needs num_prefill=0, not {self.num_prefill}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -42,7 +42,8 @@ class Timings:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Chunk:
-    """One step of a generation: the tokens it added, and on the last chunk the finish reason and timings."""
+    """The tokens a generation added since the previous chunk (one decode step's, or several steps' when the
+    caller fell behind: `Router._coalesce`), and on the last chunk the finish reason and timings."""
 
     token_ids: list[int]
     text: str

@@ -22,12 +22,14 @@ from pdserve.model.errors import CapacityError
 from . import placement
 from .actors import DecodeShell, PrefillShell
 from .config import ServeConfig
+from .fixed_rate_decode import FixedRateDecodeShell
 
 logger = logging.getLogger(__name__)
 
 PREFILL, DECODE = "prefill", "decode"
 ROLES = (PREFILL, DECODE)
 _SHELLS = {PREFILL: ray.remote(PrefillShell), DECODE: ray.remote(DecodeShell)}
+_FIXED_RATE_DECODE = ray.remote(FixedRateDecodeShell)
 _STOP_TIMEOUT_S = 15.0
 
 
@@ -129,15 +131,23 @@ class Launcher:
                     f"{cluster.placement_timeout_s:g}s (available: "
                     f"{_rounded(ray.available_resources())})"
                 ) from None
-            handle.actor = _SHELLS[role].options(
+            fake = role == DECODE and cluster.benchmark_fake_decode_ms > 0
+            options = dict(
                 num_cpus=cluster.cpus_per_worker,
                 num_gpus=num_gpus,
                 max_concurrency=cluster.actor_max_concurrency,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, 0),
-            ).remote(
-                worker_id, self.config.model, worker_config, self.kv_config, num_gpus,
-                placement.cpu_threads(cluster.cpus_per_worker), cluster.cpus_per_worker,
-            )  # fmt: skip
+            )
+            if fake:  # benchmark only: no model
+                handle.actor = _FIXED_RATE_DECODE.options(**options).remote(
+                    worker_id, self.config.model, cluster.benchmark_fake_decode_ms,
+                    cluster.benchmark_fake_decode_tokens,
+                )  # fmt: skip
+            else:
+                handle.actor = _SHELLS[role].options(**options).remote(
+                    worker_id, self.config.model, worker_config, self.kv_config, num_gpus,
+                    placement.cpu_threads(cluster.cpus_per_worker), cluster.cpus_per_worker,
+                )  # fmt: skip
             try:
                 ready = await asyncio.wait_for(handle.actor.ready.remote(), cluster.load_timeout_s)
             except TimeoutError:

@@ -101,6 +101,8 @@ class Request:
     """time.monotonic() of its latest move, until its next token arrives."""
     finish_reason: str | None = None
     touched: set[WorkerHandle] = dataclasses.field(default_factory=set)
+    held: object = None
+    """An event taken off `events` while merging outputs (`Router._coalesce`), handled next."""
     calls: set[asyncio.Future] = dataclasses.field(default_factory=set)
 
 
@@ -215,6 +217,8 @@ class Router:
                 error = f"{r.decode_worker}: {event.error or 'request aborted'}"
                 await self._failed(r, r.decode, error, force)
                 continue
+            if event.finish_reason is None and not r.events.empty():
+                event = self._coalesce(r, event)
             self._prefill_done(r)
             now = time.monotonic()
             if event.token_ids and r.first_token_at is None:
@@ -231,6 +235,27 @@ class Router:
                 self._detach(r)
             if event.token_ids or event.finish_reason is not None:
                 return event
+
+    @staticmethod
+    def _coalesce(r: Request, event: RequestOutput) -> RequestOutput:
+        """`event` with the outputs queued behind it merged in: a caller that fell behind the decode steps gets
+        their tokens in one chunk rather than a backlog of chunks. Stops before any other kind of event (a
+        preemption, an abort, a failure), which `r.held` keeps for the next call."""
+        tokens, finish_reason = list(event.token_ids), None
+        while finish_reason is None and not r.events.empty():
+            more = r.events.get_nowait()
+            if getattr(more, "request_id", r.request_id) != r.request_id:
+                continue  # from a submission that migrated away
+            if (
+                not isinstance(more, RequestOutput)
+                or more.preempted
+                or more.finish_reason == FinishReason.ABORT
+            ):
+                r.held = more
+                break
+            tokens += more.token_ids
+            finish_reason = more.finish_reason
+        return RequestOutput(r.request_id, tokens, finish_reason)
 
     def close(self, r: Request) -> None:
         """Forgets the request; unless it finished, aborts it on every worker it touched (in the background)."""
@@ -306,6 +331,9 @@ class Router:
                 logger.warning("abort of %s failed: %s", r.request_id, result)
 
     async def _next_event(self, r: Request):
+        if r.held is not None:
+            event, r.held = r.held, None
+            return event
         timeout = None if r.deadline is None else r.deadline - asyncio.get_running_loop().time()
         try:
             return await asyncio.wait_for(r.events.get(), timeout)

@@ -164,23 +164,44 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _from_plain(hint: Any, value: Any) -> Any:
-    if value is None:
-        return None
+def _identity(value: Any) -> Any:
+    return value
+
+
+@functools.cache
+def _decoder(hint: Any) -> Callable[[Any], Any]:
+    """A function from msgpack's plain values to `hint`, built once per type: the router decodes every decode
+    step's outputs, so nothing about the type is looked up per value. Plain values (and lists of them) pass
+    through as they are."""
     if dataclasses.is_dataclass(hint):
-        hints = _hints(hint)
-        return hint(**{k: _from_plain(hints[k], v) for k, v in value.items()})
+        convert = {k: _decoder(h) for k, h in _hints(hint).items()}
+        convert = {k: c for k, c in convert.items() if c is not _identity}
+        if not convert:
+            return lambda value: None if value is None else hint(**value)
+
+        def dataclass_from(value):
+            if value is None:
+                return None
+            return hint(**{k: convert[k](v) if k in convert else v for k, v in value.items()})
+
+        return dataclass_from
     origin = typing.get_origin(hint)
     if origin is tuple:
-        (item, *_) = typing.get_args(hint)
-        return tuple(_from_plain(item, x) for x in value)
+        item = _decoder(typing.get_args(hint)[0])
+        return lambda value: None if value is None else tuple(item(x) for x in value)
     if origin is list:
-        (item,) = typing.get_args(hint)
-        return [_from_plain(item, x) for x in value]
+        item = _decoder(typing.get_args(hint)[0])
+        if item is _identity:
+            return _identity
+        return lambda value: None if value is None else [item(x) for x in value]
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in typing.get_args(hint) if a is not type(None)]
-        return _from_plain(inner[0], value) if len(inner) == 1 else value
-    return value
+        return _decoder(inner[0]) if len(inner) == 1 else _identity
+    return _identity
+
+
+def _from_plain(hint: Any, value: Any) -> Any:
+    return _decoder(hint)(value)
 
 
 def encode(obj: Any) -> bytes:

@@ -190,9 +190,10 @@ def test_reasoning_and_content_split_in_whole_and_streamed_replies(
     streamed_reasoning = "".join(getattr(d, "reasoning", None) or "" for d in deltas)
     streamed_content = "".join(d.content or "" for d in deltas)
     assert (streamed_reasoning, streamed_content) == (reasoning, content)
-    # Reasoning comes first, then content: no delta carries reasoning after content began.
+    # Reasoning comes first, then content: no delta after the one where content began carries reasoning
+    # (that one may carry both: a chunk holds every token the client had not read yet).
     began = [i for i, d in enumerate(deltas) if d.content]
-    assert not any(getattr(d, "reasoning", None) for d in deltas[began[0] :])
+    assert not any(getattr(d, "reasoning", None) for d in deltas[began[0] + 1 :])
 
 
 def test_disconnect_mid_stream_frees_pages_on_both_workers(server, api, grpc_client):
@@ -490,3 +491,42 @@ def test_dashboard_uses_only_metrics_the_server_exposes(server):
         "pdserve:num_requests_waiting", "pdserve:kv_cache_usage_perc",
     ):  # fmt: skip
         assert name in used, name
+
+
+def test_eval_scores_the_builtin_task_through_the_api(
+    server, reference, tokenizer, tmp_path, capsys
+):
+    from pdserve.cluster.cli import main
+    from pdserve.cluster.evaluate import STOP, completion_prompt, load_task
+
+    out = tmp_path / "eval.json"
+    argv = ["eval", "--base-url", server.http_url, "--max-tokens", "8", "--num-fewshot", "1"]
+    assert main([*argv, "--concurrency", "4", "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == {k: v for k, v in result.items() if k != "samples"}
+    assert result["format"] == "pdserve-eval/1" and result["model"] == model_name(server)
+    assert (result["task"], result["num_items"], result["num_errors"]) == ("gsm8k-mini", 20, 0)
+    samples = result["samples"]
+    assert [s["index"] for s in samples] == list(range(20))
+    for name, key in (
+        ("exact_match_strict", "correct_strict"),
+        ("exact_match_flexible", "correct_flexible"),
+    ):
+        metric = result["metrics"][name]
+        assert metric["num_correct"] == sum(s[key] for s in samples)
+        assert metric["score"] == metric["num_correct"] / 20 and 0 <= metric["stderr"] <= 0.5
+    assert result["score"] == result["metrics"]["exact_match_flexible"]["score"]
+    # What the eval scored is the model's greedy answer to the prompt it says it sent, cut at a stop string.
+    task = load_task("gsm8k-mini")
+    for s in samples[:3]:
+        ids = tokenizer.encode(completion_prompt(task, task.test[s["index"]], 1))
+        text = tokenizer.decode(reference(ids, 8))
+        cut = min((text.index(stop) for stop in STOP if stop in text), default=len(text))
+        assert s["response"] == text[:cut]
+        assert s["finish_reason"] == ("stop" if cut < len(text) else "length")
+
+    chat = [*argv, "--api", "chat", "--limit", "2", "--max-tokens", "4"]
+    assert main(chat) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["api"], result["num_items"], result["num_errors"]) == ("chat", 2, 0)

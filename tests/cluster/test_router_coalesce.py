@@ -1,0 +1,61 @@
+"""A caller that fell behind the decode steps gets the queued outputs of its request merged into one chunk, up to
+(not past) a preemption, an abort or a failure, which it gets next; outputs of a submission that migrated away are
+dropped. No worker is called: the request sits on a decode worker handle and its outputs are queued as the
+router's poller queues them."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pdserve.cluster.config import RouterConfig
+from pdserve.cluster.pools import DECODE, WorkerHandle
+from pdserve.cluster.router import Router
+from pdserve.engine.messages import PrefillFailure, RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+
+
+def _placed(router: Router):
+    r = router.open("client", [0, 1, 2], SamplingParams(max_tokens=16), None)
+    decode = WorkerHandle("decode-0", DECODE, None, None, 0)
+    r.decode, r.decode_worker = decode, decode.worker_id
+    decode.requests.add(r.request_id)
+    return r, decode
+
+
+def test_queued_outputs_merge_until_a_finish():
+    async def run():
+        router = Router(RouterConfig())
+        r, decode = _placed(router)
+        for out in (
+            RequestOutput(r.request_id, [5]),
+            RequestOutput("req-old.1", [99]),  # a submission that migrated away
+            RequestOutput(r.request_id, [6, 7]),
+            RequestOutput(r.request_id, [8], "length"),
+            RequestOutput(r.request_id, [9]),  # never reached: the request finished
+        ):
+            r.events.put_nowait(out)
+        out = await router.next_tokens(r)
+        assert (out.token_ids, out.finish_reason) == ([5, 6, 7, 8], "length")
+        assert r.generated == [5, 6, 7, 8] and r.finish_reason == "length"
+        assert r.first_token_at is not None and not decode.requests
+        assert await router.next_tokens(r) is None
+
+    asyncio.run(run())
+
+
+def test_merging_stops_before_a_failure_which_comes_next():
+    async def run():
+        router = Router(RouterConfig())
+        r, _ = _placed(router)
+        r.events.put_nowait(RequestOutput(r.request_id, [5]))
+        r.events.put_nowait(RequestOutput(r.request_id, [6]))
+        r.events.put_nowait(PrefillFailure(r.request_id, "boom"))
+        r.events.put_nowait(RequestOutput(r.request_id, [7]))
+        out = await router.next_tokens(r)
+        assert out.token_ids == [5, 6] and out.finish_reason is None
+        assert isinstance(r.held, PrefillFailure)
+        assert isinstance(await router._next_event(r), PrefillFailure) and r.held is None
+        out = await router.next_tokens(r)  # the failure was taken above: the next output follows
+        assert out.token_ids == [7]
+
+    asyncio.run(run())
