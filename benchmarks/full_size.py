@@ -133,11 +133,11 @@ def plot(scenarios: dict[str, list[dict]], path: Path, title: str) -> bool:
             ax.annotate(str(p["concurrency"]), (x, y), textcoords="offset points", xytext=(4, 4),
                         fontsize=7)  # fmt: skip
     for ref in TRTLLM_POINTS:
-        ax.plot(
-            ref["tokens_per_s_per_user"], ref["output_tokens_per_s_per_gpu"], "k*", markersize=11
-        )
-        ax.annotate(ref["label"], (ref["tokens_per_s_per_user"], ref["output_tokens_per_s_per_gpu"]),
-                    textcoords="offset points", xytext=(6, -10), fontsize=7)  # fmt: skip
+        xy = (ref["tokens_per_s_per_user"], ref["output_tokens_per_s_per_gpu"])
+        ax.plot(*xy, "k*", markersize=11)
+        ax.annotate(ref["label"], xy, textcoords="offset points", xytext=(-6, 8), fontsize=7,
+                    ha="right" if xy[0] > 80 else "left")  # fmt: skip
+    ax.set_yscale("log")  # per-GPU throughput spans batch 1 to batch 1024
     ax.set_xlabel("output tokens/s per user (1 / median TPOT)")
     ax.set_ylabel("output tokens/s per GPU")
     ax.set_title(title, fontsize=9)
@@ -207,7 +207,7 @@ def main() -> None:
         record["device"] = None
     model_dir = out / f"{args.preset}-{args.layers or 'all'}-config"
     if not (model_dir / "config.json").is_file():
-        _step(f"config of the V3 shape to {model_dir}")
+        _step(f"config of the {args.preset} shape to {model_dir}")
         cmd = _cli("make-checkpoint", str(model_dir), "--preset", args.preset, "--dtype", "fp8",
                    "--config-only")  # fmt: skip
         if args.layers is not None:
