@@ -187,6 +187,42 @@ class RouterConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SecurityConfig:
+    """Keys and TLS of the front ends. The keys themselves are read at start-up (`security.Credentials`):
+    a key given here, else its file, else its environment variable."""
+
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    """Key every HTTP endpoint but /health and every gRPC method but grpc.health.v1 require, sent as
+    `authorization: Bearer KEY` (as OpenAI clients send it). Unset: api_key_file, else env PDSERVE_API_KEY,
+    else none (open). A key on the command line shows in `ps`: prefer the file or the environment."""
+    api_key_file: str | None = None
+    """File holding the API key (its first line)."""
+    admin_key: str | None = dataclasses.field(default=None, repr=False)
+    """Key the Admin service (status, scale, drain) requires; the API key cannot call it. Unset:
+    admin_key_file, else env PDSERVE_ADMIN_KEY, else none: Admin is open when no API key is set either,
+    and refused (PERMISSION_DENIED) when one is."""
+    admin_key_file: str | None = None
+    """File holding the admin key (its first line)."""
+    tls_cert: str | None = None
+    """PEM certificate (chain) of the gRPC and HTTP ports; with tls_key, both serve TLS only."""
+    tls_key: str | None = None
+    """PEM private key of tls_cert."""
+    tls_client_ca: str | None = None
+    """PEM CA bundle: gRPC and HTTP clients must present a certificate it signed (mutual TLS)."""
+
+    def __post_init__(self) -> None:
+        for name in ("api_key", "admin_key"):
+            if getattr(self, name) is not None and getattr(self, f"{name}_file") is not None:
+                raise ValueError(f"{name} and {name}_file: give one, not both")
+            if getattr(self, name) == "":
+                raise ValueError(f"{name}: empty (leave it unset for none)")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key: give both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key (mutual TLS is over TLS)")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ServeConfig:
     """Everything `pdserve serve` needs; YAML sections and flag prefixes are the field names."""
 
@@ -196,6 +232,7 @@ class ServeConfig:
     prefill: PrefillConfig = PrefillConfig(cpu_cache_bytes=CPU_CACHE_BYTES)
     decode: DecodeConfig = DecodeConfig(cpu_cache_bytes=CPU_CACHE_BYTES)
     kvtransfer: KVTransferConfig = KVTransferConfig()
+    security: SecurityConfig = SecurityConfig()
 
     def __post_init__(self) -> None:
         if self.prefill.page_size != self.decode.page_size:
@@ -232,7 +269,10 @@ SECTIONS: dict[str, type] = {
     "prefill": PrefillConfig,
     "decode": DecodeConfig,
     "kvtransfer": KVTransferConfig,
+    "security": SecurityConfig,
 }
+SECRET_FIELDS = (("security", "api_key"), ("security", "admin_key"))
+"""Fields never printed (`to_dict` shows a set one as <set>)."""
 
 
 @functools.cache
@@ -340,5 +380,9 @@ def load_yaml(path: str | Path) -> dict[str, dict[str, Any]]:
 
 
 def to_dict(config: ServeConfig) -> dict[str, dict[str, Any]]:
-    """The config as YAML-ready sections (for `pdserve serve --print-config`)."""
-    return {name: dataclasses.asdict(getattr(config, name)) for name in SECTIONS}
+    """The config as YAML-ready sections (for `pdserve serve --print-config`); keys show as <set>."""
+    sections = {name: dataclasses.asdict(getattr(config, name)) for name in SECTIONS}
+    for section, name in SECRET_FIELDS:
+        if sections[section][name] is not None:
+            sections[section][name] = "<set>"
+    return sections
