@@ -1,0 +1,243 @@
+"""Keys, TLS and exposure of a real `PdServer` (one prefill and one decode worker as Ray actors) started with an
+API key, an admin key and mutual TLS, with certificates made here by the `openssl` command: no key or a wrong
+key is refused on every gRPC method and HTTP endpoint but health, the API key cannot scale, drain or read
+status, clients without a certificate the CA signed cannot connect; no socket of ours listens on the wildcard
+address; an anonymous client of the KV store cannot find or move the keys the workers use."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import ssl
+import subprocess
+import urllib.error
+import urllib.request
+
+import grpc
+import httpx2
+import openai
+import pytest
+
+from pdserve.cluster.client import Client, generate_request
+from pdserve.cluster.config import SecurityConfig, build_config
+from pdserve.cluster.errors import PermissionDeniedError, UnauthenticatedError
+from pdserve.cluster.security import Credentials
+from pdserve.model.errors import ConfigError
+
+from .conftest import start_server
+
+API_KEY = "test-api-key-0123456789"
+ADMIN_KEY = "test-admin-key-9876543210"
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+
+
+def _openssl(*args: str, cwd) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _signed(name: str, cn: str, extensions: str, cwd) -> None:
+    """name.key and name.pem, signed by ca.pem."""
+    (cwd / f"{name}.ext").write_text(extensions)
+    _openssl(
+        "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+        "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={cn}", cwd=cwd,
+    )  # fmt: skip
+    _openssl(
+        "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+        "-CAcreateserial", "-days", "1", "-out", f"{name}.pem", "-extfile", f"{name}.ext", cwd=cwd,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate, made by openssl."""
+    d = tmp_path_factory.mktemp("certs")
+    _openssl(
+        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+        "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=pdserve test CA",
+        "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign",
+        cwd=d,
+    )  # fmt: skip
+    _signed(
+        "server", "localhost",
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n", d,
+    )  # fmt: skip
+    _signed("client", "pdserve test client", "extendedKeyUsage=clientAuth\n", d)
+    return {name: str(d / name) for name in os.listdir(d)}
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, model_dir, certs):
+    security = {
+        "api_key": API_KEY, "admin_key": ADMIN_KEY, "tls_cert": certs["server.pem"],
+        "tls_key": certs["server.key"], "tls_client_ca": certs["ca.pem"],
+    }  # fmt: skip
+    with start_server(model_dir, router={"http_port": 0}, security=security) as server:
+        yield server
+
+
+def client(server, certs, key: str | None = None, cert: bool = True) -> Client:
+    mtls = {"tls_cert": certs["client.pem"], "tls_key": certs["client.key"]} if cert else {}
+    return Client(server.address, key=key, tls_ca=certs["ca.pem"], **mtls)
+
+
+def http(certs, cert: bool = True) -> httpx2.Client:
+    verify = ssl.create_default_context(cafile=certs["ca.pem"])
+    if cert:
+        verify.load_cert_chain(certs["client.pem"], certs["client.key"])
+    return httpx2.Client(verify=verify, timeout=60)
+
+
+def api(server, certs, key: str) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=server.http_url, api_key=key, max_retries=0, http_client=http(certs)
+    )
+
+
+# Keys.
+
+
+def test_credentials_decide_by_key_and_kind_of_call(monkeypatch):
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("PDSERVE_ADMIN_KEY", raising=False)
+    both = Credentials.resolve(SecurityConfig(api_key="a" * 20, admin_key="b" * 20))
+    both.check("Bearer " + "a" * 20, admin=False)
+    both.check("Bearer " + "b" * 20, admin=False)
+    both.check("bearer " + "b" * 20, admin=True)
+    for header in (None, "", "Bearer ", "Basic " + "a" * 20, "Bearer " + "a" * 19, "a" * 20):
+        with pytest.raises(UnauthenticatedError):
+            both.check(header, admin=False)
+    with pytest.raises(PermissionDeniedError, match="cannot make admin calls"):
+        both.check("Bearer " + "a" * 20, admin=True)
+    api_only = Credentials.resolve(SecurityConfig(api_key="a" * 20))
+    with pytest.raises(PermissionDeniedError, match="has none"):
+        api_only.check("Bearer " + "a" * 20, admin=True)
+    Credentials.resolve(SecurityConfig()).check(None, admin=True)  # no keys: open
+    admin_only = Credentials.resolve(SecurityConfig(admin_key="b" * 20))
+    admin_only.check(None, admin=False)
+    with pytest.raises(UnauthenticatedError):
+        admin_only.check(None, admin=True)
+    monkeypatch.setenv("PDSERVE_API_KEY", "from-env")
+    Credentials.resolve(SecurityConfig()).check("Bearer from-env", admin=False)
+    with pytest.raises(UnauthenticatedError):
+        Credentials.resolve(SecurityConfig()).check("Bearer other", admin=False)
+
+
+def test_key_files_and_bad_security_config_raise_naming_the_field(tmp_path):
+    path = tmp_path / "key"
+    path.write_text("from-file\nignored\n")
+    Credentials.resolve(SecurityConfig(api_key_file=str(path))).check("Bearer from-file", False)
+    path.write_text("\n")
+    with pytest.raises(ConfigError, match="api-key-file.*empty"):
+        Credentials.resolve(SecurityConfig(api_key_file=str(path)))
+    with pytest.raises(ConfigError, match="admin-key-file.*cannot read"):
+        Credentials.resolve(SecurityConfig(admin_key_file=str(tmp_path / "missing")))
+    with pytest.raises(ConfigError, match="must differ"):
+        Credentials.resolve(SecurityConfig(api_key="same", admin_key="same"))
+    for fields, match in (
+        ({"api_key": "k", "api_key_file": str(path)}, "api_key and api_key_file"),
+        ({"tls_cert": "c.pem"}, "tls_cert and tls_key"),
+        ({"tls_client_ca": "ca.pem"}, "tls_client_ca needs"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            build_config(None, {"security": fields})
+
+
+def test_print_config_never_shows_a_key():
+    from pdserve.cluster.config import to_dict
+
+    config = build_config(None, {"security": {"api_key": API_KEY, "admin_key": ADMIN_KEY}})
+    text = repr(config) + repr(to_dict(config))
+    assert API_KEY not in text and ADMIN_KEY not in text
+    assert to_dict(config)["security"]["api_key"] == "<set>"
+
+
+GRPC_CALLS = {
+    "Generate": lambda c: list(c.generate(generate_request([0, 5, 6], max_tokens=2), 60)),
+    "GetStatus": lambda c: c.status(),
+    "ScalePool": lambda c: c.scale("decode", 1, 60),
+    "DrainWorker": lambda c: c.drain("decode-99", 60),
+}
+
+
+def _code(call, c) -> grpc.StatusCode:
+    try:
+        call(c)
+    except grpc.RpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK
+
+
+def test_grpc_refuses_missing_and_wrong_keys_and_api_key_cannot_administer(server, certs):
+    for key in (None, "wrong-key", ADMIN_KEY[:-1]):
+        with client(server, certs, key) as c:
+            assert c.is_serving(), "health stays open without a key"
+            for name, call in GRPC_CALLS.items():
+                assert _code(call, c) == grpc.StatusCode.UNAUTHENTICATED, (name, key)
+    with client(server, certs, API_KEY) as c:
+        assert _code(GRPC_CALLS["Generate"], c) == grpc.StatusCode.OK
+        for name in ("GetStatus", "ScalePool", "DrainWorker"):
+            assert _code(GRPC_CALLS[name], c) == grpc.StatusCode.PERMISSION_DENIED, name
+    with client(server, certs, ADMIN_KEY) as c:
+        assert _code(GRPC_CALLS["GetStatus"], c) == grpc.StatusCode.OK
+        assert _code(GRPC_CALLS["DrainWorker"], c) == grpc.StatusCode.NOT_FOUND  # past the key
+        assert _code(GRPC_CALLS["Generate"], c) == grpc.StatusCode.OK
+
+
+def test_grpc_reflection_needs_the_key(server, certs):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    for key, expected in ((None, grpc.StatusCode.UNAUTHENTICATED), (API_KEY, grpc.StatusCode.OK)):
+        with client(server, certs, key) as c:
+            stub = reflection_pb2_grpc.ServerReflectionStub(c.channel)
+            ask = reflection_pb2.ServerReflectionRequest(list_services="")
+            try:
+                list(stub.ServerReflectionInfo(iter([ask]), metadata=c.metadata, timeout=30))
+                code = grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                code = e.code()
+            assert code == expected, key
+
+
+HTTP_ENDPOINTS = (
+    ("GET", "/v1/models", None),
+    ("GET", "/version", None),
+    ("GET", "/metrics", None),
+    ("POST", "/v1/completions", {"prompt": [0, 5, 6], "max_tokens": 2}),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+)
+
+
+def test_http_refuses_missing_and_wrong_keys_on_every_endpoint_but_health(server, certs):
+    base = server.http_url.removesuffix("/v1")
+    with http(certs) as h:
+        assert h.get(f"{base}/health").status_code == 200
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": API_KEY}):
+            for method, path, body in HTTP_ENDPOINTS:
+                r = h.request(method, base + path, json=body, headers=headers)
+                assert r.status_code == 401, (path, headers)
+                assert r.json()["error"]["type"] == "authentication_error"
+                assert r.headers["www-authenticate"] == "Bearer"
+        for key in (API_KEY, ADMIN_KEY):
+            r = h.get(f"{base}/metrics", headers={"authorization": f"Bearer {key}"})
+            assert r.status_code == 200 and "pdserve:" in r.text
+    with pytest.raises(openai.AuthenticationError):
+        api(server, certs, "wrong").models.list()
+    reply = api(server, certs, API_KEY).completions.create(
+        model=server.server.model.name, prompt=[0, 5, 6], max_tokens=3, temperature=0
+    )
+    assert reply.usage.completion_tokens == 3
+
+
+# TLS.
+
+
+def test_clients_without_a_certificate_the_ca_signed_cannot_connect(server, certs):
+    with client(server, certs, API_KEY, cert=False) as c:
+        assert _code(GRPC_CALLS["Generate"], c) == grpc.StatusCode.UNAVAILABLE
+    with Client(server.address, key=API_KEY) as c:  # plaintext to a TLS port
+        assert _code(GRPC_CALLS["Generate"], c) == grpc.StatusCode.UNAVAILABLE
+    with http(certs, cert=False) as h, pytest.raises(httpx2.TransportError):
+        h.get(server.http_url + "/models", headers={"authorization": f"Bearer {API_KEY}"})
+    with pytest.raises(urllib.error.URLError):  # a client that does not trust our CA
+        urllib.request.urlopen(server.http_url.removesuffix("/v1") + "/health", timeout=10)
