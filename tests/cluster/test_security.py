@@ -6,6 +6,7 @@ address; an anonymous client of the KV store cannot find or move the keys the wo
 
 from __future__ import annotations
 
+import datetime
 import os
 import shutil
 import ssl
@@ -17,6 +18,7 @@ import grpc
 import httpx2
 import openai
 import pytest
+import torch.distributed as dist
 
 from pdserve.cluster.client import Client, generate_request
 from pdserve.cluster.config import SecurityConfig, build_config
@@ -241,3 +243,86 @@ def test_clients_without_a_certificate_the_ca_signed_cannot_connect(server, cert
         h.get(server.http_url + "/models", headers={"authorization": f"Bearer {API_KEY}"})
     with pytest.raises(urllib.error.URLError):  # a client that does not trust our CA
         urllib.request.urlopen(server.http_url.removesuffix("/v1") + "/health", timeout=10)
+
+
+# Exposure.
+
+
+def _listening() -> dict[str, tuple[str, int]]:
+    """Socket inode -> (local address in /proc's hex, port) of every listening TCP socket on this host."""
+    out = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # LISTEN
+                    host, port = fields[1].split(":")
+                    out[fields[9]] = (host, int(port, 16))
+    return out
+
+
+def _sockets_of(pid: int) -> set[str]:
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    return inodes
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads /proc/net/tcp")
+def test_no_port_of_ours_listens_on_the_wildcard_address(server):
+    import ray
+
+    def _ray_process(_self=None) -> tuple[int, int]:
+        """(pid, port of Ray's own core-worker server) of the process it runs in (a nested function:
+        Ray ships it by value to the actors)."""
+        import ray
+        from ray.core.generated import common_pb2
+
+        core_worker = ray._private.worker.global_worker.core_worker
+        address = common_pb2.Address.FromString(core_worker.get_owner_address(ray.put(0)))
+        return os.getpid(), address.port
+
+    actors = [w.actor for w in server.server.router.workers.values()]
+    processes = [_ray_process(), *ray.get([a.__ray_call__.remote(_ray_process) for a in actors])]
+    listening = _listening()
+    ours = {}
+    for pid, ray_port in processes:
+        for inode in _sockets_of(pid) & listening.keys():
+            host, port = listening[inode]
+            if port != ray_port:  # Ray's own server: behind Ray's token authentication
+                ours[port] = host
+    s = server.server
+    for port in (s.port, s.http_port, s._store.port):
+        assert port in ours, f"port {port} not found listening in {ours}"
+    wildcard = {"00000000", "00000000000000000000000000000000"}
+    assert not {port: host for port, host in ours.items() if host in wildcard}, ours
+
+
+def test_anonymous_store_client_cannot_find_or_move_the_pairs_keys(server, certs, reference):
+    s = server.server
+    with client(server, certs, API_KEY) as c:
+        first = [
+            t
+            for ch in c.generate(generate_request([0, 7, 8, 9], max_tokens=6, temperature=0))
+            for t in ch.token_ids
+        ]
+    assert first == reference([0, 7, 8, 9], 6)
+    anonymous = dist.TCPStore(
+        s._store_host, s._store.port, is_master=False, timeout=datetime.timedelta(seconds=10)
+    )
+    pair = "pdkv/prefill-0/decode-0"
+    assert not anonymous.check([f"{pair}/epoch"]), "a pair's key at its plain name"
+    assert any(k.endswith(f"/{pair}/epoch") for k in s._store.list_keys()), "the pair never met"
+    # The attack that failed every request for a minute: bump the epoch, claim both sides are ready.
+    for epoch in range(50):
+        anonymous.add(f"{pair}/epoch", 1)
+        anonymous.set(f"{pair}/{epoch}/ready0", "1")
+        anonymous.set(f"{pair}/{epoch}/ready1", "1")
+    with client(server, certs, API_KEY) as c:
+        chunks = list(c.generate(generate_request([0, 7, 8, 9], max_tokens=6, temperature=0), timeout_s=20))
+    assert [t for ch in chunks for t in ch.token_ids] == first
