@@ -120,6 +120,10 @@ class RouterConfig:
     max_prompt_bytes: int = 8 << 20
     """Largest prompt text (a chat's rendered messages included) in bytes, refused before it is tokenized; an
     HTTP request body may be twice that plus 1 MiB (JSON escapes), refused before it is parsed."""
+    max_message_bytes: int | None = None
+    """Largest gRPC request message in bytes, refused (INVALID_ARGUMENT naming this limit) before it is
+    decoded; past twice this gRPC itself refuses it unread (RESOURCE_EXHAUSTED). None: max_prompt_bytes, or
+    the most text that can fit the model's context where that is less, plus 1 MiB."""
     default_max_tokens: int = 256
     """max_tokens of a request that does not set it."""
     max_tokens_limit: int | None = None
@@ -164,6 +168,8 @@ class RouterConfig:
             )
         if self.max_prompt_bytes < 1:
             raise ValueError(f"max_prompt_bytes={self.max_prompt_bytes}: must be >= 1")
+        if self.max_message_bytes is not None and not 1 <= self.max_message_bytes < 1 << 30:
+            raise ValueError(f"max_message_bytes={self.max_message_bytes}: must be in [1, 2**30)")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens={self.default_max_tokens}: must be >= 1")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:

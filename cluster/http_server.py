@@ -36,7 +36,12 @@ from .engine_client import Chunk, EngineClient, Generation
 from .errors import NotFoundError, UnavailableError, http_error_for
 from .reasoning import ReasoningSplitter, split_reasoning
 from .security import Credentials, require_key
-from .validation import check_prompt_bytes, check_stop_strings, sampling_params
+from .validation import (
+    check_prompt_bytes,
+    check_stop_strings,
+    prompt_bytes_limit,
+    sampling_params,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -220,10 +225,10 @@ class HttpFrontEnd:
         return JSONResponse(e.body(), status_code=e.status)
 
     async def _read_json(self, request: Request):
-        limit = 2 * self.engine.limits.max_prompt_bytes + (1 << 20)
+        prompt_limit, what = prompt_bytes_limit(self.engine.limits, self.engine.model)
+        limit = 2 * prompt_limit + (1 << 20)
         too_big = InvalidRequestError(
-            "body",
-            f"larger than this server's limit of {limit} bytes (twice router.max_prompt_bytes, plus 1 MiB)",
+            "body", f"larger than this server's limit of {limit} bytes (twice {what}, plus 1 MiB)"
         )
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
@@ -266,7 +271,7 @@ class HttpFrontEnd:
                 req.messages, req.add_generation_prompt, req.chat_template_kwargs
             )
             add_bos = False  # the template writes its own BOS, as transformers assumes
-        check_prompt_bytes(text, self.engine.limits, field)
+        check_prompt_bytes(text, self.engine.limits, field, model)
         ids = model.tokenizer.encode(text, add_bos=add_bos)
         check_prompt_len(len(ids), model.max_model_len, field)
         return ids

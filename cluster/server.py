@@ -38,7 +38,7 @@ from .reaper import tie_ray_to_this_process
 from .router import Router
 from .scaling import Scaler
 from .security import Credentials, KeyInterceptor, grpc_server_credentials, http_ssl_options
-from .service import add_servicers
+from .service import add_servicers, message_limit
 from .supervisor import Supervisor
 from .validation import ModelInfo
 
@@ -221,7 +221,13 @@ class PdServer:
 
     async def _start_grpc(self) -> None:
         router_config = self.config.router
-        self.grpc_server = grpc.aio.server(interceptors=[KeyInterceptor(self.credentials)])
+        # gRPC itself refuses past twice the configured limit, unread; below that, the servicers'
+        # deserializer refuses what is over the limit (or can never fit the context) naming it, unparsed.
+        receive_limit = 2 * message_limit(router_config)[0]
+        self.grpc_server = grpc.aio.server(
+            interceptors=[KeyInterceptor(self.credentials)],
+            options=[("grpc.max_receive_message_length", receive_limit)],
+        )
         add_servicers(self.engine, self.grpc_server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)

@@ -7,10 +7,13 @@ address; an anonymous client of the KV store cannot find or move the keys the wo
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import shutil
 import ssl
 import subprocess
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -24,7 +27,9 @@ from pdserve.cluster.client import Client, generate_request
 from pdserve.cluster.config import SecurityConfig, build_config
 from pdserve.cluster.errors import PermissionDeniedError, UnauthenticatedError
 from pdserve.cluster.security import Credentials
+from pdserve.cluster.validation import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from pdserve.model.errors import ConfigError
+from pdserve.v1 import generation_pb2
 
 from .conftest import start_server
 
@@ -324,5 +329,105 @@ def test_anonymous_store_client_cannot_find_or_move_the_pairs_keys(server, certs
         anonymous.set(f"{pair}/{epoch}/ready0", "1")
         anonymous.set(f"{pair}/{epoch}/ready1", "1")
     with client(server, certs, API_KEY) as c:
-        chunks = list(c.generate(generate_request([0, 7, 8, 9], max_tokens=6, temperature=0), timeout_s=20))
+        chunks = list(
+            c.generate(generate_request([0, 7, 8, 9], max_tokens=6, temperature=0), timeout_s=20)
+        )
     assert [t for ch in chunks for t in ch.token_ids] == first
+
+
+# Bounded work per request.
+
+
+def _stream_beside(c: Client, side_load) -> tuple[list[float], list[float]]:
+    """Arrival times of a greedy stream's token chunks, with `side_load()` run in another thread from its
+    4th chunk on, and [start, end] of the side load (its errors are raised here)."""
+    request = generate_request([0, 11, 12, 13], max_tokens=64, temperature=0, ignore_eos=True)
+    started, window, failed = threading.Event(), [], []
+
+    def side() -> None:
+        started.wait(60)
+        window.append(time.perf_counter())
+        try:
+            side_load()
+        except BaseException as e:  # raised by the test's thread
+            failed.append(e)
+        window.append(time.perf_counter())
+
+    thread = threading.Thread(target=side)
+    thread.start()
+    times = []
+    for chunk in c.generate(request, timeout_s=120):
+        if chunk.token_ids:
+            times.append(time.perf_counter())
+        if len(times) == 4:
+            started.set()
+    started.set()
+    thread.join(60)
+    if failed:
+        raise failed[0]
+    assert len(window) == 2 and window[0] < times[-1], "the stream ended before the side load began"
+    return times, window
+
+
+ATTACK_TRIES = 3
+
+
+def _largest_gap(times: list[float], window: list[float]) -> float:
+    """The longest wait between chunks that overlaps `window`."""
+    start, end = window
+    return max(b - a for a, b in zip(times, times[1:], strict=False) if b >= start and a <= end)
+
+
+def test_huge_prompt_and_largest_stop_lists_do_not_delay_other_streams(server, certs, reference):
+    """Measured against the same stream beside a plain request of the same length: what the attack adds.
+    The attacker sends bytes serialized beforehand, on connections of its own (this process also hosts the
+    server and the stream's client: serializing 4 MiB here would hold their GIL)."""
+    # As many stop ids as allowed that the stop request's own greedy output leaves alone (the tiny model's
+    # vocabulary is about MAX_STOP_TOKEN_IDS ids), so that it runs to max_tokens checking them all.
+    output = set(reference([0, 21, 22], 24))
+    stop_ids = [i for i in range(server.server.model.vocab_size) if i not in output]
+    plain = generate_request([0, 21, 22], max_tokens=24, temperature=0, ignore_eos=True)
+    stops = generate_request(
+        [0, 21, 22], max_tokens=24, temperature=0, ignore_eos=True,
+        stop_token_ids=stop_ids[:MAX_STOP_TOKEN_IDS],
+        stop=[f"{i:03d}" + "\u00a7" * (MAX_STOP_STRING_CHARS - 3) for i in range(MAX_STOP_STRINGS)],
+    )  # fmt: skip
+    huge = "hello world " * ((4 << 20) // 12)  # 4 MiB of text
+    huge_message = generate_request(huge, max_tokens=4).SerializeToString()
+    huge_body = json.dumps({"prompt": huge, "max_tokens": 4}).encode()
+    url = server.http_url + "/completions"
+    headers = {"authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+    with client(server, certs, API_KEY) as c, client(server, certs, API_KEY) as a, http(certs) as h:
+        raw_generate = a.channel.unary_stream(
+            "/pdserve.v1.Generation/Generate",
+            response_deserializer=generation_pb2.GenerateResponse.FromString,
+        )
+
+        def run(request) -> None:
+            assert sum(len(ch.token_ids) for ch in a.generate(request, timeout_s=60)) == 24
+
+        def attack() -> None:
+            with pytest.raises(grpc.RpcError) as refused:
+                list(raw_generate(huge_message, metadata=a.metadata, timeout=60))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "fits the context" in refused.value.details()
+            try:
+                r = h.post(url, content=huge_body, headers=headers)
+                assert r.status_code == 400 and r.json()["error"]["param"] == "body", r.text
+            except httpx2.TransportError:  # refused (and closed) before all of it was sent
+                pass
+            run(stops)
+
+        # On a loaded machine one gap can stretch for reasons of its own: a stall the attack causes shows in
+        # every try, so the attack passes when one try stays within the bound.
+        tries = []
+        for _ in range(ATTACK_TRIES):
+            before = _largest_gap(*_stream_beside(c, lambda: run(plain)))
+            during = _largest_gap(*_stream_beside(c, attack))
+            tries.append(
+                f"{1e3 * during:.0f} ms under attack, {1e3 * before:.0f} ms beside a plain one"
+            )
+            if during <= before + 0.05:
+                break
+        else:
+            raise AssertionError(f"largest gap of the stream in each try: {'; '.join(tries)}")
