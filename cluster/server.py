@@ -49,6 +49,7 @@ _REFRESH_S = 1.0
 _IDLE_LOG_S = 60.0
 _STATS_TIMEOUT_S = 5.0
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 
 def connect_ray(config: ServeConfig) -> None:
@@ -69,6 +70,14 @@ def connect_ray(config: ServeConfig) -> None:
         )  # a worker of several ranks takes a bundle per rank
         num_cpus = max(os.cpu_count() or 1, math.ceil(2 * demand))
         tie_ray_to_this_process()
+        # Ray's own ports listen on every interface: its token authentication keeps them to this process
+        # and its workers (Ray turns it on for a new local cluster; set here, so that it stays on).
+        mode = os.environ.setdefault(RAY_AUTH_MODE_ENV, "token")
+        if mode != "token":
+            logger.warning(
+                "Ray token authentication is off (%s=%s): whoever reaches Ray's ports can run code here",
+                RAY_AUTH_MODE_ENV, mode,
+            )  # fmt: skip
     ray.init(
         address=address, num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING
     )
