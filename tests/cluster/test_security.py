@@ -431,3 +431,47 @@ def test_huge_prompt_and_largest_stop_lists_do_not_delay_other_streams(server, c
                 break
         else:
             raise AssertionError(f"largest gap of the stream in each try: {'; '.join(tries)}")
+
+
+def test_text_that_cannot_fit_the_context_is_refused_before_tokenizing(model_dir):
+    from pdserve.cluster.config import RouterConfig
+    from pdserve.cluster.validation import ModelInfo, check_prompt_bytes, text_bytes_bound
+    from pdserve.model.errors import InvalidRequestError
+
+    model = ModelInfo.load(model_dir, "tiny")
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    longest = max(
+        len(t.encode())
+        for t in [*spec["model"]["vocab"], *(a["content"] for a in spec["added_tokens"])]
+    )
+    assert model.max_text_bytes == model.max_model_len * longest
+    # Text at the bound may still fit (every token as long as the longest); a byte more cannot.
+    router = RouterConfig()
+    check_prompt_bytes("a" * model.max_text_bytes, router, "prompt", model)
+    with pytest.raises(InvalidRequestError, match="cannot fit the context of") as e:
+        check_prompt_bytes("a" * (model.max_text_bytes + 1), router, "prompt", model)
+    assert e.value.field == "prompt"
+    with pytest.raises(InvalidRequestError, match=r"router.max_prompt_bytes"):
+        check_prompt_bytes("\u00e9" * 600, RouterConfig(max_prompt_bytes=1000), "prompt", model)
+    # Tokenizers whose tokens may swallow unbounded input get no bound.
+    for change in (
+        {"normalizer": {"type": "NFKC"}},
+        {"pre_tokenizer": {"type": "Whitespace"}},
+        {"added_tokens": [{"content": "<x>", "lstrip": True}]},
+    ):
+        assert text_bytes_bound({**spec, **change}, 4096) is None, change
+
+
+def test_grpc_messages_over_the_limit_are_refused_unparsed_naming_it():
+    from pdserve.cluster.config import RouterConfig
+    from pdserve.cluster.service import _lenient, _Undecodable, message_limit
+
+    limit = message_limit(RouterConfig(max_message_bytes=1000))
+    assert limit == (1000, "router.max_message_bytes")
+    parse = _lenient(generation_pb2.GenerateRequest.FromString, "GenerateRequest", limit)
+    small = generate_request("x" * 900).SerializeToString()
+    assert parse(small).prompt == "x" * 900
+    refused = parse(generate_request("x" * 1000).SerializeToString())
+    assert isinstance(refused, _Undecodable)
+    assert "reads at most 1000 (router.max_message_bytes)" in refused.message
+    assert message_limit(RouterConfig(max_prompt_bytes=5000))[0] == 5000 + (1 << 20)
