@@ -475,3 +475,25 @@ def test_grpc_messages_over_the_limit_are_refused_unparsed_naming_it():
     assert isinstance(refused, _Undecodable)
     assert "reads at most 1000 (router.max_message_bytes)" in refused.message
     assert message_limit(RouterConfig(max_prompt_bytes=5000))[0] == 5000 + (1 << 20)
+
+
+def test_cli_client_commands_take_keys_and_tls_from_flags_and_environment(
+    server, certs, monkeypatch, capsys
+):
+    from pdserve.cluster.cli import main
+
+    tls = ["--addr", server.address, "--tls-ca", certs["ca.pem"], "--tls-cert", certs["client.pem"]]
+    tls += ["--tls-key", certs["client.key"]]
+    monkeypatch.delenv("PDSERVE_ADMIN_KEY", raising=False)
+    monkeypatch.setenv("PDSERVE_API_KEY", API_KEY)
+    assert main(["generate", "--prompt-ids", "0,5,6", "--max-tokens", "2", "--json", *tls]) == 0
+    assert main(["status", *tls]) == 1  # the API key cannot read status
+    assert "PERMISSION_DENIED" in capsys.readouterr().err
+    monkeypatch.setenv("PDSERVE_ADMIN_KEY", ADMIN_KEY)
+    assert main(["status", "--json", *tls]) == 0
+    assert '"pools"' in capsys.readouterr().out
+    monkeypatch.delenv("PDSERVE_API_KEY")
+    monkeypatch.delenv("PDSERVE_ADMIN_KEY")
+    assert main(["status", *tls]) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    assert main(["status", "--admin-key", ADMIN_KEY, *tls]) == 0
