@@ -45,10 +45,10 @@ class _WorkerShell:
 
     def __init__(
         self, worker_id: str, model: ModelConfig, worker_config, kv_config: KVTransferConfig,
-        num_gpus: int, cpu_threads: int, cpus_per_rank: float = 1.0,
+        num_gpus: int, cpu_threads: int, cpus_per_rank: float = 1.0, store_secret: str = "",
     ):  # fmt: skip
         """num_gpus: of this process (rank 0 of a worker of several ranks: 0 or 1, as each other rank);
-        cpus_per_rank: what each other rank's actor reserves."""
+        cpus_per_rank: what each other rank's actor reserves; store_secret: the KV store's key prefix."""
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         self.worker_id = worker_id
         self.worker = None
@@ -57,6 +57,7 @@ class _WorkerShell:
         self._kernel_choice = (model.kernels, model.batch_invariant)
         self.ranks = None
         self._cpus_per_rank = cpus_per_rank
+        self._store_secret = store_secret
         try:
             with self._kernels():
                 self._start(model, worker_config, kv_config, num_gpus, cpu_threads)
@@ -93,7 +94,7 @@ class _WorkerShell:
                 path, self.device, _torch_dtype(model.dtype), progress=False,
                 load_format=model.load_format,
             )  # fmt: skip
-        self.store = connect_store(kv_config, is_master=False)
+        self.store = connect_store(kv_config, is_master=False, secret=self._store_secret)
         self.kv_cache_dtype = model.kv_cache_dtype
         self.worker = self._build(worker_config, kv_config)
         self.worker.warm_up()  # every kernel compiled, every decode graph captured, before it serves
@@ -121,7 +122,10 @@ class _WorkerShell:
                 f"{self.worker_id}: a worker of several ranks needs a placement group"
             )
         launcher = RayRankLauncher(group, int(num_gpus > 0), self._cpus_per_rank)
-        kv = {"config": dataclasses.asdict(kv_config), "worker_id": self.worker_id}
+        kv = {
+            "config": dataclasses.asdict(kv_config), "worker_id": self.worker_id,
+            "store_secret": self._store_secret,
+        }  # fmt: skip
         # ranks over several nodes (an NVLink domain's trays) plan over gloo and reach this node's store
         channel = rank_channel(bundle_nodes(group))
         store_host = ray.util.get_node_ip_address() if channel == "dist" else "127.0.0.1"

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.model.errors import PdserveError
 from pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 ROLES = {"prefill": admin_pb2.ROLE_PREFILL, "decode": admin_pb2.ROLE_DECODE}
@@ -43,10 +45,35 @@ def generate_request(
     return request
 
 
+def _read(path: str | None, flag: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise PdserveError(f"{flag} {path}: cannot read ({e.strerror})") from e
+
+
 class Client:
-    def __init__(self, address: str = "127.0.0.1:50051"):
+    """`key` goes with every call as `authorization: Bearer KEY` (the API key for generation, the admin key for
+    status, scale and drain). `tls_ca` (the server's CA, PEM; "" for the system's roots) makes the channel TLS;
+    `tls_cert` and `tls_key` add a client certificate (mutual TLS)."""
+
+    def __init__(
+        self, address: str = "127.0.0.1:50051", *, key: str | None = None,
+        tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+    ):  # fmt: skip
         self.address = address
-        self.channel = grpc.insecure_channel(address)
+        self.metadata = (("authorization", f"Bearer {key}"),) if key else ()
+        if tls_ca is None and tls_cert is None:
+            self.channel = grpc.insecure_channel(address)
+        else:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=_read(tls_ca or None, "--tls-ca"),
+                private_key=_read(tls_key, "--tls-key"),
+                certificate_chain=_read(tls_cert, "--tls-cert"),
+            )
+            self.channel = grpc.secure_channel(address, credentials)
         self.generation = generation_pb2_grpc.GenerationStub(self.channel)
         self.admin = admin_pb2_grpc.AdminStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -55,11 +82,13 @@ class Client:
         self, request: generation_pb2.GenerateRequest, timeout_s: float | None = None
     ) -> Iterator[generation_pb2.GenerateResponse]:
         """Streams the response chunks (the call is cancelled if the iterator is closed early)."""
-        return self.generation.Generate(request, timeout=timeout_s)
+        return self.generation.Generate(request, timeout=timeout_s, metadata=self.metadata)
 
     def is_serving(self, timeout_s: float = 5.0) -> bool:
         try:
-            reply = self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+            reply = self.health.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s, metadata=self.metadata
+            )
         except grpc.RpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -73,19 +102,21 @@ class Client:
             time.sleep(0.2)
 
     def status(self, timeout_s: float = 30.0) -> admin_pb2.GetStatusResponse:
-        return self.admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=timeout_s)
+        return self.admin.GetStatus(
+            admin_pb2.GetStatusRequest(), timeout=timeout_s, metadata=self.metadata
+        )
 
     def scale(
         self, role: str, count: int, timeout_s: float | None = None
     ) -> admin_pb2.ScalePoolResponse:
         request = admin_pb2.ScalePoolRequest(role=ROLES[role], count=count)
-        return self.admin.ScalePool(request, timeout=timeout_s)
+        return self.admin.ScalePool(request, timeout=timeout_s, metadata=self.metadata)
 
     def drain(
         self, worker_id: str, timeout_s: float | None = None
     ) -> admin_pb2.DrainWorkerResponse:
         request = admin_pb2.DrainWorkerRequest(worker_id=worker_id)
-        return self.admin.DrainWorker(request, timeout=timeout_s)
+        return self.admin.DrainWorker(request, timeout=timeout_s, metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

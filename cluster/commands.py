@@ -53,10 +53,25 @@ _SHORT_FLAGS = {
         "PORT",
         "OpenAI-compatible HTTP port (default 8000; 0: any free port; --router.http-port none: off)",
     ),
-}
+    "--api-key": (
+        "security", "api_key", str, "KEY",
+        "key every endpoint but health requires (or --security.api-key-file, or env PDSERVE_API_KEY)",
+    ),
+    "--admin-key": (
+        "security", "admin_key", str, "KEY",
+        "key of the Admin service: status, scale, drain (or --security.admin-key-file, or env "
+        "PDSERVE_ADMIN_KEY)",
+    ),
+    "--tls-cert": ("security", "tls_cert", str, "PEM", "serve gRPC and HTTP over TLS with this certificate"),
+    "--tls-key": ("security", "tls_key", str, "PEM", "private key of --tls-cert"),
+    "--tls-client-ca": (
+        "security", "tls_client_ca", str, "PEM", "require client certificates this CA signed (mTLS)",
+    ),
+}  # fmt: skip
 SERVE_USAGE = (
     "pdserve serve [--model DIR|tiny] [--prefill N] [--decode M] [--gpus-per-worker K] [--host HOST]\n"
     "                     [--port PORT] [--http-port PORT] [--config FILE.yaml] [--ray-address auto|ADDR]\n"
+    "                     [--api-key KEY] [--admin-key KEY] [--tls-cert PEM --tls-key PEM [--tls-client-ca PEM]]\n"
     "                     [--SECTION.FIELD VALUE ...] [--print-config]"
 )
 SAMPLING_DEFAULT = (
@@ -173,11 +188,45 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _add_addr(p: argparse.ArgumentParser) -> None:
+    """--addr, and the key and TLS flags of a client command (keys default to the environment's)."""
     p.add_argument("--addr", default=DEFAULT_ADDR, help=f"server address (default {DEFAULT_ADDR})")
+    g = p.add_argument_group("keys and TLS")
+    g.add_argument(
+        "--api-key", default=None,
+        help="the server's API key (default: env PDSERVE_API_KEY); status, scale and drain send the admin "
+        "key instead when one is given",
+    )  # fmt: skip
+    g.add_argument(
+        "--admin-key", default=None, help="the server's admin key (default: env PDSERVE_ADMIN_KEY)"
+    )
+    g.add_argument(
+        "--tls-ca", default=None, metavar="PEM",
+        help="connect over TLS, trusting this CA ('' : the system's roots)",
+    )  # fmt: skip
+    g.add_argument(
+        "--tls-cert", default=None, metavar="PEM", help="client certificate (mutual TLS)"
+    )
+    g.add_argument("--tls-key", default=None, metavar="PEM", help="its private key")
+
+
+def _client(args: argparse.Namespace, admin: bool = False):
+    """A Client for the command's flags: the admin key (flag, else env) for admin calls when there is one,
+    else the API key (flag, else env)."""
+    import os
+
+    from .client import Client
+    from .security import ADMIN_KEY_ENV, API_KEY_ENV
+
+    key = args.api_key or os.environ.get(API_KEY_ENV)
+    if admin:
+        key = args.admin_key or os.environ.get(ADMIN_KEY_ENV) or key
+    return Client(
+        args.addr, key=key, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .client import FINISH_REASONS, Client, generate_request
+    from .client import FINISH_REASONS, generate_request
 
     if args.prompt_ids is not None:
         prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
@@ -191,7 +240,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop_token_ids=[int(x) for x in args.stop_token_ids.split(",") if x.strip()],
         stop=args.stop,
     )  # fmt: skip
-    with Client(args.addr) as client:
+    with _client(args) as client:
         if args.wait_s:
             client.wait_until_serving(args.wait_s)
         sent, first, token_ids, pieces, last = time.perf_counter(), None, [], [], None
@@ -223,20 +272,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from google.protobuf import json_format
 
-    from .client import Client, format_status
+    from .client import format_status
 
-    with Client(args.addr) as client:
+    with _client(args, admin=True) as client:
         status = client.status()
     print(json_format.MessageToJson(status) if args.json else format_status(status))
     return 0
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    from .client import Client
-
     if args.prefill is None and args.decode is None:
         raise PdserveError("give --prefill N and/or --decode M")
-    with Client(args.addr) as client:
+    with _client(args, admin=True) as client:
         for role in ("prefill", "decode"):
             count = getattr(args, role)
             if count is not None:
@@ -247,9 +294,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
-    from .client import Client
-
-    with Client(args.addr) as client:
+    with _client(args, admin=True) as client:
         reply = client.drain(args.worker_id)
     print(f"drained and stopped {reply.worker_id} ({reply.num_requests_drained} requests finished)")
     return 0

@@ -148,6 +148,10 @@ class RouterConfig:
     max_prompt_bytes: int = 8 << 20
     """Largest prompt text (a chat's rendered messages included) in bytes, refused before it is tokenized; an
     HTTP request body may be twice that plus 1 MiB (JSON escapes), refused before it is parsed."""
+    max_message_bytes: int | None = None
+    """Largest gRPC request message in bytes, refused (INVALID_ARGUMENT naming this limit) before it is
+    decoded; past twice this gRPC itself refuses it unread (RESOURCE_EXHAUSTED). None: max_prompt_bytes, or
+    the most text that can fit the model's context where that is less, plus 1 MiB."""
     default_max_tokens: int = 256
     """max_tokens of a request that does not set it."""
     max_tokens_limit: int | None = None
@@ -192,6 +196,8 @@ class RouterConfig:
             )
         if self.max_prompt_bytes < 1:
             raise ValueError(f"max_prompt_bytes={self.max_prompt_bytes}: must be >= 1")
+        if self.max_message_bytes is not None and not 1 <= self.max_message_bytes < 1 << 30:
+            raise ValueError(f"max_message_bytes={self.max_message_bytes}: must be in [1, 2**30)")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens={self.default_max_tokens}: must be >= 1")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
@@ -215,6 +221,42 @@ class RouterConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SecurityConfig:
+    """Keys and TLS of the front ends. The keys themselves are read at start-up (`security.Credentials`):
+    a key given here, else its file, else its environment variable."""
+
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    """Key every HTTP endpoint but /health and every gRPC method but grpc.health.v1 require, sent as
+    `authorization: Bearer KEY` (as OpenAI clients send it). Unset: api_key_file, else env PDSERVE_API_KEY,
+    else none (open). A key on the command line shows in `ps`: prefer the file or the environment."""
+    api_key_file: str | None = None
+    """File holding the API key (its first line)."""
+    admin_key: str | None = dataclasses.field(default=None, repr=False)
+    """Key the Admin service (status, scale, drain) requires; the API key cannot call it. Unset:
+    admin_key_file, else env PDSERVE_ADMIN_KEY, else none: Admin is open when no API key is set either,
+    and refused (PERMISSION_DENIED) when one is."""
+    admin_key_file: str | None = None
+    """File holding the admin key (its first line)."""
+    tls_cert: str | None = None
+    """PEM certificate (chain) of the gRPC and HTTP ports; with tls_key, both serve TLS only."""
+    tls_key: str | None = None
+    """PEM private key of tls_cert."""
+    tls_client_ca: str | None = None
+    """PEM CA bundle: gRPC and HTTP clients must present a certificate it signed (mutual TLS)."""
+
+    def __post_init__(self) -> None:
+        for name in ("api_key", "admin_key"):
+            if getattr(self, name) is not None and getattr(self, f"{name}_file") is not None:
+                raise ValueError(f"{name} and {name}_file: give one, not both")
+            if getattr(self, name) == "":
+                raise ValueError(f"{name}: empty (leave it unset for none)")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key: give both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key (mutual TLS is over TLS)")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ServeConfig:
     """Everything `pdserve serve` needs; YAML sections and flag prefixes are the field names."""
 
@@ -224,6 +266,7 @@ class ServeConfig:
     prefill: PrefillConfig = PrefillConfig(cpu_cache_bytes=CPU_CACHE_BYTES)
     decode: DecodeConfig = DecodeConfig(cpu_cache_bytes=CPU_CACHE_BYTES)
     kvtransfer: KVTransferConfig = KVTransferConfig()
+    security: SecurityConfig = SecurityConfig()
 
     def __post_init__(self) -> None:
         if self.prefill.page_size != self.decode.page_size:
@@ -260,7 +303,10 @@ SECTIONS: dict[str, type] = {
     "prefill": PrefillConfig,
     "decode": DecodeConfig,
     "kvtransfer": KVTransferConfig,
+    "security": SecurityConfig,
 }
+SECRET_FIELDS = (("security", "api_key"), ("security", "admin_key"))
+"""Fields never printed (`to_dict` shows a set one as <set>)."""
 
 
 @functools.cache
@@ -368,5 +414,9 @@ def load_yaml(path: str | Path) -> dict[str, dict[str, Any]]:
 
 
 def to_dict(config: ServeConfig) -> dict[str, dict[str, Any]]:
-    """The config as YAML-ready sections (for `pdserve serve --print-config`)."""
-    return {name: dataclasses.asdict(getattr(config, name)) for name in SECTIONS}
+    """The config as YAML-ready sections (for `pdserve serve --print-config`); keys show as <set>."""
+    sections = {name: dataclasses.asdict(getattr(config, name)) for name in SECTIONS}
+    for section, name in SECRET_FIELDS:
+        if sections[section][name] is not None:
+            sections[section][name] = "<set>"
+    return sections

@@ -48,11 +48,21 @@ class NotFoundError(PdserveError):
     """No such worker (admin calls)."""
 
 
+class UnauthenticatedError(PdserveError):
+    """No key, or a key that is not this server's."""
+
+
+class PermissionDeniedError(PdserveError):
+    """A valid key that may not make this call (the API key on an admin call)."""
+
+
 class PreconditionError(PdserveError):
     """The admin call would leave the server unable to serve (e.g. draining the last decode worker)."""
 
 
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -81,6 +91,8 @@ def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
 _HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     # code: (HTTP status, OpenAI error type)
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),

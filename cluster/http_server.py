@@ -35,7 +35,13 @@ from . import openai_api as api
 from .engine_client import Chunk, EngineClient, Generation
 from .errors import NotFoundError, UnavailableError, http_error_for
 from .reasoning import ReasoningSplitter, split_reasoning
-from .validation import check_prompt_bytes, check_stop_strings, sampling_params
+from .security import Credentials, require_key
+from .validation import (
+    check_prompt_bytes,
+    check_stop_strings,
+    prompt_bytes_limit,
+    sampling_params,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +125,10 @@ class _Server(uvicorn.Server):
 class HttpFrontEnd:
     """The Starlette app and its uvicorn server. `start` and `stop` run on the server's event loop."""
 
-    def __init__(self, engine: EngineClient, reasoning_parser: str, metrics_only: bool = False):
+    def __init__(
+        self, engine: EngineClient, reasoning_parser: str, metrics_only: bool = False,
+        credentials: Credentials | None = None,
+    ):  # fmt: skip
         self.engine = engine
         model = engine.model
         self.reasoning = model.thinks if reasoning_parser == "auto" else reasoning_parser != "none"
@@ -133,14 +142,17 @@ class HttpFrontEnd:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             ]
-        self.app = Starlette(routes=routes)
+        self.app = require_key(Starlette(routes=routes), credentials or Credentials(), self._error)
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
 
     # Lifecycle.
 
-    async def start(self, host: str, port: int, graceful_s: float) -> int:
-        """Listens on host:port (0: a free port) and returns the port."""
+    async def start(
+        self, host: str, port: int, graceful_s: float, ssl_options: dict | None = None
+    ) -> int:
+        """Listens on host:port (0: a free port) and returns the port; `ssl_options`
+        (`security.http_ssl_options`) makes it HTTPS."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -148,7 +160,7 @@ class HttpFrontEnd:
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             self.app, lifespan="off", log_config=None, access_log=False,
-            timeout_graceful_shutdown=graceful_s,
+            timeout_graceful_shutdown=graceful_s, **(ssl_options or {}),
         )  # fmt: skip
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="http")
@@ -213,10 +225,10 @@ class HttpFrontEnd:
         return JSONResponse(e.body(), status_code=e.status)
 
     async def _read_json(self, request: Request):
-        limit = 2 * self.engine.limits.max_prompt_bytes + (1 << 20)
+        prompt_limit, what = prompt_bytes_limit(self.engine.limits, self.engine.model)
+        limit = 2 * prompt_limit + (1 << 20)
         too_big = InvalidRequestError(
-            "body",
-            f"larger than this server's limit of {limit} bytes (twice router.max_prompt_bytes, plus 1 MiB)",
+            "body", f"larger than this server's limit of {limit} bytes (twice {what}, plus 1 MiB)"
         )
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
@@ -259,7 +271,7 @@ class HttpFrontEnd:
                 req.messages, req.add_generation_prompt, req.chat_template_kwargs
             )
             add_bos = False  # the template writes its own BOS, as transformers assumes
-        check_prompt_bytes(text, self.engine.limits, field)
+        check_prompt_bytes(text, self.engine.limits, field, model)
         ids = model.tokenizer.encode(text, add_bos=add_bos)
         check_prompt_len(len(ids), model.max_model_len, field)
         return ids

@@ -88,8 +88,17 @@ def _rounded(resources: dict[str, float]) -> dict[str, float]:
 class Launcher:
     """Starts and stops worker actors. Each worker gets its own placement group and a unique id."""
 
-    def __init__(self, config: ServeConfig, kv_config: KVTransferConfig, num_gpus: int):
+    def __init__(
+        self,
+        config: ServeConfig,
+        kv_config: KVTransferConfig,
+        num_gpus: int,
+        store_secret: str = "",
+    ):
+        """store_secret: the prefix of the KV store's keys (`kvtransfer.store`), handed to each worker
+        through Ray."""
         self.config, self.kv_config, self.num_gpus = config, kv_config, num_gpus
+        self.store_secret = store_secret
         self._ids = {role: itertools.count() for role in ROLES}
 
     async def launch(self, role: str) -> WorkerHandle:
@@ -147,6 +156,7 @@ class Launcher:
                 handle.actor = _SHELLS[role].options(**options).remote(
                     worker_id, self.config.model, worker_config, self.kv_config, num_gpus,
                     placement.cpu_threads(cluster.cpus_per_worker), cluster.cpus_per_worker,
+                    self.store_secret,
                 )  # fmt: skip
             try:
                 ready = await asyncio.wait_for(handle.actor.ready.remote(), cluster.load_timeout_s)

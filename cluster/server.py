@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from pdserve.engine import messages
 from pdserve.engine.messages import DecodeStats, PrefillStats
 from pdserve.kvtransfer import KVTransferConfig
-from pdserve.kvtransfer.dist import connect_store
+from pdserve.kvtransfer.store import host_store, new_secret
 from pdserve.model.errors import ConfigError
 from pdserve.model.loader import plan_load
 from pdserve.model.random_checkpoint import resolve_model
@@ -37,7 +37,8 @@ from .pools import DECODE, PREFILL, Launcher, WorkerState
 from .reaper import tie_ray_to_this_process
 from .router import Router
 from .scaling import Scaler
-from .service import add_servicers
+from .security import Credentials, KeyInterceptor, grpc_server_credentials, http_ssl_options
+from .service import add_servicers, message_limit
 from .supervisor import Supervisor
 from .validation import ModelInfo
 
@@ -48,6 +49,7 @@ _REFRESH_S = 1.0
 _IDLE_LOG_S = 60.0
 _STATS_TIMEOUT_S = 5.0
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 
 def connect_ray(config: ServeConfig) -> None:
@@ -68,6 +70,14 @@ def connect_ray(config: ServeConfig) -> None:
         )  # a worker of several ranks takes a bundle per rank
         num_cpus = max(os.cpu_count() or 1, math.ceil(2 * demand))
         tie_ray_to_this_process()
+        # Ray's own ports listen on every interface: its token authentication keeps them to this process
+        # and its workers (Ray turns it on for a new local cluster; set here, so that it stays on).
+        mode = os.environ.setdefault(RAY_AUTH_MODE_ENV, "token")
+        if mode != "token":
+            logger.warning(
+                "Ray token authentication is off (%s=%s): whoever reaches Ray's ports can run code here",
+                RAY_AUTH_MODE_ENV, mode,
+            )  # fmt: skip
     ray.init(
         address=address, num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING
     )
@@ -122,7 +132,13 @@ class PdServer:
     @property
     def http_url(self) -> str:
         """The OpenAI-compatible API's base URL (empty when HTTP is off)."""
-        return f"http://{self._connect_host}:{self.http_port}/v1" if self.http_port else ""
+        if not self.http_port:
+            return ""
+        return f"{self._http_scheme}://{self._connect_host}:{self.http_port}/v1"
+
+    @property
+    def _http_scheme(self) -> str:
+        return "https" if self.config.security.tls_cert else "http"
 
     @property
     def _connect_host(self) -> str:
@@ -130,38 +146,62 @@ class PdServer:
         return "127.0.0.1" if host in ("0.0.0.0", "::") else host
 
     def _kv_config(self) -> KVTransferConfig:
-        """The store address workers get: the port the store got, and the router's node IP when the cluster
-        spans several nodes."""
-        kv = dataclasses.replace(self.config.kvtransfer, store_port=self._store.port)
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        if kv.store_host in _LOOPBACK and len(nodes) > 1:
-            kv = dataclasses.replace(kv, store_host=ray.util.get_node_ip_address())
-        return kv
+        """The store address workers get: where it listens (`_host_store`) and the port it got."""
+        return dataclasses.replace(
+            self.config.kvtransfer, store_host=self._store_host, store_port=self._store.port
+        )
+
+    def _store_bind_host(self) -> str | None:
+        """Where the KV store listens: store_host as configured, unless it is loopback and this server joins
+        a Ray cluster (whose workers may be on other nodes, now or once it grows): then this node's own
+        address, known once Ray is up (None until then)."""
+        host = self.config.kvtransfer.store_host
+        address = self.config.cluster.ray_address or os.environ.get("RAY_ADDRESS") or "local"
+        if host not in _LOOPBACK or address == "local":
+            return host
+        return ray.util.get_node_ip_address() if ray.is_initialized() else None
+
+    def _host_store(self) -> None:
+        """Hosts the KV store on `_store_bind_host` (idempotent; a no-op until that is known)."""
+        if hasattr(self, "_store"):
+            return
+        host = self._store_bind_host()
+        if host is None:
+            return
+        port = self.config.kvtransfer.store_port
+        try:
+            self._store = host_store(host, port, self.config.kvtransfer.connect_timeout_s)
+        except OSError as e:
+            raise ConfigError(
+                f"--kvtransfer.store-port {port}: cannot host the KV store on {host} ({e.strerror}; "
+                "another pdserve serve?); leave it unset (0) for a free port"
+            ) from e
+        self._store_host = host
+        self.store_secret = new_secret()
+        """The prefix of every key the workers use in the store: handed to them through Ray."""
 
     def prepare(self) -> None:
         """What needs no Ray, done before Ray starts so that a mistake fails in a second rather than after
-        Ray's start-up: the checkpoint (config.json against the shards' headers; no tensor data is read), the
-        gRPC port free, the KV store hosted (on a free port unless one is configured). Idempotent."""
-        if hasattr(self, "_store"):
+        Ray's start-up: the checkpoint (config.json against the shards' headers; no tensor data is read), keys
+        and TLS files, the gRPC port free, the KV store hosted (on a free port unless one is configured; when
+        joining a Ray cluster, `start` hosts it on this node's address). Idempotent."""
+        if hasattr(self, "model"):
+            self._host_store()
             return
         config = self.config
         self.model_dir = resolve_model(config.model.path)
         if config.model.load_format == "safetensors":  # dummy weights need config.json alone
             plan_load(self.model_dir)
         self.model = ModelInfo.load(self.model_dir, config.model.path)
+        self.credentials = Credentials.resolve(config.security)
+        self._grpc_tls = grpc_server_credentials(config.security)
+        self._http_tls = http_ssl_options(config.security)
         check_port_free(config.router.host, config.router.port, "--port")
         if config.router.http_port is not None:
             check_port_free(config.router.host, config.router.http_port, "--http-port")
         if config.router.metrics_port is not None:
             check_port_free(config.router.host, config.router.metrics_port, "--router.metrics-port")
-        port = config.kvtransfer.store_port
-        try:
-            self._store = connect_store(config.kvtransfer, is_master=True)
-        except RuntimeError as e:  # torch.distributed.DistNetworkError (EADDRINUSE) on a busy port
-            raise ConfigError(
-                f"--kvtransfer.store-port {port}: cannot host the KV store there (in use: another "
-                "pdserve serve?); leave it unset (0) for a free port"
-            ) from e
+        self._host_store()
 
     async def start(self) -> None:
         config = self.config
@@ -173,7 +213,7 @@ class PdServer:
         self.router = Router(config.router)
         self.router.on_workers_changed = self._update_health
         self.engine = EngineClient(self)
-        launcher = Launcher(config, kv, gpus)
+        launcher = Launcher(config, kv, gpus, self.store_secret)
         self.scaler = Scaler(config, self.router, launcher, self.model.bos_token_id)
         self.supervisor = Supervisor(config.router, self.router, self.scaler, launcher)
         await self._start_grpc()
@@ -191,7 +231,13 @@ class PdServer:
 
     async def _start_grpc(self) -> None:
         router_config = self.config.router
-        self.grpc_server = grpc.aio.server()
+        # gRPC itself refuses past twice the configured limit, unread; below that, the servicers'
+        # deserializer refuses what is over the limit (or can never fit the context) naming it, unparsed.
+        receive_limit = 2 * message_limit(router_config)[0]
+        self.grpc_server = grpc.aio.server(
+            interceptors=[KeyInterceptor(self.credentials)],
+            options=[("grpc.max_receive_message_length", receive_limit)],
+        )
         add_servicers(self.engine, self.grpc_server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
@@ -200,41 +246,55 @@ class PdServer:
         reflection.enable_server_reflection(names, self.grpc_server)
         target = f"{router_config.host}:{router_config.port}"
         try:
-            self.port = self.grpc_server.add_insecure_port(target)
+            if self._grpc_tls is None:
+                self.port = self.grpc_server.add_insecure_port(target)
+            else:
+                self.port = self.grpc_server.add_secure_port(target, self._grpc_tls)
         except RuntimeError as e:
             raise ConfigError(f"cannot listen on {target}: {e} (port in use? set --port)") from e
         await self.grpc_server.start()
         logger.info(
-            "gRPC listening on %s:%d (health: NOT_SERVING until the workers are warm)",
-            router_config.host, self.port,
+            "gRPC listening on %s:%d%s (health: NOT_SERVING until the workers are warm); %s",
+            router_config.host, self.port, self._tls_note, self.credentials.describe(),
         )  # fmt: skip
+
+    @property
+    def _tls_note(self) -> str:
+        if self._grpc_tls is None:
+            return ""
+        return " with mutual TLS" if self.config.security.tls_client_ca else " with TLS"
 
     async def _start_http(self) -> None:
         router_config = self.config.router
         if router_config.http_port is None:
             return
-        self.http = HttpFrontEnd(self.engine, router_config.reasoning_parser)
+        self.http = HttpFrontEnd(
+            self.engine, router_config.reasoning_parser, credentials=self.credentials
+        )
         try:
             self.http_port = await self.http.start(
-                router_config.host, router_config.http_port, router_config.shutdown_grace_s
-            )
+                router_config.host, router_config.http_port, router_config.shutdown_grace_s,
+                self._http_tls,
+            )  # fmt: skip
         except OSError as e:
             raise ConfigError(
                 f"--http-port {router_config.http_port}: cannot listen on {router_config.host} ({e.strerror})"
             ) from e
         logger.info(
-            "OpenAI-compatible HTTP listening on http://%s:%d/v1 (/health: 503 until the workers are warm)",
-            router_config.host, self.http_port,
+            "OpenAI-compatible HTTP listening on %s://%s:%d/v1 (/health: 503 until the workers are warm)",
+            self._http_scheme, router_config.host, self.http_port,
         )  # fmt: skip
 
     async def _start_metrics(self) -> None:
         router_config = self.config.router
         if router_config.metrics_port is None:
             return
-        self.metrics_http = HttpFrontEnd(self.engine, "none", metrics_only=True)
+        self.metrics_http = HttpFrontEnd(
+            self.engine, "none", metrics_only=True, credentials=self.credentials
+        )
         try:
             self.metrics_port = await self.metrics_http.start(
-                router_config.host, router_config.metrics_port, 0.0
+                router_config.host, router_config.metrics_port, 0.0, self._http_tls
             )
         except OSError as e:
             raise ConfigError(
@@ -242,8 +302,9 @@ class PdServer:
                 f"{router_config.host} ({e.strerror})"
             ) from e
         logger.info(
-            "Prometheus metrics on http://%s:%d/metrics", router_config.host, self.metrics_port
-        )
+            "Prometheus metrics on %s://%s:%d/metrics",
+            self._http_scheme, router_config.host, self.metrics_port,
+        )  # fmt: skip
 
     async def _set_health(self, serving: bool) -> None:
         status = (

@@ -15,7 +15,7 @@ import functools
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -25,7 +25,11 @@ from pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2
 from .engine_client import EngineClient, ServerStatus, Timings, WorkerInfo
 from .errors import status_for
 from .pools import DECODE, PREFILL, ROLES
-from .validation import check_request_id, parse_request
+from .validation import check_request_id, parse_request, prompt_bytes_limit
+
+if TYPE_CHECKING:
+    from .config import RouterConfig
+    from .validation import ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -198,11 +202,31 @@ class _Undecodable:
     message: str
 
 
-def _lenient(parse: Callable[[bytes], Any], type_name: str) -> Callable[[bytes], Any]:
+def message_limit(router: RouterConfig, model: ModelInfo | None = None) -> tuple[int, str]:
+    """The largest request message read, and what sets it: router.max_message_bytes, or by default the most
+    prompt text worth reading (`prompt_bytes_limit`; router.max_prompt_bytes without a model) plus 1 MiB."""
+    if router.max_message_bytes is not None:
+        return router.max_message_bytes, "router.max_message_bytes"
+    if model is None:
+        text, what = router.max_prompt_bytes, "router.max_prompt_bytes"
+    else:
+        text, what = prompt_bytes_limit(router, model)
+    return text + (1 << 20), f"{what}, plus 1 MiB; router.max_message_bytes sets it"
+
+
+def _lenient(
+    parse: Callable[[bytes], Any], type_name: str, limit: tuple[int, str]
+) -> Callable[[bytes], Any]:
     """A request deserializer that never raises: grpc deserializes before calling the servicer and would
-    answer UNKNOWN (with a logged traceback) to bytes that do not parse."""
+    answer UNKNOWN (with a logged traceback) to bytes that do not parse. A message over `limit` (bytes, and
+    what sets them) is not parsed at all."""
+    max_bytes, what = limit
 
     def deserialize(data: bytes) -> Any:
+        if len(data) > max_bytes:
+            return _Undecodable(
+                f"a {type_name} of {len(data)} bytes; this server reads at most {max_bytes} ({what})"
+            )
         try:
             return parse(data)
         except Exception as e:  # any parse failure is the client's bad bytes
@@ -229,11 +253,10 @@ class _LenientRegistry:
     """Stands for the grpc server while a generated `add_*Servicer_to_server` registers its handlers, and
     registers them on the real server with `_lenient` deserializers."""
 
-    def __init__(self, server: grpc.aio.Server):
-        self.server = server
+    def __init__(self, server: grpc.aio.Server, limit: tuple[int, str]):
+        self.server, self.limit = server, limit
 
-    @staticmethod
-    def _mend(handlers: dict[str, grpc.RpcMethodHandler]) -> dict[str, grpc.RpcMethodHandler]:
+    def _mend(self, handlers: dict[str, grpc.RpcMethodHandler]) -> dict[str, grpc.RpcMethodHandler]:
         mended = {}
         for name, h in handlers.items():
             kind = "unary_stream" if h.response_streaming else "unary_unary"
@@ -242,7 +265,7 @@ class _LenientRegistry:
             parse = h.request_deserializer
             type_name = getattr(parse, "__qualname__", "the request").removesuffix(".FromString")
             mended[name] = h._replace(
-                request_deserializer=_lenient(parse, type_name),
+                request_deserializer=_lenient(parse, type_name, self.limit),
                 **{kind: _refusing_undecodable(behavior)},
             )
         return mended
@@ -260,6 +283,6 @@ class _LenientRegistry:
 
 def add_servicers(engine: EngineClient, grpc_server: grpc.aio.Server) -> None:
     """Registers the Generation and Admin servicers over `engine` on `grpc_server`."""
-    registry = _LenientRegistry(grpc_server)
+    registry = _LenientRegistry(grpc_server, message_limit(engine.limits, engine.model))
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), registry)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(engine), registry)

@@ -68,6 +68,9 @@ class ModelInfo:
     thinks: bool = False
     """The chat template closes a think block and the vocabulary has both think tokens (DeepSeek-R1's
     format): `reasoning_parser: auto` splits reasoning from content for such a model."""
+    max_text_bytes: int | None = None
+    """Bytes of prompt text past which it cannot fit the context, whatever it says (`text_bytes_bound`);
+    None: no such bound is known for this tokenizer."""
 
     @classmethod
     def load(cls, model_dir: Path, name: str) -> ModelInfo:
@@ -80,20 +83,82 @@ class ModelInfo:
             and THINK_END in template.source
             and None not in (tokenizer.token_id(THINK_START), tokenizer.token_id(THINK_END))
         )
+        max_text_bytes = None
+        if tokenizer is not None:
+            spec = json.loads((model_dir / "tokenizer.json").read_text())
+            max_text_bytes = text_bytes_bound(spec, args.max_position_embeddings)
         return cls(
             name, args.vocab_size, args.max_position_embeddings, args.bos_token_id, defaults,
-            tokenizer, template, thinks,
+            tokenizer, template, thinks, max_text_bytes,
         )  # fmt: skip
 
 
-def check_prompt_bytes(text: str, router: RouterConfig, field: str) -> None:
-    """Raises InvalidRequestError for prompt text over router.max_prompt_bytes (checked before tokenizing)."""
-    num_bytes = len(text.encode("utf-8", "surrogatepass"))
+_KEEPING_PRE_TOKENIZERS = ("ByteLevel", "Split", "Sequence", "Digits", "Punctuation")
+"""Pre-tokenizers that split text without dropping any of it (Split unless its behavior is Removed)."""
+
+
+def text_bytes_bound(spec: dict, max_model_len: int) -> int | None:
+    """The most bytes of text that `max_model_len` tokens can cover, for a byte-level BPE tokenizer
+    (tokenizer.json's `spec`) that keeps every input byte in some token: no normalizer, byte-level
+    pre-tokenizing that drops nothing, no added token that strips the whitespace around it. Each token then
+    covers at most as many input bytes as its own text has in UTF-8 (a byte-level symbol is one input byte,
+    and at least one UTF-8 byte). None for any other tokenizer: its tokens may swallow unbounded input."""
+    if spec.get("normalizer") is not None or (spec.get("model") or {}).get("type") != "BPE":
+        return None
+    kinds, stack = [], [spec.get("pre_tokenizer") or {}]
+    while stack:
+        node = stack.pop()
+        kinds.append(node.get("type"))
+        if node.get("type") == "Split" and node.get("behavior") == "Removed":
+            return None
+        stack.extend(node.get("pretokenizers") or ())
+    if "ByteLevel" not in kinds or any(k not in _KEEPING_PRE_TOKENIZERS for k in kinds):
+        return None
+    added = spec.get("added_tokens") or ()
+    if any(t.get("lstrip") or t.get("rstrip") for t in added):
+        return None
+    texts = [*(spec["model"].get("vocab") or {}), *(t["content"] for t in added)]
+    return max_model_len * max(len(t.encode()) for t in texts)
+
+
+def prompt_bytes_limit(router: RouterConfig, model: ModelInfo) -> tuple[int, str]:
+    """The most bytes of prompt text worth reading, and what sets it: router.max_prompt_bytes, or less when
+    no longer text can fit the model's context (`ModelInfo.max_text_bytes`). Request bodies and messages are
+    sized from it, so that a prompt that cannot be served is refused before it is parsed."""
+    bound = model.max_text_bytes
+    if bound is not None and bound < router.max_prompt_bytes:
+        return bound, f"the most prompt text that fits the context of {model.max_model_len} tokens"
+    return router.max_prompt_bytes, "router.max_prompt_bytes"
+
+
+def check_prompt_bytes(
+    text: str, router: RouterConfig, field: str, model: ModelInfo | None = None
+) -> None:
+    """Raises InvalidRequestError for prompt text over router.max_prompt_bytes, or too long to fit `model`'s
+    context whatever its tokens (`ModelInfo.max_text_bytes`): checked before tokenizing, which costs a CPU
+    second per few MiB."""
+    # A character is 1 to 4 bytes of UTF-8: most texts are decided without encoding them (a few ms per MiB
+    # with the GIL held).
+    context_bound = None if model is None else model.max_text_bytes
+    bound = min(router.max_prompt_bytes, context_bound or router.max_prompt_bytes)
+    if 4 * len(text) <= bound:
+        return
+    if len(text) > bound:
+        num_bytes, size = len(text), f"at least {len(text)} bytes"
+    else:
+        num_bytes = len(text.encode("utf-8", "surrogatepass"))
+        size = f"{num_bytes} bytes"
     if num_bytes > router.max_prompt_bytes:
         raise InvalidRequestError(
             field,
-            f"{num_bytes} bytes of text; this server takes at most {router.max_prompt_bytes} "
+            f"{size} of text; this server takes at most {router.max_prompt_bytes} "
             "(router.max_prompt_bytes)",
+        )
+    if context_bound is not None and num_bytes > context_bound:
+        raise InvalidRequestError(
+            field,
+            f"{size} of text cannot fit the context of {model.max_model_len} tokens "
+            f"({model.name}'s tokens cover at most {context_bound // model.max_model_len} bytes each)",
         )
 
 
@@ -104,14 +169,15 @@ def _prompt_ids(
     if which is None:
         raise InvalidRequestError("prompt", "missing: set prompt (text) or prompt_token_ids")
     if which == "prompt":
-        if not request.prompt:
+        prompt = request.prompt  # each read builds a new str: a few ms per MiB
+        if not prompt:
             raise InvalidRequestError("prompt", "is empty")
         if model.tokenizer is None:
             raise InvalidRequestError(
                 "prompt", f"{model.name} has no tokenizer.json: send prompt_token_ids instead"
             )
-        check_prompt_bytes(request.prompt, router, "prompt")
-        return "prompt", model.tokenizer.encode(request.prompt)
+        check_prompt_bytes(prompt, router, "prompt", model)
+        return "prompt", model.tokenizer.encode(prompt)
     ids = list(request.prompt_token_ids.ids)
     check_token_ids(ids, model.vocab_size, "prompt_token_ids")
     return "prompt_token_ids", ids

@@ -18,11 +18,11 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
+from pdserve.kvtransfer.store import host_store
 from pdserve.model.errors import PdserveError
 
 from .dist_channel import DistPlanChannel
@@ -194,10 +194,8 @@ class RankGroup:
 
     def start(self) -> None:
         cfg = self.config
-        self._store = dist.TCPStore(
-            cfg.store_host, 0, cfg.world_size, True,
-            timeout=timedelta(seconds=cfg.join_timeout_s), wait_for_workers=False,
-        )  # fmt: skip
+        # on store_host alone (a plain TCPStore server listens on every interface)
+        self._store = host_store(cfg.store_host, 0, cfg.join_timeout_s, cfg.world_size)
         shm = None
         if cfg.channel == "shm":
             self.channel = ShmPlanChannel.create(

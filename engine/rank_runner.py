@@ -105,7 +105,7 @@ def make_rank_runner(
 
         config = KVTransferConfig(**kv["config"])
         name = rank_endpoint(kv["worker_id"], ctx.rank)
-        store = connect_store(config, is_master=False)
+        store = connect_store(config, is_master=False, secret=kv.get("store_secret", ""))
         endpoint = RankKVEndpoint(DistKVReceiver(config, store, name, runner.cache.data))
     return RankRunner(runner, choice, ctx.rank, endpoint)
 

@@ -27,10 +27,8 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from pdserve.model.errors import TransferError
 
@@ -51,24 +49,11 @@ from ._wire import (
 from .base import KVSender
 from .config import KVTransferConfig
 from .pages import check_pages, device_ids, gather_pages, in_run, run_breaks, run_view
+from .store import connect_store
 
 __all__ = ["DistKVReceiver", "DistKVSender", "SendProfile", "chunk_plan", "connect_store"]
 
 logger = logging.getLogger(__name__)
-
-
-def connect_store(config: KVTransferConfig, is_master: bool) -> dist.TCPStore:
-    """The shared store; exactly one process of the deployment hosts it (`is_master`), on a free port when
-    `store_port` is 0 (its `.port` then tells which); the others connect to the port it got."""
-    if not is_master and config.store_port == 0:
-        raise ValueError("store_port=0: a client must be given the port the hosting process got")
-    return dist.TCPStore(
-        config.store_host,
-        config.store_port,
-        is_master=is_master,
-        timeout=timedelta(seconds=config.connect_timeout_s),
-        wait_for_workers=False,
-    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -159,3 +159,18 @@ def test_ray_yamls_offer_each_node_s_gpus_and_label_nvl72_trays() -> None:
     assert [n["num_gpus"] for n in nodes] == [8, 8]
     spec = yaml.safe_load((RAY_YAMLS / "hgx-b200.yaml").read_text())
     assert 1 + len(spec["provider"]["worker_ips"]) >= _gpus(_config("hgx-b200x2-1p1d.yaml")) // 8
+
+
+def test_ray_yamls_start_ray_with_token_authentication() -> None:
+    """Every `ray start` runs with RAY_AUTH_MODE=token, every node gets the token, and `pdserve` (run through
+    `ray exec`) finds the mode in its shell."""
+    for path in sorted(RAY_YAMLS.glob("*.yaml")):
+        spec = yaml.safe_load(path.read_text())
+        commands = spec["head_start_ray_commands"] + spec["worker_start_ray_commands"]
+        starts = [c for c in commands if "ray start" in c]
+        assert starts, path.name
+        for command in starts:
+            before = command[: command.index("ray start")]
+            assert "export RAY_AUTH_MODE=token;" in before, (path.name, command)
+        assert spec["file_mounts"].get("~/.ray/auth_token") == "~/.ray/auth_token", path.name
+        assert any("export RAY_AUTH_MODE=token" in c for c in spec["setup_commands"]), path.name
