@@ -165,7 +165,11 @@ class Worker:
         return StepOutcome(outputs, [])
 
     def _warm_up(
-        self, prefill_tokens: int, decode_rows: int, decode_tokens: int, prefill_budget: int | None = None
+        self,
+        prefill_tokens: int,
+        decode_rows: int,
+        decode_tokens: int,
+        prefill_budget: int | None = None,
     ) -> None:
         """Runs `warm_up_plans` on every rank before the worker serves (GPU only: on the CPU nothing compiles).
         Raises RuntimeError naming the pass that failed."""
