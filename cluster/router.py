@@ -36,6 +36,8 @@ from pdserve.engine.checks import check_pages
 from pdserve.engine.messages import (
     RANK_GROUP_FAILED,
     DecodeRequest,
+    FirstTokenLogprobs,
+    PrefillEvents,
     PrefillFailure,
     PrefillRequest,
     RequestOutput,
@@ -100,8 +102,22 @@ class Request:
     moved_at: float | None = None
     """time.monotonic() of its latest move, until its next token arrives."""
     finish_reason: str | None = None
+    first_logprobs: FirstTokenLogprobs | None = None
+    """The prefill worker's log-probabilities of this submission's first token, until that token arrives."""
+    held: RequestOutput | None = None
+    """D's outputs from the first token on, held (not yet sent, not in `generated`) until P's log-probabilities
+    of that token arrive; dropped when the submission ends otherwise (the tokens come again, the same, from
+    wherever the request goes next)."""
     touched: set[WorkerHandle] = dataclasses.field(default_factory=set)
     calls: set[asyncio.Future] = dataclasses.field(default_factory=set)
+
+
+def _joined(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one."""
+    logprobs = None if a.logprobs is None else [*a.logprobs, *(b.logprobs or [])]
+    return RequestOutput(
+        a.request_id, [*a.token_ids, *b.token_ids], b.finish_reason, b.error, logprobs=logprobs
+    )
 
 
 class Router:
@@ -192,6 +208,12 @@ class Router:
             event = await self._next_event(r)
             if getattr(event, "request_id", r.request_id) != r.request_id:
                 continue  # from a submission that migrated away
+            if isinstance(event, FirstTokenLogprobs | RequestOutput):
+                event = self._with_first_logprobs(r, event)
+                if event is None:
+                    continue
+            else:
+                r.held = None
             if isinstance(event, _Shutdown):
                 r.finish_reason, r.finished_at = FinishReason.ABORT, time.monotonic()
                 self._detach(r)
@@ -207,11 +229,13 @@ class Router:
                 await self._failed(r, r.prefill, event.error, force)
                 continue
             if event.preempted:
+                r.held = None
                 r.num_preemptions += 1
                 self._detach(r)
                 await self._place(r, force)
                 continue
             if event.finish_reason == FinishReason.ABORT:
+                r.held = None
                 error = f"{r.decode_worker}: {event.error or 'request aborted'}"
                 await self._failed(r, r.decode, error, force)
                 continue
@@ -231,6 +255,32 @@ class Router:
                 self._detach(r)
             if event.token_ids or event.finish_reason is not None:
                 return event
+
+    @staticmethod
+    def _with_first_logprobs(
+        r: Request, event: FirstTokenLogprobs | RequestOutput
+    ) -> RequestOutput | None:
+        """D's output ready to relay, its first token's log-probabilities (sampled by P, reported by P) filled
+        in, or None while they have not come: D's outputs are held until then."""
+        if isinstance(event, FirstTokenLogprobs):
+            if event.step != len(r.generated):
+                return None  # of a placement that ended before its first token was sent
+            r.first_logprobs = event
+            if r.held is None:
+                return None
+            event, r.held = r.held, None
+        elif event.preempted or event.finish_reason == FinishReason.ABORT:
+            return event  # ends this submission: next_tokens drops what it held
+        elif r.held is not None:
+            r.held = _joined(r.held, event)
+            return None
+        if not event.logprobs or event.logprobs[0] is not None:
+            return event
+        if r.first_logprobs is None:
+            r.held = event
+            return None
+        first, r.first_logprobs = r.first_logprobs.logprobs, None
+        return dataclasses.replace(event, logprobs=[first, *event.logprobs[1:]])
 
     def close(self, r: Request) -> None:
         """Forgets the request; unless it finished, aborts it on every worker it touched (in the background)."""
@@ -480,10 +530,11 @@ class Router:
             except ray.exceptions.RayError as e:
                 self.worker_lost(w, str(e).splitlines()[0])
                 return
-            for failure in messages.decode(list[PrefillFailure], data):
-                r = self.requests.get(failure.request_id)
+            events = messages.decode(PrefillEvents, data)
+            for event in [*events.failures, *events.first_logprobs]:
+                r = self.requests.get(event.request_id)
                 if r is not None and r.prefill is w:
-                    r.events.put_nowait(failure)
+                    r.events.put_nowait(event)
 
     def spawn(self, coro) -> None:
         task = asyncio.create_task(coro)

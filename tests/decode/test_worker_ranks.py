@@ -141,4 +141,4 @@ def test_disaggregated_requests_land_on_their_ranks_and_give_the_offline_tokens(
         prefill.close()
         decode.close()
     assert got == offline(model)
-    assert prefill.poll_events() == [] and prefill.stats().pages_used == 0
+    assert prefill.poll_events().empty and prefill.stats().pages_used == 0

@@ -259,12 +259,12 @@ def test_budget_and_chunks():
         ("a", 0, 6, False), ("b", 0, 3, True), ("c", 0, 1, False),
     ]  # fmt: skip
     outcome = finish(s, plan, 77)
-    assert [(r.request_id, t) for r, t in outcome.to_send] == [("b", 77)] and outcome.outputs == []
+    assert [(r.request_id, t) for r, t, _ in outcome.to_send] == [("b", 77)] and outcome.outputs == []
     assert s.requests["b"].state is RequestState.SENDING
     plan, _ = s.schedule()
     assert chunks(plan) == [("a", 6, 3), ("c", 1, 4)]
     assert plan.ranks[0].prefill[1].token_ids == s.requests["c"].token_ids[1:]
-    assert [r.request_id for r, _ in finish(s, plan).to_send] == ["a", "c"]
+    assert [r.request_id for r, _, _ in finish(s, plan).to_send] == ["a", "c"]
     assert s.queued_tokens == 0 and s.allocator.num_used == 3 + 1 + 2
     for rid in "abc":
         s.release(rid)
