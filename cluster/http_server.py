@@ -274,7 +274,7 @@ class HttpFrontEnd:
         if text is None:
             tokenizer = self.engine.model.tokenizer
             if tokenizer is None:
-                text = f"token_id:{token_id}"
+                text = api.token_id_text(token_id)
             else:
                 text = tokenizer.decode([token_id], skip_special_tokens=False)
             if len(self._token_texts) < _TOKEN_TEXTS_KEPT:
@@ -285,11 +285,10 @@ class HttpFrontEnd:
         """A chunk's tokens' log-probabilities in the shape of the request's API (None where not asked)."""
         if chunk.logprobs is None:
             return None
+        token_text = api.token_id_text if req.tokens_as_ids else self._token_text
         if req.kind == api.CHAT:
-            return api.chat_logprobs(chunk.token_ids, chunk.logprobs, self._token_text)
-        return api.completion_logprobs(
-            chunk.token_ids, chunk.logprobs, self._token_text, text_offset
-        )
+            return api.chat_logprobs(chunk.token_ids, chunk.logprobs, token_text)
+        return api.completion_logprobs(chunk.token_ids, chunk.logprobs, token_text, text_offset)
 
     async def _generate(self, request: Request, kind: str) -> Response:
         engine = self.engine

@@ -41,7 +41,7 @@ _COMMON = {
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "stop", "stop_token_ids", "ignore_eos", "user", "logprobs", "n", "best_of", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "skip_special_tokens",
-    "prompt_logprobs",
+    "prompt_logprobs", "return_tokens_as_token_ids",
 }  # fmt: skip
 _KNOWN = {
     COMPLETIONS: _COMMON | {"prompt", "echo", "suffix"},
@@ -75,6 +75,9 @@ class OpenAIRequest:
     include_usage: bool
     n: int = 1
     """Choices asked for (checked against the server's limit by `validation.check_n`)."""
+    tokens_as_ids: bool = False
+    """Log-probabilities name tokens `token_id:N` rather than by their text (vLLM's
+    `return_tokens_as_token_ids`)."""
 
 
 def _is_int(value) -> bool:
@@ -270,6 +273,8 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
         kind, model, prompt_text, prompt_ids, messages, add_generation_prompt, template_kwargs,
         sampling, _stop_strings(body), max_tokens_field, stream, include_usage,
         1 if n is None else n,
+        _optional(body, "return_tokens_as_token_ids", lambda v: isinstance(v, bool), "true or false")
+        or False,
     )  # fmt: skip
 
 
@@ -363,6 +368,11 @@ def usage_chunk(head: ResponseHead, kind: str, usage_: dict) -> dict:
 
 
 # Log-probabilities. A token's text is what the front end's `token_text` makes of its id.
+
+
+def token_id_text(token_id: int) -> str:
+    """A token named by its id (`return_tokens_as_token_ids`, or a model without a tokenizer)."""
+    return f"token_id:{token_id}"
 
 
 def _token_entry(text: str, logprob: float) -> dict:
