@@ -31,7 +31,7 @@ from pdserve.cluster.validation import (
     sampling_params,
 )
 from pdserve.model.errors import CapacityError, InvalidRequestError
-from pdserve.model.tokenizer import CHAT_TOKENS, THINK_END, Tokenizer
+from pdserve.model.tokenizer import CHAT_TOKENS, EOS_TOKEN, THINK_END, Tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello"}],
@@ -247,6 +247,19 @@ def test_sampling_limits_name_the_parameter(model_dir, given, field, words):
         check_n(17, RouterConfig(), "n")
     assert e.value.field == "n" and "limit of 16 (router.max_n)" in str(e.value)
     check_n(2, RouterConfig(max_n=2), "n")
+
+
+def test_skip_special_tokens_decides_whether_the_text_shows_them(model_dir):
+    tokenizer = Tokenizer(model_dir)
+    ids = [*tokenizer.encode("a cat", add_bos=False), tokenizer.eos_id, 1 + tokenizer.eos_id]
+
+    def text(**kwargs) -> str:
+        stream = TextStream(tokenizer, [tokenizer.bos_id], **kwargs)
+        return stream.push(ids[:2])[0] + stream.push(ids[2:])[0] + stream.finish()[0]
+
+    assert EOS_TOKEN not in text() and text() == tokenizer.decode(ids)
+    shown = text(skip_special_tokens=False)
+    assert shown == tokenizer.decode(ids, skip_special_tokens=False) and EOS_TOKEN in shown
 
 
 def _stream(tokenizer, ids, stop, sizes) -> tuple[str, bool]:
