@@ -4,9 +4,11 @@
 For each request: reserve pages on a D (tried in order of most free pages, then fewest requests; requests wait
 in FIFO order while none has room, up to admission_timeout_s), submit the prompt to the P with the fewest queued
 prompt tokens together with D's transfer id (no P: D prefills itself), then stream D's outputs. One long-poll per
-worker brings back D's output batches and P's failures. A request that ends any other way than finishing (client
-cancel, deadline, failure) is aborted on every worker it touched, after its calls in flight have landed, so its
-pages are freed on both sides.
+worker brings back D's output batches and P's failures (and the log-probabilities of the first tokens P sampled
+for requests that asked: D's outputs of such a request are held until P's report of its first token arrives,
+which P sends before the KV). A request that ends any other way than finishing (client cancel, deadline,
+failure) is aborted on every worker it touched, after its calls in flight have landed, so its pages are freed on
+both sides.
 
 Inside the system a request is keyed by an id this router makes, unique per submission (`Request.request_id`);
 the client's own `request_id` is only echoed back (`Request.client_id`). So a client that cancels and at once

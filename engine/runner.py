@@ -16,7 +16,7 @@ from pdserve.model.deepseek import Transformer
 from pdserve.model.kv_cache import KVCacheLayout, PagedKVCache, capacity_pages, resolve_cache_dtype
 
 from .cuda_graphs import DecodeGraphs
-from .sampler import sample
+from .sampler import PenaltyCounts, sample
 from .sampling_params import TokenLogprobs
 from .step import DecodeRow, PrefillRow, RankResult, StepPlan, max_pages, prefill_tokens
 
@@ -43,6 +43,8 @@ class ModelRunner:
         self.graphs = (
             DecodeGraphs(model, self.cache, scratch_page=num_pages) if use_graphs else None
         )
+        self.penalty_counts = PenaltyCounts()
+        """The penalties' counts of the requests this runner samples (kept between steps)."""
 
     @classmethod
     def sized(
@@ -125,6 +127,9 @@ class ModelRunner:
                     except Exception as e:  # as above
                         logger.error("decode pass failed", exc_info=True)
                         result = dataclasses.replace(result, decode_error=str(e))
+        if len(self.penalty_counts):  # the requests not in this step are gone from this runner
+            sampled = [r.request_id for r in step.prefill if r.sample is not None]
+            self.penalty_counts.keep({*sampled, *(r.request_id for r in step.decode)})
         return result
 
     @property
@@ -158,7 +163,9 @@ class ModelRunner:
         out_logprobs: list[TokenLogprobs | None] = []
         if sampled:
             logits = self.model.compute_logits(hidden[batch.logits_indices[sampled]])
-            tokens, logprobs = sample(logits, [rows[i].sample for i in sampled])
+            specs = [rows[i].sample for i in sampled]
+            request_ids = [rows[i].request_id for i in sampled]
+            tokens, logprobs = sample(logits, specs, request_ids, self.penalty_counts)
             for i, t in zip(sampled, tokens, strict=True):
                 out[i] = t
             if logprobs is not None:
@@ -178,5 +185,6 @@ class ModelRunner:
             logits = self.graphs.logits(batch, key)
         else:
             logits = self.model.compute_logits(self.model(batch, self.cache))
-        tokens, logprobs = sample(logits, [r.sample for r in rows])
+        specs, request_ids = [r.sample for r in rows], [r.request_id for r in rows]
+        tokens, logprobs = sample(logits, specs, request_ids, self.penalty_counts)
         return tokens, logprobs or []

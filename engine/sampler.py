@@ -39,26 +39,68 @@ def sample_tokens(
     return ids.tolist()
 
 
-def penalize(logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
-    """One row's logits [V] with `spec`'s penalties and bans applied (a new fp32 tensor): the repetition penalty
-    (Hugging Face's: positive logits divided by it, negative ones multiplied, over every token of
-    `penalty_ids`), then the frequency and presence penalties (OpenAI's: minus frequency x count and presence x
-    [count > 0], over the generated tokens, the last `step` of `penalty_ids`), then banned tokens at -inf."""
-    out = logits.float().clone()
-    ids = torch.tensor(spec.penalty_ids, dtype=torch.long).to(out.device, non_blocking=True)
-    if spec.repetition_penalty != 1 and len(spec.penalty_ids):
-        seen = torch.zeros_like(out, dtype=torch.bool).index_fill_(0, ids, True)
-        r = spec.repetition_penalty
-        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
-    if (spec.frequency_penalty or spec.presence_penalty) and spec.step:
+class PenaltyCounts:
+    """What the penalties count for each penalized request a runner samples, kept from step to step: the tokens
+    it has generated ([V] counts) and, with a repetition penalty, every token of its sequence ([V] flags). A
+    request's counts start from the sequence its row carries (`SampleSpec.penalty_ids`) and go on with each
+    token sampled for it here. The scheduler plans every running request every step, so a request missing
+    from a step's rows is gone from this runner (finished, aborted or preempted): `keep` drops its counts, and
+    a request that comes back carries its sequence again."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def penalize(self, request_id: str, spec: SampleSpec, logits: torch.Tensor) -> torch.Tensor:
+        """One row's logits [V] with the request's penalties applied (a new fp32 tensor): the repetition
+        penalty (Hugging Face's: positive logits divided by it, negative ones multiplied, over every token of
+        the sequence), then the frequency and presence penalties (OpenAI's: minus frequency x count and presence
+        x [count > 0], over the generated tokens). Raises RuntimeError for a request whose counts were never
+        given here (the pass fails, and with it the request)."""
+        out = logits.float().clone()
+        if spec.penalty_ids is not None:
+            self._start(request_id, spec, out)
+        state = self._counts.get(request_id)
+        if state is None:
+            raise RuntimeError(f"request {request_id}: no penalty counts on this runner")
+        counts, seen = state  # [V], [V] or None
+        if seen is not None:
+            r = spec.repetition_penalty
+            out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+        return out - spec.frequency_penalty * counts - spec.presence_penalty * (counts > 0).float()
+
+    def sampled(self, request_id: str, token: int) -> None:
+        """Counts the token just sampled for a request with counts here."""
+        state = self._counts.get(request_id)
+        if state is not None:
+            counts, seen = state
+            counts[token] += 1
+            if seen is not None:
+                seen[token] = True
+
+    def keep(self, request_ids: set[str]) -> None:
+        """Drops the counts of every request not in `request_ids` (a step's rows)."""
+        for request_id in [r for r in self._counts if r not in request_ids]:
+            del self._counts[request_id]
+
+    def _start(self, request_id: str, spec: SampleSpec, like: torch.Tensor) -> None:
+        ids = torch.tensor(spec.penalty_ids, dtype=torch.long).to(like.device, non_blocking=True)
         generated = ids[max(0, len(spec.penalty_ids) - spec.step) :]
-        ones = torch.ones_like(generated, dtype=out.dtype)
-        counts = torch.zeros_like(out).index_add_(0, generated, ones)  # [V]
-        out = out - spec.frequency_penalty * counts - spec.presence_penalty * (counts > 0).float()
-    if spec.banned_ids:
-        banned = torch.tensor(spec.banned_ids, dtype=torch.long).to(out.device, non_blocking=True)
-        out = out.index_fill(0, banned, float("-inf"))
-    return out
+        counts = torch.zeros_like(like).index_add_(
+            0, generated, torch.ones_like(generated, dtype=like.dtype)
+        )
+        seen = None
+        if spec.repetition_penalty != 1:
+            seen = torch.zeros_like(like, dtype=torch.bool).index_fill_(0, ids, True)
+        self._counts[request_id] = (counts, seen)
+
+
+def ban(logits: torch.Tensor, banned_ids: Sequence[int]) -> torch.Tensor:
+    """One row's logits [V] with `banned_ids` at -inf."""
+    banned = torch.tensor(banned_ids, dtype=torch.long).to(logits.device, non_blocking=True)
+    return logits.index_fill(0, banned, float("-inf"))
 
 
 def token_logprobs(
@@ -83,28 +125,31 @@ def token_logprobs(
 
 
 def sample(
-    logits: torch.Tensor, specs: Sequence[SampleSpec]
+    logits: torch.Tensor,
+    specs: Sequence[SampleSpec],
+    request_ids: Sequence[str] = (),
+    counts: PenaltyCounts | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
-    """logits: [B, V], the model's raw logits. Returns each row's token and, when any row asks for them, each
-    row's `token_logprobs` (None otherwise)."""
+    """logits: [B, V], the model's raw logits; request_ids: each row's request, and counts: the runner's
+    `PenaltyCounts` (the sampled tokens are counted in; without it, penalized rows must carry their sequence
+    and nothing is kept). Returns each
+    row's token and, when any row asks for them, each row's `token_logprobs` (None otherwise)."""
     if all(s.plain for s in specs):
         return sample_tokens(logits, specs, [s.step for s in specs]), None
-    rows = [i for i, s in enumerate(specs) if not s.plain and _changes_logits(s)]
-    penalized = logits
-    if rows:
-        penalized = logits.float().clone()
-        for i in rows:
-            penalized[i] = penalize(logits[i], specs[i])
-    tokens = sample_tokens(penalized, specs, [s.step for s in specs])
+    penalized = [i for i, s in enumerate(specs) if s.penalized]
+    banned = [i for i, s in enumerate(specs) if s.banned_ids]
+    if penalized and counts is None:  # counted for this call alone: every row carries its sequence
+        counts, request_ids = PenaltyCounts(), [str(i) for i in range(len(specs))]
+    adjusted = logits
+    if penalized or banned:
+        adjusted = logits.float().clone()
+        for i in penalized:
+            adjusted[i] = counts.penalize(request_ids[i], specs[i], logits[i])
+        for i in banned:
+            adjusted[i] = ban(adjusted[i], specs[i].banned_ids)
+    tokens = sample_tokens(adjusted, specs, [s.step for s in specs])
+    for i in penalized:
+        counts.sampled(request_ids[i], tokens[i])
     if all(s.logprobs == NO_LOGPROBS for s in specs):
         return tokens, None
     return tokens, token_logprobs(logits, tokens, specs)
-
-
-def _changes_logits(spec: SampleSpec) -> bool:
-    return bool(spec.penalty_ids or spec.banned_ids) and (
-        spec.repetition_penalty != 1
-        or spec.frequency_penalty != 0
-        or spec.presence_penalty != 0
-        or bool(spec.banned_ids)
-    )

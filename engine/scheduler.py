@@ -312,9 +312,14 @@ class Scheduler:
         return plan, outputs
 
     def _sample_spec(self, request: Request) -> SampleSpec:
-        return SampleSpec.of(
-            request.params, request.num_generated, request.token_ids, self.eos_token_ids
-        )
+        """Its next row's sampling; the first since it came here (or was preempted) carries its sequence for
+        the penalties, which the runner counts on from then on."""
+        spec = SampleSpec.of(
+            request.params, request.num_generated, request.token_ids, self.eos_token_ids,
+            request.counted,
+        )  # fmt: skip
+        request.counted = request.params.penalized
+        return spec
 
     def _rank_step(
         self, prefill: Sequence[tuple[Request, int, int]], decode: Sequence[Request]
@@ -364,6 +369,7 @@ class Scheduler:
         self.allocators[request.rank].free(request.pages)
         request.pages = []
         request.num_computed = 0
+        request.counted = False
         if request.policy is Policy.DECODE_ONLY:
             self._release(request, RequestState.ABORTED)
             return [RequestOutput(request.request_id, [], preempted=True)]

@@ -67,25 +67,25 @@ class SampleSpec:
     repetition_penalty: float = 1.0
     logprobs: int = NO_LOGPROBS
     """Alternatives to report with the sampled token's log-probability; NO_LOGPROBS: none."""
-    penalty_ids: tuple[int, ...] = ()
-    """The tokens the penalties count, in order, ending with the request's `step` generated tokens: those alone,
-    or with a repetition penalty the whole sequence (prompt first); empty without penalties."""
+    penalty_ids: tuple[int, ...] | None = None
+    """For a penalized request, its whole sequence so far (prompt, then its `step` generated tokens) on the row
+    where the runner starts counting its penalties (the first that samples it on this worker: its prefill's last
+    chunk, its first decode row after its KV arrived, or after a preemption); None on later rows, where the
+    runner goes on from the counts it keeps with the tokens it sampled (`sampler.PenaltyCounts`). So a request
+    pays for its sequence once, not every step."""
     banned_ids: tuple[int, ...] = ()
     """Tokens that must not be sampled: the end-of-sequence and stop tokens while `step` < min_tokens."""
 
     @classmethod
     def of(
         cls, params: SamplingParams, step: int, token_ids: Sequence[int] = (),
-        eos_token_ids: Collection[int] = (),
+        eos_token_ids: Collection[int] = (), counted: bool = False,
     ) -> SampleSpec:  # fmt: skip
         """params should carry a seed (SamplingParams.with_seed); an unset one samples as seed 0. token_ids: the
-        request's tokens (prompt, then its `step` generated ones), read only for penalties; eos_token_ids: what
-        min_tokens holds back besides the request's stop tokens (unless it ignores EOS)."""
-        penalty_ids: tuple[int, ...] = ()
-        if params.repetition_penalty != 1:
-            penalty_ids = tuple(token_ids)
-        elif params.penalized and step:
-            penalty_ids = tuple(token_ids[-step:])
+        request's tokens (prompt, then its `step` generated ones), sent for penalties unless `counted` (the
+        runner counts them already); eos_token_ids: what min_tokens holds back besides the request's stop
+        tokens (unless it ignores EOS)."""
+        penalty_ids = tuple(token_ids) if params.penalized and not counted else None
         banned_ids: tuple[int, ...] = ()
         if step < params.min_tokens:
             eos = () if params.ignore_eos else eos_token_ids
@@ -97,13 +97,17 @@ class SampleSpec:
         )  # fmt: skip
 
     @property
+    def penalized(self) -> bool:
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+    @property
     def plain(self) -> bool:
         """No penalty, ban or log-probabilities: the sampling kernel alone samples it."""
-        return (
-            self.logprobs == NO_LOGPROBS and not self.penalty_ids and not self.banned_ids
-            and self.presence_penalty == 0 and self.frequency_penalty == 0
-            and self.repetition_penalty == 1
-        )  # fmt: skip
+        return self.logprobs == NO_LOGPROBS and not self.banned_ids and not self.penalized
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -184,6 +188,8 @@ _PAGE_ID_TYPES = {dtype.itemsize: dtype for dtype in (_U16, _I32)}
 its item size."""
 _NO_TOKEN = -1
 """A prefill row's token in a result's int32 array where the row sampled none (token ids are >= 0)."""
+_NO_IDS = -1
+"""A sample's penalty id count on the wire where its `penalty_ids` is None."""
 _PREFILL_FIELDS = attrgetter("request_id", "token_ids", "start", "page_ids", "sample")
 _DECODE_FIELDS = attrgetter("request_id", "token_id", "position", "page_ids", "sample")
 _SAMPLE_FIELDS = attrgetter("temperature", "top_p", "min_p", "top_k", "seed", "step")
@@ -218,15 +224,16 @@ def _split(flat: np.ndarray, counts: np.ndarray) -> list[list[int]]:
 def _samples_to_wire(samples: Sequence[SampleSpec]) -> list:
     """float64 [3, samples] (temperature, top_p, min_p), int64 [3, samples] (top_k, seed, step), and None
     unless some sample has a penalty, a ban or asks for log-probabilities: then [float64 [3, samples]
-    (presence, frequency and repetition penalties), int64 [samples] (logprobs), int32 [2, samples] (penalty and
-    banned id counts), int32 ids (each sample's penalty ids then its banned ids)]. Plain samples (most) pay
-    nothing for the rest."""
+    (presence, frequency and repetition penalties), int64 [samples] (logprobs), int32 [2, samples] (penalty id
+    counts, -1 for None, and banned id counts), int32 ids (each sample's penalty ids then its banned ids)].
+    Plain samples (most) pay nothing for the rest."""
     if not samples:
         return [b"", b"", None]
     n = len(samples)
     temperature, top_p, min_p, top_k, seed, step = zip(*map(_SAMPLE_FIELDS, samples), strict=True)
     extras = None
     if not all(s.plain for s in samples):
+        ids = [chain(s.penalty_ids or (), s.banned_ids) for s in samples]
         extras = [
             _pack_known("d", 3 * n, chain(
                 (s.presence_penalty for s in samples), (s.frequency_penalty for s in samples),
@@ -234,9 +241,10 @@ def _samples_to_wire(samples: Sequence[SampleSpec]) -> list:
             )),
             _pack_known("q", n, (s.logprobs for s in samples)),
             _pack_known("i", 2 * n, chain(
-                (len(s.penalty_ids) for s in samples), (len(s.banned_ids) for s in samples)
+                (_NO_IDS if s.penalty_ids is None else len(s.penalty_ids) for s in samples),
+                (len(s.banned_ids) for s in samples),
             )),
-            _pack(chain.from_iterable(chain(s.penalty_ids, s.banned_ids) for s in samples), _I32),
+            _pack(chain.from_iterable(ids), _I32),
         ]  # fmt: skip
     return [
         _pack_known("d", 3 * n, chain(temperature, top_p, min_p)),
@@ -256,13 +264,15 @@ def _samples_from_wire(
         penalties = _array(penalties, _F64, 3 * n, f"{what} penalties").reshape(3, n)
         logprobs = _array(logprobs, _I64, n, f"{what} logprobs")
         counts = _array(counts, _I32, 2 * n, f"{what} penalty counts").reshape(2, n)
-        ids = _array(ids, _I32, int(counts.sum()), f"{what} penalty ids").tolist()
+        ids = _array(ids, _I32, int(counts.clip(min=0).sum()), f"{what} penalty ids").tolist()
         rows, at = [], 0
         for p, f, r, k, num_penalty, num_banned in zip(
             *penalties.tolist(), logprobs.tolist(), *counts.tolist(), strict=True
         ):
-            mid, end = at + num_penalty, at + num_penalty + num_banned
-            rows.append((p, f, r, k, tuple(ids[at:mid]), tuple(ids[mid:end])))
+            mid = at + max(num_penalty, 0)
+            end = mid + num_banned
+            penalty_ids = None if num_penalty == _NO_IDS else tuple(ids[at:mid])
+            rows.append((p, f, r, k, penalty_ids, tuple(ids[mid:end])))
             at = end
     return (
         _array(floats, _F64, 3 * n, f"{what} sampling floats").reshape(3, n),

@@ -26,7 +26,17 @@ PAGE = 4
 PROMPTS = [list(range(5, 5 + n)) for n in (3, 11, 6)]
 PARAMS = [
     SamplingParams(max_tokens=6, ignore_eos=True, seed=1),
-    SamplingParams(max_tokens=9, temperature=0.9, top_k=40, seed=2),
+    # penalties, min_tokens and logprobs travel in the plan and the results (also to and from other ranks)
+    SamplingParams(
+        max_tokens=9,
+        temperature=0.9,
+        top_k=40,
+        seed=2,
+        repetition_penalty=1.2,
+        presence_penalty=0.5,
+        min_tokens=3,
+        logprobs=2,
+    ),  # fmt: skip
     SamplingParams(max_tokens=5, ignore_eos=True, seed=3),
 ]
 
@@ -50,6 +60,13 @@ def drain(decode: DecodeWorker, ids: list[str], prefill: PrefillWorker | None = 
         decode.step()
         for out in decode.poll_outputs():
             assert out.error is None, out.error
+            if (
+                out.logprobs is not None
+            ):  # the first token's are None when a prefill worker sampled it
+                assert len(out.logprobs) == len(out.token_ids)
+                later = out.logprobs[1:] if not tokens[out.request_id] else out.logprobs
+                assert all(len(lp.top_ids) == 2 for lp in later if lp is not None)
+                assert prefill is not None or None not in out.logprobs
             tokens[out.request_id] += out.token_ids
             if out.finish_reason is not None:
                 reasons[out.request_id] = out.finish_reason
@@ -96,7 +113,8 @@ def test_disaggregated_requests_give_the_offline_tokens(model):
     finally:
         prefill.close()
     assert decode.stats().pages_used == 0 and prefill.stats().pages_used == 0
-    assert prefill.poll_events().empty
+    events = prefill.poll_events()  # the first token's log-probabilities of the request that asked
+    assert not events.failures and [e.request_id for e in events.first_logprobs] == ["r1"]
 
 
 class DirectModel:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.sampler import penalize, sample, sample_tokens
+from pdserve.engine.sampler import PenaltyCounts, ban, sample, sample_tokens
 from pdserve.engine.sampling_params import FinishReason, SamplingParams, check_stop, derive_seed
 from pdserve.engine.step import SampleSpec
 from pdserve.model.errors import InvalidRequestError
@@ -94,7 +94,25 @@ def test_penalties_equal_the_formulas_on_fixed_logits():
         expected = reference_penalties(
             logits, prompt, generated, presence, frequency, repetition, banned=(1, 40)
         )
-        torch.testing.assert_close(penalize(logits, spec), expected, rtol=1e-6, atol=1e-6)
+        got = ban(PenaltyCounts().penalize("a", spec, logits), spec.banned_ids)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_penalty_counts_go_on_with_the_sampled_tokens_and_are_dropped_when_a_request_leaves():
+    torch.manual_seed(6)
+    logits = torch.randn(64) * 4
+    prompt, generated = [0, 5, 9], [12, 30]
+    params = SamplingParams(presence_penalty=0.3, frequency_penalty=0.4, repetition_penalty=1.2)
+    counts = PenaltyCounts()
+    counts.penalize("a", SampleSpec.of(params, 1, prompt + generated[:1]), logits)
+    counts.sampled("a", generated[1])  # the runner counts what it sampled
+    later = SampleSpec.of(params, 2, prompt + generated, counted=True)
+    assert later.penalty_ids is None
+    expected = reference_penalties(logits, prompt, generated, 0.3, 0.4, 1.2)
+    torch.testing.assert_close(counts.penalize("a", later, logits), expected, rtol=1e-6, atol=1e-6)
+    counts.keep({"b"})
+    with pytest.raises(RuntimeError, match="request a: no penalty counts"):
+        counts.penalize("a", later, logits)
 
 
 def test_penalized_greedy_picks_the_reference_s_argmax_whatever_the_batch():
@@ -102,7 +120,7 @@ def test_penalized_greedy_picks_the_reference_s_argmax_whatever_the_batch():
     logits = torch.randn(3, 100)
     top = logits[0].argmax().item()
     params = SamplingParams(max_tokens=8, frequency_penalty=2.0, presence_penalty=2.0)
-    spec = SampleSpec.of(params, 2, [0, 1, top, top], eos_token_ids=())
+    spec = SampleSpec.of(params, 2, [0, 1, top, top], eos_token_ids=())  # carries its sequence
     expected = reference_penalties(logits[0], [0, 1], [top, top], 2.0, 2.0, 1.0).argmax().item()
     assert expected != top  # the penalty moves the greedy choice
     others = [SampleSpec.of(SamplingParams(temperature=0.8, seed=s), 0) for s in (1, 2)]

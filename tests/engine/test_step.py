@@ -275,8 +275,8 @@ def test_penalties_bans_and_logprobs_round_trip_only_where_asked():
     tokens = [0, 40, 41, 42, 43, 44]
     full = SampleSpec.of(params, 2, tokens, eos_token_ids={1})
     assert full.penalty_ids == tuple(tokens) and full.banned_ids == (1, 5, 17)
-    generated_only = SampleSpec.of(SamplingParams(frequency_penalty=1.0), 2, tokens, {1})
-    assert generated_only.penalty_ids == (43, 44) and generated_only.banned_ids == ()
+    counted = SampleSpec.of(SamplingParams(frequency_penalty=1.0), 2, tokens, {1}, counted=True)
+    assert counted.penalty_ids is None and counted.banned_ids == () and counted.penalized
     past_min = SampleSpec.of(dataclasses.replace(params, ignore_eos=True), 3, tokens, {1})
     assert past_min.banned_ids == (5, 17)
     assert SampleSpec.of(params, 4, tokens, {1}).banned_ids == ()
@@ -284,11 +284,12 @@ def test_penalties_bans_and_logprobs_round_trip_only_where_asked():
     assert plain.plain and plain.logprobs == NO_LOGPROBS and not full.plain
     plan = StepPlan(3, [RankStep(
         [PrefillRow("a", [1, 2], 0, [0], full), PrefillRow("b", [3], 0, [1], None)],
-        [DecodeRow("c", 5, 9, [2], plain), DecodeRow("d", 6, 7, [3], generated_only)],
+        [DecodeRow("c", 5, 9, [2], plain), DecodeRow("d", 6, 7, [3], counted)],
     ), RankStep([], [DecodeRow("e", 1, 1, [4], plain)])])  # fmt: skip
     got = over_the_wire(plan)
     assert got == plan
-    assert got.ranks[0].decode[1].sample.penalty_ids == (43, 44)
+    assert got.ranks[0].prefill[0].sample.penalty_ids == tuple(tokens)
+    assert got.ranks[0].decode[1].sample.penalty_ids is None
     assert got.ranks[1].decode.sample_extras is None  # a pass of plain samples has no extras
 
 
