@@ -56,12 +56,12 @@ def reference(reference_model):
 
 
 @pytest.fixture(scope="session")
-def reference_logprobs(reference_model):
-    """For (prompt, generated tokens): the log-softmax [len(tokens), V] of the model's raw logits at each
-    generated token's position, from one forward of the model over prompt + tokens on a fresh cache."""
+def reference_logits(reference_model):
+    """For (prompt, generated tokens): the model's raw logits [len(tokens) + 1, V] at each generated token's
+    position and the next, from one forward of the model over prompt + tokens on a fresh cache."""
     model = reference_model
 
-    def logprobs(prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    def logits(prompt: list[int], tokens: list[int]) -> torch.Tensor:
         ids = [*prompt, *tokens]
         page_size = 64
         num_pages = pages_needed(len(ids), page_size)
@@ -69,10 +69,9 @@ def reference_logprobs(reference_model):
         chunk = SeqChunk(ids, 0, list(range(num_pages)))
         with torch.inference_mode():
             hidden = model(build_forward_batch([chunk], page_size, "cpu", decode=False), cache)
-            logits = model.compute_logits(hidden[len(prompt) - 1 : len(ids) - 1])  # [T, V]
-        return torch.log_softmax(logits.float(), dim=-1)
+            return model.compute_logits(hidden[len(prompt) - 1 :]).float()  # [T + 1, V]
 
-    return logprobs
+    return logits
 
 
 def serve_config(model_dir, **sections):

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
@@ -269,7 +270,7 @@ def token_id(text: str) -> int:
 
 
 def test_logprobs_are_the_model_s_log_softmax_whole_and_streamed(
-    server, api, reference, reference_logprobs, tokenizer, chat_ids
+    server, api, reference, reference_logits, tokenizer, chat_ids
 ):
     # sampled, whole: the first token comes from the prefill worker, the others from the decode worker
     prompt = [0, *range(100, 130)]
@@ -280,7 +281,7 @@ def test_logprobs_are_the_model_s_log_softmax_whole_and_streamed(
     (choice,) = reply.choices
     tokens = [token_id(t) for t in choice.logprobs.tokens]
     assert choice.text == tokenizer.decode(tokens) and len(tokens) == 4
-    expected = reference_logprobs(prompt, tokens)  # [4, V]
+    expected = torch.log_softmax(reference_logits(prompt, tokens), -1)  # [5, V]
     for i, token in enumerate(tokens):
         assert choice.logprobs.token_logprobs[i] == pytest.approx(
             expected[i, token].item(), abs=1e-4
@@ -300,12 +301,37 @@ def test_logprobs_are_the_model_s_log_softmax_whole_and_streamed(
     prompt = chat_ids(messages)
     tokens = [token_id(e.token) for e in entries]
     assert tokens == reference(prompt, 4)
-    expected = reference_logprobs(prompt, tokens)
+    expected = torch.log_softmax(reference_logits(prompt, tokens), -1)
     for i, e in enumerate(entries):
         assert e.logprob == pytest.approx(expected[i, tokens[i]].item(), abs=1e-4)
         values, ids = expected[i].topk(2)
         assert [token_id(t.token) for t in e.top_logprobs] == ids.tolist()
         assert [t.logprob for t in e.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
+
+
+def test_penalized_greedy_equals_the_formula_on_the_model_s_logits(server, api, reference_logits):
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    # a negative presence penalty draws the output back to its own tokens, the frequency penalty away again
+    penalties = {"presence_penalty": -2.0, "frequency_penalty": 1.0}
+    expected: list[int] = []
+    moved = 0  # steps where the penalties change the greedy choice
+    for _ in range(6):
+        logits = reference_logits(prompt, expected)[-1]  # [V]
+        # Hugging Face's repetition penalty over prompt + output, then OpenAI's over the output
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[prompt + expected] = True
+        penalized = torch.where(seen, torch.where(logits > 0, logits / 0.8, logits * 0.8), logits)
+        counts = torch.bincount(torch.tensor(expected, dtype=torch.long), minlength=logits.numel())
+        penalized = penalized - 1.0 * counts + 2.0 * (counts > 0).float()
+        expected.append(int(penalized.argmax()))
+        moved += expected[-1] != int(logits.argmax())
+    assert moved > 0
+    reply = api.completions.create(
+        model=model_name(server), prompt=prompt, max_tokens=6, temperature=0, **penalties,
+        extra_body={"ignore_eos": True, "repetition_penalty": 0.8, "return_tokens_as_token_ids": True},
+        logprobs=0,
+    )  # fmt: skip
+    assert [token_id(t) for t in reply.choices[0].logprobs.tokens] == expected
 
 
 def test_n_choices_are_seeded_reproducible_and_streamed_by_index(server, api, grpc_client):
