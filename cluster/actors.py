@@ -201,9 +201,10 @@ class PrefillShell(_WorkerShell):
         return self._call(lambda: self.worker.peer_lost(decode_worker))
 
     def poll_events(self, timeout_s: float) -> bytes:
-        """Failures since the last call; waits up to timeout_s for the first (the router's long-poll)."""
+        """Failures and first tokens' log-probabilities since the last call (`PrefillEvents`); waits up to
+        timeout_s for the first (the router's long-poll)."""
         deadline = time.monotonic() + timeout_s
-        while not (events := self.worker.poll_events()) and time.monotonic() < deadline:
+        while (events := self.worker.poll_events()).empty and time.monotonic() < deadline:
             time.sleep(_POLL_EVENTS_S)
         return messages.encode(events)
 

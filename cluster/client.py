@@ -25,7 +25,10 @@ def generate_request(
     prompt: str | Sequence[int], *, request_id: str = "", max_tokens: int | None = None,
     temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
     min_p: float | None = None, seed: int | None = None, stop_token_ids: Sequence[int] = (),
-    ignore_eos: bool = False, stop: Sequence[str] = (),
+    ignore_eos: bool = False, stop: Sequence[str] = (), presence_penalty: float | None = None,
+    frequency_penalty: float | None = None, repetition_penalty: float | None = None,
+    min_tokens: int | None = None, logprobs: int | None = None,
+    skip_special_tokens: bool | None = None, n: int | None = None,
 ) -> generation_pb2.GenerateRequest:  # fmt: skip
     """A GenerateRequest; None leaves a sampling field unset (the model's or the server's default)."""
     sp = generation_pb2.SamplingParams(
@@ -33,7 +36,10 @@ def generate_request(
     )
     for name, value in (
         ("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
-        ("top_k", top_k), ("min_p", min_p), ("seed", seed),
+        ("top_k", top_k), ("min_p", min_p), ("seed", seed), ("presence_penalty", presence_penalty),
+        ("frequency_penalty", frequency_penalty), ("repetition_penalty", repetition_penalty),
+        ("min_tokens", min_tokens), ("logprobs", logprobs),
+        ("skip_special_tokens", skip_special_tokens), ("n", n),
     ):  # fmt: skip
         if value is not None:
             setattr(sp, name, value)

@@ -156,6 +156,11 @@ class RouterConfig:
     """max_tokens of a request that does not set it."""
     max_tokens_limit: int | None = None
     """Largest max_tokens accepted; None: the model's context length."""
+    max_logprobs: int = 20
+    """Most log-probability alternatives a request may ask for per token (OpenAI's top_logprobs, the
+    completions API's logprobs, gRPC's sampling_params.logprobs)."""
+    max_n: int = 16
+    """Most choices (`n`) one request may ask for; each is a request of its own on the workers."""
     admission_timeout_s: float = 30.0
     """Longest a request waits for room on a decode worker before RESOURCE_EXHAUSTED."""
     max_queued_requests: int = 4096
@@ -202,6 +207,10 @@ class RouterConfig:
             raise ValueError(f"default_max_tokens={self.default_max_tokens}: must be >= 1")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ValueError(f"max_tokens_limit={self.max_tokens_limit}: must be >= 1")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs={self.max_logprobs}: must be >= 0")
+        if self.max_n < 1:
+            raise ValueError(f"max_n={self.max_n}: must be >= 1")
         if self.migration_limit < 0 or self.max_restarts < 0:
             raise ValueError(
                 f"migration_limit={self.migration_limit}, max_restarts={self.max_restarts}: "

@@ -8,12 +8,18 @@ generation closed before its last chunk is aborted on every worker it touched, s
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from typing import TYPE_CHECKING
 
 from pdserve.engine.messages import DecodeStats, PrefillStats
-from pdserve.engine.sampling_params import FinishReason, SamplingParams
+from pdserve.engine.sampling_params import (
+    FinishReason,
+    SamplingParams,
+    TokenLogprobs,
+    derive_seed,
+)
 from pdserve.model.errors import PdserveError
 
 from . import metrics
@@ -58,6 +64,10 @@ class Chunk:
     """Why an abort happened."""
     timings: Timings | None = None
     """On the last chunk."""
+    index: int = 0
+    """The choice it belongs to (`Choices`; 0 for a request of one choice)."""
+    logprobs: list[TokenLogprobs] | None = None
+    """Where the request asked for them: one per token of `token_ids`."""
 
 
 def _timings(r: Request, finished_at: float | None) -> Timings:
@@ -82,8 +92,10 @@ class Generation:
 
     def __init__(
         self, router: Router, request: Request, text: TextStream | None,
-        request_metrics: metrics.RequestMetrics,
+        request_metrics: metrics.RequestMetrics, index: int = 0,
     ):  # fmt: skip
+        """index: which choice of its request it is (its chunks say so)."""
+        self.index = index
         self._router = router
         self._request = request
         self._text = text
@@ -145,6 +157,8 @@ class Generation:
             finish_reason=finish_reason,
             error=(out.error or "") if last else "",
             timings=timings,
+            index=self.index,
+            logprobs=None if out.logprobs is None else list(out.logprobs),
         )
 
     def cancel(self) -> None:
@@ -155,6 +169,65 @@ class Generation:
             self._router.close(self._request)
 
     async def __aenter__(self) -> Generation:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.cancel()
+
+
+class Choices:
+    """The `n` generations of one request (choice i is `generations[i]`, each sampled with its own seed).
+    Iterate it for their chunks as they come (each names its `index`; each choice ends with its own last chunk);
+    a failure of any choice raises and cancels them all. Close it with `cancel` or `async with`: every choice
+    not finished is aborted on its workers."""
+
+    def __init__(self, generations: list[Generation]):
+        self.generations = generations
+        self._pending: dict[int, asyncio.Future] = {}
+        self._started = False
+
+    @property
+    def request_id(self) -> str:
+        """The router's id of the first choice (logs)."""
+        return self.generations[0].request_id
+
+    def __aiter__(self) -> Choices:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if len(self.generations) == 1:  # no task per chunk for the common case
+            return await anext(self.generations[0])
+        if not self._started:
+            self._started = True
+            for g in self.generations:
+                self._pending[g.index] = asyncio.ensure_future(anext(g))
+        while self._pending:
+            done, _ = await asyncio.wait(
+                self._pending.values(), return_when=asyncio.FIRST_COMPLETED
+            )
+            index = min(i for i, f in self._pending.items() if f in done)  # the lowest first
+            future = self._pending.pop(index)
+            try:
+                chunk = future.result()
+            except StopAsyncIteration:
+                continue
+            except BaseException:
+                self.cancel()
+                raise
+            if chunk.finish_reason is None:
+                self._pending[index] = asyncio.ensure_future(anext(self.generations[index]))
+            return chunk
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        """Ends every choice (idempotent): unless finished, each is aborted on every worker it touched."""
+        for future in self._pending.values():
+            future.cancel()
+        self._pending.clear()
+        for g in self.generations:
+            g.cancel()
+
+    async def __aenter__(self) -> Choices:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -254,11 +327,35 @@ class EngineClient:
         start when it is first iterated. `deadline` is the loop's time() by which it must finish, or None.
         `client_id` is only echoed."""
         self.check_ready()
+        return self._submit(client_id, prompt_ids, params, deadline, stop, 0)
+
+    def _submit(
+        self, client_id: str, prompt_ids: list[int], params: SamplingParams, deadline: float | None,
+        stop: tuple[str, ...], index: int,
+    ) -> Generation:  # fmt: skip
         router = self._server.router
         tokenizer = self.model.tokenizer
-        text = TextStream(tokenizer, prompt_ids, stop) if tokenizer is not None else None
+        text = None
+        if tokenizer is not None:
+            text = TextStream(tokenizer, prompt_ids, stop, params.skip_special_tokens)
         request = router.open(client_id, prompt_ids, params, deadline)
-        return Generation(router, request, text, metrics.RequestMetrics(self.metrics))
+        return Generation(router, request, text, metrics.RequestMetrics(self.metrics), index)
+
+    def submit_choices(
+        self, client_id: str, prompt_ids: list[int], params: SamplingParams, deadline: float | None,
+        stop: tuple[str, ...] = (), n: int = 1,
+    ) -> Choices:  # fmt: skip
+        """`submit` for `n` choices (checked: `validation.check_n`): n requests on the workers, choice i
+        seeded `derive_seed(params.seed, i)`, so a seeded request gives the same choices every time."""
+        self.check_ready()
+        seed = params.with_seed().seed
+        return Choices([
+            self._submit(
+                client_id, prompt_ids, dataclasses.replace(params, seed=derive_seed(seed, i)),
+                deadline, stop, i,
+            )
+            for i in range(n)
+        ])  # fmt: skip
 
     def metrics_exposition(self) -> tuple[bytes, str]:
         """The metrics in Prometheus' text format, and its content type."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -32,11 +33,12 @@ from pdserve.engine.sampling_params import FinishReason
 from pdserve.model.errors import InvalidRequestError, PdserveError
 
 from . import openai_api as api
-from .engine_client import Chunk, EngineClient, Generation
+from .engine_client import Choices, Chunk, EngineClient
 from .errors import NotFoundError, UnavailableError, http_error_for
 from .reasoning import ReasoningSplitter, split_reasoning
 from .security import Credentials, require_key
 from .validation import (
+    check_n,
     check_prompt_bytes,
     check_stop_strings,
     prompt_bytes_limit,
@@ -48,6 +50,8 @@ logger = logging.getLogger(__name__)
 _PARSE_IN_THREAD_BYTES = 64 << 10
 """Bodies larger than this are decoded from JSON in a worker thread."""
 _STARTUP_TIMEOUT_S = 10.0
+_TOKEN_TEXTS_KEPT = 1 << 18
+"""Token texts remembered for log-probabilities (a vocabulary's worth: DeepSeek-V3 has 129,280 tokens)."""
 
 
 def _version() -> str:
@@ -143,6 +147,7 @@ class HttpFrontEnd:
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             ]
         self.app = require_key(Starlette(routes=routes), credentials or Credentials(), self._error)
+        self._token_texts: dict[int, str] = {}
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
 
@@ -276,6 +281,28 @@ class HttpFrontEnd:
         check_prompt_len(len(ids), model.max_model_len, field)
         return ids
 
+    def _token_text(self, token_id: int) -> str:
+        """A token's own text, as log-probabilities name it (`token_id:N` for a model without a tokenizer)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            tokenizer = self.engine.model.tokenizer
+            if tokenizer is None:
+                text = api.token_id_text(token_id)
+            else:
+                text = tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._token_texts) < _TOKEN_TEXTS_KEPT:
+                self._token_texts[token_id] = text
+        return text
+
+    def _logprobs(self, req: api.OpenAIRequest, chunk: Chunk, text_offset: int) -> dict | None:
+        """A chunk's tokens' log-probabilities in the shape of the request's API (None where not asked)."""
+        if chunk.logprobs is None:
+            return None
+        token_text = api.token_id_text if req.tokens_as_ids else self._token_text
+        if req.kind == api.CHAT:
+            return api.chat_logprobs(chunk.token_ids, chunk.logprobs, token_text)
+        return api.completion_logprobs(chunk.token_ids, chunk.logprobs, token_text, text_offset)
+
     async def _generate(self, request: Request, kind: str) -> Response:
         engine = self.engine
         try:
@@ -286,13 +313,14 @@ class HttpFrontEnd:
                     f"model {req.model!r:.100} is not served here (this server serves {engine.model.name!r}; "
                     "see /v1/models)"
                 )
+            check_n(req.n, engine.limits, "n")
             prompt_ids = await asyncio.to_thread(self._tokenize, req)
             params = sampling_params(
                 req.sampling, len(prompt_ids), engine.model, engine.limits, "", req.max_tokens_field
             )
             head = api.ResponseHead(api.new_id(kind), engine.model.name)
             stop = check_stop_strings(req.stop, engine.model, "stop")
-            generation = engine.submit(head.id, prompt_ids, params, None, stop)
+            generation = engine.submit_choices(head.id, prompt_ids, params, None, stop, req.n)
         except Exception as e:  # process boundary
             return self._error(e, f"{kind} request")
         try:
@@ -320,53 +348,84 @@ class HttpFrontEnd:
             generation.cancel()
 
     async def _whole(
-        self, req: api.OpenAIRequest, head: api.ResponseHead, generation: Generation, first: Chunk,
+        self, req: api.OpenAIRequest, head: api.ResponseHead, generation: Choices, first: Chunk,
         reasoning: bool,
     ) -> Response:  # fmt: skip
-        pieces, chunk = [first.text], first
-        while chunk.finish_reason is None:
+        pieces: list[list[str]] = [[] for _ in range(req.n)]
+        token_ids: list[list[int]] = [[] for _ in range(req.n)]
+        logprobs: list[list] = [[] for _ in range(req.n)]
+        last: list[Chunk | None] = [None] * req.n
+        chunk = first
+        while True:
+            i = chunk.index
+            pieces[i].append(chunk.text)
+            token_ids[i] += chunk.token_ids
+            logprobs[i] += chunk.logprobs or []
+            if chunk.finish_reason is not None:
+                last[i] = chunk
+                if all(c is not None for c in last):
+                    break
             chunk = await _next(generation)
-            pieces.append(chunk.text)
-        text = "".join(pieces)
-        usage = api.usage(chunk.num_prompt_tokens, chunk.num_generated_tokens)
+        usage = api.usage(last[0].num_prompt_tokens, sum(c.num_generated_tokens for c in last))
+        choices = []
+        for i, c in enumerate(last):
+            text = "".join(pieces[i])
+            whole = dataclasses.replace(
+                c, token_ids=token_ids[i], logprobs=logprobs[i] if c.logprobs is not None else None
+            )
+            lp = self._logprobs(req, whole, 0)
+            if req.kind == api.COMPLETIONS:
+                choices.append(api.completion_choice(text, c.finish_reason, i, lp))
+                continue
+            if reasoning:
+                thought, content = split_reasoning(text)
+                message = api.chat_message(content, thought)
+            else:
+                message = api.chat_message(text, None)
+            choices.append(api.chat_choice(message, c.finish_reason, i, lp))
         if req.kind == api.COMPLETIONS:
-            return JSONResponse(api.completion(head, text, chunk.finish_reason, usage=usage))
-        if reasoning:
-            thought, content = split_reasoning(text)
-            message = api.chat_message(content, thought)
-        else:
-            message = api.chat_message(text, None)
-        return JSONResponse(api.chat_completion(head, message, chunk.finish_reason, usage))
+            return JSONResponse(api.completions(head, choices, usage=usage))
+        return JSONResponse(api.chat_completion(head, choices, usage))
 
     async def _events(
-        self, req: api.OpenAIRequest, head: api.ResponseHead, generation: Generation, first: Chunk,
+        self, req: api.OpenAIRequest, head: api.ResponseHead, generation: Choices, first: Chunk,
         reasoning: bool,
     ) -> AsyncIterator[bytes]:  # fmt: skip
         chat = req.kind == api.CHAT
         extra = {"usage": None} if req.include_usage else {}
-        splitter = ReasoningSplitter() if reasoning else None
+        splitters = [ReasoningSplitter() if reasoning else None for _ in range(req.n)]
+        offsets = [0] * req.n  # characters of each choice's text sent so far
+        last: list[Chunk | None] = [None] * req.n
         try:
             if chat:
                 role = {"role": "assistant", "content": ""}
-                yield _sse(api.chat_chunk(head, role, None, **extra))
+                for i in range(req.n):
+                    yield _sse(api.chat_chunk(head, role, None, i, **extra))
             chunk = first
             while True:
-                last, delta = chunk.finish_reason is not None, chunk.text
+                i, done, delta = chunk.index, chunk.finish_reason is not None, chunk.text
+                logprobs = self._logprobs(req, chunk, offsets[i])
+                offsets[i] += len(delta)
                 if chat:
-                    if body := _chat_delta(splitter, delta, last):
-                        yield _sse(api.chat_chunk(head, body, None, **extra))
-                elif delta:
-                    yield _sse(api.completion(head, delta, None, **extra))
-                if last:
-                    break
+                    body = _chat_delta(splitters[i], delta, done)
+                    if body or logprobs is not None:
+                        yield _sse(api.chat_chunk(head, body, None, i, logprobs, **extra))
+                elif delta or logprobs is not None:
+                    yield _sse(api.completion(head, delta, None, i, logprobs, **extra))
+                if done:
+                    last[i] = chunk
+                    if chat:
+                        yield _sse(api.chat_chunk(head, {}, chunk.finish_reason, i, **extra))
+                    else:
+                        yield _sse(api.completion(head, "", chunk.finish_reason, i, **extra))
+                    if all(c is not None for c in last):
+                        break
                 chunk = await _next(generation)
-            if chat:
-                yield _sse(api.chat_chunk(head, {}, chunk.finish_reason, **extra))
-            else:
-                yield _sse(api.completion(head, "", chunk.finish_reason, **extra))
             if req.include_usage:
-                usage = api.usage(chunk.num_prompt_tokens, chunk.num_generated_tokens)
-                yield _sse(api.usage_chunk(head, req.kind, usage))
+                generated = sum(c.num_generated_tokens for c in last)
+                yield _sse(
+                    api.usage_chunk(head, req.kind, api.usage(chunk.num_prompt_tokens, generated))
+                )
         except (
             Exception
         ) as e:  # process boundary: the status line is sent, so the error is an event
@@ -394,7 +453,7 @@ def _chat_delta(splitter: ReasoningSplitter | None, text: str, last: bool) -> di
     return body
 
 
-async def _next(generation: Generation) -> Chunk:
+async def _next(generation: Choices) -> Chunk:
     """The next chunk; an abort (the server shutting down) is an error here."""
     chunk = await anext(generation)
     if chunk.finish_reason == FinishReason.ABORT:

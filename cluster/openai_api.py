@@ -1,9 +1,9 @@
 """OpenAI's request and response shapes for /v1/completions and /v1/chat/completions: a JSON body -> an
 `OpenAIRequest` (its prompt, untokenized, and its sampling fields), and the response and stream-chunk objects.
 
-Every parameter a client may send is either used, accepted only at the value that asks for nothing (`n: 1`,
-`presence_penalty: 0`, `logprobs: false`, ...), or refused with InvalidRequestError naming it: a parameter the
-engine cannot honour is never silently dropped. Sampling values go to `validation.sampling_params`, the checks
+Every parameter a client may send is either used, accepted only at the value that asks for nothing
+(`best_of: 1`, `echo: false`, `logit_bias: {}`, ...), or refused with InvalidRequestError naming it: a parameter
+the engine cannot honour is never silently dropped. Sampling values go to `validation.sampling_params`, the checks
 the gRPC API uses. Pure Python: no I/O, no event loop."""
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import dataclasses
 import math
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
+from pdserve.engine.sampling_params import TokenLogprobs
 from pdserve.model.errors import InvalidRequestError
 
 from .validation import SamplingRequest
@@ -23,14 +25,8 @@ COMPLETIONS, CHAT = "completions", "chat"
 _UNSUPPORTED_HINT = "not supported by this server yet"
 # Parameters accepted only at the value (or values) that asks for nothing; anything else is refused by name.
 _INERT: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
     "best_of": (None, 1),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "min_tokens": (None, 0),
     "logit_bias": (None, {}),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -38,7 +34,6 @@ _INERT: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (None,),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "skip_special_tokens": (None, True),
     "continue_final_message": (None, False),
     "prompt_logprobs": (None,),
 }
@@ -46,7 +41,7 @@ _COMMON = {
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "stop", "stop_token_ids", "ignore_eos", "user", "logprobs", "n", "best_of", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "skip_special_tokens",
-    "prompt_logprobs",
+    "prompt_logprobs", "return_tokens_as_token_ids",
 }  # fmt: skip
 _KNOWN = {
     COMPLETIONS: _COMMON | {"prompt", "echo", "suffix"},
@@ -78,6 +73,11 @@ class OpenAIRequest:
     """The parameter max_tokens came from (errors about it name this one)."""
     stream: bool
     include_usage: bool
+    n: int = 1
+    """Choices asked for (checked against the server's limit by `validation.check_n`)."""
+    tokens_as_ids: bool = False
+    """Log-probabilities name tokens `token_id:N` rather than by their text (vLLM's
+    `return_tokens_as_token_ids`)."""
 
 
 def _is_int(value) -> bool:
@@ -115,11 +115,17 @@ def _check_inert(body: dict) -> None:
             raise InvalidRequestError(name, f"{body[name]!r:.80} is {_UNSUPPORTED_HINT}")
 
 
-def _check_logprobs(body: dict, kind: str) -> None:
-    value = body.get("logprobs")
-    if value is None or value is False or (kind == COMPLETIONS and value == 0 and _is_int(value)):
-        return
-    raise InvalidRequestError("logprobs", f"{value!r:.80} is {_UNSUPPORTED_HINT}")
+def _logprobs(body: dict, kind: str) -> tuple[int | None, str]:
+    """The alternatives per token the request asks log-probabilities for (None: no log-probabilities), and the
+    parameter that set it: the completions API's `logprobs` (an integer), or the chat API's `logprobs` (true
+    or false) with `top_logprobs` (an integer, needing `logprobs: true`)."""
+    if kind == COMPLETIONS:
+        return _optional(body, "logprobs", _is_int, "an integer"), "logprobs"
+    wanted = _optional(body, "logprobs", lambda v: isinstance(v, bool), "true or false")
+    top = _optional(body, "top_logprobs", _is_int, "an integer")
+    if top is not None and not wanted:
+        raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+    return ((top or 0) if wanted else None), "top_logprobs"
 
 
 def _stop_strings(body: dict) -> list[str]:
@@ -198,7 +204,7 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
         if name not in _KNOWN[kind]:
             raise InvalidRequestError(name, "unknown parameter")
     _check_inert(body)
-    _check_logprobs(body, kind)
+    logprobs, logprobs_field = _logprobs(body, kind)
     model = _optional(body, "model", lambda v: isinstance(v, str), "a string")
     stream = _optional(body, "stream", lambda v: isinstance(v, bool), "true or false") or False
     options = _optional(body, "stream_options", lambda v: isinstance(v, dict), "an object")
@@ -238,7 +244,17 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
         ),
         ignore_eos=_optional(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false")
         or False,
+        presence_penalty=_optional(body, "presence_penalty", _is_number, "a number"),
+        frequency_penalty=_optional(body, "frequency_penalty", _is_number, "a number"),
+        repetition_penalty=_optional(body, "repetition_penalty", _is_number, "a number"),
+        min_tokens=_optional(body, "min_tokens", _is_int, "an integer"),
+        logprobs=logprobs,
+        skip_special_tokens=_optional(
+            body, "skip_special_tokens", lambda v: isinstance(v, bool), "true or false"
+        ),
+        logprobs_field=logprobs_field,
     )
+    n = _optional(body, "n", _is_int, "an integer")
     prompt_text = prompt_ids = messages = None
     add_generation_prompt, template_kwargs = True, {}
     if kind == COMPLETIONS:
@@ -256,6 +272,9 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
     return OpenAIRequest(
         kind, model, prompt_text, prompt_ids, messages, add_generation_prompt, template_kwargs,
         sampling, _stop_strings(body), max_tokens_field, stream, include_usage,
+        1 if n is None else n,
+        _optional(body, "return_tokens_as_token_ids", lambda v: isinstance(v, bool), "true or false")
+        or False,
     )  # fmt: skip
 
 
@@ -288,13 +307,27 @@ class ResponseHead:
         return {**head, "choices": choices, **fields}
 
 
-def _choice(finish_reason: str | None, **fields) -> dict:
-    return {"index": 0, **fields, "logprobs": None, "finish_reason": finish_reason}
+def _choice(finish_reason: str | None, index: int, logprobs: dict | None, **fields) -> dict:
+    return {"index": index, **fields, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def completion(head: ResponseHead, text: str, finish_reason: str | None, **fields) -> dict:
-    """A whole completion (give `usage=`) or one chunk of a stream."""
-    return head.wrap("text_completion", [_choice(finish_reason, text=text)], **fields)
+def completion_choice(
+    text: str, finish_reason: str | None, index: int = 0, logprobs: dict | None = None
+) -> dict:
+    return _choice(finish_reason, index, logprobs, text=text)
+
+
+def completion(
+    head: ResponseHead, text: str, finish_reason: str | None, index: int = 0,
+    logprobs: dict | None = None, **fields,
+) -> dict:  # fmt: skip
+    """One chunk of a stream (or a whole completion of one choice: give `usage=`)."""
+    return completions(head, [completion_choice(text, finish_reason, index, logprobs)], **fields)
+
+
+def completions(head: ResponseHead, choices: list[dict], **fields) -> dict:
+    """A whole completion of `completion_choice`s (give `usage=`)."""
+    return head.wrap("text_completion", choices, **fields)
 
 
 def chat_message(content: str, reasoning: str | None) -> dict:
@@ -307,12 +340,24 @@ def chat_message(content: str, reasoning: str | None) -> dict:
     return message
 
 
-def chat_completion(head: ResponseHead, message: dict, finish_reason: str, usage_: dict) -> dict:
-    return head.wrap("chat.completion", [_choice(finish_reason, message=message)], usage=usage_)
+def chat_choice(
+    message: dict, finish_reason: str, index: int = 0, logprobs: dict | None = None
+) -> dict:
+    return _choice(finish_reason, index, logprobs, message=message)
 
 
-def chat_chunk(head: ResponseHead, delta: dict, finish_reason: str | None, **fields) -> dict:
-    return head.wrap("chat.completion.chunk", [_choice(finish_reason, delta=delta)], **fields)
+def chat_completion(head: ResponseHead, choices: list[dict], usage_: dict) -> dict:
+    """A whole chat completion of `chat_choice`s."""
+    return head.wrap("chat.completion", choices, usage=usage_)
+
+
+def chat_chunk(
+    head: ResponseHead, delta: dict, finish_reason: str | None, index: int = 0,
+    logprobs: dict | None = None, **fields,
+) -> dict:  # fmt: skip
+    return head.wrap(
+        "chat.completion.chunk", [_choice(finish_reason, index, logprobs, delta=delta)], **fields
+    )
 
 
 def usage_chunk(head: ResponseHead, kind: str, usage_: dict) -> dict:
@@ -320,3 +365,56 @@ def usage_chunk(head: ResponseHead, kind: str, usage_: dict) -> dict:
     return head.wrap(
         "chat.completion.chunk" if kind == CHAT else "text_completion", [], usage=usage_
     )
+
+
+# Log-probabilities. A token's text is what the front end's `token_text` makes of its id.
+
+
+def token_id_text(token_id: int) -> str:
+    """A token named by its id (`return_tokens_as_token_ids`, or a model without a tokenizer)."""
+    return f"token_id:{token_id}"
+
+
+def _token_entry(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+
+def chat_logprobs(
+    token_ids: list[int], logprobs: list[TokenLogprobs], token_text: Callable[[int], str]
+) -> dict:
+    """The chat API's `logprobs` of a choice (or a chunk): per token its text, log-probability, UTF-8 bytes
+    and its `top_logprobs` (the alternatives asked for, most likely first)."""
+    content = []
+    for token, lp in zip(token_ids, logprobs, strict=True):
+        entry = _token_entry(token_text(token), lp.logprob)
+        entry["top_logprobs"] = [
+            _token_entry(token_text(t), v) for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
+        ]
+        content.append(entry)
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(
+    token_ids: list[int], logprobs: list[TokenLogprobs], token_text: Callable[[int], str],
+    text_offset: int,
+) -> dict:  # fmt: skip
+    """The completions API's `logprobs` of a choice (or a chunk): tokens, token_logprobs, top_logprobs (per
+    token a map of the alternatives' texts, the sampled token's included, to their log-probabilities) and
+    text_offset (where each token's text starts in the choice's text, from `text_offset` on)."""
+    texts = [token_text(t) for t in token_ids]
+    offsets, at = [], text_offset
+    for text in texts:
+        offsets.append(at)
+        at += len(text)
+    top = []
+    for token, text, lp in zip(token_ids, texts, logprobs, strict=True):
+        alternatives = {token_text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
+        if token not in lp.top_ids:
+            alternatives[text] = lp.logprob
+        top.append(alternatives)
+    return {
+        "tokens": texts,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }

@@ -4,9 +4,11 @@
 For each request: reserve pages on a D (tried in order of most free pages, then fewest requests; requests wait
 in FIFO order while none has room, up to admission_timeout_s), submit the prompt to the P with the fewest queued
 prompt tokens together with D's transfer id (no P: D prefills itself), then stream D's outputs. One long-poll per
-worker brings back D's output batches and P's failures. A request that ends any other way than finishing (client
-cancel, deadline, failure) is aborted on every worker it touched, after its calls in flight have landed, so its
-pages are freed on both sides.
+worker brings back D's output batches and P's failures (and the log-probabilities of the first tokens P sampled
+for requests that asked: D's outputs of such a request are held until P's report of its first token arrives,
+which P sends before the KV). A request that ends any other way than finishing (client cancel, deadline,
+failure) is aborted on every worker it touched, after its calls in flight have landed, so its pages are freed on
+both sides.
 
 Inside the system a request is keyed by an id this router makes, unique per submission (`Request.request_id`);
 the client's own `request_id` is only echoed back (`Request.client_id`). So a client that cancels and at once
@@ -36,6 +38,8 @@ from pdserve.engine.checks import check_pages
 from pdserve.engine.messages import (
     RANK_GROUP_FAILED,
     DecodeRequest,
+    FirstTokenLogprobs,
+    PrefillEvents,
     PrefillFailure,
     PrefillRequest,
     RequestOutput,
@@ -100,10 +104,24 @@ class Request:
     moved_at: float | None = None
     """time.monotonic() of its latest move, until its next token arrives."""
     finish_reason: str | None = None
+    first_logprobs: FirstTokenLogprobs | None = None
+    """The prefill worker's log-probabilities of this submission's first token, until that token arrives."""
+    held: RequestOutput | None = None
+    """D's outputs from the first token on, held (not yet sent, not in `generated`) until P's log-probabilities
+    of that token arrive; dropped when the submission ends otherwise (the tokens come again, the same, from
+    wherever the request goes next)."""
     touched: set[WorkerHandle] = dataclasses.field(default_factory=set)
-    held: object = None
+    pending: object = None
     """An event taken off `events` while merging outputs (`Router._coalesce`), handled next."""
     calls: set[asyncio.Future] = dataclasses.field(default_factory=set)
+
+
+def _joined(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one."""
+    logprobs = None if a.logprobs is None else [*a.logprobs, *(b.logprobs or [])]
+    return RequestOutput(
+        a.request_id, [*a.token_ids, *b.token_ids], b.finish_reason, b.error, logprobs=logprobs
+    )
 
 
 class Router:
@@ -194,6 +212,12 @@ class Router:
             event = await self._next_event(r)
             if getattr(event, "request_id", r.request_id) != r.request_id:
                 continue  # from a submission that migrated away
+            if isinstance(event, FirstTokenLogprobs | RequestOutput):
+                event = self._with_first_logprobs(r, event)
+                if event is None:
+                    continue
+            else:
+                r.held = None
             if isinstance(event, _Shutdown):
                 r.finish_reason, r.finished_at = FinishReason.ABORT, time.monotonic()
                 self._detach(r)
@@ -209,11 +233,13 @@ class Router:
                 await self._failed(r, r.prefill, event.error, force)
                 continue
             if event.preempted:
+                r.held = None
                 r.num_preemptions += 1
                 self._detach(r)
                 await self._place(r, force)
                 continue
             if event.finish_reason == FinishReason.ABORT:
+                r.held = None
                 error = f"{r.decode_worker}: {event.error or 'request aborted'}"
                 await self._failed(r, r.decode, error, force)
                 continue
@@ -240,9 +266,9 @@ class Router:
     def _coalesce(r: Request, event: RequestOutput) -> RequestOutput:
         """`event` with the outputs queued behind it merged in: a caller that fell behind the decode steps gets
         their tokens in one chunk rather than a backlog of chunks. Stops before any other kind of event (a
-        preemption, an abort, a failure), which `r.held` keeps for the next call."""
-        tokens, finish_reason = list(event.token_ids), None
-        while finish_reason is None and not r.events.empty():
+        preemption, an abort, a failure, a first token's log-probabilities), which `r.pending` keeps for the
+        next call."""
+        while event.finish_reason is None and not r.events.empty():
             more = r.events.get_nowait()
             if getattr(more, "request_id", r.request_id) != r.request_id:
                 continue  # from a submission that migrated away
@@ -251,11 +277,36 @@ class Router:
                 or more.preempted
                 or more.finish_reason == FinishReason.ABORT
             ):
-                r.held = more
+                r.pending = more
                 break
-            tokens += more.token_ids
-            finish_reason = more.finish_reason
-        return RequestOutput(r.request_id, tokens, finish_reason)
+            event = _joined(event, more)
+        return event
+
+    @staticmethod
+    def _with_first_logprobs(
+        r: Request, event: FirstTokenLogprobs | RequestOutput
+    ) -> RequestOutput | None:
+        """D's output ready to relay, its first token's log-probabilities (sampled by P, reported by P) filled
+        in, or None while they have not come: D's outputs are held until then."""
+        if isinstance(event, FirstTokenLogprobs):
+            if event.step != len(r.generated):
+                return None  # of a placement that ended before its first token was sent
+            r.first_logprobs = event
+            if r.held is None:
+                return None
+            event, r.held = r.held, None
+        elif event.preempted or event.finish_reason == FinishReason.ABORT:
+            return event  # ends this submission: next_tokens drops what it held
+        elif r.held is not None:
+            r.held = _joined(r.held, event)
+            return None
+        if not event.logprobs or event.logprobs[0] is not None:
+            return event
+        if r.first_logprobs is None:
+            r.held = event
+            return None
+        first, r.first_logprobs = r.first_logprobs.logprobs, None
+        return dataclasses.replace(event, logprobs=[first, *event.logprobs[1:]])
 
     def close(self, r: Request) -> None:
         """Forgets the request; unless it finished, aborts it on every worker it touched (in the background)."""
@@ -331,8 +382,8 @@ class Router:
                 logger.warning("abort of %s failed: %s", r.request_id, result)
 
     async def _next_event(self, r: Request):
-        if r.held is not None:
-            event, r.held = r.held, None
+        if r.pending is not None:
+            event, r.pending = r.pending, None
             return event
         timeout = None if r.deadline is None else r.deadline - asyncio.get_running_loop().time()
         try:
@@ -508,10 +559,11 @@ class Router:
             except ray.exceptions.RayError as e:
                 self.worker_lost(w, str(e).splitlines()[0])
                 return
-            for failure in messages.decode(list[PrefillFailure], data):
-                r = self.requests.get(failure.request_id)
+            events = messages.decode(PrefillEvents, data)
+            for event in [*events.failures, *events.first_logprobs]:
+                r = self.requests.get(event.request_id)
                 if r is not None and r.prefill is w:
-                    r.events.put_nowait(failure)
+                    r.events.put_nowait(event)
 
     def spawn(self, coro) -> None:
         task = asyncio.create_task(coro)

@@ -19,13 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from pdserve.engine.sampling_params import TokenLogprobs
 from pdserve.model.errors import ConfigError, InvalidRequestError, PdserveError
 from pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 from .engine_client import EngineClient, ServerStatus, Timings, WorkerInfo
 from .errors import status_for
 from .pools import DECODE, PREFILL, ROLES
-from .validation import check_request_id, parse_request, prompt_bytes_limit
+from .validation import check_request_id, parse_request, prompt_bytes_limit, requested_n
 
 if TYPE_CHECKING:
     from .config import RouterConfig
@@ -70,6 +71,12 @@ def _timings(t: Timings) -> generation_pb2.Timings:
     )
 
 
+def _logprob(lp: TokenLogprobs) -> generation_pb2.TokenLogprob:
+    return generation_pb2.TokenLogprob(
+        logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs
+    )
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, engine: EngineClient):
         self.engine = engine
@@ -80,12 +87,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             engine.check_ready()
             check_request_id(request.request_id)
             # Tokenizing a long text takes CPU: off the loop, other streams keep flowing meanwhile.
+            n = requested_n(request, engine.limits)
             prompt_ids, params, stop = await asyncio.to_thread(
                 parse_request, request, engine.model, engine.limits
             )
             remaining = context.time_remaining()
             deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
-            generation = engine.submit(request.request_id, prompt_ids, params, deadline, stop)
+            generation = engine.submit_choices(
+                request.request_id, prompt_ids, params, deadline, stop, n
+            )
         except Exception as e:  # process boundary
             await _abort(context, e, "Generate")
         # The client's id is echoed (an empty one gets the internal id, so every chunk names its request).
@@ -96,7 +106,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     request_id=request_id,
                     token_ids=chunk.token_ids,
                     text=chunk.text,
+                    index=chunk.index,
                 )
+                if chunk.logprobs is not None:
+                    response.logprobs.extend(_logprob(lp) for lp in chunk.logprobs)
                 if chunk.finish_reason is not None:
                     response.finish_reason = _FINISH[chunk.finish_reason]
                     response.usage.prompt_tokens = chunk.num_prompt_tokens

@@ -26,9 +26,14 @@ def _longest_partial(text: str, stops: Sequence[str]) -> int:
 class TextStream:
     """Feed it each chunk's ids with `push`; call `finish` once when the generation ends by itself."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = ()):
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+    ):  # fmt: skip
+        """skip_special_tokens: the text leaves out special tokens (BOS, EOS, padding)."""
         self._tokenizer = tokenizer
-        self._incremental = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._skip = skip_special_tokens
+        self._incremental = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self._stop = tuple(stop)
         self._ids: list[int] = []
         self._decoded = 0
@@ -44,7 +49,7 @@ class TextStream:
 
     def finish(self) -> tuple[str, bool]:
         """The text still held back at the natural end (a stop string may yet complete in it)."""
-        whole = self._tokenizer.decode(self._ids)
+        whole = self._tokenizer.decode(self._ids, self._skip)
         rest = whole[self._decoded :] if len(whole) > self._decoded else ""
         self._decoded = len(whole)
         text, stopped = self._release(rest)

@@ -223,6 +223,25 @@ class SamplingRequest:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    logprobs: int | None = None
+    """Alternatives per token with log-probabilities (None: no log-probabilities)."""
+    skip_special_tokens: bool | None = None
+    logprobs_field: str = "logprobs"
+    """The parameter logprobs came from, as the front end spells it (errors about it name this one)."""
+
+
+def check_n(n: int, router: RouterConfig, field: str) -> None:
+    """Raises InvalidRequestError naming `field` unless 1 <= n <= router.max_n."""
+    if n < 1:
+        raise InvalidRequestError(field, f"must be >= 1, got {n}")
+    if n > router.max_n:
+        raise InvalidRequestError(
+            field, f"{n} choices exceed this server's limit of {router.max_n} (router.max_n)"
+        )
 
 
 def sampling_params(
@@ -251,6 +270,12 @@ def sampling_params(
                 f"{len(given.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}",
             )
         check_token_ids(given.stop_token_ids, model.vocab_size, f"{prefix}stop_token_ids")
+    if given.logprobs is not None and given.logprobs > router.max_logprobs:
+        raise InvalidRequestError(
+            f"{prefix}{given.logprobs_field}",
+            f"{given.logprobs} alternatives exceed this server's limit of {router.max_logprobs} "
+            "(router.max_logprobs)",
+        )
     d = model.defaults
 
     def either(value, default):
@@ -266,9 +291,18 @@ def sampling_params(
             seed=given.seed,
             stop_token_ids=tuple(given.stop_token_ids),
             ignore_eos=given.ignore_eos,
+            presence_penalty=either(given.presence_penalty, 0.0),
+            frequency_penalty=either(given.frequency_penalty, 0.0),
+            repetition_penalty=either(given.repetition_penalty, 1.0),
+            min_tokens=either(given.min_tokens, 0),
+            logprobs=given.logprobs,
+            skip_special_tokens=either(given.skip_special_tokens, True),
         ).with_seed()
     except InvalidRequestError as e:
-        field = max_tokens_field if e.field == "max_tokens" else f"{prefix}{e.field}"
+        if e.field == "max_tokens":
+            field = max_tokens_field
+        else:
+            field = prefix + (given.logprobs_field if e.field == "logprobs" else e.field)
         raise InvalidRequestError(field, str(e).removeprefix(f"{e.field}: ")) from None
 
 
@@ -284,10 +318,27 @@ def _sampling_params(
         seed=sp.seed if sp.HasField("seed") else None,
         stop_token_ids=tuple(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
+        presence_penalty=sp.presence_penalty if sp.HasField("presence_penalty") else None,
+        frequency_penalty=sp.frequency_penalty if sp.HasField("frequency_penalty") else None,
+        repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else None,
+        min_tokens=sp.min_tokens if sp.HasField("min_tokens") else None,
+        logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+        skip_special_tokens=(
+            sp.skip_special_tokens if sp.HasField("skip_special_tokens") else None
+        ),
     )
     return sampling_params(
         given, num_prompt_tokens, model, router, "sampling_params.", "sampling_params.max_tokens"
     )
+
+
+def requested_n(request: pb.GenerateRequest, router: RouterConfig) -> int:
+    """The choices a GenerateRequest asks for (1 when unset); InvalidRequestError naming the field past
+    router.max_n."""
+    sp = request.sampling_params
+    n = sp.n if sp.HasField("n") else 1
+    check_n(n, router, "sampling_params.n")
+    return n
 
 
 def parse_request(

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.model import errors
 
 T = TypeVar("T")
@@ -71,6 +71,29 @@ class PrefillFailure:
 
     request_id: str
     error: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FirstTokenLogprobs:
+    """The log-probabilities of the first token this worker sampled for a request that asked for them; reported
+    before its KV is sent, so the router has them by the time the decode worker streams the token."""
+
+    request_id: str
+    step: int
+    """Tokens the request had generated before this one."""
+    logprobs: TokenLogprobs
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefillEvents:
+    """What a prefill worker reports to the router's long-poll."""
+
+    failures: list[PrefillFailure] = dataclasses.field(default_factory=list)
+    first_logprobs: list[FirstTokenLogprobs] = dataclasses.field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.failures and not self.first_logprobs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -129,6 +152,9 @@ class RequestOutput:
     """Why the request was aborted by the worker (transfer failure, timeout, ...)."""
     preempted: bool = False
     """The worker gave the request's pages away: resubmit it with the tokens generated so far."""
+    logprobs: list[TokenLogprobs | None] | None = None
+    """Where the request asked for log-probabilities: one entry per token of `token_ids`; None for a first token
+    a prefill worker sampled (that worker reports it: `FirstTokenLogprobs`)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -62,6 +62,9 @@ class Request:
     """DECODE_ONLY: the id the prefill worker's transfer carries."""
     rank: int = 0
     """The data-parallel rank holding its pages and running its rows (0 on a worker of one such rank)."""
+    counted: bool = False
+    """The runner running its rows counts its penalties already (its sequence went with a sampled row; see
+    `SampleSpec.penalty_ids`); false again once it is preempted."""
 
     @property
     def num_tokens(self) -> int:

@@ -16,7 +16,8 @@ from pdserve.model.deepseek import Transformer
 from pdserve.model.kv_cache import KVCacheLayout, PagedKVCache, capacity_pages, resolve_cache_dtype
 
 from .cuda_graphs import DecodeGraphs
-from .sampler import sample_tokens
+from .sampler import PenaltyCounts, sample
+from .sampling_params import TokenLogprobs
 from .step import DecodeRow, PrefillRow, RankResult, StepPlan, max_pages, prefill_tokens
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class ModelRunner:
         self.graphs = (
             DecodeGraphs(model, self.cache, scratch_page=num_pages) if use_graphs else None
         )
+        self.penalty_counts = PenaltyCounts()
+        """The penalties' counts of the requests this runner samples (kept between steps)."""
 
     @classmethod
     def sized(
@@ -101,7 +104,9 @@ class ModelRunner:
                     self._run(self._idle, None)
                 else:
                     try:
-                        result.prefill_tokens.extend(self._run(self._prefill, step.prefill))
+                        tokens, logprobs = self._run(self._prefill, step.prefill)
+                        result.prefill_tokens.extend(tokens)
+                        result.prefill_logprobs.extend(logprobs)
                     except Exception as e:  # the scheduler fails this pass's requests; we go on
                         logger.error("prefill pass failed", exc_info=True)
                         result = dataclasses.replace(result, prefill_error=str(e))
@@ -116,10 +121,15 @@ class ModelRunner:
                     self._run(self._idle_decode, key)
                 else:
                     try:
-                        result.decode_tokens.extend(self._run(self._decode, step.decode, key))
+                        tokens, logprobs = self._run(self._decode, step.decode, key)
+                        result.decode_tokens.extend(tokens)
+                        result.decode_logprobs.extend(logprobs)
                     except Exception as e:  # as above
                         logger.error("decode pass failed", exc_info=True)
                         result = dataclasses.replace(result, decode_error=str(e))
+        if len(self.penalty_counts):  # the requests not in this step are gone from this runner
+            sampled = [r.request_id for r in step.prefill if r.sample is not None]
+            self.penalty_counts.keep({*sampled, *(r.request_id for r in step.decode)})
         return result
 
     @property
@@ -140,28 +150,41 @@ class ModelRunner:
         with self._on_device():
             return run_pass(*args)
 
-    def _prefill(self, rows: Sequence[PrefillRow]) -> list[int | None]:
-        """Runs prompt chunks (writing their KV); samples the next token of the rows that ask for it."""
+    def _prefill(
+        self, rows: Sequence[PrefillRow]
+    ) -> tuple[list[int | None], list[TokenLogprobs | None]]:
+        """Runs prompt chunks (writing their KV); samples the next token of the rows that ask for it. Returns the
+        tokens and, where a row asked for them, log-probabilities per row (empty when none did)."""
         chunks = [SeqChunk(r.token_ids, r.start, r.page_ids) for r in rows]
         batch = build_forward_batch(chunks, self.page_size, self.device, decode=False)
         hidden = self.model(batch, self.cache)
         sampled = [i for i, r in enumerate(rows) if r.sample is not None]
         out: list[int | None] = [None] * len(rows)
+        out_logprobs: list[TokenLogprobs | None] = []
         if sampled:
             logits = self.model.compute_logits(hidden[batch.logits_indices[sampled]])
             specs = [rows[i].sample for i in sampled]
-            tokens = sample_tokens(logits, specs, [s.step for s in specs])
+            request_ids = [rows[i].request_id for i in sampled]
+            tokens, logprobs = sample(logits, specs, request_ids, self.penalty_counts)
             for i, t in zip(sampled, tokens, strict=True):
                 out[i] = t
-        return out
+            if logprobs is not None:
+                out_logprobs = [None] * len(rows)
+                for i, lp in zip(sampled, logprobs, strict=True):
+                    out_logprobs[i] = lp
+        return out, out_logprobs
 
-    def _decode(self, rows: Sequence[DecodeRow], key: tuple[int, int] | None = None) -> list[int]:
-        """One decode token per row (in CUDA-graph bucket `key` when given); returns each row's next token."""
+    def _decode(
+        self, rows: Sequence[DecodeRow], key: tuple[int, int] | None = None
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """One decode token per row (in CUDA-graph bucket `key` when given); returns each row's next token and,
+        where a row asked for them, log-probabilities per row (empty when none did)."""
         chunks = [SeqChunk([r.token_id], r.position, r.page_ids) for r in rows]
         batch = build_forward_batch(chunks, self.page_size, self.device, decode=True)
         if self.graphs is not None:
             logits = self.graphs.logits(batch, key)
         else:
             logits = self.model.compute_logits(self.model(batch, self.cache))
-        specs = [r.sample for r in rows]
-        return sample_tokens(logits, specs, [s.step for s in specs])
+        specs, request_ids = [r.sample for r in rows], [r.request_id for r in rows]
+        tokens, logprobs = sample(logits, specs, request_ids, self.penalty_counts)
+        return tokens, logprobs or []

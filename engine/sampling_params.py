@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import random
 from collections.abc import Collection
@@ -10,6 +11,8 @@ from collections.abc import Collection
 from pdserve.model.errors import InvalidRequestError
 
 MAX_SEED = (1 << 63) - 1
+MAX_ADDITIVE_PENALTY = 2.0
+"""presence_penalty and frequency_penalty lie in [-2, 2], as OpenAI's API takes them."""
 
 
 class FinishReason:
@@ -37,6 +40,20 @@ class SamplingParams:
     """Makes sampling reproducible; None draws a seed when the request is admitted."""
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token generated so far (OpenAI's); 0 disables."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was generated so far (OpenAI's); 0 disables."""
+    repetition_penalty: float = 1.0
+    """Divides the positive logits (multiplies the negative ones) of every token of the prompt and of the output
+    so far (Hugging Face's); 1 disables. Penalties apply to the logits before the temperature."""
+    min_tokens: int = 0
+    """Tokens generated before an end-of-sequence or stop token may be sampled (they are masked until then)."""
+    logprobs: int | None = None
+    """Report each sampled token's log-probability and this many most likely alternatives (0: the sampled
+    token's alone), from the log-softmax of the raw logits (before penalties and temperature); None: none."""
+    skip_special_tokens: bool = True
+    """The text leaves out special tokens (BOS, EOS, padding); token ids are never filtered."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -55,12 +72,68 @@ class SamplingParams:
             raise InvalidRequestError("seed", f"must be in [0, 2**63), got {self.seed}")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", "token ids must be >= 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (
+                math.isfinite(value) and -MAX_ADDITIVE_PENALTY <= value <= MAX_ADDITIVE_PENALTY
+            ):
+                raise InvalidRequestError(
+                    name,
+                    f"must be in [-{MAX_ADDITIVE_PENALTY:g}, {MAX_ADDITIVE_PENALTY:g}], got {value}",
+                )
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise InvalidRequestError(
+                "repetition_penalty", f"must be > 0, got {self.repetition_penalty}"
+            )
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int):
+            raise InvalidRequestError("min_tokens", f"must be an integer, got {self.min_tokens!r}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                "min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or self.logprobs < 0
+        ):
+            raise InvalidRequestError(
+                "logprobs", f"must be None or an integer >= 0, got {self.logprobs!r}"
+            )
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
 
     def with_seed(self) -> SamplingParams:
         """A copy with a concrete seed (drawn at random when unset), so every worker samples alike."""
         if self.seed is not None:
             return self
         return dataclasses.replace(self, seed=random.SystemRandom().randint(0, MAX_SEED))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and the most likely alternatives, from the log-softmax of the raw
+    logits (before penalties and temperature)."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    """Most likely first (as many as the request asked for)."""
+    top_logprobs: tuple[float, ...] = ()
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """Choice `index`'s seed of a request seeded `seed` that asks for several choices: choice 0 keeps `seed`
+    (so a request's first choice is what it alone would give), the others get distinct seeds fixed by it."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & MAX_SEED
 
 
 def check_stop(

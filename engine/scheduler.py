@@ -36,7 +36,7 @@ from .chunking import plan_prefill_chunks
 from .messages import RequestOutput
 from .pages import PageAllocator, pages_needed
 from .request import Policy, Request, RequestState
-from .sampling_params import FinishReason, check_stop
+from .sampling_params import FinishReason, TokenLogprobs, check_stop
 from .step import DecodeRow, PrefillRow, RankResult, RankStep, SampleSpec, StepPlan
 
 
@@ -44,9 +44,9 @@ from .step import DecodeRow, PrefillRow, RankResult, RankStep, SampleSpec, StepP
 class StepOutcome:
     outputs: list[RequestOutput]
     """Tokens appended, finishes and aborts, in request order: this step's prefill rows, then its decode rows."""
-    to_send: list[tuple[Request, int]]
-    """PREFILL_ONLY requests whose prefill ended this step, with their first token: the role exports their KV and
-    then calls `release` (or `abort`)."""
+    to_send: list[tuple[Request, int, TokenLogprobs | None]]
+    """PREFILL_ONLY requests whose prefill ended this step, with their first token (and its log-probabilities
+    where the request asked for them): the role exports their KV and then calls `release` (or `abort`)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -241,13 +241,22 @@ class Scheduler:
         if request in self.waiting:
             self.waiting.remove(request)
 
-    def _append(self, request: Request, token: int) -> list[RequestOutput]:
+    def _append(
+        self, request: Request, token: int, logprobs: TokenLogprobs | None = None
+    ) -> list[RequestOutput]:
+        """`logprobs`: the token's, where the request asked for them and they were computed here (a first token
+        sampled by a prefill worker has them on that worker: the output's entry is None)."""
         request.token_ids.append(token)
         request.num_generated += 1
         reason = check_stop(request.params, token, request.num_generated, self.eos_token_ids)
         if reason is not None:
             self._release(request, RequestState.FINISHED)
-        return [RequestOutput(request.request_id, [token], reason)]
+        wanted = request.params.logprobs is not None
+        return [
+            RequestOutput(
+                request.request_id, [token], reason, logprobs=[logprobs] if wanted else None
+            )
+        ]
 
     # Steps.
 
@@ -302,14 +311,23 @@ class Scheduler:
             allocator.hold_frees()
         return plan, outputs
 
-    @staticmethod
+    def _sample_spec(self, request: Request) -> SampleSpec:
+        """Its next row's sampling; the first since it came here (or was preempted) carries its sequence for
+        the penalties, which the runner counts on from then on."""
+        spec = SampleSpec.of(
+            request.params, request.num_generated, request.token_ids, self.eos_token_ids,
+            request.counted,
+        )  # fmt: skip
+        request.counted = request.params.penalized
+        return spec
+
     def _rank_step(
-        prefill: Sequence[tuple[Request, int, int]], decode: Sequence[Request]
+        self, prefill: Sequence[tuple[Request, int, int]], decode: Sequence[Request]
     ) -> RankStep:
         prefill_rows = []
         for request, start, length in prefill:
             last = start + length == request.num_tokens
-            sample = SampleSpec.of(request.params, request.num_generated) if last else None
+            sample = self._sample_spec(request) if last else None
             chunk = request.token_ids[start : start + length]
             prefill_rows.append(
                 PrefillRow(request.request_id, chunk, start, list(request.pages), sample)
@@ -320,7 +338,7 @@ class Scheduler:
                 r.token_ids[-1],
                 r.num_tokens - 1,
                 list(r.pages),
-                SampleSpec.of(r.params, r.num_generated),
+                self._sample_spec(r),
             )  # fmt: skip
             for r in decode
         ]
@@ -351,6 +369,7 @@ class Scheduler:
         self.allocators[request.rank].free(request.pages)
         request.pages = []
         request.num_computed = 0
+        request.counted = False
         if request.policy is Policy.DECODE_ONLY:
             self._release(request, RequestState.ABORTED)
             return [RequestOutput(request.request_id, [], preempted=True)]
@@ -371,7 +390,7 @@ class Scheduler:
             f"{len(results)} results for {len(plan.ranks)} ranks"
         )
         outputs: list[RequestOutput] = []
-        to_send: list[tuple[Request, int]] = []
+        to_send: list[tuple[Request, int, TokenLogprobs | None]] = []
         # zip stops at the data-parallel ranks: with replicated rows rank 0's result is taken
         for prefill, decode, result in zip(
             in_flight.prefill, in_flight.decode, results, strict=False
@@ -386,11 +405,12 @@ class Scheduler:
         decode: list[Request],
         result: RankResult,
         outputs: list[RequestOutput],
-        to_send: list[tuple[Request, int]],
+        to_send: list[tuple[Request, int, TokenLogprobs | None]],
     ) -> None:
         """Applies one rank's result to its rows, adding to `outputs` and `to_send`."""
-        for (request, start, length), token in zip(
-            prefill, result.prefill_tokens or [None] * len(prefill), strict=True
+        prefill_logprobs = result.prefill_logprobs or [None] * len(prefill)
+        for (request, start, length), token, logprobs in zip(
+            prefill, result.prefill_tokens or [None] * len(prefill), prefill_logprobs, strict=True
         ):
             if request.state is not RequestState.PREFILLING:
                 continue  # aborted while the step ran
@@ -402,12 +422,13 @@ class Scheduler:
                 continue
             if request.policy is Policy.PREFILL_ONLY:
                 request.state = RequestState.SENDING
-                to_send.append((request, token))
+                to_send.append((request, token, logprobs))
             else:
                 request.state = RequestState.RUNNING
-                outputs += self._append(request, token)
-        for request, token in zip(
-            decode, result.decode_tokens or [None] * len(decode), strict=True
+                outputs += self._append(request, token, logprobs)
+        decode_logprobs = result.decode_logprobs or [None] * len(decode)
+        for request, token, logprobs in zip(
+            decode, result.decode_tokens or [None] * len(decode), decode_logprobs, strict=True
         ):
             if request.state is not RequestState.RUNNING:
                 continue
@@ -415,4 +436,4 @@ class Scheduler:
                 outputs += self._abort(request, f"decode failed: {result.decode_error}")
                 continue
             request.num_computed = request.num_tokens
-            outputs += self._append(request, token)
+            outputs += self._append(request, token, logprobs)

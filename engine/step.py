@@ -4,7 +4,9 @@ runner hands back. Plain data (strings, ints, floats and sequences of them).
 On the wire (`plan_to_wire` / `plan_from_wire`, `result_to_wire` / `result_from_wire`) a plan is a few plain
 values a plan channel carries as msgpack, its bulk raw little-endian buffers (msgpack `bin`): per rank and pass,
 int32 arrays of token ids, positions or chunk starts and page counts, the page ids flattened, and the sampling
-fields as float64 and int64 arrays; the request ids go as a list of strings. Neither side makes a Python object
+fields as float64 and int64 arrays (penalties, banned tokens and log-probability requests only in a pass that has
+some); the request ids go as a list of strings. A result's log-probabilities likewise go only for a pass whose
+rows asked for them. Neither side makes a Python object
 per token or page: a rank reads its rows as `WireRows`, sequences that hold the arrays and make the row objects
 only when first read. A rank whose `RankStep` is the same object as an earlier rank's (the same rows on every
 rank) is sent as that rank's index. A driver that encodes a plan every step passes a `PageTableCache`, so a
@@ -18,16 +20,20 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from itertools import chain
 from operator import attrgetter
 from typing import Any
 
 import numpy as np
 
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, TokenLogprobs
+
+NO_LOGPROBS = -1
+"""`SampleSpec.logprobs` of a request that asked for no log-probabilities."""
 
 __all__ = [
+    "NO_LOGPROBS",
     "DecodeRow",
     "PageTableCache",
     "PrefillRow",
@@ -45,7 +51,9 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SampleSpec:
-    """How to sample a row's next token: the request's sampling fields (`SamplingParams`) and its step."""
+    """How to sample a row's next token: the request's sampling fields (`SamplingParams`) and its step, and what
+    of its tokens the penalties and bans need (the runner keeps nothing between steps: a request prefilled again
+    elsewhere with the tokens it carries samples alike)."""
 
     temperature: float
     top_p: float
@@ -54,13 +62,52 @@ class SampleSpec:
     seed: int
     step: int
     """How many tokens the request generated before this one (the draw depends only on seed and step)."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int = NO_LOGPROBS
+    """Alternatives to report with the sampled token's log-probability; NO_LOGPROBS: none."""
+    penalty_ids: tuple[int, ...] | None = None
+    """For a penalized request, its whole sequence so far (prompt, then its `step` generated tokens) on the row
+    where the runner starts counting its penalties (the first that samples it on this worker: its prefill's last
+    chunk, its first decode row after its KV arrived, or after a preemption); None on later rows, where the
+    runner goes on from the counts it keeps with the tokens it sampled (`sampler.PenaltyCounts`). So a request
+    pays for its sequence once, not every step."""
+    banned_ids: tuple[int, ...] = ()
+    """Tokens that must not be sampled: the end-of-sequence and stop tokens while `step` < min_tokens."""
 
     @classmethod
-    def of(cls, params: SamplingParams, step: int) -> SampleSpec:
-        """params should carry a seed (SamplingParams.with_seed); an unset one samples as seed 0."""
+    def of(
+        cls, params: SamplingParams, step: int, token_ids: Sequence[int] = (),
+        eos_token_ids: Collection[int] = (), counted: bool = False,
+    ) -> SampleSpec:  # fmt: skip
+        """params should carry a seed (SamplingParams.with_seed); an unset one samples as seed 0. token_ids: the
+        request's tokens (prompt, then its `step` generated ones), sent for penalties unless `counted` (the
+        runner counts them already); eos_token_ids: what min_tokens holds back besides the request's stop
+        tokens (unless it ignores EOS)."""
+        penalty_ids = tuple(token_ids) if params.penalized and not counted else None
+        banned_ids: tuple[int, ...] = ()
+        if step < params.min_tokens:
+            eos = () if params.ignore_eos else eos_token_ids
+            banned_ids = tuple(sorted({*eos, *params.stop_token_ids}))
         return cls(
-            params.temperature, params.top_p, params.top_k, params.min_p, params.seed or 0, step
+            params.temperature, params.top_p, params.top_k, params.min_p, params.seed or 0, step,
+            params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
+            NO_LOGPROBS if params.logprobs is None else params.logprobs, penalty_ids, banned_ids,
+        )  # fmt: skip
+
+    @property
+    def penalized(self) -> bool:
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
         )
+
+    @property
+    def plain(self) -> bool:
+        """No penalty, ban or log-probabilities: the sampling kernel alone samples it."""
+        return self.logprobs == NO_LOGPROBS and not self.banned_ids and not self.penalized
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -124,17 +171,25 @@ class RankResult:
     """Why the prefill pass failed (then `prefill_tokens` is empty and every row of it fails)."""
     decode_error: str | None = None
     """Why the decode pass failed (then `decode_tokens` is empty)."""
+    prefill_logprobs: list[TokenLogprobs | None] = dataclasses.field(default_factory=list)
+    """Per prefill row, in order, where any row asked for log-probabilities (else empty): its sampled token's,
+    None for a row that asked for none or sampled none."""
+    decode_logprobs: list[TokenLogprobs | None] = dataclasses.field(default_factory=list)
+    """Per decode row, likewise."""
 
 
 # The wire (see the module docstring).
 
 _I32, _I64, _F64 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("<f8")
+_F32 = np.dtype("<f4")
 _U16 = np.dtype("<u2")
 _PAGE_ID_TYPES = {dtype.itemsize: dtype for dtype in (_U16, _I32)}
 """Page ids go as uint16 where the driver's cache has at most 65536 pages, else int32; the wire names which by
 its item size."""
 _NO_TOKEN = -1
 """A prefill row's token in a result's int32 array where the row sampled none (token ids are >= 0)."""
+_NO_IDS = -1
+"""A sample's penalty id count on the wire where its `penalty_ids` is None."""
 _PREFILL_FIELDS = attrgetter("request_id", "token_ids", "start", "page_ids", "sample")
 _DECODE_FIELDS = attrgetter("request_id", "token_id", "position", "page_ids", "sample")
 _SAMPLE_FIELDS = attrgetter("temperature", "top_p", "min_p", "top_k", "seed", "step")
@@ -166,33 +221,83 @@ def _split(flat: np.ndarray, counts: np.ndarray) -> list[list[int]]:
     return [values[a:b] for a, b in zip([0, *ends], ends, strict=False)]  # the starts run one over
 
 
-def _samples_to_wire(samples: Sequence[SampleSpec]) -> list[bytes]:
-    """float64 [3, samples] (temperature, top_p, min_p) and int64 [3, samples] (top_k, seed, step)."""
+def _samples_to_wire(samples: Sequence[SampleSpec]) -> list:
+    """float64 [3, samples] (temperature, top_p, min_p), int64 [3, samples] (top_k, seed, step), and None
+    unless some sample has a penalty, a ban or asks for log-probabilities: then [float64 [3, samples]
+    (presence, frequency and repetition penalties), int64 [samples] (logprobs), int32 [2, samples] (penalty id
+    counts, -1 for None, and banned id counts), int32 ids (each sample's penalty ids then its banned ids)].
+    Plain samples (most) pay nothing for the rest."""
     if not samples:
-        return [b"", b""]
+        return [b"", b"", None]
     n = len(samples)
     temperature, top_p, min_p, top_k, seed, step = zip(*map(_SAMPLE_FIELDS, samples), strict=True)
+    extras = None
+    if not all(s.plain for s in samples):
+        ids = [chain(s.penalty_ids or (), s.banned_ids) for s in samples]
+        extras = [
+            _pack_known("d", 3 * n, chain(
+                (s.presence_penalty for s in samples), (s.frequency_penalty for s in samples),
+                (s.repetition_penalty for s in samples),
+            )),
+            _pack_known("q", n, (s.logprobs for s in samples)),
+            _pack_known("i", 2 * n, chain(
+                (_NO_IDS if s.penalty_ids is None else len(s.penalty_ids) for s in samples),
+                (len(s.banned_ids) for s in samples),
+            )),
+            _pack(chain.from_iterable(ids), _I32),
+        ]  # fmt: skip
     return [
         _pack_known("d", 3 * n, chain(temperature, top_p, min_p)),
         _pack_known("q", 3 * n, chain(top_k, seed, step)),
+        extras,
     ]
 
 
-def _samples_from_wire(floats: bytes, ints: bytes, n: int, what: str) -> tuple[np.ndarray, ...]:
+def _samples_from_wire(
+    floats: bytes, ints: bytes, extras: list | None, n: int, what: str
+) -> tuple[np.ndarray, np.ndarray, list[tuple] | None]:
+    """The arrays `_samples_to_wire` packed, the extras as one tuple per sample (penalties, logprobs, penalty
+    ids, banned ids) or None."""
+    rows = None
+    if extras is not None:
+        penalties, logprobs, counts, ids = extras
+        penalties = _array(penalties, _F64, 3 * n, f"{what} penalties").reshape(3, n)
+        logprobs = _array(logprobs, _I64, n, f"{what} logprobs")
+        counts = _array(counts, _I32, 2 * n, f"{what} penalty counts").reshape(2, n)
+        ids = _array(ids, _I32, int(counts.clip(min=0).sum()), f"{what} penalty ids").tolist()
+        rows, at = [], 0
+        for p, f, r, k, num_penalty, num_banned in zip(
+            *penalties.tolist(), logprobs.tolist(), *counts.tolist(), strict=True
+        ):
+            mid = at + max(num_penalty, 0)
+            end = mid + num_banned
+            penalty_ids = None if num_penalty == _NO_IDS else tuple(ids[at:mid])
+            rows.append((p, f, r, k, penalty_ids, tuple(ids[mid:end])))
+            at = end
     return (
         _array(floats, _F64, 3 * n, f"{what} sampling floats").reshape(3, n),
         _array(ints, _I64, 3 * n, f"{what} sampling ints").reshape(3, n),
+        rows,
     )
 
 
-def _sample_specs(floats: np.ndarray, ints: np.ndarray) -> list[SampleSpec]:
+def _sample_specs(
+    floats: np.ndarray, ints: np.ndarray, extras: list[tuple] | None
+) -> list[SampleSpec]:
     """The specs `_samples_to_wire` packed, as `_samples_from_wire` reads them."""
-    return [
+    specs = [
         SampleSpec(temperature, top_p, top_k, min_p, seed, step)
         for temperature, top_p, min_p, top_k, seed, step in zip(
             *floats.tolist(), *ints.tolist(), strict=True
         )
     ]
+    if extras is None:
+        return specs
+    return [
+        dataclasses.replace(spec, presence_penalty=p, frequency_penalty=f, repetition_penalty=r,
+                            logprobs=k, penalty_ids=penalty_ids, banned_ids=banned_ids)
+        for spec, (p, f, r, k, penalty_ids, banned_ids) in zip(specs, extras, strict=True)
+    ]  # fmt: skip
 
 
 class PageTableCache:
@@ -241,9 +346,13 @@ class WireRows(Sequence):
     list or tuple of the same rows. Every kind has `request_ids` (a list), `page_counts` int32 [rows],
     `page_ids` uint16 or int32 [sum of page_counts] (row after row), and for its sampled rows
     `sample_floats` float64 [3, sampled] (temperature, top_p, min_p) and `sample_ints` int64 [3, sampled]
-    (top_k, seed, step)."""
+    (top_k, seed, step), and `sample_extras`: None, or per sampled row its penalties, logprobs and ids
+    (`_samples_from_wire`)."""
 
-    __slots__ = ("request_ids", "page_counts", "page_ids", "sample_floats", "sample_ints", "_rows")
+    __slots__ = (
+        "request_ids", "page_counts", "page_ids", "sample_floats", "sample_ints", "sample_extras",
+        "_rows",
+    )  # fmt: skip
 
     def __init__(self, what: str, request_ids: list[str], page_counts: np.ndarray, page_ids: list):
         self.request_ids, self.page_counts = request_ids, page_counts
@@ -309,18 +418,18 @@ class _PrefillWireRows(WireRows):
     __slots__ = ("starts", "token_counts", "token_ids", "sampled")
 
     def __init__(self, wire: list):
-        request_ids, heads, token_ids, page_ids, sampled, floats, ints = wire
+        request_ids, heads, token_ids, page_ids, sampled, floats, ints, extras = wire
         n = len(request_ids)
         self.starts, self.token_counts, page_counts = _heads(heads, n, "prefill")
         super().__init__("prefill", request_ids, page_counts, page_ids)
         self.token_ids = _array(token_ids, _I32, int(self.token_counts.sum()), "prefill token ids")
         self.sampled = _array(sampled, np.dtype(np.bool_), n, "prefill sample flags")
-        self.sample_floats, self.sample_ints = _samples_from_wire(
-            floats, ints, int(self.sampled.sum()), "prefill"
+        self.sample_floats, self.sample_ints, self.sample_extras = _samples_from_wire(
+            floats, ints, extras, int(self.sampled.sum()), "prefill"
         )
 
     def _make(self) -> list[PrefillRow]:
-        specs = iter(_sample_specs(self.sample_floats, self.sample_ints))
+        specs = iter(_sample_specs(self.sample_floats, self.sample_ints, self.sample_extras))
         samples = [next(specs) if s else None for s in self.sampled.tolist()]
         return list(
             map(
@@ -336,18 +445,20 @@ class _DecodeWireRows(WireRows):
     __slots__ = ("token_ids", "positions")
 
     def __init__(self, wire: list):
-        request_ids, heads, page_ids, floats, ints = wire
+        request_ids, heads, page_ids, floats, ints, extras = wire
         n = len(request_ids)
         self.token_ids, self.positions, page_counts = _heads(heads, n, "decode")
         super().__init__("decode", request_ids, page_counts, page_ids)
-        self.sample_floats, self.sample_ints = _samples_from_wire(floats, ints, n, "decode")
+        self.sample_floats, self.sample_ints, self.sample_extras = _samples_from_wire(
+            floats, ints, extras, n, "decode"
+        )
 
     def _make(self) -> list[DecodeRow]:
         return list(
             map(
                 DecodeRow, self.request_ids, self.token_ids.tolist(), self.positions.tolist(),
                 _split(self.page_ids, self.page_counts),
-                _sample_specs(self.sample_floats, self.sample_ints),
+                _sample_specs(self.sample_floats, self.sample_ints, self.sample_extras),
             )
         )  # fmt: skip
 
@@ -423,23 +534,65 @@ def plan_from_wire(wire: list) -> StepPlan:
     return StepPlan(step_id, ranks)
 
 
+def _logprobs_to_wire(logprobs: Sequence[TokenLogprobs | None]) -> list | None:
+    """None when no row has log-probabilities (a pass of requests that asked for none pays nothing); else
+    [int32 [rows] alternatives per row (-1: none for the row), float32 [rows with some] sampled logprob, int32
+    top ids, float32 top logprobs (rows with some, one after another)]."""
+    if not any(lp is not None for lp in logprobs):
+        return None
+    given = [lp for lp in logprobs if lp is not None]
+    return [
+        _pack((-1 if lp is None else len(lp.top_ids) for lp in logprobs), _I32),
+        _pack((lp.logprob for lp in given), _F32),
+        _pack(chain.from_iterable(lp.top_ids for lp in given), _I32),
+        _pack(chain.from_iterable(lp.top_logprobs for lp in given), _F32),
+    ]
+
+
+def _logprobs_from_wire(wire: list | None, rows: int, what: str) -> list[TokenLogprobs | None]:
+    if wire is None:
+        return []
+    counts, sampled, top_ids, top_logprobs = wire
+    counts = _array(counts, _I32, rows, f"{what} logprob counts").tolist()
+    given = sum(c >= 0 for c in counts)
+    sampled = _array(sampled, _F32, given, f"{what} logprobs").tolist()
+    total = sum(c for c in counts if c > 0)
+    top_ids = _array(top_ids, _I32, total, f"{what} top ids").tolist()
+    top_logprobs = _array(top_logprobs, _F32, total, f"{what} top logprobs").tolist()
+    out: list[TokenLogprobs | None] = []
+    i = at = 0
+    for count in counts:
+        if count < 0:
+            out.append(None)
+            continue
+        end = at + count
+        out.append(TokenLogprobs(sampled[i], tuple(top_ids[at:end]), tuple(top_logprobs[at:end])))
+        i, at = i + 1, end
+    return out
+
+
 def result_to_wire(result: RankResult) -> list:
     """[step_id, prefill tokens (int32, -1 for a row that sampled none), decode tokens (int32), prefill
-    error, decode error]."""
+    error, decode error, prefill and decode log-probabilities (`_logprobs_to_wire`: None when no row of the
+    pass asked for them)]. Log-probabilities go as float32, what the model's log-softmax gives."""
     prefill = (_NO_TOKEN if t is None else t for t in result.prefill_tokens)
     return [
         result.step_id, _pack(prefill, _I32), _pack(result.decode_tokens, _I32),
         result.prefill_error, result.decode_error,
+        _logprobs_to_wire(result.prefill_logprobs), _logprobs_to_wire(result.decode_logprobs),
     ]  # fmt: skip
 
 
 def result_from_wire(wire: list) -> RankResult:
-    step_id, prefill, decode, prefill_error, decode_error = wire
+    step_id, prefill, decode, prefill_error, decode_error, prefill_lp, decode_lp = wire
     prefill_tokens = np.frombuffer(prefill, _I32).tolist()
+    decode_tokens = np.frombuffer(decode, _I32).tolist()
     return RankResult(
         step_id,
         [None if t == _NO_TOKEN else t for t in prefill_tokens],
-        np.frombuffer(decode, _I32).tolist(),
+        decode_tokens,
         prefill_error,
         decode_error,
+        _logprobs_from_wire(prefill_lp, len(prefill_tokens), "prefill"),
+        _logprobs_from_wire(decode_lp, len(decode_tokens), "decode"),
     )

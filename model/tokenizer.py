@@ -101,17 +101,20 @@ class IncrementalDetokenizer:
     """Turns a growing list of generated ids into text deltas. A delta is held back while it ends in an incomplete
     UTF-8 sequence (U+FFFD), so multi-byte characters split across tokens are never emitted broken."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()):
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ):
         self._tok = tokenizer
         self._ids: list[int] = list(prompt_ids[-4:])
         self._prefix = 0
         self._read = len(self._ids)
+        self._skip = skip_special_tokens
 
     def push(self, new_ids: Sequence[int]) -> str:
         """Adds ids; returns the text they complete (possibly empty)."""
         self._ids.extend(new_ids)
-        prefix_text = self._tok.decode(self._ids[self._prefix : self._read])
-        full_text = self._tok.decode(self._ids[self._prefix :])
+        prefix_text = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
+        full_text = self._tok.decode(self._ids[self._prefix :], self._skip)
         if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
             return ""
         self._prefix, self._read = self._read, len(self._ids)

@@ -15,7 +15,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve import kernels
-from pdserve.engine.messages import PrefillFailure, PrefillRequest, PrefillStats
+from pdserve.engine.messages import (
+    FirstTokenLogprobs,
+    PrefillEvents,
+    PrefillFailure,
+    PrefillRequest,
+    PrefillStats,
+)
 from pdserve.engine.rank_group import RankGroup
 from pdserve.engine.request import Policy, Request, RequestState
 from pdserve.engine.worker import Worker
@@ -51,6 +57,7 @@ class PrefillWorker(Worker):
         )  # fmt: skip
         self._aborted: set[str] = set()
         self._failures: list[PrefillFailure] = []
+        self._first_logprobs: list[FirstTokenLogprobs] = []
         self._sends = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{worker_id}-send")
 
     def submit(self, request: PrefillRequest) -> None:
@@ -85,10 +92,12 @@ class PrefillWorker(Worker):
         wait for it; its requests' aborts come from the router."""
         self.sender.forget(decode_worker)
 
-    def poll_events(self) -> list[PrefillFailure]:
+    def poll_events(self) -> PrefillEvents:
+        """Failures, and the first tokens' log-probabilities, since the last call."""
         with self._lock:
             failures, self._failures = self._failures, []
-        return failures
+            first_logprobs, self._first_logprobs = self._first_logprobs, []
+        return PrefillEvents(failures, first_logprobs)
 
     def stats(self) -> PrefillStats:
         with self._lock:
@@ -114,7 +123,13 @@ class PrefillWorker(Worker):
         with self._lock:
             for out in outcome.outputs:  # the requests of a failed pass, aborted by the scheduler
                 self._report(out.request_id, out.error)
-        for request, first_token in outcome.to_send:
+            # before the sends: the router holds the first token until its log-probabilities arrive
+            self._first_logprobs += [
+                FirstTokenLogprobs(request.request_id, request.num_generated, logprobs)
+                for request, _, logprobs in outcome.to_send
+                if logprobs is not None
+            ]
+        for request, first_token, _ in outcome.to_send:
             self._sends.submit(self._send, request, first_token)
         return True
 

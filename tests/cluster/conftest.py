@@ -13,6 +13,9 @@ import torch
 from pdserve.cluster.config import build_config
 from pdserve.cluster.server import ServerThread, free_port
 from pdserve.engine.offline import generate_greedy
+from pdserve.engine.pages import pages_needed
+from pdserve.engine.runner import ModelRunner
+from pdserve.model.batch import SeqChunk, build_forward_batch
 from pdserve.model.loader import load_model
 from pdserve.model.random_checkpoint import make_checkpoint
 
@@ -32,9 +35,15 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def reference(model_dir):
+def reference_model(model_dir):
+    """The tiny model loaded in the test process, for offline references."""
+    return load_model(model_dir, dtype=torch.float32, progress=False)
+
+
+@pytest.fixture(scope="session")
+def reference(reference_model):
     """Greedy tokens of `pdserve offline` (the single-process path) for (prompt, max_tokens), cached."""
-    model = load_model(model_dir, dtype=torch.float32, progress=False)
+    model = reference_model
     cache: dict = {}
 
     def expected(prompt: list[int], max_tokens: int) -> list[int]:
@@ -44,6 +53,25 @@ def reference(model_dir):
         return cache[key]
 
     return expected
+
+
+@pytest.fixture(scope="session")
+def reference_logits(reference_model):
+    """For (prompt, generated tokens): the model's raw logits [len(tokens) + 1, V] at each generated token's
+    position and the next, from one forward of the model over prompt + tokens on a fresh cache."""
+    model = reference_model
+
+    def logits(prompt: list[int], tokens: list[int]) -> torch.Tensor:
+        ids = [*prompt, *tokens]
+        page_size = 64
+        num_pages = pages_needed(len(ids), page_size)
+        cache = ModelRunner(model, page_size, num_pages, cuda_graphs=False).cache
+        chunk = SeqChunk(ids, 0, list(range(num_pages)))
+        with torch.inference_mode():
+            hidden = model(build_forward_batch([chunk], page_size, "cpu", decode=False), cache)
+            return model.compute_logits(hidden[len(prompt) - 1 :]).float()  # [T + 1, V]
+
+    return logits
 
 
 def serve_config(model_dir, **sections):

@@ -175,6 +175,18 @@ BAD_REQUESTS = [
     ("top_k below -1", generate_request([0, 1], top_k=-2), "top_k"),
     ("token id outside vocab", generate_request([0, 1024], max_tokens=2), "prompt_token_ids"),
     ("stop id outside vocab", generate_request([0], stop_token_ids=[5000]), "stop_token_ids"),
+    ("n above router.max_n", generate_request([0, 1], n=17), "sampling_params.n"),
+    (
+        "logprobs above router.max_logprobs",
+        generate_request([0], logprobs=21),
+        "sampling_params.logprobs",
+    ),
+    (
+        "min_tokens above max_tokens",
+        generate_request([0], max_tokens=2, min_tokens=3),
+        "min_tokens",
+    ),
+    ("repetition_penalty 0", generate_request([0], repetition_penalty=0), "repetition_penalty"),
 ]
 
 

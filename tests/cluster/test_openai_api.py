@@ -11,6 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from pdserve.cluster.chat_template import ChatTemplate
+from pdserve.cluster.config import RouterConfig
 from pdserve.cluster.errors import (
     DeadlineExceededError,
     NotFoundError,
@@ -21,9 +22,16 @@ from pdserve.cluster.errors import (
 from pdserve.cluster.openai_api import CHAT, COMPLETIONS, parse
 from pdserve.cluster.reasoning import ReasoningSplitter, split_reasoning
 from pdserve.cluster.text_stream import TextStream
-from pdserve.cluster.validation import MAX_STOP_STRINGS, ModelInfo, check_stop_strings
+from pdserve.cluster.validation import (
+    MAX_STOP_STRINGS,
+    ModelInfo,
+    SamplingRequest,
+    check_n,
+    check_stop_strings,
+    sampling_params,
+)
 from pdserve.model.errors import CapacityError, InvalidRequestError
-from pdserve.model.tokenizer import CHAT_TOKENS, THINK_END, Tokenizer
+from pdserve.model.tokenizer import CHAT_TOKENS, EOS_TOKEN, THINK_END, Tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello"}],
@@ -135,22 +143,24 @@ def test_reasoning_split_of_any_stream_equals_the_whole(text):
 @pytest.mark.parametrize(
     "kind, body, param",
     [
-        (CHAT, {"n": 2}, "n"),
+        (CHAT, {"n": "two"}, "n"),
         (COMPLETIONS, {"stop": 5}, "stop"),
         (CHAT, {"stop": ["a", 1]}, "stop"),
-        (CHAT, {"logprobs": True}, "logprobs"),
-        (COMPLETIONS, {"logprobs": 1}, "logprobs"),
+        (CHAT, {"logprobs": 1}, "logprobs"),
+        (COMPLETIONS, {"logprobs": True}, "logprobs"),
         (CHAT, {"top_logprobs": 2}, "top_logprobs"),
-        (CHAT, {"presence_penalty": 0.5}, "presence_penalty"),
-        (CHAT, {"frequency_penalty": 1}, "frequency_penalty"),
-        (CHAT, {"repetition_penalty": 1.1}, "repetition_penalty"),
-        (CHAT, {"min_tokens": 4}, "min_tokens"),
+        (CHAT, {"logprobs": True, "top_logprobs": 1.5}, "top_logprobs"),
+        (COMPLETIONS, {"top_logprobs": 2}, "top_logprobs"),
+        (CHAT, {"presence_penalty": "high"}, "presence_penalty"),
+        (CHAT, {"frequency_penalty": [1]}, "frequency_penalty"),
+        (CHAT, {"repetition_penalty": float("inf")}, "repetition_penalty"),
+        (CHAT, {"min_tokens": 1.5}, "min_tokens"),
         (CHAT, {"logit_bias": {"5": 1}}, "logit_bias"),
         (COMPLETIONS, {"echo": True}, "echo"),
         (COMPLETIONS, {"best_of": 2}, "best_of"),
         (CHAT, {"tools": [{"type": "function"}]}, "tools"),
         (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
-        (CHAT, {"skip_special_tokens": False}, "skip_special_tokens"),
+        (CHAT, {"skip_special_tokens": "no"}, "skip_special_tokens"),
         (CHAT, {"stream_options": {"include_usage": True}}, "stream_options"),
         (CHAT, {"temperature": "hot"}, "temperature"),
         (CHAT, {"max_tokens": 1.5}, "max_tokens"),
@@ -195,6 +205,61 @@ def test_values_that_ask_for_nothing_are_accepted():
     assert request.stream and request.include_usage
     ids = parse({"prompt": [[0, 5, 6]]}, COMPLETIONS)
     assert ids.prompt_ids == [0, 5, 6] and ids.prompt_text is None
+
+
+def test_sampling_parameters_reach_the_sampling_request():
+    chat = parse(
+        {
+            "messages": [{"role": "user", "content": "hi"}], "n": 3, "logprobs": True,
+            "top_logprobs": 4, "presence_penalty": 0.5, "frequency_penalty": -1,
+            "repetition_penalty": 1.2, "min_tokens": 2, "skip_special_tokens": False,
+        },
+        CHAT,
+    )  # fmt: skip
+    s = chat.sampling
+    assert chat.n == 3 and (s.logprobs, s.logprobs_field) == (4, "top_logprobs")
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -1, 1.2)
+    assert s.min_tokens == 2 and s.skip_special_tokens is False
+    only = parse({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, CHAT)
+    assert only.sampling.logprobs == 0 and only.n == 1
+    assert parse({"messages": [{"role": "user", "content": "hi"}]}, CHAT).sampling.logprobs is None
+    legacy = parse({"prompt": "hi", "logprobs": 2}, COMPLETIONS).sampling
+    assert (legacy.logprobs, legacy.logprobs_field) == (2, "logprobs")
+
+
+@pytest.mark.parametrize(
+    "given, field, words",
+    [
+        (SamplingRequest(logprobs=21, logprobs_field="top_logprobs"), "top_logprobs",
+         "limit of 20 (router.max_logprobs)"),
+        (SamplingRequest(logprobs=-1), "logprobs", ">= 0"),
+        (SamplingRequest(presence_penalty=2.5), "presence_penalty", "[-2, 2]"),
+        (SamplingRequest(repetition_penalty=0.0), "repetition_penalty", "> 0"),
+        (SamplingRequest(max_tokens=4, min_tokens=5), "min_tokens", "max_tokens=4"),
+    ],
+)  # fmt: skip
+def test_sampling_limits_name_the_parameter(model_dir, given, field, words):
+    model = ModelInfo.load(model_dir, "tiny")
+    with pytest.raises(InvalidRequestError) as e:
+        sampling_params(given, 3, model, RouterConfig())
+    assert e.value.field == field and words in str(e.value)
+    with pytest.raises(InvalidRequestError) as e:
+        check_n(17, RouterConfig(), "n")
+    assert e.value.field == "n" and "limit of 16 (router.max_n)" in str(e.value)
+    check_n(2, RouterConfig(max_n=2), "n")
+
+
+def test_skip_special_tokens_decides_whether_the_text_shows_them(model_dir):
+    tokenizer = Tokenizer(model_dir)
+    ids = [*tokenizer.encode("a cat", add_bos=False), tokenizer.eos_id, 1 + tokenizer.eos_id]
+
+    def text(**kwargs) -> str:
+        stream = TextStream(tokenizer, [tokenizer.bos_id], **kwargs)
+        return stream.push(ids[:2])[0] + stream.push(ids[2:])[0] + stream.finish()[0]
+
+    assert EOS_TOKEN not in text() and text() == tokenizer.decode(ids)
+    shown = text(skip_special_tokens=False)
+    assert shown == tokenizer.decode(ids, skip_special_tokens=False) and EOS_TOKEN in shown
 
 
 def _stream(tokenizer, ids, stop, sizes) -> tuple[str, bool]:

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
@@ -197,15 +198,16 @@ def test_reasoning_and_content_split_in_whole_and_streamed_replies(
 
 
 def test_disconnect_mid_stream_frees_pages_on_both_workers(server, api, grpc_client):
+    # two choices: the disconnect ends both
     stream = api.completions.create(
-        model=model_name(server), prompt=[0, *range(10, 200)], stream=True, **greedy(3000)
+        model=model_name(server), prompt=[0, *range(10, 200)], stream=True, n=2, **greedy(3000)
     )
     chunks = iter(stream)
-    for _ in range(3):
+    for _ in range(4):
         assert next(chunks).choices[0].finish_reason is None
     status = grpc_client.status()
     held = {w.worker_id: w.kv_pages_used for pool in status.pools for w in pool.workers}
-    assert status.num_requests == 1 and held["decode-0"] > 0, held
+    assert status.num_requests == 2 and held["decode-0"] > 0, held
     stream.close()
     wait_for(lambda: all_pages_free(grpc_client), 10, "pages freed after the client disconnected")
 
@@ -239,14 +241,19 @@ def test_disconnect_during_prefill_frees_pages_on_both_workers(server, api, grpc
 @pytest.mark.parametrize(
     "params, param",
     [
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
+        ({"n": 0}, "n"),
         ({"stop": ["x"] * 33}, "stop"),
-        ({"logprobs": True}, "logprobs"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+        ({"extra_body": {"skip_special_tokens": "no"}}, "skip_special_tokens"),
         ({"temperature": -1}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
-        ({"extra_body": {"min_tokens": 2}}, "min_tokens"),
+        ({"max_completion_tokens": 2, "extra_body": {"min_tokens": 3}}, "min_tokens"),
         ({"extra_body": {"stop_token_ids": [10**6]}}, "stop_token_ids"),
     ],
 )
@@ -257,6 +264,110 @@ def test_bad_chat_parameter_is_400_naming_it(server, api, params, param):
         )
     assert e.value.status_code == 400
     assert e.value.body["param"] == param and e.value.body["type"] == "invalid_request_error"
+
+
+def token_id(text: str) -> int:
+    return int(text.removeprefix("token_id:"))
+
+
+def test_logprobs_are_the_model_s_log_softmax_whole_and_streamed(
+    server, api, reference, reference_logits, tokenizer, chat_ids
+):
+    # sampled, whole: the first token comes from the prefill worker, the others from the decode worker
+    prompt = [0, *range(100, 130)]
+    reply = api.completions.create(
+        model=model_name(server), prompt=prompt, logprobs=3, seed=5, temperature=0.9,
+        max_tokens=4, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    (choice,) = reply.choices
+    tokens = [token_id(t) for t in choice.logprobs.tokens]
+    assert choice.text == tokenizer.decode(tokens) and len(tokens) == 4
+    expected = torch.log_softmax(reference_logits(prompt, tokens), -1)  # [5, V]
+    for i, token in enumerate(tokens):
+        assert choice.logprobs.token_logprobs[i] == pytest.approx(
+            expected[i, token].item(), abs=1e-4
+        )
+        top = {token_id(t): v for t, v in choice.logprobs.top_logprobs[i].items()}
+        assert set(top) == set(expected[i].topk(3).indices.tolist()) | {token}
+        assert all(v == pytest.approx(expected[i, t].item(), abs=1e-4) for t, v in top.items())
+    # greedy chat, streamed: each chunk carries its tokens' entries
+    messages = [{"role": "user", "content": "Name a colour."}]
+    stream = api.chat.completions.create(
+        model=model_name(server), messages=messages, logprobs=True, top_logprobs=2,
+        max_completion_tokens=4, stream=True, temperature=0,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    entries = [e for c in stream if c.choices and c.choices[0].logprobs
+               for e in c.choices[0].logprobs.content]  # fmt: skip
+    prompt = chat_ids(messages)
+    tokens = [token_id(e.token) for e in entries]
+    assert tokens == reference(prompt, 4)
+    expected = torch.log_softmax(reference_logits(prompt, tokens), -1)
+    for i, e in enumerate(entries):
+        assert e.logprob == pytest.approx(expected[i, tokens[i]].item(), abs=1e-4)
+        values, ids = expected[i].topk(2)
+        assert [token_id(t.token) for t in e.top_logprobs] == ids.tolist()
+        assert [t.logprob for t in e.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
+
+
+def test_penalized_greedy_equals_the_formula_on_the_model_s_logits(server, api, reference_logits):
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    # a negative presence penalty draws the output back to its own tokens, the frequency penalty away again
+    penalties = {"presence_penalty": -2.0, "frequency_penalty": 1.0}
+    expected: list[int] = []
+    moved = 0  # steps where the penalties change the greedy choice
+    for _ in range(6):
+        logits = reference_logits(prompt, expected)[-1]  # [V]
+        # Hugging Face's repetition penalty over prompt + output, then OpenAI's over the output
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[prompt + expected] = True
+        penalized = torch.where(seen, torch.where(logits > 0, logits / 0.8, logits * 0.8), logits)
+        counts = torch.bincount(torch.tensor(expected, dtype=torch.long), minlength=logits.numel())
+        penalized = penalized - 1.0 * counts + 2.0 * (counts > 0).float()
+        expected.append(int(penalized.argmax()))
+        moved += expected[-1] != int(logits.argmax())
+    assert moved > 0
+    reply = api.completions.create(
+        model=model_name(server), prompt=prompt, max_tokens=6, temperature=0, **penalties,
+        extra_body={"ignore_eos": True, "repetition_penalty": 0.8, "return_tokens_as_token_ids": True},
+        logprobs=0,
+    )  # fmt: skip
+    assert [token_id(t) for t in reply.choices[0].logprobs.tokens] == expected
+
+
+def test_n_choices_are_seeded_reproducible_and_streamed_by_index(server, api, grpc_client):
+    sampled = {"temperature": 1.0, "seed": 42, "max_tokens": 6, "extra_body": {"ignore_eos": True}}
+    prompt = [0, *range(200, 220)]
+    first = api.completions.create(model=model_name(server), prompt=prompt, n=2, **sampled)
+    again = api.completions.create(model=model_name(server), prompt=prompt, n=2, **sampled)
+    alone = api.completions.create(model=model_name(server), prompt=prompt, **sampled)
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert [c.index for c in first.choices] == [0, 1] and texts[0] != texts[1]
+    assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
+    assert alone.choices[0].text == texts[0]  # choice 0 keeps the request's seed
+    assert (first.usage.prompt_tokens, first.usage.completion_tokens) == (len(prompt), 12)
+    stream = api.completions.create(
+        model=model_name(server), prompt=prompt, n=2, stream=True,
+        stream_options={"include_usage": True}, **sampled,
+    )  # fmt: skip
+    streamed, finishes = ["", ""], [None, None]
+    for chunk in stream:
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+            finishes[c.index] = c.finish_reason or finishes[c.index]
+    assert streamed == texts and finishes == ["length", "length"]
+    assert chunk.usage.completion_tokens == 12
+    # gRPC: the chunks of both choices on one stream, each naming its index
+    request = generate_request(
+        prompt, max_tokens=6, temperature=1.0, seed=42, ignore_eos=True, n=2, logprobs=1
+    )
+    by_index: dict[int, list] = {0: [], 1: []}
+    for reply in grpc_client.generate(request, timeout_s=60):
+        assert len(reply.logprobs) == len(reply.token_ids)
+        assert all(len(lp.top_token_ids) == 1 for lp in reply.logprobs)
+        by_index[reply.index].append(reply)
+    assert ["".join(r.text for r in by_index[i]) for i in (0, 1)] == texts
+    assert [by_index[i][-1].usage.completion_tokens for i in (0, 1)] == [6, 6]
 
 
 def test_context_overflow_states_the_limit_and_what_was_asked(server, api):

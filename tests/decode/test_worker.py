@@ -1,6 +1,7 @@
 """The decode role in one process on the CPU: aggregated requests (prefilled here) and disaggregated ones (a
 prefill worker's KV through the in-process loopback transfer) stream the tokens `pdserve offline` generates, and
-every page comes back."""
+every page comes back; log-probabilities are the model's own log-softmax on both paths; a penalized request
+follows the penalties' formulas and continues alike when prefilled again with the tokens it had."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import torch
 from pdserve.decode import DecodeConfig, DecodeWorker
 from pdserve.engine.messages import DecodeRequest, PrefillRequest
 from pdserve.engine.offline import OfflineGenerator
+from pdserve.engine.pages import pages_needed
+from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.loopback import LoopbackHub, LoopbackReceiver, LoopbackSender
+from pdserve.model.batch import SeqChunk, build_forward_batch
 from pdserve.model.loader import load_model
 from pdserve.model.random_checkpoint import make_checkpoint
 from pdserve.prefill import PrefillConfig, PrefillWorker
@@ -22,7 +26,17 @@ PAGE = 4
 PROMPTS = [list(range(5, 5 + n)) for n in (3, 11, 6)]
 PARAMS = [
     SamplingParams(max_tokens=6, ignore_eos=True, seed=1),
-    SamplingParams(max_tokens=9, temperature=0.9, top_k=40, seed=2),
+    # penalties, min_tokens and logprobs travel in the plan and the results (also to and from other ranks)
+    SamplingParams(
+        max_tokens=9,
+        temperature=0.9,
+        top_k=40,
+        seed=2,
+        repetition_penalty=1.2,
+        presence_penalty=0.5,
+        min_tokens=3,
+        logprobs=2,
+    ),  # fmt: skip
     SamplingParams(max_tokens=5, ignore_eos=True, seed=3),
 ]
 
@@ -46,6 +60,13 @@ def drain(decode: DecodeWorker, ids: list[str], prefill: PrefillWorker | None = 
         decode.step()
         for out in decode.poll_outputs():
             assert out.error is None, out.error
+            if (
+                out.logprobs is not None
+            ):  # the first token's are None when a prefill worker sampled it
+                assert len(out.logprobs) == len(out.token_ids)
+                later = out.logprobs[1:] if not tokens[out.request_id] else out.logprobs
+                assert all(len(lp.top_ids) == 2 for lp in later if lp is not None)
+                assert prefill is not None or None not in out.logprobs
             tokens[out.request_id] += out.token_ids
             if out.finish_reason is not None:
                 reasons[out.request_id] = out.finish_reason
@@ -92,4 +113,110 @@ def test_disaggregated_requests_give_the_offline_tokens(model):
     finally:
         prefill.close()
     assert decode.stats().pages_used == 0 and prefill.stats().pages_used == 0
-    assert prefill.poll_events() == []
+    events = prefill.poll_events()  # the first token's log-probabilities of the request that asked
+    assert not events.failures and [e.request_id for e in events.first_logprobs] == ["r1"]
+
+
+class DirectModel:
+    """The model's raw logits [V] for the token after a growing sequence: its own forward over a fresh cache,
+    the prompt at once, then one token per call (the reference for what the sampler is given)."""
+
+    def __init__(self, model, prompt: list[int], max_len: int):
+        self.model, self.num_tokens = model, len(prompt)
+        self.pages = list(range(pages_needed(max_len, PAGE)))
+        self.cache = ModelRunner(model, PAGE, len(self.pages), cuda_graphs=False).cache
+        self.logits = self._forward(SeqChunk(prompt, 0, self.pages), decode=False)
+
+    def push(self, token: int) -> None:
+        self.logits = self._forward(SeqChunk([token], self.num_tokens, self.pages), decode=True)
+        self.num_tokens += 1
+
+    @torch.inference_mode()
+    def _forward(self, chunk: SeqChunk, decode: bool) -> torch.Tensor:
+        batch = build_forward_batch([chunk], PAGE, "cpu", decode=decode)
+        hidden = self.model(batch, self.cache)
+        return self.model.compute_logits(hidden[batch.logits_indices])[0].float()
+
+
+def drain_logprobs(decode: DecodeWorker, request_id: str, prefill: PrefillWorker | None = None):
+    """Steps until the request finishes; its tokens and their log-probabilities (the first from the prefill
+    worker's events when it sampled it)."""
+    tokens, logprobs = [], []
+    deadline = time.monotonic() + 120
+    while True:
+        assert time.monotonic() < deadline
+        if prefill is not None:
+            prefill.step()
+        decode.step()
+        for out in decode.poll_outputs():
+            assert out.error is None, out.error
+            tokens += out.token_ids
+            logprobs += out.logprobs
+            if out.finish_reason is not None:
+                if prefill is not None:
+                    (first,) = prefill.poll_events().first_logprobs
+                    assert logprobs[0] is None and first.step == 0
+                    logprobs[0] = first.logprobs
+                return tokens, logprobs
+
+
+def test_logprobs_are_the_model_s_log_softmax_aggregated_and_disaggregated(model):
+    prompt = list(range(7, 20))
+    params = SamplingParams(max_tokens=3, temperature=0.8, seed=7, logprobs=3, ignore_eos=True)
+    config = DecodeConfig(page_size=PAGE, num_pages=32)
+    decode = DecodeWorker("d0", model, config)
+    decode.add_request(DecodeRequest("a", prompt, params))
+    aggregated = drain_logprobs(decode, "a")
+    hub = LoopbackHub()
+    decode = DecodeWorker(
+        "d0", model, config, make_receiver=lambda cache: LoopbackReceiver(hub, "d0", cache)
+    )
+    prefill = PrefillWorker(
+        "p0", model, PrefillConfig(page_size=PAGE, num_pages=32), LoopbackSender(hub)
+    )
+    try:
+        reservation = decode.add_request(DecodeRequest("b", prompt, params, "p0"))
+        prefill.submit(PrefillRequest("b", prompt, params, 0, "d0", reservation.transfer_id))
+        disaggregated = drain_logprobs(decode, "b", prefill)
+    finally:
+        prefill.close()
+    tokens, _ = aggregated
+    assert disaggregated[0] == tokens and len(tokens) == 3
+    direct = DirectModel(model, prompt, len(prompt) + len(tokens))
+    for i, token in enumerate(tokens):
+        reference = torch.log_softmax(direct.logits, -1)
+        direct.push(token)
+        values, ids = reference.topk(3)
+        for lp in (aggregated[1][i], disaggregated[1][i]):
+            assert lp.logprob == pytest.approx(reference[token].item(), abs=1e-4)
+            assert lp.top_ids == tuple(ids.tolist())
+            assert lp.top_logprobs == pytest.approx(values.tolist(), abs=1e-4)
+
+
+def test_penalized_greedy_follows_the_formula_and_survives_a_move(model):
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    # a negative presence penalty draws the output back to its own tokens, the frequency penalty away again
+    penalties = {"presence_penalty": -2.0, "frequency_penalty": 1.0, "repetition_penalty": 0.8}
+    params = SamplingParams(max_tokens=6, ignore_eos=True, seed=0, **penalties)
+    expected: list[int] = []
+    moved = 0  # steps where the penalties change the greedy choice
+    direct = DirectModel(model, prompt, len(prompt) + 6)
+    for _ in range(6):
+        logits = direct.logits
+        # Hugging Face's repetition penalty over prompt + output, then OpenAI's over the output
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[prompt + expected] = True
+        logits = torch.where(seen, torch.where(logits > 0, logits / 0.8, logits * 0.8), logits)
+        counts = torch.bincount(torch.tensor(expected, dtype=torch.long), minlength=logits.numel())
+        logits = logits - 1.0 * counts + 2.0 * (counts > 0).float()
+        expected.append(int(logits.argmax()))
+        moved += expected[-1] != int(direct.logits.argmax())
+        direct.push(expected[-1])
+    assert moved > 0
+    decode = DecodeWorker("d0", model, DecodeConfig(page_size=PAGE, num_pages=32))
+    decode.add_request(DecodeRequest("a", prompt, params))
+    # moved after 3 tokens: prefilled again with the prompt and the tokens already sent
+    decode.add_request(DecodeRequest("b", prompt, params, generated_token_ids=expected[:3]))
+    got = drain(decode, ["a", "b"])
+    assert got["a"] == (expected, "length")
+    assert got["b"] == (expected[3:], "length")

@@ -223,6 +223,34 @@ def test_local_prefill_preemption_requeues_without_output():
     assert plan.ranks[0].prefill[0].sample.step == generated
 
 
+def test_a_penalized_request_s_sequence_goes_once_per_stay_on_a_runner():
+    s = scheduler(num_pages=6)
+    a = request("a", 4, max_tokens=20, policy=Policy.AGGREGATED, frequency_penalty=0.5)
+    b = request("b", 4, max_tokens=20, policy=Policy.AGGREGATED, repetition_penalty=1.2)
+    s.add(a)
+    s.add(b)
+    plan, _ = s.schedule()
+    assert [r.sample.penalty_ids for r in plan.ranks[0].prefill] == [(3, 4, 5, 6)] * 2
+    finish(s, plan)
+    plan, _ = s.schedule()
+    assert [r.sample.penalty_ids for r in plan.ranks[0].decode] == [None, None]  # counted there
+    finish(s, plan)
+    plan, _ = run_until_preemption(s)
+    assert b.state is RequestState.WAITING and not b.counted
+    finish(s, plan)
+    s.abort("a")
+    plan, _ = s.schedule()  # prefilled again: its whole sequence goes again
+    assert plan.ranks[0].prefill[0].sample.penalty_ids == tuple(b.token_ids)
+    # a decode-only request: its first decode row after its KV arrived carries the sequence
+    c = request("c", 4, presence_penalty=1.0)
+    s.add(c)
+    s.kv_arrived(c.transfer_id, 4, 9)
+    finish(s, plan)
+    plan, _ = s.schedule()
+    (row,) = [r for r in plan.ranks[0].decode if r.request_id == "c"]
+    assert row.sample.penalty_ids == (3, 4, 5, 6, 9)
+
+
 def test_long_prompts_are_prefilled_in_chunks_then_decoded():
     s = scheduler()
     a = request("a", 20, max_tokens=2, policy=Policy.AGGREGATED)  # max_chunk 16
@@ -259,12 +287,14 @@ def test_budget_and_chunks():
         ("a", 0, 6, False), ("b", 0, 3, True), ("c", 0, 1, False),
     ]  # fmt: skip
     outcome = finish(s, plan, 77)
-    assert [(r.request_id, t) for r, t in outcome.to_send] == [("b", 77)] and outcome.outputs == []
+    assert [(r.request_id, t) for r, t, _ in outcome.to_send] == [
+        ("b", 77)
+    ] and outcome.outputs == []
     assert s.requests["b"].state is RequestState.SENDING
     plan, _ = s.schedule()
     assert chunks(plan) == [("a", 6, 3), ("c", 1, 4)]
     assert plan.ranks[0].prefill[1].token_ids == s.requests["c"].token_ids[1:]
-    assert [r.request_id for r, _ in finish(s, plan).to_send] == ["a", "c"]
+    assert [r.request_id for r, _, _ in finish(s, plan).to_send] == ["a", "c"]
     assert s.queued_tokens == 0 and s.allocator.num_used == 3 + 1 + 2
     for rid in "abc":
         s.release(rid)

@@ -6,13 +6,16 @@ rows stay arrays until read; a malformed wire is refused with the field named.""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
 import pytest
 
 from pdserve.engine.plan_channel import decode, encode
+from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.engine.step import (
+    NO_LOGPROBS,
     DecodeRow,
     PageTableCache,
     PrefillRow,
@@ -139,9 +142,11 @@ def test_the_wire_is_raw_buffers():
     values = list(leaves(wire))
     prefill = [r for rank in plan.ranks for r in rank.prefill]
     decode_rows = [r for rank in plan.ranks for r in rank.decode]
-    # the step id, one string per row, and per pass a fixed number of buffers and one page-id size
+    # the step id, one string per row, and per rank and pass a fixed number of buffers, one page-id size and
+    # the sampling extras (None: plain samples pay nothing for penalties or log-probabilities)
     assert sum(isinstance(v, bytes) for v in values) == 2 * (6 + 4)
-    assert len(values) == 1 + len(prefill) + len(decode_rows) + 2 * (6 + 4 + 2)
+    assert sum(v is None for v in values) == 2 * 2
+    assert len(values) == 1 + len(prefill) + len(decode_rows) + 2 * (6 + 4 + 2 + 2)
     page_ids = sum(len(r.page_ids) for r in [*prefill, *decode_rows])
     sampled = sum(r.sample is not None for r in prefill)
     buffers = (
@@ -242,12 +247,50 @@ def test_the_cache_is_not_fooled_by_a_list_changed_in_place():
         RankResult(8, [11, None, 0, 129_279], [5, 6, 7]),
         RankResult(9, [None], [], decode_error="device lost"),
         RankResult(-1, [], [2**31 - 1], prefill_error="bad chunk", decode_error="also"),
+        RankResult(
+            10,
+            [4, None, 6],
+            [7, 8],
+            prefill_logprobs=[TokenLogprobs(-0.5, (4, 9), (-0.5, -1.25)), None, None],
+            decode_logprobs=[None, TokenLogprobs(-3.0)],
+        ),  # fmt: skip
     ],
 )
 def test_results_round_trip(result):
     got = result_from_wire(decode(encode(result_to_wire(result))))
     assert got == result
     assert all(type(t) is int for t in got.decode_tokens)
+
+
+def test_results_without_logprobs_pay_nothing_for_them():
+    wire = result_to_wire(RankResult(1, [3, None], [5, 6]))
+    assert wire[-2:] == [None, None]
+
+
+def test_penalties_bans_and_logprobs_round_trip_only_where_asked():
+    params = SamplingParams(
+        max_tokens=9, presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.3,
+        min_tokens=4, logprobs=3, stop_token_ids=(17, 5), seed=11,
+    )  # fmt: skip
+    tokens = [0, 40, 41, 42, 43, 44]
+    full = SampleSpec.of(params, 2, tokens, eos_token_ids={1})
+    assert full.penalty_ids == tuple(tokens) and full.banned_ids == (1, 5, 17)
+    counted = SampleSpec.of(SamplingParams(frequency_penalty=1.0), 2, tokens, {1}, counted=True)
+    assert counted.penalty_ids is None and counted.banned_ids == () and counted.penalized
+    past_min = SampleSpec.of(dataclasses.replace(params, ignore_eos=True), 3, tokens, {1})
+    assert past_min.banned_ids == (5, 17)
+    assert SampleSpec.of(params, 4, tokens, {1}).banned_ids == ()
+    plain = SampleSpec.of(SamplingParams(temperature=0.5, seed=3), 2, tokens, {1})
+    assert plain.plain and plain.logprobs == NO_LOGPROBS and not full.plain
+    plan = StepPlan(3, [RankStep(
+        [PrefillRow("a", [1, 2], 0, [0], full), PrefillRow("b", [3], 0, [1], None)],
+        [DecodeRow("c", 5, 9, [2], plain), DecodeRow("d", 6, 7, [3], counted)],
+    ), RankStep([], [DecodeRow("e", 1, 1, [4], plain)])])  # fmt: skip
+    got = over_the_wire(plan)
+    assert got == plan
+    assert got.ranks[0].prefill[0].sample.penalty_ids == tuple(tokens)
+    assert got.ranks[0].decode[1].sample.penalty_ids is None
+    assert got.ranks[1].decode.sample_extras is None  # a pass of plain samples has no extras
 
 
 def test_a_malformed_wire_is_refused_naming_the_field():

@@ -44,12 +44,12 @@ def test_a_failed_send_is_reported_and_frees_the_pages(model):
     while p.step():
         pass
     p.close()  # waits for the sends
-    failures = p.poll_events()
+    failures = p.poll_events().failures
     assert sorted(f.request_id for f in failures) == ["a", "b"]
     assert all(
         f.error.startswith("prefill worker p0: KV transfer 1: no decode worker") for f in failures
     )
-    assert p.stats().pages_used == 0 and p.poll_events() == []
+    assert p.stats().pages_used == 0 and p.poll_events().empty
 
 
 def test_abort_while_queued_or_prefilling_frees_the_pages(model):

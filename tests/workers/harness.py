@@ -66,7 +66,7 @@ class MiniRouter:
     def pump(self) -> None:
         self._dispatch()
         if self.prefill is not None:
-            for failure in self.prefill.poll_events():
+            for failure in self.prefill.poll_events().failures:
                 if failure.request_id not in self.results:
                     continue  # a request of an earlier run
                 self.decode.abort(failure.request_id)

@@ -24,27 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\xa7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x92\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0c\n\x04stop\x18\t \x03(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seed\"\xc0\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x93\x01\n\x07Timings\x12\x10\n\x08queued_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\r\x12\x16\n\x0eprefill_worker\x18\x05 \x01(\t\x12\x15\n\rdecode_worker\x18\x06 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32U\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\"\xa7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd0\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\r \x01(\rH\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0b\x88\x01\x01\x12\x0e\n\x01n\x18\x10 \x01(\rH\x0c\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_n\"\xfb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\r\n\x05index\x18\n \x01(\r\x12*\n\x08logprobs\x18\x0b \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x93\x01\n\x07Timings\x12\x10\n\x08queued_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\r\x12\x16\n\x0eprefill_worker\x18\x05 \x01(\t\x12\x15\n\rdecode_worker\x18\x06 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32U\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=919
-  _globals['_FINISHREASON']._serialized_end=1039
+  _globals['_FINISHREASON']._serialized_start=1374
+  _globals['_FINISHREASON']._serialized_end=1494
   _globals['_GENERATEREQUEST']._serialized_start=44
   _globals['_GENERATEREQUEST']._serialized_end=211
   _globals['_TOKENIDS']._serialized_start=213
   _globals['_TOKENIDS']._serialized_end=236
   _globals['_SAMPLINGPARAMS']._serialized_start=239
-  _globals['_SAMPLINGPARAMS']._serialized_end=513
-  _globals['_GENERATERESPONSE']._serialized_start=516
-  _globals['_GENERATERESPONSE']._serialized_end=708
-  _globals['_USAGE']._serialized_start=710
-  _globals['_USAGE']._serialized_end=767
-  _globals['_TIMINGS']._serialized_start=770
-  _globals['_TIMINGS']._serialized_end=917
-  _globals['_GENERATION']._serialized_start=1041
-  _globals['_GENERATION']._serialized_end=1126
+  _globals['_SAMPLINGPARAMS']._serialized_end=831
+  _globals['_GENERATERESPONSE']._serialized_start=834
+  _globals['_GENERATERESPONSE']._serialized_end=1085
+  _globals['_TOKENLOGPROB']._serialized_start=1087
+  _globals['_TOKENLOGPROB']._serialized_end=1163
+  _globals['_USAGE']._serialized_start=1165
+  _globals['_USAGE']._serialized_end=1222
+  _globals['_TIMINGS']._serialized_start=1225
+  _globals['_TIMINGS']._serialized_end=1372
+  _globals['_GENERATION']._serialized_start=1496
+  _globals['_GENERATION']._serialized_end=1581
 # @@protoc_insertion_point(module_scope)
