@@ -53,8 +53,8 @@ def test_merging_stops_before_a_failure_which_comes_next():
         r.events.put_nowait(RequestOutput(r.request_id, [7]))
         out = await router.next_tokens(r)
         assert out.token_ids == [5, 6] and out.finish_reason is None
-        assert isinstance(r.held, PrefillFailure)
-        assert isinstance(await router._next_event(r), PrefillFailure) and r.held is None
+        assert isinstance(r.pending, PrefillFailure)
+        assert isinstance(await router._next_event(r), PrefillFailure) and r.pending is None
         out = await router.next_tokens(r)  # the failure was taken above: the next output follows
         assert out.token_ids == [7]
 
