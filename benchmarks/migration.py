@@ -11,7 +11,10 @@ two decode workers, which then prefill themselves, and a migrated stream is reco
 worker); on the CPU 1 prefill + 2 decode workers by default. The victim is the decode worker holding the most
 streams once each of its streams has `--kill-after` tokens. The offline check runs after the server has stopped
 (the GPUs are free again), on the first GPU, with the same kernels and batch-invariant mode. Prints a summary
-and its JSON (also written to $OUT/migration.json when OUT is set); exits 1 when a stream failed or differed.
+and its JSON (also written to $OUT/migration.json when OUT is set, with every stream's prompt and tokens in
+$OUT/migration_streams.json); exits 1 when a stream failed or differed. The offline path runs one stream at a
+time, eagerly: where a command's time is short, check some streams after serving (--check-n) and the rest in
+later runs (--check-file $OUT/migration_streams.json --check-start K --check-n M).
 """
 
 from __future__ import annotations
@@ -157,11 +160,13 @@ def check_offline(args, streams: dict[str, Stream]) -> dict:
     device = "cuda:0" if args.device == "cuda" else "cpu"
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     differ: dict[str, int] = {}
+    start = time.monotonic()
     with use_backend(args.kernels), use_batch_invariant(args.batch_invariant):
         model = load_model(resolve_model(args.model), device, dtype, progress=False)
         generator = OfflineGenerator(model)
-        for name, s in streams.items():
+        for i, (name, s) in enumerate(streams.items()):
             expected = generator.generate(s.prompt, params).token_ids
+            print(f"offline check: {i + 1}/{len(streams)} ({time.monotonic() - start:.0f} s)")
             if expected != s.token_ids:
                 pairs = enumerate(zip(expected, s.token_ids, strict=False))
                 differ[name] = next((i for i, (a, b) in pairs if a != b), len(s.token_ids))
@@ -170,6 +175,21 @@ def check_offline(args, streams: dict[str, Stream]) -> dict:
         "identical": len(streams) - len(differ),
         "first_divergence": differ,
     }
+
+
+_CHECK_SETTINGS = ("model", "device", "dtype", "kernels", "batch_invariant", "output_len")
+"""What the offline check of saved streams must repeat of the run that saved them."""
+
+
+def check_saved(args) -> int:
+    """Checks streams a run saved (--check-file); returns the exit status."""
+    saved = json.loads(Path(args.check_file).read_text())
+    settings = argparse.Namespace(**saved["settings"])
+    names = list(saved["streams"])[args.check_start :][: args.check_n]
+    streams = {n: Stream(**saved["streams"][n]) for n in names}
+    check = check_offline(settings, streams)
+    print(json.dumps({"check_file": args.check_file, "from": args.check_start, **check}, indent=2))
+    return int(check["identical"] != check["checked"])
 
 
 def serve_config(args, num_prefill: int, num_decode: int):
@@ -186,9 +206,14 @@ def serve_config(args, num_prefill: int, num_decode: int):
         "router": {"port": 0, "http_port": None, "admission_timeout_s": args.timeout},
         "kvtransfer": {"store_port": free_port()},
     }  # fmt: skip
-    if on_gpu:
+    if (
+        on_gpu
+    ):  # decode graphs warmed up for this load only: a replacement's start is part of the test
         values["prefill"] = {"gpu_memory_fraction": args.gpu_memory_fraction}
-        values["decode"] = {"gpu_memory_fraction": args.gpu_memory_fraction}
+        values["decode"] = {
+            "gpu_memory_fraction": args.gpu_memory_fraction, "max_running": args.streams,
+            "warm_up_context": args.input_len + args.output_len,
+        }  # fmt: skip
     return build_config(None, values)
 
 
@@ -220,8 +245,8 @@ def main() -> None:
         help="of each worker's GPU: weights, KV cache and workspace",
     )  # fmt: skip
     p.add_argument("--streams", type=int, default=64, help="greedy streams, all at once")
-    p.add_argument("--input-len", type=int, default=512, help="prompt tokens")
-    p.add_argument("--output-len", type=int, default=256, help="tokens per stream (ignore_eos)")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="tokens per stream (ignore_eos)")
     p.add_argument(
         "--kill-after", type=int, default=None,
         help="kill once each of the victim's streams has this many tokens (default: output-len / 4)",
@@ -229,7 +254,20 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=1000, help="prompt ids are drawn from [3, vocab)")
     p.add_argument("--timeout", type=float, default=900.0, help="deadline per stream, s")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--check-n", type=int, default=None,
+        help="streams checked against the offline path after serving (default: all; the rest can be "
+        "checked later with --check-file)",
+    )  # fmt: skip
+    p.add_argument(
+        "--check-file", default=None,
+        help="no serving: check the streams a run saved ($OUT/migration_streams.json) against the offline "
+        "path, those from --check-start on (--check-n of them)",
+    )  # fmt: skip
+    p.add_argument("--check-start", type=int, default=0, help="with --check-file: first stream")
     args = p.parse_args()
+    if args.check_file is not None:
+        sys.exit(check_saved(args))
     if args.decode < 2:
         p.error(f"--decode {args.decode}: at least 2 (one is killed, another serves meanwhile)")
     if args.streams < 1 or args.output_len < 2 or args.input_len < 1:
@@ -288,15 +326,24 @@ def main() -> None:
         "wall_s": kill["wall_s"], "errors": len(failed),
         "first_error": next(iter(failed.values()), None), "replacement": replaced,
     }  # fmt: skip
-    summary["offline_check"] = check_offline(args, streams)
+    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    if out is not None:
+        saved = {
+            "settings": {k: getattr(args, k) for k in _CHECK_SETTINGS},
+            "streams": {
+                n: {"prompt": s.prompt, "token_ids": s.token_ids} for n, s in streams.items()
+            },
+        }
+        (out / "migration_streams.json").write_text(json.dumps(saved) + "\n")
+    checked = dict(list(streams.items())[: args.check_n])
+    summary["offline_check"] = check_offline(args, checked)
     for key, value in summary.items():
         print(f"{key:>18}: {value:.3f}" if isinstance(value, float) else f"{key:>18}: {value}")
     text = json.dumps(summary, indent=2)
     print(text)
-    if os.environ.get("OUT"):
-        path = Path(os.environ["OUT"]) / "migration.json"
-        path.write_text(text + "\n")
-        print(f"wrote {path}")
+    if out is not None:
+        (out / "migration.json").write_text(text + "\n")
+        print(f"wrote {out / 'migration.json'} and {out / 'migration_streams.json'}")
     check = summary["offline_check"]
     if failed or check["identical"] != check["checked"]:
         sys.exit(1)
