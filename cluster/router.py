@@ -412,31 +412,38 @@ class Router:
                 f"{self._num_waiting} requests are already waiting for a decode worker "
                 f"(router.max_queued_requests)"
             )
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + self.config.admission_timeout_s
         self._num_waiting += 1
         try:
-            async with self._admission:
-                while not await self._try_admit(r, force):
-                    if force is None and not self.pool(DECODE, WorkerState.SERVING):
-                        await self._wait_for_decode(r)
-                        give_up = loop.time() + self.config.admission_timeout_s
-                    now = loop.time()
-                    if r.deadline is not None and now >= r.deadline:
-                        raise DeadlineExceededError("deadline exceeded while waiting for admission")
-                    if now >= give_up:
-                        raise CapacityError(
-                            f"no decode worker had room for {len(r.prompt_ids) + len(r.generated)} "
-                            f"tokens within {self.config.admission_timeout_s:g}s"
-                        )
-                    self._capacity.clear()
-                    wait = min(_ADMISSION_RETRY_S, give_up - now)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._capacity.wait(), wait)
+            while not await self._admit_in_turn(r, force):
+                await self._wait_for_decode(r)
         finally:
             self._num_waiting -= 1
         if r.admitted_at is None:
             r.admitted_at = time.monotonic()
+
+    async def _admit_in_turn(self, r: Request, force) -> bool:
+        """Admits `r` in arrival order, waiting for room up to admission_timeout_s; False when no decode
+        worker serves any more. The caller then waits for one outside the admission lock: a replacement
+        serves only once its warm-up request is through, and a warm-up (`force`) takes no turn in line."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.config.admission_timeout_s
+        async with self._admission if force is None else contextlib.nullcontext():
+            while not await self._try_admit(r, force):
+                if force is None and not self.pool(DECODE, WorkerState.SERVING):
+                    return False
+                now = loop.time()
+                if r.deadline is not None and now >= r.deadline:
+                    raise DeadlineExceededError("deadline exceeded while waiting for admission")
+                if now >= give_up:
+                    raise CapacityError(
+                        f"no decode worker had room for {len(r.prompt_ids) + len(r.generated)} "
+                        f"tokens within {self.config.admission_timeout_s:g}s"
+                    )
+                self._capacity.clear()
+                wait = min(_ADMISSION_RETRY_S, give_up - now)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._capacity.wait(), wait)
+        return True
 
     async def _wait_for_decode(self, r: Request) -> None:
         """Returns once a decode worker serves; while none does but a replacement is coming, waits for it

@@ -4,7 +4,9 @@ posted operations on it, polled against deadlines.
 Each pair has an epoch counter in the shared store: whichever side sees the link fail aborts its group and bumps
 the epoch, and both sides rebuild under the new epoch's prefix on next use. Before building, the two sides meet in
 the store (each sets a ready key and waits, with a timeout, for the other's), so a dead peer costs a timeout, never
-a hang.
+a hang. A peer may still die between its ready key and its group: the build then waits in the store for it, up to
+the connect timeout, on a store client of the pair's own (a client serves one request at a time), so that no other
+pair of the process waits with it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -112,6 +114,7 @@ class Pair:
         self._scratch: Scratch | None = None
         self.gone = False
         """The peer was lost for good (set from any thread): connecting fails at once."""
+        self._group_store = None
 
     def on_device(self) -> contextlib.AbstractContextManager:
         """Makes the pair's device and side stream current for the calling thread (both are per thread)."""
@@ -157,22 +160,55 @@ class Pair:
                     f"{self.peer} did not join the KV link within {self.config.connect_timeout_s:g}s"
                 )
             time.sleep(_JOIN_POLL_S)
-        prefixed = dist.PrefixStore(prefix, self.store)
-        if self.backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timedelta(seconds=self.config.idle_timeout_s)
-            self.group = dist.ProcessGroupNCCL(prefixed, self.rank, 2, options)
-        else:
-            timeout = timedelta(seconds=self.config.idle_timeout_s)
-            self.group = dist.ProcessGroupGloo(prefixed, self.rank, 2, timeout)
+        self._group_store = self._own_store()
+        prefixed = dist.PrefixStore(prefix, self._group_store)
+        try:
+            if self.backend == "nccl":  # its communicator is set up through the store on first use
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timedelta(seconds=self.config.idle_timeout_s)
+                self.group = dist.ProcessGroupNCCL(prefixed, self.rank, 2, options)
+            else:
+                # Gloo meets the peer in the store now, waiting up to the group's timeout, which is
+                # therefore the connect timeout; each operation waits with its own (`Op`).
+                timeout = timedelta(seconds=self.config.connect_timeout_s)
+                self.group = dist.ProcessGroupGloo(prefixed, self.rank, 2, timeout)
+        except RuntimeError as e:
+            # torch's store and network errors here: the peer went away while joining
+            self.fail()  # both sides build afresh, under a new epoch's prefix
+            raise PeerAbsent(f"{self.peer} joined the KV link but did not build it: {e}") from e
         self.epoch = epoch
         return self.group
 
+    def _own_store(self):
+        """A new client of the shared store for one group (kept while the group lives: NCCL sets up its
+        communicator through it on first use): the build's waits for the peer, up to the connect timeout,
+        then hold up no other pair's store requests."""
+        if not isinstance(self.store, dist.TCPStore):
+            return self.store
+        return dist.TCPStore(
+            self.store.host, self.store.port, is_master=False,
+            timeout=timedelta(seconds=self.config.connect_timeout_s), wait_for_workers=False,
+        )  # fmt: skip
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Holds `lock`, waiting for it only while the peer is not lost: a send queued behind one that is
+        building the link to a peer that died fails as soon as the peer is forgotten."""
+        while not self.lock.acquire(timeout=CHECK_S):
+            if self.gone:
+                raise PeerAbsent(f"{self.peer} was lost")
+        try:
+            yield
+        finally:
+            self.lock.release()
+
     def send(self, tensor: torch.Tensor, tag: int) -> Op:
-        return Op(self.group.send([tensor], 1 - self.rank, tag), self.group, self.backend)
+        work = self.group.send([tensor], 1 - self.rank, tag)
+        return Op(work, self.group, self.backend, self.config.idle_timeout_s)
 
     def recv(self, tensor: torch.Tensor, tag: int) -> Op:
-        return Op(self.group.recv([tensor], 1 - self.rank, tag), self.group, self.backend)
+        work = self.group.recv([tensor], 1 - self.rank, tag)
+        return Op(work, self.group, self.backend, self.config.idle_timeout_s)
 
     def drop(self) -> None:
         if self.group is not None and self.backend == "nccl":
@@ -180,7 +216,7 @@ class Pair:
                 self.group.abort()
             except Exception:  # already broken: nothing more to release
                 logger.debug("abort of %s failed", self.key, exc_info=True)
-        self.group = None
+        self.group = self._group_store = None
 
     def fail(self) -> None:
         """The link is unusable: drop our side and move both sides to a new epoch."""
@@ -193,7 +229,8 @@ class Op:
     """A posted send or receive that can be polled. NCCL works report completion themselves; a gloo work only
     completes inside `wait()` (and a timed-out wait closes the pair), so a helper thread waits on it."""
 
-    def __init__(self, work, group: dist.ProcessGroup, backend: str):
+    def __init__(self, work, group: dist.ProcessGroup, backend: str, timeout_s: float):
+        """timeout_s: how long a gloo operation may stay posted (an NCCL one: its group's timeout)."""
         self.work, self.error = work, None
         self.in_order = backend == "nccl"
         """NCCL runs a pair's operations on one stream in posting order: one completing implies that every
@@ -202,11 +239,12 @@ class Op:
         if backend == "gloo":
             self._done = threading.Event()
             # The thread holds the group: it stays alive until the wait ends, even if abandoned.
-            threading.Thread(target=self._wait_gloo, args=(group,), daemon=True).start()
+            timeout = timedelta(seconds=timeout_s)
+            threading.Thread(target=self._wait_gloo, args=(group, timeout), daemon=True).start()
 
-    def _wait_gloo(self, group: dist.ProcessGroup) -> None:
+    def _wait_gloo(self, group: dist.ProcessGroup, timeout: timedelta) -> None:
         try:
-            self.work.wait()
+            self.work.wait(timeout)
         except Exception as e:  # reported by wait()
             self.error = e
         finally:

@@ -171,6 +171,8 @@ class DistKVReceiver(KVReceiver):
 
     def close(self) -> None:
         self._closed.set()
+        for peer in self._peers.values():
+            peer.pair.gone = True  # a thread waiting for its peer to join the link stops waiting
         for peer in list(self._peers.values()):
             peer.thread.join(timeout=5)
             peer.pair.drop()
@@ -263,6 +265,8 @@ class DistKVReceiver(KVReceiver):
                     continue
                 header = self._receive_one(peer, pair, header)
             except PeerAbsent as e:
+                if self._closed.is_set():
+                    break
                 # It never joined: every transfer expected from it fails now.
                 logger.warning("%s", e)
                 header = None

@@ -116,11 +116,11 @@ class DistKVSender(KVSender):
         pair = self._pair(peer)
 
         def build() -> None:
-            with pair.lock, pair.on_device():
-                try:
+            try:
+                with pair.held(), pair.on_device():
                     pair.connect()
-                except TransferError as e:
-                    logger.warning("%s", e)
+            except TransferError as e:
+                logger.warning("%s", e)
 
         threading.Thread(target=build, daemon=True, name=f"kv-connect-{peer}").start()
 
@@ -151,7 +151,7 @@ class DistKVSender(KVSender):
             MAGIC, transfer_id, n, num_tokens, first_token,
             num_layers, page_size, dim, cache.element_size(), largest, first,
         ]  # fmt: skip
-        with pair.lock, pair.on_device():
+        with pair.held(), pair.on_device():
             pair.connect(epoch_ttl_s=SENDER_EPOCH_TTL_S)
             deadline = time.monotonic() + self.config.timeout_s
             try:

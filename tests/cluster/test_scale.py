@@ -62,7 +62,7 @@ def test_scale_decode_up_then_drain_without_failing_requests(client, reference):
         assert tokens(chunks) == reference(prompt, max_tokens)
 
     # Long requests on both workers, then shrink to one while they run: none fails.
-    long_requests = [(prompt, 300) for prompt, _ in workload(8, seed=12, max_len=40)]
+    long_requests = [(prompt, 160) for prompt, _ in workload(8, seed=12, max_len=40)]
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(run_all, client, long_requests, "drain")
         wait_for(

@@ -58,10 +58,14 @@ def make_link():
     them after the test."""
     built = []
 
-    def make(idle_timeout_s: float = 900.0, in_place: bool = False, expect_grace_s: float = 5.0):
+    def make(
+        idle_timeout_s: float = 900.0, in_place: bool = False, expect_grace_s: float = 5.0,
+        connect_timeout_s: float = 10.0,
+    ):  # fmt: skip
         page_bytes = LAYERS * PAGE_SIZE * DIM * 4
         config = KVTransferConfig(
-            store_port=free_port(), timeout_s=10, connect_timeout_s=10, idle_timeout_s=idle_timeout_s,
+            store_port=free_port(), timeout_s=10, connect_timeout_s=connect_timeout_s,
+            idle_timeout_s=idle_timeout_s,
             chunk_bytes=4 * page_bytes, first_piece_bytes=page_bytes, pipeline_min_bytes=0,
             expect_grace_s=expect_grace_s,
         )  # fmt: skip
@@ -411,3 +415,43 @@ def test_a_forgotten_peer_fails_its_waiting_and_later_sends_at_once(make_link):
     with pytest.raises(TransferError, match="d-lost.r1 was lost"):
         sender.forget("d-lost")  # its ranks' endpoints too (a decode worker of several ranks)
         sender.send("d-lost.r1", 2, source, [0], PAGE_SIZE, 7)
+
+
+def test_a_peer_that_died_while_joining_holds_up_only_its_own_link(make_link):
+    """A decode peer that joined the link (its ready key is in the store) and died before building its group
+    leaves our side's group waiting in the store for its address. That wait lasts the build's bound (the
+    connect timeout, not the group's 900 s idle timeout) and holds no other pair: a transfer to a live peer
+    meanwhile goes through at once, and a send queued behind the stuck one fails as soon as the peer is
+    forgotten."""
+    sender, receiver, source, dest = make_link(connect_timeout_s=3.0)
+    sender.store.set("pdkv/p0/d-dead/0/ready1", "1")  # joined, then died
+    errors: dict[int, tuple[float, BaseException]] = {}
+
+    def send_to_dead(transfer_id: int) -> None:
+        start = time.monotonic()
+        try:
+            sender.send("d-dead", transfer_id, source, [0], PAGE_SIZE, 7)
+        except TransferError as e:
+            errors[transfer_id] = (time.monotonic() - start, e)
+
+    stuck = threading.Thread(target=send_to_dead, args=(1,))
+    stuck.start()
+    time.sleep(0.3)  # building the group with "d-dead"
+    queued = threading.Thread(target=send_to_dead, args=(2,))
+    queued.start()
+    live = threading.Thread(target=sender.send, args=("d0", 3, source, [3, 4], 2 * PAGE_SIZE, 5))
+    expect(receiver, 3, [1, 2])
+    start = time.monotonic()
+    live.start()
+    live.join(timeout=2.0)
+    assert not live.is_alive(), "a transfer to a live peer waited behind the dead peer's link"
+    assert [r.error for r in wait_results(receiver, 1)] == [None]
+    assert torch.equal(dest[[1, 2]], source[[3, 4]])
+    assert time.monotonic() - start < 2.0
+    sender.forget("d-dead")
+    queued.join(timeout=1.0)
+    assert not queued.is_alive() and "d-dead was lost" in str(errors[2][1])
+    stuck.join(timeout=10.0)
+    assert not stuck.is_alive()
+    took, error = errors[1]
+    assert took < 3.0 + 2.0, f"the build waited {took:.1f}s for the dead peer: {error}"

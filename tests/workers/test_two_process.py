@@ -162,15 +162,19 @@ def prompt_key(prompt: list[int], max_tokens: int) -> tuple:
     return tuple(prompt), max_tokens
 
 
+SMALL_POOL = 12
+"""Decode pages (64 tokens each) that the growing workload outgrows: 8 requests of up to 4 pages each."""
+
+
 def growing_workload(seed: int) -> dict[str, tuple[list[int], int]]:
     """Short prompts that all grow long: admitted together, they outgrow a small page pool."""
     return {
-        k: (prompt, 70 + 5 * i) for i, (k, (prompt, _)) in enumerate(workload(16, seed, 60).items())
+        k: (prompt, 70 + 10 * i) for i, (k, (prompt, _)) in enumerate(workload(8, seed, 60).items())
     }
 
 
 def test_preemption_by_recompute_keeps_outputs(cluster, reference):
-    p, d = cluster(decode_pages=24)
+    p, d = cluster(decode_pages=SMALL_POOL)
     requests = growing_workload(seed=2)
     router = MiniRouter(d, "d0", p, "p0")
     submit_all(router, requests)
@@ -181,7 +185,7 @@ def test_preemption_by_recompute_keeps_outputs(cluster, reference):
     assert p.stats().pages_used == 0 and d.stats().pages_used == 0
 
 
-@pytest.mark.parametrize("decode_pages", [400, 24])
+@pytest.mark.parametrize("decode_pages", [400, SMALL_POOL])
 def test_aggregated_outputs_equal_offline(model_dir, reference, decode_pages):
     kv = KVTransferConfig(store_port=free_port())
     config = DecodeConfig(num_pages=decode_pages, max_prefill_chunk=64, max_num_batched_tokens=256)
