@@ -75,8 +75,7 @@ def plan(preset: str, gpus: int, layers: int | None, memory_gib: float, extra: l
     return {"fits": out.returncode == 0, "text": text, "command": " ".join(cmd[2:])}
 
 
-def serve_command(args, model_dir: Path, max_context: int) -> list[str]:
-    max_running = max(int(c) for c in args.concurrency.split(","))
+def serve_command(args, model_dir: Path, max_context: int, max_running: int) -> list[str]:
     n = args.gpus
     cmd = _cli(
         "serve", "--model", str(model_dir), "--model.load-format", "dummy", "--port", str(args.port),
@@ -176,7 +175,7 @@ def main() -> None:
     args = p.parse_args()
     try:
         scenarios = [tuple(int(x) for x in s.split(":")) for s in args.scenarios.split(",")]
-        [int(c) for c in args.concurrency.split(",")]
+        concurrency = [int(c) for c in args.concurrency.split(",")]
     except ValueError:
         p.error("--scenarios takes ISL:OSL pairs and --concurrency integers, comma-separated")
     if args.disaggregated and args.gpus % 2:
@@ -189,7 +188,7 @@ def main() -> None:
                     "trtllm_points": TRTLLM_POINTS, "scenarios": {}}  # fmt: skip
     memory = _gpu_memory_gib(args.gpu_memory_gib)
     per_worker = args.gpus // 2 if args.disaggregated else args.gpus
-    max_running = max(int(c) for c in args.concurrency.split(","))
+    max_running = max(concurrency)
     _step(f"plan: {per_worker} GPUs of {memory:.0f} GiB a worker")
     record["plan"] = plan(
         args.preset, per_worker, args.layers, memory, ["--max-running", str(max_running)]
@@ -215,7 +214,7 @@ def main() -> None:
         subprocess.run(cmd, check=True)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     max_context = max(isl + osl for isl, osl in scenarios)
-    serve = serve_command(args, model_dir, max_context)
+    serve = serve_command(args, model_dir, max_context, max_running)
     record["serve_command"] = " ".join(serve[2:])
     _step("serve: " + record["serve_command"])
     log = open(out / "serve.log", "w")  # noqa: SIM115 (held for the server's life)
@@ -230,7 +229,7 @@ def main() -> None:
         for isl, osl in scenarios:
             name = f"{isl}:{osl}"
             points = record["scenarios"][name] = []
-            for c in [int(x) for x in args.concurrency.split(",")]:
+            for c in concurrency:
                 _step(f"ISL {isl} / OSL {osl}, concurrency {c}")
                 summary = run_point(args, isl, osl, c, vocab)
                 points.append(summary)

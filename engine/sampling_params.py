@@ -103,11 +103,7 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         """Whether any penalty changes the logits."""
-        return (
-            self.presence_penalty != 0
-            or self.frequency_penalty != 0
-            or self.repetition_penalty != 1
-        )
+        return any_penalty(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
 
     def with_seed(self) -> SamplingParams:
         """A copy with a concrete seed (drawn at random when unset), so every worker samples alike."""
@@ -125,6 +121,11 @@ class TokenLogprobs:
     top_ids: tuple[int, ...] = ()
     """Most likely first (as many as the request asked for)."""
     top_logprobs: tuple[float, ...] = ()
+
+
+def any_penalty(presence: float, frequency: float, repetition: float) -> bool:
+    """Whether these penalties change the logits (0, 0 and 1 leave them as they are)."""
+    return presence != 0 or frequency != 0 or repetition != 1
 
 
 def derive_seed(seed: int, index: int) -> int:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .sampling_params import SamplingParams, TokenLogprobs
+from .sampling_params import SamplingParams, TokenLogprobs, any_penalty
 
 NO_LOGPROBS = -1
 """`SampleSpec.logprobs` of a request that asked for no log-probabilities."""
@@ -98,11 +98,7 @@ class SampleSpec:
 
     @property
     def penalized(self) -> bool:
-        return (
-            self.presence_penalty != 0
-            or self.frequency_penalty != 0
-            or self.repetition_penalty != 1
-        )
+        return any_penalty(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
 
     @property
     def plain(self) -> bool:
