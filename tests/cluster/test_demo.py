@@ -9,7 +9,8 @@ import sys
 
 
 def test_demo_runs_from_an_empty_cache(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # as from a fresh shell: no Ray address, nor the auth mode a ray.init in this process exported
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
     out = subprocess.run(
         [sys.executable, "-m", "pdserve.cluster.cli", "demo", "--max-tokens", "8"],

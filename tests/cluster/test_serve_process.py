@@ -36,7 +36,8 @@ def ray_tmpdir():
 
 
 def serve_env(ray_tmpdir: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # RAY_AUTH_MODE: this process's ray.init exported it; a user's shell has none
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     env["RAY_TMPDIR"] = str(ray_tmpdir)
     # As when this test process started a Ray of its own first: the server inherits that Ray's owner token and
     # must still tie its own Ray to itself.
