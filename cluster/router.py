@@ -19,7 +19,8 @@ migrates (`_migrate`). Its other worker aborts it, it takes a new internal id (s
 sends can reach the new one) and is placed again like a preempted request: prompt plus the tokens already sent,
 recomputed through prefill, with sampling drawn by (seed, step), so the stream goes on from the next token exactly
 as it would have. With no decode worker serving it waits, within its deadline, for the replacement the supervisor
-starts; with no prefill worker serving the decode worker prefills it. `router.migration_limit` caps the moves."""
+starts; with no prefill worker serving the decode worker prefills it (in batch-invariant mode it always does, replaying
+the tokens already sent: `replay_on_decode`). `router.migration_limit` caps the moves."""
 
 from __future__ import annotations
 
@@ -140,6 +141,10 @@ class Router:
         """Why lost workers are no longer replaced (the supervisor's restart bound), or empty."""
         self.num_migrated = 0
         """Moves of requests off lost workers since start."""
+        self.replay_on_decode = False
+        """Batch-invariant mode: a moved request goes to a decode worker alone, which prefills its prompt and
+        replays its generated tokens as decode rows (a prefill worker would compute them in the prefill
+        kernels, whose last bits differ, and the stream would drift from what it would have been)."""
         self._admission = asyncio.Lock()  # FIFO: requests are admitted in arrival order
         self._num_waiting = 0
         self._capacity = asyncio.Event()
@@ -474,6 +479,8 @@ class Router:
             need = pages_needed(len(tokens), decodes[0].page_size)
             prefills = [w for w in self.pool(PREFILL, WorkerState.SERVING) if w.num_pages >= need]
             prefill = min(prefills, key=lambda w: w.queued_tokens, default=None)
+            if r.generated and self.replay_on_decode:
+                prefill = None
         peer = prefill.worker_id if prefill is not None else None
         payload = messages.encode(
             DecodeRequest(r.request_id, r.prompt_ids, r.params, peer, r.generated)

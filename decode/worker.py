@@ -53,7 +53,7 @@ class DecodeWorker(Worker):
             config.page_size, config.max_num_batched_tokens,
             config.max_prefill_chunk, args.vocab_size, args.max_position_embeddings, args.eos_token_ids,
             max_running=config.max_running, fixed_chunks=kernels.batch_invariant(),
-            worker_kind="decode worker",
+            worker_kind="decode worker", replay_generated=kernels.batch_invariant(),
         )  # fmt: skip
         self.receiver: KVReceiver | None = (
             make_receiver(self.runner.cache.data) if make_receiver else None

@@ -9,7 +9,9 @@ path). A step is `schedule()` -> `StepPlan` -> the runner's `RankResult`s -> `fi
 - prefilling requests get chunks under the step's token budget, first come first served (`plan_prefill_chunks`);
 - running requests each run one decode token, oldest first; one that needs a page nobody has free preempts the
   most recently admitted requests (their pages freed; an aggregated one is prefilled again later with the tokens
-  generated so far, a decode-only one is handed back to the router), or is preempted itself;
+  generated so far, a decode-only one is handed back to the router), or is preempted itself; in batch-invariant
+  mode a request that comes back with generated tokens prefills its prompt and replays those tokens as decode
+  rows (`replay_generated`);
 - after the step, sampled tokens are appended and the stop rules applied.
 
 Pages freed while a step is in flight (an abort from another thread) are held back until `finish_step`, since
@@ -38,6 +40,9 @@ from .pages import PageAllocator, pages_needed
 from .request import Policy, Request, RequestState
 from .sampling_params import FinishReason, TokenLogprobs, check_stop
 from .step import DecodeRow, PrefillRow, RankResult, RankStep, SampleSpec, StepPlan
+
+_REPLAY = SampleSpec(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, step=0)
+"""A replayed token's row: greedy, nothing counted (its sample is dropped)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -72,13 +77,17 @@ class Scheduler:
         fixed_chunks: bool = False,
         worker_kind: str = "worker",
         ranks: int | None = None,
+        replay_generated: bool = False,
     ):
         """allocator: the KV pages of the worker's one rank, or one allocator per data-parallel rank (of equal
         sizes); ranks: ranks of the worker (default: one per allocator; with one allocator and more ranks, each
         rank runs the same rows); token_budget, max_chunk: prompt tokens per step (per rank), and per request
         per step; max_running: requests admitted at once (None: no limit); fixed_chunks (batch-invariant mode):
         cut prompts only at multiples of the chunk size (`plan_prefill_chunks`); worker_kind: how refusals name
-        this worker ("decode worker")."""
+        this worker ("decode worker"); replay_generated (batch-invariant mode): an aggregated request that
+        carries generated tokens (preempted, or moved here from a lost worker) prefills its prompt alone and
+        runs its generated tokens again as decode rows, so every token's KV comes from the phase that made
+        it the first time (`_prefill_end`)."""
         allocators = [allocator] if isinstance(allocator, PageAllocator) else list(allocator)
         ranks = len(allocators) if ranks is None else ranks
         if not allocators or len(allocators) not in (1, ranks):
@@ -94,6 +103,7 @@ class Scheduler:
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.eos_token_ids = eos_token_ids
         self.max_running, self.worker_kind = max_running, worker_kind
+        self.replay_generated = replay_generated
         self.requests: dict[str, Request] = {}
         """Every live request, in arrival order."""
         self.waiting: deque[Request] = deque()
@@ -190,7 +200,7 @@ class Scheduler:
     def queued_tokens(self) -> int:
         """Prompt tokens not yet prefilled (the router's load measure for a prefill worker)."""
         return sum(
-            r.num_tokens - r.num_computed
+            self._prefill_end(r) - r.num_computed
             for r in self.requests.values()
             if r.state in (RequestState.WAITING, RequestState.PREFILLING)
         )
@@ -268,7 +278,7 @@ class Scheduler:
         self._take_pages_in_order()
         prefill: list[tuple[Request, int, int]] = []
         for rank in range(len(self.allocators)):  # each rank's token budget
-            pending = [(r, r.num_computed, r.num_tokens) for r in self.requests.values()
+            pending = [(r, r.num_computed, self._prefill_end(r)) for r in self.requests.values()
                        if r.state is RequestState.PREFILLING and r.rank == rank]  # fmt: skip
             prefill += plan_prefill_chunks(
                 pending, self.token_budget, self.max_chunk, self.fixed_chunks
@@ -326,7 +336,7 @@ class Scheduler:
     ) -> RankStep:
         prefill_rows = []
         for request, start, length in prefill:
-            last = start + length == request.num_tokens
+            last = start + length == request.num_tokens  # not when its generated tokens replay next
             sample = self._sample_spec(request) if last else None
             chunk = request.token_ids[start : start + length]
             prefill_rows.append(
@@ -335,14 +345,23 @@ class Scheduler:
         decode_rows = [
             DecodeRow(
                 r.request_id,
-                r.token_ids[-1],
-                r.num_tokens - 1,
+                r.token_ids[r.num_computed],
+                r.num_computed,
                 list(r.pages),
-                self._sample_spec(r),
+                self._sample_spec(r) if r.num_computed == r.num_tokens - 1 else _REPLAY,
             )  # fmt: skip
             for r in decode
         ]
         return RankStep(prefill_rows, decode_rows)
+
+    def _prefill_end(self, request: Request) -> int:
+        """Where its prefill ends: every known token, or (replay_generated, an aggregated request with generated
+        tokens) its prompt, its generated tokens then running as decode rows whose samples are dropped until
+        the last (a token's KV differs in the last bits between the prefill and decode kernels: replayed, a
+        moved or preempted stream goes on exactly as it would have)."""
+        if self.replay_generated and request.num_generated and request.policy is Policy.AGGREGATED:
+            return request.num_prompt_tokens
+        return request.num_tokens
 
     def _take_pages_in_order(self) -> None:
         while self.waiting:
@@ -419,6 +438,8 @@ class Scheduler:
                 continue
             request.num_computed = start + length
             if token is None:
+                if request.num_computed == self._prefill_end(request) < request.num_tokens:
+                    request.state = RequestState.RUNNING  # its generated tokens replay next
                 continue
             if request.policy is Policy.PREFILL_ONLY:
                 request.state = RequestState.SENDING
@@ -435,5 +456,7 @@ class Scheduler:
             if result.decode_error is not None:
                 outputs += self._abort(request, f"decode failed: {result.decode_error}")
                 continue
-            request.num_computed = request.num_tokens
+            request.num_computed += 1
+            if request.num_computed < request.num_tokens:
+                continue  # a replayed token: its sample is dropped
             outputs += self._append(request, token, logprobs)

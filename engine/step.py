@@ -123,7 +123,8 @@ class PrefillRow:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DecodeRow:
-    """One request's decode token: its last token runs at `position` and the next token is sampled."""
+    """One request's decode token: its last token runs at `position` and the next token is sampled (a replayed
+    token's row, `Scheduler.replay_generated`: a known token, its sample dropped)."""
 
     request_id: str
     token_id: int

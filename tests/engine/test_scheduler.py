@@ -223,6 +223,55 @@ def test_local_prefill_preemption_requeues_without_output():
     assert plan.ranks[0].prefill[0].sample.step == generated
 
 
+def test_replay_generated_prefills_the_prompt_and_replays_the_rest_as_decode_rows():
+    """Batch-invariant mode: a request that comes with generated tokens (moved from a lost worker) computes
+    each token in the phase that made it first: its prompt in prefill rows, its generated tokens in decode rows
+    that feed the known tokens and drop their samples, the last of them sampling the next token for real."""
+    s = Scheduler(
+        PageAllocator(16), PAGE, 64, 16, 100, 1000, {1}, worker_kind="decode worker",
+        replay_generated=True,
+    )  # fmt: skip
+    moved = Request("m", [3, 4, 5, 6, 7, 40, 41, 42], SamplingParams(max_tokens=8, seed=0,
+                    frequency_penalty=0.5), Policy.AGGREGATED, num_generated=3)  # fmt: skip
+    fresh = request("f", 5, policy=Policy.AGGREGATED)
+    s.add(moved)
+    s.add(fresh)
+    assert s.queued_tokens == 5 + 5
+    plan, _ = s.schedule()
+    assert chunks(plan) == [("m", 0, 5), ("f", 0, 5)]
+    assert [row.sample is None for row in plan.ranks[0].prefill] == [True, False]
+    outcome = finish(s, plan, token=50)
+    assert [(o.request_id, o.token_ids) for o in outcome.outputs] == [("f", [50])]
+    assert moved.state is RequestState.RUNNING and moved.num_computed == 5
+    fed = []
+    for _ in range(2):  # positions 5 and 6 replay tokens 40 and 41; their samples are dropped
+        plan, _ = s.schedule()
+        row = plan.ranks[0].decode[0]
+        assert (
+            row.request_id == "m" and row.sample.temperature == 0 and row.sample.penalty_ids is None
+        )
+        fed.append((row.position, row.token_id))
+        outcome = finish(s, plan, token=99)
+        assert [o.request_id for o in outcome.outputs] == ["f"]
+    assert fed == [(5, 40), (6, 41)] and moved.token_ids == [3, 4, 5, 6, 7, 40, 41, 42]
+    plan, _ = (
+        s.schedule()
+    )  # the last known token samples the next one, step 3, with its whole sequence
+    row = plan.ranks[0].decode[0]
+    assert (row.position, row.token_id, row.sample.step) == (7, 42, 3)
+    assert row.sample.penalty_ids == (3, 4, 5, 6, 7, 40, 41, 42)
+    outcome = finish(s, plan, token=60)
+    assert ("m", [60]) in [(o.request_id, o.token_ids) for o in outcome.outputs]
+    assert moved.num_computed == 8 and moved.token_ids[-1] == 60
+    # without replay (the default) the same request is prefilled whole and samples at once
+    s = scheduler()
+    again = Request("m", [3, 4, 5, 6, 7, 40, 41, 42], SamplingParams(max_tokens=8, seed=0),
+                    Policy.AGGREGATED, num_generated=3)  # fmt: skip
+    s.add(again)
+    plan, _ = s.schedule()
+    assert chunks(plan) == [("m", 0, 8)] and plan.ranks[0].prefill[0].sample.step == 3
+
+
 def test_a_penalized_request_s_sequence_goes_once_per_stay_on_a_runner():
     s = scheduler(num_pages=6)
     a = request("a", 4, max_tokens=20, policy=Policy.AGGREGATED, frequency_penalty=0.5)
