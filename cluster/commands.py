@@ -266,6 +266,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"{(n - 1) / elapsed if n > 1 and elapsed > 0 else 0:.1f} tokens/s]",
         file=sys.stderr,
     )
+    t = last.timings
+    print(
+        f"[stages: router queue {1e3 * t.queued_s:.1f} ms, prefill queue {1e3 * t.prefill_queue_s:.1f} ms, "
+        f"prefill {1e3 * t.prefill_s:.1f} ms, KV transfer {1e3 * t.kv_transfer_s:.1f} ms, decode queue "
+        f"{1e3 * t.decode_queue_s:.1f} ms, first token {1e3 * t.time_to_first_token_s:.1f} ms; "
+        f"{t.prefill_worker or 'prefilled by the decode worker'} -> {t.decode_worker}]",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -331,7 +339,7 @@ def add_commands(sub, config_flags: bool = True) -> dict:
     gen = sub.add_parser(
         "generate",
         help="stream a generation from a running server",
-        description="Streams the generated text to stdout; a summary (TTFT, tokens/s) goes to stderr. "
+        description="Streams the generated text to stdout; a summary (TTFT, tokens/s, the stage times) goes to stderr. "
         + SAMPLING_DEFAULT,
     )
     _add_addr(gen)

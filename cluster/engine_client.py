@@ -13,7 +13,7 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
-from pdserve.engine.messages import DecodeStats, PrefillStats
+from pdserve.engine.messages import DecodeStats, PrefillStats, StageTimes
 from pdserve.engine.sampling_params import (
     FinishReason,
     SamplingParams,
@@ -44,6 +44,18 @@ class Timings:
     num_preemptions: int
     prefill_worker: str
     decode_worker: str
+    stages: StageTimes = StageTimes()
+    """Durations of the stages its workers ran (its last placement's; `StageTimes`), 0.0 where one did not
+    run or its prefill worker's report had not come."""
+
+    def stage_dict(self) -> dict[str, float]:
+        """Its stages in order, as the HTTP usage's `stage_times` carries them: router queue, prefill queue,
+        prefill, KV transfer, decode queue, first token."""
+        return {
+            "router_queue_s": self.queued_s,
+            **dataclasses.asdict(self.stages),
+            "time_to_first_token_s": self.time_to_first_token_s,
+        }
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -81,6 +93,7 @@ def _timings(r: Request, finished_at: float | None) -> Timings:
         num_preemptions=r.num_preemptions,
         prefill_worker=r.prefill_worker,
         decode_worker=r.decode_worker,
+        stages=r.stages,
     )
 
 

@@ -86,6 +86,11 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
+def _stages(chunk: Chunk | None) -> dict[str, float] | None:
+    """A choice's stage times for the usage object (`Timings.stage_dict`), where its last chunk has timings."""
+    return None if chunk is None or chunk.timings is None else chunk.timings.stage_dict()
+
+
 def _sse(data: dict) -> bytes:
     return (
         b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
@@ -366,7 +371,9 @@ class HttpFrontEnd:
                 if all(c is not None for c in last):
                     break
             chunk = await _next(generation)
-        usage = api.usage(last[0].num_prompt_tokens, sum(c.num_generated_tokens for c in last))
+        usage = api.usage(
+            last[0].num_prompt_tokens, sum(c.num_generated_tokens for c in last), _stages(last[0])
+        )
         choices = []
         for i, c in enumerate(last):
             text = "".join(pieces[i])
@@ -423,9 +430,8 @@ class HttpFrontEnd:
                 chunk = await _next(generation)
             if req.include_usage:
                 generated = sum(c.num_generated_tokens for c in last)
-                yield _sse(
-                    api.usage_chunk(head, req.kind, api.usage(chunk.num_prompt_tokens, generated))
-                )
+                usage = api.usage(chunk.num_prompt_tokens, generated, _stages(last[0]))
+                yield _sse(api.usage_chunk(head, req.kind, usage))
         except (
             Exception
         ) as e:  # process boundary: the status line is sent, so the error is an event

@@ -285,12 +285,19 @@ def new_id(kind: str) -> str:
     return f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def usage(num_prompt_tokens: int, num_generated_tokens: int) -> dict[str, int]:
-    return {
+def usage(
+    num_prompt_tokens: int, num_generated_tokens: int, stage_times: dict[str, float] | None = None
+) -> dict:
+    """OpenAI's usage object; with `stage_times` (pdserve's own key: `Timings.stage_dict`, the first choice's)
+    where the request finished with timings."""
+    out: dict = {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_generated_tokens,
         "total_tokens": num_prompt_tokens + num_generated_tokens,
     }
+    if stage_times is not None:
+        out["stage_times"] = stage_times
+    return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -45,6 +45,7 @@ from pdserve.engine.messages import (
     PrefillRequest,
     RequestOutput,
     Reservation,
+    StageTimes,
 )
 from pdserve.engine.pages import pages_needed
 from pdserve.engine.sampling_params import FinishReason, SamplingParams
@@ -59,6 +60,10 @@ logger = logging.getLogger(__name__)
 _ADMISSION_RETRY_S = 0.05
 _CLEANUP_WAIT_S = 10.0
 _IDLE_CHECK_S = 0.02
+_STAGES_WAIT_S = 0.5
+"""How long a request's last chunk waits for its prefill worker's stage times (`PrefillStages`), which come by
+another poll than the decode worker's outputs; past it the chunk goes without them."""
+_STAGES_CHECK_S = 0.005
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -107,6 +112,11 @@ class Request:
     finish_reason: str | None = None
     first_logprobs: FirstTokenLogprobs | None = None
     """The prefill worker's log-probabilities of this submission's first token, until that token arrives."""
+    stages: StageTimes = dataclasses.field(default_factory=StageTimes)
+    """The stages its workers reported (its last placement's): the prefill worker's once its KV is acknowledged,
+    the decode worker's with its last output."""
+    prefill_stages_from: str = ""
+    """The prefill worker whose stage times are in `stages` (its last placement's is awaited when different)."""
     held: RequestOutput | None = None
     """D's outputs from the first token on, held (not yet sent, not in `generated`) until P's log-probabilities
     of that token arrive; dropped when the submission ends otherwise (the tokens come again, the same, from
@@ -121,8 +131,9 @@ def _joined(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """Two consecutive outputs of one request as one."""
     logprobs = None if a.logprobs is None else [*a.logprobs, *(b.logprobs or [])]
     return RequestOutput(
-        a.request_id, [*a.token_ids, *b.token_ids], b.finish_reason, b.error, logprobs=logprobs
-    )
+        a.request_id, [*a.token_ids, *b.token_ids], b.finish_reason, b.error, logprobs=logprobs,
+        stages=b.stages,
+    )  # fmt: skip
 
 
 class Router:
@@ -239,6 +250,7 @@ class Router:
                 continue
             if event.preempted:
                 r.held = None
+                r.stages, r.prefill_stages_from = StageTimes(), ""
                 r.num_preemptions += 1
                 self._detach(r)
                 await self._place(r, force)
@@ -262,10 +274,22 @@ class Router:
                 r.moved_at = None
             r.generated.extend(event.token_ids)
             if event.finish_reason is not None:
+                r.stages = r.stages.merged(event.stages)
+                await self._await_prefill_stages(r)
                 r.finish_reason, r.finished_at = event.finish_reason, now
                 self._detach(r)
             if event.token_ids or event.finish_reason is not None:
                 return event
+
+    @staticmethod
+    async def _await_prefill_stages(r: Request) -> None:
+        """Before a last chunk: waits (up to _STAGES_WAIT_S) for the stage times of the prefill worker of the
+        request's last placement, which its poll may bring after the decode worker's last output."""
+        if not r.prefill_worker or r.prefill_stages_from == r.prefill_worker:
+            return
+        give_up = time.monotonic() + _STAGES_WAIT_S
+        while r.prefill_stages_from != r.prefill_worker and time.monotonic() < give_up:
+            await asyncio.sleep(_STAGES_CHECK_S)
 
     @staticmethod
     def _coalesce(r: Request, event: RequestOutput) -> RequestOutput:
@@ -346,6 +370,7 @@ class Router:
             )
         r.num_migrations += 1
         r.moved_at = time.monotonic()
+        r.stages, r.prefill_stages_from = StageTimes(), ""
         self.num_migrated += 1
         if lost is not None:
             lost.num_migrated += 1
@@ -578,6 +603,13 @@ class Router:
                 r = self.requests.get(event.request_id)
                 if r is not None and r.prefill is w:
                     r.events.put_nowait(event)
+            for (
+                report
+            ) in events.stages:  # often after D's first token ended the request's stay on P
+                r = self.requests.get(report.request_id)
+                if r is not None and r.prefill_worker == w.worker_id:
+                    r.stages = r.stages.merged(report.stages)
+                    r.prefill_stages_from = w.worker_id
 
     def spawn(self, coro) -> None:
         task = asyncio.create_task(coro)

@@ -68,6 +68,7 @@ def _timings(t: Timings) -> generation_pb2.Timings:
         num_preemptions=t.num_preemptions,
         prefill_worker=t.prefill_worker,
         decode_worker=t.decode_worker,
+        **dataclasses.asdict(t.stages),
     )
 
 

@@ -85,15 +85,49 @@ class FirstTokenLogprobs:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class StageTimes:
+    """Seconds a request spent in each stage on one worker (0.0 for a stage that worker did not run)."""
+
+    prefill_queue_s: float = 0.0
+    """From its arrival on the worker to its first prefill chunk."""
+    prefill_s: float = 0.0
+    """From its first prefill chunk to its first token."""
+    kv_transfer_s: float = 0.0
+    """Prefill worker: from its first token to the decode worker's acknowledgement of its KV."""
+    decode_queue_s: float = 0.0
+    """Decode worker: from its first token (sampled there, or arrived with its KV) to its first decode step."""
+
+    def merged(self, other: StageTimes | None) -> StageTimes:
+        """These stages, with those `other` ran (its non-zero ones) in."""
+        if other is None:
+            return self
+        return StageTimes(
+            *(
+                b or a
+                for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)
+            )
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefillStages:
+    """The stages a prefill worker ran for a request whose KV the decode worker acknowledged."""
+
+    request_id: str
+    stages: StageTimes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class PrefillEvents:
     """What a prefill worker reports to the router's long-poll."""
 
     failures: list[PrefillFailure] = dataclasses.field(default_factory=list)
     first_logprobs: list[FirstTokenLogprobs] = dataclasses.field(default_factory=list)
+    stages: list[PrefillStages] = dataclasses.field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.failures and not self.first_logprobs
+        return not self.failures and not self.first_logprobs and not self.stages
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -155,6 +189,8 @@ class RequestOutput:
     logprobs: list[TokenLogprobs | None] | None = None
     """Where the request asked for log-probabilities: one entry per token of `token_ids`; None for a first token
     a prefill worker sampled (that worker reports it: `FirstTokenLogprobs`)."""
+    stages: StageTimes | None = None
+    """On a finishing output: the stages this worker ran (a prefill worker reports its own: `PrefillStages`)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

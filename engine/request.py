@@ -62,6 +62,12 @@ class Request:
     """DECODE_ONLY: the id the prefill worker's transfer carries."""
     rank: int = 0
     """The data-parallel rank holding its pages and running its rows (0 on a worker of one such rank)."""
+    added_at: float = 0.0
+    """time.monotonic() when this worker took it; the first prefill chunk planned here, the first token (sampled
+    here, or arrived with its KV) and the first decode row planned here follow (0.0: not yet)."""
+    first_chunk_at: float = 0.0
+    first_token_at: float = 0.0
+    first_decode_at: float = 0.0
     counted: bool = False
     """The runner running its rows counts its penalties already (its sequence went with a sampled row; see
     `SampleSpec.penalty_ids`); false again once it is preempted."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections import deque
 from collections.abc import Collection, Sequence
 
@@ -35,7 +36,7 @@ from pdserve.model.errors import CapacityError, InvalidRequestError
 
 from .checks import check_context, check_pages, check_token_ids
 from .chunking import plan_prefill_chunks
-from .messages import RequestOutput
+from .messages import RequestOutput, StageTimes
 from .pages import PageAllocator, pages_needed
 from .request import Policy, Request, RequestState
 from .sampling_params import FinishReason, TokenLogprobs, check_stop
@@ -194,6 +195,7 @@ class Scheduler:
             else:
                 request.state = RequestState.PREFILLING
         request.admit_order = next(self._arrivals)
+        request.added_at = time.monotonic()
         self.requests[request.request_id] = request
 
     @property
@@ -219,6 +221,7 @@ class Scheduler:
             )
         request.num_computed = num_tokens
         request.state = RequestState.RUNNING
+        request.first_token_at = time.monotonic()
         return self._append(request, first_token)
 
     def kv_failed(self, transfer_id: int, error: str) -> list[RequestOutput]:
@@ -258,14 +261,21 @@ class Scheduler:
         sampled by a prefill worker has them on that worker: the output's entry is None)."""
         request.token_ids.append(token)
         request.num_generated += 1
+        request.first_token_at = request.first_token_at or time.monotonic()
         reason = check_stop(request.params, token, request.num_generated, self.eos_token_ids)
+        stages = None
         if reason is not None:
             self._release(request, RequestState.FINISHED)
+            stages = stage_times(request)
         wanted = request.params.logprobs is not None
         return [
             RequestOutput(
-                request.request_id, [token], reason, logprobs=[logprobs] if wanted else None
-            )
+                request.request_id,
+                [token],
+                reason,
+                logprobs=[logprobs] if wanted else None,
+                stages=stages,
+            )  # fmt: skip
         ]
 
     # Steps.
@@ -334,6 +344,11 @@ class Scheduler:
     def _rank_step(
         self, prefill: Sequence[tuple[Request, int, int]], decode: Sequence[Request]
     ) -> RankStep:
+        now = time.monotonic()
+        for request, _, _ in prefill:
+            request.first_chunk_at = request.first_chunk_at or now
+        for request in decode:
+            request.first_decode_at = request.first_decode_at or now
         prefill_rows = []
         for request, start, length in prefill:
             last = start + length == request.num_tokens  # not when its generated tokens replay next
@@ -442,6 +457,7 @@ class Scheduler:
                     request.state = RequestState.RUNNING  # its generated tokens replay next
                 continue
             if request.policy is Policy.PREFILL_ONLY:
+                request.first_token_at = request.first_token_at or time.monotonic()
                 request.state = RequestState.SENDING
                 to_send.append((request, token, logprobs))
             else:
@@ -460,3 +476,20 @@ class Scheduler:
             if request.num_computed < request.num_tokens:
                 continue  # a replayed token: its sample is dropped
             outputs += self._append(request, token, logprobs)
+
+
+def stage_times(request: Request, sent_at: float = 0.0) -> StageTimes:
+    """The stages `request` went through on this worker: its prefill's queue and run where it was prefilled here,
+    the KV transfer up to `sent_at` (a prefill worker's acknowledgement), the wait for its first decode step where
+    it decoded here."""
+
+    def between(start: float, end: float) -> float:
+        return max(0.0, end - start) if start and end else 0.0
+
+    chunk, token = request.first_chunk_at, request.first_token_at
+    return StageTimes(
+        prefill_queue_s=between(request.added_at, chunk),
+        prefill_s=between(chunk, token),
+        kv_transfer_s=between(token, sent_at),
+        decode_queue_s=between(token, request.first_decode_at),
+    )

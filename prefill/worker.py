@@ -20,10 +20,12 @@ from pdserve.engine.messages import (
     PrefillEvents,
     PrefillFailure,
     PrefillRequest,
+    PrefillStages,
     PrefillStats,
 )
 from pdserve.engine.rank_group import RankGroup
 from pdserve.engine.request import Policy, Request, RequestState
+from pdserve.engine.scheduler import stage_times
 from pdserve.engine.worker import Worker
 from pdserve.kvtransfer import KVSender
 from pdserve.model.deepseek import Transformer
@@ -58,6 +60,7 @@ class PrefillWorker(Worker):
         self._aborted: set[str] = set()
         self._failures: list[PrefillFailure] = []
         self._first_logprobs: list[FirstTokenLogprobs] = []
+        self._stages: list[PrefillStages] = []
         self._sends = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{worker_id}-send")
 
     def submit(self, request: PrefillRequest) -> None:
@@ -93,11 +96,13 @@ class PrefillWorker(Worker):
         self.sender.forget(decode_worker)
 
     def poll_events(self) -> PrefillEvents:
-        """Failures, and the first tokens' log-probabilities, since the last call."""
+        """Failures, the first tokens' log-probabilities and the stages of the requests handed over, since the
+        last call."""
         with self._lock:
             failures, self._failures = self._failures, []
             first_logprobs, self._first_logprobs = self._first_logprobs, []
-        return PrefillEvents(failures, first_logprobs)
+            stages, self._stages = self._stages, []
+        return PrefillEvents(failures, first_logprobs, stages)
 
     def stats(self) -> PrefillStats:
         with self._lock:
@@ -179,9 +184,12 @@ class PrefillWorker(Worker):
         except Exception as e:  # thread boundary
             logger.error("send of %s failed", r.request_id, exc_info=True)
             error = f"KV send failed: {e}"
+        sent_at = time.monotonic()
         with self._lock:
             if error is not None and r.request_id not in self._aborted:
                 self._fail(r.request_id, error)
             else:
+                if error is None and r.request_id not in self._aborted:
+                    self._stages.append(PrefillStages(r.request_id, stage_times(request, sent_at)))
                 self._aborted.discard(r.request_id)
                 self.scheduler.release(r.request_id)

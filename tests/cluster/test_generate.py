@@ -93,6 +93,10 @@ def test_32_concurrent_streams_equal_offline(client, reference):
         t = last.timings
         assert 0 < t.time_to_first_token_s <= t.total_s
         assert (t.prefill_worker, t.decode_worker) == ("prefill-0", "decode-0")
+        # the stage times: every stage ran (each worker's clock), none longer than the request
+        stages = (t.queued_s, t.prefill_queue_s, t.prefill_s, t.kv_transfer_s, t.decode_queue_s)
+        assert all(0 < s < t.total_s for s in stages[1:]), stages
+        assert 0 < t.queued_s < t.time_to_first_token_s, stages
     assert len({c.request_id for chunks in results for c in chunks}) == 32
     wait_for(lambda: all_pages_free(client), 10, "pages freed after the requests finished")
 

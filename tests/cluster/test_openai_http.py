@@ -102,6 +102,7 @@ def test_completion_from_token_ids_equals_offline(server, api, reference, tokeni
     assert choice.finish_reason == "length"
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt), 12)
     assert reply.usage.total_tokens == len(prompt) + 12
+    assert reply.usage.model_extra["stage_times"]["decode_queue_s"] > 0
 
 
 def test_streamed_text_completion_equals_offline_with_usage(server, api, reference, tokenizer):
@@ -119,6 +120,12 @@ def test_streamed_text_completion_equals_offline_with_usage(server, api, referen
     *body, last = chunks
     assert not last.choices and all(c.usage is None for c in body)
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), 10)
+    stages = last.usage.model_extra["stage_times"]  # pdserve's own key: the request's stage times
+    assert list(stages) == [
+        "router_queue_s", "prefill_queue_s", "prefill_s", "kv_transfer_s", "decode_queue_s",
+        "time_to_first_token_s",
+    ]  # fmt: skip
+    assert all(0 < v < stages["time_to_first_token_s"] for k, v in stages.items() if "prefill" in k)
 
 
 def test_chat_whole_and_streamed_equal_offline(server, api, reference, tokenizer, chat_ids):

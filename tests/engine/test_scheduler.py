@@ -272,6 +272,24 @@ def test_replay_generated_prefills_the_prompt_and_replays_the_rest_as_decode_row
     assert chunks(plan) == [("m", 0, 8)] and plan.ranks[0].prefill[0].sample.step == 3
 
 
+def test_a_finishing_output_carries_the_stages_this_worker_ran():
+    s = scheduler()
+    local = request("a", 4, max_tokens=2, policy=Policy.AGGREGATED)  # prefilled and decoded here
+    remote = request("d", 4, max_tokens=2)  # its KV comes from a prefill worker
+    s.add(local)
+    s.add(remote)
+    plan, _ = s.schedule()
+    outputs = finish(s, plan).outputs + s.kv_arrived(remote.transfer_id, 4, 9)
+    assert [o.stages for o in outputs] == [None, None]  # not finished
+    plan, _ = s.schedule()
+    stages = {o.request_id: o.stages for o in finish(s, plan).outputs}
+    a, d = stages["a"], stages["d"]
+    assert (
+        a.prefill_queue_s > 0 and a.prefill_s > 0 and a.decode_queue_s > 0 and a.kv_transfer_s == 0
+    )
+    assert d.prefill_queue_s == d.prefill_s == d.kv_transfer_s == 0 and d.decode_queue_s > 0
+
+
 def test_a_penalized_request_s_sequence_goes_once_per_stay_on_a_runner():
     s = scheduler(num_pages=6)
     a = request("a", 4, max_tokens=20, policy=Policy.AGGREGATED, frequency_penalty=0.5)

@@ -111,17 +111,25 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queued_s", "time_to_first_token_s", "total_s", "num_preemptions", "prefill_worker", "decode_worker")
+    __slots__ = ("queued_s", "time_to_first_token_s", "total_s", "num_preemptions", "prefill_worker", "decode_worker", "prefill_queue_s", "prefill_s", "kv_transfer_s", "decode_queue_s")
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_S_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     queued_s: float
     time_to_first_token_s: float
     total_s: float
     num_preemptions: int
     prefill_worker: str
     decode_worker: str
-    def __init__(self, queued_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., total_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ...) -> None: ...
+    prefill_queue_s: float
+    prefill_s: float
+    kv_transfer_s: float
+    decode_queue_s: float
+    def __init__(self, queued_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., total_s: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., prefill_queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ...) -> None: ...
