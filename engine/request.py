@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Collection
 from typing import Any
 
 from .sampling_params import SamplingParams
@@ -68,9 +69,23 @@ class Request:
     first_chunk_at: float = 0.0
     first_token_at: float = 0.0
     first_decode_at: float = 0.0
+    stop_ids: frozenset[int] = dataclasses.field(init=False, repr=False)
+    """`params.stop_token_ids` as a set: each sampled token is looked up in it."""
+    _banned: tuple[int, ...] | None = dataclasses.field(default=None, init=False, repr=False)
     counted: bool = False
     """The runner running its rows counts its penalties already (its sequence went with a sampled row; see
     `SampleSpec.penalty_ids`); false again once it is preempted."""
+
+    def __post_init__(self) -> None:
+        self.stop_ids = frozenset(self.params.stop_token_ids)
+
+    def banned_ids(self, eos_token_ids: Collection[int]) -> tuple[int, ...]:
+        """What min_tokens holds back (`SampleSpec.banned_ids`): its stop tokens and, unless it ignores EOS,
+        `eos_token_ids`; made once."""
+        if self._banned is None:
+            eos = () if self.params.ignore_eos else eos_token_ids
+            self._banned = tuple(sorted({*eos, *self.stop_ids}))
+        return self._banned
 
     @property
     def num_tokens(self) -> int:

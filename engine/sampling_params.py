@@ -138,12 +138,14 @@ def derive_seed(seed: int, index: int) -> int:
 
 
 def check_stop(
-    params: SamplingParams, token_id: int, num_generated: int, eos_token_ids: Collection[int]
-) -> str | None:
-    """Finish reason after `token_id`, the `num_generated`-th generated token, or None to continue."""
+    params: SamplingParams, token_id: int, num_generated: int, eos_token_ids: Collection[int],
+    stop_ids: Collection[int] | None = None,
+) -> str | None:  # fmt: skip
+    """Finish reason after `token_id`, the `num_generated`-th generated token, or None to continue. stop_ids:
+    `params.stop_token_ids` as a set (`Request.stop_ids`), where the caller keeps one."""
     if not params.ignore_eos and token_id in eos_token_ids:
         return FinishReason.STOP
-    if token_id in params.stop_token_ids:
+    if token_id in (params.stop_token_ids if stop_ids is None else stop_ids):
         return FinishReason.STOP
     if num_generated >= params.max_tokens:
         return FinishReason.LENGTH

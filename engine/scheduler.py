@@ -262,7 +262,9 @@ class Scheduler:
         request.token_ids.append(token)
         request.num_generated += 1
         request.first_token_at = request.first_token_at or time.monotonic()
-        reason = check_stop(request.params, token, request.num_generated, self.eos_token_ids)
+        reason = check_stop(
+            request.params, token, request.num_generated, self.eos_token_ids, request.stop_ids
+        )
         stages = None
         if reason is not None:
             self._release(request, RequestState.FINISHED)
@@ -334,9 +336,10 @@ class Scheduler:
     def _sample_spec(self, request: Request) -> SampleSpec:
         """Its next row's sampling; the first since it came here (or was preempted) carries its sequence for
         the penalties, which the runner counts on from then on."""
+        params, step = request.params, request.num_generated
+        banned = request.banned_ids(self.eos_token_ids) if step < params.min_tokens else None
         spec = SampleSpec.of(
-            request.params, request.num_generated, request.token_ids, self.eos_token_ids,
-            request.counted,
+            params, step, request.token_ids, self.eos_token_ids, request.counted, banned
         )  # fmt: skip
         request.counted = request.params.penalized
         return spec

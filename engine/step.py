@@ -80,14 +80,16 @@ class SampleSpec:
     def of(
         cls, params: SamplingParams, step: int, token_ids: Sequence[int] = (),
         eos_token_ids: Collection[int] = (), counted: bool = False,
+        banned_ids: tuple[int, ...] | None = None,
     ) -> SampleSpec:  # fmt: skip
         """params should carry a seed (SamplingParams.with_seed); an unset one samples as seed 0. token_ids: the
         request's tokens (prompt, then its `step` generated ones), sent for penalties unless `counted` (the
         runner counts them already); eos_token_ids: what min_tokens holds back besides the request's stop
-        tokens (unless it ignores EOS)."""
+        tokens (unless it ignores EOS); banned_ids: those, made already (`Request.banned_ids`)."""
         penalty_ids = tuple(token_ids) if params.penalized and not counted else None
-        banned_ids: tuple[int, ...] = ()
-        if step < params.min_tokens:
+        if step >= params.min_tokens:
+            banned_ids = ()
+        elif banned_ids is None:
             eos = () if params.ignore_eos else eos_token_ids
             banned_ids = tuple(sorted({*eos, *params.stop_token_ids}))
         return cls(
