@@ -159,7 +159,7 @@ class Generation:
             len(out.token_ids), len(r.prompt_ids), time.monotonic(), r.first_token_at, r.arrival
         )
         if timings is not None:
-            self._metrics.finished(finish_reason, timings.queued_s, timings.total_s)
+            self._metrics.finished(finish_reason, timings.queued_s, timings.total_s, timings.stages)
         if self._stopped:
             self.cancel()
         return Chunk(

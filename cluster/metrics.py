@@ -29,7 +29,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdserve.engine.messages import DecodeStats, PrefillStats
+from pdserve.engine.messages import DecodeStats, PrefillStats, StageTimes
 from pdserve.engine.sampling_params import FinishReason
 from pdserve.model.errors import CapacityError
 
@@ -120,6 +120,16 @@ class _WorkerCollector(Collector):
                 "Moves of requests off a lost worker (or a failed transfer) onto another worker.",
                 labels=["model_name"],
             ),
+            "kv_bytes": counter(
+                f"{PREFIX}kv_transfer_bytes",
+                "KV bytes a prefill worker sent that the decode side acknowledged.",
+                labels=labels,
+            ),
+            "kv_failures": counter(
+                f"{PREFIX}kv_transfer_failures",
+                "KV sends of a prefill worker that failed (the request moved or failed).",
+                labels=labels,
+            ),
         }
 
     def describe(self) -> Iterator[Metric]:
@@ -142,6 +152,8 @@ class _WorkerCollector(Collector):
                 f["prefill_requests"].add_metric(labels, stats.num_queued)
                 f["prefill_tokens"].add_metric(labels, stats.queued_tokens)
                 f["sending"].add_metric(labels, stats.num_sending)
+                f["kv_bytes"].add_metric(labels, stats.kv_bytes_sent)
+                f["kv_failures"].add_metric(labels, stats.num_send_failures)
         waiting = sum(
             r.admitted_at is None and r.finish_reason is None for r in router.requests.values()
         )
@@ -215,6 +227,23 @@ class Metrics:
             "Arrival at the router to admission on a decode worker, of finished requests.",
             _LATENCY_BUCKETS_S,
         )
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "A finished request's first prefill chunk to its first token, on the worker that prefilled it.",
+            _LATENCY_BUCKETS_S,
+        )
+        self.kv_transfer_time = histogram(
+            "kv_transfer_seconds",
+            "A finished request's first token to the decode worker's acknowledgement of its KV "
+            "(disaggregated requests).",
+            _STEP_BUCKETS_S,
+        )
+        self.request_migration_time = histogram(
+            "request_migration_seconds",
+            "A request's move off a lost worker to its next token.",
+            _LATENCY_BUCKETS_S,
+        )
+        router.on_resumed = self.request_migration_time.observe
         self.registry.register(_WorkerCollector(model_name, router, supervisor))
 
     def exposition(self) -> bytes:
@@ -244,12 +273,19 @@ class RequestMetrics:
         self._last_step_at = now
         m.generation_tokens.inc(num_tokens)
 
-    def finished(self, finish_reason: str, queued_s: float, total_s: float) -> None:
+    def finished(
+        self, finish_reason: str, queued_s: float, total_s: float, stages: StageTimes | None = None
+    ) -> None:
+        """stages: the workers' stage times (`StageTimes`); a stage no worker reported is not observed."""
         self._ended = True
         m = self._m
         m.request_success[finish_reason].inc()
         m.e2e_request_latency.observe(total_s)
         m.request_queue_time.observe(queued_s)
+        if stages is not None and stages.prefill_s:
+            m.request_prefill_time.observe(stages.prefill_s)
+        if stages is not None and stages.kv_transfer_s:
+            m.kv_transfer_time.observe(stages.kv_transfer_s)
 
     def failed(self, error: BaseException) -> None:
         self._ended = True

@@ -152,6 +152,8 @@ class Router:
         """Why lost workers are no longer replaced (the supervisor's restart bound), or empty."""
         self.num_migrated = 0
         """Moves of requests off lost workers since start."""
+        self.on_resumed: Callable[[float], None] = lambda _: None
+        """Called with the seconds from a request's move to its next token (the migration time metric)."""
         self.replay_on_decode = False
         """Batch-invariant mode: a moved request goes to a decode worker alone, which prefills its prompt and
         replays its generated tokens as decode rows (a prefill worker would compute them in the prefill
@@ -271,6 +273,7 @@ class Router:
                     "%s resumed on %s %.2fs after it moved", r.request_id, r.decode_worker,
                     now - r.moved_at,
                 )  # fmt: skip
+                self.on_resumed(now - r.moved_at)
                 r.moved_at = None
             r.generated.extend(event.token_ids)
             if event.finish_reason is not None:

@@ -138,6 +138,10 @@ class PrefillStats:
     num_sending: int
     pages_used: int
     pages_total: int
+    kv_bytes_sent: int = 0
+    """KV bytes the decode workers acknowledged, since start."""
+    num_send_failures: int = 0
+    """KV sends that failed (their requests moved or failed), since start."""
 
 
 # Router -> decode worker.

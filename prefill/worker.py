@@ -61,6 +61,8 @@ class PrefillWorker(Worker):
         self._failures: list[PrefillFailure] = []
         self._first_logprobs: list[FirstTokenLogprobs] = []
         self._stages: list[PrefillStages] = []
+        self._kv_bytes_sent = 0
+        self._num_send_failures = 0
         self._sends = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{worker_id}-send")
 
     def submit(self, request: PrefillRequest) -> None:
@@ -115,6 +117,8 @@ class PrefillWorker(Worker):
                 num_sending,
                 self.num_used_pages,
                 self.num_pages,
+                self._kv_bytes_sent,
+                self._num_send_failures,
             )
 
     def step(self) -> bool:
@@ -186,6 +190,10 @@ class PrefillWorker(Worker):
             error = f"KV send failed: {e}"
         sent_at = time.monotonic()
         with self._lock:
+            if error is None:
+                self._kv_bytes_sent += len(request.pages) * self.runner.cache.layout.page_bytes
+            else:
+                self._num_send_failures += 1
             if error is not None and r.request_id not in self._aborted:
                 self._fail(r.request_id, error)
             else:

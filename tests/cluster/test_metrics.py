@@ -10,7 +10,7 @@ from pdserve.cluster.errors import WorkerLostError
 from pdserve.cluster.metrics import Metrics, RequestMetrics
 from pdserve.cluster.pools import DECODE, PREFILL, WorkerHandle
 from pdserve.cluster.router import Router
-from pdserve.engine.messages import DecodeStats, PrefillStats
+from pdserve.engine.messages import DecodeStats, PrefillStats, StageTimes
 from pdserve.model.errors import CapacityError
 
 MODEL = "tiny"
@@ -57,6 +57,13 @@ def test_request_events_record_tokens_latencies_and_finish_reasons():
     assert sample(metrics, f"{itl}_bucket", le="0.15") == 1  # 0.05 in, 0.2 out
     assert sample(metrics, "pdserve:e2e_request_latency_seconds_count") == 1
     assert sample(metrics, "pdserve:request_queue_time_seconds_sum") == 0.05
+    # the stage times of a disaggregated request, and of one prefilled by its decode worker (no transfer)
+    for stages in (StageTimes(0.01, 0.2, 0.03, 0.001), StageTimes(0.01, 0.1, 0.0, 0.001)):
+        RequestMetrics(metrics).finished("length", queued_s=0.0, total_s=1.0, stages=stages)
+    assert sample(metrics, "pdserve:request_prefill_time_seconds_count") == 2
+    assert abs(sample(metrics, "pdserve:request_prefill_time_seconds_sum") - 0.3) < 1e-9
+    assert sample(metrics, "pdserve:kv_transfer_seconds_count") == 1
+    assert sample(metrics, "pdserve:kv_transfer_seconds_sum") == 0.03
 
 
 def test_failures_count_by_type_and_admission_rejections_apart():
@@ -81,7 +88,7 @@ def test_worker_series_come_from_the_latest_stats_and_registries_are_per_server(
     metrics = Metrics(MODEL, router)
     other = Metrics(MODEL, Router(RouterConfig()))
     decode.stats = DecodeStats("decode-0", 3, 2, 48, 64, 256, 16, 7)
-    prefill.stats = PrefillStats("prefill-0", 4, 900, 1, 16, 128)
+    prefill.stats = PrefillStats("prefill-0", 4, 900, 1, 16, 128, 5 << 20, 2)
 
     series = samples(metrics)
     workers = {dict(labels).get("worker") for _, labels in series} - {None}
@@ -94,6 +101,11 @@ def test_worker_series_come_from_the_latest_stats_and_registries_are_per_server(
     assert sample(metrics, "pdserve:prefill_queue_requests", worker="prefill-0") == 4
     assert sample(metrics, "pdserve:prefill_queue_tokens", worker="prefill-0") == 900
     assert sample(metrics, "pdserve:kv_transfers_in_flight", worker="prefill-0") == 1
+    assert sample(metrics, "pdserve:kv_transfer_bytes_total", worker="prefill-0") == 5 << 20
+    assert sample(metrics, "pdserve:kv_transfer_failures_total", worker="prefill-0") == 2
+    router.on_resumed(0.4)  # a moved request's next token, 0.4 s after its move
+    assert sample(metrics, "pdserve:request_migration_seconds_count") == 1
+    assert sample(metrics, "pdserve:request_migration_seconds_sum") == 0.4
     decode.stats = DecodeStats("decode-0", 1, 0, 16, 64, 256, 16, 9)
     assert sample(metrics, "pdserve:num_requests_running", worker="decode-0") == 1
     assert sample(metrics, "pdserve:num_preemptions_total", worker="decode-0") == 9

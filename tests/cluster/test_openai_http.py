@@ -534,6 +534,9 @@ def test_metrics_count_what_http_and_grpc_requests_did(server, api, grpc_client)
     # Each request's end-to-end time covers its time to first token, which covers its queue time.
     ttft, e2e, queued = (moved(after, name, "_sum") for name in histograms[:3])
     assert e2e > ttft > queued >= 0
+    # Disaggregated: each of the three was prefilled on the prefill worker and its KV sent.
+    for name in ("pdserve:request_prefill_time_seconds", "pdserve:kv_transfer_seconds"):
+        assert moved(after, name, "_count") == 3, name
 
     # The workers' own figures, one series per worker, from stats the server polls each second.
     def workers_seen():
@@ -547,6 +550,8 @@ def test_metrics_count_what_http_and_grpc_requests_did(server, api, grpc_client)
     assert value(after, "pdserve:num_requests_running", worker="decode-0") >= 0
     assert value(after, "pdserve:num_preemptions", "_total", worker="decode-0") >= 0
     assert value(after, "pdserve:prefill_queue_tokens", worker="prefill-0") >= 0
+    assert value(after, "pdserve:kv_transfer_bytes", "_total", worker="prefill-0") > 0
+    assert value(after, "pdserve:kv_transfer_failures", "_total", worker="prefill-0") == 0
 
     # A long request shows on its decode worker's gauges; a client that leaves mid-stream counts as
     # finished with abort.
