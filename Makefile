@@ -29,8 +29,13 @@ endif
 demo: $(VENV)/.installed-serve
 	$(BIN)/pdserve demo
 
+# Two runs: the suites that start no Ray (CPU-bound: most are Triton-interpreter kernels) on two pytest-xdist
+# workers, then those that do (a local Ray of their own, timed failures and replacements) one test at a time.
+PARALLEL_TESTS := tests/kernels tests/model tests/engine tests/decode tests/prefill tests/kvtransfer tests/protos
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -m "not gpu and not multi_gpu" --durations=25
+	$(BIN)/python -m pytest -q -m "not gpu and not multi_gpu" -n 2 --durations=10 $(PARALLEL_TESTS)
+	$(BIN)/python -m pytest -q -m "not gpu and not multi_gpu" --durations=20 \
+		$(foreach t,$(PARALLEL_TESTS),--ignore=$(t))
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
@@ -53,6 +58,6 @@ $(VENV)/.installed-serve: $(VENV)/.torch pyproject.toml setup.py
 
 # The test extras on top.
 $(VENV)/.installed: $(VENV)/.installed-serve
-	@echo "==> the test extras (pytest, transformers, triton, ruff, grpcio-tools: 1.2 GB installed, triton 1 GB)"
+	@echo "==> the test extras (pytest, pytest-xdist, transformers, triton, ruff, grpcio-tools: 1.2 GB installed, triton 1 GB)"
 	$(BIN)/pip install -e '.[test]'
 	touch $@
