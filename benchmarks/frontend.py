@@ -14,7 +14,9 @@ decode worker waking late). Throughput counts tokens received while every stream
 stream's first chunk to the first stream's end). Offered: streams x tokens-per-tick / interval. The serving
 process's CPU time per chunk (router and front ends; the decode actor is another process) is the figure least
 moved by other load on the machine. Prints one line per (protocol, streams) and writes $OUT/frontend.json when
-OUT is set. --profile DIR runs the server under cProfile and writes its stats there when it stops."""
+OUT is set. --profile DIR runs the server under cProfile and writes its stats there when it stops. --floor runs
+the same load against a server of the same stack with nothing behind it (`_frontend_floor.py`): the most a Python
+front end gets from this machine and this client."""
 
 from __future__ import annotations
 
@@ -164,14 +166,21 @@ def start_server(args, ports: dict) -> subprocess.Popen:
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
         command += ["-m", "cProfile", "-o", str(Path(args.profile) / "serve.prof")]
-    command += [
-        "-m", "pdserve.cluster.cli", "serve", "--model", args.model, "--prefill", "0",
-        "--decode", "1", "--port", str(ports["grpc"]), "--http-port", str(ports["http"]),
-        "--cluster.cpus-per-worker", "0.5",
-        "--cluster.benchmark-fake-decode-ms", str(args.interval_ms),
-        "--cluster.benchmark-fake-decode-tokens", str(args.tokens_per_tick),
-        "--router.max-queued-requests", "65536", "--router.stats-interval-s", "0",
-    ]  # fmt: skip
+    if args.floor:
+        command += [
+            str(Path(__file__).with_name("_frontend_floor.py")), "--grpc-port", str(ports["grpc"]),
+            "--http-port", str(ports["http"]), "--interval-ms", str(args.interval_ms),
+            "--tokens-per-tick", str(args.tokens_per_tick),
+        ]  # fmt: skip
+    else:
+        command += [
+            "-m", "pdserve.cluster.cli", "serve", "--model", args.model, "--prefill", "0",
+            "--decode", "1", "--port", str(ports["grpc"]), "--http-port", str(ports["http"]),
+            "--cluster.cpus-per-worker", "0.5",
+            "--cluster.benchmark-fake-decode-ms", str(args.interval_ms),
+            "--cluster.benchmark-fake-decode-tokens", str(args.tokens_per_tick),
+            "--router.max-queued-requests", "65536", "--router.stats-interval-s", "0",
+        ]  # fmt: skip
     log = open(args.log, "w")  # noqa: SIM115 (the child writes it until stop)
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     give_up = time.monotonic() + _SERVE_TIMEOUT_S
@@ -200,6 +209,11 @@ def main() -> None:
     )
     p.add_argument("--log", default="/tmp/pdserve-frontend-serve.log", help="the server's log")
     p.add_argument("--profile", default=None, help="run the server under cProfile, stats here")
+    p.add_argument(
+        "--floor", action="store_true",
+        help="measure the floor instead: benchmarks/_frontend_floor.py streams the same chunks on the same "
+        "grid from Starlette/uvicorn and grpc.aio with no router, Ray or engine behind them",
+    )  # fmt: skip
     args = p.parse_args()
     counts = [int(x) for x in args.streams.split(",")]
     protocols = args.protocols.split(",")
