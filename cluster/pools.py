@@ -64,6 +64,8 @@ class WorkerHandle:
     """Prefill: prompt tokens submitted here and not yet handed over (the router's load measure)."""
     reserved_pages: int = 0
     """Decode: pages reserved here since `stats` was taken."""
+    in_flight_pages: int = 0
+    """Decode: pages of the requests sent here whose reservation has not been answered yet."""
     poller: asyncio.Task | None = None
     last_heartbeat: float = 0.0
     """time.monotonic() of the worker's latest answer to a stats call (or of its start)."""
@@ -72,9 +74,9 @@ class WorkerHandle:
 
     @property
     def free_pages(self) -> int:
-        """Decode: free pages, estimated from the latest stats and reservations since."""
+        """Decode: free pages, estimated from the latest stats, reservations since and those under way."""
         used = self.stats.pages_used if self.stats is not None else 0
-        return self.num_pages - used - self.reserved_pages
+        return self.num_pages - used - self.reserved_pages - self.in_flight_pages
 
     @property
     def num_running(self) -> int:

@@ -447,8 +447,9 @@ class Router:
             )
         self._num_waiting += 1
         try:
-            while not await self._admit_in_turn(r, force):
-                await self._wait_for_decode(r)
+            if force is not None or not await self._admit_at_once(r):
+                while not await self._admit_in_turn(r, force):
+                    await self._wait_for_decode(r)
         finally:
             self._num_waiting -= 1
         if r.admitted_at is None:
@@ -494,7 +495,35 @@ class Router:
                 )
             await asyncio.sleep(_ADMISSION_RETRY_S)
 
-    async def _try_admit(self, r: Request, force) -> bool:
+    async def _admit_at_once(self, r: Request) -> bool:
+        """Admits `r` without holding the line for the decode worker's answer: in its turn, when the estimates
+        give the first choice room, the reservation is sent and the next request's turn begins; the answer is
+        awaited after (a burst is admitted at the rate the router can send, not one Ray round trip per
+        request). False when the estimates give no worker room or the worker refuses: `_admit_in_turn` then
+        admits it, waiting in line for room."""
+        async with self._admission:
+            choice = self._choose(r, None)
+            if choice is None:
+                return False
+            prefill, decodes, tokens, payload = choice
+            d = decodes[0]
+            need = pages_needed(len(tokens), d.page_size)
+            if d.free_pages < need:
+                return False
+            d.in_flight_pages += need
+            future = self._start_call(r, d, d.actor.add_request.remote(payload))
+        try:
+            reservation = messages.unwrap(Reservation, await self._end_call(r, d, future))
+        except (CapacityError, WorkerLostError):
+            return False
+        finally:
+            d.in_flight_pages -= need
+        await self._reserved(r, d, reservation, prefill, tokens, None)
+        return True
+
+    def _choose(self, r: Request, force):
+        """(prefill worker or None, decode workers in order of preference, the request's known tokens, the
+        decode worker's request) by the router's estimates; None when no decode worker serves."""
         tokens = [*r.prompt_ids, *r.generated]
         if force is not None:
             prefill, decodes = force[0], [force[1]]
@@ -503,7 +532,7 @@ class Router:
                 self.pool(DECODE, WorkerState.SERVING), key=lambda w: (-w.free_pages, w.num_running)
             )
             if not decodes:  # all lost meanwhile: the caller waits for a replacement
-                return False
+                return None
             need = pages_needed(len(tokens), decodes[0].page_size)
             prefills = [w for w in self.pool(PREFILL, WorkerState.SERVING) if w.num_pages >= need]
             prefill = min(prefills, key=lambda w: w.queued_tokens, default=None)
@@ -513,21 +542,37 @@ class Router:
         payload = messages.encode(
             DecodeRequest(r.request_id, r.prompt_ids, r.params, peer, r.generated)
         )
+        return prefill, decodes, tokens, payload
+
+    async def _try_admit(self, r: Request, force) -> bool:
+        choice = self._choose(r, force)
+        if choice is None:
+            return False
+        prefill, decodes, tokens, payload = choice
         for d in decodes:
             try:
                 reply = await self._call(r, d, d.actor.add_request.remote(payload))
                 reservation = messages.unwrap(Reservation, reply)
             except (CapacityError, WorkerLostError):
                 continue
-            r.decode, r.decode_worker = d, d.worker_id
-            d.requests.add(r.request_id)
-            d.reserved_pages += reservation.num_pages
             break
         else:
             return False
-        r.prefill_worker = peer or ""
+        await self._reserved(r, d, reservation, prefill, tokens, force)
+        return True
+
+    async def _reserved(
+        self, r: Request, d: WorkerHandle, reservation: Reservation,
+        prefill: WorkerHandle | None, tokens: list[int], force,
+    ) -> None:  # fmt: skip
+        """Decode worker `d` reserved room for `r`: it is placed there, and its prompt goes to `prefill` (None:
+        `d` prefills it)."""
+        r.decode, r.decode_worker = d, d.worker_id
+        d.requests.add(r.request_id)
+        d.reserved_pages += reservation.num_pages
+        r.prefill_worker = prefill.worker_id if prefill is not None else ""
         if prefill is None:
-            return True
+            return
         r.prefill, r.prefill_tokens = prefill, len(tokens)
         prefill.requests.add(r.request_id)
         prefill.queued_tokens += len(tokens)
@@ -550,14 +595,22 @@ class Router:
             await asyncio.gather(d.actor.abort.remote(r.request_id), return_exceptions=True)
             self._detach(r)
             raise
-        return True
 
     async def _call(self, r: Request, w: WorkerHandle, ref) -> bytes:
         """Awaits an actor call made for `r`. A cancelled caller leaves the call running; cleanup waits for it."""
+        return await self._end_call(r, w, self._start_call(r, w, ref))
+
+    @staticmethod
+    def _start_call(r: Request, w: WorkerHandle, ref) -> asyncio.Future:
+        """Tracks an actor call made for `r` (its cleanup waits for it and aborts on `w`) from now on."""
         future = asyncio.wrap_future(ref.future())
         r.touched.add(w)
         r.calls.add(future)
         future.add_done_callback(r.calls.discard)
+        return future
+
+    async def _end_call(self, r: Request, w: WorkerHandle, future: asyncio.Future) -> bytes:
+        """The answer of a call `_start_call` tracks; WorkerLostError when `w` died (it is reported lost)."""
         try:
             return await asyncio.shield(future)
         except ray.exceptions.RayError as e:
