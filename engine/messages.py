@@ -245,10 +245,16 @@ def _decoder(hint: Any) -> Callable[[Any], Any]:
         if not convert:
             return lambda value: None if value is None else hint(**value)
 
+        nested = tuple(convert.items())
+
         def dataclass_from(value):
             if value is None:
                 return None
-            return hint(**{k: convert[k](v) if k in convert else v for k, v in value.items()})
+            for k, c in nested:  # msgpack's fresh dict: converted in place (None stays None)
+                v = value.get(k)
+                if v is not None:
+                    value[k] = c(v)
+            return hint(**value)
 
         return dataclass_from
     origin = typing.get_origin(hint)
