@@ -659,9 +659,8 @@ class Router:
                 r = self.requests.get(event.request_id)
                 if r is not None and r.prefill is w:
                     r.events.put_nowait(event)
-            for (
-                report
-            ) in events.stages:  # often after D's first token ended the request's stay on P
+            # stage reports often come after D's first token ended the request's stay on P
+            for report in events.stages:
                 r = self.requests.get(report.request_id)
                 if r is not None and r.prefill_worker == w.worker_id:
                     r.stages = r.stages.merged(report.stages)

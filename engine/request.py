@@ -8,7 +8,7 @@ import enum
 from collections.abc import Collection
 from typing import Any
 
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, min_tokens_ban
 
 
 class Policy(enum.Enum):
@@ -83,8 +83,7 @@ class Request:
         """What min_tokens holds back (`SampleSpec.banned_ids`): its stop tokens and, unless it ignores EOS,
         `eos_token_ids`; made once."""
         if self._banned is None:
-            eos = () if self.params.ignore_eos else eos_token_ids
-            self._banned = tuple(sorted({*eos, *self.stop_ids}))
+            self._banned = min_tokens_ban(self.params, eos_token_ids, self.stop_ids)
         return self._banned
 
     @property

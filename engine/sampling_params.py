@@ -128,6 +128,15 @@ def any_penalty(presence: float, frequency: float, repetition: float) -> bool:
     return presence != 0 or frequency != 0 or repetition != 1
 
 
+def min_tokens_ban(
+    params: SamplingParams, eos_token_ids: Collection[int], stop_ids: Collection[int] | None = None
+) -> tuple[int, ...]:
+    """What min_tokens holds back, sorted: the request's stop tokens (`stop_ids`: them as a set, where the
+    caller keeps one) and, unless it ignores EOS, `eos_token_ids`."""
+    eos = () if params.ignore_eos else eos_token_ids
+    return tuple(sorted({*eos, *(params.stop_token_ids if stop_ids is None else stop_ids)}))
+
+
 def derive_seed(seed: int, index: int) -> int:
     """Choice `index`'s seed of a request seeded `seed` that asks for several choices: choice 0 keeps `seed`
     (so a request's first choice is what it alone would give), the others get distinct seeds fixed by it."""

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .sampling_params import SamplingParams, TokenLogprobs, any_penalty
+from .sampling_params import SamplingParams, TokenLogprobs, any_penalty, min_tokens_ban
 
 NO_LOGPROBS = -1
 """`SampleSpec.logprobs` of a request that asked for no log-probabilities."""
@@ -90,8 +90,7 @@ class SampleSpec:
         if step >= params.min_tokens:
             banned_ids = ()
         elif banned_ids is None:
-            eos = () if params.ignore_eos else eos_token_ids
-            banned_ids = tuple(sorted({*eos, *params.stop_token_ids}))
+            banned_ids = min_tokens_ban(params, eos_token_ids)
         return cls(
             params.temperature, params.top_p, params.top_k, params.min_p, params.seed or 0, step,
             params.presence_penalty, params.frequency_penalty, params.repetition_penalty,

@@ -192,12 +192,12 @@ class PrefillWorker(Worker):
         with self._lock:
             if error is None:
                 self._kv_bytes_sent += len(request.pages) * self.runner.cache.layout.page_bytes
+                if r.request_id not in self._aborted:
+                    self._stages.append(PrefillStages(r.request_id, stage_times(request, sent_at)))
             else:
                 self._num_send_failures += 1
-            if error is not None and r.request_id not in self._aborted:
-                self._fail(r.request_id, error)
-            else:
-                if error is None and r.request_id not in self._aborted:
-                    self._stages.append(PrefillStages(r.request_id, stage_times(request, sent_at)))
-                self._aborted.discard(r.request_id)
-                self.scheduler.release(r.request_id)
+                if r.request_id not in self._aborted:
+                    self._fail(r.request_id, error)
+                    return
+            self._aborted.discard(r.request_id)
+            self.scheduler.release(r.request_id)
