@@ -1,7 +1,7 @@
-"""A decode worker of 2 GPUs (attention data-parallel, experts split over both: DP2 + EP2, NCCL) replaying its
-decode steps as CUDA graphs after its warm-up, in batch-invariant mode: every request streams exactly the tokens
-the one-GPU offline path generates (the MoE sums its experts as a tree no expert split changes), while the ranks
-run different batch sizes and one rank idles."""
+"""A decode worker of 2 or 4 GPUs (attention data-parallel, experts split over all: DP2 + EP2, DP4 + EP4, NCCL)
+replaying its decode steps as CUDA graphs after its warm-up, in batch-invariant mode: every request streams
+exactly the tokens the one-GPU offline path generates (the MoE sums its experts as a tree no expert split
+changes), while the ranks run different batch sizes and ranks idle as their requests finish."""
 
 from __future__ import annotations
 
@@ -27,7 +27,10 @@ def model_dir(v2lite_dir):
     return v2lite_dir
 
 
-def test_dp2_ep2_graphs_give_the_one_gpu_tokens(model_dir):
+@pytest.mark.parametrize("ranks", [2, 4], ids=["dp2-ep2", "dp4-ep4"])
+def test_dp_ep_graphs_give_the_one_gpu_tokens(model_dir, ranks):
+    if torch.cuda.device_count() < ranks:
+        pytest.skip(f"needs {ranks} CUDA GPUs")
     g = torch.Generator().manual_seed(7)
     prompts = [
         [0, *torch.randint(3, 100000, (n - 1,), generator=g).tolist()] for n in (5, 130, 47, 300, 9)
@@ -43,8 +46,8 @@ def test_dp2_ep2_graphs_give_the_one_gpu_tokens(model_dir):
         del generator, model
         torch.cuda.empty_cache()
         config = DecodeConfig(
-            page_size=PAGE, num_pages=256, max_prefill_chunk=64, ranks=2, attention="data",
-            expert_parallel=2, max_running=16, warm_up_context=1024,
+            page_size=PAGE, num_pages=256, max_prefill_chunk=64, ranks=ranks, attention="data",
+            expert_parallel=ranks, max_running=16, warm_up_context=1024,
         )  # fmt: skip
         group = start_rank_group(
             config, str(model_dir), "bf16", "auto", backend="nccl", kernel_choice=(None, True)
