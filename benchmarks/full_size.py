@@ -94,6 +94,26 @@ def serve_command(args, model_dir: Path, max_context: int, max_running: int) -> 
     return cmd + args.serve_args
 
 
+def wait_until_serving(
+    server: subprocess.Popen, port: int, timeout_s: float, log: Path, poll_s: int = 10
+) -> None:
+    """Returns once the server answers a 2-token request; exits naming the cause (with the log's last lines)
+    as soon as the server process ends, or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    ask = _cli("generate", "--addr", f"127.0.0.1:{port}", "--wait-s", str(poll_s),
+               "--max-tokens", "2", "--prompt-ids", "0,5,9")  # fmt: skip
+    while True:
+        if server.poll() is not None:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+            sys.exit(
+                f"pdserve serve exited (rc {server.returncode}) before it served; {log}:\n{tail}"
+            )
+        if subprocess.run(ask, capture_output=True, timeout=poll_s + 60).returncode == 0:
+            return
+        if time.monotonic() > deadline:
+            sys.exit(f"pdserve serve is not serving after {timeout_s:.0f} s (see {log})")
+
+
 def run_point(args, isl: int, osl: int, concurrency: int, vocab: int) -> dict:
     """One closed-loop load through benchmarks/serving.py; its summary."""
     requests = max(args.min_requests, args.requests_per_slot * concurrency)
@@ -221,9 +241,7 @@ def main() -> None:
     server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT)
     try:
         start = time.monotonic()
-        wait = _cli("generate", "--addr", f"127.0.0.1:{args.port}", "--wait-s",
-                    str(int(args.startup_timeout_s)), "--max-tokens", "2", "--prompt-ids", "0,5,9")  # fmt: skip
-        subprocess.run(wait, check=True, capture_output=True, timeout=args.startup_timeout_s + 60)
+        wait_until_serving(server, args.port, args.startup_timeout_s, out / "serve.log")
         record["startup_s"] = time.monotonic() - start
         _step(f"serving after {record['startup_s']:.0f} s")
         for isl, osl in scenarios:

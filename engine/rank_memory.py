@@ -34,6 +34,8 @@ __all__ = [
     "PlanLayout",
     "check_split",
     "reserve_bytes_per_rank",
+    "runtime_reserve_bytes",
+    "worker_reserve_bytes",
     "weight_bytes_per_rank",
 ]
 
@@ -197,6 +199,31 @@ def reserve_bytes_per_rank(
         "RoPE table": args.max_position_embeddings * args.qk_rope_head_dim * 4,
         "CUDA graphs, NCCL, workspace": RUNTIME_WORKSPACE_BYTES,
     }
+
+
+def runtime_reserve_bytes(
+    args: ModelArgs, dtype: torch.dtype, parallel, step_tokens: int, max_running: int
+) -> int:
+    """`reserve_bytes_per_rank` summed, for a loaded model's `ParallelLayout` (`parallel`): what a worker's rank
+    leaves free beside its KV cache when it sizes the cache at startup, so that the cache `pdserve plan` prints
+    is the one the worker takes, and the largest step still finds its activations and exchange buffers."""
+    layout = PlanLayout(
+        parallel.world_size,
+        "tp" if parallel.attention == "tensor" else "dp",
+        parallel.expert_parallel,
+        "tp" if parallel.dense == "tensor" else "replicated",
+    )
+    return sum(reserve_bytes_per_rank(args, dtype, layout, step_tokens, max_running).values())
+
+
+def worker_reserve_bytes(model, max_num_batched_tokens: int, max_running: int | None) -> int:
+    """`runtime_reserve_bytes` of a loaded model (`Transformer`) for a role's step bounds: a decode worker's
+    `max_num_batched_tokens` and `max_running`; a prefill worker has no running batch (None), and its logits
+    rows are counted as `pdserve plan`'s default of 256."""
+    rows = 256 if max_running is None else max_running
+    return runtime_reserve_bytes(
+        model.args, model.dtype, model.layout, max(max_num_batched_tokens, rows), rows
+    )
 
 
 @functools.lru_cache(maxsize=4)

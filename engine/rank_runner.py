@@ -23,6 +23,7 @@ from pdserve.model.parallel import ParallelLayout
 from .layout import layout_kwargs
 from .rank_group import RankGroup, RankGroupConfig, RankLauncher
 from .rank_kv import RankKVEndpoint, rank_endpoint
+from .rank_memory import worker_reserve_bytes
 from .rank_process import HandlerSpec, RankContext
 from .runner import ModelRunner
 from .step import plan_from_wire, result_to_wire
@@ -65,6 +66,7 @@ def make_rank_runner(
     num_pages: int | None, gpu_memory_fraction: float, cpu_cache_bytes: int, kv_cache_dtype: str,
     load_format: str = "safetensors", kernel_backend: str | None = None,
     batch_invariant: bool | None = None, kv: dict[str, Any] | None = None, cuda_graphs: bool = False,
+    max_num_batched_tokens: int = 8192, max_running: int | None = None,
 ) -> RankRunner:  # fmt: skip
     """Loads rank `ctx.rank`'s shard of the model under `ParallelLayout(**layout)` over the group the rank
     joined and builds its runner (collective: every rank of the group calls it at once). Decode steps replay
@@ -84,9 +86,11 @@ def make_rank_runner(
             log.warning(
                 "decode steps run without CUDA graphs: the all-to-all exchange syncs the host"
             )
+        reserve = worker_reserve_bytes(model, max_num_batched_tokens, max_running)
         sized = ModelRunner.sized(
             model, page_size, num_pages, gpu_memory_fraction, cpu_cache_bytes,
             cuda_graphs=graphs, kv_cache_dtype=kv_cache_dtype, rank=ctx.rank,
+            reserve_bytes=reserve,
         )  # fmt: skip
     pages = torch.tensor([sized.num_pages], dtype=torch.int64, device=ctx.device)
     dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=ctx.group)
@@ -97,7 +101,10 @@ def make_rank_runner(
         runner = ModelRunner(
             model, page_size, agreed, kv_cache_dtype, cuda_graphs=graphs, rank=ctx.rank
         )
-    log.info("rank %d of %d: model shard loaded, %d KV pages", ctx.rank, ctx.world_size, agreed)
+    log.info(
+        "rank %d of %d: model shard loaded, %d KV pages (%.2f GiB), %.2f GiB kept free for the largest step",
+        ctx.rank, ctx.world_size, agreed, agreed * runner.cache.layout.page_bytes / 2**30, reserve / 2**30,
+    )  # fmt: skip
     endpoint = None
     if kv is not None:
         from pdserve.kvtransfer import KVTransferConfig
@@ -130,6 +137,8 @@ def start_rank_group(
             "load_format": load_format, "kernel_backend": kernel_choice[0],
             "batch_invariant": kernel_choice[1], "kv": kv,
             "cuda_graphs": getattr(config, "cuda_graphs", False),
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "max_running": getattr(config, "max_running", None),
         },
     )  # fmt: skip
     group_config = RankGroupConfig(

@@ -57,12 +57,16 @@ class ModelRunner:
         cuda_graphs: bool = True,
         kv_cache_dtype: str = "auto",
         rank: int = 0,
+        reserve_bytes: int = 0,
     ) -> ModelRunner:
-        """A runner whose cache has `num_pages`, or as many as `capacity_pages` finds room for."""
+        """A runner whose cache has `num_pages`, or as many as `capacity_pages` finds room for beside
+        `reserve_bytes` (`engine.rank_memory.worker_reserve_bytes`)."""
         cache_dtype = resolve_cache_dtype(kv_cache_dtype, model.dtype)
         layout = KVCacheLayout.for_model(model.args, page_size, cache_dtype, model.num_mtp)
         device = model.embed.weight.device
-        pages = capacity_pages(layout, device, num_pages, gpu_memory_fraction, cpu_cache_bytes)
+        pages = capacity_pages(
+            layout, device, num_pages, gpu_memory_fraction, cpu_cache_bytes, reserve_bytes
+        )
         if num_pages is None and device.type == "cuda" and cuda_graphs:
             pages -= 1  # room for the graphs' scratch page
         return cls(model, page_size, pages, kv_cache_dtype, cuda_graphs, rank)

@@ -15,6 +15,8 @@ import logging
 import threading
 import time
 
+import torch
+
 from pdserve.model.deepseek import Transformer
 from pdserve.model.errors import PdserveError
 
@@ -23,6 +25,7 @@ from .messages import RANK_GROUP_FAILED, RequestOutput
 from .pages import PageAllocator
 from .plan_channel import PlanChannelError
 from .rank_group import RankGroup, RankStepError
+from .rank_memory import worker_reserve_bytes
 from .runner import ModelRunner
 from .scheduler import Scheduler, StepOutcome
 from .step import PageTableCache, RankResult, StepPlan, plan_to_wire, result_from_wire
@@ -76,6 +79,9 @@ class Worker:
                 config.cpu_cache_bytes,
                 cuda_graphs=cuda_graphs,
                 kv_cache_dtype=kv_cache_dtype,
+                reserve_bytes=worker_reserve_bytes(
+                    model, config.max_num_batched_tokens, getattr(config, "max_running", None)
+                ),
             )
         else:
             self.runner = ranks.handler.runner
@@ -193,10 +199,14 @@ class Worker:
                         f"worker {self.worker_id}: warm-up failed on rank {rank}: "
                         f"{r.prefill_error or r.decode_error}"
                     )
+        device = self.runner.device
         logger.info(
             "%s: warmed up in %.1f s (%d passes: prompt chunks up to %d tokens, %s tokens a pass, decode "
-            "graphs up to %d rows x %d tokens)", self.worker_id, time.monotonic() - start, len(plans),
-            prefill_tokens, prefill_budget or prefill_tokens, decode_rows, decode_tokens,
+            "graphs up to %d rows x %d tokens); rank 0's peak %.2f GiB allocated of %.2f GiB",
+            self.worker_id, time.monotonic() - start, len(plans), prefill_tokens,
+            prefill_budget or prefill_tokens, decode_rows, decode_tokens,
+            torch.cuda.max_memory_allocated(device) / 2**30,
+            torch.cuda.get_device_properties(device).total_memory / 2**30,
         )  # fmt: skip
 
     def warm_up(self) -> None:

@@ -142,18 +142,25 @@ def capacity_pages(
     num_pages: int | None,
     gpu_memory_fraction: float,
     cpu_cache_bytes: int,
+    reserve_bytes: int = 0,
 ) -> int:
     """How many pages a worker's cache gets: `num_pages` when set; on a GPU, the given fraction of the memory
-    free now (after the weights are loaded); on the CPU, `cpu_cache_bytes`."""
+    free now (after the weights are loaded), and never so much that less than `reserve_bytes` stays free (the
+    activations and buffers of the largest step: `engine.rank_memory.runtime_reserve_bytes`); on the CPU,
+    `cpu_cache_bytes`."""
     if num_pages is not None:
         return num_pages
     device = torch.device(device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * gpu_memory_fraction)
+        budget = min(int(free * gpu_memory_fraction), free - reserve_bytes)
     else:
         budget = cpu_cache_bytes
     pages = budget // layout.page_bytes
     if pages < 1:
-        raise ValueError(f"no room for one KV page of {layout.page_bytes} bytes on {device}")
+        raise ValueError(
+            f"no room for one KV page of {layout.page_bytes} bytes on {device}"
+            + (f" after a reserve of {reserve_bytes / 2**30:.2f} GiB for the largest step's activations "
+               "and buffers (fewer --max-num-batched-tokens or more GPUs)" if reserve_bytes else "")
+        )  # fmt: skip
     return pages

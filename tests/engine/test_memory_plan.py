@@ -229,3 +229,38 @@ def test_plan_needs_no_gpu_and_no_weights():
     assert dtype == torch.bfloat16
     plan = plan_memory(args, dtype, PlanLayout(1), PlanSettings(gpu_memory_gib=2000))
     assert plan.checkpoint_bytes > 600e9
+
+
+@pytest.mark.parametrize(
+    "parallel, plan_layout",
+    [
+        ({"world_size": 4, "attention": "data", "expert_parallel": 4}, PlanLayout(4, "dp", 4)),
+        ({"world_size": 2, "attention": "tensor", "dense": "tensor"}, PlanLayout(2, "tp", 1, "tp")),
+    ],
+    ids=["dp4-ep4", "tp2"],
+)
+def test_startup_keeps_the_plans_reserve_free(parallel, plan_layout, monkeypatch):
+    """A worker sizes its KV cache at startup leaving free what `pdserve plan` reserves for the same layout and
+    step bounds, so the largest step finds its activations and exchange buffers (a decode worker of DP4 + EP4
+    on 80 GiB GPUs, given 0.85 of the memory the weights left, ran out of memory in its first 8192-token
+    step); a small reserve leaves the fraction in force."""
+    from pdserve.engine.rank_memory import worker_reserve_bytes
+    from pdserve.model.kv_cache import KVCacheLayout, capacity_pages
+    from pdserve.model.parallel import ParallelLayout
+
+    args, dtype = model_for_plan(None, "v3-shape", 16, "fp8")
+    model = type("Loaded", (), {"args": args, "dtype": dtype, "layout": ParallelLayout(**parallel)})
+    reserve = worker_reserve_bytes(model, 8192, 512)
+    plan = plan_memory(
+        args, dtype, plan_layout,
+        PlanSettings(gpu_memory_gib=80, max_num_batched_tokens=8192, max_running=512),
+    )  # fmt: skip
+    assert reserve == plan.total_reserve_bytes > 4 * GIB
+    kv = KVCacheLayout.for_model(args, 64, torch.bfloat16, 1)
+    free = 29 * GIB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * GIB))
+    pages = capacity_pages(kv, "cuda", None, 0.85, 0, reserve)
+    assert pages == (free - reserve) // kv.page_bytes
+    assert capacity_pages(kv, "cuda", None, 0.85, 0, GIB) == int(free * 0.85) // kv.page_bytes
+    with pytest.raises(ValueError, match="reserve of .* GiB for the largest step"):
+        capacity_pages(kv, "cuda", None, 0.85, 0, free)
