@@ -22,6 +22,7 @@ from pdserve.model.kv_cache import KVCacheLayout, resolve_cache_dtype
 
 from .rank_memory import (
     GIB,
+    GPU_MEMORY_UTILIZATION,
     GROUPS,
     PlanLayout,
     check_split,
@@ -45,7 +46,7 @@ class PlanSettings:
 
     gpu_memory_gib: float = 80.0
     """Memory of each GPU, GiB."""
-    gpu_memory_utilization: float = 0.90
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
     """Share of each GPU's memory the worker uses in all (weights, reserve, KV), as vLLM's gpu_memory_utilization;
     the rest is left to other processes and to what no plan sees."""
     page_size: int = 64

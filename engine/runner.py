@@ -16,6 +16,7 @@ from pdserve.model.deepseek import Transformer
 from pdserve.model.kv_cache import KVCacheLayout, PagedKVCache, capacity_pages, resolve_cache_dtype
 
 from .cuda_graphs import DecodeGraphs
+from .rank_memory import GPU_MEMORY_UTILIZATION
 from .sampler import PenaltyCounts, sample
 from .sampling_params import TokenLogprobs
 from .step import DecodeRow, PrefillRow, RankResult, StepPlan, max_pages, prefill_tokens
@@ -65,8 +66,9 @@ class ModelRunner:
         layout = KVCacheLayout.for_model(model.args, page_size, cache_dtype, model.num_mtp)
         device = model.embed.weight.device
         pages = capacity_pages(
-            layout, device, num_pages, gpu_memory_fraction, cpu_cache_bytes, reserve_bytes
-        )
+            layout, device, num_pages, gpu_memory_fraction, cpu_cache_bytes, reserve_bytes,
+            GPU_MEMORY_UTILIZATION if reserve_bytes else 1.0,
+        )  # fmt: skip
         if num_pages is None and device.type == "cuda" and cuda_graphs:
             pages -= 1  # room for the graphs' scratch page
         return cls(model, page_size, pages, kv_cache_dtype, cuda_graphs, rank)

@@ -432,16 +432,34 @@ class MoE(nn.Module):
         )
         tree = self.tree if kernels.batch_invariant() else None
         if local.num_rows:
-            rows = local.x
-            if rows is None:  # fused_moe reads x_q and only the shape and dtype of x
-                rows = torch.empty(local.num_rows, x.shape[1], dtype=x.dtype, device=x.device)
-            y = self.experts(rows, local.topk_weights, local.topk_ids, local.x_q, tree=tree)
+            y = self._local_experts(local, x, tree)
         else:  # every rank sends the same dtype: fp32 subtrees in the tree's mode
             y = local.x.new_empty(0, x.shape[1], dtype=x.dtype if tree is None else torch.float32)
         out = self.exchange.combine(y, handle, tree=tree is not None)  # [T, D]
         if self.shared_experts is None:
             return out
         return out + self._shared(x, x_q)
+
+    def _local_experts(self, local, x: torch.Tensor, tree) -> torch.Tensor:
+        """This rank's experts over the exchanged rows (`ExpertBatch`), `layout.expert_chunk_tokens` rows a
+        launch; a token's output does not depend on the chunk it runs in."""
+        n, chunk = local.num_rows, self.exchange.layout.expert_chunk_tokens
+        y = None
+        for start in range(0, n, chunk):
+            part = slice(start, min(n, start + chunk))
+            rows = local.x
+            if rows is None:  # fused_moe reads x_q and only the shape and dtype of x
+                rows = x.new_empty(part.stop - start, x.shape[1])
+            else:
+                rows = rows[part]
+            x_q = None if local.x_q is None else (local.x_q[0][part], local.x_q[1][part])
+            out = self.experts(rows, local.topk_weights[part], local.topk_ids[part], x_q, tree=tree)
+            if n <= chunk:
+                return out
+            if y is None:
+                y = out.new_empty(n, out.shape[1])
+            y[part] = out
+        return y
 
     def join_idle(self) -> None:
         """Takes part in this layer's exchange with no tokens (a data-parallel rank with no requests)."""

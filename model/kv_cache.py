@@ -143,17 +143,19 @@ def capacity_pages(
     gpu_memory_fraction: float,
     cpu_cache_bytes: int,
     reserve_bytes: int = 0,
+    utilization: float = 1.0,
 ) -> int:
     """How many pages a worker's cache gets: `num_pages` when set; on a GPU, the given fraction of the memory
-    free now (after the weights are loaded), and never so much that less than `reserve_bytes` stays free (the
-    activations and buffers of the largest step: `engine.rank_memory.runtime_reserve_bytes`); on the CPU,
-    `cpu_cache_bytes`."""
+    free now (after the weights are loaded), but never more than `utilization` of the GPU's memory less what
+    is in use now and `reserve_bytes` (the activations, buffers and workspace of the largest step:
+    `engine.rank_memory.worker_reserve_bytes`), as `pdserve plan` counts it; on the CPU, `cpu_cache_bytes`."""
     if num_pages is not None:
         return num_pages
     device = torch.device(device)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = min(int(free * gpu_memory_fraction), free - reserve_bytes)
+        free, total = torch.cuda.mem_get_info(device)
+        usable = int(total * utilization) - (total - free)
+        budget = min(int(free * gpu_memory_fraction), usable - reserve_bytes)
     else:
         budget = cpu_cache_bytes
     pages = budget // layout.page_bytes

@@ -59,6 +59,12 @@ class ParallelLayout:
     """Most tokens a rank runs in one step, the same bound on every rank: the all-gather exchange pads to it
     (no host sync, so CUDA graphs can capture it) and refuses a step with more. None: padded per step to the
     largest rank's count, found by a small collective and a host sync."""
+    expert_chunk_tokens: int = 16384
+    """Most exchanged tokens one launch of a rank's experts runs: the all-gather exchange hands each rank every
+    rank's tokens (N x the step's), and the experts' working set (each token's k permuted rows, their
+    intermediate and their outputs: about 23 KiB a token for V3) grows with them, so a pass over more runs
+    in chunks of this many tokens. 16384: two launches for a DP4 + EP4 prefill of 8192 tokens a rank (about
+    3 GiB of working set for V3 instead of 6), one for every decode step."""
     group: ProcessGroup | None = dataclasses.field(default=None, compare=False)
     """The torch.distributed group of the worker's ranks (None: the default group). Every collective of the
     layout (attention and dense all-reduces, the expert exchange) runs on it, issued in the same order on
@@ -86,6 +92,10 @@ class ParallelLayout:
         if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
             raise ConfigError(
                 f"parallel layout: max_tokens_per_rank={self.max_tokens_per_rank} must be >= 1 or None"
+            )
+        if self.expert_chunk_tokens < 1:
+            raise ConfigError(
+                f"parallel layout: expert_chunk_tokens={self.expert_chunk_tokens} must be >= 1"
             )
         if self.expert_parallel not in (1, self.world_size):
             raise ConfigError(

@@ -18,7 +18,7 @@ from pdserve.engine.memory_plan import (
     model_for_plan,
     plan_memory,
 )
-from pdserve.engine.rank_memory import GIB, weight_bytes_per_rank
+from pdserve.engine.rank_memory import GIB, GPU_MEMORY_UTILIZATION, weight_bytes_per_rank
 from pdserve.model.errors import ConfigError
 from pdserve.model.random_checkpoint import make_checkpoint
 
@@ -235,9 +235,12 @@ def test_plan_needs_no_gpu_and_no_weights():
     "parallel, plan_layout",
     [
         ({"world_size": 4, "attention": "data", "expert_parallel": 4}, PlanLayout(4, "dp", 4)),
-        ({"world_size": 2, "attention": "tensor", "dense": "tensor"}, PlanLayout(2, "tp", 1, "tp")),
+        (
+            {"world_size": 2, "attention": "tensor", "expert_parallel": 2, "dense": "tensor"},
+            PlanLayout(2, "tp", 2, "tp"),
+        ),
     ],
-    ids=["dp4-ep4", "tp2"],
+    ids=["dp4-ep4", "tp2-ep2"],
 )
 def test_startup_keeps_the_plans_reserve_free(parallel, plan_layout, monkeypatch):
     """A worker sizes its KV cache at startup leaving free what `pdserve plan` reserves for the same layout and
@@ -248,7 +251,7 @@ def test_startup_keeps_the_plans_reserve_free(parallel, plan_layout, monkeypatch
     from pdserve.model.kv_cache import KVCacheLayout, capacity_pages
     from pdserve.model.parallel import ParallelLayout
 
-    args, dtype = model_for_plan(None, "v3-shape", 16, "fp8")
+    args, dtype = model_for_plan(None, "v3-shape", 8, "fp8")
     model = type("Loaded", (), {"args": args, "dtype": dtype, "layout": ParallelLayout(**parallel)})
     reserve = worker_reserve_bytes(model, 8192, 512)
     plan = plan_memory(
@@ -257,10 +260,16 @@ def test_startup_keeps_the_plans_reserve_free(parallel, plan_layout, monkeypatch
     )  # fmt: skip
     assert reserve == plan.total_reserve_bytes > 4 * GIB
     kv = KVCacheLayout.for_model(args, 64, torch.bfloat16, 1)
-    free = 29 * GIB
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * GIB))
-    pages = capacity_pages(kv, "cuda", None, 0.85, 0, reserve)
-    assert pages == (free - reserve) // kv.page_bytes
-    assert capacity_pages(kv, "cuda", None, 0.85, 0, GIB) == int(free * 0.85) // kv.page_bytes
+    total, in_use = 80 * GIB, plan.total_weight_bytes + GIB // 2  # the weights and a CUDA context
+    free = total - in_use
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    pages = capacity_pages(kv, "cuda", None, 0.85, 0, reserve, GPU_MEMORY_UTILIZATION)
+    assert pages == (int(total * GPU_MEMORY_UTILIZATION) - in_use - reserve) // kv.page_bytes
+    context_pages = GIB // 2 / kv.page_bytes
+    assert (
+        abs(pages - (plan.num_pages - context_pages)) <= 1
+    )  # the plan's cache, less the context's
+    # a small reserve and a low fraction leave the fraction in force, as before the reserve
+    assert capacity_pages(kv, "cuda", None, 0.3, 0, GIB, 0.9) == int(free * 0.3) // kv.page_bytes
     with pytest.raises(ValueError, match="reserve of .* GiB for the largest step"):
         capacity_pages(kv, "cuda", None, 0.85, 0, free)
