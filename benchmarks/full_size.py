@@ -134,7 +134,8 @@ def run_point(args, isl: int, osl: int, concurrency: int, vocab: int) -> dict:
     return summary
 
 
-def plot(scenarios: dict[str, list[dict]], path: Path, title: str) -> bool:
+def plot(scenarios: dict[str, list[dict]], path: Path, title: str, full_depth: bool) -> bool:
+    """The Pareto plot; TensorRT-LLM's points (the full model on 8 H200s) only beside a full-depth run."""
     try:
         import matplotlib
 
@@ -151,7 +152,7 @@ def plot(scenarios: dict[str, list[dict]], path: Path, title: str) -> bool:
         for x, y, p in zip(xs, ys, points, strict=True):
             ax.annotate(str(p["concurrency"]), (x, y), textcoords="offset points", xytext=(4, 4),
                         fontsize=7)  # fmt: skip
-    for ref in TRTLLM_POINTS:
+    for ref in TRTLLM_POINTS if full_depth else []:
         xy = (ref["tokens_per_s_per_user"], ref["output_tokens_per_s_per_gpu"])
         ax.plot(*xy, "k*", markersize=11)
         ax.annotate(ref["label"], xy, textcoords="offset points", xytext=(-6, 8), fontsize=7,
@@ -266,7 +267,9 @@ def main() -> None:
     title = (f"{args.preset} ({record['layers']} layers, fp8 experts, dummy weights), "
              f"{args.gpus}x {record['device']}, "
              + ("1P1D" if args.disaggregated else f"DP{args.gpus} + EP{args.gpus} aggregated"))  # fmt: skip
-    if plot(record["scenarios"], out / "full_size.png", title):
+    if args.layers is not None:
+        title += "\na cut model: TensorRT-LLM's points (the full model on 8 H200s) left off"
+    if plot(record["scenarios"], out / "full_size.png", title, args.layers is None):
         _step(f"wrote {out}/full_size.json and {out}/full_size.png")
 
 

@@ -153,6 +153,7 @@ def capacity_pages(
         return num_pages
     device = torch.device(device)
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # blocks the load cached and freed count as in use below
         free, total = torch.cuda.mem_get_info(device)
         usable = int(total * utilization) - (total - free)
         budget = min(int(free * gpu_memory_fraction), usable - reserve_bytes)
