@@ -14,7 +14,9 @@ class PrefillConfig:
     num_pages: int | None = None
     """KV pages; None sizes the cache from memory (gpu_memory_fraction, cpu_cache_bytes)."""
     gpu_memory_fraction: float = 0.5
-    """Share of the GPU memory left after loading the weights that the KV cache takes."""
+    """Share of the GPU memory left after loading the weights that the KV cache takes, at most: it never takes
+    so much that less than the largest step's reserve (`pdserve plan`'s: activations, expert-exchange buffers,
+    workspace) stays free within 0.9 of the GPU."""
     cpu_cache_bytes: int = 1 << 30
     """KV cache size on a CPU."""
     max_num_batched_tokens: int = 8192
