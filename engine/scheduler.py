@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Collection, Sequence
 
 from pdserve.model.errors import CapacityError, InvalidRequestError
@@ -317,6 +317,8 @@ class Scheduler:
             if need > 0:
                 request.pages.extend(allocator.allocate(need))
             decode.append(request)
+        if self.replay_generated:
+            decode = self._with_replay_rows(decode)
         if not prefill and not decode:
             return None, outputs
         by_rank = range(len(self.allocators))
@@ -332,6 +334,27 @@ class Scheduler:
         for allocator in self.allocators:
             allocator.hold_frees()
         return plan, outputs
+
+    def _with_replay_rows(self, decode: list[Request]) -> list[Request]:
+        """`decode` with a row more for each further generated token a request replays, as many as its rank
+        has rows to spare under max_running: the rows of one request run at consecutive positions in one step,
+        each writing its token's KV before any row of the layer reads the cache, so in batch-invariant mode
+        they give the bits of one row a step (a moved stream's 32 sent tokens cost one step, not 32)."""
+        if self.max_running is None:
+            return decode
+        rows = Counter(r.rank for r in decode)
+        extra: list[Request] = []
+        for request in decode:
+            spare = self.max_running - rows[request.rank]
+            more = min(spare, request.num_tokens - 1 - request.num_computed)
+            if more > 0:
+                extra += [request] * more
+                rows[request.rank] += more
+        if not extra:
+            return decode
+        return sorted(
+            [*decode, *extra], key=lambda r: r.admit_order
+        )  # stable: a request's rows together
 
     def _sample_spec(self, request: Request) -> SampleSpec:
         """Its next row's sampling; the first since it came here (or was preempted) carries its sequence for
@@ -360,16 +383,20 @@ class Scheduler:
             prefill_rows.append(
                 PrefillRow(request.request_id, chunk, start, list(request.pages), sample)
             )
-        decode_rows = [
-            DecodeRow(
-                r.request_id,
-                r.token_ids[r.num_computed],
-                r.num_computed,
-                list(r.pages),
-                self._sample_spec(r) if r.num_computed == r.num_tokens - 1 else _REPLAY,
-            )  # fmt: skip
-            for r in decode
-        ]
+        decode_rows = []
+        ahead: dict[str, int] = {}  # a request's rows so far (several while it replays)
+        for r in decode:
+            position = r.num_computed + ahead.get(r.request_id, 0)
+            ahead[r.request_id] = ahead.get(r.request_id, 0) + 1
+            decode_rows.append(
+                DecodeRow(
+                    r.request_id,
+                    r.token_ids[position],
+                    position,
+                    list(r.pages),
+                    self._sample_spec(r) if position == r.num_tokens - 1 else _REPLAY,
+                )  # fmt: skip
+            )
         return RankStep(prefill_rows, decode_rows)
 
     def _prefill_end(self, request: Request) -> int:
