@@ -20,12 +20,13 @@ sends can reach the new one) and is placed again like a preempted request: promp
 recomputed through prefill, with sampling drawn by (seed, step), so the stream goes on from the next token exactly
 as it would have. With no decode worker serving it waits, within its deadline, for the replacement the supervisor
 starts; with no prefill worker serving the decode worker prefills it (in batch-invariant mode it always does, replaying
-the tokens already sent: `replay_on_decode`). `router.migration_limit` caps the moves."""
+the tokens already sent: `replay_on_decode`). `router.migration_limit` caps the moves.
+
+Placement and admission (which workers, when there is room) are `Admission`'s, in `admission.py`."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -35,29 +36,23 @@ from collections.abc import Callable
 import ray
 
 from pdserve.engine import messages
-from pdserve.engine.checks import check_pages
 from pdserve.engine.messages import (
     RANK_GROUP_FAILED,
-    DecodeRequest,
     FirstTokenLogprobs,
     PrefillEvents,
     PrefillFailure,
-    PrefillRequest,
     RequestOutput,
-    Reservation,
     StageTimes,
 )
-from pdserve.engine.pages import pages_needed
 from pdserve.engine.sampling_params import FinishReason, SamplingParams
-from pdserve.model.errors import CapacityError, InvalidRequestError, PdserveError
 
+from .admission import Admission
 from .config import RouterConfig
 from .errors import DeadlineExceededError, UnavailableError, WorkerFailedError, WorkerLostError
 from .pools import DECODE, PREFILL, WorkerHandle, WorkerState
 
 logger = logging.getLogger(__name__)
 
-_ADMISSION_RETRY_S = 0.05
 _CLEANUP_WAIT_S = 10.0
 _IDLE_CHECK_S = 0.02
 _STAGES_WAIT_S = 0.5
@@ -136,7 +131,7 @@ def _joined(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     )  # fmt: skip
 
 
-class Router:
+class Router(Admission):
     def __init__(self, config: RouterConfig):
         self.config = config
         self.workers: dict[str, WorkerHandle] = {}
@@ -425,210 +420,6 @@ class Router:
             raise DeadlineExceededError(
                 f"deadline exceeded after {len(r.generated)} of {r.params.max_tokens} tokens"
             ) from None
-
-    # Placement.
-
-    def _check_fits(self, r: Request, decodes: list[WorkerHandle]) -> None:
-        total = len(r.prompt_ids) + r.params.max_tokens
-        largest = max(w.num_pages for w in decodes)
-        try:
-            check_pages(total, decodes[0].page_size, largest, "the largest decode worker")
-        except CapacityError as e:  # no worker can ever hold it: the request is at fault
-            raise InvalidRequestError("sampling_params.max_tokens", str(e)) from None
-
-    async def _place(self, r: Request, force) -> None:
-        if force is None:
-            await self._wait_for_decode(r)
-        self._check_fits(r, self.pool(DECODE, WorkerState.SERVING) or [force[1]])
-        if self._num_waiting >= self.config.max_queued_requests:
-            raise CapacityError(
-                f"{self._num_waiting} requests are already waiting for a decode worker "
-                f"(router.max_queued_requests)"
-            )
-        self._num_waiting += 1
-        try:
-            if force is not None or not await self._admit_at_once(r):
-                while not await self._admit_in_turn(r, force):
-                    await self._wait_for_decode(r)
-        finally:
-            self._num_waiting -= 1
-        if r.admitted_at is None:
-            r.admitted_at = time.monotonic()
-
-    async def _admit_in_turn(self, r: Request, force) -> bool:
-        """Admits `r` in arrival order, waiting for room up to admission_timeout_s; False when no decode
-        worker serves any more. The caller then waits for one outside the admission lock: a replacement
-        serves only once its warm-up request is through, and a warm-up (`force`) takes no turn in line."""
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + self.config.admission_timeout_s
-        async with self._admission if force is None else contextlib.nullcontext():
-            while not await self._try_admit(r, force):
-                if force is None and not self.pool(DECODE, WorkerState.SERVING):
-                    return False
-                now = loop.time()
-                if r.deadline is not None and now >= r.deadline:
-                    raise DeadlineExceededError("deadline exceeded while waiting for admission")
-                if now >= give_up:
-                    raise CapacityError(
-                        f"no decode worker had room for {len(r.prompt_ids) + len(r.generated)} "
-                        f"tokens within {self.config.admission_timeout_s:g}s"
-                    )
-                self._capacity.clear()
-                wait = min(_ADMISSION_RETRY_S, give_up - now)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._capacity.wait(), wait)
-        return True
-
-    async def _wait_for_decode(self, r: Request) -> None:
-        """Returns once a decode worker serves; while none does but a replacement is coming, waits for it
-        (within the request's deadline). Raises UnavailableError when none serves and none is coming."""
-        loop = asyncio.get_running_loop()
-        while not self.pool(DECODE, WorkerState.SERVING):
-            if not self.num_replacing[DECODE]:
-                why = f": {self.restarts_stopped}" if self.restarts_stopped else ""
-                raise UnavailableError(
-                    f"no decode worker is serving (starting up, or all were lost{why})"
-                )
-            if r.deadline is not None and loop.time() >= r.deadline:
-                raise DeadlineExceededError(
-                    "deadline exceeded while waiting for a lost decode worker's replacement"
-                )
-            await asyncio.sleep(_ADMISSION_RETRY_S)
-
-    async def _admit_at_once(self, r: Request) -> bool:
-        """Admits `r` without holding the line for the decode worker's answer: in its turn, when the estimates
-        give the first choice room, the reservation is sent and the next request's turn begins; the answer is
-        awaited after (a burst is admitted at the rate the router can send, not one Ray round trip per
-        request). False when the estimates give no worker room or the worker refuses: `_admit_in_turn` then
-        admits it, waiting in line for room."""
-        async with self._admission:
-            choice = self._choose(r, None)
-            if choice is None:
-                return False
-            prefill, decodes, tokens, payload = choice
-            d = decodes[0]
-            need = pages_needed(len(tokens), d.page_size)
-            if d.free_pages < need:
-                return False
-            d.in_flight_pages += need
-            future = self._start_call(r, d, d.actor.add_request.remote(payload))
-        try:
-            reservation = messages.unwrap(Reservation, await self._end_call(r, d, future))
-        except (CapacityError, WorkerLostError):
-            return False
-        finally:
-            d.in_flight_pages -= need
-        await self._reserved(r, d, reservation, prefill, tokens, None)
-        return True
-
-    def _choose(self, r: Request, force):
-        """(prefill worker or None, decode workers in order of preference, the request's known tokens, the
-        decode worker's request) by the router's estimates; None when no decode worker serves."""
-        tokens = [*r.prompt_ids, *r.generated]
-        if force is not None:
-            prefill, decodes = force[0], [force[1]]
-        else:
-            decodes = sorted(
-                self.pool(DECODE, WorkerState.SERVING), key=lambda w: (-w.free_pages, w.num_running)
-            )
-            if not decodes:  # all lost meanwhile: the caller waits for a replacement
-                return None
-            need = pages_needed(len(tokens), decodes[0].page_size)
-            prefills = [w for w in self.pool(PREFILL, WorkerState.SERVING) if w.num_pages >= need]
-            prefill = min(prefills, key=lambda w: w.queued_tokens, default=None)
-            if r.generated and self.replay_on_decode:
-                prefill = None
-        peer = prefill.worker_id if prefill is not None else None
-        payload = messages.encode(
-            DecodeRequest(r.request_id, r.prompt_ids, r.params, peer, r.generated)
-        )
-        return prefill, decodes, tokens, payload
-
-    async def _try_admit(self, r: Request, force) -> bool:
-        choice = self._choose(r, force)
-        if choice is None:
-            return False
-        prefill, decodes, tokens, payload = choice
-        for d in decodes:
-            try:
-                reply = await self._call(r, d, d.actor.add_request.remote(payload))
-                reservation = messages.unwrap(Reservation, reply)
-            except (CapacityError, WorkerLostError):
-                continue
-            break
-        else:
-            return False
-        await self._reserved(r, d, reservation, prefill, tokens, force)
-        return True
-
-    async def _reserved(
-        self, r: Request, d: WorkerHandle, reservation: Reservation,
-        prefill: WorkerHandle | None, tokens: list[int], force,
-    ) -> None:  # fmt: skip
-        """Decode worker `d` reserved room for `r`: it is placed there, and its prompt goes to `prefill` (None:
-        `d` prefills it)."""
-        r.decode, r.decode_worker = d, d.worker_id
-        d.requests.add(r.request_id)
-        d.reserved_pages += reservation.num_pages
-        r.prefill_worker = prefill.worker_id if prefill is not None else ""
-        if prefill is None:
-            return
-        r.prefill, r.prefill_tokens = prefill, len(tokens)
-        prefill.requests.add(r.request_id)
-        prefill.queued_tokens += len(tokens)
-        request = PrefillRequest(
-            r.request_id, tokens, r.params, len(r.generated), reservation.endpoint or r.decode_worker,
-            reservation.transfer_id, reservation.dest_cuts,
-        )  # fmt: skip
-        try:
-            messages.unwrap(
-                None,
-                await self._call(r, prefill, prefill.actor.submit.remote(messages.encode(request))),
-            )
-        except WorkerLostError:
-            if force is not None:
-                await asyncio.gather(d.actor.abort.remote(r.request_id), return_exceptions=True)
-                self._detach(r)
-                raise
-            # The prefill worker died under the submit: the request's _Lost is queued, it migrates.
-        except PdserveError:
-            await asyncio.gather(d.actor.abort.remote(r.request_id), return_exceptions=True)
-            self._detach(r)
-            raise
-
-    async def _call(self, r: Request, w: WorkerHandle, ref) -> bytes:
-        """Awaits an actor call made for `r`. A cancelled caller leaves the call running; cleanup waits for it."""
-        return await self._end_call(r, w, self._start_call(r, w, ref))
-
-    @staticmethod
-    def _start_call(r: Request, w: WorkerHandle, ref) -> asyncio.Future:
-        """Tracks an actor call made for `r` (its cleanup waits for it and aborts on `w`) from now on."""
-        future = asyncio.wrap_future(ref.future())
-        r.touched.add(w)
-        r.calls.add(future)
-        future.add_done_callback(r.calls.discard)
-        return future
-
-    async def _end_call(self, r: Request, w: WorkerHandle, future: asyncio.Future) -> bytes:
-        """The answer of a call `_start_call` tracks; WorkerLostError when `w` died (it is reported lost)."""
-        try:
-            return await asyncio.shield(future)
-        except ray.exceptions.RayError as e:
-            self.worker_lost(w, str(e).splitlines()[0])
-            raise WorkerLostError(f"{w.role} worker {w.worker_id} died") from e
-
-    def _prefill_done(self, r: Request) -> None:
-        if r.prefill is not None:
-            r.prefill.requests.discard(r.request_id)
-            r.prefill.queued_tokens -= r.prefill_tokens
-            r.prefill, r.prefill_tokens = None, 0
-
-    def _detach(self, r: Request) -> None:
-        self._prefill_done(r)
-        if r.decode is not None:
-            r.decode.requests.discard(r.request_id)
-            r.decode = None
-            self._capacity.set()
 
     # Relaying.
 
