@@ -84,7 +84,8 @@ def add_plan_command(sub) -> None:
     )  # fmt: skip
     k.add_argument(
         "--max-running", type=int, default=256,
-        help="requests per step at most (decode batch, rows of logits; default %(default)s)",
+        help="requests of the worker per step at most, shared by data-parallel ranks (decode batch, rows "
+        "of logits; default %(default)s)",
     )  # fmt: skip
     k.add_argument(
         "--max-model-len", type=int, default=None,

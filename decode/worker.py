@@ -188,11 +188,12 @@ class DecodeWorker(Worker):
 
     def warm_up(self) -> None:
         """Prompt chunks up to `max_prefill_chunk` (the aggregated path) and a decode graph for every bucket of
-        up to `max_running` rows and `warm_up_context` tokens."""
+        up to the rows one rank holds (`Scheduler.rank_max_running`) and `warm_up_context` tokens."""
         c = self.config
         self._warm_up(
-            c.max_prefill_chunk, c.max_running, c.warm_up_context, c.max_num_batched_tokens
-        )
+            c.max_prefill_chunk, self.scheduler.rank_max_running, c.warm_up_context,
+            c.max_num_batched_tokens,
+        )  # fmt: skip
 
     def _ranks_failed(self) -> None:
         if self.rank_kv is not None:  # the ranks are gone: nothing writes the held pages any more

@@ -34,6 +34,12 @@ def data_parallel_ranks(config: Any) -> int:
     return config.ranks if config.attention == "data" else 1
 
 
+def rows_per_rank(max_running: int | None, dp_ranks: int) -> int | None:
+    """A worker's `max_running` requests shared by its `dp_ranks` data-parallel ranks: the most one rank holds
+    (and so the largest decode batch its graphs need); None: no limit."""
+    return None if max_running is None else -(-max_running // dp_ranks)
+
+
 def layout_kwargs(config: Any) -> dict[str, Any]:
     """The `ParallelLayout` fields a rank of this config takes, besides its rank and group (plain values)."""
     return {

@@ -56,7 +56,8 @@ class PlanSettings:
     max_num_batched_tokens: int = 8192
     """Tokens one rank runs in one forward pass at most (a prefill step's token budget)."""
     max_running: int = 256
-    """Requests in one step at most (a decode step's tokens, and the rows of logits of any step)."""
+    """Requests of the worker in one step at most, shared by its data-parallel ranks (a rank's decode step's
+    tokens, and the rows of logits of any step)."""
     max_model_len: int | None = None
     """Longest request (prompt + output) the KV cache must hold; None: the model's max_position_embeddings."""
     use_mtp: bool = True
@@ -187,7 +188,16 @@ class MemoryPlan:
         return "\n".join(lines)
 
     def _step_tokens(self) -> int:
-        return max(self.settings.max_num_batched_tokens, self.settings.max_running)
+        return _step_tokens(self.settings, self.layout)
+
+
+def _rows_per_rank(settings: PlanSettings, layout: PlanLayout) -> int:
+    """The running requests one rank holds at most: the worker's shared by its data-parallel ranks."""
+    return -(-settings.max_running // layout.num_kv_groups)
+
+
+def _step_tokens(settings: PlanSettings, layout: PlanLayout) -> int:
+    return max(settings.max_num_batched_tokens, _rows_per_rank(settings, layout))
 
 
 def plan_memory(
@@ -209,8 +219,8 @@ def _plan(
     check_split(args, layout)
     num_mtp = args.num_nextn_predict_layers if settings.use_mtp else 0
     weights = weight_bytes_per_rank(args, dtype, layout, num_mtp)
-    step_tokens = max(settings.max_num_batched_tokens, settings.max_running)
-    reserve = reserve_bytes_per_rank(args, dtype, layout, step_tokens, settings.max_running)
+    rows = _rows_per_rank(settings, layout)
+    reserve = reserve_bytes_per_rank(args, dtype, layout, _step_tokens(settings, layout), rows)
     cache_dtype = resolve_cache_dtype(settings.kv_cache_dtype, dtype)
     kv_layout = KVCacheLayout.for_model(args, settings.page_size, cache_dtype, num_mtp)
     gpu_bytes = int(settings.gpu_memory_gib * GIB)

@@ -226,9 +226,11 @@ def runtime_reserve_bytes(
 
 def worker_reserve_bytes(model, max_num_batched_tokens: int, max_running: int | None) -> int:
     """`runtime_reserve_bytes` of a loaded model (`Transformer`) for a role's step bounds: a decode worker's
-    `max_num_batched_tokens` and `max_running`; a prefill worker has no running batch (None), and its logits
-    rows are counted as `pdserve plan`'s default of 256."""
-    rows = 256 if max_running is None else max_running
+    `max_num_batched_tokens` and `max_running` (shared by its data-parallel ranks); a prefill worker has no
+    running batch (None), and its logits rows are counted as `pdserve plan`'s default of 256."""
+    parallel = model.layout
+    dp = parallel.world_size if parallel.attention == "data" else 1
+    rows = 256 if max_running is None else -(-max_running // dp)
     return runtime_reserve_bytes(
         model.args, model.dtype, model.layout, max(max_num_batched_tokens, rows), rows
     )

@@ -36,6 +36,7 @@ from pdserve.model.errors import CapacityError, InvalidRequestError
 
 from .checks import check_context, check_pages, check_token_ids
 from .chunking import plan_prefill_chunks
+from .layout import rows_per_rank
 from .messages import RequestOutput, StageTimes
 from .pages import PageAllocator, pages_needed
 from .request import Policy, Request, RequestState
@@ -104,6 +105,9 @@ class Scheduler:
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.eos_token_ids = eos_token_ids
         self.max_running, self.worker_kind = max_running, worker_kind
+        self.rank_max_running = rows_per_rank(max_running, len(allocators))
+        """Requests one data-parallel rank holds at most: max_running shared evenly, so that no rank runs more
+        rows than the decode graphs its warm-up captured."""
         self.replay_generated = replay_generated
         self.requests: dict[str, Request] = {}
         """Every live request, in arrival order."""
@@ -131,14 +135,17 @@ class Scheduler:
         return sum(a.num_pages for a in self.allocators)
 
     def _pick_rank(self, num_pages: int) -> int | None:
-        """The data-parallel rank a new request goes to: of those with `num_pages` free, the fewest pages in use,
-        then the fewest requests, then the lowest rank; None when no rank has them free."""
+        """The data-parallel rank a new request goes to: of those with `num_pages` free and fewer requests than
+        `rank_max_running`, the fewest pages in use, then the fewest requests, then the lowest rank; None when
+        no rank has room."""
         if len(self.allocators) == 1:
             return 0 if self.allocators[0].can_allocate(num_pages) else None
         counts = [0] * len(self.allocators)
         for r in self.requests.values():
             counts[r.rank] += 1
-        fits = [d for d, a in enumerate(self.allocators) if a.can_allocate(num_pages)]
+        cap = self.rank_max_running
+        fits = [d for d, a in enumerate(self.allocators)
+                if a.can_allocate(num_pages) and (cap is None or counts[d] < cap)]  # fmt: skip
         return min(fits, key=lambda d: (self.allocators[d].num_used, counts[d], d), default=None)
 
     # Admission.
@@ -337,15 +344,15 @@ class Scheduler:
 
     def _with_replay_rows(self, decode: list[Request]) -> list[Request]:
         """`decode` with a row more for each further generated token a request replays, as many as its rank
-        has rows to spare under max_running: the rows of one request run at consecutive positions in one step,
+        has rows to spare under `rank_max_running`: the rows of one request run at consecutive positions in one step,
         each writing its token's KV before any row of the layer reads the cache, so in batch-invariant mode
         they give the bits of one row a step (a moved stream's 32 sent tokens cost one step, not 32)."""
-        if self.max_running is None:
+        if self.rank_max_running is None:
             return decode
         rows = Counter(r.rank for r in decode)
         extra: list[Request] = []
         for request in decode:
-            spare = self.max_running - rows[request.rank]
+            spare = self.rank_max_running - rows[request.rank]
             more = min(spare, request.num_tokens - 1 - request.num_computed)
             if more > 0:
                 extra += [request] * more

@@ -69,6 +69,22 @@ def test_requests_are_spread_by_pages_then_count_and_keep_their_rank():
     assert s.allocators[0].num_used == 0
 
 
+def test_a_rank_holds_at_most_its_share_of_max_running():
+    """max_running 5 over 2 ranks: 3 a rank at most (the decode graphs a rank captures go to 3 rows), even where
+    a rank's pages would take more; the worker's bound still holds."""
+    s = dp_scheduler(max_running=5)
+    assert s.rank_max_running == 3
+    big = request("big", 13)  # 4 of rank 0's 8 pages: the next three go to rank 1 (fewer pages in use)
+    s.add(big)
+    small = [request(f"s{i}", 2) for i in range(4)]
+    for r in small:
+        s.add(r)
+    assert [r.rank for r in small] == [1, 1, 1, 0]  # rank 1 at its share, though it has the most free pages
+    assert not s.can_admit(2)  # the worker's 5
+    s.abort("big")
+    assert s.can_admit(2)
+
+
 def test_a_rank_full_preempts_only_its_own_requests():
     s = dp_scheduler(num_pages=2)
     # one page each; the token after the first generated one needs a second page
