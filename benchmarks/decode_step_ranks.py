@@ -4,13 +4,17 @@ driver sends each step plan and gathers the sampled tokens (`make_rank_runner`, 
 exchange), timed wall clock per step at the driver, median over `--steps`.
 
     python benchmarks/decode_step_ranks.py [--preset v3-shape --layers 8] [--ranks 2] [--batch 64,128]
-        [--context 4096] [--steps 30] [--check]
+        [--context 4096] [--steps 30] [--check] [--profile STEPS]
 
 Weights are `load_format="dummy"` (random, fp8 experts with block scales, made on each GPU from config.json), the
 KV cache random rows. Per GPU: output tokens/s = batch / step; the roofline counts the weight bytes a rank reads
 (its replicated weights and all its routed experts: at these batches nearly every expert is routed to), the KV
 bytes of its rows, and the exchange bytes it receives (all-gather of every rank's padded rows, all-to-all of
 the partial sums back), at the HBM and NVLink rates measured on the same GPUs in the same run.
+
+--profile STEPS then runs, per batch, STEPS steps of the ranks without CUDA graphs under torch.profiler and prints
+rank 0's kernel time a step by part (`pdserve.engine.step_profile`: attention, dense MLP, MoE exchange, experts,
+the rest of the MoE, logits, other kernels) and, against the CUDA-graph step, the time outside kernels.
 
 --check first runs a small batch-invariant greedy comparison: N ranks with B rows each against one GPU with the
 same N x B rows, every row's KV filled from its own seed; the sampled tokens must be equal.
@@ -45,6 +49,7 @@ from pdserve.engine.step import (  # noqa: E402
     plan_to_wire,
     result_from_wire,
 )
+from pdserve.engine.step_profile import CATEGORIES, breakdown  # noqa: E402
 from pdserve.model.random_checkpoint import preset_config  # noqa: E402
 
 
@@ -63,10 +68,21 @@ def bench_rank(ctx, seeds: list[int] | None, pages_per_row: int, **kwargs):
             gen.manual_seed(seed)
             cache.data[r * pages_per_row : (r + 1) * pages_per_row].normal_(generator=gen)
     facts = _facts(ctx, runner.runner.model)
+    profiling = []
 
     def handler(wire):
         if wire == "facts":
             return facts
+        if wire == "profile_start":
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            profiling.append(torch.profiler.profile(activities=activities))
+            profiling[0].__enter__()
+            return None
+        if wire == "profile_stop":
+            torch.cuda.synchronize()
+            prof = profiling.pop()
+            prof.__exit__(None, None, None)
+            return breakdown(prof, on_device=True)
         return runner(wire)
 
     handler.close = runner.close  # its CUDA graphs go before the group is destroyed
@@ -108,9 +124,11 @@ def _facts(ctx, model) -> dict:
 
 
 def run(model_dir: str, ranks: int, batch: int, context: int, steps: int, invariant: bool,
-        seeds: list[list[int]] | None, dispatch_fp8: bool = False) -> dict:  # fmt: skip
+        seeds: list[list[int]] | None, dispatch_fp8: bool = False, profile_steps: int = 0) -> dict:  # fmt: skip
     """One group of `ranks` ranks, `batch` rows each, `steps` timed steps; returns times and tokens.
-    dispatch_fp8: the exchange carries the fp8 experts' rows quantized (`ParallelLayout.dispatch_fp8`)."""
+    dispatch_fp8: the exchange carries the fp8 experts' rows quantized (`ParallelLayout.dispatch_fp8`).
+    profile_steps: instead, that many steps without CUDA graphs under torch.profiler after 5 warm-up steps;
+    "profile" is then each rank's kernel seconds a step by part (`engine.step_profile`)."""
     pages_per_row = -(-(context + steps + 8) // 64)
     layout = {
         "world_size": ranks,
@@ -126,7 +144,7 @@ def run(model_dir: str, ranks: int, batch: int, context: int, steps: int, invari
             "model_path": model_dir, "dtype": "bf16", "layout": layout, "page_size": 64,
             "num_pages": batch * pages_per_row, "gpu_memory_fraction": 0.9, "cpu_cache_bytes": 0,
             "kv_cache_dtype": "auto", "load_format": "dummy", "batch_invariant": invariant,
-            "cuda_graphs": True,
+            "cuda_graphs": not profile_steps,
         },
     )  # fmt: skip
     config = RankGroupConfig(ranks, backend="nccl", join_timeout_s=600, step_timeout_s=600)
@@ -134,7 +152,11 @@ def run(model_dir: str, ranks: int, batch: int, context: int, steps: int, invari
         facts = group.step("facts")
         tokens = [[3 + (r * batch + b) % 1000 for b in range(batch)] for r in range(ranks)]
         times, history = [], []
+        if profile_steps:
+            steps = profile_steps
         for step in range(steps + 5):
+            if profile_steps and step == 5:
+                group.step("profile_start")
             pos = context + step
             plan = StepPlan(
                 step,
@@ -166,7 +188,15 @@ def run(model_dir: str, ranks: int, batch: int, context: int, steps: int, invari
             history.append([t for r in range(ranks) for t in tokens[r]])
             if step >= 5:
                 times.append(elapsed)
-    return {"step_s": statistics.median(times), "facts": facts, "tokens": history}
+        profile = None
+        if profile_steps:
+            profile = [{k: v / steps for k, v in p.items()} for p in group.step("profile_stop")]
+    return {
+        "step_s": statistics.median(times),
+        "facts": facts,
+        "tokens": history,
+        "profile": profile,
+    }
 
 
 def _by_rank(ctx, seeds, **kwargs):
@@ -194,6 +224,28 @@ def roofline(cfg: dict, ranks: int, batch: int, context: int, facts: list[dict],
     return seconds
 
 
+def profile_table(parts: dict, graph_step_s: float, batch: int, layers: int, kind: str) -> str:
+    """Rank 0's kernel time a step by part (eager steps under the profiler) beside the CUDA-graph step."""
+    rows = [
+        f"\nrank 0 at {batch} rows, {kind} dispatch, kernel time a step by part (eager, profiled) against "
+        f"the CUDA-graph step of {1e3 * graph_step_s:.2f} ms",
+        "| part | ms a step | us a layer | share of the graph step |",
+        "|---|---|---|---|",
+    ]
+    for name in CATEGORIES:
+        ms = 1e3 * parts[name]
+        rows.append(
+            f"| {name} | {ms:.3f} | {1e3 * ms / layers:.1f} | {parts[name] / graph_step_s:.0%} |"
+        )
+    outside = graph_step_s - parts["total"]
+    rows.append(
+        f"| all kernels | {1e3 * parts['total']:.3f} | | {parts['total'] / graph_step_s:.0%} |"
+    )
+    rows.append(f"| outside kernels (graph step less all kernels) | {1e3 * outside:.3f} | | "
+                f"{outside / graph_step_s:.0%} |")  # fmt: skip
+    return "\n".join(rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -207,6 +259,12 @@ def main() -> None:
     p.add_argument(
         "--check", action="store_true", help="first the batch-invariant greedy comparison"
     )
+    p.add_argument(
+        "--profile", type=int, default=0, metavar="STEPS",
+        help="also, per batch, STEPS decode steps of the ranks without CUDA graphs under torch.profiler: each "
+        "part's kernel time a step on rank 0 (attention, MoE exchange, experts, ...) and what the CUDA-graph "
+        "step spends outside kernels",
+    )  # fmt: skip
     p.add_argument(
         "--dispatch",
         default="bf16",
@@ -265,6 +323,18 @@ def main() -> None:
                         "facts": r["facts"],
                     }  # fmt: skip
                 )
+            if args.profile:
+                kind = kinds[-1]
+                prof = run(tmp, args.ranks, batch, args.context, 0, False, None, kind == "fp8",
+                           args.profile)["profile"]  # fmt: skip
+                graph_step = next(
+                    row["step_s"] for row in out["rows"]
+                    if (row["batch"], row["ranks"], row["dispatch"]) == (batch, args.ranks, kind)
+                )  # fmt: skip
+                out.setdefault("profiles", []).append(
+                    {"batch": batch, "dispatch": kind, "graph_step_s": graph_step, "ranks": prof}
+                )
+                lines.append(profile_table(prof[0], graph_step, batch, args.layers, kind))
     header = (
         f"{out['device']} | {args.preset}, {args.layers} layers, fp8 experts, dummy weights | context "
         f"{args.context} | DP{args.ranks} + EP{args.ranks} vs 1 GPU | CUDA graphs"

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from .. import kernels
 from .args import QUANT_BLOCK, ModelArgs, stacked_rows
@@ -36,6 +37,18 @@ IsFp8 = Callable[[str], bool]
 
 def no_fp8(_: str) -> bool:
     return False
+
+
+SPAN_ATTENTION, SPAN_MLP, SPAN_MOE = "pdserve.attention", "pdserve.mlp", "pdserve.moe"
+SPAN_EXCHANGE, SPAN_EXPERTS, SPAN_LOGITS = (
+    "pdserve.moe.exchange",
+    "pdserve.moe.experts",
+    "pdserve.logits",
+)
+"""torch.profiler ranges of a forward pass (`benchmarks/decode_step_ranks.py --profile` sums the kernels under
+each): a layer's attention and its dense MLP or MoE, within an expert-parallel MoE the exchange (dispatch and
+combine, waits for the other ranks included) and this rank's experts, and the logits. Outside a profiler a
+range costs a few microseconds of host time; CUDA graph replays run none."""
 
 
 class Linear(nn.Module):
@@ -346,9 +359,10 @@ class Experts(nn.Module):
     ) -> torch.Tensor:  # fmt: skip
         """x_q: x quantized (fp8 experts only), as `kernels.fused_moe` takes it; tree: its sum order (then
         fp32)."""
-        return kernels.fused_moe(
-            x, self.w13, self.w2, weights, ids, self.w13_scale_inv, self.w2_scale_inv, x_q, tree
-        )
+        with record_function(SPAN_EXPERTS):
+            return kernels.fused_moe(
+                x, self.w13, self.w2, weights, ids, self.w13_scale_inv, self.w2_scale_inv, x_q, tree
+            )
 
 
 class MoE(nn.Module):
@@ -427,15 +441,17 @@ class MoE(nn.Module):
         # there (layout.dispatch_fp8 off); every rank sends the same kind of message
         if self.experts.is_fp8 and x_q is None and x.shape[0]:
             x_q = kernels.quantize_act(x)
-        local, handle = self.exchange.dispatch(
-            x, ids, weights, x_q if self.experts.is_fp8 else None
-        )
+        with record_function(SPAN_EXCHANGE):
+            local, handle = self.exchange.dispatch(
+                x, ids, weights, x_q if self.experts.is_fp8 else None
+            )
         tree = self.tree if kernels.batch_invariant() else None
         if local.num_rows:
             y = self._local_experts(local, x, tree)
         else:  # every rank sends the same dtype: fp32 subtrees in the tree's mode
             y = local.x.new_empty(0, x.shape[1], dtype=x.dtype if tree is None else torch.float32)
-        out = self.exchange.combine(y, handle, tree=tree is not None)  # [T, D]
+        with record_function(SPAN_EXCHANGE):
+            out = self.exchange.combine(y, handle, tree=tree is not None)  # [T, D]
         if self.shared_experts is None:
             return out
         return out + self._shared(x, x_q)
@@ -514,11 +530,13 @@ class Block(nn.Module):
             residual, h = x.float(), self.attn_norm(x, quant=self.quant_attn)
         else:
             h, residual = self.attn_norm(x, residual, self.quant_attn)
-        h = self.attn(h, batch, cache, cos_sin)
+        with record_function(SPAN_ATTENTION):
+            h = self.attn(h, batch, cache, cos_sin)
         h, residual = self.ffn_norm(h, residual, self.quant_ffn)
-        if self.quant_ffn == "both":
-            return self.ffn(*h), residual
-        return self.ffn(h), residual
+        with record_function(SPAN_MOE if isinstance(self.ffn, MoE) else SPAN_MLP):
+            if self.quant_ffn == "both":
+                return self.ffn(*h), residual
+            return self.ffn(h), residual
 
 
 class MTP(nn.Module):
@@ -633,7 +651,8 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, D] -> logits [N, V] fp32."""
-        return self.head(hidden).float()
+        with record_function(SPAN_LOGITS):
+            return self.head(hidden).float()
 
     @torch.inference_mode()
     def mtp_logits(
