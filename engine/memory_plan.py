@@ -167,7 +167,11 @@ class MemoryPlan:
             if nbytes or group in GROUPS:
                 lines.append(row.format(group, _gib(nbytes)))
         lines.append(row.format("total", _gib(self.total_weight_bytes)))
-        lines.append(f"reserve ({self._step_tokens()} tokens per step)")
+        rows = _rows_per_rank(s, lay)
+        lines.append(
+            f"reserve ({self._step_tokens()} tokens per step, {rows} running a rank of the worker's "
+            f"{s.max_running})"
+        )
         for name, nbytes in self.reserve_bytes.items():
             lines.append(row.format(name, _gib(nbytes)))
         lines.append(row.format("total", _gib(self.total_reserve_bytes)))
