@@ -20,6 +20,7 @@ from pdserve.model.args import ModelArgs
 from pdserve.model.errors import ConfigError
 from pdserve.model.kv_cache import KVCacheLayout, resolve_cache_dtype
 
+from .layout import rows_per_rank
 from .rank_memory import (
     GIB,
     GPU_MEMORY_UTILIZATION,
@@ -197,7 +198,7 @@ class MemoryPlan:
 
 def _rows_per_rank(settings: PlanSettings, layout: PlanLayout) -> int:
     """The running requests one rank holds at most: the worker's shared by its data-parallel ranks."""
-    return -(-settings.max_running // layout.num_kv_groups)
+    return rows_per_rank(settings.max_running, layout.num_kv_groups)
 
 
 def _step_tokens(settings: PlanSettings, layout: PlanLayout) -> int:

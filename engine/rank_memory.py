@@ -25,6 +25,8 @@ from pdserve.model.args import QUANT_BLOCK, ModelArgs
 from pdserve.model.errors import ConfigError
 from pdserve.model.weight_names import WeightSpec, checkpoint_weights
 
+from .layout import rows_per_rank
+
 __all__ = [
     "DERIVED_GROUPS",
     "EP_RECV_CAPACITY_FACTOR",
@@ -35,7 +37,6 @@ __all__ = [
     "PlanLayout",
     "check_split",
     "reserve_bytes_per_rank",
-    "runtime_reserve_bytes",
     "worker_reserve_bytes",
     "weight_bytes_per_rank",
 ]
@@ -209,31 +210,23 @@ def reserve_bytes_per_rank(
     }
 
 
-def runtime_reserve_bytes(
-    args: ModelArgs, dtype: torch.dtype, parallel, step_tokens: int, max_running: int
-) -> int:
-    """`reserve_bytes_per_rank` summed, for a loaded model's `ParallelLayout` (`parallel`): what a worker's rank
-    leaves free beside its KV cache when it sizes the cache at startup, so that the cache `pdserve plan` prints
-    is the one the worker takes, and the largest step still finds its activations and exchange buffers."""
+def worker_reserve_bytes(model, max_num_batched_tokens: int, max_running: int | None) -> int:
+    """`reserve_bytes_per_rank` summed for a loaded model (`Transformer`, its `ParallelLayout`) and a role's step
+    bounds: what a rank leaves free beside its KV cache at startup, so that the cache `pdserve plan` prints is
+    the one the worker takes and the largest step still finds its activations and exchange buffers. A decode
+    worker's `max_running` is shared by its data-parallel ranks; a prefill worker has no running batch (None),
+    and its logits rows are counted as `pdserve plan`'s default of 256."""
+    parallel = model.layout
+    dp = parallel.world_size if parallel.attention == "data" else 1
+    rows = 256 if max_running is None else rows_per_rank(max_running, dp)
     layout = PlanLayout(
         parallel.world_size,
         "tp" if parallel.attention == "tensor" else "dp",
         parallel.expert_parallel,
         "tp" if parallel.dense == "tensor" else "replicated",
     )
-    return sum(reserve_bytes_per_rank(args, dtype, layout, step_tokens, max_running).values())
-
-
-def worker_reserve_bytes(model, max_num_batched_tokens: int, max_running: int | None) -> int:
-    """`runtime_reserve_bytes` of a loaded model (`Transformer`) for a role's step bounds: a decode worker's
-    `max_num_batched_tokens` and `max_running` (shared by its data-parallel ranks); a prefill worker has no
-    running batch (None), and its logits rows are counted as `pdserve plan`'s default of 256."""
-    parallel = model.layout
-    dp = parallel.world_size if parallel.attention == "data" else 1
-    rows = 256 if max_running is None else -(-max_running // dp)
-    return runtime_reserve_bytes(
-        model.args, model.dtype, model.layout, max(max_num_batched_tokens, rows), rows
-    )
+    step_tokens = max(max_num_batched_tokens, rows)
+    return sum(reserve_bytes_per_rank(model.args, model.dtype, layout, step_tokens, rows).values())
 
 
 @functools.lru_cache(maxsize=4)
