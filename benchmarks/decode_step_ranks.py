@@ -38,9 +38,9 @@ sys.path.insert(
     0, str(Path(__file__).resolve().parent)
 )  # rank processes import this file's handler
 
-from pdserve.engine.rank_group import RankGroup, RankGroupConfig  # noqa: E402
-from pdserve.engine.rank_process import HandlerSpec  # noqa: E402
-from pdserve.engine.rank_runner import make_rank_runner  # noqa: E402
+from pdserve.engine.ranks.group import RankGroup, RankGroupConfig  # noqa: E402
+from pdserve.engine.ranks.process import HandlerSpec  # noqa: E402
+from pdserve.engine.ranks.runner import make_rank_runner  # noqa: E402
 from pdserve.engine.step import (  # noqa: E402
     DecodeRow,
     RankStep,

@@ -37,7 +37,7 @@ import grpc
 import numpy as np
 from _sse import HttpStatusError, post_events
 
-from pdserve.cluster.client import generate_request
+from pdserve.cli.client import generate_request
 from pdserve.cluster.fixed_rate_decode import SYMBOLS
 from pdserve.v1 import generation_pb2_grpc
 
@@ -174,7 +174,7 @@ def start_server(args, ports: dict) -> subprocess.Popen:
         ]  # fmt: skip
     else:
         command += [
-            "-m", "pdserve.cluster.cli", "serve", "--model", args.model, "--prefill", "0",
+            "-m", "pdserve.cli.main", "serve", "--model", args.model, "--prefill", "0",
             "--decode", "1", "--port", str(ports["grpc"]), "--http-port", str(ports["http"]),
             "--cluster.cpus-per-worker", "0.5",
             "--cluster.benchmark-fake-decode-ms", str(args.interval_ms),

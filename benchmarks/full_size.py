@@ -46,7 +46,7 @@ DEFAULT_CONCURRENCY = "1,2,4,8,16,32,64,128,256,512,1024"
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pdserve.cluster.cli", *args]
+    return [sys.executable, "-m", "pdserve.cli.main", *args]
 
 
 def _step(what: str) -> None:

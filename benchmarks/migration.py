@@ -35,10 +35,10 @@ import grpc
 import numpy as np
 import ray
 
-from pdserve.cluster.client import Client, generate_request
+from pdserve.cli.client import Client, generate_request
 from pdserve.cluster.config import build_config
-from pdserve.cluster.server import ServerThread, free_port
 from pdserve.engine import messages
+from pdserve.frontend.server import ServerThread, free_port
 from pdserve.v1 import generation_pb2_grpc
 
 _POLL_S = 0.01

@@ -33,9 +33,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from pdserve.engine.plan_channel import encode  # noqa: E402
-from pdserve.engine.rank_group import RankGroup, RankGroupConfig  # noqa: E402
-from pdserve.engine.rank_process import HandlerSpec  # noqa: E402
+from pdserve.engine.ranks.channel import encode  # noqa: E402
+from pdserve.engine.ranks.group import RankGroup, RankGroupConfig  # noqa: E402
+from pdserve.engine.ranks.process import HandlerSpec  # noqa: E402
 from pdserve.engine.step import (  # noqa: E402
     DecodeRow,
     PageTableCache,

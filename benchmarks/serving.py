@@ -45,7 +45,7 @@ import numpy as np
 from _sse import HttpStatusError, post_events
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.cluster.client import generate_request
+from pdserve.cli.client import generate_request
 from pdserve.v1 import generation_pb2_grpc
 
 

@@ -17,7 +17,7 @@ OUT=${OUT:-/tmp}
 export OUT
 INVARIANT=${INVARIANT:-1}
 if [ ! -f "$MODEL/config.json" ]; then
-    python -m pdserve.cluster.cli make-checkpoint "$MODEL" --preset v2-lite-shape --gen-device cuda
+    python -m pdserve.cli.main make-checkpoint "$MODEL" --preset v2-lite-shape --gen-device cuda
 fi
 KV_CACHE_DTYPE=${KV_CACHE_DTYPE:-auto}
 flags=(--model.kv-cache-dtype "$KV_CACHE_DTYPE")
@@ -26,12 +26,12 @@ if [ "$INVARIANT" = 1 ]; then
     flags+=(--model.batch-invariant true)
     check+=(--batch-invariant)
 fi
-python -m pdserve.cluster.cli serve --model "$MODEL" --prefill 1 --decode 1 --gpus-per-worker 1 \
+python -m pdserve.cli.main serve --model "$MODEL" --prefill 1 --decode 1 --gpus-per-worker 1 \
     --port 50051 --prefill.gpu-memory-fraction 0.3 --decode.gpu-memory-fraction 0.5 \
     "${flags[@]}" "$@" >"$OUT/serve.log" 2>&1 &
 SERVE=$!
 trap 'kill -INT $SERVE 2>/dev/null; wait $SERVE || true; tail -n 5 "$OUT/serve.log"' EXIT
-python -m pdserve.cluster.cli generate --wait-s 300 --max-tokens 8 "Hello" || {
+python -m pdserve.cli.main generate --wait-s 300 --max-tokens 8 "Hello" || {
     tail -n 40 "$OUT/serve.log"
     exit 1
 }

@@ -15,7 +15,7 @@ MODEL=${1:-/tmp/v2l}
 OUT=${OUT:-benchmarks/figures}
 mkdir -p "$OUT"
 if [ ! -f "$MODEL/config.json" ]; then
-    python -m pdserve.cluster.cli make-checkpoint "$MODEL" --preset v2-lite-shape --gen-device cuda
+    python -m pdserve.cli.main make-checkpoint "$MODEL" --preset v2-lite-shape --gen-device cuda
 fi
 SERVE=""
 trap '[ -n "$SERVE" ] && kill -INT $SERVE 2>/dev/null; wait || true' EXIT
@@ -23,10 +23,10 @@ trap '[ -n "$SERVE" ] && kill -INT $SERVE 2>/dev/null; wait || true' EXIT
 sweep() {  # name, then the layout's `pdserve serve` flags
     local name=$1
     shift
-    python -m pdserve.cluster.cli serve --model "$MODEL" --gpus-per-worker 1 --port 50051 --http-port 8000 \
+    python -m pdserve.cli.main serve --model "$MODEL" --gpus-per-worker 1 --port 50051 --http-port 8000 \
         "$@" ${SERVE_ARGS:-} >"$OUT/serve-$name.log" 2>&1 &
     SERVE=$!
-    python -m pdserve.cluster.cli generate --wait-s 600 --max-tokens 8 "Hello" >/dev/null || {
+    python -m pdserve.cli.main generate --wait-s 600 --max-tokens 8 "Hello" >/dev/null || {
         tail -n 40 "$OUT/serve-$name.log"
         exit 1
     }

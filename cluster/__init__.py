@@ -1,8 +1,8 @@
-"""Everything Ray: placement of pools, actor shells, the gRPC router, admin and scaling, and the `pdserve` CLI.
+"""The Ray side: placement of pools and of a worker's ranks, the actor shells, the router and its admission,
+the supervisor and scaling, and the serve configuration every part is built from.
 
-Public surface (imported from the modules, so that `pdserve generate` does not pay for torch and Ray):
-`config.ServeConfig` and its sections, `config.build_config`; `server.PdServer`, `server.ServerThread`,
-`server.connect_ray`; `client.Client`, `client.generate_request`.
+Public surface (imported from the modules, so that importing the config does not pay for torch and Ray):
+`config.ServeConfig` and its sections, `config.build_config`.
 
 | module | its one job |
 |---|---|
@@ -10,16 +10,12 @@ Public surface (imported from the modules, so that `pdserve generate` does not p
 | `placement` | where a worker goes (pure functions over resource tables) |
 | `rank_actors` | a worker's rank processes as Ray actors on its placement group's bundles |
 | `actors` | Ray actor shells around PrefillWorker / DecodeWorker (plain classes) |
+| `fixed_rate_decode` | a benchmark-only decode actor that runs no model |
 | `pools` | `ray.remote`, placing and stopping one worker; `WorkerHandle` |
-| `router` | a request's flow: admission, dispatch, relay, preemption, cleanup |
+| `router` | a request's flow: dispatch, relay, preemption, migration, cleanup |
+| `admission` | where a request runs and when there is room for it |
 | `scaling` | starting, warming up, draining and stopping workers |
-| `validation` | a request -> prompt ids + SamplingParams (checks both front ends share), errors naming the field |
-| `errors` | exceptions -> gRPC status codes, and HTTP statuses in OpenAI's error shape |
-| `engine_client` | the one interface the front ends use: submit and stream, cancel, health, status, scale |
-| `service` | the thin gRPC servicers |
-| `openai_api`, `chat_template`, `reasoning` | OpenAI's JSON shapes, chat templates (as transformers), `<think>` split |
-| `http_server` | the OpenAI-compatible HTTP front end (Starlette on uvicorn, on the router's loop) |
-| `server` | the serving process: Ray, KV store, gRPC server, health, reflection, logs |
+| `supervisor` | replacing lost workers |
 | `reaper` | the watchdog that ends a local Ray with the process that started it, `kill -9` included |
-| `client`, `commands`, `cli`, `demo` | the client library and the command line |
+| `errors` | the errors the Ray side raises (the front ends map them to statuses) |
 """

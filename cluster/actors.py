@@ -11,7 +11,7 @@ A worker of several ranks (`ranks` > 1 in its role config) runs in a placement g
 shell is rank 0 on bundle 0 and starts ranks 1..N-1 as Ray actors on the other bundles (`RayRankLauncher`),
 all joined by one torch.distributed group (NCCL on GPUs, gloo on CPU); each rank loads only its shard. A
 prefill worker sends from rank 0 (its ranks are tensor-parallel: the same latent cache on each); each
-data-parallel rank of a decode worker receives its own requests' KV pages (`pdserve.engine.rank_kv`). Before
+data-parallel rank of a decode worker receives its own requests' KV pages (`pdserve.engine.ranks.kv`). Before
 `ready` answers, the worker runs its warm-up (every prompt size and decode graph bucket it will run). When a rank
 is lost the worker fails its requests (the router moves them) and its loop dies, which ends the shell's process
 as above (its rank actors go with it: Ray ends the actors an actor owns)."""
@@ -23,11 +23,10 @@ import os
 import threading
 import time
 
+from pdserve.cluster.config import ModelConfig
 from pdserve.engine import messages
 from pdserve.engine.messages import DecodeRequest, PrefillRequest
 from pdserve.kvtransfer import KVTransferConfig
-
-from .config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -111,10 +110,9 @@ class _WorkerShell:
 
         import ray
 
-        from pdserve.engine.rank_runner import start_rank_group
-
-        from .placement import rank_channel
-        from .rank_actors import RayRankLauncher, bundle_nodes
+        from pdserve.cluster.placement import rank_channel
+        from pdserve.cluster.rank_actors import RayRankLauncher, bundle_nodes
+        from pdserve.engine.ranks.runner import start_rank_group
 
         group = ray.util.get_current_placement_group()
         if group is None:

@@ -14,18 +14,17 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from pdserve.cluster.config import RouterConfig
+from pdserve.cluster.errors import DeadlineExceededError, UnavailableError, WorkerLostError
+from pdserve.cluster.pools import DECODE, PREFILL, WorkerHandle, WorkerState
 from pdserve.engine import messages
 from pdserve.engine.checks import check_pages
 from pdserve.engine.messages import DecodeRequest, PrefillRequest, Reservation
 from pdserve.engine.pages import pages_needed
 from pdserve.model.errors import CapacityError, InvalidRequestError, PdserveError
 
-from .config import RouterConfig
-from .errors import DeadlineExceededError, UnavailableError, WorkerLostError
-from .pools import DECODE, PREFILL, WorkerHandle, WorkerState
-
 if TYPE_CHECKING:
-    from .router import Request
+    from pdserve.cluster.router import Request
 
 logger = logging.getLogger(__name__)
 

@@ -14,12 +14,11 @@ from typing import Any
 
 import yaml
 
+from pdserve.cluster.placement import RANK_SPANS
 from pdserve.decode import DecodeConfig
 from pdserve.kvtransfer import KVTransferConfig
 from pdserve.model.errors import ConfigError
 from pdserve.prefill import PrefillConfig
-
-from .placement import RANK_SPANS
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 KERNELS = ("auto", "ref", "triton")

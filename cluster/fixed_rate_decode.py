@@ -18,13 +18,12 @@ import os
 import threading
 import time
 
+from pdserve.cluster.config import ModelConfig
 from pdserve.engine import messages
 from pdserve.engine.messages import DecodeRequest, DecodeStats, RequestOutput, Reservation
 from pdserve.engine.pages import pages_needed
 from pdserve.engine.sampling_params import FinishReason
 from pdserve.model.errors import ConfigError
-
-from .config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

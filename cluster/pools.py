@@ -14,15 +14,14 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from pdserve.cluster import placement
+from pdserve.cluster.actors import DecodeShell, PrefillShell
+from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.fixed_rate_decode import FixedRateDecodeShell
 from pdserve.engine import messages
 from pdserve.engine.messages import DecodeStats, PrefillStats
 from pdserve.kvtransfer import KVTransferConfig
 from pdserve.model.errors import CapacityError
-
-from . import placement
-from .actors import DecodeShell, PrefillShell
-from .config import ServeConfig
-from .fixed_rate_decode import FixedRateDecodeShell
 
 logger = logging.getLogger(__name__)
 

@@ -10,12 +10,11 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from pdserve.engine.plan_channel import RankLostError
-from pdserve.engine.rank_group import RankLauncher
-from pdserve.engine.rank_process import run_rank
-
-from . import placement
-from .errors import UnavailableError
+from pdserve.cluster import placement
+from pdserve.cluster.errors import UnavailableError
+from pdserve.engine.ranks.channel import RankLostError
+from pdserve.engine.ranks.group import RankLauncher
+from pdserve.engine.ranks.process import run_rank
 
 __all__ = ["RayRankLauncher", "bundle_nodes", "make_rank_placement_group", "node_labels"]
 

@@ -35,6 +35,15 @@ from collections.abc import Callable
 
 import ray
 
+from pdserve.cluster.admission import Admission
+from pdserve.cluster.config import RouterConfig
+from pdserve.cluster.errors import (
+    DeadlineExceededError,
+    UnavailableError,
+    WorkerFailedError,
+    WorkerLostError,
+)
+from pdserve.cluster.pools import DECODE, PREFILL, WorkerHandle, WorkerState
 from pdserve.engine import messages
 from pdserve.engine.messages import (
     RANK_GROUP_FAILED,
@@ -45,11 +54,6 @@ from pdserve.engine.messages import (
     StageTimes,
 )
 from pdserve.engine.sampling_params import FinishReason, SamplingParams
-
-from .admission import Admission
-from .config import RouterConfig
-from .errors import DeadlineExceededError, UnavailableError, WorkerFailedError, WorkerLostError
-from .pools import DECODE, PREFILL, WorkerHandle, WorkerState
 
 logger = logging.getLogger(__name__)
 

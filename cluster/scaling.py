@@ -9,13 +9,12 @@ import asyncio
 import logging
 import time
 
+from pdserve.cluster.config import ServeConfig
+from pdserve.cluster.errors import NotFoundError, PreconditionError
+from pdserve.cluster.pools import DECODE, PREFILL, ROLES, Launcher, WorkerHandle, WorkerState
+from pdserve.cluster.router import Router
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.errors import ConfigError
-
-from .config import ServeConfig
-from .errors import NotFoundError, PreconditionError
-from .pools import DECODE, PREFILL, ROLES, Launcher, WorkerHandle, WorkerState
-from .router import Router
 
 logger = logging.getLogger(__name__)
 

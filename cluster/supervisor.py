@@ -18,10 +18,10 @@ import dataclasses
 import logging
 import time
 
-from .config import RouterConfig
-from .pools import ROLES, Launcher, WorkerHandle, WorkerState
-from .router import Router
-from .scaling import Scaler
+from pdserve.cluster.config import RouterConfig
+from pdserve.cluster.pools import ROLES, Launcher, WorkerHandle, WorkerState
+from pdserve.cluster.router import Router
+from pdserve.cluster.scaling import Scaler
 
 logger = logging.getLogger(__name__)
 

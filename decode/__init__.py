@@ -2,7 +2,13 @@
 itself: the aggregated path), runs continuous batching with preemption by recompute, and streams tokens.
 
 Its scheduling is the engine's core (`pdserve.engine.scheduler`, policies `DECODE_ONLY` and `AGGREGATED`).
-Names are imported lazily: the config imports without torch."""
+Names are imported lazily: the config imports without torch.
+
+| module | its one job |
+|---|---|
+| `config` | `DecodeConfig`: the decode worker's knobs |
+| `worker` | `DecodeWorker`: the decode role over the engine's scheduler, importing KV pages, streaming tokens |
+"""
 
 from __future__ import annotations
 

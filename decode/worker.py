@@ -8,7 +8,7 @@ meanwhile is held back until the step ends, since the pass may still write it). 
 `KVReceiver` writing straight into the cache; with no prefill peer the worker prefills the request itself (the
 aggregated path). Outputs of each step are queued as one batch for `poll_outputs`.
 
-A worker of several ranks whose ranks hold KV endpoints (`pdserve.engine.rank_kv`) receives each request's pages
+A worker of several ranks whose ranks hold KV endpoints (`pdserve.engine.ranks.kv`) receives each request's pages
 on the rank that holds it: `add_request` names that rank's endpoint in its `Reservation`, and what the ranks are
 to expect or cancel travels with the next step round (a round with no plan carries it when no step is due, and
 polls the ranks while transfers are awaited).
@@ -21,8 +21,8 @@ import time
 
 from pdserve import kernels
 from pdserve.engine.messages import DecodeRequest, DecodeStats, RequestOutput, Reservation
-from pdserve.engine.rank_group import RankGroup
-from pdserve.engine.rank_kv import RankKVControl, rank_endpoint
+from pdserve.engine.ranks.group import RankGroup
+from pdserve.engine.ranks.kv import RankKVControl, rank_endpoint
 from pdserve.engine.request import Policy, Request, RequestState
 from pdserve.engine.worker import Worker
 from pdserve.kvtransfer import ExpectedTransfer, KVReceiver, MakeReceiver

@@ -2,23 +2,31 @@
 
 A step is `Scheduler.schedule()` -> `StepPlan` -> `ModelRunner.execute(plan)` per rank -> `RankResult` ->
 `Scheduler.finish_step()`: the plan is the only thing the runner is told, and the scheduler never touches torch.
+The names below are pure Python (no torch; the router and the schedulers import them without it); the modules
+marked torch are imported from their modules.
 
-Pure Python (no torch; the router and the schedulers import these without it): the scheduler core
-(`scheduler`: one set of queues; prefill-only, decode-only and aggregated are policies of its `Request` records,
-`request`); the per-step plan and its results (`step`, msgpack-able); every router <-> worker message and their
-msgpack codec (`messages`); per-request sampling parameters and stop rules (`sampling_params`); the request
-checks the front end, the scheduler and the offline path share (`checks`); the page allocator (`pages`);
-chunked-prefill planning (`chunking`); the per-pool layout fields' checks (`layout`).
+| module | its one job |
+|---|---|
+| `scheduler` | the scheduler core: one set of queues; prefill-only, decode-only and aggregated are policies |
+| `request` | a request's record and states in the scheduler |
+| `step` | the per-step plan and its results (msgpack-able) |
+| `messages` | every router <-> worker message and their msgpack codec |
+| `sampling_params` | per-request sampling parameters and stop rules |
+| `checks` | the request checks the front end, the scheduler and the offline path share |
+| `pages` | the page allocator |
+| `chunking` | chunked-prefill planning |
+| `layout` | the per-pool layout fields' checks |
+| `runner` (torch) | the model runner, with `sampler` and `cuda_graphs` |
+| `worker` (torch) | the `Worker` base the prefill and decode roles share |
+| `warm_up` (torch) | a worker's warm-up steps |
+| `offline` (torch) | the single-process reference path of `pdserve offline` |
+| `memory_plan` (torch) | a worker layout's memory plan from the model's arguments alone, without GPUs |
+| `rank_memory` (torch) | the per-rank arithmetic the memory plan is made of |
+| `step_profile` (torch) | a profile's kernel time a step, by part of the network |
+| `ranks/` (torch) | a worker of several ranks: rank group, rank processes, plan channel, step handlers |
+"""
 
-With torch, imported from their modules: the model runner (`runner`, with `sampler` and `cuda_graphs`); the
-`Worker` base the prefill and decode roles share (`worker`); the single-process reference path of `pdserve
-offline` (`offline`); the memory plan of a worker's layout (`memory_plan`: per rank weights by group, activation
-and workspace reserve, KV capacity, from the model's arguments alone, without GPUs; `rank_memory`: the per-rank
-arithmetic it is made of); a worker's driver and its rank processes (`rank_group`, `rank_process`), joined by one
-torch.distributed group, talking over a `plan_channel` (shared memory, `shm_channel`, or gloo, `dist_channel`);
-each rank's model shard and runner behind a step handler (`rank_runner`)."""
-
-from .messages import (
+from pdserve.engine.messages import (
     DecodeRequest,
     DecodeStats,
     PrefillFailure,
@@ -28,9 +36,9 @@ from .messages import (
     Reservation,
     WorkerError,
 )
-from .request import Policy, Request, RequestState
-from .scheduler import Scheduler, StepOutcome
-from .step import DecodeRow, PrefillRow, RankResult, RankStep, SampleSpec, StepPlan
+from pdserve.engine.request import Policy, Request, RequestState
+from pdserve.engine.scheduler import Scheduler, StepOutcome
+from pdserve.engine.step import DecodeRow, PrefillRow, RankResult, RankStep, SampleSpec, StepPlan
 
 __all__ = [
     "DecodeRequest",

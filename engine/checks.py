@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pdserve.engine.pages import pages_needed
 from pdserve.model.errors import CapacityError, InvalidRequestError
-
-from .pages import pages_needed
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, field: str) -> None:

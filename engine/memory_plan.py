@@ -16,12 +16,8 @@ from pathlib import Path
 
 import torch
 
-from pdserve.model.args import ModelArgs
-from pdserve.model.errors import ConfigError
-from pdserve.model.kv_cache import KVCacheLayout, resolve_cache_dtype
-
-from .layout import rows_per_rank
-from .rank_memory import (
+from pdserve.engine.layout import rows_per_rank
+from pdserve.engine.rank_memory import (
     GIB,
     GPU_MEMORY_UTILIZATION,
     GROUPS,
@@ -30,6 +26,9 @@ from .rank_memory import (
     reserve_bytes_per_rank,
     weight_bytes_per_rank,
 )
+from pdserve.model.args import ModelArgs
+from pdserve.model.errors import ConfigError
+from pdserve.model.kv_cache import KVCacheLayout, resolve_cache_dtype
 
 __all__ = [
     "MemoryPlan",

@@ -174,7 +174,7 @@ class Reservation:
     """The KV receiver's advice to the sender (`KVReceiver.expect`): where to cut the transfer's pages."""
     endpoint: str = ""
     """The KV endpoint the prefill worker sends to: the rank of a decode worker of several ranks that holds the
-    request (`pdserve.engine.rank_kv.rank_endpoint`); empty: the decode worker itself."""
+    request (`pdserve.engine.ranks.kv.rank_endpoint`); empty: the decode worker itself."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -7,15 +7,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from pdserve.engine.checks import check_context, check_token_ids
+from pdserve.engine.pages import PageAllocator, pages_needed
+from pdserve.engine.request import Policy, Request, RequestState
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.sampling_params import FinishReason, SamplingParams
+from pdserve.engine.scheduler import Scheduler
 from pdserve.model.deepseek import Transformer
 from pdserve.model.kv_cache import resolve_cache_dtype
-
-from .checks import check_context, check_token_ids
-from .pages import PageAllocator, pages_needed
-from .request import Policy, Request, RequestState
-from .runner import ModelRunner
-from .sampling_params import FinishReason, SamplingParams
-from .scheduler import Scheduler
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -21,11 +21,10 @@ import math
 
 import torch
 
+from pdserve.engine.layout import rows_per_rank
 from pdserve.model.args import QUANT_BLOCK, ModelArgs
 from pdserve.model.errors import ConfigError
 from pdserve.model.weight_names import WeightSpec, checkpoint_weights
-
-from .layout import rows_per_rank
 
 __all__ = [
     "DERIVED_GROUPS",

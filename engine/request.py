@@ -8,7 +8,7 @@ import enum
 from collections.abc import Collection
 from typing import Any
 
-from .sampling_params import SamplingParams, min_tokens_ban
+from pdserve.engine.sampling_params import SamplingParams, min_tokens_ban
 
 
 class Policy(enum.Enum):

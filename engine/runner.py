@@ -11,15 +11,21 @@ from collections.abc import Sequence
 
 import torch
 
+from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.rank_memory import GPU_MEMORY_UTILIZATION
+from pdserve.engine.sampler import PenaltyCounts, sample
+from pdserve.engine.sampling_params import TokenLogprobs
+from pdserve.engine.step import (
+    DecodeRow,
+    PrefillRow,
+    RankResult,
+    StepPlan,
+    max_pages,
+    prefill_tokens,
+)
 from pdserve.model.batch import SeqChunk, build_forward_batch
 from pdserve.model.deepseek import Transformer
 from pdserve.model.kv_cache import KVCacheLayout, PagedKVCache, capacity_pages, resolve_cache_dtype
-
-from .cuda_graphs import DecodeGraphs
-from .rank_memory import GPU_MEMORY_UTILIZATION
-from .sampler import PenaltyCounts, sample
-from .sampling_params import TokenLogprobs
-from .step import DecodeRow, PrefillRow, RankResult, StepPlan, max_pages, prefill_tokens
 
 logger = logging.getLogger(__name__)
 

@@ -10,9 +10,8 @@ from collections.abc import Sequence
 import torch
 
 from pdserve import kernels
-
-from .sampling_params import SamplingParams, TokenLogprobs
-from .step import NO_LOGPROBS, SampleSpec
+from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
+from pdserve.engine.step import NO_LOGPROBS, SampleSpec
 
 
 def sample_tokens(

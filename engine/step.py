@@ -27,7 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from .sampling_params import SamplingParams, TokenLogprobs, any_penalty, min_tokens_ban
+from pdserve.engine.sampling_params import (
+    SamplingParams,
+    TokenLogprobs,
+    any_penalty,
+    min_tokens_ban,
+)
 
 NO_LOGPROBS = -1
 """`SampleSpec.logprobs` of a request that asked for no log-probabilities."""

@@ -8,9 +8,9 @@ dropped. Pure Python (no torch)."""
 
 from __future__ import annotations
 
-from .cuda_graphs import BATCH_BUCKETS
-from .pages import pages_needed
-from .step import DecodeRow, PrefillRow, RankStep, SampleSpec, StepPlan
+from pdserve.engine.cuda_graphs import BATCH_BUCKETS
+from pdserve.engine.pages import pages_needed
+from pdserve.engine.step import DecodeRow, PrefillRow, RankStep, SampleSpec, StepPlan
 
 __all__ = ["PREFILL_SIZES", "page_buckets", "warm_up_plans"]
 

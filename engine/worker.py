@@ -17,19 +17,18 @@ import time
 
 import torch
 
+from pdserve.engine.layout import data_parallel_ranks
+from pdserve.engine.messages import RANK_GROUP_FAILED, RequestOutput
+from pdserve.engine.pages import PageAllocator
+from pdserve.engine.rank_memory import worker_reserve_bytes
+from pdserve.engine.ranks.channel import PlanChannelError
+from pdserve.engine.ranks.group import RankGroup, RankStepError
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.scheduler import Scheduler, StepOutcome
+from pdserve.engine.step import PageTableCache, RankResult, StepPlan, plan_to_wire, result_from_wire
+from pdserve.engine.warm_up import warm_up_plans
 from pdserve.model.deepseek import Transformer
 from pdserve.model.errors import PdserveError
-
-from .layout import data_parallel_ranks
-from .messages import RANK_GROUP_FAILED, RequestOutput
-from .pages import PageAllocator
-from .plan_channel import PlanChannelError
-from .rank_group import RankGroup, RankStepError
-from .rank_memory import worker_reserve_bytes
-from .runner import ModelRunner
-from .scheduler import Scheduler, StepOutcome
-from .step import PageTableCache, RankResult, StepPlan, plan_to_wire, result_from_wire
-from .warm_up import warm_up_plans
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +125,7 @@ class Worker:
     def _run_round(
         self, plan: StepPlan | None, kv_control: list | None = None
     ) -> tuple[StepOutcome, list[list]]:
-        """`_run_plan` for a worker whose ranks also take KV control (`pdserve.engine.rank_kv`): runs one round
+        """`_run_plan` for a worker whose ranks also take KV control (`pdserve.engine.ranks.kv`): runs one round
         of the plan (None: KV control alone) and returns its outcome and each rank's KV arrivals."""
         start = time.monotonic()
         if self.ranks is None:

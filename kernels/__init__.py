@@ -7,7 +7,29 @@ constants and the torch quantizers) and `fp8_quant_triton` (their Triton counter
 grouped tile order), `gluon_sm90_common` (the Hopper Gluon kernels' imports and building blocks), and the latent
 cache's row format and writers' pieces: `kv_row_fp8` (the fp8 row layout and its torch codec), `kv_row_triton`
 (slot addressing and the row quantizer in Triton), `kv_cache_checks` (the writers' input checks). The torch-only
-ones import without Triton."""
+ones import without Triton.
+
+| module | its one job |
+|---|---|
+| `fp8_gemm/` | FP8 block-scaled GEMM |
+| `fused_moe/` | fused MoE |
+| `matmul/` | dense matmuls |
+| `mla_decode/` | MLA decode attention and the cache writers |
+| `mla_prefill/` | MLA prefill attention |
+| `moe_route/` | noaux_tc routing |
+| `rmsnorm/` | RMSNorm (+ residual) |
+| `rope/` | RoPE |
+| `sampling/` | batched sampling |
+| `silu_mul/` | SiLU-mul |
+| `fp8_quant` | fp8 constants and the torch quantizers |
+| `fp8_quant_triton` | their Triton counterparts |
+| `tile_order` | the GEMMs' grouped tile order |
+| `gluon_sm90_common` | the Hopper Gluon kernels' building blocks |
+| `kv_row_fp8` | the fp8 latent-cache row format and its torch codec |
+| `kv_row_triton` | slot addressing and the row quantizer in Triton |
+| `kv_cache_checks` | the cache writers' input checks |
+| `tuning` | tuned launch configurations per op, shape class and device |
+"""
 
 from ._backend import (
     BACKEND_ENV,

@@ -4,6 +4,22 @@ random-checkpoint maker. The serving runtime over it (scheduler, runner, pages, 
 
 Names are imported lazily so that torch-free modules (`pdserve.model.errors`) can be used by pure-Python
 schedulers without importing torch.
+
+| module | its one job |
+|---|---|
+| `args` | `ModelArgs` from a checkpoint's config.json |
+| `deepseek` | the network in the paper's order |
+| `parallel` | `ParallelLayout`: how a worker's model is split over its ranks |
+| `expert_exchange` | expert-parallel MoE's token exchange |
+| `shared_expert` | the shared expert as one more slot of the stacked experts |
+| `batch` | `ForwardBatch`: the scheduler -> forward pass contract |
+| `kv_cache` | the paged latent KV cache layout |
+| `loader` | loading a checkpoint in the official layout |
+| `weight_names` | the one table from checkpoint tensor names to parameters |
+| `dummy_weights` | random weights of the checkpoint's shapes on the target device (`--load-format dummy`) |
+| `random_checkpoint` | random-weight checkpoints for tests and benchmarks |
+| `tokenizer` | the tokenizer, incremental detokenization, the local byte-level BPE (`data/`: its corpus) |
+| `errors` | pdserve's error hierarchy |
 """
 
 from __future__ import annotations

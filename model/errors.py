@@ -1,5 +1,5 @@
 """pdserve's error hierarchy. Every error a user, a config file, a checkpoint or a peer can cause is one of these;
-`pdserve.cluster` maps them to gRPC status codes and the CLI prints them as one line."""
+`pdserve.frontend.errors` maps them to gRPC status codes and the CLI prints them as one line."""
 
 from __future__ import annotations
 

@@ -2,7 +2,13 @@
 and hands its KV pages to the decode worker that reserved room for it.
 
 Its scheduling is the engine's core (`pdserve.engine.scheduler`, policy `PREFILL_ONLY`). Names are imported
-lazily: the config imports without torch."""
+lazily: the config imports without torch.
+
+| module | its one job |
+|---|---|
+| `config` | `PrefillConfig`: the prefill worker's knobs |
+| `worker` | `PrefillWorker`: the prefill role over the engine's scheduler, exporting KV pages |
+"""
 
 from __future__ import annotations
 

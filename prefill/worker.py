@@ -23,7 +23,7 @@ from pdserve.engine.messages import (
     PrefillStages,
     PrefillStats,
 )
-from pdserve.engine.rank_group import RankGroup
+from pdserve.engine.ranks.group import RankGroup
 from pdserve.engine.request import Policy, Request, RequestState
 from pdserve.engine.scheduler import stage_times
 from pdserve.engine.worker import Worker

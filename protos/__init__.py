@@ -3,7 +3,12 @@ stubs, importable as `pdserve.v1` (`generation_pb2`, `admin_pb2`, and their `_pb
 pdserve.protos.generate` regenerates the stubs; tests/protos/test_stubs.py fails when they are stale.
 
 The stubs were generated with grpcio-tools 1.85.1: they need grpcio >= 1.85.1 and protobuf >= 7.35.1, < 8 (the
-protobuf gencode version they check at import)."""
+protobuf gencode version they check at import).
+
+| module | its one job |
+|---|---|
+| `generate` | regenerates the committed stubs |
+"""
 
 from pathlib import Path
 

@@ -38,3 +38,13 @@ def v2lite_dir(tmp_path_factory):
         return Path(path)
     out = tmp_path_factory.mktemp("ck") / "v2l"
     return make_checkpoint(out, "v2-lite-shape", dtype="bf16", device="cuda", progress=False)
+
+
+# The serving fixtures (a session's local Ray, the tiny checkpoint, offline references), for every folder's tests.
+from serving import (  # noqa: E402, F401
+    model_dir,
+    ray_cluster,
+    reference,
+    reference_logits,
+    reference_model,
+)

@@ -36,8 +36,8 @@ def run_worker(span: str, num_ranks: int, channel: str) -> dict:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from pdserve.cluster.rank_actors import RayRankLauncher, bundle_nodes, make_rank_placement_group
-    from pdserve.engine.rank_group import RankGroup, RankGroupConfig
-    from pdserve.engine.rank_process import HandlerSpec
+    from pdserve.engine.ranks.group import RankGroup, RankGroupConfig
+    from pdserve.engine.ranks.process import HandlerSpec
 
     cpus = 0.5
     group = make_rank_placement_group(num_ranks, 1, cpus, span, timeout_s=60)
@@ -129,10 +129,10 @@ def serve() -> dict:
     import ray
     import torch
 
-    from pdserve.cluster.client import Client, generate_request
+    from pdserve.cli.client import Client, generate_request
     from pdserve.cluster.config import build_config
-    from pdserve.cluster.server import ServerThread, free_port
     from pdserve.engine.offline import generate_greedy
+    from pdserve.frontend.server import ServerThread, free_port
     from pdserve.model.loader import load_model
     from pdserve.model.random_checkpoint import make_checkpoint
 

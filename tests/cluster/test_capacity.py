@@ -7,11 +7,9 @@ import time
 
 import grpc
 import pytest
+from serving import all_pages_free, collect, greedy, start_server, wait_for
 
-from pdserve.cluster.client import Client
-
-from .conftest import start_server, wait_for
-from .test_generate import all_pages_free, collect, greedy
+from pdserve.cli.client import Client
 
 NUM_PAGES = 64  # 1024 tokens in pages of 16 (set here: the default page is 64)
 ADMISSION_TIMEOUT_S = 0.3

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.cluster.cli import _build_parser
-from pdserve.cluster.commands import config_from_args
+from pdserve.cli.commands import config_from_args
+from pdserve.cli.main import _build_parser
 from pdserve.cluster.config import SECTIONS, ServeConfig, build_config, field_docs
 from pdserve.model.errors import ConfigError
 
@@ -111,7 +111,7 @@ def test_deploy_configs_load(path):
 
 def test_print_config_round_trips(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "pdserve.cluster.cli", "serve", "--decode", "2", "--print-config"],
+        [sys.executable, "-m", "pdserve.cli.main", "serve", "--decode", "2", "--print-config"],
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     path = tmp_path / "printed.yaml"

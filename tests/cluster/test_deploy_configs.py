@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pdserve.cli.plan import add_plan_command, plan_from_args
 from pdserve.cluster.config import ServeConfig, build_config, load_yaml
 from pdserve.cluster.placement import NVLINK_DOMAIN_LABEL
-from pdserve.cluster.plan_command import add_plan_command, plan_from_args
 
 CONFIGS = sorted((Path(__file__).parents[2] / "deploy" / "configs").glob("*.yaml"))
 PLAN_LINE = re.compile(

@@ -8,12 +8,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from serving import collect, greedy, start_server, workload
 
-from pdserve.cluster.client import Client
+from pdserve.cli.client import Client
 from pdserve.model.random_checkpoint import make_checkpoint
-
-from .conftest import start_server, workload
-from .test_generate import collect, greedy
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +40,7 @@ def test_serve_with_dummy_weights_streams_the_checkpoint_tokens(
 
 
 def test_offline_with_dummy_weights_equals_the_checkpoint(config_only, model_dir, capsys):
-    from pdserve.cluster.cli import main
+    from pdserve.cli.main import main
 
     def run(path, *extra):
         argv = ["offline", "--model", str(path), "--prompt-ids", "0,5,9,200", "--max-new-tokens", "6",

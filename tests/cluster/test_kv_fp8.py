@@ -8,13 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from serving import start_server, wait_for, workload
 
-from pdserve.cluster.client import Client, generate_request
+from pdserve.cli.client import Client, generate_request
 from pdserve.engine.offline import OfflineGenerator
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.loader import load_model
-
-from .conftest import start_server, wait_for, workload
 
 # each prompt prefilled in one piece, as the offline path prefills it (a piece after the first would read
 # the earlier ones as fp8 rows, the offline path as they were computed)

@@ -12,13 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
+from serving import all_pages_free, collect, greedy, start_server, wait_for, workload
 
-from pdserve.cluster.client import Client
+from pdserve.cli.client import Client
 from pdserve.engine import messages
 from pdserve.v1 import admin_pb2
-
-from .conftest import start_server, wait_for, workload
-from .test_generate import all_pages_free, collect, greedy
 
 STREAM_DEADLINE_S = 150
 

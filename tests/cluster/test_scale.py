@@ -8,12 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from serving import all_pages_free, collect, greedy, start_server, wait_for, workload
 
-from pdserve.cluster.client import Client
+from pdserve.cli.client import Client
 from pdserve.v1 import admin_pb2, generation_pb2
-
-from .conftest import start_server, wait_for, workload
-from .test_generate import all_pages_free, collect, greedy
 
 
 @pytest.fixture(scope="module")

@@ -15,14 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import ray
+from serving import all_pages_free, greedy, scrape, start_server, wait_for, workload
 
-from pdserve.cluster.client import Client, format_status, generate_request
+from pdserve.cli.client import Client, format_status, generate_request
 from pdserve.engine import messages
 from pdserve.v1 import admin_pb2
-
-from .conftest import start_server, wait_for, workload
-from .test_generate import all_pages_free, greedy
-from .test_openai_http import scrape
 
 MAX_RESTARTS = 5
 SEND_TIMEOUT_S = 10.0

@@ -16,7 +16,7 @@ import torch
 
 from pdserve.decode import DecodeConfig, DecodeWorker
 from pdserve.engine.messages import DecodeRequest, PrefillRequest
-from pdserve.engine.rank_runner import start_rank_group
+from pdserve.engine.ranks.runner import start_rank_group
 from pdserve.engine.worker import RanksFailedError
 from pdserve.kvtransfer import KVTransferConfig
 from pdserve.kvtransfer.dist import DistKVSender, connect_store

@@ -12,7 +12,7 @@ from pdserve import kernels
 from pdserve.decode import DecodeConfig, DecodeWorker
 from pdserve.engine.messages import DecodeRequest
 from pdserve.engine.offline import OfflineGenerator
-from pdserve.engine.rank_runner import start_rank_group
+from pdserve.engine.ranks.runner import start_rank_group
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.loader import load_model
 

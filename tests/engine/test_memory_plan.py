@@ -10,7 +10,7 @@ import struct
 import pytest
 import torch
 
-from pdserve.cluster.cli import _build_parser, main
+from pdserve.cli.main import _build_parser, main
 from pdserve.engine.memory_plan import (
     MemoryPlanError,
     PlanLayout,

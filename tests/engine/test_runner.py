@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine import plan_channel
+from pdserve.engine.ranks import channel as plan_channel
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.step import (

@@ -74,12 +74,19 @@ def test_a_rank_holds_at_most_its_share_of_max_running():
     a rank's pages would take more; the worker's bound still holds."""
     s = dp_scheduler(max_running=5)
     assert s.rank_max_running == 3
-    big = request("big", 13)  # 4 of rank 0's 8 pages: the next three go to rank 1 (fewer pages in use)
+    big = request(
+        "big", 13
+    )  # 4 of rank 0's 8 pages: the next three go to rank 1 (fewer pages in use)
     s.add(big)
     small = [request(f"s{i}", 2) for i in range(4)]
     for r in small:
         s.add(r)
-    assert [r.rank for r in small] == [1, 1, 1, 0]  # rank 1 at its share, though it has the most free pages
+    assert [r.rank for r in small] == [
+        1,
+        1,
+        1,
+        0,
+    ]  # rank 1 at its share, though it has the most free pages
     assert not s.can_admit(2)  # the worker's 5
     s.abort("big")
     assert s.can_admit(2)

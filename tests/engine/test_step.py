@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 
-from pdserve.engine.plan_channel import decode, encode
+from pdserve.engine.ranks.channel import decode, encode
 from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.engine.step import (
     NO_LOGPROBS,

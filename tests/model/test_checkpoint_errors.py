@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pdserve.cluster.cli import main as cli_main
+from pdserve.cli.main import main as cli_main
 from pdserve.model.errors import CheckpointError, ConfigError
 from pdserve.model.loader import load_model
 

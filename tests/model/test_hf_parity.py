@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from pdserve.cluster.cli import main as cli_main
+from pdserve.cli.main import main as cli_main
 from pdserve.model.batch import SeqChunk, build_forward_batch
 from pdserve.model.kv_cache import KVCacheLayout, PagedKVCache
 from pdserve.model.loader import load_model

@@ -92,7 +92,7 @@ def test_offline_generator_runs_on_fp8_rows(model):
 
 
 def test_cli_names_a_model_the_fp8_rows_do_not_fit(tmp_path, capsys):
-    from pdserve.cluster.cli import main
+    from pdserve.cli.main import main
     from pdserve.model.random_checkpoint import make_checkpoint
 
     path = make_checkpoint(

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pdserve.cluster.cli import main as cli_main
+from pdserve.cli.main import main as cli_main
 from pdserve.model.errors import ConfigError
 from pdserve.model.random_checkpoint import make_checkpoint
 from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer

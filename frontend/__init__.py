@@ -1,0 +1,22 @@
+"""The serving process's doors: the gRPC service and the OpenAI-compatible HTTP API, each a peer over one small
+engine-client interface, with what they share (request building and validation, chat templates, the reasoning
+split, text streaming, security, metrics, the error -> status mapping) and the serving process that hosts them.
+
+Public surface (imported from the modules, so that a client does not pay for torch and Ray):
+`server.PdServer`, `server.ServerThread`, `server.connect_ray`; `engine_client.EngineClient`.
+
+| module | its one job |
+|---|---|
+| `server` | the serving process: Ray, KV store, gRPC server, health, reflection, HTTP, pools, logs |
+| `engine_client` | the one interface the front ends use: submit and stream, cancel, health, status, scale |
+| `grpc_service` | the thin gRPC servicers (Generation, Admin) |
+| `http_server` | the OpenAI-compatible HTTP front end (Starlette on uvicorn, on the router's loop) |
+| `openai_api` | OpenAI's request and response JSON shapes |
+| `validation` | a request -> prompt ids + SamplingParams (the checks both front ends share), errors naming the field |
+| `chat_template` | chat messages -> prompt text, as transformers renders the checkpoint's template |
+| `reasoning` | the `<think>` split of a reasoning model's text |
+| `text_stream` | generated ids -> text deltas, stop strings across token boundaries |
+| `security` | API and admin keys on both front ends, TLS material |
+| `metrics` | Prometheus metrics in vLLM's names |
+| `errors` | exceptions -> gRPC status codes, and HTTP statuses in OpenAI's error shape |
+"""

@@ -1,0 +1,306 @@
+"""The gRPC servicers, kept thin and peers of the HTTP server over `EngineClient`: `Generation` turns a request
+into a submitted generation and its chunks into response messages; `Admin` reports and changes the pools. Both
+are process boundaries: pdserve errors become status codes through `errors.status_for`; anything else is logged
+with its traceback and returned as INTERNAL. A client's cancel is ordinary: one INFO line, no traceback. Request
+bytes that do not decode as the method's message get INVALID_ARGUMENT (`add_servicers` registers the services
+with a deserializer that cannot raise).
+
+Logs name a request by the router's internal id, never by the client's `request_id` (any bytes, any length)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from pdserve.cluster.pools import DECODE, PREFILL, ROLES
+from pdserve.engine.sampling_params import TokenLogprobs
+from pdserve.frontend.engine_client import EngineClient, ServerStatus, Timings, WorkerInfo
+from pdserve.frontend.errors import status_for
+from pdserve.frontend.validation import (
+    check_request_id,
+    parse_request,
+    prompt_bytes_limit,
+    requested_n,
+)
+from pdserve.model.errors import ConfigError, InvalidRequestError, PdserveError
+from pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+
+if TYPE_CHECKING:
+    from pdserve.cluster.config import RouterConfig
+    from pdserve.frontend.validation import ModelInfo
+
+logger = logging.getLogger(__name__)
+
+_FINISH = {
+    "stop": generation_pb2.FINISH_REASON_STOP,
+    "length": generation_pb2.FINISH_REASON_LENGTH,
+    "abort": generation_pb2.FINISH_REASON_ABORT,
+}
+_ROLE = {PREFILL: admin_pb2.ROLE_PREFILL, DECODE: admin_pb2.ROLE_DECODE}
+_ROLE_NAME = {v: k for k, v in _ROLE.items()}
+_STATE = {
+    "starting": admin_pb2.WORKER_STATE_STARTING,
+    "serving": admin_pb2.WORKER_STATE_SERVING,
+    "draining": admin_pb2.WORKER_STATE_DRAINING,
+}
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: BaseException, what: str) -> None:
+    """Ends the call with `error`'s status (context.abort raises: nothing after this runs)."""
+    if not isinstance(error, PdserveError):
+        logger.error("%s failed", what, exc_info=error)
+    code, message = status_for(error)
+    await context.abort(code, message)
+
+
+class _ClientGone(Exception):
+    """A response could not be written: the client cancelled the call or its connection went away."""
+
+
+def _timings(t: Timings) -> generation_pb2.Timings:
+    return generation_pb2.Timings(
+        queued_s=t.queued_s,
+        time_to_first_token_s=t.time_to_first_token_s,
+        total_s=t.total_s,
+        num_preemptions=t.num_preemptions,
+        prefill_worker=t.prefill_worker,
+        decode_worker=t.decode_worker,
+        **dataclasses.asdict(t.stages),
+    )
+
+
+def _logprob(lp: TokenLogprobs) -> generation_pb2.TokenLogprob:
+    return generation_pb2.TokenLogprob(
+        logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs
+    )
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, engine: EngineClient):
+        self.engine = engine
+
+    async def Generate(self, request: generation_pb2.GenerateRequest, context) -> None:
+        engine = self.engine
+        try:
+            engine.check_ready()
+            check_request_id(request.request_id)
+            # Tokenizing a long text takes CPU: off the loop, other streams keep flowing meanwhile.
+            n = requested_n(request, engine.limits)
+            prompt_ids, params, stop = await asyncio.to_thread(
+                parse_request, request, engine.model, engine.limits
+            )
+            remaining = context.time_remaining()
+            deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
+            generation = engine.submit_choices(
+                request.request_id, prompt_ids, params, deadline, stop, n
+            )
+        except Exception as e:  # process boundary
+            await _abort(context, e, "Generate")
+        # The client's id is echoed (an empty one gets the internal id, so every chunk names its request).
+        request_id = request.request_id or generation.request_id
+        try:
+            async for chunk in generation:
+                response = generation_pb2.GenerateResponse(
+                    request_id=request_id,
+                    token_ids=chunk.token_ids,
+                    text=chunk.text,
+                    index=chunk.index,
+                )
+                if chunk.logprobs is not None:
+                    response.logprobs.extend(_logprob(lp) for lp in chunk.logprobs)
+                if chunk.finish_reason is not None:
+                    response.finish_reason = _FINISH[chunk.finish_reason]
+                    response.usage.prompt_tokens = chunk.num_prompt_tokens
+                    response.usage.completion_tokens = chunk.num_generated_tokens
+                    response.timings.CopyFrom(_timings(chunk.timings))
+                try:
+                    await context.write(response)
+                except Exception as e:  # the call ended under the write: a cancel that raced it
+                    raise _ClientGone from e
+        except asyncio.CancelledError:  # the client cancelled (or its deadline passed): ordinary
+            logger.info("request %s cancelled by the client", generation.request_id)
+            raise
+        except _ClientGone:
+            logger.info("request %s cancelled by the client", generation.request_id)
+        except Exception as e:  # process boundary
+            await _abort(context, e, f"Generate {generation.request_id}")
+        finally:
+            generation.cancel()
+
+
+def worker_status(w: WorkerInfo) -> admin_pb2.WorkerStatus:
+    status = admin_pb2.WorkerStatus(
+        worker_id=w.worker_id,
+        role=_ROLE[w.role],
+        state=_STATE.get(w.state, admin_pb2.WORKER_STATE_UNSPECIFIED),
+        num_gpus=w.num_gpus,
+        node_ip=w.node_ip,
+        num_requests=w.num_requests,
+        kv_pages_total=w.kv_pages_total,
+        page_size=w.page_size,
+    )
+    s = w.stats
+    if s is not None:
+        status.kv_pages_used = s.pages_used
+        if w.role == PREFILL:
+            status.num_queued, status.queued_tokens = s.num_queued, s.queued_tokens
+        else:
+            status.num_running, status.num_waiting = s.num_running, s.num_waiting
+            status.num_preemptions = s.num_preemptions
+    return status
+
+
+def pool_status(status: ServerStatus, role: str) -> admin_pb2.PoolStatus:
+    return admin_pb2.PoolStatus(
+        role=_ROLE[role], workers=[worker_status(w) for w in status.workers[role]]
+    )
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    def __init__(self, engine: EngineClient):
+        self.engine = engine
+
+    async def GetStatus(self, request, context) -> admin_pb2.GetStatusResponse:
+        try:
+            status = await self.engine.status()
+            return admin_pb2.GetStatusResponse(
+                model=status.model,
+                pools=[pool_status(status, role) for role in ROLES],
+                num_requests=status.num_requests,
+                output_tokens_per_s=status.output_tokens_per_s,
+                uptime_s=status.uptime_s,
+                aggregated=status.aggregated,
+                kv_cache_dtype=status.kv_cache_dtype,
+                lost_workers=[
+                    admin_pb2.LostWorker(**{**dataclasses.asdict(x), "role": _ROLE[x.role]})
+                    for x in status.lost_workers
+                ],
+                num_workers_lost=status.num_workers_lost,
+                num_workers_replaced=status.num_workers_replaced,
+                num_requests_migrated=status.num_requests_migrated,
+                restarts_stopped=status.restarts_stopped,
+            )
+        except Exception as e:  # process boundary
+            await _abort(context, e, "GetStatus")
+
+    async def ScalePool(self, request, context) -> admin_pb2.ScalePoolResponse:
+        try:
+            role = _ROLE_NAME.get(request.role)
+            if role is None:
+                raise ConfigError("role: expected ROLE_PREFILL or ROLE_DECODE")
+            added, removed = await self.engine.scale(role, request.count)
+            status = await self.engine.status()
+            return admin_pb2.ScalePoolResponse(
+                added=added, removed=removed, pool=pool_status(status, role)
+            )
+        except Exception as e:  # process boundary
+            await _abort(context, e, "ScalePool")
+
+    async def DrainWorker(self, request, context) -> admin_pb2.DrainWorkerResponse:
+        try:
+            drained = await self.engine.drain(request.worker_id)
+            return admin_pb2.DrainWorkerResponse(
+                worker_id=request.worker_id, num_requests_drained=drained
+            )
+        except Exception as e:  # process boundary
+            await _abort(context, e, "DrainWorker")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Undecodable:
+    """What a request's bytes became when they did not parse as the method's message."""
+
+    message: str
+
+
+def message_limit(router: RouterConfig, model: ModelInfo | None = None) -> tuple[int, str]:
+    """The largest request message read, and what sets it: router.max_message_bytes, or by default the most
+    prompt text worth reading (`prompt_bytes_limit`; router.max_prompt_bytes without a model) plus 1 MiB."""
+    if router.max_message_bytes is not None:
+        return router.max_message_bytes, "router.max_message_bytes"
+    if model is None:
+        text, what = router.max_prompt_bytes, "router.max_prompt_bytes"
+    else:
+        text, what = prompt_bytes_limit(router, model)
+    return text + (1 << 20), f"{what}, plus 1 MiB; router.max_message_bytes sets it"
+
+
+def _lenient(
+    parse: Callable[[bytes], Any], type_name: str, limit: tuple[int, str]
+) -> Callable[[bytes], Any]:
+    """A request deserializer that never raises: grpc deserializes before calling the servicer and would
+    answer UNKNOWN (with a logged traceback) to bytes that do not parse. A message over `limit` (bytes, and
+    what sets them) is not parsed at all."""
+    max_bytes, what = limit
+
+    def deserialize(data: bytes) -> Any:
+        if len(data) > max_bytes:
+            return _Undecodable(
+                f"a {type_name} of {len(data)} bytes; this server reads at most {max_bytes} ({what})"
+            )
+        try:
+            return parse(data)
+        except Exception as e:  # any parse failure is the client's bad bytes
+            return _Undecodable(f"cannot be decoded as {type_name}: {e}")
+
+    return deserialize
+
+
+def _refusing_undecodable(behavior: Callable) -> Callable:
+    """The servicer method, preceded by INVALID_ARGUMENT for a request that did not decode."""
+
+    @functools.wraps(behavior)
+    async def run(request, context):
+        if isinstance(request, _Undecodable):
+            logger.debug("refused undecodable request bytes: %s", request.message)
+            code, message = status_for(InvalidRequestError("request", request.message))
+            await context.abort(code, message)
+        return await behavior(request, context)
+
+    return run
+
+
+class _LenientRegistry:
+    """Stands for the grpc server while a generated `add_*Servicer_to_server` registers its handlers, and
+    registers them on the real server with `_lenient` deserializers."""
+
+    def __init__(self, server: grpc.aio.Server, limit: tuple[int, str]):
+        self.server, self.limit = server, limit
+
+    def _mend(self, handlers: dict[str, grpc.RpcMethodHandler]) -> dict[str, grpc.RpcMethodHandler]:
+        mended = {}
+        for name, h in handlers.items():
+            kind = "unary_stream" if h.response_streaming else "unary_unary"
+            behavior = getattr(h, kind)
+            assert not h.request_streaming and inspect.iscoroutinefunction(behavior), name
+            parse = h.request_deserializer
+            type_name = getattr(parse, "__qualname__", "the request").removesuffix(".FromString")
+            mended[name] = h._replace(
+                request_deserializer=_lenient(parse, type_name, self.limit),
+                **{kind: _refusing_undecodable(behavior)},
+            )
+        return mended
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        """Generated code passes the same handlers to `add_registered_method_handlers` next."""
+
+    def add_registered_method_handlers(self, service: str, handlers) -> None:
+        handlers = self._mend(handlers)
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service, handlers),)
+        )
+        self.server.add_registered_method_handlers(service, handlers)
+
+
+def add_servicers(engine: EngineClient, grpc_server: grpc.aio.Server) -> None:
+    """Registers the Generation and Admin servicers over `engine` on `grpc_server`."""
+    registry = _LenientRegistry(grpc_server, message_limit(engine.limits, engine.model))
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), registry)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(engine), registry)

@@ -1,0 +1,467 @@
+"""The OpenAI-compatible HTTP front end, a peer of the gRPC servicers over `EngineClient`, served by uvicorn on the
+router's event loop: /v1/models, /v1/completions, /v1/chat/completions (streamed as server-sent events or whole),
+/health, /version and /metrics (Prometheus' text format; `metrics_only` serves that alone, on a port of its own).
+
+A request's body is size-checked before it is parsed; parsing a large body, rendering the chat template and
+tokenizing run in a worker thread, so that other streams keep flowing meanwhile. The response waits for the first
+chunk before it starts, so that errors of admission (429, 503) and of the request (400) get their status; after
+that an error arrives as a last `data: {"error": ...}` event. A client that disconnects, before or during the
+stream, cancels its request: its pages are freed on every worker. Errors have OpenAI's shape
+(`errors.http_error_for`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import importlib.metadata
+import json
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from pdserve.cluster.errors import NotFoundError, UnavailableError
+from pdserve.engine.checks import check_prompt_len, check_token_ids
+from pdserve.engine.sampling_params import FinishReason
+from pdserve.frontend import openai_api as api
+from pdserve.frontend.engine_client import Choices, Chunk, EngineClient
+from pdserve.frontend.errors import http_error_for
+from pdserve.frontend.reasoning import ReasoningSplitter, split_reasoning
+from pdserve.frontend.security import Credentials, require_key
+from pdserve.frontend.validation import (
+    check_n,
+    check_prompt_bytes,
+    check_stop_strings,
+    prompt_bytes_limit,
+    sampling_params,
+)
+from pdserve.model.errors import InvalidRequestError, PdserveError
+
+logger = logging.getLogger(__name__)
+
+_PARSE_IN_THREAD_BYTES = 64 << 10
+"""Bodies larger than this are decoded from JSON in a worker thread."""
+_STARTUP_TIMEOUT_S = 10.0
+_TOKEN_TEXTS_KEPT = 1 << 18
+"""Token texts remembered for log-probabilities (a vocabulary's worth: DeepSeek-V3 has 129,280 tokens)."""
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "unknown"
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected."""
+
+
+async def _until_disconnect(receive: Receive, work: Awaitable):
+    """`work`'s result, or _ClientGone as soon as the client disconnects (its body already read)."""
+    work = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not work.done():
+        work.cancel()
+        with contextlib.suppress(BaseException):
+            await work
+        raise _ClientGone
+    return work.result()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _stages(chunk: Chunk | None) -> dict[str, float] | None:
+    """A choice's stage times for the usage object (`Timings.stage_dict`), where its last chunk has timings."""
+    return None if chunk is None or chunk.timings is None else chunk.timings.stage_dict()
+
+
+def _sse(data: dict) -> bytes:
+    return (
+        b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    )
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """A server-sent event stream that ends (closing its events, which cancels the request) as soon as the client
+    disconnects, whether or not an event is being written."""
+
+    def __init__(self, events: AsyncIterator[bytes]):
+        super().__init__(
+            events, media_type="text/event-stream", headers={"cache-control": "no-cache"}
+        )
+        self.events = events
+
+    async def _send_all(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        async for event in self.events:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await _until_disconnect(receive, self._send_all(send))
+        except (_ClientGone, OSError):
+            pass
+        finally:
+            await self.events.aclose()
+
+
+class _Server(uvicorn.Server):
+    def capture_signals(self):
+        """The serving process handles SIGINT/SIGTERM itself (a graceful stop of both front ends)."""
+        return contextlib.nullcontext()
+
+
+class HttpFrontEnd:
+    """The Starlette app and its uvicorn server. `start` and `stop` run on the server's event loop."""
+
+    def __init__(
+        self, engine: EngineClient, reasoning_parser: str, metrics_only: bool = False,
+        credentials: Credentials | None = None,
+    ):  # fmt: skip
+        self.engine = engine
+        model = engine.model
+        self.reasoning = model.thinks if reasoning_parser == "auto" else reasoning_parser != "none"
+        self.port = 0
+        routes = [Route("/metrics", self.metrics, methods=["GET"])]
+        if not metrics_only:
+            routes += [
+                Route("/health", self.health, methods=["GET"]),
+                Route("/version", self.version, methods=["GET"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            ]
+        self.app = require_key(Starlette(routes=routes), credentials or Credentials(), self._error)
+        self._token_texts: dict[int, str] = {}
+        self._server: _Server | None = None
+        self._task: asyncio.Task | None = None
+
+    # Lifecycle.
+
+    async def start(
+        self, host: str, port: int, graceful_s: float, ssl_options: dict | None = None
+    ) -> int:
+        """Listens on host:port (0: a free port) and returns the port; `ssl_options`
+        (`security.http_ssl_options`) makes it HTTPS."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app, lifespan="off", log_config=None, access_log=False,
+            timeout_graceful_shutdown=graceful_s, **(ssl_options or {}),
+        )  # fmt: skip
+        self._server = _Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="http")
+        give_up = time.monotonic() + _STARTUP_TIMEOUT_S
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise RuntimeError("the HTTP server stopped while starting")
+            if time.monotonic() > give_up:
+                raise RuntimeError(f"the HTTP server did not start within {_STARTUP_TIMEOUT_S}s")
+            await asyncio.sleep(0.01)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(Exception):
+                await self._task
+
+    # Plain endpoints.
+
+    async def health(self, request: Request) -> Response:
+        if self.engine.healthy:
+            return Response(status_code=200)
+        return self._error(
+            UnavailableError(
+                "no decode worker is serving (starting up, shutting down, or all lost)"
+            )
+        )
+
+    async def metrics(self, request: Request) -> Response:
+        body, content_type = self.engine.metrics_exposition()
+        return Response(body, headers={"content-type": content_type})
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": _version()})
+
+    async def models(self, request: Request) -> Response:
+        model = self.engine.model
+        card = {
+            "id": model.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+            "root": model.name,
+            "max_model_len": model.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    # Generation.
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, api.COMPLETIONS)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, api.CHAT)
+
+    def _error(self, error: BaseException, what: str = "") -> JSONResponse:
+        if not isinstance(error, PdserveError):
+            logger.error("%s failed", what or "HTTP request", exc_info=error)
+        e = http_error_for(error)
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def _read_json(self, request: Request):
+        prompt_limit, what = prompt_bytes_limit(self.engine.limits, self.engine.model)
+        limit = 2 * prompt_limit + (1 << 20)
+        too_big = InvalidRequestError(
+            "body", f"larger than this server's limit of {limit} bytes (twice {what}, plus 1 MiB)"
+        )
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_big
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise too_big
+            parts.append(part)
+        body = b"".join(parts)
+        try:
+            if len(body) > _PARSE_IN_THREAD_BYTES:
+                return await asyncio.to_thread(json.loads, body)
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InvalidRequestError("body", f"not valid JSON ({e})") from None
+
+    def _tokenize(self, req: api.OpenAIRequest) -> list[int]:
+        """The prompt's token ids (runs in a worker thread: templates and tokenizing take CPU)."""
+        model = self.engine.model
+        if req.prompt_ids is not None:
+            check_token_ids(req.prompt_ids, model.vocab_size, "prompt")
+            check_prompt_len(len(req.prompt_ids), model.max_model_len, "prompt")
+            return req.prompt_ids
+        field = "prompt" if req.kind == api.COMPLETIONS else "messages"
+        if model.tokenizer is None:
+            raise InvalidRequestError(
+                field, f"{model.name} has no tokenizer.json: send prompt as token ids instead"
+            )
+        if req.kind == api.COMPLETIONS:
+            text, add_bos = req.prompt_text, True
+        else:
+            if model.chat_template is None:
+                raise InvalidRequestError(
+                    field,
+                    f"{model.name} has no chat template (tokenizer_config.json's chat_template)",
+                )
+            text = model.chat_template.render(
+                req.messages, req.add_generation_prompt, req.chat_template_kwargs
+            )
+            add_bos = False  # the template writes its own BOS, as transformers assumes
+        check_prompt_bytes(text, self.engine.limits, field, model)
+        ids = model.tokenizer.encode(text, add_bos=add_bos)
+        check_prompt_len(len(ids), model.max_model_len, field)
+        return ids
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's own text, as log-probabilities name it (`token_id:N` for a model without a tokenizer)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            tokenizer = self.engine.model.tokenizer
+            if tokenizer is None:
+                text = api.token_id_text(token_id)
+            else:
+                text = tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._token_texts) < _TOKEN_TEXTS_KEPT:
+                self._token_texts[token_id] = text
+        return text
+
+    def _logprobs(self, req: api.OpenAIRequest, chunk: Chunk, text_offset: int) -> dict | None:
+        """A chunk's tokens' log-probabilities in the shape of the request's API (None where not asked)."""
+        if chunk.logprobs is None:
+            return None
+        token_text = api.token_id_text if req.tokens_as_ids else self._token_text
+        if req.kind == api.CHAT:
+            return api.chat_logprobs(chunk.token_ids, chunk.logprobs, token_text)
+        return api.completion_logprobs(chunk.token_ids, chunk.logprobs, token_text, text_offset)
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        engine = self.engine
+        try:
+            engine.check_ready()
+            req = api.parse(await self._read_json(request), kind)
+            if req.model is not None and req.model != engine.model.name:
+                raise NotFoundError(
+                    f"model {req.model!r:.100} is not served here (this server serves {engine.model.name!r}; "
+                    "see /v1/models)"
+                )
+            check_n(req.n, engine.limits, "n")
+            prompt_ids = await asyncio.to_thread(self._tokenize, req)
+            params = sampling_params(
+                req.sampling, len(prompt_ids), engine.model, engine.limits, "", req.max_tokens_field
+            )
+            head = api.ResponseHead(api.new_id(kind), engine.model.name)
+            stop = check_stop_strings(req.stop, engine.model, "stop")
+            generation = engine.submit_choices(head.id, prompt_ids, params, None, stop, req.n)
+        except Exception as e:  # process boundary
+            return self._error(e, f"{kind} request")
+        try:
+            first = await _until_disconnect(request.receive, _next(generation))
+        except _ClientGone:
+            logger.info("request %s cancelled: the HTTP client disconnected", generation.request_id)
+            generation.cancel()
+            return Response(status_code=499)
+        except Exception as e:  # process boundary
+            generation.cancel()
+            return self._error(e, f"request {generation.request_id}")
+        reasoning = self.reasoning and kind == api.CHAT
+        if req.stream:
+            return _EventStream(self._events(req, head, generation, first, reasoning))
+        try:
+            return await _until_disconnect(
+                request.receive, self._whole(req, head, generation, first, reasoning)
+            )
+        except _ClientGone:
+            logger.info("request %s cancelled: the HTTP client disconnected", generation.request_id)
+            return Response(status_code=499)
+        except Exception as e:  # process boundary
+            return self._error(e, f"request {generation.request_id}")
+        finally:
+            generation.cancel()
+
+    async def _whole(
+        self, req: api.OpenAIRequest, head: api.ResponseHead, generation: Choices, first: Chunk,
+        reasoning: bool,
+    ) -> Response:  # fmt: skip
+        pieces: list[list[str]] = [[] for _ in range(req.n)]
+        token_ids: list[list[int]] = [[] for _ in range(req.n)]
+        logprobs: list[list] = [[] for _ in range(req.n)]
+        last: list[Chunk | None] = [None] * req.n
+        chunk = first
+        while True:
+            i = chunk.index
+            pieces[i].append(chunk.text)
+            token_ids[i] += chunk.token_ids
+            logprobs[i] += chunk.logprobs or []
+            if chunk.finish_reason is not None:
+                last[i] = chunk
+                if all(c is not None for c in last):
+                    break
+            chunk = await _next(generation)
+        usage = api.usage(
+            last[0].num_prompt_tokens, sum(c.num_generated_tokens for c in last), _stages(last[0])
+        )
+        choices = []
+        for i, c in enumerate(last):
+            text = "".join(pieces[i])
+            whole = dataclasses.replace(
+                c, token_ids=token_ids[i], logprobs=logprobs[i] if c.logprobs is not None else None
+            )
+            lp = self._logprobs(req, whole, 0)
+            if req.kind == api.COMPLETIONS:
+                choices.append(api.completion_choice(text, c.finish_reason, i, lp))
+                continue
+            if reasoning:
+                thought, content = split_reasoning(text)
+                message = api.chat_message(content, thought)
+            else:
+                message = api.chat_message(text, None)
+            choices.append(api.chat_choice(message, c.finish_reason, i, lp))
+        if req.kind == api.COMPLETIONS:
+            return JSONResponse(api.completions(head, choices, usage=usage))
+        return JSONResponse(api.chat_completion(head, choices, usage))
+
+    async def _events(
+        self, req: api.OpenAIRequest, head: api.ResponseHead, generation: Choices, first: Chunk,
+        reasoning: bool,
+    ) -> AsyncIterator[bytes]:  # fmt: skip
+        chat = req.kind == api.CHAT
+        extra = {"usage": None} if req.include_usage else {}
+        splitters = [ReasoningSplitter() if reasoning else None for _ in range(req.n)]
+        offsets = [0] * req.n  # characters of each choice's text sent so far
+        last: list[Chunk | None] = [None] * req.n
+        try:
+            if chat:
+                role = {"role": "assistant", "content": ""}
+                for i in range(req.n):
+                    yield _sse(api.chat_chunk(head, role, None, i, **extra))
+            chunk = first
+            while True:
+                i, done, delta = chunk.index, chunk.finish_reason is not None, chunk.text
+                logprobs = self._logprobs(req, chunk, offsets[i])
+                offsets[i] += len(delta)
+                if chat:
+                    body = _chat_delta(splitters[i], delta, done)
+                    if body or logprobs is not None:
+                        yield _sse(api.chat_chunk(head, body, None, i, logprobs, **extra))
+                elif delta or logprobs is not None:
+                    yield _sse(api.completion(head, delta, None, i, logprobs, **extra))
+                if done:
+                    last[i] = chunk
+                    if chat:
+                        yield _sse(api.chat_chunk(head, {}, chunk.finish_reason, i, **extra))
+                    else:
+                        yield _sse(api.completion(head, "", chunk.finish_reason, i, **extra))
+                    if all(c is not None for c in last):
+                        break
+                chunk = await _next(generation)
+            if req.include_usage:
+                generated = sum(c.num_generated_tokens for c in last)
+                usage = api.usage(chunk.num_prompt_tokens, generated, _stages(last[0]))
+                yield _sse(api.usage_chunk(head, req.kind, usage))
+        except (
+            Exception
+        ) as e:  # process boundary: the status line is sent, so the error is an event
+            if not isinstance(e, PdserveError):
+                logger.error("request %s failed", generation.request_id, exc_info=e)
+            yield _sse(http_error_for(e).body())
+        finally:
+            generation.cancel()
+        yield _DONE
+
+
+def _chat_delta(splitter: ReasoningSplitter | None, text: str, last: bool) -> dict[str, str]:
+    """A chat stream's delta for `text` (empty: nothing to send); `last` flushes what the splitter held."""
+    if splitter is None:
+        return {"content": text} if text else {}
+    thought, content = splitter.push(text)
+    if last:
+        more_thought, more_content = splitter.flush()
+        thought, content = thought + more_thought, content + more_content
+    body = {}
+    if thought:
+        body["reasoning_content"] = body["reasoning"] = thought
+    if content:
+        body["content"] = content
+    return body
+
+
+async def _next(generation: Choices) -> Chunk:
+    """The next chunk; an abort (the server shutting down) is an error here."""
+    chunk = await anext(generation)
+    if chunk.finish_reason == FinishReason.ABORT:
+        raise UnavailableError(chunk.error or "the server is shutting down")
+    return chunk

@@ -1,0 +1,426 @@
+"""OpenAI's request and response shapes for /v1/completions and /v1/chat/completions: a JSON body -> an
+`OpenAIRequest` (its prompt, untokenized, and its sampling fields), and the response and stream-chunk objects.
+
+Every parameter a client may send is either used, accepted only at the value that asks for nothing
+(`best_of: 1`, `echo: false`, `logit_bias: {}`, ...), or refused with InvalidRequestError naming it: a parameter
+the engine cannot honour is never silently dropped. Sampling values go to `validation.sampling_params`, the checks
+the gRPC API uses. Pure Python: no I/O, no event loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from pdserve.engine.sampling_params import TokenLogprobs
+from pdserve.frontend.validation import SamplingRequest
+from pdserve.model.errors import InvalidRequestError
+
+COMPLETIONS, CHAT = "completions", "chat"
+
+_UNSUPPORTED_HINT = "not supported by this server yet"
+# Parameters accepted only at the value (or values) that asks for nothing; anything else is refused by name.
+_INERT: dict[str, tuple[Any, ...]] = {
+    "best_of": (None, 1),
+    "logit_bias": (None, {}),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "continue_final_message": (None, False),
+    "prompt_logprobs": (None,),
+}
+_COMMON = {
+    "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+    "stop", "stop_token_ids", "ignore_eos", "user", "logprobs", "n", "best_of", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "skip_special_tokens",
+    "prompt_logprobs", "return_tokens_as_token_ids",
+}  # fmt: skip
+_KNOWN = {
+    COMPLETIONS: _COMMON | {"prompt", "echo", "suffix"},
+    CHAT: _COMMON
+    | {
+        "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+        "parallel_tool_calls", "functions", "function_call", "response_format",
+        "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+    },
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpenAIRequest:
+    """A checked request, its prompt not yet tokenized (exactly one of the three prompt fields is set)."""
+
+    kind: str
+    """COMPLETIONS or CHAT."""
+    model: str | None
+    prompt_text: str | None
+    prompt_ids: list[int] | None
+    messages: list[dict[str, Any]] | None
+    add_generation_prompt: bool
+    chat_template_kwargs: dict[str, Any]
+    sampling: SamplingRequest
+    stop: list[str]
+    """Stop strings (checked by `validation.check_stop_strings`)."""
+    max_tokens_field: str
+    """The parameter max_tokens came from (errors about it name this one)."""
+    stream: bool
+    include_usage: bool
+    n: int = 1
+    """Choices asked for (checked against the server's limit by `validation.check_n`)."""
+    tokens_as_ids: bool = False
+    """Log-probabilities name tokens `token_id:N` rather than by their text (vLLM's
+    `return_tokens_as_token_ids`)."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _optional(body: dict, name: str, check, expected: str):
+    value = body.get(name)
+    if value is not None and not check(value):
+        raise InvalidRequestError(name, f"expected {expected}, got {value!r:.80}")
+    return value
+
+
+def _int_list(value) -> bool:
+    return isinstance(value, list) and all(_is_int(x) for x in value)
+
+
+def _is_inert(value, allowed: tuple) -> bool:
+    for a in allowed:
+        if a is None:
+            if value is None:
+                return True
+        elif isinstance(value, bool) == isinstance(a, bool) and value == a:
+            return True
+    return False
+
+
+def _check_inert(body: dict) -> None:
+    for name, allowed in _INERT.items():
+        if name in body and not _is_inert(body[name], allowed):
+            raise InvalidRequestError(name, f"{body[name]!r:.80} is {_UNSUPPORTED_HINT}")
+
+
+def _logprobs(body: dict, kind: str) -> tuple[int | None, str]:
+    """The alternatives per token the request asks log-probabilities for (None: no log-probabilities), and the
+    parameter that set it: the completions API's `logprobs` (an integer), or the chat API's `logprobs` (true
+    or false) with `top_logprobs` (an integer, needing `logprobs: true`)."""
+    if kind == COMPLETIONS:
+        return _optional(body, "logprobs", _is_int, "an integer"), "logprobs"
+    wanted = _optional(body, "logprobs", lambda v: isinstance(v, bool), "true or false")
+    top = _optional(body, "top_logprobs", _is_int, "an integer")
+    if top is not None and not wanted:
+        raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+    return ((top or 0) if wanted else None), "top_logprobs"
+
+
+def _stop_strings(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise InvalidRequestError("stop", f"expected a string or a list of strings, got {stop!r:.80}")
+
+
+def _completion_prompt(body: dict) -> tuple[str | None, list[int] | None]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt", "is empty")
+        return prompt, None
+    if _int_list(prompt):
+        return None, prompt
+    if prompt is None:
+        raise InvalidRequestError("prompt", "missing: a string or a list of token ids")
+    if isinstance(prompt, list) and all(isinstance(p, str) or _int_list(p) for p in prompt):
+        raise InvalidRequestError(
+            "prompt", f"a batch of {len(prompt)} prompts is {_UNSUPPORTED_HINT}"
+        )
+    raise InvalidRequestError("prompt", "expected a string or a list of token ids")
+
+
+def _message_text(content, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise InvalidRequestError(
+                    f"{where}.content[{i}]",
+                    "only text parts ({'type': 'text', 'text': ...}) are supported",
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+    raise InvalidRequestError(f"{where}.content", "expected a string or a list of text parts")
+
+
+def _messages(body: dict) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages", "expected a non-empty list of messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidRequestError(where, "expected an object with a role and content")
+        if m.get("tool_calls"):
+            raise InvalidRequestError(f"{where}.tool_calls", f"tool calls are {_UNSUPPORTED_HINT}")
+        message = {"role": m["role"], "content": _message_text(m.get("content"), where)}
+        if isinstance(m.get("name"), str):
+            message["name"] = m["name"]
+        out.append(message)
+    return out
+
+
+def parse(body: Any, kind: str) -> OpenAIRequest:
+    """Checks a decoded JSON body of `kind`; every refusal names the parameter."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("body", "expected a JSON object")
+    for name in body:
+        if name not in _KNOWN[kind]:
+            raise InvalidRequestError(name, "unknown parameter")
+    _check_inert(body)
+    logprobs, logprobs_field = _logprobs(body, kind)
+    model = _optional(body, "model", lambda v: isinstance(v, str), "a string")
+    stream = _optional(body, "stream", lambda v: isinstance(v, bool), "true or false") or False
+    options = _optional(body, "stream_options", lambda v: isinstance(v, dict), "an object")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise InvalidRequestError("stream_options", "only allowed when stream is true")
+        for key, value in options.items():
+            if key == "include_usage" and isinstance(value, bool):
+                include_usage = value
+            elif key == "continuous_usage_stats" and value is False:
+                continue
+            else:
+                raise InvalidRequestError(
+                    f"stream_options.{key}", f"{value!r:.80} is {_UNSUPPORTED_HINT}"
+                )
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise InvalidRequestError(
+            "response_format", f"only {{'type': 'text'}} is {_UNSUPPORTED_HINT[4:]}"
+        )
+
+    max_tokens_field = "max_tokens"
+    max_tokens = _optional(body, "max_tokens", _is_int, "an integer")
+    if kind == CHAT and body.get("max_completion_tokens") is not None:
+        max_tokens_field = "max_completion_tokens"
+        max_tokens = _optional(body, "max_completion_tokens", _is_int, "an integer")
+    sampling = SamplingRequest(
+        max_tokens=max_tokens,
+        temperature=_optional(body, "temperature", _is_number, "a number"),
+        top_p=_optional(body, "top_p", _is_number, "a number"),
+        top_k=_optional(body, "top_k", _is_int, "an integer"),
+        min_p=_optional(body, "min_p", _is_number, "a number"),
+        seed=_optional(body, "seed", _is_int, "an integer"),
+        stop_token_ids=tuple(
+            _optional(body, "stop_token_ids", _int_list, "a list of token ids") or ()
+        ),
+        ignore_eos=_optional(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false")
+        or False,
+        presence_penalty=_optional(body, "presence_penalty", _is_number, "a number"),
+        frequency_penalty=_optional(body, "frequency_penalty", _is_number, "a number"),
+        repetition_penalty=_optional(body, "repetition_penalty", _is_number, "a number"),
+        min_tokens=_optional(body, "min_tokens", _is_int, "an integer"),
+        logprobs=logprobs,
+        skip_special_tokens=_optional(
+            body, "skip_special_tokens", lambda v: isinstance(v, bool), "true or false"
+        ),
+        logprobs_field=logprobs_field,
+    )
+    n = _optional(body, "n", _is_int, "an integer")
+    prompt_text = prompt_ids = messages = None
+    add_generation_prompt, template_kwargs = True, {}
+    if kind == COMPLETIONS:
+        prompt_text, prompt_ids = _completion_prompt(body)
+    else:
+        messages = _messages(body)
+        add_generation_prompt = _optional(
+            body, "add_generation_prompt", lambda v: isinstance(v, bool), "true or false"
+        )
+        add_generation_prompt = True if add_generation_prompt is None else add_generation_prompt
+        template_kwargs = (
+            _optional(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
+            or {}
+        )
+    return OpenAIRequest(
+        kind, model, prompt_text, prompt_ids, messages, add_generation_prompt, template_kwargs,
+        sampling, _stop_strings(body), max_tokens_field, stream, include_usage,
+        1 if n is None else n,
+        _optional(body, "return_tokens_as_token_ids", lambda v: isinstance(v, bool), "true or false")
+        or False,
+    )  # fmt: skip
+
+
+# Responses.
+
+
+def new_id(kind: str) -> str:
+    return f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def usage(
+    num_prompt_tokens: int, num_generated_tokens: int, stage_times: dict[str, float] | None = None
+) -> dict:
+    """OpenAI's usage object; with `stage_times` (pdserve's own key: `Timings.stage_dict`, the first choice's)
+    where the request finished with timings."""
+    out: dict = {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_generated_tokens,
+        "total_tokens": num_prompt_tokens + num_generated_tokens,
+    }
+    if stage_times is not None:
+        out["stage_times"] = stage_times
+    return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResponseHead:
+    """What every response object and chunk of one request repeats."""
+
+    id: str
+    model: str
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    def wrap(self, kind: str, choices: list[dict], **fields) -> dict:
+        """A response object of `kind` (its `object` field) around `choices`."""
+        head = {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+        return {**head, "choices": choices, **fields}
+
+
+def _choice(finish_reason: str | None, index: int, logprobs: dict | None, **fields) -> dict:
+    return {"index": index, **fields, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_choice(
+    text: str, finish_reason: str | None, index: int = 0, logprobs: dict | None = None
+) -> dict:
+    return _choice(finish_reason, index, logprobs, text=text)
+
+
+def completion(
+    head: ResponseHead, text: str, finish_reason: str | None, index: int = 0,
+    logprobs: dict | None = None, **fields,
+) -> dict:  # fmt: skip
+    """One chunk of a stream (or a whole completion of one choice: give `usage=`)."""
+    return completions(head, [completion_choice(text, finish_reason, index, logprobs)], **fields)
+
+
+def completions(head: ResponseHead, choices: list[dict], **fields) -> dict:
+    """A whole completion of `completion_choice`s (give `usage=`)."""
+    return head.wrap("text_completion", choices, **fields)
+
+
+def chat_message(content: str, reasoning: str | None) -> dict:
+    """The assistant message; `reasoning` None: no reasoning parser (the keys are left out)."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["content"] = content or None
+        message["reasoning_content"] = reasoning or None
+        message["reasoning"] = reasoning or None
+    return message
+
+
+def chat_choice(
+    message: dict, finish_reason: str, index: int = 0, logprobs: dict | None = None
+) -> dict:
+    return _choice(finish_reason, index, logprobs, message=message)
+
+
+def chat_completion(head: ResponseHead, choices: list[dict], usage_: dict) -> dict:
+    """A whole chat completion of `chat_choice`s."""
+    return head.wrap("chat.completion", choices, usage=usage_)
+
+
+def chat_chunk(
+    head: ResponseHead, delta: dict, finish_reason: str | None, index: int = 0,
+    logprobs: dict | None = None, **fields,
+) -> dict:  # fmt: skip
+    return head.wrap(
+        "chat.completion.chunk", [_choice(finish_reason, index, logprobs, delta=delta)], **fields
+    )
+
+
+def usage_chunk(head: ResponseHead, kind: str, usage_: dict) -> dict:
+    """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
+    return head.wrap(
+        "chat.completion.chunk" if kind == CHAT else "text_completion", [], usage=usage_
+    )
+
+
+# Log-probabilities. A token's text is what the front end's `token_text` makes of its id.
+
+
+def token_id_text(token_id: int) -> str:
+    """A token named by its id (`return_tokens_as_token_ids`, or a model without a tokenizer)."""
+    return f"token_id:{token_id}"
+
+
+def _token_entry(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+
+def chat_logprobs(
+    token_ids: list[int], logprobs: list[TokenLogprobs], token_text: Callable[[int], str]
+) -> dict:
+    """The chat API's `logprobs` of a choice (or a chunk): per token its text, log-probability, UTF-8 bytes
+    and its `top_logprobs` (the alternatives asked for, most likely first)."""
+    content = []
+    for token, lp in zip(token_ids, logprobs, strict=True):
+        entry = _token_entry(token_text(token), lp.logprob)
+        entry["top_logprobs"] = [
+            _token_entry(token_text(t), v) for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
+        ]
+        content.append(entry)
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(
+    token_ids: list[int], logprobs: list[TokenLogprobs], token_text: Callable[[int], str],
+    text_offset: int,
+) -> dict:  # fmt: skip
+    """The completions API's `logprobs` of a choice (or a chunk): tokens, token_logprobs, top_logprobs (per
+    token a map of the alternatives' texts, the sampled token's included, to their log-probabilities) and
+    text_offset (where each token's text starts in the choice's text, from `text_offset` on)."""
+    texts = [token_text(t) for t in token_ids]
+    offsets, at = [], text_offset
+    for text in texts:
+        offsets.append(at)
+        at += len(text)
+    top = []
+    for token, text, lp in zip(token_ids, texts, logprobs, strict=True):
+        alternatives = {token_text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
+        if token not in lp.top_ids:
+            alternatives[text] = lp.logprob
+        top.append(alternatives)
+    return {
+        "tokens": texts,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }

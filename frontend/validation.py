@@ -1,0 +1,352 @@
+"""Checks a GenerateRequest at the router, before any worker sees it, and turns it into prompt token ids and
+`SamplingParams`. Every rejection is an InvalidRequestError naming the request field (`prompt`,
+`prompt_token_ids`, `sampling_params.max_tokens`, ...). Unset sampling fields take the model's
+generation_config.json values; unset max_tokens takes the router's default, capped by the context left."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from pdserve.cluster.config import RouterConfig
+from pdserve.engine.checks import check_context, check_prompt_len, check_token_ids
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.frontend.chat_template import ChatTemplate
+from pdserve.model.args import ModelArgs
+from pdserve.model.errors import InvalidRequestError
+from pdserve.model.tokenizer import THINK_END, THINK_START, Tokenizer
+from pdserve.v1 import generation_pb2 as pb
+
+MAX_REQUEST_ID_CHARS = 256
+"""Longest client `request_id` accepted: it is echoed in every response chunk."""
+
+
+def check_request_id(request_id: str) -> None:
+    """Raises InvalidRequestError for a client `request_id` too long to echo (its text is never quoted)."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError(
+            "request_id", f"{len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}"
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GenerationDefaults:
+    """Sampling values a request inherits when it leaves them unset (from generation_config.json)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+
+    @classmethod
+    def from_file(cls, path: Path) -> GenerationDefaults:
+        if not path.is_file():
+            return cls()
+        config = json.loads(path.read_text())
+        greedy = config.get("do_sample") is False
+        return cls(
+            temperature=0.0 if greedy else float(config.get("temperature", 1.0)),
+            top_p=float(config.get("top_p", 1.0)),
+            top_k=int(config.get("top_k", 0)) or -1,
+            min_p=float(config.get("min_p", 0.0)),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What the router knows about the model it serves (it never loads the weights)."""
+
+    name: str
+    vocab_size: int
+    max_model_len: int
+    bos_token_id: int | None
+    defaults: GenerationDefaults
+    tokenizer: Tokenizer | None
+    chat_template: ChatTemplate | None = None
+    thinks: bool = False
+    """The chat template closes a think block and the vocabulary has both think tokens (DeepSeek-R1's
+    format): `reasoning_parser: auto` splits reasoning from content for such a model."""
+    max_text_bytes: int | None = None
+    """Bytes of prompt text past which it cannot fit the context, whatever it says (`text_bytes_bound`);
+    None: no such bound is known for this tokenizer."""
+
+    @classmethod
+    def load(cls, model_dir: Path, name: str) -> ModelInfo:
+        args = ModelArgs.from_json(model_dir / "config.json")
+        tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+        defaults = GenerationDefaults.from_file(model_dir / "generation_config.json")
+        template = ChatTemplate.load(model_dir) if tokenizer is not None else None
+        thinks = (
+            template is not None
+            and THINK_END in template.source
+            and None not in (tokenizer.token_id(THINK_START), tokenizer.token_id(THINK_END))
+        )
+        max_text_bytes = None
+        if tokenizer is not None:
+            spec = json.loads((model_dir / "tokenizer.json").read_text())
+            max_text_bytes = text_bytes_bound(spec, args.max_position_embeddings)
+        return cls(
+            name, args.vocab_size, args.max_position_embeddings, args.bos_token_id, defaults,
+            tokenizer, template, thinks, max_text_bytes,
+        )  # fmt: skip
+
+
+_KEEPING_PRE_TOKENIZERS = ("ByteLevel", "Split", "Sequence", "Digits", "Punctuation")
+"""Pre-tokenizers that split text without dropping any of it (Split unless its behavior is Removed)."""
+
+
+def text_bytes_bound(spec: dict, max_model_len: int) -> int | None:
+    """The most bytes of text that `max_model_len` tokens can cover, for a byte-level BPE tokenizer
+    (tokenizer.json's `spec`) that keeps every input byte in some token: no normalizer, byte-level
+    pre-tokenizing that drops nothing, no added token that strips the whitespace around it. Each token then
+    covers at most as many input bytes as its own text has in UTF-8 (a byte-level symbol is one input byte,
+    and at least one UTF-8 byte). None for any other tokenizer: its tokens may swallow unbounded input."""
+    if spec.get("normalizer") is not None or (spec.get("model") or {}).get("type") != "BPE":
+        return None
+    kinds, stack = [], [spec.get("pre_tokenizer") or {}]
+    while stack:
+        node = stack.pop()
+        kinds.append(node.get("type"))
+        if node.get("type") == "Split" and node.get("behavior") == "Removed":
+            return None
+        stack.extend(node.get("pretokenizers") or ())
+    if "ByteLevel" not in kinds or any(k not in _KEEPING_PRE_TOKENIZERS for k in kinds):
+        return None
+    added = spec.get("added_tokens") or ()
+    if any(t.get("lstrip") or t.get("rstrip") for t in added):
+        return None
+    texts = [*(spec["model"].get("vocab") or {}), *(t["content"] for t in added)]
+    return max_model_len * max(len(t.encode()) for t in texts)
+
+
+def prompt_bytes_limit(router: RouterConfig, model: ModelInfo) -> tuple[int, str]:
+    """The most bytes of prompt text worth reading, and what sets it: router.max_prompt_bytes, or less when
+    no longer text can fit the model's context (`ModelInfo.max_text_bytes`). Request bodies and messages are
+    sized from it, so that a prompt that cannot be served is refused before it is parsed."""
+    bound = model.max_text_bytes
+    if bound is not None and bound < router.max_prompt_bytes:
+        return bound, f"the most prompt text that fits the context of {model.max_model_len} tokens"
+    return router.max_prompt_bytes, "router.max_prompt_bytes"
+
+
+def check_prompt_bytes(
+    text: str, router: RouterConfig, field: str, model: ModelInfo | None = None
+) -> None:
+    """Raises InvalidRequestError for prompt text over router.max_prompt_bytes, or too long to fit `model`'s
+    context whatever its tokens (`ModelInfo.max_text_bytes`): checked before tokenizing, which costs a CPU
+    second per few MiB."""
+    # A character is 1 to 4 bytes of UTF-8: most texts are decided without encoding them (a few ms per MiB
+    # with the GIL held).
+    context_bound = None if model is None else model.max_text_bytes
+    bound = min(router.max_prompt_bytes, context_bound or router.max_prompt_bytes)
+    if 4 * len(text) <= bound:
+        return
+    if len(text) > bound:
+        num_bytes, size = len(text), f"at least {len(text)} bytes"
+    else:
+        num_bytes = len(text.encode("utf-8", "surrogatepass"))
+        size = f"{num_bytes} bytes"
+    if num_bytes > router.max_prompt_bytes:
+        raise InvalidRequestError(
+            field,
+            f"{size} of text; this server takes at most {router.max_prompt_bytes} "
+            "(router.max_prompt_bytes)",
+        )
+    if context_bound is not None and num_bytes > context_bound:
+        raise InvalidRequestError(
+            field,
+            f"{size} of text cannot fit the context of {model.max_model_len} tokens "
+            f"({model.name}'s tokens cover at most {context_bound // model.max_model_len} bytes each)",
+        )
+
+
+def _prompt_ids(
+    request: pb.GenerateRequest, model: ModelInfo, router: RouterConfig
+) -> tuple[str, list[int]]:
+    which = request.WhichOneof("input")
+    if which is None:
+        raise InvalidRequestError("prompt", "missing: set prompt (text) or prompt_token_ids")
+    if which == "prompt":
+        prompt = request.prompt  # each read builds a new str: a few ms per MiB
+        if not prompt:
+            raise InvalidRequestError("prompt", "is empty")
+        if model.tokenizer is None:
+            raise InvalidRequestError(
+                "prompt", f"{model.name} has no tokenizer.json: send prompt_token_ids instead"
+            )
+        check_prompt_bytes(prompt, router, "prompt", model)
+        return "prompt", model.tokenizer.encode(prompt)
+    ids = list(request.prompt_token_ids.ids)
+    check_token_ids(ids, model.vocab_size, "prompt_token_ids")
+    return "prompt_token_ids", ids
+
+
+MAX_STOP_TOKEN_IDS = 1024
+"""Most stop token ids one request may give (each is checked on every generated token)."""
+
+
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
+"""Stop strings per request, and characters per stop string, at most (each is matched in every text delta)."""
+
+
+def check_stop_strings(stop: list[str], model: ModelInfo, field: str) -> tuple[str, ...]:
+    """The request's stop strings, or InvalidRequestError naming `field`: too many, empty or too long ones, or
+    a model without a tokenizer (stop strings are matched in the text)."""
+    if not stop:
+        return ()
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(field, f"{len(stop)} stop strings; at most {MAX_STOP_STRINGS}")
+    for i, s in enumerate(stop):
+        if not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
+            raise InvalidRequestError(
+                field, f"stop string {i} has {len(s)} characters; 1 to {MAX_STOP_STRING_CHARS}"
+            )
+    if model.tokenizer is None:
+        raise InvalidRequestError(
+            field, f"{model.name} has no tokenizer.json: stop strings need one (use stop_token_ids)"
+        )
+    return tuple(stop)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplingRequest:
+    """A request's sampling fields as its front end received them (None: unset), before defaults and checks."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    logprobs: int | None = None
+    """Alternatives per token with log-probabilities (None: no log-probabilities)."""
+    skip_special_tokens: bool | None = None
+    logprobs_field: str = "logprobs"
+    """The parameter logprobs came from, as the front end spells it (errors about it name this one)."""
+
+
+def check_n(n: int, router: RouterConfig, field: str) -> None:
+    """Raises InvalidRequestError naming `field` unless 1 <= n <= router.max_n."""
+    if n < 1:
+        raise InvalidRequestError(field, f"must be >= 1, got {n}")
+    if n > router.max_n:
+        raise InvalidRequestError(
+            field, f"{n} choices exceed this server's limit of {router.max_n} (router.max_n)"
+        )
+
+
+def sampling_params(
+    given: SamplingRequest, num_prompt_tokens: int, model: ModelInfo, router: RouterConfig,
+    prefix: str = "", max_tokens_field: str = "max_tokens",
+) -> SamplingParams:  # fmt: skip
+    """`given` with the model's defaults for unset fields and the router's default max_tokens (capped by the
+    context left), checked. Errors name the field as the front end spells it: `prefix` + the field name
+    (`max_tokens_field` for max_tokens)."""
+    room = model.max_model_len - num_prompt_tokens
+    limit = min(router.max_tokens_limit or model.max_model_len, room)
+    if given.max_tokens is not None:
+        max_tokens = given.max_tokens
+        if router.max_tokens_limit is not None and max_tokens > router.max_tokens_limit:
+            raise InvalidRequestError(
+                max_tokens_field,
+                f"{max_tokens} exceeds this server's limit of {router.max_tokens_limit}",
+            )
+        check_context(num_prompt_tokens, max_tokens, model.max_model_len, max_tokens_field)
+    else:
+        max_tokens = min(router.default_max_tokens, limit)
+    if given.stop_token_ids:
+        if len(given.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"{prefix}stop_token_ids",
+                f"{len(given.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}",
+            )
+        check_token_ids(given.stop_token_ids, model.vocab_size, f"{prefix}stop_token_ids")
+    if given.logprobs is not None and given.logprobs > router.max_logprobs:
+        raise InvalidRequestError(
+            f"{prefix}{given.logprobs_field}",
+            f"{given.logprobs} alternatives exceed this server's limit of {router.max_logprobs} "
+            "(router.max_logprobs)",
+        )
+    d = model.defaults
+
+    def either(value, default):
+        return default if value is None else value
+
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=either(given.temperature, d.temperature),
+            top_p=either(given.top_p, d.top_p),
+            top_k=either(given.top_k, d.top_k),
+            min_p=either(given.min_p, d.min_p),
+            seed=given.seed,
+            stop_token_ids=tuple(given.stop_token_ids),
+            ignore_eos=given.ignore_eos,
+            presence_penalty=either(given.presence_penalty, 0.0),
+            frequency_penalty=either(given.frequency_penalty, 0.0),
+            repetition_penalty=either(given.repetition_penalty, 1.0),
+            min_tokens=either(given.min_tokens, 0),
+            logprobs=given.logprobs,
+            skip_special_tokens=either(given.skip_special_tokens, True),
+        ).with_seed()
+    except InvalidRequestError as e:
+        if e.field == "max_tokens":
+            field = max_tokens_field
+        else:
+            field = prefix + (given.logprobs_field if e.field == "logprobs" else e.field)
+        raise InvalidRequestError(field, str(e).removeprefix(f"{e.field}: ")) from None
+
+
+def _sampling_params(
+    sp: pb.SamplingParams, num_prompt_tokens: int, model: ModelInfo, router: RouterConfig
+) -> SamplingParams:
+    given = SamplingRequest(
+        max_tokens=sp.max_tokens if sp.HasField("max_tokens") else None,
+        temperature=sp.temperature if sp.HasField("temperature") else None,
+        top_p=sp.top_p if sp.HasField("top_p") else None,
+        top_k=sp.top_k if sp.HasField("top_k") else None,
+        min_p=sp.min_p if sp.HasField("min_p") else None,
+        seed=sp.seed if sp.HasField("seed") else None,
+        stop_token_ids=tuple(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+        presence_penalty=sp.presence_penalty if sp.HasField("presence_penalty") else None,
+        frequency_penalty=sp.frequency_penalty if sp.HasField("frequency_penalty") else None,
+        repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else None,
+        min_tokens=sp.min_tokens if sp.HasField("min_tokens") else None,
+        logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+        skip_special_tokens=(
+            sp.skip_special_tokens if sp.HasField("skip_special_tokens") else None
+        ),
+    )
+    return sampling_params(
+        given, num_prompt_tokens, model, router, "sampling_params.", "sampling_params.max_tokens"
+    )
+
+
+def requested_n(request: pb.GenerateRequest, router: RouterConfig) -> int:
+    """The choices a GenerateRequest asks for (1 when unset); InvalidRequestError naming the field past
+    router.max_n."""
+    sp = request.sampling_params
+    n = sp.n if sp.HasField("n") else 1
+    check_n(n, router, "sampling_params.n")
+    return n
+
+
+def parse_request(
+    request: pb.GenerateRequest, model: ModelInfo, router: RouterConfig
+) -> tuple[list[int], SamplingParams, tuple[str, ...]]:
+    """The prompt's token ids, the request's sampling parameters (with a concrete seed) and its stop
+    strings. Tokenizes: call it off the event loop."""
+    field, prompt_ids = _prompt_ids(request, model, router)
+    check_prompt_len(len(prompt_ids), model.max_model_len, field)
+    params = _sampling_params(request.sampling_params, len(prompt_ids), model, router)
+    stop = check_stop_strings(list(request.sampling_params.stop), model, "sampling_params.stop")
+    return prompt_ids, params, stop

@@ -1,0 +1,155 @@
+"""What the tests that serve share: one local Ray for the session (2 CPUs, no dashboard), a tiny fp32 checkpoint,
+servers started on free ports with fractional-CPU workers, and the offline reference outputs. The fixtures are
+registered by tests/conftest.py; test modules import the helpers (`from serving import start_server`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import urllib.request
+
+import pytest
+import ray
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.cli.client import Client, generate_request
+from pdserve.cluster.config import build_config
+from pdserve.engine.offline import generate_greedy
+from pdserve.engine.pages import pages_needed
+from pdserve.engine.runner import ModelRunner
+from pdserve.frontend.server import ServerThread, free_port
+from pdserve.model.batch import SeqChunk, build_forward_batch
+from pdserve.model.loader import load_model
+from pdserve.model.random_checkpoint import make_checkpoint
+from pdserve.v1 import generation_pb2
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return make_checkpoint(
+        tmp_path_factory.mktemp("ck") / "tiny", "tiny", dtype="fp32", progress=False
+    )
+
+
+@pytest.fixture(scope="session")
+def reference_model(model_dir):
+    """The tiny model loaded in the test process, for offline references."""
+    return load_model(model_dir, dtype=torch.float32, progress=False)
+
+
+@pytest.fixture(scope="session")
+def reference(reference_model):
+    """Greedy tokens of `pdserve offline` (the single-process path) for (prompt, max_tokens), cached."""
+    model = reference_model
+    cache: dict = {}
+
+    def expected(prompt: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in cache:
+            cache[key] = generate_greedy(model, prompt, max_tokens)
+        return cache[key]
+
+    return expected
+
+
+@pytest.fixture(scope="session")
+def reference_logits(reference_model):
+    """For (prompt, generated tokens): the model's raw logits [len(tokens) + 1, V] at each generated token's
+    position and the next, from one forward of the model over prompt + tokens on a fresh cache."""
+    model = reference_model
+
+    def logits(prompt: list[int], tokens: list[int]) -> torch.Tensor:
+        ids = [*prompt, *tokens]
+        page_size = 64
+        num_pages = pages_needed(len(ids), page_size)
+        cache = ModelRunner(model, page_size, num_pages, cuda_graphs=False).cache
+        chunk = SeqChunk(ids, 0, list(range(num_pages)))
+        with torch.inference_mode():
+            hidden = model(build_forward_batch([chunk], page_size, "cpu", decode=False), cache)
+            return model.compute_logits(hidden[len(prompt) - 1 :]).float()  # [T + 1, V]
+
+    return logits
+
+
+def serve_config(model_dir, **sections):
+    """A config for tests: free ports, fp32, small KV caches, quarter-CPU workers, quiet logs."""
+    values = {
+        "model": {"path": str(model_dir), "dtype": "fp32"},
+        "cluster": {"cpus_per_worker": 0.25, "placement_timeout_s": 60.0, "load_timeout_s": 120.0},
+        "router": {
+            "port": 0,
+            "http_port": None,
+            "stats_interval_s": 0.0,
+            "admission_timeout_s": 20.0,
+        },
+        "prefill": {"num_pages": 512, "max_prefill_chunk": 128, "max_num_batched_tokens": 512},
+        "decode": {"num_pages": 512, "max_prefill_chunk": 128, "max_num_batched_tokens": 512},
+        "kvtransfer": {"store_port": free_port(), "connect_timeout_s": 20.0},
+    }
+    for name, fields in sections.items():
+        values.setdefault(name, {}).update(fields)
+    return build_config(None, values)
+
+
+def start_server(model_dir, **sections) -> ServerThread:
+    """Use as a context manager (Ray must be up: depend on the `ray_cluster` fixture)."""
+    return ServerThread(serve_config(model_dir, **sections))
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(interval_s)
+
+
+def workload(n: int, seed: int, max_len: int = 200) -> list[tuple[list[int], int]]:
+    """n (prompt ids, max_tokens) pairs of varied lengths."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = 1 + int(torch.randint(0, max_len, (1,), generator=g))
+        prompt = [0, *torch.randint(3, 1000, (length - 1,), generator=g).tolist()]
+        out.append((prompt, 4 + (7 * i) % 29))
+    return out
+
+
+def greedy(prompt, max_tokens: int, **kw) -> generation_pb2.GenerateRequest:
+    return generate_request(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def collect(
+    client: Client, request, timeout_s: float = 120
+) -> list[generation_pb2.GenerateResponse]:
+    return list(client.generate(request, timeout_s=timeout_s))
+
+
+def pages_in_use(client: Client) -> dict[str, int]:
+    status = client.status()
+    return {w.worker_id: w.kv_pages_used for pool in status.pools for w in pool.workers}
+
+
+def all_pages_free(client: Client) -> bool:
+    status = client.status()
+    return status.num_requests == 0 and not any(pages_in_use(client).values())
+
+
+def scrape(url: str) -> dict:
+    """The metric families at `url` (Prometheus' text format), by family name."""
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        assert reply.status == 200
+        assert reply.headers["content-type"].startswith("text/plain")
+        text = reply.read().decode()
+    return {family.name: family for family in text_string_to_metric_families(text)}
