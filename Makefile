@@ -29,13 +29,14 @@ endif
 demo: $(VENV)/.installed-serve
 	$(BIN)/pdserve demo
 
-# Two runs: the suites that start no Ray (CPU-bound: most are Triton-interpreter kernels) on two pytest-xdist
-# workers, then those that do (a local Ray of their own, timed failures and replacements) one test at a time.
-PARALLEL_TESTS := tests/kernels tests/model tests/engine tests/decode tests/prefill tests/kvtransfer tests/protos tests/workers
+# One run on pytest-xdist workers: the tests that start Ray or a server (marker `ray`, see tests/conftest.py) are one
+# group that one worker runs in order on one local Ray, while the other workers take everything else (most of it
+# CPU-bound Triton-interpreter kernels and models). Each test's seconds go to DURATIONS_FILE.
+TEST_WORKERS ?= 3
+DURATIONS_FILE ?= build/test-durations.tsv
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -m "not gpu and not multi_gpu" -n 2 --durations=10 $(PARALLEL_TESTS)
-	$(BIN)/python -m pytest -q -m "not gpu and not multi_gpu" --durations=20 \
-		$(foreach t,$(PARALLEL_TESTS),--ignore=$(t))
+	$(BIN)/python -m pytest -q -m "not gpu and not multi_gpu" -n $(TEST_WORKERS) --dist loadgroup \
+		--durations=20 --durations-file $(DURATIONS_FILE)
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -8,7 +8,7 @@ tests. This package knows torch.distributed and the page layout, nothing else.
 |---|---|
 | `base` | the contract (`KVSender`, `KVReceiver`) |
 | `config` | `KVTransferConfig` |
-| `dist` | the contract over torch.distributed (`_link`: a pair's process group; `_receiver`: the decode side; `_wire`: the format) |
+| `dist` | the contract over torch.distributed (`_link`, `_receiver`, `_wire`: its parts) |
 | `loopback` | the contract in one process, for tests |
 | `pages` | whole-page gathers and scatters of the page-major cache |
 | `store` | the shared rendezvous store |

@@ -1,5 +1,12 @@
 """Test-wide settings: GPU markers skip where no CUDA device is present; on CPU-only machines Triton kernels run in
-the interpreter (TRITON_INTERPRET=1 must be set before any kernel module is imported, hence here)."""
+the interpreter (TRITON_INTERPRET=1 must be set before any kernel module is imported, hence here).
+
+How the suite is split by need: every test that starts Ray or a server is marked `ray` here (those that use the
+session's Ray through the `ray_cluster` fixture, and those whose module says it starts a Ray of its own with
+`pytestmark = pytest.mark.ray`). Under pytest-xdist (`--dist loadgroup`) the `ray` tests form one group that one
+worker runs one after another, first, sharing one local Ray, while the other workers take every other test. Tests
+that start subprocesses (rank processes, two-process workers) are marked `subprocess` by their modules: they run
+beside the others. `--durations-file PATH` writes each test's seconds (setup + call + teardown) to PATH."""
 
 from __future__ import annotations
 
@@ -18,12 +25,62 @@ if _CUDA_DEVICES == 0:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+RAY_FIXTURES = frozenset({"ray_cluster"})
+"""Fixtures that start (or are) the session's Ray: a test using any of them is a `ray` test."""
+RAY_GROUP = "ray"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--durations-file", default=None, metavar="PATH",
+        help="write each test's seconds (setup + call + teardown) and outcome to PATH, tab-separated",
+    )  # fmt: skip
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "multi_gpu" in item.keywords and _CUDA_DEVICES < 2:
             item.add_marker(pytest.mark.skip(reason="needs 2 CUDA GPUs"))
         elif "gpu" in item.keywords and _CUDA_DEVICES < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.ray)
+        if item.get_closest_marker("ray") is not None:
+            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
+    # The ray group first, so that its worker starts on the longest chain at once; a module's tests stay together.
+    items[:] = [i for i in items if "ray" in i.keywords] + [
+        i for i in items if "ray" not in i.keywords
+    ]
+
+
+class _Durations:
+    """Collects each test's phases on the controlling process (xdist workers report there) and writes them out."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.seconds: dict[str, float] = {}
+        self.outcome: dict[str, str] = {}
+
+    def pytest_runtest_logreport(self, report):
+        self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
+        if report.when == "call" or report.outcome != "passed":
+            self.outcome[report.nodeid] = report.outcome
+
+    def pytest_sessionfinish(self, session):
+        from pathlib import Path
+
+        path = Path(self.path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rows = sorted(self.seconds.items(), key=lambda kv: -kv[1])
+        path.write_text(
+            "".join(f"{s:.2f}\t{self.outcome.get(n, 'passed')}\t{n}\n" for n, s in rows)
+        )
+
+
+def pytest_configure(config):
+    path = config.getoption("--durations-file")
+    if path and not hasattr(config, "workerinput"):  # the controller only (or a run without xdist)
+        config.pluginmanager.register(_Durations(path), "pdserve-durations")
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+# its tests start processes of their own
+pytestmark = pytest.mark.subprocess
+
 ROOT = Path(__file__).resolve().parents[1]
 # Top-level folders that are not the product; every other folder holding Python code is.
 NON_PRODUCT = frozenset({"tests", "benchmarks", "tools", "deploy", "build", "dist"})

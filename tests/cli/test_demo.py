@@ -7,6 +7,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+# `pdserve demo` starts a Ray of its own
+pytestmark = pytest.mark.ray
+
 
 def test_demo_runs_from_an_empty_cache(tmp_path):
     # as from a fresh shell: no Ray address, nor the auth mode a ray.init in this process exported

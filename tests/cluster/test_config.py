@@ -15,6 +15,9 @@ from pdserve.cli.main import _build_parser
 from pdserve.cluster.config import SECTIONS, ServeConfig, build_config, field_docs
 from pdserve.model.errors import ConfigError
 
+# its tests start processes of their own
+pytestmark = pytest.mark.subprocess
+
 
 def parse(argv: list[str]) -> ServeConfig:
     parser, _ = _build_parser(config_flags=True)

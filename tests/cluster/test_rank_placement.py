@@ -105,6 +105,7 @@ def _run_cluster(scenario: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_ranks_land_per_strategy_on_a_simulated_ray_cluster():
     result = _run_cluster("ranks")
     nodes = result["nodes"]  # node id -> name (a1, a2, b1)
@@ -129,6 +130,7 @@ def test_ranks_land_per_strategy_on_a_simulated_ray_cluster():
     assert result["leftover_groups"] == 0
 
 
+@pytest.mark.ray
 def test_a_rack_of_trays_on_a_simulated_ray_cluster():
     """Placement only, as on a GB200 NVL72 rack's trays: t1, t2 (4 fake GPUs each) form NVLink domain r0, t3
     is domain r1. An 8-rank worker takes both trays of r0, never t3; a 4-rank one then takes t3 (one node: the
@@ -159,6 +161,7 @@ def test_a_rack_of_trays_on_a_simulated_ray_cluster():
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_a_worker_serves_with_its_ranks_on_two_nodes_of_a_domain():
     """`pdserve serve` with cluster.rank_span nvlink_domain: a decode worker of 2 CPU ranks (DP2 + EP2) on two
     simulated nodes of one domain with one CPU each (so one rank each; span 'node' could not place it) serves

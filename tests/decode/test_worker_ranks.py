@@ -26,6 +26,9 @@ from pdserve.prefill import PrefillConfig, PrefillWorker
 
 from .test_worker import PAGE, PARAMS, PROMPTS, drain, offline
 
+# its tests start processes of their own
+pytestmark = pytest.mark.subprocess
+
 CONFIG = DecodeConfig(
     page_size=PAGE, num_pages=32, max_prefill_chunk=4, cuda_graphs=False, ranks=2,
     attention="data", expert_parallel=2,

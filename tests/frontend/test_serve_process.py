@@ -21,6 +21,9 @@ from serving import wait_for
 from pdserve.cli.client import Client, generate_request
 from pdserve.cluster.reaper import OWNER_ENV
 
+# `pdserve serve` processes, each with a Ray of its own
+pytestmark = pytest.mark.ray
+
 CLI = [sys.executable, "-m", "pdserve.cli.main"]
 _READY = re.compile(r"ready: `pdserve generate --addr (\S+) ")
 

@@ -22,6 +22,9 @@ from pdserve.model.expert_exchange import (
 )
 from pdserve.model.parallel import ParallelLayout
 
+# its tests start processes of their own
+pytestmark = pytest.mark.subprocess
+
 NUM_EXPERTS, TOP_K, DIM = 8, 3, 16
 CAPACITY = 8
 """Tokens per rank of the fixed-capacity all-gather runs: above every step's count (at most 6)."""

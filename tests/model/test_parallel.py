@@ -17,6 +17,9 @@ from pdserve.model.errors import CheckpointError, ConfigError
 from pdserve.model.loader import load_model, read_checkpoint_tensors
 from pdserve.model.parallel import ParallelLayout
 
+# its tests start processes of their own
+pytestmark = pytest.mark.subprocess
+
 WORLD = 2
 PROMPT_LENS = (5, 19, 33)
 NUM_PAGES = 8 * len(PROMPT_LENS)

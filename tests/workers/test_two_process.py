@@ -21,6 +21,9 @@ from pdserve.prefill import PrefillConfig
 from .harness import MiniRouter
 from .procs import WorkerProcess
 
+# its tests start processes of their own
+pytestmark = pytest.mark.subprocess
+
 PREFILL = PrefillConfig(num_pages=400, max_prefill_chunk=64, max_num_batched_tokens=256)
 
 

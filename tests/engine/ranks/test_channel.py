@@ -30,6 +30,9 @@ from pdserve.engine.ranks.shm_channel import ShmPlanChannel, ShmSpec
 
 from . import _rank_handlers
 
+# its tests start processes of their own
+pytestmark = pytest.mark.subprocess
+
 # named as this test package imports it: spawned ranks inherit sys.path and import it the same way
 ECHO = HandlerSpec(f"{_rank_handlers.__name__}:echo", {"tag": "t"})
 MAX_BYTES = 4 << 20

@@ -19,6 +19,9 @@ from pdserve.model.random_checkpoint import make_checkpoint
 from . import _rank_handlers
 from ._rank_handlers import PAGE_SIZE
 
+# its tests start processes of their own
+pytestmark = pytest.mark.subprocess
+
 PROMPT_LENS = (5, 19, 33)
 NUM_PAGES = 8 * len(PROMPT_LENS)
 

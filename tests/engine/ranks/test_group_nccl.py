@@ -10,6 +10,9 @@ from pdserve.engine.ranks.process import HandlerSpec
 
 from . import _rank_handlers
 
+# its tests start processes of their own
+pytestmark = pytest.mark.subprocess
+
 
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("channel", ["shm", "dist"])
