@@ -3,8 +3,9 @@ the interpreter (TRITON_INTERPRET=1 must be set before any kernel module is impo
 
 How the suite is split by need: every test that starts Ray or a server is marked `ray` here (those that use the
 session's Ray through the `ray_cluster` fixture, and those whose module says it starts a Ray of its own with
-`pytestmark = pytest.mark.ray`). Under pytest-xdist (`--dist loadgroup`) the `ray` tests form one group that one
-worker runs one after another, first, sharing one local Ray, while the other workers take every other test. Tests
+`pytestmark = pytest.mark.ray`). Under pytest-xdist (`--dist loadgroup`) the tests on the session's Ray form one
+group that one worker runs one after another, first, and those with a Ray of their own another, while the other
+workers take every other test. Tests
 that start subprocesses (rank processes, two-process workers) are marked `subprocess` by their modules: they run
 beside the others. `--durations-file PATH` writes each test's seconds (setup + call + teardown) to PATH."""
 
@@ -25,9 +26,13 @@ if _CUDA_DEVICES == 0:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-RAY_FIXTURES = frozenset({"ray_cluster"})
+RAY_FIXTURES = frozenset({"ray_cluster", "shared_server"})
 """Fixtures that start (or are) the session's Ray: a test using any of them is a `ray` test."""
 RAY_GROUP = "ray"
+"""The tests on the session's Ray: one worker runs them one after another."""
+OWN_RAY_GROUP = "own-ray"
+"""The tests that start a Ray of their own (a `pdserve serve` process, a simulated cluster): one after another
+too, on another worker, beside the session's Ray."""
 
 
 def pytest_addoption(parser):
@@ -45,9 +50,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
-        if item.get_closest_marker("ray") is not None:
             item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
-    # The ray group first, so that its worker starts on the longest chain at once; a module's tests stay together.
+        elif item.get_closest_marker("ray") is not None:
+            item.add_marker(pytest.mark.xdist_group(OWN_RAY_GROUP))
+    # The ray groups first, so that their workers start on the longest chains at once; a module's tests stay
+    # together.
     items[:] = [i for i in items if "ray" in i.keywords] + [
         i for i in items if "ray" not in i.keywords
     ]
@@ -104,4 +111,5 @@ from serving import (  # noqa: E402, F401
     reference,
     reference_logits,
     reference_model,
+    shared_server,
 )

@@ -79,6 +79,20 @@ def reference_logits(reference_model):
     return logits
 
 
+SHARED_PROMPT_BYTES = 16 << 10
+"""The shared server's router.max_prompt_bytes (small, so that a test can pass it)."""
+
+
+@pytest.fixture(scope="session")
+def shared_server(ray_cluster, model_dir):
+    """One tiny server for the tests that only send requests (and read status and metrics): one prefill and one
+    decode worker, gRPC, HTTP and metrics on free ports. A test that kills, grows or stops its server, or needs
+    another configuration, starts its own."""
+    router = {"http_port": 0, "metrics_port": 0, "max_prompt_bytes": SHARED_PROMPT_BYTES}
+    with start_server(model_dir, router=router) as server:
+        yield server
+
+
 def serve_config(model_dir, **sections):
     """A config for tests: free ports, fp32, small KV caches, quarter-CPU workers, quiet logs."""
     values = {

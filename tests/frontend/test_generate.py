@@ -13,16 +13,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from serving import all_pages_free, collect, greedy, pages_in_use, start_server, wait_for, workload
+from serving import all_pages_free, collect, greedy, pages_in_use, wait_for, workload
 
 from pdserve.cli.client import Client, generate_request
 from pdserve.v1 import generation_pb2
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, model_dir):
-    with start_server(model_dir) as server:
-        yield server
+def server(shared_server):
+    return shared_server
 
 
 @pytest.fixture(scope="module")

@@ -22,22 +22,19 @@ import grpc
 import openai
 import pytest
 import torch
-from serving import scrape, start_server, wait_for
+from serving import SHARED_PROMPT_BYTES, scrape, wait_for
 from transformers import AutoTokenizer
 
 from pdserve.cli.client import Client, generate_request
 from pdserve.model.tokenizer import THINK_END, Tokenizer
 from pdserve.v1 import generation_pb2
 
-PROMPT_BYTES = 16 << 10
+PROMPT_BYTES = SHARED_PROMPT_BYTES
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, model_dir):
-    with start_server(
-        model_dir, router={"http_port": 0, "metrics_port": 0, "max_prompt_bytes": PROMPT_BYTES}
-    ) as server:
-        yield server
+def server(shared_server):
+    return shared_server
 
 
 @pytest.fixture(scope="module")

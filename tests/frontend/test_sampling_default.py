@@ -9,15 +9,13 @@ import subprocess
 import sys
 
 import pytest
-from serving import start_server
 
 CLI = [sys.executable, "-m", "pdserve.cli.main"]
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, model_dir):
-    with start_server(model_dir) as server:
-        yield server
+def server(shared_server):
+    return shared_server
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
