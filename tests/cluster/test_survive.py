@@ -22,11 +22,11 @@ from pdserve.engine import messages
 from pdserve.v1 import admin_pb2
 
 MAX_RESTARTS = 5
-SEND_TIMEOUT_S = 10.0
+SEND_TIMEOUT_S = 6.0
 """kvtransfer.timeout_s. A prefill worker's send under way to a lost decode worker fails, freeing its pages,
 within kvtransfer.connect_timeout_s (the link to the dead worker is not rebuilt) plus this."""
-CONNECT_TIMEOUT_S = 20.0
-HEARTBEAT_TIMEOUT_S = 8.0
+CONNECT_TIMEOUT_S = 12.0
+HEARTBEAT_TIMEOUT_S = 4.0
 REPLACE_TIMEOUT_S = 90
 STREAM_TIMEOUT_S = 180
 
