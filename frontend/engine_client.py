@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from pdserve.cluster.errors import UnavailableError
 from pdserve.cluster.pools import DECODE, PREFILL, ROLES, WorkerState
-from pdserve.cluster.router import Request, Router
+from pdserve.cluster.request import Request
+from pdserve.cluster.router import Router
 from pdserve.engine.messages import DecodeStats, PrefillStats, StageTimes
 from pdserve.engine.sampling_params import (
     FinishReason,
@@ -419,7 +420,7 @@ class EngineClient:
             num_workers_lost=supervisor.num_lost,
             num_workers_replaced=supervisor.num_replaced,
             num_requests_migrated=router.num_migrated,
-            restarts_stopped=router.restarts_stopped,
+            restarts_stopped=router.admission.restarts_stopped,
         )
 
     async def scale(self, role: str, count: int) -> tuple[list[str], list[str]]:

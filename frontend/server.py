@@ -216,8 +216,7 @@ class PdServer:
         gpus = placement.resolve_gpus_per_worker(
             config.cluster.gpus_per_worker, ray.cluster_resources()
         )
-        self.router = Router(config.router)
-        self.router.replay_on_decode = config.model.batch_invariant
+        self.router = Router(config.router, replay_on_decode=config.model.batch_invariant)
         self.router.on_workers_changed = self._update_health
         self.engine = EngineClient(self)
         launcher = Launcher(config, kv, gpus, self.store_secret)
