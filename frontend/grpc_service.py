@@ -98,9 +98,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
             remaining = context.time_remaining()
             deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
-            generation = engine.submit_choices(
-                request.request_id, prompt_ids, params, deadline, stop, n
-            )
+            generation = engine.submit(request.request_id, prompt_ids, params, deadline, stop, n)
         except Exception as e:  # process boundary
             await _abort(context, e, "Generate")
         # The client's id is echoed (an empty one gets the internal id, so every chunk names its request).

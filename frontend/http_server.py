@@ -325,7 +325,7 @@ class HttpFrontEnd:
             )
             head = api.ResponseHead(api.new_id(kind), engine.model.name)
             stop = check_stop_strings(req.stop, engine.model, "stop")
-            generation = engine.submit_choices(head.id, prompt_ids, params, None, stop, req.n)
+            generation = engine.submit(head.id, prompt_ids, params, None, stop, req.n)
         except Exception as e:  # process boundary
             return self._error(e, f"{kind} request")
         try:
