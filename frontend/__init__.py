@@ -14,7 +14,8 @@ contract) and `ray_engine.RayEngineClient` (the serving process's implementation
 | `grpc_service` | the thin gRPC servicers (Generation, Admin) |
 | `http_server` | the OpenAI-compatible HTTP front end (Starlette on uvicorn, on the router's loop) |
 | `openai_api` | OpenAI's request and response JSON shapes |
-| `validation` | a request -> prompt ids + SamplingParams (the checks both front ends share), errors naming the field |
+| `request_builder` | a request in no protocol's shape -> the checked request (prompt ids, SamplingParams, stop, n) |
+| `validation` | the checks both front ends' requests pass, errors naming the field as each protocol does |
 | `chat_template` | chat messages -> prompt text, as transformers renders the checkpoint's template |
 | `reasoning` | the `<think>` split of a reasoning model's text |
 | `text_stream` | generated ids -> text deltas, stop strings across token boundaries |

@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING
 
 from pdserve.cluster.errors import UnavailableError
 from pdserve.engine.messages import DecodeStats, PrefillStats, StageTimes
-from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
+from pdserve.engine.sampling_params import TokenLogprobs
 
 if TYPE_CHECKING:
     from pdserve.cluster.config import RouterConfig
+    from pdserve.frontend.request_builder import CheckedRequest
     from pdserve.frontend.validation import ModelInfo
 
 
@@ -230,14 +231,10 @@ class EngineClient(abc.ABC):
             raise UnavailableError("the workers are not serving yet (or shutting down)")
 
     @abc.abstractmethod
-    def submit(
-        self, client_id: str, prompt_ids: list[int], params: SamplingParams, deadline: float | None,
-        stop: tuple[str, ...] = (), n: int = 1,
-    ) -> Choices:  # fmt: skip
-        """Registers a checked request (`validation.check_stop_strings` for `stop`, `validation.check_n` for
-        `n`) as `n` choices, choice i seeded `derive_seed(params.seed, i)`, so that a seeded request gives the
-        same choices every time; their placement and prefill start when it is first iterated. `deadline` is
-        the loop's time() by which it must finish, or None. `client_id` is only echoed. Raises
+    def submit(self, request: CheckedRequest) -> Choices:
+        """Registers a request (`request_builder.build_request` checked it) as its `n` choices, choice i
+        seeded `derive_seed(params.seed, i)`, so that a seeded request gives the same choices every time; their
+        placement and prefill start when it is first iterated. Its `client_id` is only echoed. Raises
         UnavailableError unless `ready`."""
 
     @abc.abstractmethod

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from pdserve.cluster.config import RouterConfig
     from pdserve.cluster.scaling import Scaler
     from pdserve.cluster.supervisor import Supervisor
+    from pdserve.frontend.request_builder import CheckedRequest
     from pdserve.frontend.validation import ModelInfo
 
 
@@ -169,18 +170,15 @@ class RayEngineClient(EngineClient):
     def healthy(self) -> bool:
         return self.ready and bool(self._router.pool(DECODE, WorkerState.SERVING))
 
-    def submit(
-        self, client_id: str, prompt_ids: list[int], params: SamplingParams, deadline: float | None,
-        stop: tuple[str, ...] = (), n: int = 1,
-    ) -> Choices:  # fmt: skip
+    def submit(self, request: CheckedRequest) -> Choices:
         self.check_ready()
-        seed = params.with_seed().seed
+        r, seed = request, request.params.with_seed().seed
         return Choices([
             self._generation(
-                client_id, prompt_ids, dataclasses.replace(params, seed=derive_seed(seed, i)),
-                deadline, stop, i,
+                r.client_id, r.prompt_ids, dataclasses.replace(r.params, seed=derive_seed(seed, i)),
+                r.deadline, r.stop, i,
             )
-            for i in range(n)
+            for i in range(r.n)
         ])  # fmt: skip
 
     def _generation(
