@@ -13,7 +13,8 @@ Public surface (imported from the modules, so that importing the config does not
 | `fixed_rate_decode` | a benchmark-only decode actor that runs no model |
 | `pools` | `ray.remote`, placing and stopping one worker; `WorkerHandle` |
 | `router` | a request's flow: dispatch, relay, preemption, migration, cleanup |
-| `admission` | where a request runs and when there is room for it |
+| `admission` | where a request runs and when there is room for it (an object the router owns) |
+| `request` | the router's record of one request in flight (router and admission share it) |
 | `scaling` | starting, warming up, draining and stopping workers |
 | `supervisor` | replacing lost workers |
 | `reaper` | the watchdog that ends a local Ray with the process that started it, `kill -9` included |

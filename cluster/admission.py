@@ -1,8 +1,8 @@
-"""The router's placement of a request (`Admission`, a part of `Router`): on which decode worker it runs and which
-prefill worker computes its prompt, by the router's estimates of free pages and queued prompt tokens; its admission
-in arrival order when no decode worker has room (up to `router.admission_timeout_s`), or at once in a burst
-(the reservation sent in its turn, the answer awaited after); and the tracking of every actor call made for a
-request, so its cleanup waits for them and aborts it where it went."""
+"""The router's placement of a request (`Admission`, an object the router owns): on which decode worker it runs and
+which prefill worker computes its prompt, by the router's estimates of free pages and queued prompt tokens; its
+admission in arrival order when no decode worker has room (up to `router.admission_timeout_s`), or at once in a
+burst (the reservation sent in its turn, the answer awaited after); and the tracking of every actor call made for
+a request, so its cleanup waits for them and aborts it where it went."""
 
 from __future__ import annotations
 
@@ -10,21 +10,19 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import ray
 
 from pdserve.cluster.config import RouterConfig
 from pdserve.cluster.errors import DeadlineExceededError, UnavailableError, WorkerLostError
 from pdserve.cluster.pools import DECODE, PREFILL, WorkerHandle, WorkerState
+from pdserve.cluster.request import Request
 from pdserve.engine import messages
 from pdserve.engine.checks import check_pages
 from pdserve.engine.messages import DecodeRequest, PrefillRequest, Reservation
 from pdserve.engine.pages import pages_needed
 from pdserve.model.errors import CapacityError, InvalidRequestError, PdserveError
-
-if TYPE_CHECKING:
-    from pdserve.cluster.router import Request
 
 logger = logging.getLogger(__name__)
 
@@ -33,17 +31,36 @@ ADMISSION_RETRY_S = 0.05
 
 
 class Admission:
-    """`Router`'s placement and admission; the router holds the state it reads (its pools, locks and the
-    attributes below)."""
+    """Places requests on the workers `pool` returns and admits them when there is room. It runs on the
+    router's event loop; the router calls `place` for a request without a decode worker, `detach` when the
+    request leaves its workers, `prefill_done` once its prompt is off the prefill worker, and `room_freed` when
+    pages may have come free on a decode worker."""
 
-    config: RouterConfig
-    replay_on_decode: bool
-    num_replacing: dict[str, int]
-    restarts_stopped: str
-    _admission: asyncio.Lock
-    _capacity: asyncio.Event
-    _num_waiting: int
-    # and its methods pool(role, *states) and worker_lost(worker, reason)
+    def __init__(
+        self, config: RouterConfig, pool: Callable[..., list[WorkerHandle]],
+        worker_lost: Callable[[WorkerHandle, str], None], replay_on_decode: bool = False,
+    ):  # fmt: skip
+        """pool(role, *states): the router's workers of `role` in those states. worker_lost(worker, reason):
+        called when an actor call made here finds its worker dead (the router's `worker_lost`)."""
+        self.config = config
+        self._pool = pool
+        self._worker_lost = worker_lost
+        self.replay_on_decode = replay_on_decode
+        """Batch-invariant mode: a moved request goes to a decode worker alone, which prefills its prompt and
+        replays its generated tokens as decode rows (a prefill worker would compute them in the prefill
+        kernels, whose last bits differ, and the stream would drift from what it would have been)."""
+        self.num_replacing = {PREFILL: 0, DECODE: 0}
+        """Replacements under way per role (the supervisor counts them): requests wait for a decode worker
+        while one is coming."""
+        self.restarts_stopped = ""
+        """Why lost workers are no longer replaced (the supervisor's restart bound), or empty."""
+        self._lock = asyncio.Lock()  # FIFO: requests are admitted in arrival order
+        self._num_waiting = 0
+        self._capacity = asyncio.Event()
+
+    def room_freed(self) -> None:
+        """Pages may have come free on a decode worker: requests waiting for room look again now."""
+        self._capacity.set()
 
     def _check_fits(self, r: Request, decodes: list[WorkerHandle]) -> None:
         total = len(r.prompt_ids) + r.params.max_tokens
@@ -53,10 +70,16 @@ class Admission:
         except CapacityError as e:  # no worker can ever hold it: the request is at fault
             raise InvalidRequestError("sampling_params.max_tokens", str(e)) from None
 
-    async def _place(self, r: Request, force) -> None:
+    async def place(
+        self, r: Request, force: tuple[WorkerHandle | None, WorkerHandle] | None
+    ) -> None:
+        """Places `r` (reserves its pages on a decode worker and submits its prompt to a prefill worker, or
+        none) once there is room, in arrival order; `force` pins the (P, D) pair (warm-up of new workers).
+        Raises CapacityError (no room in time, or too many waiting), UnavailableError (no decode worker
+        serving or coming), DeadlineExceededError, InvalidRequestError (no decode worker can ever hold it)."""
         if force is None:
             await self._wait_for_decode(r)
-        self._check_fits(r, self.pool(DECODE, WorkerState.SERVING) or [force[1]])
+        self._check_fits(r, self._pool(DECODE, WorkerState.SERVING) or [force[1]])
         if self._num_waiting >= self.config.max_queued_requests:
             raise CapacityError(
                 f"{self._num_waiting} requests are already waiting for a decode worker "
@@ -78,9 +101,9 @@ class Admission:
         serves only once its warm-up request is through, and a warm-up (`force`) takes no turn in line."""
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.config.admission_timeout_s
-        async with self._admission if force is None else contextlib.nullcontext():
+        async with self._lock if force is None else contextlib.nullcontext():
             while not await self._try_admit(r, force):
-                if force is None and not self.pool(DECODE, WorkerState.SERVING):
+                if force is None and not self._pool(DECODE, WorkerState.SERVING):
                     return False
                 now = loop.time()
                 if r.deadline is not None and now >= r.deadline:
@@ -100,7 +123,7 @@ class Admission:
         """Returns once a decode worker serves; while none does but a replacement is coming, waits for it
         (within the request's deadline). Raises UnavailableError when none serves and none is coming."""
         loop = asyncio.get_running_loop()
-        while not self.pool(DECODE, WorkerState.SERVING):
+        while not self._pool(DECODE, WorkerState.SERVING):
             if not self.num_replacing[DECODE]:
                 why = f": {self.restarts_stopped}" if self.restarts_stopped else ""
                 raise UnavailableError(
@@ -118,7 +141,7 @@ class Admission:
         awaited after (a burst is admitted at the rate the router can send, not one Ray round trip per
         request). False when the estimates give no worker room or the worker refuses: `_admit_in_turn` then
         admits it, waiting in line for room."""
-        async with self._admission:
+        async with self._lock:
             choice = self._choose(r, None)
             if choice is None:
                 return False
@@ -146,12 +169,13 @@ class Admission:
             prefill, decodes = force[0], [force[1]]
         else:
             decodes = sorted(
-                self.pool(DECODE, WorkerState.SERVING), key=lambda w: (-w.free_pages, w.num_running)
+                self._pool(DECODE, WorkerState.SERVING),
+                key=lambda w: (-w.free_pages, w.num_running),
             )
             if not decodes:  # all lost meanwhile: the caller waits for a replacement
                 return None
             need = pages_needed(len(tokens), decodes[0].page_size)
-            prefills = [w for w in self.pool(PREFILL, WorkerState.SERVING) if w.num_pages >= need]
+            prefills = [w for w in self._pool(PREFILL, WorkerState.SERVING) if w.num_pages >= need]
             prefill = min(prefills, key=lambda w: w.queued_tokens, default=None)
             if r.generated and self.replay_on_decode:
                 prefill = None
@@ -205,12 +229,12 @@ class Admission:
         except WorkerLostError:
             if force is not None:
                 await asyncio.gather(d.actor.abort.remote(r.request_id), return_exceptions=True)
-                self._detach(r)
+                self.detach(r)
                 raise
             # The prefill worker died under the submit: the request's _Lost is queued, it migrates.
         except PdserveError:
             await asyncio.gather(d.actor.abort.remote(r.request_id), return_exceptions=True)
-            self._detach(r)
+            self.detach(r)
             raise
 
     async def _call(self, r: Request, w: WorkerHandle, ref) -> bytes:
@@ -231,17 +255,19 @@ class Admission:
         try:
             return await asyncio.shield(future)
         except ray.exceptions.RayError as e:
-            self.worker_lost(w, str(e).splitlines()[0])
+            self._worker_lost(w, str(e).splitlines()[0])
             raise WorkerLostError(f"{w.role} worker {w.worker_id} died") from e
 
-    def _prefill_done(self, r: Request) -> None:
+    def prefill_done(self, r: Request) -> None:
+        """`r`'s prompt is off its prefill worker (its first token came): the worker's queue estimate drops it."""
         if r.prefill is not None:
             r.prefill.requests.discard(r.request_id)
             r.prefill.queued_tokens -= r.prefill_tokens
             r.prefill, r.prefill_tokens = None, 0
 
-    def _detach(self, r: Request) -> None:
-        self._prefill_done(r)
+    def detach(self, r: Request) -> None:
+        """`r` leaves the workers it is placed on (in the router's estimates; the workers are not told)."""
+        self.prefill_done(r)
         if r.decode is not None:
             r.decode.requests.discard(r.request_id)
             r.decode = None

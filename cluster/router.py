@@ -22,7 +22,8 @@ as it would have. With no decode worker serving it waits, within its deadline, f
 starts; with no prefill worker serving the decode worker prefills it (in batch-invariant mode it always does, replaying
 the tokens already sent: `replay_on_decode`). `router.migration_limit` caps the moves.
 
-Placement and admission (which workers, when there is room) are `Admission`'s, in `admission.py`."""
+Placement and admission (which workers, when there is room) are the router's `admission`'s (`Admission`, in
+`admission.py`)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ from pdserve.cluster.errors import (
     WorkerLostError,
 )
 from pdserve.cluster.pools import DECODE, PREFILL, WorkerHandle, WorkerState
+from pdserve.cluster.request import Request
 from pdserve.engine import messages
 from pdserve.engine.messages import (
     RANK_GROUP_FAILED,
@@ -79,53 +81,6 @@ class _Shutdown:
     """The server is stopping: the request ends with finish_reason abort."""
 
 
-@dataclasses.dataclass(eq=False)
-class Request:
-    """One request in flight. Its events queue receives D's outputs, P's failures and worker losses."""
-
-    request_id: str
-    """The router's id, unique per submission: workers and logs know the request by it."""
-    client_id: str
-    """The client's `request_id`, echoed in its responses; never used as a key."""
-    prompt_ids: list[int]
-    params: SamplingParams
-    deadline: float | None
-    """loop.time() by which it must finish, or None."""
-    arrival: float = dataclasses.field(default_factory=time.monotonic)
-    events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
-    generated: list[int] = dataclasses.field(default_factory=list)
-    decode: WorkerHandle | None = None
-    prefill: WorkerHandle | None = None
-    """Set while the prompt is on P (until the first token arrives from D)."""
-    prefill_tokens: int = 0
-    decode_worker: str = ""
-    prefill_worker: str = ""
-    admitted_at: float | None = None
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    num_preemptions: int = 0
-    num_migrations: int = 0
-    """Times the request moved to another worker after losing its own."""
-    moved_at: float | None = None
-    """time.monotonic() of its latest move, until its next token arrives."""
-    finish_reason: str | None = None
-    first_logprobs: FirstTokenLogprobs | None = None
-    """The prefill worker's log-probabilities of this submission's first token, until that token arrives."""
-    stages: StageTimes = dataclasses.field(default_factory=StageTimes)
-    """The stages its workers reported (its last placement's): the prefill worker's once its KV is acknowledged,
-    the decode worker's with its last output."""
-    prefill_stages_from: str = ""
-    """The prefill worker whose stage times are in `stages` (its last placement's is awaited when different)."""
-    held: RequestOutput | None = None
-    """D's outputs from the first token on, held (not yet sent, not in `generated`) until P's log-probabilities
-    of that token arrive; dropped when the submission ends otherwise (the tokens come again, the same, from
-    wherever the request goes next)."""
-    touched: set[WorkerHandle] = dataclasses.field(default_factory=set)
-    pending: object = None
-    """An event taken off `events` while merging outputs (`Router._coalesce`), handled next."""
-    calls: set[asyncio.Future] = dataclasses.field(default_factory=set)
-
-
 def _joined(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """Two consecutive outputs of one request as one."""
     logprobs = None if a.logprobs is None else [*a.logprobs, *(b.logprobs or [])]
@@ -135,8 +90,9 @@ def _joined(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     )  # fmt: skip
 
 
-class Router(Admission):
-    def __init__(self, config: RouterConfig):
+class Router:
+    def __init__(self, config: RouterConfig, replay_on_decode: bool = False):
+        """replay_on_decode: batch-invariant mode (`Admission.replay_on_decode`)."""
         self.config = config
         self.workers: dict[str, WorkerHandle] = {}
         self.requests: dict[str, Request] = {}
@@ -145,21 +101,12 @@ class Router(Admission):
         self.on_workers_changed: Callable[[], None] = lambda: None
         self.on_worker_lost: Callable[[WorkerHandle, str, str], None] = lambda *_: None
         """Called with a lost worker, why, and the state it was in (the supervisor replaces it)."""
-        self.num_replacing = {PREFILL: 0, DECODE: 0}
-        """Replacements under way per role: requests wait for a decode worker while one is coming."""
-        self.restarts_stopped = ""
-        """Why lost workers are no longer replaced (the supervisor's restart bound), or empty."""
         self.num_migrated = 0
         """Moves of requests off lost workers since start."""
         self.on_resumed: Callable[[float], None] = lambda _: None
         """Called with the seconds from a request's move to its next token (the migration time metric)."""
-        self.replay_on_decode = False
-        """Batch-invariant mode: a moved request goes to a decode worker alone, which prefills its prompt and
-        replays its generated tokens as decode rows (a prefill worker would compute them in the prefill
-        kernels, whose last bits differ, and the stream would drift from what it would have been)."""
-        self._admission = asyncio.Lock()  # FIFO: requests are admitted in arrival order
-        self._num_waiting = 0
-        self._capacity = asyncio.Event()
+        self.admission = Admission(config, self.pool, self.worker_lost, replay_on_decode)
+        """Where requests run and when there is room for them."""
         self._background: set[asyncio.Task] = set()
         self._closed = False
         self._ids = itertools.count()
@@ -224,7 +171,7 @@ class Router(Admission):
         if r.finish_reason is not None:
             return None
         if r.decode is None:
-            await self._place(r, force)
+            await self.admission.place(r, force)
         while True:
             event = await self._next_event(r)
             if getattr(event, "request_id", r.request_id) != r.request_id:
@@ -237,7 +184,7 @@ class Router(Admission):
                 r.held = None
             if isinstance(event, _Shutdown):
                 r.finish_reason, r.finished_at = FinishReason.ABORT, time.monotonic()
-                self._detach(r)
+                self.admission.detach(r)
                 return RequestOutput(
                     r.request_id, [], FinishReason.ABORT, "the server is shutting down"
                 )
@@ -253,8 +200,8 @@ class Router(Admission):
                 r.held = None
                 r.stages, r.prefill_stages_from = StageTimes(), ""
                 r.num_preemptions += 1
-                self._detach(r)
-                await self._place(r, force)
+                self.admission.detach(r)
+                await self.admission.place(r, force)
                 continue
             if event.finish_reason == FinishReason.ABORT:
                 r.held = None
@@ -263,7 +210,7 @@ class Router(Admission):
                 continue
             if event.finish_reason is None and not r.events.empty():
                 event = self._coalesce(r, event)
-            self._prefill_done(r)
+            self.admission.prefill_done(r)
             now = time.monotonic()
             if event.token_ids and r.first_token_at is None:
                 r.first_token_at = now
@@ -279,7 +226,7 @@ class Router(Admission):
                 r.stages = r.stages.merged(event.stages)
                 await self._await_prefill_stages(r)
                 r.finish_reason, r.finished_at = event.finish_reason, now
-                self._detach(r)
+                self.admission.detach(r)
             if event.token_ids or event.finish_reason is not None:
                 return event
 
@@ -342,7 +289,7 @@ class Router(Admission):
     def close(self, r: Request) -> None:
         """Forgets the request; unless it finished, aborts it on every worker it touched (in the background)."""
         self.requests.pop(r.request_id, None)
-        self._detach(r)
+        self.admission.detach(r)
         if r.finish_reason is None and (r.touched or r.calls):
             self.spawn(self._abort_everywhere(r))
 
@@ -381,7 +328,7 @@ class Router(Admission):
             r.num_migrations, reason,
         )  # fmt: skip
         others = {w for w in (r.prefill, r.decode) if w is not None}
-        self._detach(r)
+        self.admission.detach(r)
         if r.calls:  # an add_request or submit still under way lands first, so the abort finds it
             await asyncio.wait(list(r.calls), timeout=_CLEANUP_WAIT_S)
         aborts = [w.actor.abort.remote(r.request_id) for w in others if w.state != WorkerState.DEAD]
@@ -390,8 +337,8 @@ class Router(Admission):
         r.request_id = f"{r.request_id.split('.')[0]}.{r.num_migrations}"
         self.requests[r.request_id] = r
         r.touched = set()
-        self._capacity.set()
-        await self._place(r, None)
+        self.admission.room_freed()
+        await self.admission.place(r, None)
 
     async def _abort_everywhere(self, r: Request) -> None:
         if r.calls:  # an add_request or submit still under way lands first, so the abort finds it
@@ -400,7 +347,7 @@ class Router(Admission):
             w.actor.abort.remote(r.request_id) for w in r.touched if w.state != WorkerState.DEAD
         ]
         await self._await_aborts(r, aborts)
-        self._capacity.set()
+        self.admission.room_freed()
 
     @property
     def closed(self) -> bool:
@@ -440,7 +387,7 @@ class Router(Admission):
                 if r is not None and r.decode is w:
                     r.events.put_nowait(out)
                 if out.finish_reason is not None or out.preempted:
-                    self._capacity.set()
+                    self.admission.room_freed()
 
     async def _poll_prefill(self, w: WorkerHandle) -> None:
         while not self._closed:

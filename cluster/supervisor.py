@@ -7,7 +7,7 @@ requests elsewhere and calls `worker_lost` here, which kills what is left of the
 the same role and layout under a new name (so no KV link of the dead one is ever reused), warmed up like any
 new worker. At most `router.max_restarts` replacements per role start within `router.restart_window_s`; past
 that bound (a crash loop) lost workers of that role are not replaced, and `restarts_stopped` says why (in the
-router, for requests that find no decode worker, and in `pdserve status`). A worker that was draining is not
+router's admission, for requests that find no decode worker, and in `pdserve status`). A worker that was draining is not
 replaced: it was on its way out."""
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class Supervisor:
             self._stop_restarts(record)
         else:
             self._set_stopped(w.role, None)
-            self.router.num_replacing[w.role] += 1
+            self.router.admission.num_replacing[w.role] += 1
             self._spawn(self._replace(record))
             return
         self._spawn(self.launcher.stop(w, close=False))
@@ -120,7 +120,7 @@ class Supervisor:
             self._stopped.pop(role, None)
         else:
             self._stopped[role] = why
-        self.router.restarts_stopped = "; ".join(self._stopped.values())
+        self.router.admission.restarts_stopped = "; ".join(self._stopped.values())
 
     async def _replace(self, record: LostWorker) -> None:
         """Starts the replacement (the first restart is already taken from the budget), trying again within
@@ -148,7 +148,7 @@ class Supervisor:
                 )  # fmt: skip
                 return
         finally:
-            self.router.num_replacing[w.role] -= 1
+            self.router.admission.num_replacing[w.role] -= 1
 
     def check_heartbeats(self) -> None:
         """Declares lost every worker past its heartbeat timeout (its latest stats answer is too old)."""

@@ -3,16 +3,19 @@ engine-client interface, with what they share (request building and validation, 
 split, text streaming, security, metrics, the error -> status mapping) and the serving process that hosts them.
 
 Public surface (imported from the modules, so that a client does not pay for torch and Ray):
-`server.PdServer`, `server.ServerThread`, `server.connect_ray`; `engine_client.EngineClient`.
+`server.PdServer`, `server.ServerThread`, `server.connect_ray`; `engine_client.EngineClient` (the front ends'
+contract) and `ray_engine.RayEngineClient` (the serving process's implementation of it).
 
 | module | its one job |
 |---|---|
 | `server` | the serving process: Ray, KV store, gRPC server, health, reflection, HTTP, pools, logs |
 | `engine_client` | the one interface the front ends use: submit and stream, cancel, health, status, scale |
+| `ray_engine` | that interface over the router, the scaler and the supervisor |
 | `grpc_service` | the thin gRPC servicers (Generation, Admin) |
 | `http_server` | the OpenAI-compatible HTTP front end (Starlette on uvicorn, on the router's loop) |
 | `openai_api` | OpenAI's request and response JSON shapes |
-| `validation` | a request -> prompt ids + SamplingParams (the checks both front ends share), errors naming the field |
+| `request_builder` | a request in no protocol's shape -> the checked request (prompt ids, SamplingParams, stop, n) |
+| `validation` | the checks both front ends' requests pass, errors naming the field as each protocol does |
 | `chat_template` | chat messages -> prompt text, as transformers renders the checkpoint's template |
 | `reasoning` | the `<think>` split of a reasoning model's text |
 | `text_stream` | generated ids -> text deltas, stop strings across token boundaries |

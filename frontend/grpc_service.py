@@ -1,9 +1,9 @@
 """The gRPC servicers, kept thin and peers of the HTTP server over `EngineClient`: `Generation` turns a request
-into a submitted generation and its chunks into response messages; `Admin` reports and changes the pools. Both
-are process boundaries: pdserve errors become status codes through `errors.status_for`; anything else is logged
-with its traceback and returned as INTERNAL. A client's cancel is ordinary: one INFO line, no traceback. Request
-bytes that do not decode as the method's message get INVALID_ARGUMENT (`add_servicers` registers the services
-with a deserializer that cannot raise).
+into a `RequestInput` (`request_builder` checks it), submits it and turns its chunks into response messages;
+`Admin` reports and changes the pools. Both are process boundaries: pdserve errors become status codes through
+`errors.status_for`; anything else is logged with its traceback and returned as INTERNAL. A client's cancel is
+ordinary: one INFO line, no traceback. Request bytes that do not decode as the method's message get
+INVALID_ARGUMENT (`add_servicers` registers the services with a deserializer that cannot raise).
 
 Logs name a request by the router's internal id, never by the client's `request_id` (any bytes, any length)."""
 
@@ -23,12 +23,8 @@ from pdserve.cluster.pools import DECODE, PREFILL, ROLES
 from pdserve.engine.sampling_params import TokenLogprobs
 from pdserve.frontend.engine_client import EngineClient, ServerStatus, Timings, WorkerInfo
 from pdserve.frontend.errors import status_for
-from pdserve.frontend.validation import (
-    check_request_id,
-    parse_request,
-    prompt_bytes_limit,
-    requested_n,
-)
+from pdserve.frontend.request_builder import RequestInput, build_request
+from pdserve.frontend.validation import FieldNames, SamplingRequest, prompt_bytes_limit
 from pdserve.model.errors import ConfigError, InvalidRequestError, PdserveError
 from pdserve.v1 import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -58,6 +54,52 @@ async def _abort(context: grpc.aio.ServicerContext, error: BaseException, what: 
         logger.error("%s failed", what, exc_info=error)
     code, message = status_for(error)
     await context.abort(code, message)
+
+
+GRPC_FIELDS = FieldNames(
+    prompt_text="prompt",
+    prompt_ids="prompt_token_ids",
+    sampling_prefix="sampling_params.",
+    max_tokens="sampling_params.max_tokens",
+    logprobs="sampling_params.logprobs",
+    n="sampling_params.n",
+    stop="sampling_params.stop",
+)
+"""What errors call a GenerateRequest's fields."""
+
+
+_OPTIONAL_SAMPLING = (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "skip_special_tokens",
+)  # fmt: skip
+"""SamplingParams fields a client may leave unset (None: the server's default), by the same names in
+`SamplingRequest`."""
+
+
+def _optional(message, name: str):
+    return getattr(message, name) if message.HasField(name) else None
+
+
+def _request_input(request: generation_pb2.GenerateRequest, deadline: float | None) -> RequestInput:
+    """A GenerateRequest as `build_request` takes it (its text read here: a few ms per MiB, so off the loop
+    for a long prompt)."""
+    sp = request.sampling_params
+    which = request.WhichOneof("input")
+    sampling = SamplingRequest(
+        **{name: _optional(sp, name) for name in _OPTIONAL_SAMPLING},
+        stop_token_ids=tuple(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+    )
+    return RequestInput(
+        names=GRPC_FIELDS,
+        client_id=request.request_id,
+        prompt_text=request.prompt if which == "prompt" else None,
+        prompt_ids=list(request.prompt_token_ids.ids) if which == "prompt_token_ids" else None,
+        sampling=sampling,
+        n=sp.n if sp.HasField("n") else 1,
+        stop=list(sp.stop),
+        deadline=deadline,
+    )
 
 
 class _ClientGone(Exception):
@@ -90,17 +132,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         engine = self.engine
         try:
             engine.check_ready()
-            check_request_id(request.request_id)
-            # Tokenizing a long text takes CPU: off the loop, other streams keep flowing meanwhile.
-            n = requested_n(request, engine.limits)
-            prompt_ids, params, stop = await asyncio.to_thread(
-                parse_request, request, engine.model, engine.limits
-            )
             remaining = context.time_remaining()
             deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
-            generation = engine.submit_choices(
-                request.request_id, prompt_ids, params, deadline, stop, n
+            # Tokenizing a long text takes CPU: off the loop, other streams keep flowing meanwhile.
+            checked = await asyncio.to_thread(
+                lambda: build_request(
+                    _request_input(request, deadline), engine.model, engine.limits
+                )
             )
+            generation = engine.submit(checked)
         except Exception as e:  # process boundary
             await _abort(context, e, "Generate")
         # The client's id is echoed (an empty one gets the internal id, so every chunk names its request).

@@ -2,9 +2,10 @@
 router's event loop: /v1/models, /v1/completions, /v1/chat/completions (streamed as server-sent events or whole),
 /health, /version and /metrics (Prometheus' text format; `metrics_only` serves that alone, on a port of its own).
 
-A request's body is size-checked before it is parsed; parsing a large body, rendering the chat template and
-tokenizing run in a worker thread, so that other streams keep flowing meanwhile. The response waits for the first
-chunk before it starts, so that errors of admission (429, 503) and of the request (400) get their status; after
+A request's body is size-checked before it is parsed, then translated into a `RequestInput` for
+`request_builder`; parsing a large body and checking the request (rendering the chat template, tokenizing) run in
+a worker thread, so that other streams keep flowing meanwhile. The response waits for the first chunk before it
+starts, so that errors of admission (429, 503) and of the request (400) get their status; after
 that an error arrives as a last `data: {"error": ...}` event. A client that disconnects, before or during the
 stream, cancels its request: its pages are freed on every worker. Errors have OpenAI's shape
 (`errors.http_error_for`)."""
@@ -29,20 +30,14 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from pdserve.cluster.errors import NotFoundError, UnavailableError
-from pdserve.engine.checks import check_prompt_len, check_token_ids
 from pdserve.engine.sampling_params import FinishReason
 from pdserve.frontend import openai_api as api
 from pdserve.frontend.engine_client import Choices, Chunk, EngineClient
 from pdserve.frontend.errors import http_error_for
 from pdserve.frontend.reasoning import ReasoningSplitter, split_reasoning
+from pdserve.frontend.request_builder import build_request
 from pdserve.frontend.security import Credentials, require_key
-from pdserve.frontend.validation import (
-    check_n,
-    check_prompt_bytes,
-    check_stop_strings,
-    prompt_bytes_limit,
-    sampling_params,
-)
+from pdserve.frontend.validation import prompt_bytes_limit
 from pdserve.model.errors import InvalidRequestError, PdserveError
 
 logger = logging.getLogger(__name__)
@@ -257,35 +252,6 @@ class HttpFrontEnd:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise InvalidRequestError("body", f"not valid JSON ({e})") from None
 
-    def _tokenize(self, req: api.OpenAIRequest) -> list[int]:
-        """The prompt's token ids (runs in a worker thread: templates and tokenizing take CPU)."""
-        model = self.engine.model
-        if req.prompt_ids is not None:
-            check_token_ids(req.prompt_ids, model.vocab_size, "prompt")
-            check_prompt_len(len(req.prompt_ids), model.max_model_len, "prompt")
-            return req.prompt_ids
-        field = "prompt" if req.kind == api.COMPLETIONS else "messages"
-        if model.tokenizer is None:
-            raise InvalidRequestError(
-                field, f"{model.name} has no tokenizer.json: send prompt as token ids instead"
-            )
-        if req.kind == api.COMPLETIONS:
-            text, add_bos = req.prompt_text, True
-        else:
-            if model.chat_template is None:
-                raise InvalidRequestError(
-                    field,
-                    f"{model.name} has no chat template (tokenizer_config.json's chat_template)",
-                )
-            text = model.chat_template.render(
-                req.messages, req.add_generation_prompt, req.chat_template_kwargs
-            )
-            add_bos = False  # the template writes its own BOS, as transformers assumes
-        check_prompt_bytes(text, self.engine.limits, field, model)
-        ids = model.tokenizer.encode(text, add_bos=add_bos)
-        check_prompt_len(len(ids), model.max_model_len, field)
-        return ids
-
     def _token_text(self, token_id: int) -> str:
         """A token's own text, as log-probabilities name it (`token_id:N` for a model without a tokenizer)."""
         text = self._token_texts.get(token_id)
@@ -318,14 +284,11 @@ class HttpFrontEnd:
                     f"model {req.model!r:.100} is not served here (this server serves {engine.model.name!r}; "
                     "see /v1/models)"
                 )
-            check_n(req.n, engine.limits, "n")
-            prompt_ids = await asyncio.to_thread(self._tokenize, req)
-            params = sampling_params(
-                req.sampling, len(prompt_ids), engine.model, engine.limits, "", req.max_tokens_field
-            )
             head = api.ResponseHead(api.new_id(kind), engine.model.name)
-            stop = check_stop_strings(req.stop, engine.model, "stop")
-            generation = engine.submit_choices(head.id, prompt_ids, params, None, stop, req.n)
+            given = dataclasses.replace(req.input, client_id=head.id)
+            # Templates and tokenizing take CPU: off the loop, other streams keep flowing meanwhile.
+            checked = await asyncio.to_thread(build_request, given, engine.model, engine.limits)
+            generation = engine.submit(checked)
         except Exception as e:  # process boundary
             return self._error(e, f"{kind} request")
         try:

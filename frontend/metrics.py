@@ -2,8 +2,8 @@
 served model's name (`model_name`, as vLLM does).
 
 Two kinds of figure:
-- per request, recorded by `RequestMetrics` as a generation's chunks pass through `EngineClient` (so both front
-  ends count alike): prompt and generation tokens, finishes by reason, failures and admission rejections, and
+- per request, recorded by `RequestMetrics` as a generation's chunks pass through `RayEngineClient` (so both
+  front ends count alike): prompt and generation tokens, finishes by reason, failures and admission rejections, and
   histograms of time to first token, inter-token latency (one observation per step after the first, as vLLM
   counts), end-to-end latency and router queue time (arrival to admission on a decode worker);
 - per worker (label `worker`), read at scrape time from the stats the server already polls each second:

@@ -1,10 +1,11 @@
 """OpenAI's request and response shapes for /v1/completions and /v1/chat/completions: a JSON body -> an
-`OpenAIRequest` (its prompt, untokenized, and its sampling fields), and the response and stream-chunk objects.
+`OpenAIRequest` (its `RequestInput` for `request_builder`: the prompt, untokenized, the sampling fields and what
+OpenAI calls them; and how to answer), and the response and stream-chunk objects.
 
 Every parameter a client may send is either used, accepted only at the value that asks for nothing
 (`best_of: 1`, `echo: false`, `logit_bias: {}`, ...), or refused with InvalidRequestError naming it: a parameter
-the engine cannot honour is never silently dropped. Sampling values go to `validation.sampling_params`, the checks
-the gRPC API uses. Pure Python: no I/O, no event loop."""
+the engine cannot honour is never silently dropped. The values are checked by `request_builder`, as the gRPC
+API's are. Pure Python: no I/O, no event loop."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from pdserve.engine.sampling_params import TokenLogprobs
-from pdserve.frontend.validation import SamplingRequest
+from pdserve.frontend.request_builder import RequestInput
+from pdserve.frontend.validation import FieldNames, SamplingRequest
 from pdserve.model.errors import InvalidRequestError
 
 COMPLETIONS, CHAT = "completions", "chat"
@@ -55,28 +57,24 @@ _KNOWN = {
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OpenAIRequest:
-    """A checked request, its prompt not yet tokenized (exactly one of the three prompt fields is set)."""
+    """A request whose JSON shape is checked: what to generate (`input`, exactly one of its three prompt fields
+    set, its values checked by `request_builder.build_request`) and how to answer."""
 
     kind: str
     """COMPLETIONS or CHAT."""
     model: str | None
-    prompt_text: str | None
-    prompt_ids: list[int] | None
-    messages: list[dict[str, Any]] | None
-    add_generation_prompt: bool
-    chat_template_kwargs: dict[str, Any]
-    sampling: SamplingRequest
-    stop: list[str]
-    """Stop strings (checked by `validation.check_stop_strings`)."""
-    max_tokens_field: str
-    """The parameter max_tokens came from (errors about it name this one)."""
+    input: RequestInput
+    """Without a client id: the server makes the response's id."""
     stream: bool
     include_usage: bool
-    n: int = 1
-    """Choices asked for (checked against the server's limit by `validation.check_n`)."""
     tokens_as_ids: bool = False
     """Log-probabilities name tokens `token_id:N` rather than by their text (vLLM's
     `return_tokens_as_token_ids`)."""
+
+    @property
+    def n(self) -> int:
+        """Choices asked for."""
+        return self.input.n
 
 
 def _is_int(value) -> bool:
@@ -251,7 +249,6 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
         skip_special_tokens=_optional(
             body, "skip_special_tokens", lambda v: isinstance(v, bool), "true or false"
         ),
-        logprobs_field=logprobs_field,
     )
     n = _optional(body, "n", _is_int, "an integer")
     prompt_text = prompt_ids = messages = None
@@ -268,10 +265,19 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
             _optional(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
             or {}
         )
+    given = RequestInput(
+        names=FieldNames(max_tokens=max_tokens_field, logprobs=logprobs_field),
+        prompt_text=prompt_text,
+        prompt_ids=prompt_ids,
+        messages=messages,
+        add_generation_prompt=add_generation_prompt,
+        chat_template_kwargs=template_kwargs,
+        sampling=sampling,
+        n=1 if n is None else n,
+        stop=_stop_strings(body),
+    )
     return OpenAIRequest(
-        kind, model, prompt_text, prompt_ids, messages, add_generation_prompt, template_kwargs,
-        sampling, _stop_strings(body), max_tokens_field, stream, include_usage,
-        1 if n is None else n,
+        kind, model, given, stream, include_usage,
         _optional(body, "return_tokens_as_token_ids", lambda v: isinstance(v, bool), "true or false")
         or False,
     )  # fmt: skip

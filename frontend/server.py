@@ -29,9 +29,9 @@ from pdserve.cluster.scaling import Scaler
 from pdserve.cluster.supervisor import Supervisor
 from pdserve.engine import messages
 from pdserve.engine.messages import DecodeStats, PrefillStats
-from pdserve.frontend.engine_client import EngineClient
 from pdserve.frontend.grpc_service import add_servicers, message_limit
 from pdserve.frontend.http_server import HttpFrontEnd
+from pdserve.frontend.ray_engine import RayEngineClient
 from pdserve.frontend.security import (
     Credentials,
     KeyInterceptor,
@@ -128,10 +128,6 @@ class PdServer:
         self.output_tokens_per_s = 0.0
 
     @property
-    def uptime_s(self) -> float:
-        return time.monotonic() - self._started_at
-
-    @property
     def address(self) -> str:
         return f"{self._connect_host}:{self.port}"
 
@@ -216,13 +212,18 @@ class PdServer:
         gpus = placement.resolve_gpus_per_worker(
             config.cluster.gpus_per_worker, ray.cluster_resources()
         )
-        self.router = Router(config.router)
-        self.router.replay_on_decode = config.model.batch_invariant
+        self.router = Router(config.router, replay_on_decode=config.model.batch_invariant)
         self.router.on_workers_changed = self._update_health
-        self.engine = EngineClient(self)
         launcher = Launcher(config, kv, gpus, self.store_secret)
         self.scaler = Scaler(config, self.router, launcher, self.model.bos_token_id)
         self.supervisor = Supervisor(config.router, self.router, self.scaler, launcher)
+        self.engine = RayEngineClient(
+            self.router, self.scaler, self.supervisor, self.model, config.router,
+            model_dir=str(self.model_dir), kv_cache_dtype=config.model.kv_cache_dtype,
+            started_at=self._started_at, ready=lambda: self.serving,
+            refresh_stats=self.refresh_stats,
+        )  # fmt: skip
+        """What both front ends are handed (`EngineClient`)."""
         await self._start_grpc()
         await self._start_http()
         await self._start_metrics()
@@ -343,10 +344,10 @@ class PdServer:
             if gpus else "CPU", mode, kv,
         )  # fmt: skip
 
-    async def refresh_stats(self) -> None:
+    async def refresh_stats(self) -> float:
         """Fetches every worker's stats (bounded wait); they steer admission and feed status and logs. The
         answers are the workers' heartbeats: a dead actor, or one silent for router.heartbeat_timeout_s, is
-        declared lost."""
+        declared lost. Returns `output_tokens_per_s`."""
         workers = [w for w in self.router.workers.values() if w.state != WorkerState.DEAD]
         calls = [asyncio.wait_for(w.actor.stats.remote(), _STATS_TIMEOUT_S) for w in workers]
         for w, result in zip(
@@ -368,6 +369,7 @@ class PdServer:
         if now - then >= _REFRESH_S:
             self.output_tokens_per_s = (tokens - before) / (now - then)
             self._rate = (now, tokens)
+        return self.output_tokens_per_s
 
     async def _refresh_loop(self) -> None:
         interval = self.config.router.stats_interval_s

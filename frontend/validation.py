@@ -1,7 +1,8 @@
-"""Checks a GenerateRequest at the router, before any worker sees it, and turns it into prompt token ids and
-`SamplingParams`. Every rejection is an InvalidRequestError naming the request field (`prompt`,
-`prompt_token_ids`, `sampling_params.max_tokens`, ...). Unset sampling fields take the model's
-generation_config.json values; unset max_tokens takes the router's default, capped by the context left."""
+"""The checks a request passes at the router, before any worker sees it, whichever front end it came through
+(`request_builder` runs them in order), and what they need to know of the model (`ModelInfo`). Every rejection
+is an InvalidRequestError naming the field as the request's protocol spells it (`FieldNames`: `prompt`,
+`prompt_token_ids`, `sampling_params.max_tokens`, `max_completion_tokens`, ...). Unset sampling fields take the
+model's generation_config.json values; unset max_tokens takes the router's default, capped by the context left."""
 
 from __future__ import annotations
 
@@ -10,13 +11,12 @@ import json
 from pathlib import Path
 
 from pdserve.cluster.config import RouterConfig
-from pdserve.engine.checks import check_context, check_prompt_len, check_token_ids
+from pdserve.engine.checks import check_context, check_token_ids
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.frontend.chat_template import ChatTemplate
 from pdserve.model.args import ModelArgs
 from pdserve.model.errors import InvalidRequestError
 from pdserve.model.tokenizer import THINK_END, THINK_START, Tokenizer
-from pdserve.v1 import generation_pb2 as pb
 
 MAX_REQUEST_ID_CHARS = 256
 """Longest client `request_id` accepted: it is echoed in every response chunk."""
@@ -161,27 +161,6 @@ def check_prompt_bytes(
         )
 
 
-def _prompt_ids(
-    request: pb.GenerateRequest, model: ModelInfo, router: RouterConfig
-) -> tuple[str, list[int]]:
-    which = request.WhichOneof("input")
-    if which is None:
-        raise InvalidRequestError("prompt", "missing: set prompt (text) or prompt_token_ids")
-    if which == "prompt":
-        prompt = request.prompt  # each read builds a new str: a few ms per MiB
-        if not prompt:
-            raise InvalidRequestError("prompt", "is empty")
-        if model.tokenizer is None:
-            raise InvalidRequestError(
-                "prompt", f"{model.name} has no tokenizer.json: send prompt_token_ids instead"
-            )
-        check_prompt_bytes(prompt, router, "prompt", model)
-        return "prompt", model.tokenizer.encode(prompt)
-    ids = list(request.prompt_token_ids.ids)
-    check_token_ids(ids, model.vocab_size, "prompt_token_ids")
-    return "prompt_token_ids", ids
-
-
 MAX_STOP_TOKEN_IDS = 1024
 """Most stop token ids one request may give (each is checked on every generated token)."""
 
@@ -229,8 +208,24 @@ class SamplingRequest:
     logprobs: int | None = None
     """Alternatives per token with log-probabilities (None: no log-probabilities)."""
     skip_special_tokens: bool | None = None
-    logprobs_field: str = "logprobs"
-    """The parameter logprobs came from, as the front end spells it (errors about it name this one)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FieldNames:
+    """What a front end's protocol calls the request fields an error may name (by default, OpenAI's)."""
+
+    prompt_text: str = "prompt"
+    prompt_ids: str = "prompt"
+    """Where token ids go (the same field as text in OpenAI's completions API)."""
+    messages: str = "messages"
+    sampling_prefix: str = ""
+    """The prefix of the sampling fields that have no name of their own here (`sampling_params.` in gRPC)."""
+    max_tokens: str = "max_tokens"
+    logprobs: str = "logprobs"
+    """The parameter the number of log-probability alternatives came from (`top_logprobs` in OpenAI's chat
+    API)."""
+    n: str = "n"
+    stop: str = "stop"
 
 
 def check_n(n: int, router: RouterConfig, field: str) -> None:
@@ -245,11 +240,11 @@ def check_n(n: int, router: RouterConfig, field: str) -> None:
 
 def sampling_params(
     given: SamplingRequest, num_prompt_tokens: int, model: ModelInfo, router: RouterConfig,
-    prefix: str = "", max_tokens_field: str = "max_tokens",
+    names: FieldNames = FieldNames(),
 ) -> SamplingParams:  # fmt: skip
     """`given` with the model's defaults for unset fields and the router's default max_tokens (capped by the
-    context left), checked. Errors name the field as the front end spells it: `prefix` + the field name
-    (`max_tokens_field` for max_tokens)."""
+    context left), checked. Errors name the field as the front end spells it (`names`)."""
+    prefix, max_tokens_field = names.sampling_prefix, names.max_tokens
     room = model.max_model_len - num_prompt_tokens
     limit = min(router.max_tokens_limit or model.max_model_len, room)
     if given.max_tokens is not None:
@@ -271,7 +266,7 @@ def sampling_params(
         check_token_ids(given.stop_token_ids, model.vocab_size, f"{prefix}stop_token_ids")
     if given.logprobs is not None and given.logprobs > router.max_logprobs:
         raise InvalidRequestError(
-            f"{prefix}{given.logprobs_field}",
+            names.logprobs,
             f"{given.logprobs} alternatives exceed this server's limit of {router.max_logprobs} "
             "(router.max_logprobs)",
         )
@@ -301,52 +296,5 @@ def sampling_params(
         if e.field == "max_tokens":
             field = max_tokens_field
         else:
-            field = prefix + (given.logprobs_field if e.field == "logprobs" else e.field)
+            field = names.logprobs if e.field == "logprobs" else prefix + e.field
         raise InvalidRequestError(field, str(e).removeprefix(f"{e.field}: ")) from None
-
-
-def _sampling_params(
-    sp: pb.SamplingParams, num_prompt_tokens: int, model: ModelInfo, router: RouterConfig
-) -> SamplingParams:
-    given = SamplingRequest(
-        max_tokens=sp.max_tokens if sp.HasField("max_tokens") else None,
-        temperature=sp.temperature if sp.HasField("temperature") else None,
-        top_p=sp.top_p if sp.HasField("top_p") else None,
-        top_k=sp.top_k if sp.HasField("top_k") else None,
-        min_p=sp.min_p if sp.HasField("min_p") else None,
-        seed=sp.seed if sp.HasField("seed") else None,
-        stop_token_ids=tuple(sp.stop_token_ids),
-        ignore_eos=sp.ignore_eos,
-        presence_penalty=sp.presence_penalty if sp.HasField("presence_penalty") else None,
-        frequency_penalty=sp.frequency_penalty if sp.HasField("frequency_penalty") else None,
-        repetition_penalty=sp.repetition_penalty if sp.HasField("repetition_penalty") else None,
-        min_tokens=sp.min_tokens if sp.HasField("min_tokens") else None,
-        logprobs=sp.logprobs if sp.HasField("logprobs") else None,
-        skip_special_tokens=(
-            sp.skip_special_tokens if sp.HasField("skip_special_tokens") else None
-        ),
-    )
-    return sampling_params(
-        given, num_prompt_tokens, model, router, "sampling_params.", "sampling_params.max_tokens"
-    )
-
-
-def requested_n(request: pb.GenerateRequest, router: RouterConfig) -> int:
-    """The choices a GenerateRequest asks for (1 when unset); InvalidRequestError naming the field past
-    router.max_n."""
-    sp = request.sampling_params
-    n = sp.n if sp.HasField("n") else 1
-    check_n(n, router, "sampling_params.n")
-    return n
-
-
-def parse_request(
-    request: pb.GenerateRequest, model: ModelInfo, router: RouterConfig
-) -> tuple[list[int], SamplingParams, tuple[str, ...]]:
-    """The prompt's token ids, the request's sampling parameters (with a concrete seed) and its stop
-    strings. Tokenizes: call it off the event loop."""
-    field, prompt_ids = _prompt_ids(request, model, router)
-    check_prompt_len(len(prompt_ids), model.max_model_len, field)
-    params = _sampling_params(request.sampling_params, len(prompt_ids), model, router)
-    stop = check_stop_strings(list(request.sampling_params.stop), model, "sampling_params.stop")
-    return prompt_ids, params, stop

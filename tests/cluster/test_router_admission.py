@@ -1,5 +1,5 @@
 """Admission in a burst: in its turn each request's reservation is sent, and the next turn begins before the
-decode worker answers (`Router._admit_at_once`), in arrival order; one the worker refuses waits in line for room
+decode worker answers (`Admission._admit_at_once`), in arrival order; one the worker refuses waits in line for room
 as before. The decode worker is a stand-in whose answers the test releases (no Ray)."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_a_burst_is_sent_in_arrival_order_before_any_answer():
             router.open(f"c{i}", [3] * 40, SamplingParams(max_tokens=8, seed=1), None)
             for i in range(5)
         ]
-        placing = [asyncio.create_task(router._place(r, None)) for r in requests]
+        placing = [asyncio.create_task(router.admission.place(r, None)) for r in requests]
         await _settle()
         sent = [request_id for request_id, _ in d.actor.add_request.calls]
         assert sent == [r.request_id for r in requests]  # all under way at once, in order
@@ -81,7 +81,7 @@ def test_a_refused_request_waits_in_line_and_is_sent_again():
         d = _decode_worker()
         router.workers = {d.worker_id: d}
         r = router.open("c", [3] * 40, SamplingParams(max_tokens=8, seed=1), None)
-        placing = asyncio.create_task(router._place(r, None))
+        placing = asyncio.create_task(router.admission.place(r, None))
         await _settle()
         ((_, first),) = d.actor.add_request.calls
         first._future.set_result(messages.reply_error(CapacityError("decode worker full")))

@@ -1,5 +1,5 @@
 """Where the router places a request that moves with tokens already sent: in batch-invariant mode
-(`Router.replay_on_decode`) on a decode worker alone, which prefills its prompt and replays those tokens as decode
+(`Admission.replay_on_decode`) on a decode worker alone, which prefills its prompt and replays those tokens as decode
 rows; otherwise through a prefill worker as a new prompt would. The workers are stand-ins that record the calls
 (the placement is the router's alone; tests/cluster/test_survive.py runs the real thing)."""
 
@@ -50,13 +50,12 @@ def _worker(worker_id: str, role: str) -> WorkerHandle:
 
 def _place(replay_on_decode: bool, generated: list[int]):
     async def run():
-        router = Router(RouterConfig())
-        router.replay_on_decode = replay_on_decode
+        router = Router(RouterConfig(), replay_on_decode=replay_on_decode)
         prefill, decode = _worker("prefill-0", PREFILL), _worker("decode-0", DECODE)
         router.workers = {w.worker_id: w for w in (prefill, decode)}
         r = router.open("client", [3, 4, 5, 6], SamplingParams(max_tokens=16, seed=1), None)
         r.generated = list(generated)
-        assert await router._try_admit(r, None)
+        assert await router.admission._try_admit(r, None)
         (added,) = [messages.decode(DecodeRequest, p) for p in decode.actor.added]
         submitted = [messages.decode(PrefillRequest, p) for p in prefill.actor.submitted]
         return added, submitted

@@ -24,6 +24,7 @@ from pdserve.frontend.reasoning import ReasoningSplitter, split_reasoning
 from pdserve.frontend.text_stream import TextStream
 from pdserve.frontend.validation import (
     MAX_STOP_STRINGS,
+    FieldNames,
     ModelInfo,
     SamplingRequest,
     check_n,
@@ -199,11 +200,12 @@ def test_values_that_ask_for_nothing_are_accepted():
         },
         CHAT,
     )  # fmt: skip
-    assert request.messages == [{"role": "user", "content": "hi"}]
-    assert request.sampling.max_tokens == 7 and request.max_tokens_field == "max_completion_tokens"
-    assert request.sampling.stop_token_ids == (1, 2) and request.sampling.ignore_eos
+    given = request.input
+    assert given.messages == [{"role": "user", "content": "hi"}]
+    assert given.sampling.max_tokens == 7 and given.names.max_tokens == "max_completion_tokens"
+    assert given.sampling.stop_token_ids == (1, 2) and given.sampling.ignore_eos
     assert request.stream and request.include_usage
-    ids = parse({"prompt": [[0, 5, 6]]}, COMPLETIONS)
+    ids = parse({"prompt": [[0, 5, 6]]}, COMPLETIONS).input
     assert ids.prompt_ids == [0, 5, 6] and ids.prompt_text is None
 
 
@@ -216,32 +218,35 @@ def test_sampling_parameters_reach_the_sampling_request():
         },
         CHAT,
     )  # fmt: skip
-    s = chat.sampling
-    assert chat.n == 3 and (s.logprobs, s.logprobs_field) == (4, "top_logprobs")
+    s = chat.input.sampling
+    assert chat.n == 3 and (s.logprobs, chat.input.names.logprobs) == (4, "top_logprobs")
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -1, 1.2)
     assert s.min_tokens == 2 and s.skip_special_tokens is False
     only = parse({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, CHAT)
-    assert only.sampling.logprobs == 0 and only.n == 1
-    assert parse({"messages": [{"role": "user", "content": "hi"}]}, CHAT).sampling.logprobs is None
-    legacy = parse({"prompt": "hi", "logprobs": 2}, COMPLETIONS).sampling
-    assert (legacy.logprobs, legacy.logprobs_field) == (2, "logprobs")
+    assert only.input.sampling.logprobs == 0 and only.n == 1
+    plain = parse({"messages": [{"role": "user", "content": "hi"}]}, CHAT).input
+    assert plain.sampling.logprobs is None
+    legacy = parse({"prompt": "hi", "logprobs": 2}, COMPLETIONS).input
+    assert (legacy.sampling.logprobs, legacy.names.logprobs) == (2, "logprobs")
 
 
 @pytest.mark.parametrize(
-    "given, field, words",
+    "given, names, field, words",
     [
-        (SamplingRequest(logprobs=21, logprobs_field="top_logprobs"), "top_logprobs",
+        (SamplingRequest(logprobs=21), FieldNames(logprobs="top_logprobs"), "top_logprobs",
          "limit of 20 (router.max_logprobs)"),
-        (SamplingRequest(logprobs=-1), "logprobs", ">= 0"),
-        (SamplingRequest(presence_penalty=2.5), "presence_penalty", "[-2, 2]"),
-        (SamplingRequest(repetition_penalty=0.0), "repetition_penalty", "> 0"),
-        (SamplingRequest(max_tokens=4, min_tokens=5), "min_tokens", "max_tokens=4"),
+        (SamplingRequest(logprobs=-1), FieldNames(), "logprobs", ">= 0"),
+        (SamplingRequest(presence_penalty=2.5), FieldNames(), "presence_penalty", "[-2, 2]"),
+        (SamplingRequest(repetition_penalty=0.0), FieldNames(), "repetition_penalty", "> 0"),
+        (SamplingRequest(max_tokens=4, min_tokens=5), FieldNames(), "min_tokens", "max_tokens=4"),
+        (SamplingRequest(top_p=0.0), FieldNames(sampling_prefix="sampling_params."),
+         "sampling_params.top_p", "(0, 1]"),
     ],
 )  # fmt: skip
-def test_sampling_limits_name_the_parameter(model_dir, given, field, words):
+def test_sampling_limits_name_the_parameter(model_dir, given, names, field, words):
     model = ModelInfo.load(model_dir, "tiny")
     with pytest.raises(InvalidRequestError) as e:
-        sampling_params(given, 3, model, RouterConfig())
+        sampling_params(given, 3, model, RouterConfig(), names)
     assert e.value.field == field and words in str(e.value)
     with pytest.raises(InvalidRequestError) as e:
         check_n(17, RouterConfig(), "n")

@@ -1,0 +1,59 @@
+"""`Request`: the router's record of one request in flight, shared by the router (its flow) and the admission
+(its placement), so that neither imports the other."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+from pdserve.cluster.pools import WorkerHandle
+from pdserve.engine.messages import FirstTokenLogprobs, RequestOutput, StageTimes
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request in flight. Its events queue receives D's outputs, P's failures and worker losses."""
+
+    request_id: str
+    """The router's id, unique per submission: workers and logs know the request by it."""
+    client_id: str
+    """The client's `request_id`, echoed in its responses; never used as a key."""
+    prompt_ids: list[int]
+    params: SamplingParams
+    deadline: float | None
+    """loop.time() by which it must finish, or None."""
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
+    events: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
+    generated: list[int] = dataclasses.field(default_factory=list)
+    decode: WorkerHandle | None = None
+    prefill: WorkerHandle | None = None
+    """Set while the prompt is on P (until the first token arrives from D)."""
+    prefill_tokens: int = 0
+    decode_worker: str = ""
+    prefill_worker: str = ""
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    num_preemptions: int = 0
+    num_migrations: int = 0
+    """Times the request moved to another worker after losing its own."""
+    moved_at: float | None = None
+    """time.monotonic() of its latest move, until its next token arrives."""
+    finish_reason: str | None = None
+    first_logprobs: FirstTokenLogprobs | None = None
+    """The prefill worker's log-probabilities of this submission's first token, until that token arrives."""
+    stages: StageTimes = dataclasses.field(default_factory=StageTimes)
+    """The stages its workers reported (its last placement's): the prefill worker's once its KV is acknowledged,
+    the decode worker's with its last output."""
+    prefill_stages_from: str = ""
+    """The prefill worker whose stage times are in `stages` (its last placement's is awaited when different)."""
+    held: RequestOutput | None = None
+    """D's outputs from the first token on, held (not yet sent, not in `generated`) until P's log-probabilities
+    of that token arrive; dropped when the submission ends otherwise (the tokens come again, the same, from
+    wherever the request goes next)."""
+    touched: set[WorkerHandle] = dataclasses.field(default_factory=set)
+    pending: object = None
+    """An event taken off `events` while merging outputs (`Router._coalesce`), handled next."""
+    calls: set[asyncio.Future] = dataclasses.field(default_factory=set)

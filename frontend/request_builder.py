@@ -1,0 +1,120 @@
+"""The one way a request becomes what the engine runs, whichever front end it came through: a front end translates
+its wire shape (a GenerateRequest, an OpenAI JSON body) into a `RequestInput`, and `build_request` checks it and
+returns a `CheckedRequest` (prompt token ids, `SamplingParams` with a concrete seed, stop strings, choices,
+deadline) for `EngineClient.submit`. Every rejection is an InvalidRequestError naming the field as the request's
+protocol spells it (`validation.FieldNames`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from pdserve.cluster.config import RouterConfig
+from pdserve.engine.checks import check_prompt_len, check_token_ids
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.frontend.validation import (
+    FieldNames,
+    ModelInfo,
+    SamplingRequest,
+    check_n,
+    check_prompt_bytes,
+    check_request_id,
+    check_stop_strings,
+    sampling_params,
+)
+from pdserve.model.errors import InvalidRequestError
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestInput:
+    """A generation request as a front end received it, in no protocol's shape and not yet checked: its prompt
+    (one of text, token ids or chat messages), its sampling fields (None where unset), and what its protocol
+    calls each field."""
+
+    names: FieldNames = FieldNames()
+    client_id: str = ""
+    """The client's request id, only echoed back."""
+    prompt_text: str | None = None
+    prompt_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    """Chat messages (`role`, `content` text, optional `name`), rendered by the model's chat template."""
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    sampling: SamplingRequest = SamplingRequest()
+    n: int = 1
+    """Choices asked for."""
+    stop: Sequence[str] = ()
+    """Stop strings (matched in the generated text)."""
+    deadline: float | None = None
+    """The event loop's time() by which the request must finish, or None."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CheckedRequest:
+    """A request that passed every check at the router, ready for `EngineClient.submit`."""
+
+    client_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    """With a concrete seed (choice i of n is seeded `derive_seed(params.seed, i)`)."""
+    stop: tuple[str, ...]
+    n: int
+    deadline: float | None
+
+
+def build_request(given: RequestInput, model: ModelInfo, router: RouterConfig) -> CheckedRequest:
+    """Checks `given` (its request id, n, prompt, sampling fields, stop strings, in that order) against the model
+    and the router's limits, renders and tokenizes its prompt, and fills unset sampling fields with defaults.
+    Raises InvalidRequestError naming the field in `given.names`. Tokenizing takes CPU: call it off the event
+    loop."""
+    names = given.names
+    check_request_id(given.client_id)
+    check_n(given.n, router, names.n)
+    prompt_ids = _prompt_ids(given, model, router)
+    params = sampling_params(given.sampling, len(prompt_ids), model, router, names)
+    stop = check_stop_strings(list(given.stop), model, names.stop)
+    return CheckedRequest(given.client_id, prompt_ids, params, stop, given.n, given.deadline)
+
+
+def _ids_instead(names: FieldNames) -> str:
+    """How the protocol takes token ids, as an error's advice says it."""
+    if names.prompt_ids == names.prompt_text:
+        return f"{names.prompt_ids} as token ids"
+    return names.prompt_ids
+
+
+def _prompt_ids(given: RequestInput, model: ModelInfo, router: RouterConfig) -> list[int]:
+    names = given.names
+    if given.prompt_ids is not None:
+        field, ids = names.prompt_ids, list(given.prompt_ids)
+        check_token_ids(ids, model.vocab_size, field)
+    else:
+        chat = given.messages is not None
+        field = names.messages if chat else names.prompt_text
+        if not chat and given.prompt_text is None:
+            raise InvalidRequestError(
+                field, f"missing: set {names.prompt_text} (text) or {_ids_instead(names)}"
+            )
+        if not chat and not given.prompt_text:
+            raise InvalidRequestError(field, "is empty")
+        if model.tokenizer is None:
+            raise InvalidRequestError(
+                field, f"{model.name} has no tokenizer.json: send {_ids_instead(names)} instead"
+            )
+        if chat:
+            if model.chat_template is None:
+                raise InvalidRequestError(
+                    field,
+                    f"{model.name} has no chat template (tokenizer_config.json's chat_template)",
+                )
+            text = model.chat_template.render(
+                given.messages, given.add_generation_prompt, given.chat_template_kwargs
+            )
+        else:
+            text = given.prompt_text
+        check_prompt_bytes(text, router, field, model)
+        # A rendered template writes its own BOS, as transformers assumes.
+        ids = model.tokenizer.encode(text, add_bos=not chat)
+    check_prompt_len(len(ids), model.max_model_len, field)
+    return ids

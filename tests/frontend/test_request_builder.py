@@ -1,0 +1,97 @@
+"""The one request builder both front ends call, without Ray: a GenerateRequest and an OpenAI body that ask for
+the same thing build the same checked request, and one fault is named by each protocol's own field.
+(Through the servers: test_generate.py and test_openai_http.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pdserve.cli.client import generate_request
+from pdserve.cluster.config import RouterConfig
+from pdserve.frontend.grpc_service import _request_input
+from pdserve.frontend.openai_api import CHAT, COMPLETIONS, parse
+from pdserve.frontend.request_builder import build_request
+from pdserve.frontend.validation import ModelInfo
+from pdserve.model.errors import InvalidRequestError
+from pdserve.v1 import generation_pb2
+
+
+@pytest.fixture(scope="module")
+def model(model_dir) -> ModelInfo:
+    return ModelInfo.load(model_dir, "tiny")
+
+
+def test_both_front_ends_build_the_same_request(model):
+    sampling = {"max_tokens": 5, "temperature": 0.5, "seed": 3, "logprobs": 2}
+    grpc_input = _request_input(
+        generate_request("a cat sat", request_id="r1", n=2, stop=["x"], **sampling), 7.0
+    )
+    http_input = parse({"prompt": "a cat sat", "n": 2, "stop": "x", **sampling}, COMPLETIONS).input
+    from_grpc = build_request(grpc_input, model, RouterConfig())
+    from_http = build_request(http_input, model, RouterConfig())
+    assert from_grpc.prompt_ids == from_http.prompt_ids == model.tokenizer.encode("a cat sat")
+    assert from_grpc.params == from_http.params
+    assert from_grpc.params.max_tokens == 5 and from_grpc.params.logprobs == 2
+    assert from_grpc.stop == from_http.stop == ("x",) and from_grpc.n == from_http.n == 2
+    assert (from_grpc.client_id, from_grpc.deadline) == ("r1", 7.0)
+
+
+def test_a_chat_prompt_is_rendered_without_a_second_bos(model):
+    messages = [{"role": "user", "content": "hi"}]
+    checked = build_request(parse({"messages": messages}, CHAT).input, model, RouterConfig())
+    text = model.chat_template.render(messages, True, {})
+    assert checked.prompt_ids == model.tokenizer.encode(text, add_bos=False)
+
+
+FAULTS = [
+    # (what, GenerateRequest, OpenAI completions body, gRPC field, HTTP field)
+    ("token id outside vocab", generate_request([0, 1024]), {"prompt": [0, 1024]},
+     "prompt_token_ids", "prompt"),
+    ("max_tokens above context", generate_request([0, 1], max_tokens=5000),
+     {"prompt": [0, 1], "max_tokens": 5000}, "sampling_params.max_tokens", "max_tokens"),
+    ("top_p 0", generate_request([0, 1], top_p=0.0), {"prompt": [0, 1], "top_p": 0.0},
+     "sampling_params.top_p", "top_p"),
+    ("stop id outside vocab", generate_request([0], stop_token_ids=[5000]),
+     {"prompt": [0], "stop_token_ids": [5000]}, "sampling_params.stop_token_ids", "stop_token_ids"),
+    ("logprobs above the limit", generate_request([0], logprobs=21), {"prompt": [0], "logprobs": 21},
+     "sampling_params.logprobs", "logprobs"),
+    ("n above the limit", generate_request([0], n=17), {"prompt": [0], "n": 17},
+     "sampling_params.n", "n"),
+    ("empty stop string", generate_request([0], stop=[""]), {"prompt": [0], "stop": [""]},
+     "sampling_params.stop", "stop"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "request_, body, grpc_field, http_field", [f[1:] for f in FAULTS], ids=[f[0] for f in FAULTS]
+)
+def test_a_fault_is_named_in_each_protocols_own_field(
+    model, request_, body, grpc_field, http_field
+):
+    errors = []
+    for given in (_request_input(request_, None), parse(body, COMPLETIONS).input):
+        with pytest.raises(InvalidRequestError) as e:
+            build_request(given, model, RouterConfig())
+        errors.append(e.value)
+    assert [e.field for e in errors] == [grpc_field, http_field]
+    # The same check refused both: only the field's name differs.
+    assert str(errors[0]).removeprefix(f"{grpc_field}: ") == str(errors[1]).removeprefix(
+        f"{http_field}: "
+    )
+
+
+def test_advice_names_how_each_protocol_takes_token_ids(model):
+    with pytest.raises(
+        InvalidRequestError, match=r"missing: set prompt \(text\) or prompt_token_ids"
+    ):
+        build_request(_request_input(generation_pb2.GenerateRequest(), None), model, RouterConfig())
+    no_tokenizer = dataclasses.replace(model, tokenizer=None)
+    for given, advice in [
+        (_request_input(generate_request("hi"), None), "send prompt_token_ids instead"),
+        (parse({"prompt": "hi"}, COMPLETIONS).input, "send prompt as token ids instead"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=advice) as e:
+            build_request(given, no_tokenizer, RouterConfig())
+        assert e.value.field == "prompt"
