@@ -1,6 +1,7 @@
-"""Run by test_rank_placement as its own process, in one of two scenarios (argv[1]); prints one JSON line.
+"""Run by test_rank_placement as its own process: three scenarios one after another on one simulated Ray cluster,
+each on nodes of its own (added before it runs, removed after); prints one JSON line.
 
-`ranks` (the default): a Ray cluster of three simulated nodes (a1, a2 in NVLink domain 'a' with 2 fake GPUs each,
+`ranks`: a Ray cluster of three simulated nodes (a1, a2 in NVLink domain 'a' with 2 fake GPUs each,
 b1 in domain 'b' with 3), one worker's rank group placed on it per span, the driver being this process: each
 node's name by id, and per span where the ranks landed and what they replied; then the reason a 5-rank domain
 worker is refused. Also the handler the rank actors run (this folder is on their PYTHONPATH).
@@ -71,7 +72,7 @@ RANK_NODES = (("a1", "a", 2, 2), ("a2", "a", 2, 2), ("b1", "b", 3, 2))
 """(name, NVLink domain, fake GPUs, CPUs) of each simulated node of the `ranks` scenario, beside a head
 that holds nothing."""
 TRAYS = (("t1", "r0", 4, 2), ("t2", "r0", 4, 2), ("t3", "r1", 4, 2))
-"""The `trays` scenario's nodes; the first is the head (one raylet fewer to start)."""
+"""The `trays` scenario's nodes."""
 TRAY_CPUS_PER_RANK = 0.5
 TRAY_TIMEOUT_S = 3.0
 
@@ -187,16 +188,16 @@ def ranks() -> dict:
     return result
 
 
-SCENARIOS = {
-    "ranks": (RANK_NODES, False, ranks),
-    "trays": (TRAYS, True, trays),
-    "serve": (SERVE_NODES, False, serve),
-}
-"""Per scenario: its nodes, whether the first of them is the head, and what runs on the cluster."""
+SCENARIOS = {"ranks": (RANK_NODES, ranks), "trays": (TRAYS, trays), "serve": (SERVE_NODES, serve)}
+"""Per scenario: its nodes and what runs on the cluster while they are up."""
 
 
 def main() -> None:
+    """Runs the scenarios named in argv (all by default) one after another on one simulated cluster: a head that
+    holds nothing, and for each scenario its own nodes, added before it runs and removed after, so that no
+    scenario sees another's. Prints one JSON object: each scenario's result by name."""
     import sys
+    import time
 
     import ray
     from ray.cluster_utils import Cluster
@@ -204,25 +205,32 @@ def main() -> None:
     from pdserve.cluster.placement import NVLINK_DOMAIN_LABEL
     from pdserve.cluster.rank_actors import node_labels
 
-    nodes, head_is_a_node, scenario = SCENARIOS[sys.argv[1] if len(sys.argv) > 1 else "ranks"]
-    specs = [
-        (name, {"num_cpus": cpus, "num_gpus": gpus, "labels": {NVLINK_DOMAIN_LABEL: domain}})
-        for name, domain, gpus, cpus in nodes
-    ]
-    head_name, head_args = specs.pop(0) if head_is_a_node else (None, {"num_cpus": 0})
+    names = sys.argv[1:] or list(SCENARIOS)
     cluster = Cluster(
-        initialize_head=True, head_node_args={**head_args, "include_dashboard": False}
+        initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False}
     )
+    results = {}
     try:
-        names = {} if head_name is None else {cluster.head_node.node_id: head_name}
-        for name, node_args in specs:
-            names[cluster.add_node(**node_args).node_id] = name
         ray.init(address=cluster.address, logging_level=logging.WARNING)
-        cluster.wait_for_nodes()
-        result = {"nodes": names, "labels": node_labels(), **scenario()}
-        table = ray.util.placement_group_table()
-        result["leftover_groups"] = sum(g["state"] != "REMOVED" for g in table.values())
-        print(json.dumps(result))
+        for scenario_name in names:
+            nodes, scenario = SCENARIOS[scenario_name]
+            added = {}
+            for name, domain, gpus, cpus in nodes:
+                labels = {NVLINK_DOMAIN_LABEL: domain}
+                node = cluster.add_node(num_cpus=cpus, num_gpus=gpus, labels=labels)
+                added[node.node_id] = (name, node)
+            cluster.wait_for_nodes()
+            result = {"nodes": {i: name for i, (name, _) in added.items()}}
+            result |= {"labels": node_labels(), **scenario()}
+            table = ray.util.placement_group_table()
+            result["leftover_groups"] = sum(g["state"] != "REMOVED" for g in table.values())
+            results[scenario_name] = result
+            for _, node in added.values():
+                cluster.remove_node(node)
+            deadline = time.monotonic() + 60
+            while set(node_labels()) & set(added) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        print(json.dumps(results))
     finally:
         ray.shutdown()
         cluster.shutdown()

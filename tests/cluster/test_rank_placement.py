@@ -4,8 +4,8 @@ this machine (`ray.cluster_utils.Cluster`, fake GPUs, NVLink-domain node labels)
 all on one node, ranks of an NVLink-domain worker spanning the nodes of one domain and never another's, joined
 into a working rank group over both plan channels; placement alone on three simulated trays of two NVLink
 domains, as on a GB200 NVL72 rack; and `pdserve serve` with a worker whose ranks span two nodes. Each Ray part
-runs in its own process (`_rank_cluster.py`) so that its cluster never meets the session's local Ray, and is
-killed with its process group if it overruns."""
+runs in one process (`_rank_cluster.py`), on one simulated cluster whose scenarios each get nodes of their own,
+so that it never meets the session's local Ray; it is killed with its process group if it overruns."""
 
 from __future__ import annotations
 
@@ -85,13 +85,15 @@ def test_placement_violation():
     assert "rank 1" in placement.placement_violation(["n1", "n4"], labels, "nvlink_domain")
 
 
-def _run_cluster(scenario: str) -> dict:
-    """The JSON line `_rank_cluster.py <scenario>` prints (its own process: see the module docstring)."""
+@pytest.fixture(scope="module")
+def simulated():
+    """Each scenario's result by name, from one run of `_rank_cluster.py` (its own process and cluster: see the
+    module docstring)."""
     here = Path(__file__).parent
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(here), env.get("PYTHONPATH")) if p)
     proc = subprocess.Popen(
-        [sys.executable, str(here / "_rank_cluster.py"), scenario], env=env,
+        [sys.executable, str(here / "_rank_cluster.py")], env=env,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:
@@ -106,8 +108,8 @@ def _run_cluster(scenario: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_ranks_land_per_strategy_on_a_simulated_ray_cluster():
-    result = _run_cluster("ranks")
+def test_ranks_land_per_strategy_on_a_simulated_ray_cluster(simulated):
+    result = simulated["ranks"]
     nodes = result["nodes"]  # node id -> name (a1, a2, b1)
 
     for span, channel in (("node", "shm"), ("nvlink_domain", "dist")):
@@ -131,13 +133,13 @@ def test_ranks_land_per_strategy_on_a_simulated_ray_cluster():
 
 
 @pytest.mark.ray
-def test_a_rack_of_trays_on_a_simulated_ray_cluster():
+def test_a_rack_of_trays_on_a_simulated_ray_cluster(simulated):
     """Placement only, as on a GB200 NVL72 rack's trays: t1, t2 (4 fake GPUs each) form NVLink domain r0, t3
     is domain r1. An 8-rank worker takes both trays of r0, never t3; a 4-rank one then takes t3 (one node: the
     shared-memory channel); a 2-rank one fits a domain but finds none free, and fails once its placement
     timeout has passed; a 12-rank one fits no domain and is refused at once; the 2-rank one places in r0 once
     the 8-rank worker is gone."""
-    result = _run_cluster("trays")
+    result = simulated["trays"]
     nodes, labels, timeout_s = result["nodes"], result["labels"], result["timeout_s"]
     assert sorted(nodes.values()) == ["t1", "t2", "t3"]
 
@@ -162,11 +164,11 @@ def test_a_rack_of_trays_on_a_simulated_ray_cluster():
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_a_worker_serves_with_its_ranks_on_two_nodes_of_a_domain():
+def test_a_worker_serves_with_its_ranks_on_two_nodes_of_a_domain(simulated):
     """`pdserve serve` with cluster.rank_span nvlink_domain: a decode worker of 2 CPU ranks (DP2 + EP2) on two
     simulated nodes of one domain with one CPU each (so one rank each; span 'node' could not place it) serves
     greedy tokens equal to the offline path's."""
-    result = _run_cluster("serve")
+    result = simulated["serve"]
     nodes = result["nodes"]
     assert sorted(nodes[n] for n in result["bundle_nodes"]) == ["d1", "d2"]
     assert placement.rank_channel(result["bundle_nodes"]) == "dist"
