@@ -77,7 +77,7 @@ def connect_ray(config: ServeConfig) -> None:
         # Ray's own ports listen on every interface: its token authentication keeps them to this process
         # and its workers. Ray turns it on for a new local cluster by itself; the variable is read when ray is
         # imported, so setting it here would only give the cluster a mode this process's client lacks (its
-        # start then fails on a missing token: measured with Ray 2.60). Warn where the environment turns it off.
+        # start then fails on a missing token). Warn where the environment turns it off.
         mode = os.environ.get(RAY_AUTH_MODE_ENV, "token")
         if mode != "token":
             logger.warning(
