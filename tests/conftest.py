@@ -104,12 +104,85 @@ def v2lite_dir(tmp_path_factory):
     return make_checkpoint(out, "v2-lite-shape", dtype="bf16", device="cuda", progress=False)
 
 
-# The serving fixtures (a session's local Ray, the tiny checkpoint, offline references), for every folder's tests.
-from serving import (  # noqa: E402, F401
-    model_dir,
-    ray_cluster,
-    reference,
-    reference_logits,
-    reference_model,
-    shared_server,
-)
+# The serving fixtures, for every folder's tests; what they start is imported when they run, so that a test
+# that needs none of it (a kernel's) never imports Ray.
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import logging
+
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    from pdserve.model.random_checkpoint import make_checkpoint
+
+    return make_checkpoint(
+        tmp_path_factory.mktemp("ck") / "tiny", "tiny", dtype="fp32", progress=False
+    )
+
+
+@pytest.fixture(scope="session")
+def reference_model(model_dir):
+    """The tiny model loaded in the test process, for offline references."""
+    from pdserve.model.loader import load_model
+
+    return load_model(model_dir, dtype=torch.float32, progress=False)
+
+
+@pytest.fixture(scope="session")
+def reference(reference_model):
+    """Greedy tokens of `pdserve offline` (the single-process path) for (prompt, max_tokens), cached."""
+    from pdserve.engine.offline import generate_greedy
+
+    model = reference_model
+    cache: dict = {}
+
+    def expected(prompt: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in cache:
+            cache[key] = generate_greedy(model, prompt, max_tokens)
+        return cache[key]
+
+    return expected
+
+
+@pytest.fixture(scope="session")
+def reference_logits(reference_model):
+    """For (prompt, generated tokens): the model's raw logits [len(tokens) + 1, V] at each generated token's
+    position and the next, from one forward of the model over prompt + tokens on a fresh cache."""
+    from pdserve.engine.pages import pages_needed
+    from pdserve.engine.runner import ModelRunner
+    from pdserve.model.batch import SeqChunk, build_forward_batch
+
+    model = reference_model
+
+    def logits(prompt: list[int], tokens: list[int]) -> torch.Tensor:
+        ids = [*prompt, *tokens]
+        page_size = 64
+        num_pages = pages_needed(len(ids), page_size)
+        cache = ModelRunner(model, page_size, num_pages, cuda_graphs=False).cache
+        chunk = SeqChunk(ids, 0, list(range(num_pages)))
+        with torch.inference_mode():
+            hidden = model(build_forward_batch([chunk], page_size, "cpu", decode=False), cache)
+            return model.compute_logits(hidden[len(prompt) - 1 :]).float()  # [T + 1, V]
+
+    return logits
+
+
+@pytest.fixture(scope="session")
+def shared_server(ray_cluster, model_dir):
+    """One tiny server for the tests that only send requests (and read status and metrics): one prefill and one
+    decode worker, gRPC, HTTP and metrics on free ports. A test that kills, grows or stops its server, or needs
+    another configuration, starts its own."""
+    from serving import SHARED_PROMPT_BYTES, start_server
+
+    router = {"http_port": 0, "metrics_port": 0, "max_prompt_bytes": SHARED_PROMPT_BYTES}
+    with start_server(model_dir, router=router) as server:
+        yield server

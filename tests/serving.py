@@ -1,96 +1,22 @@
-"""What the tests that serve share: one local Ray for the session (2 CPUs, no dashboard), a tiny fp32 checkpoint,
-servers started on free ports with fractional-CPU workers, and the offline reference outputs. The fixtures are
-registered by tests/conftest.py; test modules import the helpers (`from serving import start_server`)."""
+"""What the tests that serve share: servers started on free ports with fractional-CPU workers and small KV caches,
+and the helpers that send requests and read status and metrics (`from serving import start_server`). The session's
+fixtures (Ray, the tiny checkpoint, offline references, the shared server) are in tests/conftest.py."""
 
 from __future__ import annotations
 
-import logging
 import time
 import urllib.request
 
-import pytest
-import ray
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cli.client import Client, generate_request
 from pdserve.cluster.config import build_config
-from pdserve.engine.offline import generate_greedy
-from pdserve.engine.pages import pages_needed
-from pdserve.engine.runner import ModelRunner
 from pdserve.frontend.server import ServerThread, free_port
-from pdserve.model.batch import SeqChunk, build_forward_batch
-from pdserve.model.loader import load_model
-from pdserve.model.random_checkpoint import make_checkpoint
 from pdserve.v1 import generation_pb2
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    return make_checkpoint(
-        tmp_path_factory.mktemp("ck") / "tiny", "tiny", dtype="fp32", progress=False
-    )
-
-
-@pytest.fixture(scope="session")
-def reference_model(model_dir):
-    """The tiny model loaded in the test process, for offline references."""
-    return load_model(model_dir, dtype=torch.float32, progress=False)
-
-
-@pytest.fixture(scope="session")
-def reference(reference_model):
-    """Greedy tokens of `pdserve offline` (the single-process path) for (prompt, max_tokens), cached."""
-    model = reference_model
-    cache: dict = {}
-
-    def expected(prompt: list[int], max_tokens: int) -> list[int]:
-        key = (tuple(prompt), max_tokens)
-        if key not in cache:
-            cache[key] = generate_greedy(model, prompt, max_tokens)
-        return cache[key]
-
-    return expected
-
-
-@pytest.fixture(scope="session")
-def reference_logits(reference_model):
-    """For (prompt, generated tokens): the model's raw logits [len(tokens) + 1, V] at each generated token's
-    position and the next, from one forward of the model over prompt + tokens on a fresh cache."""
-    model = reference_model
-
-    def logits(prompt: list[int], tokens: list[int]) -> torch.Tensor:
-        ids = [*prompt, *tokens]
-        page_size = 64
-        num_pages = pages_needed(len(ids), page_size)
-        cache = ModelRunner(model, page_size, num_pages, cuda_graphs=False).cache
-        chunk = SeqChunk(ids, 0, list(range(num_pages)))
-        with torch.inference_mode():
-            hidden = model(build_forward_batch([chunk], page_size, "cpu", decode=False), cache)
-            return model.compute_logits(hidden[len(prompt) - 1 :]).float()  # [T + 1, V]
-
-    return logits
-
 
 SHARED_PROMPT_BYTES = 16 << 10
 """The shared server's router.max_prompt_bytes (small, so that a test can pass it)."""
-
-
-@pytest.fixture(scope="session")
-def shared_server(ray_cluster, model_dir):
-    """One tiny server for the tests that only send requests (and read status and metrics): one prefill and one
-    decode worker, gRPC, HTTP and metrics on free ports. A test that kills, grows or stops its server, or needs
-    another configuration, starts its own."""
-    router = {"http_port": 0, "metrics_port": 0, "max_prompt_bytes": SHARED_PROMPT_BYTES}
-    with start_server(model_dir, router=router) as server:
-        yield server
 
 
 def serve_config(model_dir, **sections):
