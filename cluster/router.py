@@ -5,8 +5,8 @@ For each request: reserve pages on a D (tried in order of most free pages, then 
 in FIFO order while none has room, up to admission_timeout_s), submit the prompt to the P with the fewest queued
 prompt tokens together with D's transfer id (no P: D prefills itself), then relay D's outputs as they come (what P
 knows of a request beyond its KV, its first token's log-probabilities and its stage times, reaches D with the KV
-and comes in D's first output). One long-poll per worker brings back D's output batches and P's failures. A
-request that ends any other way than finishing (client cancel, deadline,
+and comes in D's first output: nothing waits for P). One long-poll per worker brings back D's output
+batches and P's failures. A request that ends any other way than finishing (client cancel, deadline,
 failure) is aborted on every worker it touched, after its calls in flight have landed, so its pages are freed on
 both sides.
 
