@@ -30,7 +30,7 @@ from pdserve.kvtransfer import KVTransferConfig
 
 logger = logging.getLogger(__name__)
 
-_POLL_EVENTS_S = 0.01
+_POLL_FAILURES_S = 0.01
 
 
 def _torch_dtype(name: str):
@@ -198,13 +198,13 @@ class PrefillShell(_WorkerShell):
     def peer_lost(self, decode_worker: str) -> bytes:
         return self._call(lambda: self.worker.peer_lost(decode_worker))
 
-    def poll_events(self, timeout_s: float) -> bytes:
-        """Failures and first tokens' log-probabilities since the last call (`PrefillEvents`); waits up to
-        timeout_s for the first (the router's long-poll)."""
+    def poll_failures(self, timeout_s: float) -> bytes:
+        """The requests the worker failed since the last call (`list[PrefillFailure]`); waits up to timeout_s
+        for the first (the router's long-poll)."""
         deadline = time.monotonic() + timeout_s
-        while (events := self.worker.poll_events()).empty and time.monotonic() < deadline:
-            time.sleep(_POLL_EVENTS_S)
-        return messages.encode(events)
+        while not (failures := self.worker.poll_failures()) and time.monotonic() < deadline:
+            time.sleep(_POLL_FAILURES_S)
+        return messages.encode(failures)
 
 
 class DecodeShell(_WorkerShell):

@@ -8,7 +8,7 @@ import dataclasses
 import time
 
 from pdserve.cluster.pools import WorkerHandle
-from pdserve.engine.messages import FirstTokenLogprobs, RequestOutput, StageTimes
+from pdserve.engine.messages import StageTimes
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -42,17 +42,9 @@ class Request:
     moved_at: float | None = None
     """time.monotonic() of its latest move, until its next token arrives."""
     finish_reason: str | None = None
-    first_logprobs: FirstTokenLogprobs | None = None
-    """The prefill worker's log-probabilities of this submission's first token, until that token arrives."""
     stages: StageTimes = dataclasses.field(default_factory=StageTimes)
-    """The stages its workers reported (its last placement's): the prefill worker's once its KV is acknowledged,
-    the decode worker's with its last output."""
-    prefill_stages_from: str = ""
-    """The prefill worker whose stage times are in `stages` (its last placement's is awaited when different)."""
-    held: RequestOutput | None = None
-    """D's outputs from the first token on, held (not yet sent, not in `generated`) until P's log-probabilities
-    of that token arrive; dropped when the submission ends otherwise (the tokens come again, the same, from
-    wherever the request goes next)."""
+    """The stages its last placement's workers ran, as D's outputs report them (the prefill worker's came to D
+    with the KV)."""
     touched: set[WorkerHandle] = dataclasses.field(default_factory=set)
     pending: object = None
     """An event taken off `events` while merging outputs (`Router._coalesce`), handled next."""

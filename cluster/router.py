@@ -3,10 +3,10 @@
 
 For each request: reserve pages on a D (tried in order of most free pages, then fewest requests; requests wait
 in FIFO order while none has room, up to admission_timeout_s), submit the prompt to the P with the fewest queued
-prompt tokens together with D's transfer id (no P: D prefills itself), then stream D's outputs. One long-poll per
-worker brings back D's output batches and P's failures (and the log-probabilities of the first tokens P sampled
-for requests that asked: D's outputs of such a request are held until P's report of its first token arrives,
-which P sends before the KV). A request that ends any other way than finishing (client cancel, deadline,
+prompt tokens together with D's transfer id (no P: D prefills itself), then relay D's outputs as they come (what P
+knows of a request beyond its KV, its first token's log-probabilities and its stage times, reaches D with the KV
+and comes in D's first output: nothing waits for P). One long-poll per worker brings back D's output
+batches and P's failures. A request that ends any other way than finishing (client cancel, deadline,
 failure) is aborted on every worker it touched, after its calls in flight have landed, so its pages are freed on
 both sides.
 
@@ -49,8 +49,6 @@ from pdserve.cluster.request import Request
 from pdserve.engine import messages
 from pdserve.engine.messages import (
     RANK_GROUP_FAILED,
-    FirstTokenLogprobs,
-    PrefillEvents,
     PrefillFailure,
     RequestOutput,
     StageTimes,
@@ -61,10 +59,6 @@ logger = logging.getLogger(__name__)
 
 _CLEANUP_WAIT_S = 10.0
 _IDLE_CHECK_S = 0.02
-_STAGES_WAIT_S = 0.5
-"""How long a request's last chunk waits for its prefill worker's stage times (`PrefillStages`), which come by
-another poll than the decode worker's outputs; past it the chunk goes without them."""
-_STAGES_CHECK_S = 0.005
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,9 +78,10 @@ class _Shutdown:
 def _joined(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """Two consecutive outputs of one request as one."""
     logprobs = None if a.logprobs is None else [*a.logprobs, *(b.logprobs or [])]
+    stages = b.stages if a.stages is None else a.stages.merged(b.stages)
     return RequestOutput(
         a.request_id, [*a.token_ids, *b.token_ids], b.finish_reason, b.error, logprobs=logprobs,
-        stages=b.stages,
+        stages=stages,
     )  # fmt: skip
 
 
@@ -176,12 +171,6 @@ class Router:
             event = await self._next_event(r)
             if getattr(event, "request_id", r.request_id) != r.request_id:
                 continue  # from a submission that migrated away
-            if isinstance(event, FirstTokenLogprobs | RequestOutput):
-                event = self._with_first_logprobs(r, event)
-                if event is None:
-                    continue
-            else:
-                r.held = None
             if isinstance(event, _Shutdown):
                 r.finish_reason, r.finished_at = FinishReason.ABORT, time.monotonic()
                 self.admission.detach(r)
@@ -197,14 +186,12 @@ class Router:
                 await self._failed(r, r.prefill, event.error, force)
                 continue
             if event.preempted:
-                r.held = None
-                r.stages, r.prefill_stages_from = StageTimes(), ""
+                r.stages = StageTimes()
                 r.num_preemptions += 1
                 self.admission.detach(r)
                 await self.admission.place(r, force)
                 continue
             if event.finish_reason == FinishReason.ABORT:
-                r.held = None
                 error = f"{r.decode_worker}: {event.error or 'request aborted'}"
                 await self._failed(r, r.decode, error, force)
                 continue
@@ -222,30 +209,18 @@ class Router:
                 self.on_resumed(now - r.moved_at)
                 r.moved_at = None
             r.generated.extend(event.token_ids)
+            r.stages = r.stages.merged(event.stages)
             if event.finish_reason is not None:
-                r.stages = r.stages.merged(event.stages)
-                await self._await_prefill_stages(r)
                 r.finish_reason, r.finished_at = event.finish_reason, now
                 self.admission.detach(r)
             if event.token_ids or event.finish_reason is not None:
                 return event
 
     @staticmethod
-    async def _await_prefill_stages(r: Request) -> None:
-        """Before a last chunk: waits (up to _STAGES_WAIT_S) for the stage times of the prefill worker of the
-        request's last placement, which its poll may bring after the decode worker's last output."""
-        if not r.prefill_worker or r.prefill_stages_from == r.prefill_worker:
-            return
-        give_up = time.monotonic() + _STAGES_WAIT_S
-        while r.prefill_stages_from != r.prefill_worker and time.monotonic() < give_up:
-            await asyncio.sleep(_STAGES_CHECK_S)
-
-    @staticmethod
     def _coalesce(r: Request, event: RequestOutput) -> RequestOutput:
         """`event` with the outputs queued behind it merged in: a caller that fell behind the decode steps gets
         their tokens in one chunk rather than a backlog of chunks. Stops before any other kind of event (a
-        preemption, an abort, a failure, a first token's log-probabilities), which `r.pending` keeps for the
-        next call."""
+        preemption, an abort, a failure), which `r.pending` keeps for the next call."""
         while event.finish_reason is None and not r.events.empty():
             more = r.events.get_nowait()
             if getattr(more, "request_id", r.request_id) != r.request_id:
@@ -259,32 +234,6 @@ class Router:
                 break
             event = _joined(event, more)
         return event
-
-    @staticmethod
-    def _with_first_logprobs(
-        r: Request, event: FirstTokenLogprobs | RequestOutput
-    ) -> RequestOutput | None:
-        """D's output ready to relay, its first token's log-probabilities (sampled by P, reported by P) filled
-        in, or None while they have not come: D's outputs are held until then."""
-        if isinstance(event, FirstTokenLogprobs):
-            if event.step != len(r.generated):
-                return None  # of a placement that ended before its first token was sent
-            r.first_logprobs = event
-            if r.held is None:
-                return None
-            event, r.held = r.held, None
-        elif event.preempted or event.finish_reason == FinishReason.ABORT:
-            return event  # ends this submission: next_tokens drops what it held
-        elif r.held is not None:
-            r.held = _joined(r.held, event)
-            return None
-        if not event.logprobs or event.logprobs[0] is not None:
-            return event
-        if r.first_logprobs is None:
-            r.held = event
-            return None
-        first, r.first_logprobs = r.first_logprobs.logprobs, None
-        return dataclasses.replace(event, logprobs=[first, *event.logprobs[1:]])
 
     def close(self, r: Request) -> None:
         """Forgets the request; unless it finished, aborts it on every worker it touched (in the background)."""
@@ -319,7 +268,7 @@ class Router:
             )
         r.num_migrations += 1
         r.moved_at = time.monotonic()
-        r.stages, r.prefill_stages_from = StageTimes(), ""
+        r.stages = StageTimes()
         self.num_migrated += 1
         if lost is not None:
             lost.num_migrated += 1
@@ -392,21 +341,14 @@ class Router:
     async def _poll_prefill(self, w: WorkerHandle) -> None:
         while not self._closed:
             try:
-                data = await w.actor.poll_events.remote(self.config.poll_timeout_s)
+                data = await w.actor.poll_failures.remote(self.config.poll_timeout_s)
             except ray.exceptions.RayError as e:
                 self.worker_lost(w, str(e).splitlines()[0])
                 return
-            events = messages.decode(PrefillEvents, data)
-            for event in [*events.failures, *events.first_logprobs]:
-                r = self.requests.get(event.request_id)
+            for failure in messages.decode(list[PrefillFailure], data):
+                r = self.requests.get(failure.request_id)
                 if r is not None and r.prefill is w:
-                    r.events.put_nowait(event)
-            # stage reports often come after D's first token ended the request's stay on P
-            for report in events.stages:
-                r = self.requests.get(report.request_id)
-                if r is not None and r.prefill_worker == w.worker_id:
-                    r.stages = r.stages.merged(report.stages)
-                    r.prefill_stages_from = w.worker_id
+                    r.events.put_nowait(failure)
 
     def spawn(self, coro) -> None:
         task = asyncio.create_task(coro)

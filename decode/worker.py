@@ -5,8 +5,10 @@ over the engine's scheduler (a request with a prefill peer is `Policy.DECODE_ONL
 A plain class (Ray wraps it in pdserve.cluster). Control calls (`add_request`, `abort`, `stats`) may come from any
 thread; `step` runs on the worker's loop thread, its forward passes without the worker's lock (a page freed
 meanwhile is held back until the step ends, since the pass may still write it). KV pages arrive through a
-`KVReceiver` writing straight into the cache; with no prefill peer the worker prefills the request itself (the
-aggregated path). Outputs of each step are queued as one batch for `poll_outputs`.
+`KVReceiver` writing straight into the cache, with what the prefill worker knows of the request beyond them
+(`PrefillHandoff`: the first token's log-probabilities, its stage times), so that the request's first output here is
+complete; with no prefill peer the worker prefills the request itself (the aggregated path). Outputs of each step
+are queued as one batch for `poll_outputs`.
 
 A worker of several ranks whose ranks hold KV endpoints (`pdserve.engine.ranks.kv`) receives each request's pages
 on the rank that holds it: `add_request` names that rank's endpoint in its `Reservation`, and what the ranks are
@@ -16,17 +18,25 @@ polls the ranks while transfers are awaited).
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import time
 
 from pdserve import kernels
-from pdserve.engine.messages import DecodeRequest, DecodeStats, RequestOutput, Reservation
+from pdserve.engine.messages import (
+    DecodeRequest,
+    DecodeStats,
+    PrefillHandoff,
+    RequestOutput,
+    Reservation,
+)
 from pdserve.engine.ranks.group import RankGroup
 from pdserve.engine.ranks.kv import RankKVControl, rank_endpoint
 from pdserve.engine.request import Policy, Request, RequestState
 from pdserve.engine.worker import Worker
-from pdserve.kvtransfer import ExpectedTransfer, KVReceiver, MakeReceiver
+from pdserve.kvtransfer import ExpectedTransfer, KVReceiver, MakeReceiver, TransferResult
 from pdserve.model.deepseek import Transformer
+from pdserve.model.errors import TransferError
 
 from .config import DecodeConfig
 
@@ -157,8 +167,8 @@ class DecodeWorker(Worker):
         with self._lock:
             outputs: list[RequestOutput] = []
             if self.receiver is not None:
-                for r in self.receiver.poll():
-                    outputs += self._arrived(r.transfer_id, r.num_tokens, r.first_token, r.error)
+                for result in self.receiver.poll():
+                    outputs += self._arrived(result)
             plan, planned = self.scheduler.schedule()
             outputs += planned
             control = poll = None
@@ -171,20 +181,30 @@ class DecodeWorker(Worker):
                 with self._lock:
                     for rank, pages in self.rank_kv.delivered():
                         self.allocators[rank].free(pages)
-                    for a in self.rank_kv.arrived(arrivals):
-                        outputs += self._arrived(
-                            a.transfer_id, a.num_tokens, a.first_token, a.error
-                        )
+                    for result in self.rank_kv.arrived(arrivals):
+                        outputs += self._arrived(result)
         self._emit(outputs)
         return bool(plan is not None or outputs)
 
-    def _arrived(
-        self, transfer_id: int, num_tokens: int, first_token: int, error: str | None
-    ) -> list[RequestOutput]:
-        """Under the lock: a transfer arrived (or failed)."""
-        if error is None:
-            return self.scheduler.kv_arrived(transfer_id, num_tokens, first_token)
-        return self.scheduler.kv_failed(transfer_id, error)
+    def _arrived(self, result: TransferResult) -> list[RequestOutput]:
+        """Under the lock: a transfer arrived (or failed). Its request's first output carries what the prefill
+        worker sent with the pages (`PrefillHandoff`): the first token's log-probabilities, and its stages with
+        the transfer's own time here added to its `kv_transfer_s`."""
+        if result.error is not None:
+            return self.scheduler.kv_failed(result.transfer_id, result.error)
+        try:
+            handoff = PrefillHandoff.from_bytes(result.metadata)
+        except TransferError as e:
+            return self.scheduler.kv_failed(
+                result.transfer_id, f"transfer {result.transfer_id}: {e}"
+            )
+        stages = handoff.stages
+        if result.started_at is not None and result.completed_at is not None:
+            moved_s = max(0.0, result.completed_at - result.started_at)
+            stages = dataclasses.replace(stages, kv_transfer_s=stages.kv_transfer_s + moved_s)
+        return self.scheduler.kv_arrived(
+            result.transfer_id, result.num_tokens, result.first_token, handoff.logprobs, stages
+        )
 
     def warm_up(self) -> None:
         """Prompt chunks up to `max_prefill_chunk` (the aggregated path) and a decode graph for every bucket of

@@ -74,14 +74,20 @@ class PrefillFailure:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class FirstTokenLogprobs:
-    """The log-probabilities of the first token this worker sampled for a request that asked for them; reported
-    before its KV is sent, so the router has them by the time the decode worker streams the token."""
+class PrefillStats:
+    worker_id: str
+    num_queued: int
+    queued_tokens: int
+    num_sending: int
+    pages_used: int
+    pages_total: int
+    kv_bytes_sent: int = 0
+    """KV bytes the decode workers acknowledged, since start."""
+    num_send_failures: int = 0
+    """KV sends that failed (their requests moved or failed), since start."""
 
-    request_id: str
-    step: int
-    """Tokens the request had generated before this one."""
-    logprobs: TokenLogprobs
+
+# Prefill worker -> decode worker, with the KV pages.
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,9 +99,11 @@ class StageTimes:
     prefill_s: float = 0.0
     """From its first prefill chunk to its first token."""
     kv_transfer_s: float = 0.0
-    """Prefill worker: from its first token to the decode worker's acknowledgement of its KV."""
+    """From the first token on the prefill worker to its KV in the decode worker's cache: the wait for the send
+    there, then the transfer from its header's arrival on the decode worker (each part on its host's clock)."""
     decode_queue_s: float = 0.0
-    """Decode worker: from its first token (sampled there, or arrived with its KV) to its first decode step."""
+    """From the first token on the decode worker (sampled there, or arrived with its KV) to its first decode
+    step."""
 
     def merged(self, other: StageTimes | None) -> StageTimes:
         """These stages, with those `other` ran (its non-zero ones) in."""
@@ -110,38 +118,33 @@ class StageTimes:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class PrefillStages:
-    """The stages a prefill worker ran for a request whose KV the decode worker acknowledged."""
+class PrefillHandoff:
+    """What a prefill worker knows of a request beyond its KV and first token, sent with its pages (the
+    transfer's metadata, `KVSender.send`) so that the decode worker's first output of the request is complete.
+    A field added later (the MTP draft's hidden state) must have a default, so that a handoff without it
+    decodes."""
 
-    request_id: str
-    stages: StageTimes
+    logprobs: TokenLogprobs | None = None
+    """The first token's log-probabilities, where the request asked for them."""
+    stages: StageTimes = StageTimes()
+    """The stages the prefill worker ran; its `kv_transfer_s` ends when its send began (the decode worker adds
+    the transfer itself, on its own clock)."""
 
+    def to_bytes(self) -> bytes:
+        return encode(self)
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class PrefillEvents:
-    """What a prefill worker reports to the router's long-poll."""
-
-    failures: list[PrefillFailure] = dataclasses.field(default_factory=list)
-    first_logprobs: list[FirstTokenLogprobs] = dataclasses.field(default_factory=list)
-    stages: list[PrefillStages] = dataclasses.field(default_factory=list)
-
-    @property
-    def empty(self) -> bool:
-        return not self.failures and not self.first_logprobs and not self.stages
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PrefillStats:
-    worker_id: str
-    num_queued: int
-    queued_tokens: int
-    num_sending: int
-    pages_used: int
-    pages_total: int
-    kv_bytes_sent: int = 0
-    """KV bytes the decode workers acknowledged, since start."""
-    num_send_failures: int = 0
-    """KV sends that failed (their requests moved or failed), since start."""
+    @staticmethod
+    def from_bytes(data: bytes) -> PrefillHandoff:
+        """The handoff `to_bytes` made (empty bytes: an empty handoff). Raises TransferError when `data` is not
+        one."""
+        if not data:
+            return PrefillHandoff()
+        try:
+            return decode(PrefillHandoff, data)
+        except (ValueError, TypeError, AttributeError) as e:  # not msgpack, or not a handoff's map
+            raise errors.TransferError(
+                f"unreadable prefill handoff ({len(data)} bytes): {e}"
+            ) from e
 
 
 # Router -> decode worker.
@@ -191,10 +194,11 @@ class RequestOutput:
     preempted: bool = False
     """The worker gave the request's pages away: resubmit it with the tokens generated so far."""
     logprobs: list[TokenLogprobs | None] | None = None
-    """Where the request asked for log-probabilities: one entry per token of `token_ids`; None for a first token
-    a prefill worker sampled (that worker reports it: `FirstTokenLogprobs`)."""
+    """Where the request asked for log-probabilities: one entry per token of `token_ids` (a first token a
+    prefill worker sampled has those that came with its KV: `PrefillHandoff`)."""
     stages: StageTimes | None = None
-    """On a finishing output: the stages this worker ran (a prefill worker reports its own: `PrefillStages`)."""
+    """The stages the request ran so far, on this worker and on the prefill worker whose KV it took
+    (`PrefillHandoff`): on its first output after that KV arrived, and on its finishing output."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ import enum
 from collections.abc import Collection
 from typing import Any
 
+from pdserve.engine.messages import StageTimes
 from pdserve.engine.sampling_params import SamplingParams, min_tokens_ban
 
 
@@ -69,6 +70,8 @@ class Request:
     first_chunk_at: float = 0.0
     first_token_at: float = 0.0
     first_decode_at: float = 0.0
+    prefill_stages: StageTimes | None = None
+    """DECODE_ONLY: the stages its prefill worker ran and its KV transfer, as they arrived with its KV."""
     stop_ids: frozenset[int] = dataclasses.field(init=False, repr=False)
     """`params.stop_token_ids` as a set: each sampled token is looked up in it."""
     _banned: tuple[int, ...] | None = dataclasses.field(default=None, init=False, repr=False)

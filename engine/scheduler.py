@@ -216,8 +216,12 @@ class Scheduler:
     # Events.
 
     def kv_arrived(
-        self, transfer_id: int, num_tokens: int, first_token: int
-    ) -> list[RequestOutput]:
+        self, transfer_id: int, num_tokens: int, first_token: int,
+        logprobs: TokenLogprobs | None = None, prefill_stages: StageTimes | None = None,
+    ) -> list[RequestOutput]:  # fmt: skip
+        """A DECODE_ONLY request's KV is in the cache, with the first token its prefill worker sampled, that
+        token's log-probabilities (where asked) and the stages that worker ran and the transfer took: its
+        output carries them all."""
         request = self._by_transfer.pop(transfer_id, None)
         if request is None or request.state is not RequestState.WAITING_FOR_KV:
             return []
@@ -228,7 +232,8 @@ class Scheduler:
         request.num_computed = num_tokens
         request.state = RequestState.RUNNING
         request.first_token_at = time.monotonic()
-        return self._append(request, first_token)
+        request.prefill_stages = prefill_stages
+        return self._append(request, first_token, logprobs, with_stages=True)
 
     def kv_failed(self, transfer_id: int, error: str) -> list[RequestOutput]:
         request = self._by_transfer.pop(transfer_id, None)
@@ -261,20 +266,20 @@ class Scheduler:
             self.waiting.remove(request)
 
     def _append(
-        self, request: Request, token: int, logprobs: TokenLogprobs | None = None
-    ) -> list[RequestOutput]:
-        """`logprobs`: the token's, where the request asked for them and they were computed here (a first token
-        sampled by a prefill worker has them on that worker: the output's entry is None)."""
+        self, request: Request, token: int, logprobs: TokenLogprobs | None = None,
+        with_stages: bool = False,
+    ) -> list[RequestOutput]:  # fmt: skip
+        """`logprobs`: the token's, where the request asked for them. The output carries the request's stages
+        when it finishes, or when asked (`with_stages`)."""
         request.token_ids.append(token)
         request.num_generated += 1
         request.first_token_at = request.first_token_at or time.monotonic()
         reason = check_stop(
             request.params, token, request.num_generated, self.eos_token_ids, request.stop_ids
         )
-        stages = None
         if reason is not None:
             self._release(request, RequestState.FINISHED)
-            stages = stage_times(request)
+        stages = stage_times(request) if reason is not None or with_stages else None
         wanted = request.params.logprobs is not None
         return [
             RequestOutput(
@@ -515,9 +520,10 @@ class Scheduler:
 
 
 def stage_times(request: Request, sent_at: float = 0.0) -> StageTimes:
-    """The stages `request` went through on this worker: its prefill's queue and run where it was prefilled here,
-    the KV transfer up to `sent_at` (a prefill worker's acknowledgement), the wait for its first decode step where
-    it decoded here."""
+    """The stages `request` went through: on this worker, its prefill's queue and run where it was prefilled
+    here, the KV transfer's wait up to `sent_at` (when a prefill worker's send began), the wait for its first
+    decode step where it decoded here; with those its prefill worker ran and its KV transfer
+    (`Request.prefill_stages`), where it was prefilled there."""
 
     def between(start: float, end: float) -> float:
         return max(0.0, end - start) if start and end else 0.0
@@ -528,4 +534,4 @@ def stage_times(request: Request, sent_at: float = 0.0) -> StageTimes:
         prefill_s=between(chunk, token),
         kv_transfer_s=between(token, sent_at),
         decode_queue_s=between(token, request.first_decode_at),
-    )
+    ).merged(request.prefill_stages)

@@ -8,16 +8,24 @@ tests. This package knows torch.distributed and the page layout, nothing else.
 |---|---|
 | `base` | the contract (`KVSender`, `KVReceiver`) |
 | `config` | `KVTransferConfig` |
-| `dist` | the contract over torch.distributed (`_link`, `_receiver`, `_wire`: its parts) |
+| `dist` | the contract over torch.distributed (`_link` a pair's group, `_receiver` D's side, `_wire` the format) |
 | `loopback` | the contract in one process, for tests |
 | `pages` | whole-page gathers and scatters of the page-major cache |
 | `store` | the shared rendezvous store |
 """
 
-from .base import ExpectedTransfer, KVReceiver, KVSender, MakeReceiver, TransferResult
+from .base import (
+    MAX_METADATA_BYTES,
+    ExpectedTransfer,
+    KVReceiver,
+    KVSender,
+    MakeReceiver,
+    TransferResult,
+)
 from .config import KVTransferConfig
 
 __all__ = [
+    "MAX_METADATA_BYTES",
     "ExpectedTransfer",
     "KVReceiver",
     "KVSender",

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -40,6 +41,7 @@ _JOIN_POLL_S = 0.005
 SENDER_EPOCH_TTL_S = 1.0
 """How long the prefill side trusts its last read of a pair's epoch (a store round trip per send would cost
 ~0.2 ms); a failed send re-reads it."""
+_MIN_METADATA_BUFFER = 1024
 _PR_SET_TIMERSLACK = 29
 _TIMER_SLACK_NS = 1000
 
@@ -78,15 +80,49 @@ class _OnStream:
 
 
 class Scratch:
-    """A pair's buffers for its small int64 messages, with their views made once (each tensor slice costs
+    """A pair's buffers for its small messages, with their views made once (each tensor slice costs
     microseconds of host time on the path every transfer waits on): the header in host memory (pinned on a
-    GPU, with a numpy view to fill it) and on the device, and an acknowledgement on the device."""
+    GPU, with a numpy view to fill it) and on the device, an acknowledgement on the device, and the metadata
+    in host memory and on the device (grown to the largest a transfer carried)."""
 
     def __init__(self, device: torch.device, pinned: bool):
+        self.device, self.pinned = device, pinned
         self.host = torch.empty(HEADER_LEN, dtype=torch.int64, pin_memory=pinned)
         self.host_np = self.host.numpy()
         dev = torch.empty(HEADER_LEN + 2, dtype=torch.int64, device=device)
         self.header, self.ack = dev[:HEADER_LEN], dev[HEADER_LEN:]
+        self._meta_host = self._meta_dev = torch.empty(0, dtype=torch.uint8)
+
+    def _meta_room(self, n: int) -> None:
+        if self._meta_host.numel() >= n:
+            return
+        size = max(_MIN_METADATA_BUFFER, 1 << (n - 1).bit_length())
+        self._meta_host = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+        on_host = self.device.type == "cpu"
+        self._meta_dev = (
+            self._meta_host if on_host else torch.empty(size, dtype=torch.uint8, device=self.device)
+        )
+
+    def metadata_out(self, data: bytes) -> torch.Tensor:
+        """`data` as a uint8 tensor on the device, to send: copied there on the current stream (no host
+        wait)."""
+        n = len(data)
+        self._meta_room(n)
+        self._meta_host[:n].numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        if self._meta_dev is self._meta_host:
+            return self._meta_host[:n]
+        return self._meta_dev[:n].copy_(self._meta_host[:n], non_blocking=True)
+
+    def metadata_in(self, n: int) -> torch.Tensor:
+        """A uint8[n] buffer on the device to receive metadata into (read it with `metadata_read`)."""
+        self._meta_room(n)
+        return self._meta_dev[:n]
+
+    def metadata_read(self, n: int) -> bytes:
+        """The metadata received into `metadata_in(n)`, once the current stream follows its receive."""
+        if self._meta_dev is self._meta_host:
+            return self._meta_host[:n].numpy().tobytes()
+        return self._meta_dev[:n].cpu().numpy().tobytes()
 
 
 class PeerAbsent(TransferError):

@@ -1,6 +1,6 @@
 """The decode side of the KV transfer over torch.distributed (see `dist` for the whole protocol): a receiving
-thread per prefill peer, which posts a header receive while a transfer from that peer may come, then the pieces'
-receives, in place or packed, and acknowledges."""
+thread per prefill peer, which posts a header receive while a transfer from that peer may come, then the
+metadata's receive and the pieces', in place or packed, and acknowledges."""
 
 from __future__ import annotations
 
@@ -35,11 +35,12 @@ from ._wire import (
     MAGIC,
     TAG_ACK,
     TAG_HEADER,
+    TAG_METADATA,
     TAG_PAGES,
     chunk_plan,
     pieces_at,
 )
-from .base import ExpectedTransfer, KVReceiver, TransferResult
+from .base import MAX_METADATA_BYTES, ExpectedTransfer, KVReceiver, TransferResult
 from .config import KVTransferConfig
 from .pages import check_pages, device_ids, in_run, run_breaks, run_view, scatter_pages
 
@@ -323,7 +324,7 @@ class DistKVReceiver(KVReceiver):
         seen_at = time.monotonic()
         header = posted.fields()
         magic, transfer_id, num_pages, num_tokens, first_token = header[:5]
-        layers, page_size, dim, itemsize, largest, first = header[5:]
+        layers, page_size, dim, itemsize, largest, first, metadata_len = header[5:]
         cut_at_runs = largest == CUT_AT_RECEIVER_RUNS
         sizes = (num_pages, layers, page_size, dim, first) + (() if cut_at_runs else (largest,))
         what = f"KV transfer {transfer_id} from {peer}"
@@ -337,7 +338,7 @@ class DistKVReceiver(KVReceiver):
                 if self._expected.pop(transfer_id, None) is not None:
                     self._results.append(TransferResult(transfer_id, error=error))
             raise TransferError(error)
-        if magic != MAGIC or min(sizes) <= 0:
+        if magic != MAGIC or min(sizes) <= 0 or not 0 <= metadata_len <= MAX_METADATA_BYTES:
             raise TransferError(f"garbled or incompatible header from {peer}: {header}")
         self._await_expectation(transfer_id)
         deadline = time.monotonic() + self.config.timeout_s
@@ -360,6 +361,11 @@ class DistKVReceiver(KVReceiver):
             # From here on, a cancel waits until no piece can write in place any more.
             if any(in_place):
                 self._arriving[transfer_id] = threading.Event()
+        # The metadata comes first (P sends it right after the header); received even when discarded.
+        scratch = pair.scratch()
+        metadata_op = None
+        if metadata_len:
+            metadata_op = pair.recv(scratch.metadata_in(metadata_len), TAG_METADATA)
         ops, staged = [], []
         for (a, b), here in zip(plan, in_place, strict=True):
             if here:
@@ -376,8 +382,12 @@ class DistKVReceiver(KVReceiver):
         dest_dev = device_ids(dest, self.device) if dest is not None and staged else None
         acks = device_ids([transfer_id, ACK_OK, transfer_id, ACK_DISCARDED], self.device).view(2, 2)
         ok = dest is not None
+        metadata = b""
         try:
             give_up = self._give_up_check(transfer_id) if any(in_place) else None
+            if metadata_op is not None:  # read while the pages travel
+                self._wait_pieces(metadata_op, deadline, what, give_up)
+                metadata = scratch.metadata_read(metadata_len)
             for i, a, b, buffer in staged:
                 # After this wait our (side) stream follows the piece's receive.
                 self._wait_pieces(ops[i], deadline, what, give_up)
@@ -408,7 +418,12 @@ class DistKVReceiver(KVReceiver):
             if ok:
                 self._results.append(
                     TransferResult(
-                        transfer_id, num_tokens, first_token, completed_at=time.monotonic()
+                        transfer_id,
+                        num_tokens,
+                        first_token,
+                        completed_at=time.monotonic(),
+                        started_at=seen_at,
+                        metadata=metadata,
                     )
                 )
         ack_op = pair.send(acks[0 if ok else 1], TAG_ACK)

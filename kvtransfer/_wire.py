@@ -3,11 +3,14 @@
 1. header int64[HEADER_LEN] P->D: MAGIC, transfer id, page count, token count, first token, then the payload's
    layout (layers, page size, entry dim, bytes per value) and how it is cut: the largest piece and the first
    piece, in pages (`chunk_plan`), or CUT_AT_RECEIVER_RUNS and the number of pieces: one piece per run of D's
-   pages for the transfer, as D advised (`pieces_at` D's `run_breaks`);
-2. the pages P->D, cut along the page axis into pieces (`chunk_plan`): piece [a, b) is the tensor
+   pages for the transfer, as D advised (`pieces_at` D's `run_breaks`); last, the metadata's length in bytes
+   (0 to `MAX_METADATA_BYTES`);
+2. the metadata P->D, uint8[length], only when the length is not 0: the bytes P passed to `send`, which D
+   returns with the transfer's result (opaque here: what the prefill worker knows of the request beyond its KV);
+3. the pages P->D, cut along the page axis into pieces (`chunk_plan`): piece [a, b) is the tensor
    [b - a, num_layers, page_size, dim] of the request's pages a .. b - 1 (in the request's page order), all layers
    of a page together (the page-major cache's layout);
-3. ack int64[2] D->P: transfer id, ACK_OK or ACK_DISCARDED.
+4. ack int64[2] D->P: transfer id, ACK_OK or ACK_DISCARDED.
 
 Each side reads or writes a piece in place when its own pages for the piece are one run of consecutive ids, and
 through a packed copy otherwise; neither needs to know what the other does.
@@ -15,9 +18,9 @@ through a packed copy otherwise; neither needs to know what the other does.
 
 from __future__ import annotations
 
-MAGIC = 0x4B565850  # "KVXP": the page-major format (the layer-major one was "KVXF")
-HEADER_LEN = 11
-TAG_HEADER, TAG_PAGES, TAG_ACK = 0, 1, 2
+MAGIC = 0x4B56584D  # "KVXM": page-major, with metadata (before it: "KVXP"; layer-major: "KVXF")
+HEADER_LEN = 12
+TAG_HEADER, TAG_PAGES, TAG_ACK, TAG_METADATA = 0, 1, 2, 3
 ACK_OK, ACK_DISCARDED = 1, 2
 _RAMP = 4
 CUT_AT_RECEIVER_RUNS = 0

@@ -5,11 +5,13 @@ Ownership. D owns its cache: before P sends, D reserves destination pages for th
 until `KVSender.send` returns (acknowledged or failed); then P frees them, either way. D frees the destination
 pages itself if the transfer fails or the request is cancelled.
 
-Ordering. Transfers between one (P, D) pair travel in the order P sends them; different pairs are independent.
-A transfer is a header (the request's transfer id, page count, token count and first sampled token) followed by
-the pages, whole pages [num_pages, num_layers, page_size, entry_dim] in the request's page order (possibly cut
-into pieces along the page axis), never per-token messages. Caches are page-major, so a run of consecutive pages
-is sent from, and received into, the cache in place.
+Ordering. Transfers between one (P, D) pair travel in the order P sends them; different pairs are independent. A
+transfer is a header (the request's transfer id, page count, token count and first sampled token), then P's metadata
+for the request (opaque bytes, possibly none: what P knows of the request beyond its KV, which D needs with its
+first token), then the pages, whole pages [num_pages, num_layers, page_size, entry_dim] in the request's page order
+(possibly cut into pieces along the page axis), never per-token messages. The metadata reaches D with the pages,
+never apart: `TransferResult.metadata` of the transfer that put them in the cache. Caches are page-major, so a run
+of consecutive pages is sent from, and received into, the cache in place.
 
 Acknowledgement. D acknowledges a transfer after its pages are in D's cache (device writes included); `send`
 returns only then, and D reports the transfer through `poll` only then. A transfer D no longer expects (cancelled,
@@ -27,6 +29,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
+
+MAX_METADATA_BYTES = 1 << 20
+"""The most metadata one transfer carries (a header announcing more is garbled): it is a request's small extras,
+never bulk data."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -51,6 +57,10 @@ class TransferResult:
     """None when the pages are in the cache; otherwise what went wrong."""
     completed_at: float | None = None
     """time.monotonic() when the pages were in the cache (None on failure, or where the receiver does not say)."""
+    started_at: float | None = None
+    """time.monotonic() on the same clock as `completed_at` when the transfer's header arrived (None as there)."""
+    metadata: bytes = b""
+    """The bytes P passed to `send` with these pages, unchanged (empty on failure)."""
 
 
 class KVSender(abc.ABC):
@@ -59,13 +69,15 @@ class KVSender(abc.ABC):
     @abc.abstractmethod
     def send(
         self, peer: str, transfer_id: int, cache: torch.Tensor, page_ids: list[int],
-        num_tokens: int, first_token: int, dest_cuts: Sequence[int] = (),
+        num_tokens: int, first_token: int, dest_cuts: Sequence[int] = (), metadata: bytes = b"",
     ) -> None:  # fmt: skip
         """Sends pages `page_ids` (all layers, in that order) of the page-major `cache` [num_pages, num_layers,
         page_size, dim] to decode worker `peer`; blocks until it acknowledged. The pages' device writes must have
         completed when `send` is called; they are read until it returns. `dest_cuts`: what the receiver's
-        `expect` returned for this transfer, passed on unchanged (an implementation may ignore it). Raises
-        TransferError (naming the peer and what happened) on failure or timeout."""
+        `expect` returned for this transfer, passed on unchanged (an implementation may ignore it). `metadata`:
+        bytes that reach D with the pages (`TransferResult.metadata`), at most `MAX_METADATA_BYTES`. Raises
+        TransferError (naming the peer and what happened) on failure or timeout, and for metadata over the
+        bound."""
 
     def connect(self, peer: str) -> None:  # noqa: B027 (optional hook)
         """Starts building the link to `peer` in the background, so that it is up by the time a transfer is ready.

@@ -10,11 +10,14 @@ message with no copy, as fast as a bare send of its bytes. When D's pages are a 
 D's `expect` returns where they break; that advice reaches P through the router (`dest_cuts`), and a P whose
 pages are one run sends one piece per run of D's, each landing in place.
 
-Pipelining, for pages that are not in a run. P posts the header first, then packs piece i on a side stream and
-posts its send; NCCL runs the sends in order, so the packing of piece i + 1 overlaps the send of piece i. D posts
-the receives of all pieces as soon as the header is in, and unpacks each packed piece into its cache pages while
-the next is on the wire. D decides each unpacking on the host, after the piece arrived and under the receiver's
-lock, so a `cancel` stops all further writes at once; it then waits for the writes already queued.
+Metadata. P's bytes for the request (`send`'s `metadata`) follow the header as one small message, before the
+pages, and D hands them back with the transfer's result; neither side reads them.
+
+Pipelining, for pages that are not in a run. P posts the header (and the metadata) first, then packs piece i on a
+side stream and posts its send; NCCL runs the sends in order, so the packing of piece i + 1 overlaps the send of
+piece i. D posts the receives of all pieces as soon as the header is in, and unpacks each packed piece into its
+cache pages while the next is on the wire. D decides each unpacking on the host, after the piece arrived and under
+the receiver's lock, so a `cancel` stops all further writes at once; it then waits for the writes already queued.
 
 A cancel while pieces are arriving in place waits for them (normally a millisecond); if P stalls mid-transfer,
 D gives up after `_CANCEL_GRACE_S` and tears down the link, which stops the writes.
@@ -42,11 +45,12 @@ from ._wire import (
     MAGIC,
     TAG_ACK,
     TAG_HEADER,
+    TAG_METADATA,
     TAG_PAGES,
     chunk_plan,
     pieces_at,
 )
-from .base import KVSender
+from .base import MAX_METADATA_BYTES, KVSender
 from .config import KVTransferConfig
 from .pages import check_pages, device_ids, gather_pages, in_run, run_breaks, run_view
 from .store import connect_store
@@ -63,7 +67,7 @@ class SendProfile:
     started_at: float
     """time.monotonic() on entering `send` (the same clock as `TransferResult.completed_at` on D's host)."""
     header_s: float
-    """The header's send posted."""
+    """The header's send (and the metadata's) posted."""
     posted_s: float
     """Every piece gathered (queued) and every operation posted."""
     done_s: float
@@ -126,7 +130,7 @@ class DistKVSender(KVSender):
 
     def send(
         self, peer: str, transfer_id: int, cache: torch.Tensor, page_ids: list[int],
-        num_tokens: int, first_token: int, dest_cuts: Sequence[int] = (),
+        num_tokens: int, first_token: int, dest_cuts: Sequence[int] = (), metadata: bytes = b"",
     ) -> None:  # fmt: skip
         start = time.monotonic()
         pair = self._pair(peer)
@@ -134,6 +138,10 @@ class DistKVSender(KVSender):
         page_bytes = num_layers * page_size * dim * cache.element_size()
         n = len(page_ids)
         what = f"KV transfer {transfer_id} ({n * page_bytes} bytes) to {peer}"
+        if len(metadata) > MAX_METADATA_BYTES:
+            raise TransferError(
+                f"{what}: {len(metadata)} bytes of metadata, more than the {MAX_METADATA_BYTES} allowed"
+            )
         breaks = run_breaks(page_ids) if self.in_place else None
         check_pages(page_ids, num_cache_pages, what, breaks)
         # A run here, a few there: a piece per run of D's pages, all in place.
@@ -149,7 +157,7 @@ class DistKVSender(KVSender):
             plan = chunk_plan(n, largest, first)
         fields = [
             MAGIC, transfer_id, n, num_tokens, first_token,
-            num_layers, page_size, dim, cache.element_size(), largest, first,
+            num_layers, page_size, dim, cache.element_size(), largest, first, len(metadata),
         ]  # fmt: skip
         with pair.held(), pair.on_device():
             pair.connect(epoch_ttl_s=SENDER_EPOCH_TTL_S)
@@ -166,6 +174,8 @@ class DistKVSender(KVSender):
                     fields_dev = device_ids(fields + page_ids, self.device)
                     header, ids = fields_dev[:HEADER_LEN], fields_dev[HEADER_LEN:]
                 ops = [pair.send(header, TAG_HEADER)]
+                if metadata:
+                    ops.append(pair.send(scratch.metadata_out(metadata), TAG_METADATA))
                 header_at = time.monotonic()
                 if self.delay_after_header_s:
                     wait_ops(ops, deadline, what, self.config.spin_s)

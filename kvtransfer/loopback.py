@@ -11,7 +11,7 @@ import torch
 
 from pdserve.model.errors import TransferError
 
-from .base import ExpectedTransfer, KVReceiver, KVSender, TransferResult
+from .base import MAX_METADATA_BYTES, ExpectedTransfer, KVReceiver, KVSender, TransferResult
 from .pages import gather_pages, scatter_pages
 
 
@@ -51,8 +51,10 @@ class LoopbackReceiver(KVReceiver):
         return results
 
     def deliver(
-        self, transfer_id: int, pages: torch.Tensor, num_tokens: int, first_token: int
-    ) -> None:
+        self, transfer_id: int, pages: torch.Tensor, num_tokens: int, first_token: int,
+        metadata: bytes = b"",
+    ) -> None:  # fmt: skip
+        started_at = time.monotonic()
         with self._lock:
             expected = self._expected.pop(transfer_id, None)
             if expected is None:
@@ -67,7 +69,14 @@ class LoopbackReceiver(KVReceiver):
             if self.cache.is_cuda:
                 torch.cuda.current_stream(self.cache.device).synchronize()
             self._results.append(
-                TransferResult(transfer_id, num_tokens, first_token, completed_at=time.monotonic())
+                TransferResult(
+                    transfer_id,
+                    num_tokens,
+                    first_token,
+                    completed_at=time.monotonic(),
+                    started_at=started_at,
+                    metadata=bytes(metadata),
+                )
             )
 
 
@@ -77,11 +86,16 @@ class LoopbackSender(KVSender):
 
     def send(
         self, peer: str, transfer_id: int, cache: torch.Tensor, page_ids: list[int],
-        num_tokens: int, first_token: int, dest_cuts: Sequence[int] = (),
+        num_tokens: int, first_token: int, dest_cuts: Sequence[int] = (), metadata: bytes = b"",
     ) -> None:  # fmt: skip
         receiver = self.hub.receivers.get(peer)
         if receiver is None:
             raise TransferError(f"KV transfer {transfer_id}: no decode worker {peer!r}")
+        if len(metadata) > MAX_METADATA_BYTES:
+            raise TransferError(
+                f"KV transfer {transfer_id}: {len(metadata)} bytes of metadata, more than the "
+                f"{MAX_METADATA_BYTES} allowed"
+            )
         ids = torch.tensor(page_ids, dtype=torch.int64, device=cache.device)
         pages = gather_pages(cache, ids)
-        receiver.deliver(transfer_id, pages, num_tokens, first_token)
+        receiver.deliver(transfer_id, pages, num_tokens, first_token, metadata)

@@ -4,8 +4,10 @@ budget, long prompts chunked, pages taken when a prompt starts) and the KV expor
 
 A plain class (Ray wraps it in pdserve.cluster). Control calls (`submit`, `abort`, `stats`) may come from any
 thread; `step` runs on the worker's loop thread. Finished prompts are sent by a small thread pool, one send at a
-time per decode peer; a prompt's pages are freed when its decode worker acknowledges or the send fails. Failures
-are reported through `poll_events` and fail only the requests involved.
+time per decode peer, each with what this worker knows of the request beyond its KV (`PrefillHandoff`: the first
+token's log-probabilities, the stages it ran here); a prompt's pages are freed when its decode worker
+acknowledges or the send fails. Failures are reported through `poll_failures` and fail only the requests
+involved.
 """
 
 from __future__ import annotations
@@ -15,16 +17,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve import kernels
-from pdserve.engine.messages import (
-    FirstTokenLogprobs,
-    PrefillEvents,
-    PrefillFailure,
-    PrefillRequest,
-    PrefillStages,
-    PrefillStats,
-)
+from pdserve.engine.messages import PrefillFailure, PrefillHandoff, PrefillRequest, PrefillStats
 from pdserve.engine.ranks.group import RankGroup
 from pdserve.engine.request import Policy, Request, RequestState
+from pdserve.engine.sampling_params import TokenLogprobs
 from pdserve.engine.scheduler import stage_times
 from pdserve.engine.worker import Worker
 from pdserve.kvtransfer import KVSender
@@ -59,8 +55,6 @@ class PrefillWorker(Worker):
         )  # fmt: skip
         self._aborted: set[str] = set()
         self._failures: list[PrefillFailure] = []
-        self._first_logprobs: list[FirstTokenLogprobs] = []
-        self._stages: list[PrefillStages] = []
         self._kv_bytes_sent = 0
         self._num_send_failures = 0
         self._sends = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{worker_id}-send")
@@ -97,14 +91,12 @@ class PrefillWorker(Worker):
         wait for it; its requests' aborts come from the router."""
         self.sender.forget(decode_worker)
 
-    def poll_events(self) -> PrefillEvents:
-        """Failures, the first tokens' log-probabilities and the stages of the requests handed over, since the
-        last call."""
+    def poll_failures(self) -> list[PrefillFailure]:
+        """The requests this worker failed since the last call (everything else about a request goes to its
+        decode worker, with its KV)."""
         with self._lock:
             failures, self._failures = self._failures, []
-            first_logprobs, self._first_logprobs = self._first_logprobs, []
-            stages, self._stages = self._stages, []
-        return PrefillEvents(failures, first_logprobs, stages)
+        return failures
 
     def stats(self) -> PrefillStats:
         with self._lock:
@@ -132,14 +124,8 @@ class PrefillWorker(Worker):
         with self._lock:
             for out in outcome.outputs:  # the requests of a failed pass, aborted by the scheduler
                 self._report(out.request_id, out.error)
-            # before the sends: the router holds the first token until its log-probabilities arrive
-            self._first_logprobs += [
-                FirstTokenLogprobs(request.request_id, request.num_generated, logprobs)
-                for request, _, logprobs in outcome.to_send
-                if logprobs is not None
-            ]
-        for request, first_token, _ in outcome.to_send:
-            self._sends.submit(self._send, request, first_token)
+        for request, first_token, logprobs in outcome.to_send:
+            self._sends.submit(self._send, request, first_token, logprobs)
         return True
 
     def warm_up(self) -> None:
@@ -163,7 +149,7 @@ class PrefillWorker(Worker):
             PrefillFailure(request_id, f"prefill worker {self.worker_id}: {error}")
         )
 
-    def _send(self, request: Request, first_token: int) -> None:
+    def _send(self, request: Request, first_token: int, logprobs: TokenLogprobs | None) -> None:
         r: PrefillRequest = request.payload
         with self._lock:
             if (
@@ -174,9 +160,11 @@ class PrefillWorker(Worker):
                 return
         try:
             start = time.perf_counter()
+            # the stages known now: the transfer's wait ends here, the decode worker adds the transfer
+            handoff = PrefillHandoff(logprobs, stage_times(request, time.monotonic()))
             self.sender.send(
                 r.decode_peer, r.transfer_id, self.runner.cache.data, list(request.pages),
-                len(r.token_ids), first_token, r.dest_cuts,
+                len(r.token_ids), first_token, r.dest_cuts, handoff.to_bytes(),
             )  # fmt: skip
             logger.debug(
                 "sent %s: %d pages in %.1f ms", r.request_id, len(request.pages),
@@ -188,12 +176,9 @@ class PrefillWorker(Worker):
         except Exception as e:  # thread boundary
             logger.error("send of %s failed", r.request_id, exc_info=True)
             error = f"KV send failed: {e}"
-        sent_at = time.monotonic()
         with self._lock:
             if error is None:
                 self._kv_bytes_sent += len(request.pages) * self.runner.cache.layout.page_bytes
-                if r.request_id not in self._aborted:
-                    self._stages.append(PrefillStages(r.request_id, stage_times(request, sent_at)))
             else:
                 self._num_send_failures += 1
                 if r.request_id not in self._aborted:

@@ -12,13 +12,15 @@ A cancelled transfer's pages are freed only once its rank has cancelled it (no p
 
 Wire (plain lists, carried in the step round beside the step plan): per rank `[expects, cancels]` with an expect
 `[transfer_id, peer, dest_pages, timeout_s]` and a cancel `transfer_id`; a rank answers arrivals
-`[transfer_id, num_tokens, first_token, error]`."""
+`[transfer_id, num_tokens, first_token, error, started_at, completed_at, metadata]` (a `TransferResult`'s fields,
+the prefill worker's metadata as bytes)."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
+
+from pdserve.kvtransfer import ExpectedTransfer, TransferResult
 
 __all__ = ["RankKVControl", "RankKVEndpoint", "rank_endpoint"]
 
@@ -28,12 +30,18 @@ def rank_endpoint(worker_id: str, rank: int) -> str:
     return f"{worker_id}.r{rank}"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Arrival:
-    transfer_id: int
-    num_tokens: int
-    first_token: int
-    error: str | None
+def arrival_to_wire(result: TransferResult) -> list:
+    r = result
+    return [
+        r.transfer_id, r.num_tokens, r.first_token, r.error, r.started_at, r.completed_at, r.metadata,
+    ]  # fmt: skip
+
+
+def arrival_from_wire(wire: list) -> TransferResult:
+    transfer_id, num_tokens, first_token, error, started_at, completed_at, metadata = wire
+    return TransferResult(
+        transfer_id, num_tokens, first_token, error, completed_at, started_at, bytes(metadata)
+    )
 
 
 class RankKVControl:
@@ -99,14 +107,15 @@ class RankKVControl:
         self.awaited.clear()
         return held
 
-    def arrived(self, replies: list[list]) -> list[Arrival]:
+    def arrived(self, replies: list[list]) -> list[TransferResult]:
         """The ranks' arrivals of a round (each rank's list), those still awaited."""
         out = []
         for wire in replies:
-            for transfer_id, num_tokens, first_token, error in wire:
-                if transfer_id in self.awaited:
-                    self.awaited.discard(transfer_id)
-                    out.append(Arrival(transfer_id, num_tokens, first_token, error))
+            for arrival in wire:
+                result = arrival_from_wire(arrival)
+                if result.transfer_id in self.awaited:
+                    self.awaited.discard(result.transfer_id)
+                    out.append(result)
         return out
 
 
@@ -118,8 +127,6 @@ class RankKVEndpoint:
 
     def apply(self, control: list | None) -> None:
         """Cancels, then expects what the driver said (control: this rank's `[expects, cancels]`)."""
-        from pdserve.kvtransfer import ExpectedTransfer
-
         if control is None:
             return
         expects, cancels = control
@@ -131,7 +138,7 @@ class RankKVEndpoint:
 
     def poll(self) -> list[list]:
         """The transfers that arrived or failed since the last poll (arrival wire lists)."""
-        return [[r.transfer_id, r.num_tokens, r.first_token, r.error] for r in self.receiver.poll()]
+        return [arrival_to_wire(r) for r in self.receiver.poll()]
 
     def close(self) -> None:
         self.receiver.close()

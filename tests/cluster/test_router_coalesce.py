@@ -1,6 +1,7 @@
 """A caller that fell behind the decode steps gets the queued outputs of its request merged into one chunk, up to
 (not past) a preemption, an abort or a failure, which it gets next; outputs of a submission that migrated away are
-dropped. No worker is called: the request sits on a decode worker handle and its outputs are queued as the
+dropped; a first output is relayed as it comes, with its first token's log-probabilities, and the stage times
+of every output merge. No worker is called: the request sits on a decode worker handle and its outputs are queued as the
 router's poller queues them."""
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ import asyncio
 from pdserve.cluster.config import RouterConfig
 from pdserve.cluster.pools import DECODE, WorkerHandle
 from pdserve.cluster.router import Router
-from pdserve.engine.messages import PrefillFailure, RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.messages import PrefillFailure, RequestOutput, StageTimes
+from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
 
 
 def _placed(router: Router):
@@ -57,5 +58,27 @@ def test_merging_stops_before_a_failure_which_comes_next():
         assert isinstance(await router._next_event(r), PrefillFailure) and r.pending is None
         out = await router.next_tokens(r)  # the failure was taken above: the next output follows
         assert out.token_ids == [7]
+
+    asyncio.run(run())
+
+
+def test_outputs_relay_as_they_come_and_their_stages_merge():
+    async def run():
+        router = Router(RouterConfig())
+        r, _ = _placed(router)
+        on_prefill = StageTimes(prefill_queue_s=0.25, prefill_s=0.5, kv_transfer_s=0.125)
+        first = RequestOutput(r.request_id, [5], logprobs=[TokenLogprobs(-0.5)], stages=on_prefill)
+        r.events.put_nowait(first)
+        # relayed as it came: nothing waits on the prefill worker
+        assert await router.next_tokens(r) == first
+        assert r.stages == on_prefill
+        # merged while queued: the first output's stages and the last one's
+        r.events.put_nowait(RequestOutput(r.request_id, [6], stages=StageTimes(prefill_s=1.0)))
+        r.events.put_nowait(RequestOutput(r.request_id, [7]))
+        last = StageTimes(decode_queue_s=0.0625)
+        r.events.put_nowait(RequestOutput(r.request_id, [8], "length", stages=last))
+        out = await router.next_tokens(r)
+        assert out.token_ids == [6, 7, 8] and out.stages == StageTimes(0.0, 1.0, 0.0, 0.0625)
+        assert r.stages == StageTimes(0.25, 1.0, 0.125, 0.0625)
 
     asyncio.run(run())

@@ -5,6 +5,7 @@ follows the penalties' formulas and continues alike when prefilled again with th
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -60,13 +61,9 @@ def drain(decode: DecodeWorker, ids: list[str], prefill: PrefillWorker | None = 
         decode.step()
         for out in decode.poll_outputs():
             assert out.error is None, out.error
-            if (
-                out.logprobs is not None
-            ):  # the first token's are None when a prefill worker sampled it
+            if out.logprobs is not None:  # a first token a prefill worker sampled has its own too
                 assert len(out.logprobs) == len(out.token_ids)
-                later = out.logprobs[1:] if not tokens[out.request_id] else out.logprobs
-                assert all(len(lp.top_ids) == 2 for lp in later if lp is not None)
-                assert prefill is not None or None not in out.logprobs
+                assert all(len(lp.top_ids) == 2 for lp in out.logprobs)
             tokens[out.request_id] += out.token_ids
             if out.finish_reason is not None:
                 reasons[out.request_id] = out.finish_reason
@@ -113,8 +110,42 @@ def test_disaggregated_requests_give_the_offline_tokens(model):
     finally:
         prefill.close()
     assert decode.stats().pages_used == 0 and prefill.stats().pages_used == 0
-    events = prefill.poll_events()  # the first token's log-probabilities of the request that asked
-    assert not events.failures and [e.request_id for e in events.first_logprobs] == ["r1"]
+    assert prefill.poll_failures() == []
+
+
+def test_the_first_output_of_a_request_prefilled_elsewhere_is_complete(model):
+    """Its first output carries what came with the KV: the first token's log-probabilities, and the stages the
+    prefill worker ran with the transfer's; the finishing output adds the wait for the first decode step."""
+    hub = LoopbackHub()
+    decode = DecodeWorker(
+        "d0", model, DecodeConfig(page_size=PAGE, num_pages=32),
+        make_receiver=lambda cache: LoopbackReceiver(hub, "d0", cache),
+    )  # fmt: skip
+    prefill = PrefillWorker(
+        "p0", model, PrefillConfig(page_size=PAGE, num_pages=32), LoopbackSender(hub)
+    )
+    params = SamplingParams(max_tokens=3, seed=7, logprobs=1, ignore_eos=True)
+    outputs = []
+    try:
+        reservation = decode.add_request(DecodeRequest("r", PROMPTS[1], params, "p0"))
+        prefill.submit(PrefillRequest("r", PROMPTS[1], params, 0, "d0", reservation.transfer_id))
+        deadline = time.monotonic() + 120
+        while not outputs or outputs[-1].finish_reason is None:
+            assert time.monotonic() < deadline
+            prefill.step()
+            decode.step()
+            outputs += decode.poll_outputs()
+    finally:
+        prefill.close()
+    first, last = outputs[0], outputs[-1]
+    assert len(first.token_ids) == 1 and len(first.logprobs[0].top_ids) == 1
+    assert first.logprobs[0].logprob <= 0
+    s = first.stages
+    assert s.prefill_queue_s > 0 and s.prefill_s > 0 and s.kv_transfer_s > 0
+    assert s.decode_queue_s == 0  # not known yet
+    assert [o.stages for o in outputs[1:-1]] == [None] * (len(outputs) - 2)
+    assert last.stages == dataclasses.replace(s, decode_queue_s=last.stages.decode_queue_s)
+    assert last.stages.decode_queue_s > 0
 
 
 class DirectModel:
@@ -139,8 +170,8 @@ class DirectModel:
 
 
 def drain_logprobs(decode: DecodeWorker, request_id: str, prefill: PrefillWorker | None = None):
-    """Steps until the request finishes; its tokens and their log-probabilities (the first from the prefill
-    worker's events when it sampled it)."""
+    """Steps until the request finishes; its tokens and their log-probabilities (the first token's, sampled by
+    the prefill worker, in the decode worker's first output)."""
     tokens, logprobs = [], []
     deadline = time.monotonic() + 120
     while True:
@@ -153,10 +184,6 @@ def drain_logprobs(decode: DecodeWorker, request_id: str, prefill: PrefillWorker
             tokens += out.token_ids
             logprobs += out.logprobs
             if out.finish_reason is not None:
-                if prefill is not None:
-                    (first,) = prefill.poll_events().first_logprobs
-                    assert logprobs[0] is None and first.step == 0
-                    logprobs[0] = first.logprobs
                 return tokens, logprobs
 
 

@@ -10,11 +10,13 @@ from pdserve.engine.messages import (
     DecodeRequest,
     DecodeStats,
     PrefillFailure,
+    PrefillHandoff,
     PrefillRequest,
     RequestOutput,
     Reservation,
+    StageTimes,
 )
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.model.errors import CapacityError, InvalidRequestError, TransferError
 
 PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop_token_ids=(4, 5))
@@ -35,6 +37,11 @@ PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop_to
             list[RequestOutput],
         ),
         ([PrefillFailure("c", "prefill worker p: boom")], list[PrefillFailure]),
+        (
+            PrefillHandoff(TokenLogprobs(-0.25, (3, 9), (-0.25, -2.0)), StageTimes(0.5, 1.0, 0.25)),
+            PrefillHandoff,
+        ),
+        (PrefillHandoff(), PrefillHandoff),
     ],
 )
 def test_round_trip(value, hint):
@@ -56,3 +63,13 @@ def test_errors_are_raised_again_with_their_type_and_field():
             messages.unwrap(None, messages.reply_error(error))
     with pytest.raises(messages.WorkerError, match="ZeroDivisionError"):
         messages.unwrap(None, messages.reply_error(ZeroDivisionError("x")))
+
+
+def test_a_prefill_handoff_reads_back_from_its_bytes_and_refuses_others():
+    handoff = PrefillHandoff(TokenLogprobs(-1.5), StageTimes(prefill_s=0.5))
+    assert PrefillHandoff.from_bytes(handoff.to_bytes()) == handoff
+    assert PrefillHandoff.from_bytes(b"") == PrefillHandoff()  # a sender that sent none
+    assert PrefillHandoff.from_bytes(msgpack.packb({"logprobs": None})) == PrefillHandoff()
+    for garbage in (b"\xc1", msgpack.packb(7), msgpack.packb({"hidden": 1}), b"\x81\xa1"):
+        with pytest.raises(TransferError, match="unreadable prefill handoff"):
+            PrefillHandoff.from_bytes(garbage)

@@ -5,16 +5,17 @@ step plan it hands the runner and its msgpack round trip."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
 import msgpack
 import pytest
 
-from pdserve.engine.messages import RequestOutput
+from pdserve.engine.messages import RequestOutput, StageTimes
 from pdserve.engine.pages import PageAllocator
 from pdserve.engine.request import Policy, Request, RequestState
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.engine.scheduler import Scheduler, StepOutcome
 from pdserve.engine.step import (
     RankResult,
@@ -272,22 +273,31 @@ def test_replay_generated_prefills_the_prompt_and_replays_the_rest_as_decode_row
     assert chunks(plan) == [("m", 0, 8)] and plan.ranks[0].prefill[0].sample.step == 3
 
 
-def test_a_finishing_output_carries_the_stages_this_worker_ran():
+def test_outputs_carry_the_stages_the_request_ran():
+    """A finishing output carries the stages the request ran here; a request whose KV came from a prefill
+    worker has that worker's stages (and its first token's log-probabilities) from its first output on."""
     s = scheduler()
     local = request("a", 4, max_tokens=2, policy=Policy.AGGREGATED)  # prefilled and decoded here
-    remote = request("d", 4, max_tokens=2)  # its KV comes from a prefill worker
+    remote = request("d", 4, max_tokens=2, logprobs=1)  # its KV comes from a prefill worker
     s.add(local)
     s.add(remote)
     plan, _ = s.schedule()
-    outputs = finish(s, plan).outputs + s.kv_arrived(remote.transfer_id, 4, 9)
-    assert [o.stages for o in outputs] == [None, None]  # not finished
+    on_prefill = StageTimes(prefill_queue_s=0.25, prefill_s=0.5, kv_transfer_s=0.125)
+    first_logprobs = TokenLogprobs(-0.5, (9,), (-0.5,))
+    outputs = finish(s, plan).outputs + s.kv_arrived(
+        remote.transfer_id, 4, 9, first_logprobs, on_prefill
+    )
+    assert [o.request_id for o in outputs] == ["a", "d"]
+    assert outputs[0].stages is None  # not finished
+    assert outputs[1].stages == on_prefill and outputs[1].logprobs == [first_logprobs]
     plan, _ = s.schedule()
     stages = {o.request_id: o.stages for o in finish(s, plan).outputs}
     a, d = stages["a"], stages["d"]
     assert (
         a.prefill_queue_s > 0 and a.prefill_s > 0 and a.decode_queue_s > 0 and a.kv_transfer_s == 0
     )
-    assert d.prefill_queue_s == d.prefill_s == d.kv_transfer_s == 0 and d.decode_queue_s > 0
+    assert d == dataclasses.replace(on_prefill, decode_queue_s=d.decode_queue_s)
+    assert d.decode_queue_s > 0
 
 
 def test_a_penalized_request_s_sequence_goes_once_per_stay_on_a_runner():

@@ -1,6 +1,7 @@
 """DistKVSender -> DistKVReceiver over gloo, both ends in this process (each with its own store client): pages land
 at the reserved page ids and nowhere else, transfers cut into pieces reassemble, a cancelled or mismatched
-transfer is discarded while the pair stays usable, an expected transfer that never comes fails at its deadline.
+transfer is discarded while the pair stays usable, an expected transfer that never comes fails at its deadline,
+and P's metadata for each transfer comes back with its result.
 Killed peers and stalled transfers between two OS processes are in tests/workers/test_two_process.py."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 import pytest
 import torch
 
-from pdserve.kvtransfer import ExpectedTransfer, KVTransferConfig
+from pdserve.kvtransfer import MAX_METADATA_BYTES, ExpectedTransfer, KVTransferConfig
 from pdserve.kvtransfer import _receiver as receiver_module
 from pdserve.kvtransfer.dist import DistKVReceiver, DistKVSender, chunk_plan, connect_store
 from pdserve.kvtransfer.loopback import LoopbackHub, LoopbackReceiver, LoopbackSender
@@ -121,6 +122,42 @@ def test_pages_land_scattered_in_pieces(link):
         others = [p for p in range(PAGES) if p not in dst_pages]
         assert torch.equal(dest[others], before[others])
     assert sender.last_profile["d0"].num_pieces == 5  # 13 pages: 1 + 4 + 4 + 3 + 1
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["packed", "in-place"])
+def test_each_transfer_s_metadata_arrives_with_its_pages(make_link, in_place):
+    """P's bytes for a request reach D in the transfer's result, each transfer its own (none, a few, more than
+    the buffers held before), also behind a discarded transfer that carried some; D's clock brackets the
+    transfer."""
+    sender, receiver, source, dest = make_link(in_place=in_place)
+    blobs = {1: b"first", 2: b"", 3: bytes(range(256)) * 20, 5: b"\x00after a discarded one"}
+    expect(receiver, 4, [30])
+    receiver.cancel(4)  # discarded: its metadata is received all the same
+    sender.send("d0", 4, source, [0], PAGE_SIZE, 5, metadata=b"dropped" * 300)
+    for transfer_id, blob in blobs.items():
+        pages = [3 * transfer_id, 3 * transfer_id + 1]
+        expect(receiver, transfer_id, pages)
+        before = time.monotonic()
+        sender.send("d0", transfer_id, source, [9, 4], 2 * PAGE_SIZE, 7, metadata=blob)
+        [result] = wait_results(receiver, 1)
+        assert (result.transfer_id, result.error, result.metadata) == (transfer_id, None, blob)
+        assert before <= result.started_at <= result.completed_at <= time.monotonic()
+        assert torch.equal(dest[pages], source[[9, 4]])
+    assert not dest[30].any()
+
+
+def test_metadata_over_the_bound_is_refused_before_anything_is_sent(link):
+    sender, receiver, source, dest = link
+    with pytest.raises(TransferError, match="bytes of metadata, more than"):
+        sender.send("d0", 1, source, [0], PAGE_SIZE, 5, metadata=bytes(MAX_METADATA_BYTES + 1))
+    hub = LoopbackHub()
+    LoopbackReceiver(hub, "d0", torch.zeros_like(dest))
+    with pytest.raises(TransferError, match="bytes of metadata, more than"):
+        LoopbackSender(hub).send("d0", 1, source, [0], 4, 5, metadata=bytes(MAX_METADATA_BYTES + 1))
+    expect(receiver, 2, [1])
+    sender.send("d0", 2, source, [0], PAGE_SIZE, 5, metadata=bytes(MAX_METADATA_BYTES))  # the bound
+    [result] = wait_results(receiver, 1)
+    assert result.error is None and result.metadata == bytes(MAX_METADATA_BYTES)
 
 
 @pytest.mark.parametrize(
@@ -294,8 +331,10 @@ def test_loopback_writes_the_reserved_pages():
     dest = torch.zeros(PAGES, LAYERS, PAGE_SIZE, DIM)
     receiver = LoopbackReceiver(hub, "d0", dest)
     expect(receiver, 1, [7, 2])
-    LoopbackSender(hub).send("d0", 1, source, [0, 5], 8, 3)
-    assert [r.error for r in receiver.poll()] == [None]
+    LoopbackSender(hub).send("d0", 1, source, [0, 5], 8, 3, metadata=b"meta")
+    [result] = receiver.poll()
+    assert (result.error, result.first_token, result.metadata) == (None, 3, b"meta")
+    assert result.started_at <= result.completed_at
     assert torch.equal(dest[[7, 2]], source[[0, 5]])
 
 

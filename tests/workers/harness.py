@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from pdserve.engine.messages import DecodeRequest, PrefillRequest
+from pdserve.engine.messages import DecodeRequest, PrefillRequest, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.errors import CapacityError
 
@@ -19,6 +19,10 @@ class Result:
     finish_reason: str | None = None
     error: str | None = None
     preemptions: int = 0
+    first: RequestOutput | None = None
+    """The first output with a token."""
+    last: RequestOutput | None = None
+    """The finishing output."""
 
 
 class MiniRouter:
@@ -66,7 +70,7 @@ class MiniRouter:
     def pump(self) -> None:
         self._dispatch()
         if self.prefill is not None:
-            for failure in self.prefill.poll_events().failures:
+            for failure in self.prefill.poll_failures():
                 if failure.request_id not in self.results:
                     continue  # a request of an earlier run
                 self.decode.abort(failure.request_id)
@@ -79,8 +83,11 @@ class MiniRouter:
                 result.preemptions += 1
                 self._pending.append(out.request_id)
                 continue
+            if out.token_ids and result.first is None:
+                result.first = out
             result.token_ids.extend(out.token_ids)
             if out.finish_reason is not None:
+                result.last = out
                 result.finish_reason = out.finish_reason
                 result.error = result.error or out.error
 

@@ -1,9 +1,11 @@
-"""A prefill worker and a decode worker in two OS processes, KV pages over real torch.distributed (gloo):
-outputs equal `pdserve offline`'s, pages all come back, and failures (a killed peer, a stalled transfer) fail only
-the requests involved, within the timeout, after which the survivor serves new requests."""
+"""A prefill worker and a decode worker in two OS processes, KV pages over real torch.distributed (gloo): outputs
+equal `pdserve offline`'s, the first output carries what P sent with the KV, pages all come back, and failures (a
+killed peer, a stalled transfer) fail only the requests involved, within the timeout, after which the survivor
+serves new requests."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 
@@ -120,6 +122,33 @@ def test_disaggregated_outputs_equal_offline(cluster, reference):
     router = MiniRouter(d, "d0", p, "p0")
     submit_all(router, requests)
     assert_outputs_match(router.run_until_done(120), requests, reference)
+    assert p.stats().pages_used == 0 and d.stats().pages_used == 0
+
+
+def test_the_first_output_carries_what_the_prefill_worker_sent_with_the_kv(cluster, reference):
+    """Over torch.distributed (gloo): each request's first output from D carries its first token's
+    log-probabilities (sampled on P) and P's stage times with the transfer's; its last output adds D's wait
+    for the first decode step."""
+    p, d = cluster()
+    requests = workload(4, seed=9)
+    router = MiniRouter(d, "d0", p, "p0")
+    for request_id, (prompt, max_tokens) in requests.items():
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+        router.submit(request_id, prompt, params)
+    results = router.run_until_done(120)
+    assert_outputs_match(results, requests, reference)
+    for r in results.values():
+        first, stages = r.first, r.first.stages
+        assert first.token_ids == r.token_ids[:1] and len(first.logprobs) == 1
+        # greedy sampling: the token is the most likely one, whose log-probability comes first
+        assert first.logprobs[0].top_ids == (r.token_ids[0], first.logprobs[0].top_ids[1])
+        assert first.logprobs[0].logprob == first.logprobs[0].top_logprobs[0] <= 0
+        assert stages.prefill_queue_s > 0 and stages.prefill_s > 0 and stages.kv_transfer_s > 0
+        assert stages.decode_queue_s == 0
+        assert r.last.stages == dataclasses.replace(
+            stages, decode_queue_s=r.last.stages.decode_queue_s
+        )
+        assert r.last.stages.decode_queue_s > 0
     assert p.stats().pages_used == 0 and d.stats().pages_used == 0
 
 
