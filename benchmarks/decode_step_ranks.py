@@ -130,13 +130,7 @@ def run(model_dir: str, ranks: int, batch: int, context: int, steps: int, invari
     profile_steps: instead, that many steps without CUDA graphs under torch.profiler after 5 warm-up steps;
     "profile" is then each rank's kernel seconds a step by part (`engine.step_profile`)."""
     pages_per_row = -(-(context + steps + 8) // 64)
-    layout = {
-        "world_size": ranks,
-        "attention": "data",
-        "expert_parallel": ranks,
-        "dense": "replicated",
-        "dispatch_fp8": dispatch_fp8,
-    }
+    layout = {"ranks": ranks, "attention": "data", "expert_parallel": ranks, "dense": "replicated"}
     spec = HandlerSpec(
         f"{Path(__file__).stem}:_by_rank",  # this file, imported by the rank processes (sys.path carries it)
         {
@@ -144,7 +138,7 @@ def run(model_dir: str, ranks: int, batch: int, context: int, steps: int, invari
             "model_path": model_dir, "dtype": "bf16", "layout": layout, "page_size": 64,
             "num_pages": batch * pages_per_row, "gpu_memory_fraction": 0.9, "cpu_cache_bytes": 0,
             "kv_cache_dtype": "auto", "load_format": "dummy", "batch_invariant": invariant,
-            "cuda_graphs": not profile_steps,
+            "cuda_graphs": not profile_steps, "layout_options": {"dispatch_fp8": dispatch_fp8},
         },
     )  # fmt: skip
     config = RankGroupConfig(ranks, backend="nccl", join_timeout_s=600, step_timeout_s=600)

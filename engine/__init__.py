@@ -15,7 +15,6 @@ marked torch are imported from their modules.
 | `checks` | the request checks the front end, the scheduler and the offline path share |
 | `pages` | the page allocator |
 | `chunking` | chunked-prefill planning |
-| `layout` | the per-pool layout fields' checks |
 | `runner` (torch) | the model runner, with `sampler` and `cuda_graphs` |
 | `worker` (torch) | the `Worker` base the prefill and decode roles share |
 | `warm_up` (torch) | a worker's warm-up steps |

@@ -148,7 +148,7 @@ class ModelRunner:
     def _joins_idle(self) -> bool:
         """Whether a rank with no rows must still run a pass: its MoE layers exchange tokens with the others."""
         layout = self.model.layout
-        return layout.expert_parallel > 1 and not layout.same_tokens_on_all_ranks
+        return layout.worker.expert_parallel > 1 and not layout.worker.same_tokens_on_all_ranks
 
     def _idle(self, _rows) -> None:
         self.model.forward_idle()

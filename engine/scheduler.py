@@ -34,13 +34,13 @@ from collections.abc import Collection, Sequence
 
 from pdserve.engine.checks import check_context, check_pages, check_token_ids
 from pdserve.engine.chunking import plan_prefill_chunks
-from pdserve.engine.layout import rows_per_rank
 from pdserve.engine.messages import RequestOutput, StageTimes
 from pdserve.engine.pages import PageAllocator, pages_needed
 from pdserve.engine.request import Policy, Request, RequestState
 from pdserve.engine.sampling_params import FinishReason, TokenLogprobs, check_stop
 from pdserve.engine.step import DecodeRow, PrefillRow, RankResult, RankStep, SampleSpec, StepPlan
 from pdserve.model.errors import CapacityError, InvalidRequestError
+from pdserve.model.parallel import rows_per_rank
 
 _REPLAY = SampleSpec(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, step=0)
 """A replayed token's row: greedy, nothing counted (its sample is dropped)."""

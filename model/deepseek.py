@@ -164,8 +164,8 @@ class MLA(nn.Module):
     ):  # fmt: skip
         super().__init__()
         self.cache_layer = cache_layer
-        self.n_heads = args.num_attention_heads // layout.attention_tp_size
-        self.layout = layout if layout.attention_tp_size > 1 else None
+        self.n_heads = args.num_attention_heads // layout.worker.attention_tp_size
+        self.layout = layout if layout.worker.attention_tp_size > 1 else None
         self.q_lora_rank, self.kv_lora_rank = args.q_lora_rank, args.kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim = args.qk_nope_head_dim, args.qk_rope_head_dim
         self.v_head_dim, self.softmax_scale = args.v_head_dim, args.softmax_scale
@@ -289,8 +289,8 @@ class MLP(nn.Module):
         layout: ParallelLayout = SINGLE_RANK,
     ):  # fmt: skip
         super().__init__()
-        inter_dim //= layout.dense_tp_size
-        self.layout = layout if layout.dense_tp_size > 1 else None
+        inter_dim //= layout.worker.dense_tp_size
+        self.layout = layout if layout.worker.dense_tp_size > 1 else None
         self.w13 = StackedLinear(dim, (inter_dim, inter_dim), dtype, is_fp8(f"{path}.w13"))
         self.w2 = Linear(inter_dim, dim, dtype, is_fp8(f"{path}.w2"))
 
@@ -397,13 +397,13 @@ class MoE(nn.Module):
             )
             self.fused_shared = (
                 self.exchange is None
-                and layout.dense_tp_size == 1
+                and layout.worker.dense_tp_size == 1
                 and can_fuse_shared(args, self.shared_experts, experts_fp8)
             )
         self.experts = Experts(args, dtype, experts_fp8, int(self.fused_shared), layout)
         if self.fused_shared:
             alias_slot(self.shared_experts, self.experts, args.n_routed_experts)
-        self.tree = reduce_tree(args.n_routed_experts, layout.expert_parallel)
+        self.tree = reduce_tree(args.n_routed_experts, layout.worker.expert_parallel)
         """`kernels.fused_moe`'s tree for this rank's experts in batch-invariant mode (None: slot order)."""
 
     def forward(
@@ -584,7 +584,7 @@ class Transformer(nn.Module):
         num_mtp: int | None = None, layout: ParallelLayout = SINGLE_RANK,
     ):  # fmt: skip
         super().__init__()
-        layout.check_model(args)
+        layout.worker.check_model(args)
         self.args, self.dtype, self.layout = args, dtype, layout
         self.num_mtp = args.num_nextn_predict_layers if num_mtp is None else num_mtp
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)

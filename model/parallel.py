@@ -1,4 +1,6 @@
-"""How one worker's model is split over its ranks: `ParallelLayout`, passed to `Transformer` and the loader.
+"""How one worker's model is split over its ranks: `WorkerLayout` (the split itself, as the pool configs, the
+memory plan and every rank share it) and `ParallelLayout` (one rank's place in it, passed to `Transformer` and
+the loader).
 
 A worker of N ranks runs one of these layouts, all over one torch.distributed group of the N ranks:
 - attention data-parallel (each rank the full attention weights and its own requests and KV pages) or
@@ -9,7 +11,8 @@ A worker of N ranks runs one of these layouts, all over one torch.distributed gr
 - dense layers and shared experts replicated, or tensor-parallel (intermediate dim split, all-reduce after w2),
   which needs the same tokens on every rank, so only with tensor-parallel attention.
 
-The default, `ParallelLayout()`, is one rank: the model then takes exactly its single-GPU code path.
+The default, `ParallelLayout()`, is one rank: the model then takes exactly its single-GPU code path. Pure Python
+at import (no torch): the configs and the command line import `WorkerLayout`.
 """
 
 from __future__ import annotations
@@ -17,16 +20,13 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Literal
 
-import torch
-
 from .args import ModelArgs
 from .errors import ConfigError
 
 if TYPE_CHECKING:
+    import torch
     from torch.distributed import ProcessGroup
 
-AttentionMode = Literal["data", "tensor"]
-DenseMode = Literal["replicated", "tensor"]
 ATTENTION_MODES = ("data", "tensor")
 DENSE_MODES = ("replicated", "tensor")
 ExchangeKind = Literal["auto", "all_gather", "all_to_all"]
@@ -34,17 +34,100 @@ EXCHANGE_KINDS = ("auto", "all_gather", "all_to_all")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ParallelLayout:
-    world_size: int = 1
-    """Ranks of the worker."""
-    rank: int = 0
-    """This process's rank in `group`, 0 <= rank < world_size."""
-    attention: AttentionMode = "data"
-    """'data': each rank its own requests, full attention weights; 'tensor': heads split over all ranks."""
+class WorkerLayout:
+    """How one worker spreads the model over its ranks. Its fields are the pool configs' keys
+    (`prefill.ranks`, `decode.attention`, ...), so plain `str` and `int`, checked here: construction checks
+    that they describe a layout (modes known, EP dividing the ranks); `check_runnable` adds what the ranks
+    can run, which the memory plan does not ask (it also plans EP groups smaller than the worker)."""
+
+    ranks: int = 1
+    """Ranks (one GPU each, or CPU processes) of one worker; 1: the worker is one process."""
+    attention: str = "data"
+    """Attention over the ranks: 'data' (each rank its own requests and KV pages) or 'tensor' (heads split)."""
     expert_parallel: int = 1
-    """Ranks the routed experts are split over: 1 (each rank all of them) or world_size."""
-    dense: DenseMode = "replicated"
-    """Dense layers and shared experts: 'replicated', or 'tensor' (split over all ranks; tensor attention only)."""
+    """Ranks the routed experts are split over: 1 (each rank all of them) or `ranks`."""
+    dense: str = "replicated"
+    """Dense layers and shared experts: 'replicated' or 'tensor' (split; needs attention 'tensor')."""
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1:
+            raise ConfigError(f"ranks={self.ranks}: must be >= 1")
+        if self.attention not in ATTENTION_MODES:
+            raise ConfigError(
+                f"attention={self.attention!r}: expected one of {', '.join(ATTENTION_MODES)}"
+            )
+        if self.dense not in DENSE_MODES:
+            raise ConfigError(f"dense={self.dense!r}: expected one of {', '.join(DENSE_MODES)}")
+        if self.expert_parallel < 1 or self.ranks % self.expert_parallel:
+            raise ConfigError(
+                f"expert_parallel={self.expert_parallel}: must divide ranks={self.ranks}"
+            )
+
+    def check_runnable(self) -> None:
+        """Raises ConfigError naming the field when the ranks cannot run this layout: experts split over all
+        ranks or none, and tensor-parallel dense layers only where every rank holds the same tokens."""
+        if self.expert_parallel not in (1, self.ranks):
+            raise ConfigError(
+                f"expert_parallel={self.expert_parallel}: must be 1 or ranks={self.ranks}"
+            )
+        if self.dense == "tensor" and self.attention != "tensor" and self.ranks > 1:
+            raise ConfigError(
+                "dense='tensor': needs attention='tensor' (with data-parallel attention the ranks hold "
+                "different tokens)"
+            )
+
+    @property
+    def attention_tp_size(self) -> int:
+        """Ranks the attention heads are split over (1 with data-parallel attention)."""
+        return self.ranks if self.attention == "tensor" else 1
+
+    @property
+    def attention_dp_size(self) -> int:
+        """Ranks holding different requests and so their own KV pages: `ranks` with data-parallel attention,
+        else 1 (tensor-parallel attention replicates MLA's latent cache on every rank)."""
+        return self.ranks // self.attention_tp_size
+
+    @property
+    def dense_tp_size(self) -> int:
+        """Ranks the dense layers' and shared experts' intermediate dim is split over."""
+        return self.ranks if self.dense == "tensor" else 1
+
+    @property
+    def same_tokens_on_all_ranks(self) -> bool:
+        """Every rank runs the same tokens through the MoE layers (tensor-parallel attention)."""
+        return self.attention_dp_size == 1
+
+    def check_model(self, args: ModelArgs) -> None:
+        """Raises `ConfigError` naming the dimension that this layout cannot split evenly."""
+        checks = [
+            ("num_attention_heads", args.num_attention_heads, self.attention_tp_size),
+            ("n_routed_experts", args.n_routed_experts, self.expert_parallel),
+            ("intermediate_size", args.intermediate_size, self.dense_tp_size),
+        ]
+        if args.n_shared_experts:
+            shared = args.moe_intermediate_size * args.n_shared_experts
+            checks.append(("moe_intermediate_size * n_shared_experts", shared, self.dense_tp_size))
+        for name, value, parts in checks:
+            if value % parts:
+                raise ConfigError(
+                    f"parallel layout: {name}={value} does not split over {parts} ranks"
+                )
+
+
+def rows_per_rank(max_running: int | None, dp_ranks: int) -> int | None:
+    """A worker's `max_running` requests shared by its `dp_ranks` data-parallel ranks: the most one rank holds
+    (and so the largest decode batch its graphs need); None: no limit."""
+    return None if max_running is None else -(-max_running // dp_ranks)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParallelLayout:
+    """One rank's place in its worker's `WorkerLayout`, and how its collectives run."""
+
+    worker: WorkerLayout = WorkerLayout()
+    """The worker's split over its ranks (checked runnable)."""
+    rank: int = 0
+    """This process's rank in `group`, 0 <= rank < worker.ranks."""
     exchange: ExchangeKind = "auto"
     """Expert exchange with data-parallel attention and expert_parallel > 1 (`expert_exchange.make_exchange`):
     'all_gather' (every rank gathers every rank's tokens), 'all_to_all' (a token goes only to its experts'
@@ -71,19 +154,10 @@ class ParallelLayout:
     every rank."""
 
     def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ConfigError(f"parallel layout: world_size={self.world_size} must be >= 1")
-        if not 0 <= self.rank < self.world_size:
+        self.worker.check_runnable()
+        if not 0 <= self.rank < self.worker.ranks:
             raise ConfigError(
-                f"parallel layout: rank={self.rank} outside [0, world_size={self.world_size})"
-            )
-        if self.attention not in ATTENTION_MODES:
-            raise ConfigError(
-                f"parallel layout: attention={self.attention!r}, expected one of {ATTENTION_MODES}"
-            )
-        if self.dense not in DENSE_MODES:
-            raise ConfigError(
-                f"parallel layout: dense={self.dense!r}, expected one of {DENSE_MODES}"
+                f"parallel layout: rank={self.rank} outside [0, ranks={self.worker.ranks})"
             )
         if self.exchange not in EXCHANGE_KINDS:
             raise ConfigError(
@@ -97,59 +171,14 @@ class ParallelLayout:
             raise ConfigError(
                 f"parallel layout: expert_chunk_tokens={self.expert_chunk_tokens} must be >= 1"
             )
-        if self.expert_parallel not in (1, self.world_size):
-            raise ConfigError(
-                f"parallel layout: expert_parallel={self.expert_parallel} must be 1 or "
-                f"world_size={self.world_size}"
-            )
-        if self.dense == "tensor" and self.attention_tp_size == 1 and self.world_size > 1:
-            raise ConfigError(
-                "parallel layout: dense='tensor' needs attention='tensor' (with data-parallel "
-                "attention the ranks hold different tokens)"
-            )
-
-    @property
-    def attention_tp_size(self) -> int:
-        """Ranks the attention heads are split over (1 with data-parallel attention)."""
-        return self.world_size if self.attention == "tensor" else 1
-
-    @property
-    def attention_dp_size(self) -> int:
-        """Ranks holding different requests."""
-        return self.world_size // self.attention_tp_size
-
-    @property
-    def dense_tp_size(self) -> int:
-        return self.world_size if self.dense == "tensor" else 1
-
-    @property
-    def same_tokens_on_all_ranks(self) -> bool:
-        """Every rank runs the same tokens through the MoE layers (tensor-parallel attention)."""
-        return self.attention_dp_size == 1
 
     @property
     def ep_rank(self) -> int:
-        return self.rank if self.expert_parallel > 1 else 0
-
-    def check_model(self, args: ModelArgs) -> None:
-        """Raises `ConfigError` naming the dimension that this layout cannot split evenly."""
-        checks = [
-            ("num_attention_heads", args.num_attention_heads, self.attention_tp_size),
-            ("n_routed_experts", args.n_routed_experts, self.expert_parallel),
-            ("intermediate_size", args.intermediate_size, self.dense_tp_size),
-        ]
-        if args.n_shared_experts:
-            shared = args.moe_intermediate_size * args.n_shared_experts
-            checks.append(("moe_intermediate_size * n_shared_experts", shared, self.dense_tp_size))
-        for name, value, parts in checks:
-            if value % parts:
-                raise ConfigError(
-                    f"parallel layout: {name}={value} does not split over {parts} ranks"
-                )
+        return self.rank if self.worker.expert_parallel > 1 else 0
 
     def local_experts(self, num_experts: int) -> range:
         """Global ids of the routed experts this rank holds, a contiguous range."""
-        per_rank = num_experts // self.expert_parallel
+        per_rank = num_experts // self.worker.expert_parallel
         return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
 
     def shard(self, size: int, parts: int) -> tuple[int, int]:
