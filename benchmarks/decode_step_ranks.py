@@ -41,14 +41,8 @@ sys.path.insert(
 from pdserve.engine.ranks.group import RankGroup, RankGroupConfig  # noqa: E402
 from pdserve.engine.ranks.process import HandlerSpec  # noqa: E402
 from pdserve.engine.ranks.runner import make_rank_runner  # noqa: E402
-from pdserve.engine.step import (  # noqa: E402
-    DecodeRow,
-    RankStep,
-    SampleSpec,
-    StepPlan,
-    plan_to_wire,
-    result_from_wire,
-)
+from pdserve.engine.ranks.wire import plan_to_wire, result_from_wire  # noqa: E402
+from pdserve.engine.step import DecodeRow, RankStep, SampleSpec, StepPlan  # noqa: E402
 from pdserve.engine.step_profile import CATEGORIES, breakdown  # noqa: E402
 from pdserve.model.random_checkpoint import preset_config  # noqa: E402
 

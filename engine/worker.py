@@ -22,9 +22,10 @@ from pdserve.engine.pages import PageAllocator
 from pdserve.engine.rank_memory import worker_reserve_bytes
 from pdserve.engine.ranks.channel import PlanChannelError
 from pdserve.engine.ranks.group import RankGroup, RankStepError
+from pdserve.engine.ranks.wire import PageTableCache, plan_to_wire, result_from_wire
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler, StepOutcome
-from pdserve.engine.step import PageTableCache, RankResult, StepPlan, plan_to_wire, result_from_wire
+from pdserve.engine.step import RankResult, StepPlan
 from pdserve.engine.warm_up import warm_up_plans
 from pdserve.model.deepseek import Transformer
 from pdserve.model.errors import PdserveError

@@ -22,8 +22,8 @@ from pdserve.engine.rank_memory import worker_reserve_bytes
 from pdserve.engine.ranks.group import RankGroup, RankGroupConfig, RankLauncher
 from pdserve.engine.ranks.kv import RankKVEndpoint, rank_endpoint
 from pdserve.engine.ranks.process import HandlerSpec, RankContext
+from pdserve.engine.ranks.wire import plan_from_wire, result_to_wire
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.step import plan_from_wire, result_to_wire
 from pdserve.model.loader import load_model
 from pdserve.model.parallel import ParallelLayout, WorkerLayout
 
