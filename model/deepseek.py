@@ -1,5 +1,6 @@
 """DeepSeek-V3 in the paper's order: Linear, RMSNorm, YaRN RoPE, MLA, MLP, Gate, Experts, MoE, Block, MTP,
-Transformer. All arithmetic goes through `pdserve.kernels` (Triton on GPUs, torch references on CPU).
+Transformer. All arithmetic goes through `pdserve.kernels` (Triton on GPUs, torch references on CPU). One file
+past 500 lines on purpose: the network read top to bottom in the paper's order is its spec.
 
 The forward runs over a packed batch (`ForwardBatch`): T new tokens of B requests, attending through the paged
 latent cache (`PagedKVCache`). A prefill batch uses the naive MLA form (latents expanded to per-head keys and

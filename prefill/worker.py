@@ -24,8 +24,7 @@ from pdserve.engine.messages import (
     PrefillStats,
 )
 from pdserve.engine.ranks.group import RankGroup
-from pdserve.engine.request import Policy, Request, RequestState
-from pdserve.engine.scheduler import stage_times
+from pdserve.engine.request import Policy, Request, RequestState, stage_times
 from pdserve.engine.worker import Worker
 from pdserve.kvtransfer import KVSender
 from pdserve.model.deepseek import Transformer
