@@ -44,8 +44,8 @@ GPU_MEMORY_UTILIZATION = 0.90
 """Share of each GPU's memory a worker uses in all (weights, reserve, KV), as vLLM's gpu_memory_utilization:
 `pdserve plan`'s default, and the bound a worker's ranks size their KV cache under at startup. The other tenth
 is what no plan can count in advance: NCCL's buffers (allocated at a group's first collectives, after the
-cache), the CUDA graphs' private pools, allocator fragmentation; a DP4 + EP4 decode worker of the v3 shape
-held 3.7 GiB in graph pools and 3.1 GiB outside torch's allocator on each 80 GiB H100."""
+cache), the CUDA graphs' private pools, allocator fragmentation: several GiB on each GPU of a large
+expert-parallel decode worker."""
 
 RUNTIME_WORKSPACE_BYTES = 2 * GIB
 """Per-rank memory outside the weights, the KV cache and the activations the plan counts: the CUDA context (about

@@ -203,8 +203,8 @@ class MLA(nn.Module):
         k_pe = kv[:, self.kv_lora_rank :]  # [T, rope], a view: rope rotates it in place
         if batch.is_decode:
             # the absorbed query [q_nope W_UK | q_pe], [T, H, kv_lora + rope]: rope writes q_pe's
-            # rotation into it, the head product the rest (no torch.cat: 20.6 us at 64 tokens, 128
-            # heads, on an H200; no copy of q_pe either)
+            # rotation into it, the head product the rest (no torch.cat, whose copy of every head's
+            # query costs more than the product; no copy of q_pe either)
             q_abs = q.new_empty(num_tokens, self.n_heads, self.kv_lora_rank + self.qk_rope_head_dim)
             # ... and stores k_pe's rotation in the cache with c_kv, in the same launch
             kernels.rope(
@@ -269,8 +269,8 @@ class MLA(nn.Module):
         out_latent = out_latent.view(-1, self.n_heads, self.kv_lora_rank)  # [T, H, kv_lora]
         # [T, H, v]; for an fp8 wo the product comes quantized, (x_fp8 [T, H * v], scales), where v is a
         # multiple of the 128-wide quant group (DeepSeek-V3: 128) so that no group spans two heads. From 2
-        # rows on that saves wo's own quantization (H200, 128 heads, with wo: 64 rows 59.4 -> 53.8 us, 16
-        # rows 52.8 -> 47.8); one row's wo quantizes inside its GEMM for less (43.2 against 45.8 us).
+        # rows on that saves wo's own quantization launch; one row's wo quantizes inside its GEMM, which
+        # costs less than that launch.
         # Batch-invariant mode takes one path for every batch.
         quant = (
             self.wo.is_fp8
@@ -306,8 +306,8 @@ class MLP(nn.Module):
 class Gate(nn.Module):
     """noaux_tc router: fp32 logits, then `kernels.moe_route` (bias for selection only). The weight has the
     activations' dtype (DeepSeek-V3 ships it in bf16): bf16 products are exact in fp32, so one GEMM with an fp32
-    output gives the logits that upcasting both operands would. On an H200 that is 6.5 us at 16-128 tokens
-    against 20-28 us for the upcast and cuBLAS's fp32 GEMM, 9.2 against 70 us at 512."""
+    output gives the logits that upcasting both operands would, without the upcast copies or an fp32 GEMM
+    (several times slower)."""
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype):
         super().__init__()
