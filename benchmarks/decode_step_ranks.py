@@ -41,14 +41,8 @@ sys.path.insert(
 from pdserve.engine.ranks.group import RankGroup, RankGroupConfig  # noqa: E402
 from pdserve.engine.ranks.process import HandlerSpec  # noqa: E402
 from pdserve.engine.ranks.runner import make_rank_runner  # noqa: E402
-from pdserve.engine.step import (  # noqa: E402
-    DecodeRow,
-    RankStep,
-    SampleSpec,
-    StepPlan,
-    plan_to_wire,
-    result_from_wire,
-)
+from pdserve.engine.ranks.wire import plan_to_wire, result_from_wire  # noqa: E402
+from pdserve.engine.step import DecodeRow, RankStep, SampleSpec, StepPlan  # noqa: E402
 from pdserve.engine.step_profile import CATEGORIES, breakdown  # noqa: E402
 from pdserve.model.random_checkpoint import preset_config  # noqa: E402
 
@@ -130,13 +124,7 @@ def run(model_dir: str, ranks: int, batch: int, context: int, steps: int, invari
     profile_steps: instead, that many steps without CUDA graphs under torch.profiler after 5 warm-up steps;
     "profile" is then each rank's kernel seconds a step by part (`engine.step_profile`)."""
     pages_per_row = -(-(context + steps + 8) // 64)
-    layout = {
-        "world_size": ranks,
-        "attention": "data",
-        "expert_parallel": ranks,
-        "dense": "replicated",
-        "dispatch_fp8": dispatch_fp8,
-    }
+    layout = {"ranks": ranks, "attention": "data", "expert_parallel": ranks, "dense": "replicated"}
     spec = HandlerSpec(
         f"{Path(__file__).stem}:_by_rank",  # this file, imported by the rank processes (sys.path carries it)
         {
@@ -144,7 +132,7 @@ def run(model_dir: str, ranks: int, batch: int, context: int, steps: int, invari
             "model_path": model_dir, "dtype": "bf16", "layout": layout, "page_size": 64,
             "num_pages": batch * pages_per_row, "gpu_memory_fraction": 0.9, "cpu_cache_bytes": 0,
             "kv_cache_dtype": "auto", "load_format": "dummy", "batch_invariant": invariant,
-            "cuda_graphs": not profile_steps,
+            "cuda_graphs": not profile_steps, "layout_options": {"dispatch_fp8": dispatch_fp8},
         },
     )  # fmt: skip
     config = RankGroupConfig(ranks, backend="nccl", join_timeout_s=600, step_timeout_s=600)

@@ -167,7 +167,8 @@ def _measure(rank: int, layout, num_tokens: int, args, device) -> list[tuple]:
         rows.append((name, computed_rows, syncs, t_dispatch, t_combine, t_both))
 
     for label, dtype in (("bf16", torch.bfloat16), ("fp8 bytes", torch.uint8)):
-        even = num_tokens * args.hidden // layout.world_size * layout.world_size  # an even split
+        world = layout.worker.ranks
+        even = num_tokens * args.hidden // world * world  # an even split
         send = torch.empty(even, dtype=dtype, device=device)
         recv = torch.empty_like(send)
         t_peer = _time(lambda s=send, r=recv: dist.all_to_all_single(r, s), args.iters, device)
@@ -244,7 +245,7 @@ def _profile(rank: int, layout, args, device) -> None:
 
 
 def _rank(rank: int, world: int, args) -> None:
-    from pdserve.model.parallel import ParallelLayout
+    from pdserve.model.parallel import ParallelLayout, WorkerLayout
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if args.cpu:
@@ -257,7 +258,7 @@ def _rank(rank: int, world: int, args) -> None:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
         device_name = torch.cuda.get_device_name()
-    layout = ParallelLayout(world_size=world, rank=rank, attention="data", expert_parallel=world)
+    layout = ParallelLayout(WorkerLayout(world, "data", expert_parallel=world), rank=rank)
     rows = [(t, _measure(rank, layout, t, args, device)) for t in args.tokens]
     if rank == 0:
         _print_table(world, device_name, args, rows)

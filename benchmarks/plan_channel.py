@@ -36,18 +36,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pdserve.engine.ranks.channel import encode  # noqa: E402
 from pdserve.engine.ranks.group import RankGroup, RankGroupConfig  # noqa: E402
 from pdserve.engine.ranks.process import HandlerSpec  # noqa: E402
-from pdserve.engine.step import (  # noqa: E402
-    DecodeRow,
+from pdserve.engine.ranks.wire import (  # noqa: E402
     PageTableCache,
-    RankResult,
-    RankStep,
-    SampleSpec,
-    StepPlan,
     plan_from_wire,
     plan_to_wire,
     result_from_wire,
     result_to_wire,
 )
+from pdserve.engine.step import DecodeRow, RankResult, RankStep, SampleSpec, StepPlan  # noqa: E402
 
 ENGINE_FORMATS = ("engine", "engine-rows")
 RAW_FORMATS = ("lists", "arrays")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import logging
 import signal
@@ -107,7 +106,7 @@ def _flag_dest(section: str, name: str) -> str:
 
 
 def add_config_flags(p: argparse.ArgumentParser) -> None:
-    from pdserve.cluster.config import SECTIONS, ServeConfig, field_docs
+    from pdserve.cluster.config import SECTIONS, ServeConfig, key_value, section_keys
 
     p.add_argument("--config", metavar="FILE.yaml", help="serve config (sections as below)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config, exit")
@@ -120,20 +119,19 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
     defaults = ServeConfig()
     for section, cls in SECTIONS.items():
         group = p.add_argument_group(f"{section} (config section `{section}:`)")
-        docs = field_docs(cls)
-        for f in dataclasses.fields(cls):
-            default = getattr(getattr(defaults, section), f.name)
+        for name, key in section_keys(cls).items():
+            default = key_value(getattr(defaults, section), name)
             group.add_argument(
-                f"--{section}.{f.name.replace('_', '-')}",
-                dest=f"raw__{section}__{f.name}",
-                metavar=str(f.type).replace(" ", ""),
+                f"--{section}.{name.replace('_', '-')}",
+                dest=f"raw__{section}__{name}",
+                metavar=key.annotation.replace(" ", ""),
                 default=argparse.SUPPRESS,
-                help=f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%"),
+                help=f"{key.doc} (default: {default})".replace("%", "%%"),
             )
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
-    from pdserve.cluster.config import SECTIONS, build_config, load_yaml, parse_value
+    from pdserve.cluster.config import SECTIONS, build_config, load_yaml, parse_value, section_keys
 
     overrides: dict[str, dict] = {}
     for key, value in vars(args).items():
@@ -142,9 +140,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             continue
         section, name = rest.split("__")
         if kind == "raw":
-            annotation = next(
-                str(f.type) for f in dataclasses.fields(SECTIONS[section]) if f.name == name
-            )
+            annotation = section_keys(SECTIONS[section])[name].annotation
             value = parse_value(value, annotation, f"--{section}.{name.replace('_', '-')}")
         overrides.setdefault(section, {})[name] = value
     file_values = load_yaml(args.config) if args.config else None

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pdserve.engine.memory_plan import MemoryPlan
+    from pdserve.model.parallel import WorkerLayout
 
 DESCRIPTION = (
     "Plans the memory of one worker of N GPUs from the model's config alone (no GPU, no weights read): per rank "
@@ -103,10 +104,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def plan_from_args(args: argparse.Namespace) -> MemoryPlan:
     """The `MemoryPlan` that `pdserve plan` prints for its parsed arguments."""
-    from pdserve.engine.memory_plan import PlanLayout, PlanSettings, model_for_plan, plan_memory
+    from pdserve.engine.memory_plan import PlanSettings, model_for_plan, plan_memory
 
     model_args, dtype = model_for_plan(args.model, args.preset, args.layers, args.dtype)
-    layout = PlanLayout(args.gpus, args.attention, args.ep, args.dense)
+    layout = layout_from_args(args)
     settings = PlanSettings(
         gpu_memory_gib=args.gpu_memory_gib, gpu_memory_utilization=args.gpu_memory_utilization,
         page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype,
@@ -114,3 +115,16 @@ def plan_from_args(args: argparse.Namespace) -> MemoryPlan:
         max_model_len=args.max_model_len, use_mtp=not args.no_mtp,
     )  # fmt: skip
     return plan_memory(model_args, dtype, layout, settings)
+
+
+FLAG_MODES = {"dp": "data", "tp": "tensor", "replicated": "replicated"}
+"""`--attention` and `--dense` values (the plan's short spelling) -> `WorkerLayout`'s modes."""
+
+
+def layout_from_args(args: argparse.Namespace) -> WorkerLayout:
+    """The `WorkerLayout` of `pdserve plan`'s flags: --gpus ranks, --ep (default: all of them), --attention
+    dp|tp and --dense replicated|tp as data|tensor and replicated|tensor."""
+    from pdserve.model.parallel import WorkerLayout
+
+    ep = args.gpus if args.ep is None else args.ep
+    return WorkerLayout(args.gpus, FLAG_MODES[args.attention], ep, FLAG_MODES[args.dense])

@@ -85,7 +85,7 @@ class _WorkerShell:
             torch.set_num_threads(cpu_threads)
             self.device = torch.device("cpu")
         path = resolve_model(model.path)  # `tiny` is made on this node if its cache lacks it
-        if worker_config.ranks > 1:
+        if worker_config.layout.ranks > 1:
             self.model = None  # rank 0's shard is loaded by its rank handler
             self.ranks = self._start_ranks(str(path), model, worker_config, num_gpus, kv_config)
         else:

@@ -18,6 +18,7 @@ from pdserve.cluster.placement import RANK_SPANS
 from pdserve.decode import DecodeConfig
 from pdserve.kvtransfer import KVTransferConfig
 from pdserve.model.errors import ConfigError
+from pdserve.model.parallel import WorkerLayout
 from pdserve.prefill import PrefillConfig
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")
@@ -282,19 +283,16 @@ class ServeConfig:
                 f"prefill.page_size={self.prefill.page_size} and decode.page_size="
                 f"{self.decode.page_size} must be equal"
             )
-        if (
-            self.decode.ranks > 1
-            and self.decode.attention != "data"
-            and self.cluster.num_prefill > 0
-        ):
+        decode, prefill = self.decode.layout, self.prefill.layout
+        if decode.ranks > 1 and decode.attention != "data" and self.cluster.num_prefill > 0:
             raise ValueError(
-                f"decode.attention={self.decode.attention!r} with decode.ranks={self.decode.ranks} needs "
+                f"decode.attention={decode.attention!r} with decode.ranks={decode.ranks} needs "
                 "cluster.num_prefill=0: each rank of a decode worker receives the KV pages of its own "
                 "requests (attention='data'); a tensor-parallel one serves aggregated requests only"
             )
-        if self.prefill.ranks > 1 and self.prefill.attention != "tensor":
+        if prefill.ranks > 1 and prefill.attention != "tensor":
             raise ValueError(
-                f"prefill.attention={self.prefill.attention!r} with prefill.ranks={self.prefill.ranks}: a "
+                f"prefill.attention={prefill.attention!r} with prefill.ranks={prefill.ranks}: a "
                 "prefill worker sends its KV from rank 0, so several ranks need attention='tensor'"
             )
         if self.kvtransfer.idle_timeout_s <= self.decode.kv_wait_timeout_s:
@@ -333,6 +331,56 @@ def field_docs(cls: type) -> dict[str, str]:
         ):
             docs[node.target.id] = " ".join(after.value.value.split())
     return docs
+
+
+NESTED_FIELDS: dict[str, type] = {"layout": WorkerLayout}
+"""Fields of a section whose own fields are that section's keys: `decode.ranks` (YAML key and flag) sets
+`DecodeConfig.layout.ranks`. The nesting is the code's; users see one flat section."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SectionKey:
+    """One key of a config section (a YAML key, a `--section.key` flag)."""
+
+    annotation: str
+    """The field's type as written (`int`, `float | None`, ...)."""
+    doc: str
+    """The field's docstring, as one line."""
+    parent: str | None = None
+    """The section's field that holds it (one of NESTED_FIELDS); None: a field of the section itself."""
+
+
+@functools.cache
+def section_keys(cls: type) -> dict[str, SectionKey]:
+    """The keys of the section whose dataclass is `cls`, in field order, NESTED_FIELDS flattened in place."""
+    keys: dict[str, SectionKey] = {}
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        nested = NESTED_FIELDS.get(f.name)
+        if nested is None:
+            keys[f.name] = SectionKey(str(f.type), docs.get(f.name, ""))
+            continue
+        nested_docs = field_docs(nested)
+        for g in dataclasses.fields(nested):
+            keys[g.name] = SectionKey(str(g.type), nested_docs.get(g.name, ""), f.name)
+    return keys
+
+
+def key_value(section: Any, name: str) -> Any:
+    """The value of key `name` in a section's config object (looked up through NESTED_FIELDS)."""
+    key = section_keys(type(section))[name]
+    holder = section if key.parent is None else getattr(section, key.parent)
+    return getattr(holder, name)
+
+
+def _replace_section(section: Any, values: dict[str, Any]) -> Any:
+    """`section` with its keys set to `values`; a nested field's keys replace within that field."""
+    keys = section_keys(type(section))
+    own = {k: v for k, v in values.items() if keys[k].parent is None}
+    for parent in {keys[k].parent for k in values} - {None}:
+        nested = {k: v for k, v in values.items() if keys[k].parent == parent}
+        own[parent] = dataclasses.replace(getattr(section, parent), **nested)
+    return dataclasses.replace(section, **own)
 
 
 def parse_value(text: str, annotation: str, where: str) -> Any:
@@ -388,18 +436,20 @@ def build_config(
                 )
             if not isinstance(fields, dict):
                 raise ConfigError(f"{source}: section {section!r} must be a mapping")
-            annotations = {f.name: str(f.type) for f in dataclasses.fields(SECTIONS[section])}
+            keys = section_keys(SECTIONS[section])
             for name, value in fields.items():
-                if name not in annotations:
+                if name not in keys:
                     raise ConfigError(
                         f"{source}: unknown field {section}.{name} "
-                        f"(expected one of {', '.join(annotations)})"
+                        f"(expected one of {', '.join(keys)})"
                     )
-                merged[section][name] = _check_type(value, annotations[name], f"{section}.{name}")
+                merged[section][name] = _check_type(
+                    value, keys[name].annotation, f"{section}.{name}"
+                )
     defaults, parts = ServeConfig(), {}
     for name in SECTIONS:
         try:
-            parts[name] = dataclasses.replace(getattr(defaults, name), **merged[name])
+            parts[name] = _replace_section(getattr(defaults, name), merged[name])
         except ValueError as e:
             raise ConfigError(f"{name}.{e}") from e
     try:
@@ -423,7 +473,10 @@ def load_yaml(path: str | Path) -> dict[str, dict[str, Any]]:
 
 def to_dict(config: ServeConfig) -> dict[str, dict[str, Any]]:
     """The config as YAML-ready sections (for `pdserve serve --print-config`); keys show as <set>."""
-    sections = {name: dataclasses.asdict(getattr(config, name)) for name in SECTIONS}
+    sections = {
+        name: {key: key_value(getattr(config, name), key) for key in section_keys(cls)}
+        for name, cls in SECTIONS.items()
+    }
     for section, name in SECRET_FIELDS:
         if sections[section][name] is not None:
             sections[section][name] = "<set>"

@@ -111,9 +111,10 @@ class Launcher:
         num_gpus = self.num_gpus
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         totals = [n["Resources"] for n in nodes]
-        if worker_config.ranks > 1:  # one bundle per rank, each rank one GPU (or none on CPU)
+        ranks = worker_config.layout.ranks
+        if ranks > 1:  # one bundle per rank, each rank one GPU (or none on CPU)
             num_gpus = int(self.num_gpus > 0)
-            bundles = placement.rank_bundles(worker_config.ranks, num_gpus, cluster.cpus_per_worker)
+            bundles = placement.rank_bundles(ranks, num_gpus, cluster.cpus_per_worker)
             labels = [n.get("Labels", {}) for n in nodes]
             reason = placement.ranks_unplaceable_reason(bundles, totals, labels, cluster.rank_span)
             strategy = placement.rank_placement(cluster.rank_span)
@@ -125,7 +126,7 @@ class Launcher:
             raise CapacityError(f"cannot place {worker_id}: {reason}")
         group = ray.util.placement_group(bundles, name=f"pdserve-{worker_id}", **strategy)
         # the worker's GPUs in all (each of its ranks holds num_gpus)
-        handle = WorkerHandle(worker_id, role, None, group, num_gpus * worker_config.ranks)
+        handle = WorkerHandle(worker_id, role, None, group, num_gpus * ranks)
         if not placement.fits_now(bundles, ray.available_resources()):
             logger.warning(
                 "%s waits up to %gs for %s (available now: %s)", worker_id,

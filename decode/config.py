@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pdserve.engine.layout import check_layout_fields
+from pdserve.model.parallel import WorkerLayout
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -33,17 +33,12 @@ class DecodeConfig:
     warm_up_context: int = 8192
     """Before it serves, the worker captures the decode CUDA graph of every batch bucket for page tables of
     contexts up to this many tokens (longer contexts capture their bucket when first run); 0: none."""
-    ranks: int = 1
-    """Ranks (one GPU each, or CPU processes) of one worker; 1: the worker is one process."""
-    attention: str = "data"
-    """Attention over the ranks: 'data' (each rank its own requests and KV pages) or 'tensor' (heads split)."""
-    expert_parallel: int = 1
-    """Ranks the routed experts are split over: 1 (each rank all of them) or `ranks`."""
-    dense: str = "replicated"
-    """Dense layers and shared experts: 'replicated' or 'tensor' (split; needs attention 'tensor')."""
+    layout: WorkerLayout = WorkerLayout()
+    """How one worker spreads the model over its ranks; its fields are this section's keys `ranks`,
+    `attention`, `expert_parallel` and `dense` (`pdserve.cluster.config` flattens them)."""
 
     def __post_init__(self) -> None:
-        check_layout_fields(self)
+        self.layout.check_runnable()
         if self.warm_up_context < 0:
             raise ValueError(f"warm_up_context={self.warm_up_context}: must not be negative")
         for name in ("page_size", "max_running", "max_num_batched_tokens", "max_prefill_chunk"):

@@ -54,7 +54,7 @@ class DecodeWorker(Worker):
         ranks: RankGroup | None = None,
     ):
         """kv_cache_dtype: auto or fp8 (`pdserve.model.kv_cache`); must be the prefill workers'; ranks: the
-        worker's running rank group when `config.ranks` > 1 (`Worker`; then `model` is unused)."""
+        worker's running rank group when `config.layout.ranks` > 1 (`Worker`; then `model` is unused)."""
         super().__init__(
             worker_id, model, config, kv_cache_dtype, cuda_graphs=config.cuda_graphs, ranks=ranks
         )

@@ -9,13 +9,12 @@ marked torch are imported from their modules.
 |---|---|
 | `scheduler` | the scheduler core: one set of queues; prefill-only, decode-only and aggregated are policies |
 | `request` | a request's record and states in the scheduler |
-| `step` | the per-step plan and its results (msgpack-able) |
+| `step` | the per-step plan and its results (their wire format: `ranks/wire`) |
 | `messages` | every router <-> worker message and their msgpack codec |
 | `sampling_params` | per-request sampling parameters and stop rules |
 | `checks` | the request checks the front end, the scheduler and the offline path share |
 | `pages` | the page allocator |
 | `chunking` | chunked-prefill planning |
-| `layout` | the per-pool layout fields' checks |
 | `runner` (torch) | the model runner, with `sampler` and `cuda_graphs` |
 | `worker` (torch) | the `Worker` base the prefill and decode roles share |
 | `warm_up` (torch) | a worker's warm-up steps |

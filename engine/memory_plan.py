@@ -2,7 +2,7 @@
 (`rank_memory`), and the KV cache pages the rest of the GPU holds; whether that fits, and if not, what falls short
 and which single change would fit.
 
-A pure function of its inputs (`ModelArgs`, the weights' dtype, a `PlanLayout`, `PlanSettings`): it needs no GPU
+A pure function of its inputs (`ModelArgs`, the weights' dtype, a `WorkerLayout`, `PlanSettings`): it needs no GPU
 and reads no weights, so `pdserve plan` answers "does this layout fit, and how much KV does it hold?" before any
 machine is taken, and a worker checks its layout at startup before loading anything (`plan_memory`, then
 `MemoryPlan.check`).
@@ -16,12 +16,10 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.layout import rows_per_rank
 from pdserve.engine.rank_memory import (
     GIB,
     GPU_MEMORY_UTILIZATION,
     GROUPS,
-    PlanLayout,
     check_split,
     reserve_bytes_per_rank,
     weight_bytes_per_rank,
@@ -29,11 +27,11 @@ from pdserve.engine.rank_memory import (
 from pdserve.model.args import ModelArgs
 from pdserve.model.errors import ConfigError
 from pdserve.model.kv_cache import KVCacheLayout, resolve_cache_dtype
+from pdserve.model.parallel import WorkerLayout, rows_per_rank
 
 __all__ = [
     "MemoryPlan",
     "MemoryPlanError",
-    "PlanLayout",
     "PlanSettings",
     "model_for_plan",
     "plan_memory",
@@ -85,7 +83,7 @@ class MemoryPlanError(ConfigError):
 class MemoryPlan:
     """Per-rank memory of one worker (every rank of a layout holds the same amounts). Bytes throughout."""
 
-    layout: PlanLayout
+    layout: WorkerLayout
     settings: PlanSettings
     weight_format: str
     """fp8 (block-quantized checkpoint), bf16, fp16 or fp32."""
@@ -134,7 +132,7 @@ class MemoryPlan:
     @property
     def worker_pages(self) -> int:
         """Distinct KV pages of the whole worker (DP: every rank's own; TP: one replicated set)."""
-        return self.num_pages * self.layout.num_kv_groups
+        return self.num_pages * self.layout.attention_dp_size
 
     @property
     def worker_tokens(self) -> int:
@@ -157,7 +155,7 @@ class MemoryPlan:
         mtp = f" + {self.num_mtp} MTP" if self.num_mtp else ""
         lines = [
             f"{head}: {self.num_layers - self.num_mtp} layers{mtp}, {self.weight_format} weights",
-            f"layout: {lay.describe()} ({lay.world_size} GPUs of {s.gpu_memory_gib:g} GiB, "
+            f"layout: {_describe(lay)} ({lay.ranks} GPUs of {s.gpu_memory_gib:g} GiB, "
             f"utilization {s.gpu_memory_utilization:g}: {_gib(self.usable_bytes)} GiB usable)",
             f"{'per rank':<44}{'GiB':>10}",
             "weights",
@@ -182,9 +180,9 @@ class MemoryPlan:
             f"({per_token / 1024:.1f} KiB per token, {s.kv_cache_dtype} rows)"
         )
         lines.append(f"{'free':<44}{_gib(self.free_bytes):>10}   of {_gib(self.gpu_bytes)}")
-        groups = lay.num_kv_groups
+        groups = lay.attention_dp_size
         lines.append(
-            f"per worker ({lay.world_size} ranks, {groups} KV page set{'s' if groups > 1 else ''}): "
+            f"per worker ({lay.ranks} ranks, {groups} KV page set{'s' if groups > 1 else ''}): "
             f"{self.worker_pages} pages, {self.worker_tokens} tokens of KV; "
             f"longest request {self.max_model_len} tokens"
         )
@@ -195,17 +193,17 @@ class MemoryPlan:
         return _step_tokens(self.settings, self.layout)
 
 
-def _rows_per_rank(settings: PlanSettings, layout: PlanLayout) -> int:
+def _rows_per_rank(settings: PlanSettings, layout: WorkerLayout) -> int:
     """The running requests one rank holds at most: the worker's shared by its data-parallel ranks."""
-    return rows_per_rank(settings.max_running, layout.num_kv_groups)
+    return rows_per_rank(settings.max_running, layout.attention_dp_size)
 
 
-def _step_tokens(settings: PlanSettings, layout: PlanLayout) -> int:
+def _step_tokens(settings: PlanSettings, layout: WorkerLayout) -> int:
     return max(settings.max_num_batched_tokens, _rows_per_rank(settings, layout))
 
 
 def plan_memory(
-    args: ModelArgs, dtype: torch.dtype, layout: PlanLayout, settings: PlanSettings
+    args: ModelArgs, dtype: torch.dtype, layout: WorkerLayout, settings: PlanSettings
 ) -> MemoryPlan:
     """The memory plan of `layout` for a model of `args` whose non-fp8 weights and activations are `dtype`.
 
@@ -218,7 +216,7 @@ def plan_memory(
 
 
 def _plan(
-    args: ModelArgs, dtype: torch.dtype, layout: PlanLayout, settings: PlanSettings
+    args: ModelArgs, dtype: torch.dtype, layout: WorkerLayout, settings: PlanSettings
 ) -> MemoryPlan:
     check_split(args, layout)
     num_mtp = args.num_nextn_predict_layers if settings.use_mtp else 0
@@ -281,19 +279,19 @@ def _alternatives(
     (EP growing with them when it spans all ranks), TP attention, TP dense, EP over every rank, fp8 KV, and the
     largest halving of --max-num-batched-tokens that fits. Changes this model cannot split are left out."""
     lay, s = plan.layout, plan.settings
-    candidates: list[tuple[str, PlanLayout, PlanSettings]] = []
+    candidates: list[tuple[str, WorkerLayout, PlanSettings]] = []
     for j in range(1, _MAX_DOUBLINGS + 1):
-        n = lay.world_size << j
-        ep = n if lay.ep_size == lay.world_size else lay.ep_size
-        grown = dataclasses.replace(lay, world_size=n, expert_parallel_size=ep)
+        n = lay.ranks << j
+        ep = n if lay.expert_parallel == lay.ranks else lay.expert_parallel
+        grown = dataclasses.replace(lay, ranks=n, expert_parallel=ep)
         candidates.append((f"--gpus {n}", grown, s))
-    if lay.world_size > 1 and lay.attention == "dp":
-        candidates.append(("--attention tp", dataclasses.replace(lay, attention="tp"), s))
-    if lay.world_size > 1 and lay.dense == "replicated":
-        candidates.append(("--dense tp", dataclasses.replace(lay, dense="tp"), s))
-    if lay.ep_size < lay.world_size:
-        ep_all = dataclasses.replace(lay, expert_parallel_size=lay.world_size)
-        candidates.append((f"--ep {lay.world_size}", ep_all, s))
+    if lay.ranks > 1 and lay.attention == "data":
+        candidates.append(("--attention tp", dataclasses.replace(lay, attention="tensor"), s))
+    if lay.ranks > 1 and lay.dense == "replicated":
+        candidates.append(("--dense tp", dataclasses.replace(lay, dense="tensor"), s))
+    if lay.expert_parallel < lay.ranks:
+        ep_all = dataclasses.replace(lay, expert_parallel=lay.ranks)
+        candidates.append((f"--ep {lay.ranks}", ep_all, s))
     if s.kv_cache_dtype != "fp8":
         candidates.append(
             ("--kv-cache-dtype fp8", lay, dataclasses.replace(s, kv_cache_dtype="fp8"))
@@ -314,6 +312,13 @@ def _alternatives(
         if alternative.fits:
             out.append((flag, alternative))
     return out
+
+
+def _describe(layout: WorkerLayout) -> str:
+    """The layout as `pdserve plan` prints it, in its flags' terms: `attention-DP8 + EP8, dense replicated`."""
+    attention = "TP" if layout.attention == "tensor" else "DP"
+    dense = "tp" if layout.dense == "tensor" else "replicated"
+    return f"attention-{attention}{layout.ranks} + EP{layout.expert_parallel}, dense {dense}"
 
 
 def _weight_format(args: ModelArgs, dtype: torch.dtype) -> str:

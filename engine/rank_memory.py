@@ -1,5 +1,5 @@
 """What one rank of a worker holds besides its KV cache: its weights, by group, and its activation and workspace
-reserve, for a model (`ModelArgs` and the weights' dtype) and a `PlanLayout`. Arithmetic over shapes only: no
+reserve, for a model (`ModelArgs` and the weights' dtype) and a `WorkerLayout`. Arithmetic over shapes only: no
 GPU, no weights read.
 
 Weights are counted tensor by tensor from `checkpoint_weights`, as the loader stores them: fp8 checkpoints hold
@@ -15,15 +15,14 @@ projections (`stacked_rows`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
 import torch
 
-from pdserve.engine.layout import rows_per_rank
 from pdserve.model.args import QUANT_BLOCK, ModelArgs
 from pdserve.model.errors import ConfigError
+from pdserve.model.parallel import WorkerLayout, rows_per_rank
 from pdserve.model.weight_names import WeightSpec, checkpoint_weights
 
 __all__ = [
@@ -33,7 +32,6 @@ __all__ = [
     "GPU_MEMORY_UTILIZATION",
     "GROUPS",
     "RUNTIME_WORKSPACE_BYTES",
-    "PlanLayout",
     "check_split",
     "reserve_bytes_per_rank",
     "worker_reserve_bytes",
@@ -46,8 +44,8 @@ GPU_MEMORY_UTILIZATION = 0.90
 """Share of each GPU's memory a worker uses in all (weights, reserve, KV), as vLLM's gpu_memory_utilization:
 `pdserve plan`'s default, and the bound a worker's ranks size their KV cache under at startup. The other tenth
 is what no plan can count in advance: NCCL's buffers (allocated at a group's first collectives, after the
-cache), the CUDA graphs' private pools, allocator fragmentation; a DP4 + EP4 decode worker of the v3 shape
-held 3.7 GiB in graph pools and 3.1 GiB outside torch's allocator on each 80 GiB H100."""
+cache), the CUDA graphs' private pools, allocator fragmentation: several GiB on each GPU of a large
+expert-parallel decode worker."""
 
 RUNTIME_WORKSPACE_BYTES = 2 * GIB
 """Per-rank memory outside the weights, the KV cache and the activations the plan counts: the CUDA context (about
@@ -59,9 +57,6 @@ EP_RECV_CAPACITY_FACTOR = 2.0
 """Expert-parallel receive buffers hold this many times the balanced load (each rank's T * top_k token copies
 spread evenly over the ranks): routing is never perfectly balanced, and the buffers have a fixed capacity (CUDA
 graphs replay fixed addresses), so they must hold the busiest rank's share."""
-
-ATTENTION_MODES = ("dp", "tp")
-DENSE_MODES = ("replicated", "tp")
 
 GROUPS = (
     "embedding + lm_head",
@@ -77,61 +72,8 @@ DERIVED_GROUPS = ("absorbed wkv_b copy", "stacking padding")
 """Weight groups the model allocates beyond the checkpoint's tensors."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class PlanLayout:
-    """How the ranks of one worker share the model: the memory plan's view of its parallel layout."""
-
-    world_size: int
-    """Ranks (one GPU each) of the worker."""
-    attention: str = "dp"
-    """dp: every rank holds all attention weights and its own requests' KV pages; tp: the heads are split over all
-    ranks and MLA's latent cache, shared by all heads, is the same on every rank."""
-    expert_parallel_size: int | None = None
-    """Ranks the routed experts are split over, n_routed_experts / this many each; it divides world_size, and the
-    world_size / expert_parallel_size groups of ranks hold replicas. None: world_size."""
-    dense: str = "replicated"
-    """The dense layers' MLP and the shared experts: whole on every rank (replicated), or their intermediate dim
-    split over all ranks (tp)."""
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ConfigError(f"world_size={self.world_size}: must be >= 1")
-        if self.attention not in ATTENTION_MODES:
-            raise ConfigError(
-                f"attention={self.attention!r}: expected one of {', '.join(ATTENTION_MODES)}"
-            )
-        if self.dense not in DENSE_MODES:
-            raise ConfigError(f"dense={self.dense!r}: expected one of {', '.join(DENSE_MODES)}")
-        ep = self.expert_parallel_size
-        if ep is not None and (ep < 1 or self.world_size % ep):
-            raise ConfigError(
-                f"expert_parallel_size={ep}: must divide world_size={self.world_size}"
-            )
-
-    @property
-    def attention_tp_size(self) -> int:
-        return self.world_size if self.attention == "tp" else 1
-
-    @property
-    def ep_size(self) -> int:
-        return self.expert_parallel_size or self.world_size
-
-    @property
-    def dense_tp_size(self) -> int:
-        return self.world_size if self.dense == "tp" else 1
-
-    @property
-    def num_kv_groups(self) -> int:
-        """Sets of distinct KV pages in the worker: one per rank under DP, one (replicated) under TP."""
-        return self.world_size if self.attention == "dp" else 1
-
-    def describe(self) -> str:
-        attention = f"attention-{self.attention.upper()}{self.world_size}"
-        return f"{attention} + EP{self.ep_size}, dense {self.dense}"
-
-
 def weight_bytes_per_rank(
-    args: ModelArgs, dtype: torch.dtype, layout: PlanLayout, num_mtp: int
+    args: ModelArgs, dtype: torch.dtype, layout: WorkerLayout, num_mtp: int
 ) -> dict[str, int]:
     """Bytes of the weights one rank holds, by group (GROUPS, then DERIVED_GROUPS)."""
     specs = _checkpoint_weights(args, num_mtp)
@@ -166,7 +108,7 @@ def weight_bytes_per_rank(
 
 
 def reserve_bytes_per_rank(
-    args: ModelArgs, dtype: torch.dtype, layout: PlanLayout, step_tokens: int, max_running: int
+    args: ModelArgs, dtype: torch.dtype, layout: WorkerLayout, step_tokens: int, max_running: int
 ) -> dict[str, int]:
     """Memory one rank keeps besides its weights and KV cache, by purpose.
 
@@ -199,7 +141,7 @@ def reserve_bytes_per_rank(
     activations = a * t * (3 * d + heads * per_head + max(3 * dense_i, moe_width))
     activations += 4 * max_running * args.vocab_size
     ep_buffers = 0
-    if layout.ep_size > 1 and has_moe:
+    if layout.expert_parallel > 1 and has_moe:
         ep_buffers = int(2 * (1 + EP_RECV_CAPACITY_FACTOR) * t * k * d * a)
     return {
         "activations": activations,
@@ -215,15 +157,8 @@ def worker_reserve_bytes(model, max_num_batched_tokens: int, max_running: int | 
     the one the worker takes and the largest step still finds its activations and exchange buffers. A decode
     worker's `max_running` is shared by its data-parallel ranks; a prefill worker has no running batch (None),
     and its logits rows are counted as `pdserve plan`'s default of 256."""
-    parallel = model.layout
-    dp = parallel.world_size if parallel.attention == "data" else 1
-    rows = 256 if max_running is None else rows_per_rank(max_running, dp)
-    layout = PlanLayout(
-        parallel.world_size,
-        "tp" if parallel.attention == "tensor" else "dp",
-        parallel.expert_parallel,
-        "tp" if parallel.dense == "tensor" else "replicated",
-    )
+    layout = model.layout.worker
+    rows = 256 if max_running is None else rows_per_rank(max_running, layout.attention_dp_size)
     step_tokens = max(max_num_batched_tokens, rows)
     return sum(reserve_bytes_per_rank(model.args, model.dtype, layout, step_tokens, rows).values())
 
@@ -234,10 +169,10 @@ def _checkpoint_weights(args: ModelArgs, num_mtp: int) -> tuple[WeightSpec, ...]
     return tuple(checkpoint_weights(args, num_mtp))
 
 
-def check_split(args: ModelArgs, layout: PlanLayout) -> None:
-    if args.n_routed_experts % layout.ep_size:
+def check_split(args: ModelArgs, layout: WorkerLayout) -> None:
+    if args.n_routed_experts % layout.expert_parallel:
         raise ConfigError(
-            f"EP {layout.ep_size}: must divide n_routed_experts={args.n_routed_experts}"
+            f"EP {layout.expert_parallel}: must divide n_routed_experts={args.n_routed_experts}"
         )
     if args.num_attention_heads % layout.attention_tp_size:
         raise ConfigError(
@@ -265,11 +200,11 @@ def _split(spec: WeightSpec, args: ModelArgs, dim: int, parts: int) -> tuple[int
     return tuple(shape)
 
 
-def _rank_shape(spec: WeightSpec, args: ModelArgs, layout: PlanLayout) -> tuple[int, ...] | None:
+def _rank_shape(spec: WeightSpec, args: ModelArgs, layout: WorkerLayout) -> tuple[int, ...] | None:
     """The shape of the part of `spec` rank 0 holds (every rank holds the same amount); None: none of it."""
     name = spec.name
     if spec.expert is not None:
-        experts_per_rank = args.n_routed_experts // layout.ep_size
+        experts_per_rank = args.n_routed_experts // layout.expert_parallel
         return spec.shape if spec.expert < experts_per_rank else None
     attn_tp, dense_tp = layout.attention_tp_size, layout.dense_tp_size
     if name.endswith(("self_attn.q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight")):

@@ -1,5 +1,5 @@
 """The scheduler's record of one request: its tokens, pages, progress and state, and the policy that decides its
-path through the states. Pure Python (no torch)."""
+path through the states, and the stages it went through. Pure Python (no torch)."""
 
 from __future__ import annotations
 
@@ -96,3 +96,21 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.token_ids) - self.num_generated
+
+
+def stage_times(request: Request, sent_at: float = 0.0) -> StageTimes:
+    """The stages `request` went through: on this worker, its prefill's queue and run where it was prefilled
+    here, the KV transfer's wait up to `sent_at` (when a prefill worker's send began), the wait for its first
+    decode step where it decoded here; with those its prefill worker ran and its KV transfer
+    (`Request.prefill_stages`), where it was prefilled there."""
+
+    def between(start: float, end: float) -> float:
+        return max(0.0, end - start) if start and end else 0.0
+
+    chunk, token = request.first_chunk_at, request.first_token_at
+    return StageTimes(
+        prefill_queue_s=between(request.added_at, chunk),
+        prefill_s=between(chunk, token),
+        kv_transfer_s=between(token, sent_at),
+        decode_queue_s=between(token, request.first_decode_at),
+    ).merged(request.prefill_stages)

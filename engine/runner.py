@@ -13,16 +13,10 @@ import torch
 
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.rank_memory import GPU_MEMORY_UTILIZATION
+from pdserve.engine.ranks.wire import max_pages, prefill_tokens
 from pdserve.engine.sampler import PenaltyCounts, sample
 from pdserve.engine.sampling_params import TokenLogprobs
-from pdserve.engine.step import (
-    DecodeRow,
-    PrefillRow,
-    RankResult,
-    StepPlan,
-    max_pages,
-    prefill_tokens,
-)
+from pdserve.engine.step import DecodeRow, PrefillRow, RankResult, StepPlan
 from pdserve.model.batch import SeqChunk, build_forward_batch
 from pdserve.model.deepseek import Transformer
 from pdserve.model.kv_cache import KVCacheLayout, PagedKVCache, capacity_pages, resolve_cache_dtype
@@ -148,7 +142,7 @@ class ModelRunner:
     def _joins_idle(self) -> bool:
         """Whether a rank with no rows must still run a pass: its MoE layers exchange tokens with the others."""
         layout = self.model.layout
-        return layout.expert_parallel > 1 and not layout.same_tokens_on_all_ranks
+        return layout.worker.expert_parallel > 1 and not layout.worker.same_tokens_on_all_ranks
 
     def _idle(self, _rows) -> None:
         self.model.forward_idle()

@@ -22,7 +22,11 @@ assigned to one rank (the one with the fewest KV pages in use, then the fewest r
 pages come from that rank's allocator, its chunks count against that rank's token budget, preemption takes
 victims of that rank only, and the plan has one `RankStep` per rank (empty for an idle rank). With one allocator
 and several ranks (tensor-parallel attention: the latent cache is the same on every rank) every rank gets the
-same `RankStep`, and rank 0's result is taken."""
+same `RankStep`, and rank 0's result is taken.
+
+One file past 500 lines on purpose: admission, planning, preemption and applying results all read and write one
+request table and one set of allocators under the invariants above (a request's pages come from its rank's
+allocator, pages freed mid-step are held back); split, each part would reach into the others' state."""
 
 from __future__ import annotations
 
@@ -34,13 +38,13 @@ from collections.abc import Collection, Sequence
 
 from pdserve.engine.checks import check_context, check_pages, check_token_ids
 from pdserve.engine.chunking import plan_prefill_chunks
-from pdserve.engine.layout import rows_per_rank
 from pdserve.engine.messages import RequestOutput, StageTimes
 from pdserve.engine.pages import PageAllocator, pages_needed
-from pdserve.engine.request import Policy, Request, RequestState
+from pdserve.engine.request import Policy, Request, RequestState, stage_times
 from pdserve.engine.sampling_params import FinishReason, TokenLogprobs, check_stop
 from pdserve.engine.step import DecodeRow, PrefillRow, RankResult, RankStep, SampleSpec, StepPlan
 from pdserve.model.errors import CapacityError, InvalidRequestError
+from pdserve.model.parallel import rows_per_rank
 
 _REPLAY = SampleSpec(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, step=0)
 """A replayed token's row: greedy, nothing counted (its sample is dropped)."""
@@ -517,21 +521,3 @@ class Scheduler:
             if request.num_computed < request.num_tokens:
                 continue  # a replayed token: its sample is dropped
             outputs += self._append(request, token, logprobs)
-
-
-def stage_times(request: Request, sent_at: float = 0.0) -> StageTimes:
-    """The stages `request` went through: on this worker, its prefill's queue and run where it was prefilled
-    here, the KV transfer's wait up to `sent_at` (when a prefill worker's send began), the wait for its first
-    decode step where it decoded here; with those its prefill worker ran and its KV transfer
-    (`Request.prefill_stages`), where it was prefilled there."""
-
-    def between(start: float, end: float) -> float:
-        return max(0.0, end - start) if start and end else 0.0
-
-    chunk, token = request.first_chunk_at, request.first_token_at
-    return StageTimes(
-        prefill_queue_s=between(request.added_at, chunk),
-        prefill_s=between(chunk, token),
-        kv_transfer_s=between(token, sent_at),
-        decode_queue_s=between(token, request.first_decode_at),
-    ).merged(request.prefill_stages)

@@ -3,7 +3,7 @@ allocator, the lock that control calls (any thread) and the loop thread take, ru
 scheduler (`pdserve.engine.scheduler`), and the loop: step while there is work, otherwise wait for a wake-up or
 `idle_wait_s`. A role subclasses it with its scheduler's policy and its `step`.
 
-A worker of several ranks (`config.ranks` > 1) is given its running `RankGroup` (`rank_runner.start_rank_group`):
+A worker of several ranks (`config.layout.ranks` > 1) is given its running `RankGroup` (`rank_runner.start_rank_group`):
 its runner is the driver's (rank 0's) shard, each plan runs on every rank through the group, and with
 data-parallel attention it keeps one page allocator per rank. When the group fails (a rank died, stalled or
 raised), every request of the worker fails with an error naming the rank, every page is freed, the ranks are
@@ -17,15 +17,15 @@ import time
 
 import torch
 
-from pdserve.engine.layout import data_parallel_ranks
 from pdserve.engine.messages import RANK_GROUP_FAILED, RequestOutput
 from pdserve.engine.pages import PageAllocator
 from pdserve.engine.rank_memory import worker_reserve_bytes
 from pdserve.engine.ranks.channel import PlanChannelError
 from pdserve.engine.ranks.group import RankGroup, RankStepError
+from pdserve.engine.ranks.wire import PageTableCache, plan_to_wire, result_from_wire
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler, StepOutcome
-from pdserve.engine.step import PageTableCache, RankResult, StepPlan, plan_to_wire, result_from_wire
+from pdserve.engine.step import RankResult, StepPlan
 from pdserve.engine.warm_up import warm_up_plans
 from pdserve.model.deepseek import Transformer
 from pdserve.model.errors import PdserveError
@@ -86,7 +86,7 @@ class Worker:
             self.runner = ranks.handler.runner
         self.model = self.runner.model
         self.num_ranks = 1 if ranks is None else ranks.world_size
-        num_allocators = 1 if ranks is None else data_parallel_ranks(config)
+        num_allocators = 1 if ranks is None else config.layout.attention_dp_size
         self.allocators = [PageAllocator(self.runner.num_pages) for _ in range(num_allocators)]
         self.allocator = self.allocators[0]
         """Rank 0's pages (the worker's only allocator unless attention is data-parallel)."""

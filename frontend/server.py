@@ -67,7 +67,8 @@ def connect_ray(config: ServeConfig) -> None:
     if address == "local":
         cluster = config.cluster
         ranks = (
-            cluster.num_prefill * config.prefill.ranks + cluster.num_decode * config.decode.ranks
+            cluster.num_prefill * config.prefill.layout.ranks
+            + cluster.num_decode * config.decode.layout.ranks
         )
         demand = (
             ranks * cluster.cpus_per_worker

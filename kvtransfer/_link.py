@@ -39,8 +39,8 @@ _FAST_POLL_WINDOW_S = 0.02
 CHECK_S = 0.05
 _JOIN_POLL_S = 0.005
 SENDER_EPOCH_TTL_S = 1.0
-"""How long the prefill side trusts its last read of a pair's epoch (a store round trip per send would cost
-~0.2 ms); a failed send re-reads it."""
+"""How long the prefill side trusts its last read of a pair's epoch (a store round trip on every send would
+add a network round trip to each); a failed send re-reads it."""
 _MIN_METADATA_BUFFER = 1024
 _PR_SET_TIMERSLACK = 29
 _TIMER_SLACK_NS = 1000
@@ -60,7 +60,7 @@ def lower_timer_slack() -> None:
 
 class _OnStream:
     """What `torch.cuda.device(d)` with `torch.cuda.stream(s)` do for a stream on device d, through the calls
-    beneath them: ~17 us of host time on every transfer's path came from those two context managers. Restores
+    beneath them, without the two context managers' own host time on every transfer's path. Restores
     the thread's device, and that device's stream, on exit."""
 
     __slots__ = ("stream", "prev_device", "prev_stream")

@@ -32,7 +32,7 @@ class KVTransferConfig:
     max_receiver_runs: int = 8
     """A decode worker whose pages for a transfer over `pipeline_min_bytes` form 2 .. this many runs of
     consecutive ids asks the prefill worker (through the router) to cut the transfer at them: where P's pages
-    are one run, every piece then lands in place, at one more NCCL message (~13 us) per run, against D
+    are one run, every piece then lands in place, at one more NCCL message per run, against D
     unpacking a copy of the whole transfer. 1 never asks."""
     spin_s: float = 0.003
     """How long a wait for the link spins (polling, yielding between polls) before it sleeps between polls

@@ -1,6 +1,7 @@
-"""DeepSeek-V3 model: `ModelArgs`, the architecture (`Transformer`), its split over ranks (`ParallelLayout`,
-`ExpertExchange`), the forward batch, the paged KV cache layout, the checkpoint loader, the tokenizer and the
-random-checkpoint maker. The serving runtime over it (scheduler, runner, pages, sampler) is `pdserve.engine`.
+"""DeepSeek-V3 model: `ModelArgs`, the architecture (`Transformer`), its split over ranks (`WorkerLayout`,
+`ParallelLayout`, `ExpertExchange`), the forward batch, the paged KV cache layout, the checkpoint loader, the
+tokenizer and the random-checkpoint maker. The serving runtime over it (scheduler, runner, pages, sampler) is
+`pdserve.engine`.
 
 Names are imported lazily so that torch-free modules (`pdserve.model.errors`) can be used by pure-Python
 schedulers without importing torch.
@@ -9,7 +10,7 @@ schedulers without importing torch.
 |---|---|
 | `args` | `ModelArgs` from a checkpoint's config.json |
 | `deepseek` | the network in the paper's order |
-| `parallel` | `ParallelLayout`: how a worker's model is split over its ranks |
+| `parallel` | `WorkerLayout`: how a worker's model is split over its ranks; `ParallelLayout`: one rank's part |
 | `expert_exchange` | expert-parallel MoE's token exchange |
 | `shared_expert` | the shared expert as one more slot of the stacked experts |
 | `batch` | `ForwardBatch`: the scheduler -> forward pass contract |
@@ -35,6 +36,7 @@ _EXPORTS = {
     "PdserveError": "errors",
     "Transformer": "deepseek",
     "ParallelLayout": "parallel",
+    "WorkerLayout": "parallel",
     "ExpertExchange": "expert_exchange",
     "ForwardBatch": "batch",
     "SeqChunk": "batch",

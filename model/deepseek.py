@@ -1,5 +1,6 @@
 """DeepSeek-V3 in the paper's order: Linear, RMSNorm, YaRN RoPE, MLA, MLP, Gate, Experts, MoE, Block, MTP,
-Transformer. All arithmetic goes through `pdserve.kernels` (Triton on GPUs, torch references on CPU).
+Transformer. All arithmetic goes through `pdserve.kernels` (Triton on GPUs, torch references on CPU). One file
+past 500 lines on purpose: the network read top to bottom in the paper's order is its spec.
 
 The forward runs over a packed batch (`ForwardBatch`): T new tokens of B requests, attending through the paged
 latent cache (`PagedKVCache`). A prefill batch uses the naive MLA form (latents expanded to per-head keys and
@@ -164,8 +165,8 @@ class MLA(nn.Module):
     ):  # fmt: skip
         super().__init__()
         self.cache_layer = cache_layer
-        self.n_heads = args.num_attention_heads // layout.attention_tp_size
-        self.layout = layout if layout.attention_tp_size > 1 else None
+        self.n_heads = args.num_attention_heads // layout.worker.attention_tp_size
+        self.layout = layout if layout.worker.attention_tp_size > 1 else None
         self.q_lora_rank, self.kv_lora_rank = args.q_lora_rank, args.kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim = args.qk_nope_head_dim, args.qk_rope_head_dim
         self.v_head_dim, self.softmax_scale = args.v_head_dim, args.softmax_scale
@@ -202,8 +203,8 @@ class MLA(nn.Module):
         k_pe = kv[:, self.kv_lora_rank :]  # [T, rope], a view: rope rotates it in place
         if batch.is_decode:
             # the absorbed query [q_nope W_UK | q_pe], [T, H, kv_lora + rope]: rope writes q_pe's
-            # rotation into it, the head product the rest (no torch.cat: 20.6 us at 64 tokens, 128
-            # heads, on an H200; no copy of q_pe either)
+            # rotation into it, the head product the rest (no torch.cat, whose copy of every head's
+            # query costs more than the product; no copy of q_pe either)
             q_abs = q.new_empty(num_tokens, self.n_heads, self.kv_lora_rank + self.qk_rope_head_dim)
             # ... and stores k_pe's rotation in the cache with c_kv, in the same launch
             kernels.rope(
@@ -268,8 +269,8 @@ class MLA(nn.Module):
         out_latent = out_latent.view(-1, self.n_heads, self.kv_lora_rank)  # [T, H, kv_lora]
         # [T, H, v]; for an fp8 wo the product comes quantized, (x_fp8 [T, H * v], scales), where v is a
         # multiple of the 128-wide quant group (DeepSeek-V3: 128) so that no group spans two heads. From 2
-        # rows on that saves wo's own quantization (H200, 128 heads, with wo: 64 rows 59.4 -> 53.8 us, 16
-        # rows 52.8 -> 47.8); one row's wo quantizes inside its GEMM for less (43.2 against 45.8 us).
+        # rows on that saves wo's own quantization launch; one row's wo quantizes inside its GEMM, which
+        # costs less than that launch.
         # Batch-invariant mode takes one path for every batch.
         quant = (
             self.wo.is_fp8
@@ -289,8 +290,8 @@ class MLP(nn.Module):
         layout: ParallelLayout = SINGLE_RANK,
     ):  # fmt: skip
         super().__init__()
-        inter_dim //= layout.dense_tp_size
-        self.layout = layout if layout.dense_tp_size > 1 else None
+        inter_dim //= layout.worker.dense_tp_size
+        self.layout = layout if layout.worker.dense_tp_size > 1 else None
         self.w13 = StackedLinear(dim, (inter_dim, inter_dim), dtype, is_fp8(f"{path}.w13"))
         self.w2 = Linear(inter_dim, dim, dtype, is_fp8(f"{path}.w2"))
 
@@ -305,8 +306,8 @@ class MLP(nn.Module):
 class Gate(nn.Module):
     """noaux_tc router: fp32 logits, then `kernels.moe_route` (bias for selection only). The weight has the
     activations' dtype (DeepSeek-V3 ships it in bf16): bf16 products are exact in fp32, so one GEMM with an fp32
-    output gives the logits that upcasting both operands would. On an H200 that is 6.5 us at 16-128 tokens
-    against 20-28 us for the upcast and cuBLAS's fp32 GEMM, 9.2 against 70 us at 512."""
+    output gives the logits that upcasting both operands would, without the upcast copies or an fp32 GEMM
+    (several times slower)."""
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype):
         super().__init__()
@@ -397,13 +398,13 @@ class MoE(nn.Module):
             )
             self.fused_shared = (
                 self.exchange is None
-                and layout.dense_tp_size == 1
+                and layout.worker.dense_tp_size == 1
                 and can_fuse_shared(args, self.shared_experts, experts_fp8)
             )
         self.experts = Experts(args, dtype, experts_fp8, int(self.fused_shared), layout)
         if self.fused_shared:
             alias_slot(self.shared_experts, self.experts, args.n_routed_experts)
-        self.tree = reduce_tree(args.n_routed_experts, layout.expert_parallel)
+        self.tree = reduce_tree(args.n_routed_experts, layout.worker.expert_parallel)
         """`kernels.fused_moe`'s tree for this rank's experts in batch-invariant mode (None: slot order)."""
 
     def forward(
@@ -584,7 +585,7 @@ class Transformer(nn.Module):
         num_mtp: int | None = None, layout: ParallelLayout = SINGLE_RANK,
     ):  # fmt: skip
         super().__init__()
-        layout.check_model(args)
+        layout.worker.check_model(args)
         self.args, self.dtype, self.layout = args, dtype, layout
         self.num_mtp = args.num_nextn_predict_layers if num_mtp is None else num_mtp
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)

@@ -31,7 +31,7 @@ def load_dummy(
 ) -> Transformer:
     """See `loader.load_model` (load_format="dummy"); `path` needs only config.json."""
     args = ModelArgs.from_json(Path(path))
-    layout.check_model(args)
+    layout.worker.check_model(args)
     dtype = dtype or default_dtype(path)
     num_mtp = args.num_nextn_predict_layers if use_mtp else 0
     specs = checkpoint_weights(args, num_mtp, layout)

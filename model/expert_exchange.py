@@ -105,7 +105,7 @@ class ExpertExchange(abc.ABC):
     def __init__(self, layout: ParallelLayout, num_experts: int):
         self.layout = layout
         self.num_experts = num_experts
-        self.experts_per_rank = num_experts // layout.expert_parallel
+        self.experts_per_rank = num_experts // layout.worker.expert_parallel
         self.step_tokens: int | None = None
         """Most tokens any rank holds in the pass under way, the same on every rank, when the caller knows it
         (a worker's step plan tells every rank every rank's rows): set by `Transformer.step_tokens`."""
@@ -271,14 +271,14 @@ class AllGatherExchange(ExpertExchange):
                     "step must not hold more"
                 )
             return self.capacity
-        world = self.layout.world_size
+        world = self.layout.worker.ranks
         counts = torch.empty(world, dtype=torch.int64, device=device)
         mine = torch.full((1,), num_tokens, dtype=torch.int64, device=device)
         _all_gather(counts, mine, group=self.layout.group)
         return int(counts.max())  # host sync: the padding must be known to size the message
 
     def dispatch(self, x, topk_ids, topk_weights, x_q=None):
-        world = self.layout.world_size
+        world = self.layout.worker.ranks
         num_tokens, k = topk_ids.shape
         x_q = self._quantized(x_q)
         capacity = self._step_capacity(num_tokens, x.device)
@@ -290,7 +290,7 @@ class AllGatherExchange(ExpertExchange):
         return batch, _AllGatherHandle(num_tokens, capacity, x.dtype)
 
     def combine(self, y, handle: _AllGatherHandle, tree: bool = False):  # type: ignore[override]
-        world, group = self.layout.world_size, self.layout.group
+        world, group = self.layout.worker.ranks, self.layout.group
         capacity, dim = handle.capacity, y.shape[1]
         if tree:
             back = torch.empty_like(y)  # [N * C, D] fp32 subtrees
@@ -328,7 +328,7 @@ class AllToAllExchange(ExpertExchange):
     host_sync = True
 
     def dispatch(self, x, topk_ids, topk_weights, x_q=None):
-        group, world = self.layout.group, self.layout.world_size
+        group, world = self.layout.group, self.layout.worker.ranks
         x_q = self._quantized(x_q)
         num_tokens, k = topk_ids.shape
         owner = topk_ids.long() // self.experts_per_rank  # [T, k]
@@ -400,13 +400,13 @@ def make_exchange(layout: ParallelLayout, num_experts: int) -> ExpertExchange | 
     all-gather one up to `ALL_GATHER_MAX_EP` expert-parallel ranks, the all-to-all one beyond. The all-gather
     one pads to `layout.max_tokens_per_rank` when set (no host sync: CUDA-graph capturable), else to the
     step's largest rank."""
-    if layout.expert_parallel == 1:
+    if layout.worker.expert_parallel == 1:
         return None
-    if layout.same_tokens_on_all_ranks:
+    if layout.worker.same_tokens_on_all_ranks:
         return AllReduceExchange(layout, num_experts)
     kind = layout.exchange
     if kind == "auto":
-        kind = "all_gather" if layout.expert_parallel <= ALL_GATHER_MAX_EP else "all_to_all"
+        kind = "all_gather" if layout.worker.expert_parallel <= ALL_GATHER_MAX_EP else "all_to_all"
     if kind == "all_gather":
         return AllGatherExchange(layout, num_experts, layout.max_tokens_per_rank)
     return AllToAllExchange(layout, num_experts)

@@ -128,7 +128,7 @@ def plan_load(
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
     args = ModelArgs.from_json(path)
-    layout.check_model(args)
+    layout.worker.check_model(args)
     local_experts = layout.local_experts(args.n_routed_experts)
     stored = read_checkpoint_tensors(path)
     num_mtp = args.num_nextn_predict_layers if use_mtp else 0
@@ -197,7 +197,7 @@ def _check_fp8_split(spec: WeightSpec, layout: ParallelLayout) -> None:
     if start % QUANT_BLOCK or (stop % QUANT_BLOCK and stop != spec.shape[dim]):
         raise CheckpointError(
             f"{spec.name}: fp8 with {QUANT_BLOCK}x{QUANT_BLOCK} scale blocks; rank {layout.rank} of "
-            f"{layout.world_size} would read [{start}, {stop}) of dim {dim}, not whole blocks"
+            f"{layout.worker.ranks} would read [{start}, {stop}) of dim {dim}, not whole blocks"
         )
 
 

@@ -14,9 +14,9 @@ if TYPE_CHECKING:
     from .deepseek import MLP, Experts
 
 FUSED_SHARED_MAX_TOKENS = 16
-"""Up to this many tokens, a fused shared expert runs as one more expert of the routed experts' launch. H200,
-fp8, 32 experts of DeepSeek-V3: T = 1 / 4 / 16 save 10 / 16-19 / 11-16 us a layer against its own GEMMs;
-at T = 64 the one launch is 1-5 us slower."""
+"""Up to this many tokens, a fused shared expert runs as one more expert of the routed experts' launch: at
+decode sizes that saves its own GEMM launches; past this, the one launch's extra rows cost more than they
+save."""
 
 
 def can_fuse_shared(args: ModelArgs, shared: MLP, experts_fp8: bool) -> bool:

@@ -85,7 +85,7 @@ def _block(
     args: ModelArgs, layer: int, ckpt: str, param: str, is_mtp: bool, layout: ParallelLayout
 ) -> list[WeightSpec]:
     d, h = args.hidden_size, args.num_attention_heads
-    attn_tp, dense_tp = layout.attention_tp_size, layout.dense_tp_size
+    attn_tp, dense_tp = layout.worker.attention_tp_size, layout.worker.dense_tp_size
 
     def w(name, p, shape, quantizable=False, owner="", split=(0, 1), **kw) -> WeightSpec:
         """split: (dim, ranks) that split the stored tensor along dim."""

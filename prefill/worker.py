@@ -19,9 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pdserve import kernels
 from pdserve.engine.messages import PrefillFailure, PrefillHandoff, PrefillRequest, PrefillStats
 from pdserve.engine.ranks.group import RankGroup
-from pdserve.engine.request import Policy, Request, RequestState
+from pdserve.engine.request import Policy, Request, RequestState, stage_times
 from pdserve.engine.sampling_params import TokenLogprobs
-from pdserve.engine.scheduler import stage_times
 from pdserve.engine.worker import Worker
 from pdserve.kvtransfer import KVSender
 from pdserve.model.deepseek import Transformer
@@ -38,11 +37,11 @@ class PrefillWorker(Worker):
         kv_cache_dtype: str = "auto", ranks: RankGroup | None = None,
     ):  # fmt: skip
         """kv_cache_dtype: auto or fp8 (`pdserve.model.kv_cache`); must be the decode workers'; ranks: the
-        worker's running rank group when `config.ranks` > 1 (`Worker`; then `model` is unused). Rank 0 sends
+        worker's running rank group when `config.layout.ranks` > 1 (`Worker`; then `model` is unused). Rank 0 sends
         the KV pages, so several ranks need tensor-parallel attention (the same latent cache on each)."""
-        if ranks is not None and config.attention != "tensor":
+        if ranks is not None and config.layout.attention != "tensor":
             raise ConfigError(
-                f"prefill attention={config.attention!r} with ranks={config.ranks}: a prefill worker of "
+                f"prefill attention={config.layout.attention!r} with ranks={config.layout.ranks}: a prefill worker of "
                 "several ranks sends its KV from rank 0, so it needs attention='tensor'"
             )
         super().__init__(worker_id, model, config, kv_cache_dtype, ranks=ranks)

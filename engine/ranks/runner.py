@@ -10,6 +10,7 @@ the handlers are built), so a page id the driver's scheduler hands out exists on
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -17,15 +18,14 @@ import torch
 import torch.distributed as dist
 
 from pdserve import kernels
-from pdserve.engine.layout import layout_kwargs
 from pdserve.engine.rank_memory import worker_reserve_bytes
 from pdserve.engine.ranks.group import RankGroup, RankGroupConfig, RankLauncher
 from pdserve.engine.ranks.kv import RankKVEndpoint, rank_endpoint
 from pdserve.engine.ranks.process import HandlerSpec, RankContext
+from pdserve.engine.ranks.wire import plan_from_wire, result_to_wire
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.step import plan_from_wire, result_to_wire
 from pdserve.model.loader import load_model
-from pdserve.model.parallel import ParallelLayout
+from pdserve.model.parallel import ParallelLayout, WorkerLayout
 
 __all__ = ["RankRunner", "make_rank_runner", "start_rank_group"]
 
@@ -66,15 +66,18 @@ def make_rank_runner(
     load_format: str = "safetensors", kernel_backend: str | None = None,
     batch_invariant: bool | None = None, kv: dict[str, Any] | None = None, cuda_graphs: bool = False,
     max_num_batched_tokens: int = 8192, max_running: int | None = None,
+    layout_options: dict[str, Any] | None = None,
 ) -> RankRunner:  # fmt: skip
-    """Loads rank `ctx.rank`'s shard of the model under `ParallelLayout(**layout)` over the group the rank
-    joined and builds its runner (collective: every rank of the group calls it at once). Decode steps replay
-    CUDA graphs (`cuda_graphs`, on GPUs) unless an expert exchange needs the host (the all-to-all one). kv (a
-    decode worker's
-    ranks): `{"config": KVTransferConfig fields, "worker_id": the worker's id}`: the rank receives KV pages
+    """Loads rank `ctx.rank`'s shard of the model under `WorkerLayout(**layout)` (with `ParallelLayout`'s
+    `layout_options`, such as its exchange; None: its defaults) over the group the rank joined and builds its
+    runner (collective: every rank of the group calls it at once). Decode steps replay CUDA graphs
+    (`cuda_graphs`, on GPUs) unless an expert exchange needs the host (the all-to-all one). kv (a decode
+    worker's ranks): `{"config": KVTransferConfig fields, "worker_id": the worker's id}`: the rank receives KV pages
     at `rank_endpoint(worker_id, rank)`."""
     choice = (kernel_backend, batch_invariant)
-    parallel = ParallelLayout(rank=ctx.rank, group=ctx.group, **layout)
+    parallel = ParallelLayout(
+        WorkerLayout(**layout), rank=ctx.rank, group=ctx.group, **(layout_options or {})
+    )
     with kernels.use(*choice):
         model = load_model(
             model_path, ctx.device, DTYPES.get(dtype or ""), progress=False, layout=parallel,
@@ -122,14 +125,14 @@ def start_rank_group(
     kernel_choice: tuple[str | None, bool | None] = (None, None), kv: dict[str, Any] | None = None,
     channel: str = "shm", store_host: str = "127.0.0.1",
 ) -> RankGroup:  # fmt: skip
-    """Starts the `config.ranks` ranks of a worker whose role config is `config` (`PrefillConfig` or
+    """Starts the `config.layout.ranks` ranks of a worker whose role config is `config` (`PrefillConfig` or
     `DecodeConfig`); rank 0 is this process. kv: each rank's KV endpoint (`make_rank_runner`); channel,
     store_host: as `RankGroupConfig`'s ('dist' and this node's address when ranks run on other nodes). Returns
     the running group (close it when the worker stops)."""
     handler = HandlerSpec(
         f"{__name__}:make_rank_runner",
         {
-            "model_path": model_path, "dtype": dtype, "layout": layout_kwargs(config),
+            "model_path": model_path, "dtype": dtype, "layout": dataclasses.asdict(config.layout),
             "page_size": config.page_size, "num_pages": config.num_pages,
             "gpu_memory_fraction": config.gpu_memory_fraction,
             "cpu_cache_bytes": config.cpu_cache_bytes, "kv_cache_dtype": kv_cache_dtype,
@@ -141,7 +144,7 @@ def start_rank_group(
         },
     )  # fmt: skip
     group_config = RankGroupConfig(
-        config.ranks, backend=backend, channel=channel, store_host=store_host
+        config.layout.ranks, backend=backend, channel=channel, store_host=store_host
     )
     group = RankGroup(group_config, handler, launcher)
     try:

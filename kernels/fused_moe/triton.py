@@ -13,6 +13,10 @@ Five steps on the device, with no host sync (a CUDA graph can capture them):
    `gluon_sm90.py`, which overlap each k-tile's block scaling with the next k-tile's wgmma.)
 5. combine: out[t] = sum_j topk_weights[t, j] * y[row_of[t, j]] in fp32, then x's dtype.
 M-tiles past the padded total find no expert and exit, so grids are sized from T*k alone.
+
+One file past 500 lines on purpose: the op's kernels and the launcher that chains them share the row layout,
+the tile sizes and the config keys, and are read as one pipeline (the layout steps and the Hopper Gluon GEMMs
+are apart already).
 """
 
 from __future__ import annotations

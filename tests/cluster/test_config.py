@@ -12,8 +12,9 @@ import yaml
 
 from pdserve.cli.commands import config_from_args
 from pdserve.cli.main import _build_parser
-from pdserve.cluster.config import SECTIONS, ServeConfig, build_config, field_docs
+from pdserve.cluster.config import SECTIONS, ServeConfig, build_config, section_keys, to_dict
 from pdserve.model.errors import ConfigError
+from pdserve.model.parallel import WorkerLayout
 
 # its tests start processes of their own
 pytestmark = pytest.mark.subprocess
@@ -77,13 +78,13 @@ def test_layout_flags():
                    "decode": {"ranks": 2, "attention": "data", "expert_parallel": 2},
                    "prefill": {"ranks": 2, "attention": "tensor", "dense": "tensor"}}
     )  # fmt: skip
-    assert (config.decode.ranks, config.decode.attention, config.decode.expert_parallel) == (
-        2,
-        "data",
-        2,
-    )
-    assert (config.prefill.ranks, config.prefill.dense) == (2, "tensor")
-    assert ServeConfig().decode.ranks == 1 and ServeConfig().prefill.ranks == 1
+    assert config.decode.layout == WorkerLayout(2, "data", 2)
+    assert config.prefill.layout == WorkerLayout(2, "tensor", 1, "tensor")
+    assert ServeConfig().decode.layout == ServeConfig().prefill.layout == WorkerLayout()
+    # the layout is nested in the code and flat in the sections users write and see
+    decode = to_dict(config)["decode"]
+    assert (decode["ranks"], decode["attention"], decode["expert_parallel"]) == (2, "data", 2)
+    assert "layout" not in decode
 
 
 def test_bad_flag_value_names_the_flag():
@@ -96,10 +97,11 @@ def test_every_field_is_documented_and_has_a_flag():
     serve = parser._subparsers._group_actions[0].choices["serve"]
     flags = {s for a in serve._actions for s in a.option_strings}
     for section, cls in SECTIONS.items():
-        docs = field_docs(cls)
-        for name in (f.name for f in __import__("dataclasses").fields(cls)):
-            assert docs.get(name), f"{section}.{name} has no docstring"
+        for name, key in section_keys(cls).items():
+            assert key.doc, f"{section}.{name} has no docstring"
             assert f"--{section}.{name.replace('_', '-')}" in flags
+    layout_keys = {"ranks", "attention", "expert_parallel", "dense"}
+    assert layout_keys <= set(section_keys(SECTIONS["decode"]))
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.cli.plan import add_plan_command, plan_from_args
+from pdserve.cli.plan import add_plan_command, layout_from_args, plan_from_args
 from pdserve.cluster.config import ServeConfig, build_config, load_yaml
 from pdserve.cluster.placement import NVLINK_DOMAIN_LABEL
+from pdserve.model.parallel import WorkerLayout
 
 CONFIGS = sorted((Path(__file__).parents[2] / "deploy" / "configs").glob("*.yaml"))
 PLAN_LINE = re.compile(
@@ -25,8 +26,6 @@ PLAN_LINE = re.compile(
     r"(?: \((?P<worker_tokens>\d+) per worker\))?",
     re.MULTILINE,
 )
-PLAN_ATTENTION = {"dp": "data", "tp": "tensor"}
-PLAN_DENSE = {"replicated": "replicated", "tp": "tensor"}
 
 
 def _config(name: str) -> ServeConfig:
@@ -38,7 +37,7 @@ def _workers_of_several_ranks(config: ServeConfig) -> dict[str, object]:
     roles = {"prefill": config.prefill, "decode": config.decode}
     if config.cluster.num_prefill == 0:
         del roles["prefill"]
-    return {role: worker for role, worker in roles.items() if worker.ranks > 1}
+    return {role: worker for role, worker in roles.items() if worker.layout.ranks > 1}
 
 
 def _plan_args(command: str) -> argparse.Namespace:
@@ -49,7 +48,7 @@ def _plan_args(command: str) -> argparse.Namespace:
 
 def _gpus(config: ServeConfig) -> int:
     c = config.cluster
-    return c.num_prefill * config.prefill.ranks + c.num_decode * config.decode.ranks
+    return c.num_prefill * config.prefill.layout.ranks + c.num_decode * config.decode.layout.ranks
 
 
 def test_there_are_configs() -> None:
@@ -72,10 +71,7 @@ def test_workers_of_several_ranks_are_sized_by_pdserve_plan(path: Path) -> None:
         line = plans[role]
         args = _plan_args(line["command"])
         assert args.command == "plan"
-        assert (args.gpus, PLAN_ATTENTION[args.attention], PLAN_DENSE[args.dense]) == (
-            worker.ranks, worker.attention, worker.dense,
-        ), role  # fmt: skip
-        assert (args.ep or args.gpus) == worker.expert_parallel, role
+        assert layout_from_args(args) == worker.layout, role
         assert args.page_size == worker.page_size, role
         assert args.max_num_batched_tokens == worker.max_num_batched_tokens, role
         assert args.kv_cache_dtype == config.model.kv_cache_dtype, role
@@ -91,22 +87,18 @@ def test_workers_of_several_ranks_are_sized_by_pdserve_plan(path: Path) -> None:
 
 def test_full_size_layouts() -> None:
     dep8 = _config("hgx-b200-dep8.yaml")
-    assert (dep8.decode.ranks, dep8.decode.attention, dep8.decode.expert_parallel) == (8, "data", 8)
+    assert dep8.decode.layout == WorkerLayout(8, "data", 8)
     assert (dep8.cluster.num_prefill, _gpus(dep8)) == (0, 8)
 
     two_nodes = _config("hgx-b200x2-1p1d.yaml")
     prefill, decode = two_nodes.prefill, two_nodes.decode
-    assert (prefill.ranks, prefill.attention, prefill.expert_parallel) == (8, "tensor", 8)
-    assert (decode.ranks, decode.attention, decode.expert_parallel) == (8, "data", 8)
+    assert prefill.layout == WorkerLayout(8, "tensor", 8, "tensor")
+    assert decode.layout == WorkerLayout(8, "data", 8)
     assert (two_nodes.cluster.rank_span, _gpus(two_nodes)) == ("node", 16)
 
     rack = _config("gb200-nvl72.yaml")
-    assert (rack.prefill.ranks, rack.prefill.attention, rack.prefill.expert_parallel) == (
-        8, "tensor", 8,
-    )  # fmt: skip
-    assert (rack.decode.ranks, rack.decode.attention, rack.decode.expert_parallel) == (
-        16, "data", 16,
-    )  # fmt: skip
+    assert rack.prefill.layout == WorkerLayout(8, "tensor", 8, "tensor")
+    assert rack.decode.layout == WorkerLayout(16, "data", 16)
     # a worker spans trays of 4 GPUs, so only within the rack's NVLink domain
     assert (rack.cluster.rank_span, _gpus(rack)) == ("nvlink_domain", 72)
 

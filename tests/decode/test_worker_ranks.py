@@ -21,6 +21,7 @@ from pdserve.engine.worker import RanksFailedError
 from pdserve.kvtransfer import KVTransferConfig
 from pdserve.kvtransfer.dist import DistKVSender, connect_store
 from pdserve.model.loader import load_model
+from pdserve.model.parallel import WorkerLayout
 from pdserve.model.random_checkpoint import make_checkpoint
 from pdserve.prefill import PrefillConfig, PrefillWorker
 
@@ -30,10 +31,10 @@ from .test_worker import PAGE, PARAMS, PROMPTS, drain, offline
 pytestmark = pytest.mark.subprocess
 
 CONFIG = DecodeConfig(
-    page_size=PAGE, num_pages=32, max_prefill_chunk=4, cuda_graphs=False, ranks=2,
-    attention="data", expert_parallel=2,
+    page_size=PAGE, num_pages=32, max_prefill_chunk=4, cuda_graphs=False,
+    layout=WorkerLayout(2, "data", expert_parallel=2),
 )  # fmt: skip
-TP2 = dataclasses.replace(CONFIG, attention="tensor", expert_parallel=1, dense="tensor")
+TP2 = dataclasses.replace(CONFIG, layout=WorkerLayout(2, "tensor", dense="tensor"))
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def test_requests_give_the_offline_tokens(ckpt, config):
         ranks = {r.request_id: r.rank for r in decode.scheduler.requests.values()}
         ffn = decode.model.layers[-1].ffn
         routed = ffn.experts.w2.shape[0] - int(ffn.fused_shared)
-        if config.attention == "data":
+        if config.layout.attention == "data":
             assert set(ranks.values()) == {0, 1}, ranks  # both ranks hold requests
             assert (
                 routed * 2 == decode.model.args.n_routed_experts
@@ -64,7 +65,8 @@ def test_requests_give_the_offline_tokens(ckpt, config):
         else:
             assert decode.model.layers[0].attn.n_heads * 2 == decode.model.args.num_attention_heads
         got = drain(decode, ["r0", "r1", "r2"])
-        pages = 2 * 32 if config.attention == "data" else 32  # one allocator per data-parallel rank
+        data_parallel = config.layout.attention == "data"
+        pages = 2 * 32 if data_parallel else 32  # one allocator per data-parallel rank
         assert decode.num_used_pages == 0 and decode.num_pages == pages
     finally:
         decode.close()

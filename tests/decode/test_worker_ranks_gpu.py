@@ -15,6 +15,7 @@ from pdserve.engine.offline import OfflineGenerator
 from pdserve.engine.ranks.runner import start_rank_group
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.loader import load_model
+from pdserve.model.parallel import WorkerLayout
 
 from .test_worker import drain
 
@@ -46,8 +47,8 @@ def test_dp_ep_graphs_give_the_one_gpu_tokens(model_dir, ranks):
         del generator, model
         torch.cuda.empty_cache()
         config = DecodeConfig(
-            page_size=PAGE, num_pages=256, max_prefill_chunk=64, ranks=ranks, attention="data",
-            expert_parallel=ranks, max_running=16, warm_up_context=1024,
+            page_size=PAGE, num_pages=256, max_prefill_chunk=64, max_running=16,
+            warm_up_context=1024, layout=WorkerLayout(ranks, "data", expert_parallel=ranks),
         )  # fmt: skip
         group = start_rank_group(
             config, str(model_dir), "bf16", "auto", backend="nccl", kernel_choice=(None, True)

@@ -8,17 +8,10 @@ import pytest
 import torch
 
 from pdserve.engine.ranks import channel as plan_channel
+from pdserve.engine.ranks.wire import plan_from_wire, plan_to_wire
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.step import (
-    DecodeRow,
-    PrefillRow,
-    RankStep,
-    SampleSpec,
-    StepPlan,
-    plan_from_wire,
-    plan_to_wire,
-)
+from pdserve.engine.step import DecodeRow, PrefillRow, RankStep, SampleSpec, StepPlan
 from pdserve.model.batch import SeqChunk, build_forward_batch
 from pdserve.model.loader import load_model
 from pdserve.model.random_checkpoint import make_checkpoint

@@ -14,18 +14,11 @@ import pytest
 
 from pdserve.engine.messages import RequestOutput, StageTimes
 from pdserve.engine.pages import PageAllocator
+from pdserve.engine.ranks.wire import plan_from_wire, plan_to_wire, result_from_wire, result_to_wire
 from pdserve.engine.request import Policy, Request, RequestState
 from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.engine.scheduler import Scheduler, StepOutcome
-from pdserve.engine.step import (
-    RankResult,
-    SampleSpec,
-    StepPlan,
-    plan_from_wire,
-    plan_to_wire,
-    result_from_wire,
-    result_to_wire,
-)
+from pdserve.engine.step import RankResult, SampleSpec, StepPlan
 from pdserve.model.errors import CapacityError, InvalidRequestError
 
 PAGE = 4

@@ -1,4 +1,4 @@
-"""The step plan and rank results on the wire (`pdserve.engine.step`), through msgpack as a plan channel carries
+"""The step plan and rank results on the wire (`pdserve.engine.ranks.wire`), through msgpack as a plan channel carries
 them: every field of every row kind comes back equal (prefill rows with and without a sample, decode rows, empty
 ranks, several ranks, a rank repeating another's rows), with and without the driver's page-table cache, whose
 remembered page ids never stand in for changed ones; the wire is raw buffers, not per-value objects; a rank's
@@ -13,16 +13,8 @@ import numpy as np
 import pytest
 
 from pdserve.engine.ranks.channel import decode, encode
-from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
-from pdserve.engine.step import (
-    NO_LOGPROBS,
-    DecodeRow,
+from pdserve.engine.ranks.wire import (
     PageTableCache,
-    PrefillRow,
-    RankResult,
-    RankStep,
-    SampleSpec,
-    StepPlan,
     WireRows,
     max_pages,
     plan_from_wire,
@@ -30,6 +22,16 @@ from pdserve.engine.step import (
     prefill_tokens,
     result_from_wire,
     result_to_wire,
+)
+from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
+from pdserve.engine.step import (
+    NO_LOGPROBS,
+    DecodeRow,
+    PrefillRow,
+    RankResult,
+    RankStep,
+    SampleSpec,
+    StepPlan,
 )
 
 

@@ -179,9 +179,12 @@ def spawn_gloo(tmp_path: Path, target, args_by_rank: list[tuple]) -> list:
 
 def _model_rank(rank, world, ckpt, layout_kwargs, requests, decoding, num_pages):
     from pdserve.model import loader
-    from pdserve.model.parallel import ParallelLayout
+    from pdserve.model.parallel import ParallelLayout, WorkerLayout
 
-    layout = ParallelLayout(world_size=world, rank=rank, **layout_kwargs)
+    worker_keys = {f.name for f in dataclasses.fields(WorkerLayout)}
+    worker = WorkerLayout(world, **{k: v for k, v in layout_kwargs.items() if k in worker_keys})
+    options = {k: v for k, v in layout_kwargs.items() if k not in worker_keys}
+    layout = ParallelLayout(worker, rank=rank, **options)
     read_log = _ReadLog(loader.safe_open)
     loader.safe_open = read_log
     try:

@@ -20,7 +20,7 @@ from pdserve.model.expert_exchange import (
     AllToAllExchange,
     make_exchange,
 )
-from pdserve.model.parallel import ParallelLayout
+from pdserve.model.parallel import ParallelLayout, WorkerLayout
 
 # its tests start processes of their own
 pytestmark = pytest.mark.subprocess
@@ -68,10 +68,8 @@ def expected(x, ids, weights, world: int = 2) -> torch.Tensor:
 
 def make(kind: str, rank: int, world: int):
     """The exchange `kind` names, on `rank` of `world` expert-parallel ranks."""
-    layout = ParallelLayout(
-        world_size=world, rank=rank, attention="tensor" if kind == "all_reduce" else "data",
-        expert_parallel=world,
-    )  # fmt: skip
+    attention = "tensor" if kind == "all_reduce" else "data"
+    layout = ParallelLayout(WorkerLayout(world, attention, expert_parallel=world), rank=rank)
     if kind == "all_reduce":
         return AllReduceExchange(layout, NUM_EXPERTS)
     if kind == "all_to_all":
@@ -218,27 +216,19 @@ def test_all_gather_refuses_more_tokens_than_its_capacity():
 
 
 @pytest.mark.parametrize(
-    ("layout_kwargs", "want"),
+    ("worker", "options", "want"),
     [
-        ({"attention": "data"}, type(None)),
-        ({"attention": "tensor", "expert_parallel": 2}, AllReduceExchange),
-        ({"attention": "data", "expert_parallel": 2}, AllGatherExchange),
-        ({"attention": "data", "expert_parallel": 2, "exchange": "all_to_all"}, AllToAllExchange),
-        ({"attention": "data", "expert_parallel": 2, "max_tokens_per_rank": 64}, AllGatherExchange),
-        ({"world_size": 16, "attention": "data", "expert_parallel": 16}, AllToAllExchange),
-        (
-            {
-                "world_size": 16,
-                "attention": "data",
-                "expert_parallel": 16,
-                "exchange": "all_gather",
-            },
-            AllGatherExchange,
-        ),
+        (WorkerLayout(2, "data"), {}, type(None)),
+        (WorkerLayout(2, "tensor", 2), {}, AllReduceExchange),
+        (WorkerLayout(2, "data", 2), {}, AllGatherExchange),
+        (WorkerLayout(2, "data", 2), {"exchange": "all_to_all"}, AllToAllExchange),
+        (WorkerLayout(2, "data", 2), {"max_tokens_per_rank": 64}, AllGatherExchange),
+        (WorkerLayout(16, "data", 16), {}, AllToAllExchange),
+        (WorkerLayout(16, "data", 16), {"exchange": "all_gather"}, AllGatherExchange),
     ],
 )
-def test_make_exchange_picks_by_layout(layout_kwargs, want):
-    layout = ParallelLayout(**{"world_size": 2, **layout_kwargs})
+def test_make_exchange_picks_by_layout(worker, options, want):
+    layout = ParallelLayout(worker, **options)
     exchange = make_exchange(layout, 32)
     assert type(exchange) is want
     if isinstance(exchange, AllGatherExchange):
@@ -248,9 +238,9 @@ def test_make_exchange_picks_by_layout(layout_kwargs, want):
 
 def test_layout_rejects_bad_exchange_values():
     with pytest.raises(ConfigError, match="exchange='ring'"):
-        ParallelLayout(world_size=2, exchange="ring")  # type: ignore[arg-type]
+        ParallelLayout(WorkerLayout(2), exchange="ring")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="max_tokens_per_rank=0"):
-        ParallelLayout(world_size=2, max_tokens_per_rank=0)
+        ParallelLayout(WorkerLayout(2), max_tokens_per_rank=0)
 
 
 def four_rank_steps(dtype):
@@ -285,10 +275,8 @@ def _dispatch_fp8_rank(rank, world, steps):
     got = {}
     for kind in ("all_gather", "all_to_all"):
         for fp8 in (True, False):
-            layout = ParallelLayout(
-                world_size=world, rank=rank, attention="data", expert_parallel=world,
-                dispatch_fp8=fp8,
-            )  # fmt: skip
+            worker = WorkerLayout(world, "data", expert_parallel=world)
+            layout = ParallelLayout(worker, rank=rank, dispatch_fp8=fp8)
             if kind == "all_gather":
                 exchange = AllGatherExchange(layout, NUM_EXPERTS, CAPACITY)
             else:

@@ -15,7 +15,7 @@ from _parallel_ranks import Request, run_ranks, run_steps
 
 from pdserve.model.errors import CheckpointError, ConfigError
 from pdserve.model.loader import load_model, read_checkpoint_tensors
-from pdserve.model.parallel import ParallelLayout
+from pdserve.model.parallel import ParallelLayout, WorkerLayout
 
 # its tests start processes of their own
 pytestmark = pytest.mark.subprocess
@@ -115,23 +115,26 @@ def test_layout_logits_equal_single_process(name, tiny, reference, tmp_path):
 
 def test_layout_rejects_bad_values():
     with pytest.raises(ConfigError, match="rank=2"):
-        ParallelLayout(world_size=2, rank=2)
-    with pytest.raises(ConfigError, match="expert_parallel=3"):
-        ParallelLayout(world_size=4, expert_parallel=3)
-    with pytest.raises(ConfigError, match="dense='tensor' needs attention='tensor'"):
-        ParallelLayout(world_size=2, dense="tensor")
+        ParallelLayout(WorkerLayout(2), rank=2)
+    with pytest.raises(ConfigError, match="expert_parallel=3: must divide ranks=4"):
+        WorkerLayout(4, expert_parallel=3)
     with pytest.raises(ConfigError, match="attention='heads'"):
-        ParallelLayout(world_size=2, attention="heads")  # type: ignore[arg-type]
+        WorkerLayout(2, attention="heads")
+    # layouts the memory plan may weigh but the ranks do not run
+    with pytest.raises(ConfigError, match="expert_parallel=2: must be 1 or ranks=4"):
+        ParallelLayout(WorkerLayout(4, expert_parallel=2))
+    with pytest.raises(ConfigError, match="dense='tensor': needs attention='tensor'"):
+        ParallelLayout(WorkerLayout(2, dense="tensor"))
 
 
 def test_layout_that_does_not_divide_the_model_is_refused(tiny):
     with pytest.raises(ConfigError, match="n_routed_experts=16 does not split over 3 ranks"):
-        load_model(tiny, layout=ParallelLayout(world_size=3, expert_parallel=3))
+        load_model(tiny, layout=ParallelLayout(WorkerLayout(3, expert_parallel=3)))
 
 
 def test_fp8_split_off_quant_blocks_is_refused(checkpoint):
     # tiny: 4 heads of 48 query dims; two ranks would each read 96 rows of an fp8 wq_b
-    layout = ParallelLayout(world_size=2, rank=1, attention="tensor")
+    layout = ParallelLayout(WorkerLayout(2, "tensor"), rank=1)
     with pytest.raises(CheckpointError, match=r"q_b_proj.weight: fp8 .* rank 1 of 2"):
         load_model(checkpoint("tiny-fp8"), layout=layout)
 

@@ -32,19 +32,20 @@ PAGE_SIZE = 16
 
 
 def model_step(ctx, ckpt: str, layout: dict, num_pages: int):
-    """Rank `ctx.rank`'s share of the tiny model under `ParallelLayout(**layout)`, with its own paged cache.
-    A plan is {"decode": bool, "chunks": [per rank: [{"request", "tokens", "start", "pages"}]]}; the reply is
-    {request: [float32 logits bytes, greedy token]} for this rank's chunks (an empty share runs the idle step
-    that keeps the expert exchange in step)."""
+    """Rank `ctx.rank`'s share of the tiny model under `WorkerLayout(ctx.world_size, **layout)`, with its
+    own paged cache. A plan is {"decode": bool, "chunks": [per rank: [{"request", "tokens", "start",
+    "pages"}]]}; the reply is {request: [float32 logits bytes, greedy token]} for this rank's chunks (an empty
+    share runs the idle step that keeps the expert exchange in step)."""
     import torch
 
     from pdserve.model.batch import SeqChunk, build_forward_batch
     from pdserve.model.kv_cache import KVCacheLayout, PagedKVCache
     from pdserve.model.loader import load_model
-    from pdserve.model.parallel import ParallelLayout
+    from pdserve.model.parallel import ParallelLayout, WorkerLayout
 
     torch.set_num_threads(1)
-    parallel = ParallelLayout(world_size=ctx.world_size, rank=ctx.rank, group=ctx.group, **layout)
+    worker = WorkerLayout(ctx.world_size, **layout)
+    parallel = ParallelLayout(worker, rank=ctx.rank, group=ctx.group)
     model = load_model(ckpt, dtype=torch.float32, use_mtp=False, progress=False, layout=parallel)
     cache_layout = KVCacheLayout.for_model(model.args, PAGE_SIZE, torch.float32, model.num_mtp)
     cache = PagedKVCache(cache_layout, num_pages, "cpu")
