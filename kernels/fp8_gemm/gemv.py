@@ -10,8 +10,8 @@ products; the tensor cores' sum keeps fewer bits) and scaled by a_scale[m, g] * 
 g] into the fp32 accumulator. K is split across programs when N alone gives too few of them; the
 splits' fp32 partial sums are then added by the last program of each tile (`_splitk.py`).
 With PDL (cfg "pdl" and `_backend.pdl_enabled`), each program loads its first weight tile, then
-waits for the kernel before it (`gdc_wait`) before it reads x or stores anything: at q_b's size
-the load overlaps that kernel's tail, 11.9 -> 10.3 us a call in a graph of 8 (H200).
+waits for the kernel before it (`gdc_wait`) before it reads x or stores anything: at decode
+sizes the weight's first load then overlaps that kernel's tail instead of following it.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _fp8_gemv_kernel(
         b = tl.load(b_ptrs, mask=k_ok[None, :, :], other=0.0).to(tl.float32)  # [BN, G, 128]
         b_s = tl.load(bs_ptrs, mask=in_split, other=0.0)  # [G]
         if PDL:  # x (and our stores) wait for the kernel before; a no-op after the first step
-            gdc_wait()  # (waiting in the first step only, behind a branch, was slower: q_b 74%)
+            gdc_wait()  # (waiting in the first step only, behind a branch, was slower)
         for m in tl.static_range(BLOCK_M):
             row = tl.minimum(m, M - 1).to(tl.int64)
             a = tl.load(a_ptr + row * stride_am + (kt * GROUP + offs_k) * stride_ak, mask=k_ok,

@@ -9,8 +9,8 @@ i + 2 after the MMA's wait and the scaling). Here:
   frees, across output-tile boundaries, so STAGES k-tiles stay in flight whatever the consumer is
   doing. A's and B's k-tiles come by TMA; the k-tile's scales (the 64 rows' a_scale, the weight
   block's scale repeated 64 times) by cp.async, tied to the same `ready` mbarrier. Loaded by the
-  consumer instead, their L2 round trip under the weight stream sat in every k-tile (o at M = 64:
-  58 us against 33);
+  consumer instead, their L2 round trip under the weight stream sat in every k-tile and slowed
+  the whole loop;
 - the consumer warpgroup waits for a slot, issues its wgmma, reads the scales from the slot, waits
   for the wgmma, frees the slot and scales the product into the fp32 accumulator;
 - the work: the (n-tile, k-tile) iterations, n-tile major, are numbered 0 .. tiles * KT and CTA c
@@ -24,7 +24,8 @@ i + 2 after the MMA's wait and the scaling). Here:
   order does not depend on which CTA arrives last, so the result is the same bits every run;
 - an n-tile may be BOXES (2 or 3) boxes of BLOCK_N rows, each with its wgmma and accumulator
   (`_consumer_boxes`, whole n-tiles only): q_b's 24576 rows in 128 tiles of 192, one a CTA, where
-  128-row tiles made 96 CTAs and a CTA streams at most about 40 GB/s;
+  128-row tiles made 96 CTAs, and a CTA's own streaming rate is bounded, so 96 of them fell
+  short of HBM's bandwidth;
 - at M <= cfg["direct_max_m"], whole tiles are stored straight from the MMA's registers, without
   the trip through shared memory that wide stores need (narrow stores, so only for a few rows);
 - with PDL (`_backend.pdl_enabled`), the producer loads the first STAGES k-tiles of the weight,
@@ -346,9 +347,9 @@ def plan(n: int, k: int, cfg: dict, sms: int, block_k: int) -> tuple[int, int, i
 
 def ring_slots(w: int, cfg: dict) -> int:
     """The ring's slots for a CTA's run of w iterations: num_stages, cut to a cfg["run_per_slot"]-th
-    of the run (at least min_stages). Short runs were faster with fewer slots (qkv_a, 14 a CTA: 9.5
-    us with 12 slots, 8.9 with 4; H200, graph of 8). A guess, not profiled: the deep ring's shared
-    memory keeps the next kernel's CTAs, launched early by PDL, off the SM until this one's leave."""
+    of the run (at least min_stages). Short runs (qkv_a, 14 iterations a CTA) were faster with
+    fewer slots. A guess, not profiled: the deep ring's shared memory keeps the next kernel's
+    CTAs, launched early by PDL, off the SM until this one's leave."""
     per = cfg.get("run_per_slot")
     if not per:
         return cfg["num_stages"]
@@ -359,8 +360,8 @@ def _a_descriptors(a: torch.Tensor, block_k: int):
     """TMA descriptors that bring A's M rows (M <= 64) into wgmma's 64-row tile as at most two
     boxes of a power of two rows (at least 8): the largest power of two not above M, then the rest
     rounded up. Returns (first, second), second None where one box holds M. A single 64-row box,
-    which the TMA fills with zeros past M, slowed the loop: o at M = 33 took 43.6 us, 34.3 with
-    two boxes (H200)."""
+    which the TMA fills with zeros past M, slowed the loop markedly for M just past a power of two
+    (o at M = 33)."""
     m = a.shape[0]
     first = min(MAX_M, max(8, 1 << (m.bit_length() - 1)))
     boxes = [first] if m <= first else [first, max(8, triton.next_power_of_2(m - first))]

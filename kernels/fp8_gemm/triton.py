@@ -61,7 +61,7 @@ def _fp8_gemm_kernel(
     N down to 8, and keeps fp8 operands in fp8 (without the swap a 16-row tile falls back to
     mma.sync on fp8 converted to fp16). QUANT_A loads the float activation a k-tile ahead into
     registers (the quantization needs it there before the MMA; loaded in its own iteration, its
-    latency stalled every k-tile: o at M = 1 took 40.4 us instead of 36.7), and with fewer rows
+    latency stalled every k-tile), and with fewer rows
     than the tile (A_ROWS < BLOCK_M) quantizes only those and repeats them down the tile. C is
     `out` itself when K is not split; otherwise fp32 partials [splits, M, N], which FOLD adds into
     `out` in this launch (see _splitk.py).
@@ -100,8 +100,7 @@ def _fp8_gemm_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # The scales are loaded a k-tile ahead too: Triton's pipeliner leaves them as plain loads in
-    # the iteration that uses them, whose latency then stalled every k-tile (mlp_w1 at M = 64,
-    # GEMM on fp8 input: 48.2 -> 40.2 us on an H200).
+    # the iteration that uses them, whose latency then stalled every k-tile.
     if QUANT_A:  # the float activation is loaded a k-tile ahead, into registers
         a_next = tl.load(a_ptrs, mask=(offs_k0 < K)[None, :], other=0.0)
     else:
@@ -270,7 +269,7 @@ def _gluon_decode(cfg: dict, m: int, k: int, device: torch.device) -> dict | Non
 def _quantize_inside(cfg: dict, n: int, k: int) -> bool:
     """Whether the GEMM quantizes the activation itself (fuse_quant). Each block of BLOCK_N weight
     rows then quantizes the rows' K again; past the config's fuse_max_work elements over all
-    blocks, one quantization beforehand (a launch of about 3 us on an H200) costs less."""
+    blocks, one quantization beforehand (the fixed cost of one more small launch) costs less."""
     work = triton.cdiv(n, cfg["BLOCK_N"]) * k
     return cfg["fuse_quant"] and work <= cfg.get("fuse_max_work", float("inf"))
 

@@ -58,26 +58,25 @@ _SPLIT_POLICY = {
     "MIN_TILES_PER_SPLIT": 2,
     "SPLIT_OVERHEAD_TILES": 2,
     "INVARIANT_SPLIT_TOKENS": 512,  # batch-invariant mode: cache positions per split
-    # the combine's tiles (see combine_tiles): on an H200, batch 1 with a 32768-token cache cut
-    # into 64-128 splits, 4 programs an SM reading 4096 elements at once took the combine from
-    # 10.0-10.7 us to 3.1-5.7 (one program per 128 latent dims left most SMs idle)
+    # the combine's tiles (see combine_tiles): a small batch with a long cache cut into many
+    # splits makes few rows to combine; several programs an SM, each reading many elements at
+    # once, keep the SMs busy where one program per 128 latent dims left most of them idle
     "COMBINE_PROGRAMS_PER_SM": 4,
     "COMBINE_TILE": 4096,
     "COMBINE_MAX_D": 512,
 }
 # Key: "<cache dtype>,m<16|32|64>" by the request's query rows Q * H (m64: 64 or more). LAYOUT picks
 # the split kernel; BLOCK_M is the query rows per program, BLOCK_N the cache positions per tile.
-# Measured on one H200 (2026-11-21, Triton 3.6, benchmarks/tune_mla_decode.py): kv_major with TMA
-# for 16-32 query rows (72-76% of HBM at B=128, 16 heads); heads_major with TMA for 64+ rows
-# (270 TFLOP/s at 128 heads). fp8 caches: heads_major, whose MMA operands tolerate the in-register
-# fp8 -> bf16 conversion best (kv_major spilled heavily). gluon: 64+ rows on a 16-bit cache take
-# the Gluon split kernel on sm_90 (409-426 TFLOP/s at 128 heads against the tl.dot kernel's
-# 277-286); gluon_stages: its ring of cache tiles. On an fp8 cache (under a bf16 q) the Gluon
-# kernel converts each tile's latent to bf16 in place: 278-288 TFLOP/s at B=128, 128 heads, against
-# 175-179 for the tl.dot kernel; 64-position tiles beat 32-position ones (210-219).
+# Chosen by benchmarks/tune_mla_decode.py's sweep: kv_major with TMA for 16-32 query rows (cache
+# positions are the MMA's M side, so the tensor-core tiles stay full with few query rows);
+# heads_major with TMA for 64+ rows (the query rows fill the tile themselves). fp8 caches:
+# heads_major, whose MMA operands tolerate the in-register fp8 -> bf16 conversion best (kv_major
+# spilled heavily). gluon: 64+ rows on a 16-bit cache take the Gluon split kernel on sm_90, well
+# ahead of the tl.dot kernel at 128 heads; gluon_stages: its ring of cache tiles. On an fp8 cache
+# (under a bf16 q) the Gluon kernel converts each tile's latent to bf16 in place, again well ahead
+# of the tl.dot kernel; 64-position tiles beat 32-position ones there.
 # FP8_ASM (default on): under a bf16 q on a GPU the Triton kernels convert fp8 rows by the exact
-# integer conversion (_kernels.E4M3_TO_BF16_PTX) instead of Triton's casts: 16 heads, B=128, 306 -> 269
-# us at kv 4096 (H200).
+# integer conversion (_kernels.E4M3_TO_BF16_PTX) instead of Triton's casts, which is faster.
 _BF16_M16 = {"LAYOUT": "kv_major", "BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
              "USE_TMA": True}  # fmt: skip
 _BF16_M32 = {"LAYOUT": "kv_major", "BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2,
@@ -163,8 +162,8 @@ def mla_decode_launch(
         and q.is_cuda
     ):
         # Triton 3.6, sm_90: without pipelining (1 stage) the kv_major kernel's bf16 tile goes
-        # registers -> shared memory -> transposed wgmma operand, and the results came out wrong
-        # on an H200 (2026-11-21); pipelined, the tile lands in shared memory by async copy.
+        # registers -> shared memory -> transposed wgmma operand, and the results came out wrong;
+        # pipelined, the tile lands in shared memory by async copy.
         num_stages = max(num_stages, 2)
     m_blocks = triton.cdiv(num_rows, block_m)
     page_size = kv_cache.shape[1]
@@ -335,9 +334,9 @@ def choose_num_splits(
     (tiles per split + SPLIT_OVERHEAD_TILES, a program's fixed cost), plus that overhead once more
     for the combine step when splitting. Fewest splits on ties; at least MIN_TILES_PER_SPLIT tiles
     per split of the longest request, except while the programs fill at most half the SMs: there
-    one tile a split is allowed (H200, 128 heads, batch 1, context 1024: 16 splits 13.8 us against
-    8 splits 15.6; with 128 programs it lost, context 4096: 18.5 against 17.0). Cached: it runs on
-    every decode step."""
+    one tile a split is allowed (with 128 heads at batch 1 and a short context, more one-tile
+    splits won; once the programs filled more of the GPU, they lost). Cached: it runs on every
+    decode step."""
     tiles = triton.cdiv(max(max_seq_len, 1), block_n)
     policy = (cfg["MAX_SPLITS"], cfg["MIN_TILES_PER_SPLIT"], cfg["CTAS_PER_SM"])
     return _num_splits(batch * m_blocks, tiles, num_sms, *policy, cfg["SPLIT_OVERHEAD_TILES"])
@@ -348,8 +347,8 @@ def combine_tiles(rows: int, splits_p2: int, lora: int, cfg: dict, num_sms: int)
     blocks of COMBINE_MAX_D dims, halved (down to 16) until the programs reach COMBINE_PROGRAMS_PER_SM
     per SM (a few rows of a long cache, cut into many splits, would otherwise leave most SMs idle
     while each program walks its splits), and chunks of about COMBINE_TILE elements read at once.
-    Many rows take the whole latent a program: in 128-dim blocks, batch 16 at 4 splits (8192
-    programs of 2 KB each) took 24.6 us on an H200 against 5.7 for the same bytes in 1024 programs."""
+    Many rows take the whole latent a program: cut into 128-dim blocks, they made thousands of
+    programs of a few KB each, several times slower than fewer programs reading the same bytes."""
     block_d = min(cfg["COMBINE_MAX_D"], lora)
     while block_d > 16 and rows * (lora // block_d) < cfg["COMBINE_PROGRAMS_PER_SM"] * num_sms:
         block_d //= 2

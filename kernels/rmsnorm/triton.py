@@ -10,8 +10,9 @@ in the model).
 With `quant` the program quantizes its output row (already rounded to x's dtype) in 1x128 groups with the fp8
 GEMMs' own `quantize_tile` and stores e4m3 values and one fp32 scale per group, the scales as an [T, G] view of
 [G, T] storage (the layout the fp8 GEMM loads fastest). With quant="both" (an MoE layer's norm) the scales are
-row-major [T, G] instead: fused_moe's gate/up GEMM, which gathers rows by token, was slower on the column-major
-ones (T=64 Zipf-routed, 459 against 424 us; H200), and the fp8 GEMM of the shared expert takes either as fast.
+row-major [T, G] instead: fused_moe's gate/up GEMM gathers rows by token, so a row's scales are
+best contiguous (it was slower on the column-major ones), and the fp8 GEMM of the shared expert
+takes either as fast.
 """
 
 from __future__ import annotations
