@@ -29,9 +29,11 @@ endif
 demo: $(VENV)/.installed-serve
 	$(BIN)/pdserve demo
 
-# Two runs: the suites that start no Ray (CPU-bound: most are Triton-interpreter kernels) on two pytest-xdist
-# workers, then those that do (a local Ray of their own, timed failures and replacements) one test at a time.
-PARALLEL_TESTS := tests/kernels tests/model tests/engine tests/decode tests/prefill tests/kvtransfer tests/protos tests/workers
+# Two runs: the suites that start no Ray (CPU-bound: most are Triton-interpreter kernels; the router's model-free
+# tests drive it over in-process workers) on two pytest-xdist workers, then those that do (a local Ray of their
+# own, timed failures and replacements) one test at a time.
+PARALLEL_TESTS := tests/kernels tests/model tests/engine tests/decode tests/prefill tests/kvtransfer tests/protos tests/workers \
+	tests/cluster/test_model_free_router.py
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m "not gpu and not multi_gpu" -n 2 --durations=10 $(PARALLEL_TESTS)
 	$(BIN)/python -m pytest -q -m "not gpu and not multi_gpu" --durations=20 \

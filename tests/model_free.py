@@ -7,6 +7,9 @@ token + 1 into its slot, and the token it samples after position p is `next_toke
 positions 0..p. So a request whose KV went to the wrong pages, was not carried by the transfer, or was overwritten
 by another request's samples other tokens than `reference(prompt, n)`: tests compare streams with it.
 
+For the router, `WorkerActor` puts a worker where its Ray actor would be: the router's calls run on threads of
+this process, the worker's loop on another, and `die` is the actor's process dying.
+
 The transport is the in-process loopback (`pdserve.kvtransfer.loopback`) with faults per (peer, transfer id):
 drop (nothing arrives: the sender times out, the receiver's deadline fails it), hold (the send waits until
 released or the peer dies: a transfer in flight), duplicate (delivered twice at once), and every delivered
@@ -15,14 +18,19 @@ receiver is gone and sends to it, those under way included, fail at once."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import threading
 import time
 from collections.abc import Callable
 
+import ray.exceptions
 import torch
 
 from pdserve.decode import DecodeConfig, DecodeWorker
+from pdserve.engine import messages
+from pdserve.engine.messages import DecodeRequest, PrefillRequest
 from pdserve.engine.step import RankResult, StepPlan
 from pdserve.kvtransfer.loopback import LoopbackHub, LoopbackReceiver, LoopbackSender
 from pdserve.kvtransfer.pages import gather_pages
@@ -293,3 +301,93 @@ class Streams:
     def ended(self, *request_ids: str) -> Callable[[], bool]:
         """A `pump` condition: every one of `request_ids` finished (or was preempted)."""
         return lambda: all(r in self.collect().finish or r in self.preempted for r in request_ids)
+
+
+# The router's view of a worker, without Ray.
+
+
+class _Ref:
+    """An actor call's answer as Ray's ObjectRef gives it: `future()`, and awaitable."""
+
+    def __init__(self, future: concurrent.futures.Future):
+        self._future = future
+
+    def future(self) -> concurrent.futures.Future:
+        return self._future
+
+    def __await__(self):
+        return asyncio.wrap_future(self._future).__await__()
+
+
+class _Method:
+    def __init__(self, actor: WorkerActor, fn: Callable):
+        self.actor, self.fn = actor, fn
+
+    def remote(self, *args) -> _Ref:
+        if self.actor.dead:
+            future = concurrent.futures.Future()
+            future.set_exception(ray.exceptions.RayActorError())
+            return _Ref(future)
+        return _Ref(self.actor._calls.submit(self.actor._invoke, self.fn, args))
+
+
+class WorkerActor:
+    """A worker as `pdserve.cluster.actors`' shell shows it to the router: the same methods (`name.remote(...)`),
+    msgpack payloads in and out, each call on a thread of its own, the worker's loop on another. After `die`
+    every call, those under way included, raises RayActorError, as a dead actor's do; a decode worker's KV
+    receiver goes with it (`FaultyHub.kill`)."""
+
+    def __init__(self, worker: PrefillWorker | DecodeWorker, hub: FaultyHub | None = None):
+        self.worker, self.hub, self.dead = worker, hub, False
+        self._calls = concurrent.futures.ThreadPoolExecutor(16, f"{worker.worker_id}-call")
+        self._stop = threading.Event()
+        self._loop = threading.Thread(target=worker.run, args=(self._stop,), daemon=True)
+        self._loop.start()
+        for name in ("add_request", "submit", "abort", "poll_outputs", "poll_events", "peer_lost"):
+            setattr(self, name, _Method(self, getattr(self, f"_{name}")))
+
+    def _invoke(self, fn: Callable, args: tuple) -> bytes:
+        if self.dead:
+            raise ray.exceptions.RayActorError()
+        out = fn(*args)
+        if self.dead:
+            raise ray.exceptions.RayActorError()
+        return out
+
+    def _add_request(self, payload: bytes) -> bytes:
+        return messages.reply(
+            lambda: self.worker.add_request(messages.decode(DecodeRequest, payload))
+        )
+
+    def _submit(self, payload: bytes) -> bytes:
+        return messages.reply(lambda: self.worker.submit(messages.decode(PrefillRequest, payload)))
+
+    def _abort(self, request_id: str) -> bytes:
+        return messages.reply(lambda: self.worker.abort(request_id))
+
+    def _peer_lost(self, decode_worker: str) -> bytes:
+        return messages.reply(lambda: self.worker.peer_lost(decode_worker))
+
+    def _poll_outputs(self, timeout_s: float) -> bytes:
+        return messages.encode(self.worker.poll_outputs(timeout_s))
+
+    def _poll_events(self, timeout_s: float) -> bytes:
+        give_up = time.monotonic() + timeout_s
+        while (events := self.worker.poll_events()).empty and time.monotonic() < give_up:
+            time.sleep(0.002)
+        return messages.encode(events)
+
+    def die(self) -> None:
+        """The actor's process dies: its calls fail from now on, its loop ends after the step under way."""
+        self.dead = True
+        if self.hub is not None:
+            self.hub.kill(self.worker.worker_id)
+        self._stop.set()
+
+    def stop(self) -> None:
+        """Ends the worker's loop and waits for the calls under way (a prefill worker's sends too)."""
+        self._stop.set()
+        self._loop.join(timeout=5)
+        assert not self._loop.is_alive(), f"{self.worker.worker_id}'s loop did not stop"
+        self._calls.shutdown(wait=True)
+        self.worker.close()

@@ -4,6 +4,7 @@ that goes on streams exactly the tokens its prompt gives when every page is wher
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -202,6 +203,7 @@ def test_a_transfer_later_than_the_deadline_is_discarded(hub):
         held = hub.hold("d0", place(p, d, "a"))
         pump([p, d], streams.ended("a"), what="d0's deadline")
         assert streams.finish == {"a": "abort"} and d.num_used_pages == 0
+        d.config = dataclasses.replace(d.config, kv_wait_timeout_s=2.0)  # "b" has time
         place(p, d, "b", list(range(30, 41)))
         assert d.scheduler.requests["b"].pages == [0, 1, 2]  # "a"'s
         pump([p, d], lambda: streams.collect().tokens.get("b"))
@@ -311,10 +313,12 @@ def test_preemption_recomputes_aggregated_and_hands_back_disaggregated_requests(
     streams = Streams(d)
     try:
         long = SamplingParams(max_tokens=14, seed=1)
-        d.add_request(DecodeRequest("agg", [5, 6, 7], long))  # 1 page, grows to 5
+        d.add_request(DecodeRequest("agg", [5, 6, 7], long))  # 1 page, growing to 5
         d.add_request(DecodeRequest("agg2", [9, 8, 7], long))  # likewise
-        place(p, d, "dis", list(range(3, 11)), long)  # 2 pages, grows to 6
-        pump([p, d], streams.ended("agg", "agg2", "dis"))
+        assert d.step() and d.step()
+        place(p, d, "dis", list(range(3, 11)), long)  # 2 pages, growing to 6: 16 pages for 8
+        pump([p], lambda: all_free(p))  # its KV is in; from here d0's steps are one thread's
+        pump([d], streams.ended("agg", "agg2", "dis"))
         assert d.stats().num_preemptions > 0 and "dis" in streams.preempted
         # a preempted aggregated request is prefilled again with its tokens: the stream goes on unchanged
         assert streams.tokens["agg"] == reference([5, 6, 7], 14)
