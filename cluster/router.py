@@ -437,7 +437,9 @@ class Router(Admission):
             for out in messages.decode(list[RequestOutput], data):
                 self.num_output_tokens += len(out.token_ids)
                 r = self.requests.get(out.request_id)
-                if r is not None and r.decode is w:
+                # also while its reservation's answer is on its way (r.decode still None): a decode
+                # worker that prefills the request itself may stream from it before that answer lands
+                if r is not None and (r.decode is w or (r.decode is None and w in r.touched)):
                     r.events.put_nowait(out)
                 if out.finish_reason is not None or out.preempted:
                     self._capacity.set()

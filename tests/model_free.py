@@ -181,7 +181,7 @@ class FaultyHub(LoopbackHub):
             self.changed.notify_all()
 
     def kill(self, peer: str) -> None:
-        """Decode worker `peer` dies: nothing reaches it any more, sends under way to it fail at once."""
+        """Worker `peer` dies: nothing reaches it or leaves it any more, sends under way to it fail at once."""
         with self.changed:
             self.dead.add(peer)
             self.receivers.pop(peer, None)
@@ -193,12 +193,13 @@ class FaultyHub(LoopbackHub):
 
 
 class FaultySender(LoopbackSender):
-    """The loopback's sender with the hub's faults; `timeout_s` bounds every send, as `KVSender` requires."""
+    """Prefill worker `worker_id`'s sender: the loopback's with the hub's faults; `timeout_s` bounds every
+    send, as `KVSender` requires. Once the hub has its worker dead (`FaultyHub.kill`), nothing more leaves."""
 
-    def __init__(self, hub: FaultyHub, timeout_s: float = 1.0):
+    def __init__(self, hub: FaultyHub, worker_id: str, timeout_s: float = 1.0):
         super().__init__(hub)
         self.hub: FaultyHub = hub
-        self.timeout_s = timeout_s
+        self.worker_id, self.timeout_s = worker_id, timeout_s
         self.forgotten: set[str] = set()
 
     def forget(self, peer: str) -> None:
@@ -213,6 +214,8 @@ class FaultySender(LoopbackSender):
         give_up = time.monotonic() + self.timeout_s
         with self.hub.changed:
             while True:
+                if self.worker_id in self.hub.dead:
+                    raise TransferError(f"KV transfer {transfer_id}: {self.worker_id} is dead")
                 if peer in self.hub.dead or peer in self.forgotten:
                     raise TransferError(
                         f"KV transfer {transfer_id}: decode worker {peer!r} is gone"
@@ -246,7 +249,7 @@ def prefill_worker(
     """A real prefill worker over a `FakeRunner`, sending through `hub`."""
     config = PrefillConfig(page_size=PAGE, num_pages=num_pages, **config)
     return PrefillWorker(
-        worker_id, None, config, FaultySender(hub, send_timeout_s),
+        worker_id, None, config, FaultySender(hub, worker_id, send_timeout_s),
         runner=FakeRunner(num_pages),
     )  # fmt: skip
 
@@ -335,10 +338,12 @@ class WorkerActor:
     """A worker as `pdserve.cluster.actors`' shell shows it to the router: the same methods (`name.remote(...)`),
     msgpack payloads in and out, each call on a thread of its own, the worker's loop on another. After `die`
     every call, those under way included, raises RayActorError, as a dead actor's do; a decode worker's KV
-    receiver goes with it (`FaultyHub.kill`)."""
+    receiver goes with it (`FaultyHub.kill`). `before_reply`: called with a call's method name and arguments
+    once the worker has done it, before the answer goes back (a test delays an answer there)."""
 
     def __init__(self, worker: PrefillWorker | DecodeWorker, hub: FaultyHub | None = None):
         self.worker, self.hub, self.dead = worker, hub, False
+        self.before_reply: Callable[[str, tuple], None] | None = None
         self._calls = concurrent.futures.ThreadPoolExecutor(16, f"{worker.worker_id}-call")
         self._stop = threading.Event()
         self._loop = threading.Thread(target=worker.run, args=(self._stop,), daemon=True)
@@ -350,6 +355,8 @@ class WorkerActor:
         if self.dead:
             raise ray.exceptions.RayActorError()
         out = fn(*args)
+        if self.before_reply is not None:
+            self.before_reply(fn.__name__.lstrip("_"), args)
         if self.dead:
             raise ray.exceptions.RayActorError()
         return out

@@ -35,18 +35,23 @@ class Cluster:
 
     def __init__(
         self, decodes: int = 1, kv_wait_timeout_s: tuple[float, ...] = (5.0, 5.0),
-        send_timeout_s: float = 2.0,
+        send_timeout_s: float = 2.0, decode_pages: int = 32, prefills: int = 1,
     ):  # fmt: skip
-        """kv_wait_timeout_s: d0's, d1's."""
+        """kv_wait_timeout_s: d0's, d1's; prefills: 0 or 1 (p0)."""
         self.hub = FaultyHub()
         self.router = Router(
             RouterConfig(poll_timeout_s=0.02, admission_timeout_s=2.0, migration_limit=2)
         )
         self.lost: list[str] = []
         self.router.on_worker_lost = lambda w, reason, state: self.lost.append(w.worker_id)
-        workers = [prefill_worker(self.hub, send_timeout_s=send_timeout_s)]
+        workers = [prefill_worker(self.hub, send_timeout_s=send_timeout_s)][:prefills]
         workers += [
-            decode_worker(self.hub, f"d{i}", num_pages=32, kv_wait_timeout_s=kv_wait_timeout_s[i])
+            decode_worker(
+                self.hub,
+                f"d{i}",
+                num_pages=decode_pages,
+                kv_wait_timeout_s=kv_wait_timeout_s[i],
+            )  # fmt: skip
             for i in range(decodes)
         ]
         self.actors = {w.worker_id: WorkerActor(w, self.hub) for w in workers}
@@ -180,6 +185,79 @@ def test_a_lost_decode_worker_s_requests_move_and_go_on_from_where_they_were():
         await c.settle()
 
     run(test, decodes=2)
+
+
+def test_a_request_its_decode_worker_prefills_streams_from_its_first_token():
+    """Without a prefill worker the decode worker's first outputs may come before the router has the answer
+    to its reservation: they are the request's all the same."""
+
+    async def test(c: Cluster):
+        d0 = c.worker("d0")
+
+        def late_answer(method, args):  # the reservation's answer comes after the first tokens
+            if method == "add_request":
+                give_up = time.monotonic() + 1
+                while not all(r.num_generated >= 2 for r in d0.scheduler.requests.values()):
+                    assert time.monotonic() < give_up
+                    time.sleep(0.001)
+
+        c.actors["d0"].before_reply = late_answer
+        r = c.router.open("c", PROMPT, SamplingParams(max_tokens=6, seed=1), None)
+        assert await stream(c.router, r) == reference(PROMPT, 6)
+        await c.settle()
+
+    run(test, prefills=0)
+
+
+def test_a_decode_worker_lost_mid_transfer_fails_the_send_and_the_request_moves():
+    async def test(c: Cluster):
+        held = c.hub.hold("d0", 1)  # the transfer is under way when d0 dies
+        r = c.router.open("c", PROMPT, SamplingParams(max_tokens=6, seed=1), None)
+        p0 = c.worker("p0")
+        task = asyncio.create_task(stream(c.router, r))
+        await until(lambda: state_on(p0, r.request_id) is RequestState.SENDING, "p0 sending")
+        c.actors["d0"].die()
+        assert await task == reference(
+            PROMPT, 6
+        )  # moved on p0's failure or d0's loss, whichever came first
+        assert r.decode_worker == "d1" and r.num_migrations == 1
+        assert p0.stats().num_send_failures == 1  # failed at d0's death, not after its timeout
+        await until(lambda: c.lost == ["d0"], "d0's loss")  # the router's next poll of it
+        await c.settle()
+        assert not held.is_set()
+
+    run(test, decodes=2, send_timeout_s=30.0)
+
+
+def test_a_lost_prefill_worker_s_request_is_prefilled_by_its_decode_worker():
+    async def test(c: Cluster):
+        p0, gate = c.worker("p0"), threading.Event()
+        p0.runner.on_execute = lambda plan: gate.wait(5)  # p0 dies with the prompt in its pass
+        r = c.router.open("c", PROMPT, SamplingParams(max_tokens=6, seed=1), None)
+        task = asyncio.create_task(stream(c.router, r))
+        await until(lambda: state_on(p0, r.request_id) is RequestState.PREFILLING, "p0 prefilling")
+        c.actors["p0"].die()
+        gate.set()
+        assert await task == reference(PROMPT, 6)
+        assert c.lost == ["p0"] and r.num_migrations == 1 and r.prefill_worker == ""
+        await c.settle()
+
+    run(test)
+
+
+def test_preempted_requests_are_placed_again_and_go_on_unchanged():
+    async def test(c: Cluster):
+        # three 8-token prompts reserve 6 of d0's 8 pages; each grows to 6 pages: some are preempted
+        params = SamplingParams(max_tokens=14, seed=1)
+        prompts = [list(range(i, i + 8)) for i in (3, 20, 40)]
+        requests = [c.router.open(f"c{i}", p, params, None) for i, p in enumerate(prompts)]
+        got = await asyncio.gather(*(stream(c.router, r) for r in requests))
+        assert got == [reference(p, 14) for p in prompts]
+        assert sum(r.num_preemptions for r in requests) > 0
+        assert c.worker("d0").stats().num_preemptions > 0
+        await c.settle()
+
+    run(test, decode_pages=8)
 
 
 @pytest.mark.parametrize("where", ["prefilling", "sending", "decoding"])
