@@ -254,6 +254,7 @@ class Router(Admission):
                 r.stages, r.prefill_stages_from = StageTimes(), ""
                 r.num_preemptions += 1
                 self._detach(r)
+                self._new_submission(r)
                 await self._place(r, force)
                 continue
             if event.finish_reason == FinishReason.ABORT:
@@ -386,12 +387,19 @@ class Router(Admission):
             await asyncio.wait(list(r.calls), timeout=_CLEANUP_WAIT_S)
         aborts = [w.actor.abort.remote(r.request_id) for w in others if w.state != WorkerState.DEAD]
         await self._await_aborts(r, aborts)
-        self.requests.pop(r.request_id, None)
-        r.request_id = f"{r.request_id.split('.')[0]}.{r.num_migrations}"
-        self.requests[r.request_id] = r
-        r.touched = set()
+        self._new_submission(r)
         self._capacity.set()
         await self._place(r, None)
+
+    def _new_submission(self, r: Request) -> None:
+        """Gives `r`, moved or preempted, a new internal id for its next placement: nothing its last
+        submission still holds or sends reaches the new one (a prefill worker still holds a preempted
+        request until its send's acknowledgement is back, and would refuse the same id again)."""
+        self.requests.pop(r.request_id, None)
+        base = r.request_id.split(".")[0]
+        r.request_id = f"{base}.{r.num_migrations + r.num_preemptions}"
+        self.requests[r.request_id] = r
+        r.touched = set()
 
     async def _abort_everywhere(self, r: Request) -> None:
         if r.calls:  # an add_request or submit still under way lands first, so the abort finds it

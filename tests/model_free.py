@@ -150,6 +150,8 @@ class Fault:
     drop: bool = False
     hold: threading.Event | None = None
     duplicate: bool = False
+    ack: threading.Event | None = None
+    """Delivered, but the acknowledgement comes (the send returns) only once this is set."""
 
 
 class FaultyHub(LoopbackHub):
@@ -237,6 +239,10 @@ class FaultySender(LoopbackSender):
         self.hub.delivered[(peer, transfer_id)] = args
         for _ in range(1 + fault.duplicate):
             receiver.deliver(*args)
+        if fault.ack is not None:
+            with self.hub.changed:
+                while not fault.ack.is_set() and self.hub.changed.wait(give_up - time.monotonic()):
+                    pass
 
 
 # Workers and stepping.

@@ -260,6 +260,25 @@ def test_preempted_requests_are_placed_again_and_go_on_unchanged():
     run(test, decode_pages=8)
 
 
+def test_a_request_preempted_before_its_prefill_worker_had_the_acknowledgement_is_placed_again():
+    async def test(c: Cluster):
+        ack = threading.Event()  # p0's sends return only once d0's preemptions are under way
+        for transfer_id in (1, 2, 3):
+            c.hub.fault("d0", transfer_id, ack=ack)
+        params = SamplingParams(max_tokens=14, seed=1)
+        prompts = [list(range(i, i + 8)) for i in (3, 20, 40)]
+        requests = [c.router.open(f"c{i}", p, params, None) for i, p in enumerate(prompts)]
+        tasks = [asyncio.create_task(stream(c.router, r)) for r in requests]
+        await until(
+            lambda: any(r.num_preemptions and r.decode for r in requests), "a new placement"
+        )
+        c.hub.release(ack)
+        assert await asyncio.gather(*tasks) == [reference(p, 14) for p in prompts]
+        await c.settle()
+
+    run(test, decode_pages=8)
+
+
 @pytest.mark.parametrize("where", ["prefilling", "sending", "decoding"])
 def test_cancellation_aborts_the_request_on_every_worker(where):
     """The worker in the way is stopped (a step or a send held) until the aborts have landed: without them
