@@ -344,11 +344,13 @@ class WorkerActor:
     """A worker as `pdserve.cluster.actors`' shell shows it to the router: the same methods (`name.remote(...)`),
     msgpack payloads in and out, each call on a thread of its own, the worker's loop on another. After `die`
     every call, those under way included, raises RayActorError, as a dead actor's do; a decode worker's KV
-    receiver goes with it (`FaultyHub.kill`). `before_reply`: called with a call's method name and arguments
-    once the worker has done it, before the answer goes back (a test delays an answer there)."""
+    receiver goes with it (`FaultyHub.kill`). `before_call` / `before_reply`: called with a call's method name
+    and arguments before the worker does it / once it has, before the answer goes back (a test delays a
+    call or its answer there)."""
 
     def __init__(self, worker: PrefillWorker | DecodeWorker, hub: FaultyHub | None = None):
         self.worker, self.hub, self.dead = worker, hub, False
+        self.before_call: Callable[[str, tuple], None] | None = None
         self.before_reply: Callable[[str, tuple], None] | None = None
         self._calls = concurrent.futures.ThreadPoolExecutor(16, f"{worker.worker_id}-call")
         self._stop = threading.Event()
@@ -360,9 +362,12 @@ class WorkerActor:
     def _invoke(self, fn: Callable, args: tuple) -> bytes:
         if self.dead:
             raise ray.exceptions.RayActorError()
+        name = fn.__name__.lstrip("_")
+        if self.before_call is not None:
+            self.before_call(name, args)
         out = fn(*args)
         if self.before_reply is not None:
-            self.before_reply(fn.__name__.lstrip("_"), args)
+            self.before_reply(name, args)
         if self.dead:
             raise ray.exceptions.RayActorError()
         return out

@@ -279,10 +279,11 @@ def test_a_request_preempted_before_its_prefill_worker_had_the_acknowledgement_i
     run(test, decode_pages=8)
 
 
-@pytest.mark.parametrize("where", ["prefilling", "sending", "decoding"])
+@pytest.mark.parametrize("where", ["placing", "prefilling", "sending", "decoding"])
 def test_cancellation_aborts_the_request_on_every_worker(where):
     """The worker in the way is stopped (a step or a send held) until the aborts have landed: without them
-    it would hold the request for good (d0), or prefill and send it (p0)."""
+    it would hold the request for good (d0), or prefill and send it (p0). Placing: d0 takes the reservation
+    after the cancel; the abort must wait for it."""
 
     async def test(c: Cluster):
         p0, d0 = c.worker("p0"), c.worker("d0")
@@ -291,18 +292,29 @@ def test_cancellation_aborts_the_request_on_every_worker(where):
             p0.runner.on_execute = lambda plan: gate.wait(5)
         elif where == "sending":
             gate = c.hub.hold("d0", 1)
+        elif where == "placing":
+            c.actors["d0"].before_call = lambda method, args: (
+                method != "add_request" or gate.wait(5)
+            )
         else:
             d0.runner.on_execute = lambda plan: len(d0.runner.plans) < 3 or gate.wait(5)
         r = c.router.open("c", PROMPT, SamplingParams(max_tokens=100, seed=1), None)
         task = asyncio.create_task(stream(c.router, r))
         state = {"prefilling": RequestState.PREFILLING, "sending": RequestState.SENDING}
-        if where in state:
+        if where == "placing":
+            await until(lambda: r.calls, "d0's reservation under way")
+        elif where in state:
             await until(lambda: state_on(p0, r.request_id) is state[where], f"p0 {where}")
         else:
             await until(lambda: len(r.generated) >= 2, "d0 decoding")
         task.cancel()  # the client went away
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        if where == "placing":
+            # an abort that did not wait for the reservation's call would land meanwhile
+            await asyncio.sleep(0.05)
+            c.hub.release(gate)
+            await until(lambda: not r.calls, "d0's answer")
         await until(lambda: not d0.scheduler.requests, "d0's abort")
         if where != "sending":  # a send under way completes (the decode side discards it)
             await until(lambda: not p0.scheduler.requests, "p0's abort")
