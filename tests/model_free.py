@@ -7,14 +7,16 @@ token + 1 into its slot, and the token it samples after position p is `next_toke
 positions 0..p. So a request whose KV went to the wrong pages, was not carried by the transfer, or was overwritten
 by another request's samples other tokens than `reference(prompt, n)`: tests compare streams with it.
 
-For the router, `WorkerActor` puts a worker where its Ray actor would be: the router's calls run on threads of
-this process, the worker's loop on another, and `die` is the actor's process dying.
-
 The transport is the in-process loopback (`pdserve.kvtransfer.loopback`) with faults per (peer, transfer id):
 drop (nothing arrives: the sender times out, the receiver's deadline fails it), hold (the send waits until
-released or the peer dies: a transfer in flight), duplicate (delivered twice at once), and every delivered
-transfer can be delivered again later (`FaultyHub.redeliver`). `FaultyHub.kill` is a decode worker dying: its
-receiver is gone and sends to it, those under way included, fail at once."""
+released or the peer dies: a transfer in flight), duplicate (delivered twice at once), ack (delivered, the
+acknowledgement held), and every delivered transfer can be delivered again later (`FaultyHub.redeliver`).
+`FaultyHub.kill` is a worker dying: a decode worker's receiver is gone and sends to it, those under way
+included, fail at once; a prefill worker sends nothing more. `FaultySender.send` passes what follows the page ids
+on to the receiver's `deliver` (num_tokens, first_token): a transfer that carries more hands it on there.
+
+For the router, `WorkerActor` puts a worker where its Ray actor would be: the router's calls run on threads of
+this process, the worker's loop on another, and `die` is the actor's process dying."""
 
 from __future__ import annotations
 
