@@ -189,6 +189,7 @@ class Router:
                 r.stages = StageTimes()
                 r.num_preemptions += 1
                 self.admission.detach(r)
+                self._new_submission(r)
                 await self.admission.place(r, force)
                 continue
             if event.finish_reason == FinishReason.ABORT:
@@ -282,12 +283,19 @@ class Router:
             await asyncio.wait(list(r.calls), timeout=_CLEANUP_WAIT_S)
         aborts = [w.actor.abort.remote(r.request_id) for w in others if w.state != WorkerState.DEAD]
         await self._await_aborts(r, aborts)
-        self.requests.pop(r.request_id, None)
-        r.request_id = f"{r.request_id.split('.')[0]}.{r.num_migrations}"
-        self.requests[r.request_id] = r
-        r.touched = set()
+        self._new_submission(r)
         self.admission.room_freed()
         await self.admission.place(r, None)
+
+    def _new_submission(self, r: Request) -> None:
+        """Gives `r`, moved or preempted, a new internal id for its next placement: nothing its last
+        submission still holds or sends reaches the new one (a prefill worker still holds a preempted
+        request until its send's acknowledgement is back, and would refuse the same id again)."""
+        self.requests.pop(r.request_id, None)
+        base = r.request_id.split(".")[0]
+        r.request_id = f"{base}.{r.num_migrations + r.num_preemptions}"
+        self.requests[r.request_id] = r
+        r.touched = set()
 
     async def _abort_everywhere(self, r: Request) -> None:
         if r.calls:  # an add_request or submit still under way lands first, so the abort finds it
@@ -333,7 +341,9 @@ class Router:
             for out in messages.decode(list[RequestOutput], data):
                 self.num_output_tokens += len(out.token_ids)
                 r = self.requests.get(out.request_id)
-                if r is not None and r.decode is w:
+                # also while its reservation's answer is on its way (r.decode still None): a decode
+                # worker that prefills the request itself may stream from it before that answer lands
+                if r is not None and (r.decode is w or (r.decode is None and w in r.touched)):
                     r.events.put_nowait(out)
                 if out.finish_reason is not None or out.preempted:
                     self.admission.room_freed()

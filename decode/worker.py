@@ -33,6 +33,7 @@ from pdserve.engine.messages import (
 from pdserve.engine.ranks.group import RankGroup
 from pdserve.engine.ranks.kv import RankKVControl, rank_endpoint
 from pdserve.engine.request import Policy, Request, RequestState
+from pdserve.engine.runner import ModelRunner
 from pdserve.engine.worker import Worker
 from pdserve.kvtransfer import ExpectedTransfer, KVReceiver, MakeReceiver, TransferResult
 from pdserve.model.deepseek import Transformer
@@ -52,12 +53,15 @@ class DecodeWorker(Worker):
         make_receiver: MakeReceiver | None = None,
         kv_cache_dtype: str = "auto",
         ranks: RankGroup | None = None,
+        runner: ModelRunner | None = None,
     ):
         """kv_cache_dtype: auto or fp8 (`pdserve.model.kv_cache`); must be the prefill workers'; ranks: the
-        worker's running rank group when `config.layout.ranks` > 1 (`Worker`; then `model` is unused)."""
+        worker's running rank group when `config.layout.ranks` > 1 (`Worker`; then `model` is unused); runner: a
+        runner to step instead of one over `model` (`Worker`)."""
         super().__init__(
-            worker_id, model, config, kv_cache_dtype, cuda_graphs=config.cuda_graphs, ranks=ranks
-        )
+            worker_id, model, config, kv_cache_dtype, cuda_graphs=config.cuda_graphs, ranks=ranks,
+            runner=runner,
+        )  # fmt: skip
         args = self.model.args
         self.scheduler = self._make_scheduler(
             config.page_size, config.max_num_batched_tokens,

@@ -62,14 +62,20 @@ class Worker:
 
     def __init__(
         self, worker_id: str, model: Transformer | None, config, kv_cache_dtype: str = "auto",
-        cuda_graphs: bool = True, ranks: RankGroup | None = None,
+        cuda_graphs: bool = True, ranks: RankGroup | None = None, runner: ModelRunner | None = None,
     ):  # fmt: skip
         """config: the role's config (page_size, num_pages, gpu_memory_fraction, cpu_cache_bytes, ranks,
         attention); kv_cache_dtype: auto or fp8 (`pdserve.model.kv_cache`), the same on both sides of a
         transfer; ranks: the worker's running rank group when it has several ranks (then `model` is unused:
-        the driver's shard is rank 0's handler's); the worker closes it."""
+        the driver's shard is rank 0's handler's); the worker closes it. runner: the runner to step instead
+        of one sized for `model` (then `model` is unused): anything with ModelRunner's `model.args`,
+        `num_pages`, `cache`, `device`, `graphs` and `execute`, e.g. the model-free tests' stand-in."""
+        if runner is not None and ranks is not None:
+            raise ValueError("a worker takes a runner or a rank group, not both")
         self.worker_id, self.config, self.ranks = worker_id, config, ranks
-        if ranks is None:
+        if runner is not None:
+            self.runner = runner
+        elif ranks is None:
             self.runner = ModelRunner.sized(
                 model,
                 config.page_size,

@@ -20,6 +20,7 @@ from pdserve import kernels
 from pdserve.engine.messages import PrefillFailure, PrefillHandoff, PrefillRequest, PrefillStats
 from pdserve.engine.ranks.group import RankGroup
 from pdserve.engine.request import Policy, Request, RequestState, stage_times
+from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling_params import TokenLogprobs
 from pdserve.engine.worker import Worker
 from pdserve.kvtransfer import KVSender
@@ -35,16 +36,18 @@ class PrefillWorker(Worker):
     def __init__(
         self, worker_id: str, model: Transformer | None, config: PrefillConfig, sender: KVSender,
         kv_cache_dtype: str = "auto", ranks: RankGroup | None = None,
+        runner: ModelRunner | None = None,
     ):  # fmt: skip
         """kv_cache_dtype: auto or fp8 (`pdserve.model.kv_cache`); must be the decode workers'; ranks: the
         worker's running rank group when `config.layout.ranks` > 1 (`Worker`; then `model` is unused). Rank 0 sends
-        the KV pages, so several ranks need tensor-parallel attention (the same latent cache on each)."""
+        the KV pages, so several ranks need tensor-parallel attention (the same latent cache on each).
+        runner: a runner to step instead of one over `model` (`Worker`)."""
         if ranks is not None and config.layout.attention != "tensor":
             raise ConfigError(
                 f"prefill attention={config.layout.attention!r} with ranks={config.layout.ranks}: a prefill worker of "
                 "several ranks sends its KV from rank 0, so it needs attention='tensor'"
             )
-        super().__init__(worker_id, model, config, kv_cache_dtype, ranks=ranks)
+        super().__init__(worker_id, model, config, kv_cache_dtype, ranks=ranks, runner=runner)
         self.sender = sender
         args = self.model.args
         self.scheduler = self._make_scheduler(
