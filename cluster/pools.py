@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import secrets
 import time
 from typing import Any
 
@@ -101,6 +102,9 @@ class Launcher:
         self.config, self.kv_config, self.num_gpus = config, kv_config, num_gpus
         self.store_secret = store_secret
         self._ids = {role: itertools.count() for role in ROLES}
+        self.group_prefix = f"pdserve-{secrets.token_hex(4)}"
+        """Each worker's placement group is named `{group_prefix}-{worker_id}`: placement group names are global
+        to a Ray cluster, and two servers on one cluster number their workers alike."""
 
     async def launch(self, role: str) -> WorkerHandle:
         """A worker whose model is loaded (state STARTING: not yet warmed up). Raises CapacityError when the
@@ -124,7 +128,7 @@ class Launcher:
             strategy = {"strategy": placement.STRATEGY}
         if reason is not None:
             raise CapacityError(f"cannot place {worker_id}: {reason}")
-        group = ray.util.placement_group(bundles, name=f"pdserve-{worker_id}", **strategy)
+        group = ray.util.placement_group(bundles, name=f"{self.group_prefix}-{worker_id}", **strategy)
         # the worker's GPUs in all (each of its ranks holds num_gpus)
         handle = WorkerHandle(worker_id, role, None, group, num_gpus * ranks)
         if not placement.fits_now(bundles, ray.available_resources()):

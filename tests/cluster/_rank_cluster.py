@@ -146,7 +146,7 @@ def serve() -> dict:
                 "num_prefill": 0, "num_decode": 1, "gpus_per_worker": 0, "cpus_per_worker": 1.0,
                 "rank_span": "nvlink_domain", "placement_timeout_s": 60.0, "load_timeout_s": 180.0,
             },
-            "router": {"port": 0, "stats_interval_s": 0.0},
+            "router": {"port": 0, "http_port": None, "stats_interval_s": 0.0},
             "prefill": {"page_size": 16},
             "decode": {"num_pages": 128, "page_size": 16, "max_prefill_chunk": 128,
                        "max_num_batched_tokens": 512, **layout},
@@ -154,7 +154,7 @@ def serve() -> dict:
         })  # fmt: skip
         with ServerThread(config) as server, Client(server.address) as client:
             [group] = [g for g in ray.util.placement_group_table().values()
-                       if g["name"] == "pdserve-decode-0" and g["state"] == "CREATED"]  # fmt: skip
+                       if g["name"].endswith("-decode-0") and g["state"] == "CREATED"]  # fmt: skip
 
             def generate(request) -> list[int]:
                 prompt, max_tokens = request

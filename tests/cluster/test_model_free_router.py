@@ -125,8 +125,9 @@ def run(test, **cluster):
         finally:
             await c.close()
 
+    ray_before = ray.is_initialized()  # an xdist worker may hold the session's Ray from earlier tests
     asyncio.run(main())
-    assert not ray.is_initialized()  # the router ran without Ray
+    assert ray.is_initialized() == ray_before  # the router ran without starting Ray
 
 
 def test_requests_stream_the_reference_tokens_and_free_every_page():
