@@ -1,5 +1,9 @@
 """Test-wide settings: GPU markers skip where no CUDA device is present; on CPU-only machines Triton kernels run in
-the interpreter (TRITON_INTERPRET=1 must be set before any kernel module is imported, hence here)."""
+the interpreter (TRITON_INTERPRET=1 must be set before any kernel module is imported, hence here).
+
+`gpu_sweep` marks a case of a shape sweep that runs only where a CUDA device is present: under the interpreter
+one smallest case per code path (dtype x kernel variant) runs, and the case marked names, in a comment, the one
+that takes its code path on CPU."""
 
 from __future__ import annotations
 
@@ -17,6 +21,10 @@ except ImportError:  # pragma: no cover
 if _CUDA_DEVICES == 0:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+GPU_SWEEP_REASON = (
+    "shape sweep: runs where CUDA is present; on CPU a smaller case takes its code path"
+)
+
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
@@ -24,6 +32,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs 2 CUDA GPUs"))
         elif "gpu" in item.keywords and _CUDA_DEVICES < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        elif "gpu_sweep" in item.keywords and _CUDA_DEVICES < 1:
+            item.add_marker(pytest.mark.skip(reason=GPU_SWEEP_REASON))
 
 
 @pytest.fixture(scope="session")
