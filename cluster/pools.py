@@ -128,7 +128,9 @@ class Launcher:
             strategy = {"strategy": placement.STRATEGY}
         if reason is not None:
             raise CapacityError(f"cannot place {worker_id}: {reason}")
-        group = ray.util.placement_group(bundles, name=f"{self.group_prefix}-{worker_id}", **strategy)
+        group = ray.util.placement_group(
+            bundles, name=f"{self.group_prefix}-{worker_id}", **strategy
+        )
         # the worker's GPUs in all (each of its ranks holds num_gpus)
         handle = WorkerHandle(worker_id, role, None, group, num_gpus * ranks)
         if not placement.fits_now(bundles, ray.available_resources()):

@@ -5,9 +5,13 @@ How the suite is split by need: every test that starts Ray or a server is marked
 session's Ray through the `ray_cluster` fixture, and those whose module says it starts a Ray of its own with
 `pytestmark = pytest.mark.ray`). Under pytest-xdist (`--dist loadgroup`) the tests on the session's Ray form one
 group that one worker runs one after another, first, and those with a Ray of their own another, while the other
-workers take every other test. Tests
-that start subprocesses (rank processes, two-process workers) are marked `subprocess` by their modules: they run
-beside the others. `--durations-file PATH` writes each test's seconds (setup + call + teardown) to PATH."""
+workers take every other test. Tests that start subprocesses (rank processes, two-process workers) are marked
+`subprocess` by their modules: they run beside the others. `--durations-file PATH` writes each test's seconds
+(setup + call + teardown) to PATH.
+
+`gpu_sweep` marks a case of a shape sweep that runs only where a CUDA device is present: under the interpreter
+one smallest case per code path (dtype x kernel variant) runs, and the case marked names, in a comment, the one
+that takes its code path on CPU."""
 
 from __future__ import annotations
 
@@ -25,6 +29,10 @@ except ImportError:  # pragma: no cover
 if _CUDA_DEVICES == 0:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+GPU_SWEEP_REASON = (
+    "shape sweep: runs where CUDA is present; on CPU a smaller case takes its code path"
+)
 
 RAY_FIXTURES = frozenset({"ray_cluster", "shared_server"})
 """Fixtures that start (or are) the session's Ray: a test using any of them is a `ray` test."""
@@ -48,6 +56,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs 2 CUDA GPUs"))
         elif "gpu" in item.keywords and _CUDA_DEVICES < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        elif "gpu_sweep" in item.keywords and _CUDA_DEVICES < 1:
+            item.add_marker(pytest.mark.skip(reason=GPU_SWEEP_REASON))
         if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
             item.add_marker(pytest.mark.xdist_group(RAY_GROUP))

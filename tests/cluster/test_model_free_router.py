@@ -125,7 +125,9 @@ def run(test, **cluster):
         finally:
             await c.close()
 
-    ray_before = ray.is_initialized()  # an xdist worker may hold the session's Ray from earlier tests
+    ray_before = (
+        ray.is_initialized()
+    )  # an xdist worker may hold the session's Ray from earlier tests
     asyncio.run(main())
     assert ray.is_initialized() == ray_before  # the router ran without starting Ray
 

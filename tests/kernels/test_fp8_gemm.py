@@ -142,7 +142,7 @@ def test_gemm_code_paths(path: str, m: int, n: int, k: int) -> None:
 @pytest.mark.parametrize("path", [p for p in PATH_CONFIGS if p.startswith("fused-quant")])
 @pytest.mark.parametrize(
     ("m", "n", "k"),
-    [(1, 200, 720), (3, 130, 400), (5, 64, 256), pytest.param(1, 7168, 16384, marks=gpu)],
+    [(1, 72, 720), (3, 130, 400), (5, 64, 256), pytest.param(1, 7168, 16384, marks=gpu)],
 )
 def test_fused_quant_with_fewer_rows_than_the_tile(path: str, m: int, n: int, k: int) -> None:
     """M < BLOCK_M: the kernel quantizes the next power of two of M rows and repeats them down the
@@ -171,7 +171,7 @@ GEMV_CONFIGS = {
 @pytest.mark.parametrize("prequant", [False, True])
 @pytest.mark.parametrize(
     ("m", "n", "k"),
-    [(1, 200, 720), (3, 72, 1000), (4, 130, 256),
+    [(1, 72, 720), (3, 72, 1000), (4, 130, 256),
      pytest.param(1, 7168, 16384, marks=gpu), pytest.param(3, 576, 7168, marks=gpu),
      pytest.param(2, 1000, 1100, marks=gpu)],
 )  # fmt: skip
@@ -225,8 +225,16 @@ def test_split_k_sum_in_the_launch_matches_the_second_kernel(cfg: dict, monkeypa
     """With tile counters the last program of each tile adds the splits' partials; the sum (in
     split order) equals the two-kernel path's bit for bit, and the counters are zero again after
     each call."""
-    m, n, k = (1, 200, 2000) if cfg.get("gemv") else (19, 320, 2000)
+    # K of six 128-deep tiles, the last partial: every config splits it (3 to 6 ways)
+    m, n, k = (1, 200, 720) if cfg.get("gemv") else (19, 320, 720)
     dtype = torch.bfloat16 if CUDA else torch.float32
+    real_prepare, splits_taken = _splitk.prepare, []
+
+    def prepare(out, splits, tiles):
+        splits_taken.append(splits)
+        return real_prepare(out, splits, tiles)
+
+    monkeypatch.setattr(_splitk, "prepare", prepare)
     x = _act(m, k, dtype, seed=3)
     w_fp8, scale_inv = _weight(n, k, seed=4)
     if cfg is PATH_CONFIGS["prequant-split-k-n32"]:
@@ -243,6 +251,7 @@ def test_split_k_sum_in_the_launch_matches_the_second_kernel(cfg: dict, monkeypa
         runs.append(out)
         if fold:
             assert not _splitk._COUNTERS[out.device].any()
+    assert min(splits_taken) > 1, splits_taken
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
 
 

@@ -25,6 +25,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 FP8_TOL = 2e-2
 gpu = pytest.mark.gpu
+gpu_sweep = pytest.mark.gpu_sweep
 
 
 def _routing(
@@ -122,12 +123,22 @@ PATH_CONFIGS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("path", sorted(PATH_CONFIGS))
-@pytest.mark.parametrize(
-    ("t", "d", "i"),
-    [(21, 320, 192), (19, 320, 256), pytest.param(300, 2048, 640, marks=gpu),
-     pytest.param(300, 2048, 1024, marks=gpu)],
-)  # fmt: skip
+def _tma_path_cases() -> list:
+    """(path, t, d, i) for each path. I = 192 takes UNIFORM_B False (I not a multiple of the 128 quant
+    block) and, at BLOCK_K2 = 128, an uneven down K; I = 256 the even ones. Those differ only for the
+    fp8 paths: on CPU the 16-bit paths ("tma", "permute-tma") run at I = 192 alone, the same kernel
+    variant as I = 256."""
+    cases = []
+    for path in sorted(PATH_CONFIGS):
+        cases.append(pytest.param(path, 21, 320, 192, id=f"21-320-192-{path}"))
+        sweep = () if path.endswith("fp8") else (gpu_sweep,)
+        cases.append(pytest.param(path, 19, 320, 256, marks=sweep, id=f"19-320-256-{path}"))
+        for t, d, i in ((300, 2048, 640), (300, 2048, 1024)):
+            cases.append(pytest.param(path, t, d, i, marks=gpu, id=f"{t}-{d}-{i}-{path}"))
+    return cases
+
+
+@pytest.mark.parametrize(("path", "t", "d", "i"), _tma_path_cases())
 def test_weight_tma_paths(path: str, t: int, d: int, i: int) -> None:
     """Weights through TMA descriptors (gate/up tiles that run past I into the up rows, a down
     tile wider than a quant block), x laid out by row first (permute_a), and the activation read
@@ -231,7 +242,7 @@ def test_inputs_are_checked() -> None:
 
 @pytest.mark.parametrize("path", ["default", *sorted(p for p in PATH_CONFIGS if p.endswith("fp8"))])
 @pytest.mark.parametrize(
-    ("t", "d", "i"), [(7, 320, 192), pytest.param(64, 7168, 2048, marks=gpu)]
+    ("t", "d", "i"), [(7, 320, 128), pytest.param(64, 7168, 2048, marks=gpu)]
 )  # fmt: skip
 def test_x_quantized_by_its_producer_gives_the_same_bits(path: str, t: int, d: int, i: int) -> None:
     """x_q (x quantized in 1x128 groups; scales column-major as rmsnorm(quant=True) hands them out, or
@@ -256,8 +267,9 @@ def test_x_quantized_by_its_producer_gives_the_same_bits(path: str, t: int, d: i
                 return tri.fused_moe(v, *rest, v_q)
             return tri._fused_moe(v, *rest, PATH_CONFIGS[path], torch.empty_like(v), v_q)
 
-    assert torch.equal(run(x, x_q), run(x))
-    assert torch.equal(run(x, x_q_rows), run(x))
+    want = run(x)
+    assert torch.equal(run(x, x_q), want)
+    assert torch.equal(run(x, x_q_rows), want)
     assert torch.equal(run(x, other_q), run(other))
     if not CUDA:  # the reference takes x_q the same way
         assert torch.equal(ref.fused_moe(x, *rest, x_q), ref.fused_moe(x, *rest))
@@ -272,7 +284,7 @@ def _shard(w: torch.Tensor, ids: torch.Tensor, rank: int, ranks: int):
 
 
 TREE_CASES = [
-    (13, 128, 64, 16, 4, torch.float32),
+    (13, 64, 64, 16, 4, torch.float32),
     (5, 128, 32, 32, 6, torch.float16),
     pytest.param(64, 7168, 2048, 64, 8, torch.bfloat16, marks=gpu),
     pytest.param(300, 2048, 1408, 64, 6, torch.bfloat16, marks=gpu),

@@ -20,10 +20,12 @@ import torch
 from _decode_check import DEVICE, exact_fp8_rows, poisoned_empty, rel_err
 
 from pdserve.kernels import use_batch_invariant
+from pdserve.kernels._backend import num_sms
 from pdserve.kernels.mla_decode import fp8_format, ref
 from pdserve.kernels.mla_decode import mla_decode as mla_decode_dispatch
 from pdserve.kernels.mla_decode import triton as tri
 
+gpu_sweep = pytest.mark.gpu_sweep
 OUT_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1.5e-2}
 LSE_TOL = 1e-3
 
@@ -122,20 +124,27 @@ LAYOUT_CASES = [
 ]  # fmt: skip
 
 
+# On CPU: 1 split (no combine; several tiles a split) and 6 (the combine's loop of chunks, a partial
+# last chunk, empty splits). 3 splits (several tiles a split, then the combine) is the split count of
+# test_mla_decode_reads_a_layer_of_a_page_major_cache, which runs the same cases, layouts and loads
+# on CPU; 20 is 6's code path on more splits.
+SPLIT_COUNTS = [1, pytest.param(3, marks=gpu_sweep), 6, pytest.param(20, marks=gpu_sweep)]
+
+
 @pytest.mark.parametrize("use_tma", [False, True], ids=["ptr", "tma"])
-@pytest.mark.parametrize("num_splits", [1, 3, 20])
+@pytest.mark.parametrize("num_splits", SPLIT_COUNTS)
 @pytest.mark.parametrize("layout", ["heads_major", "kv_major"])
 @pytest.mark.parametrize("case", LAYOUT_CASES)
 def test_mla_decode_layouts_and_splits(
     case: Case, layout: str, num_splits: int, use_tma: bool
 ) -> None:
     """Both split kernels, pointer or TMA loads, with and without the combine step, whatever the
-    tuning table picks; at 20 splits the combine reads them a few at a time (a loop of chunks)."""
+    tuning table picks; from 6 splits the combine reads them a few at a time (a loop of chunks)."""
     q, cache, page_table, seq_lens = _make(case, seed=7)
     scale = 0.1
     expected = ref.mla_decode(q, cache, page_table, seq_lens, scale, case.lora)
     config = {"LAYOUT": layout, "USE_TMA": use_tma}
-    if num_splits == 20:
+    if num_splits >= 6:
         config |= {"COMBINE_TILE": 64}
     if DEVICE == "cpu":
         config |= {"BLOCK_M": 16, "BLOCK_N": 16}
@@ -334,12 +343,18 @@ def test_write_kv_fp8_matches_ref(tokens: int, lora: int, rope: int, page_size: 
     assert torch.equal(deq[:, lora:], k_pe.to(torch.bfloat16).float())
 
 
+WRITE_KV_4_ROWS = 4 * num_sms(torch.device(DEVICE)) + 5
+"""Past 4 tokens a SM write_kv gives each program 4 rows; 5 more make a ragged last program."""
+
+
 @pytest.mark.parametrize(
     "tokens,lora,rope,page_size,src,dst",
     [
         pytest.param(7, 32, 16, 4, torch.float32, torch.float32, id="tiny-f32"),
         pytest.param(13, 48, 16, 16, torch.float32, torch.float16, id="odd-lora-f32-to-f16"),
-        pytest.param(600, 32, 16, 64, torch.float16, torch.float16, id="4-rows-a-program"),
+        pytest.param(
+            WRITE_KV_4_ROWS, 32, 16, 64, torch.float16, torch.float16, id="4-rows-a-program"
+        ),
         pytest.param(
             64, 512, 64, 64, torch.bfloat16, torch.bfloat16, marks=pytest.mark.gpu, id="v3"
         ),
@@ -404,7 +419,9 @@ def test_mla_decode_dispatch_and_checks() -> None:
     _check(case, (out, lse), ref.mla_decode(q, cache, page_table, seq_lens, 0.1, 32))
 
 
-@pytest.mark.parametrize("num_heads,num_q", [(4, 1), (16, 2)])
+@pytest.mark.parametrize(
+    "num_heads,num_q", [(4, 1), (8, 2), pytest.param(16, 2, marks=gpu_sweep)]
+)  # (16, 2): (8, 2)'s kernels over two programs of query rows
 def test_batch_invariant_mode_cuts_by_request(num_heads: int, num_q: int) -> None:
     """In batch-invariant mode a request's output and lse are bit-for-bit the same alone or in a
     batch, whatever the page-table width (the split grid), and still match the reference."""

@@ -137,11 +137,29 @@ EXCHANGE_RUNS = [(kind, dtype) for kind in ("all_to_all", "all_gather") for dtyp
 """The runs of tokens on different ranks, each over `all_to_all_steps(dtype)`; the all-reduce run follows."""
 
 
+def fp8_dispatch_steps():
+    """Rank 0 five tokens, rank 1 none."""
+    return [make_tokens(11, 5, torch.bfloat16), make_tokens(12, 0, torch.bfloat16)]
+
+
+def _two_rank_module(rank, world, runs, fp8_steps):
+    """The two-rank runs of this module in one pair of processes: `_exchange_rank`'s, then
+    `_dispatch_fp8_rank`'s."""
+    return _exchange_rank(rank, world, runs), _dispatch_fp8_rank(rank, world, fp8_steps)
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def two_rank_results(tmp_path_factory):
     runs = [(kind, all_to_all_steps(dtype)) for kind, dtype in EXCHANGE_RUNS]
     runs.append(("all_reduce", all_reduce_steps()))
-    return spawn_gloo(tmp_path_factory.mktemp("exchange"), _exchange_rank, [(runs,)] * 2)
+    args = (runs, fp8_dispatch_steps())
+    return spawn_gloo(tmp_path_factory.mktemp("exchange"), _two_rank_module, [args] * 2)
+
+
+@pytest.fixture(scope="module")
+def results(two_rank_results):
+    """Per rank, `_exchange_rank`'s outputs."""
+    return [exchange for exchange, _ in two_rank_results]
 
 
 def owner_ranks(ids: torch.Tensor) -> int:
@@ -286,14 +304,13 @@ def _dispatch_fp8_rank(rank, world, steps):
     return got
 
 
-def test_fp8_dispatch_carries_the_rows_quantized(tmp_path):
+def test_fp8_dispatch_carries_the_rows_quantized(two_rank_results):
     """Rows quantized for fp8 experts travel so (no bf16 copy): each rank's experts get exactly the bytes and
     scales that quantizing the bf16 rows they would otherwise get gives, with the same ids and weights; a rank
     with no tokens sends the same kind of message."""
     from pdserve.kernels.fp8_quant import quantize_act
 
-    steps = [make_tokens(11, 5, torch.bfloat16), make_tokens(12, 0, torch.bfloat16)]
-    results = spawn_gloo(tmp_path, _dispatch_fp8_rank, [(steps,)] * 2)
+    results = [fp8 for _, fp8 in two_rank_results]
     for rank in range(2):
         for kind in ("all_gather", "all_to_all"):
             x8, q, ids8, w8 = results[rank][kind, True]
