@@ -32,7 +32,7 @@ demo: $(VENV)/.installed-serve
 # One run on pytest-xdist workers: the tests that start Ray or a server (marker `ray`, see tests/conftest.py) are one
 # group that one worker runs in order on one local Ray, while the other workers take everything else (most of it
 # CPU-bound Triton-interpreter kernels and models). Each test's seconds go to DURATIONS_FILE.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 DURATIONS_FILE ?= build/test-durations.tsv
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m "not gpu and not multi_gpu" -n $(TEST_WORKERS) --dist loadgroup \

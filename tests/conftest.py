@@ -15,6 +15,7 @@ that takes its code path on CPU."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -50,7 +51,10 @@ def pytest_addoption(parser):
     )  # fmt: skip
 
 
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
+    """Marks and orders the items before every other plugin's hook runs (pytest-xdist's reads the xdist_group
+    marks to name each item's group)."""
     for item in items:
         if "multi_gpu" in item.keywords and _CUDA_DEVICES < 2:
             item.add_marker(pytest.mark.skip(reason="needs 2 CUDA GPUs"))
@@ -68,6 +72,37 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [i for i in items if "ray" in i.keywords] + [
         i for i in items if "ray" not in i.keywords
     ]
+    return (yield)
+
+
+LOW_PRIORITY_NICE = 19
+"""The niceness of a pytest-xdist worker while it runs a test that is not `ray`."""
+
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # Ray starts its worker processes (our prefill and decode actors) at niceness 15 unless told otherwise: at 0
+    # they keep the priority of the tests that start them over the CPU-bound tests beside them.
+    os.environ.setdefault("RAY_worker_niceness", "0")
+
+
+def _renice(value: int) -> None:
+    """Sets every thread of this process to niceness `value` (Linux keeps one per thread; new threads and
+    processes inherit their creator's). Lowering it needs root; where it cannot, it stays as it was."""
+    try:
+        tids = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile, or no right to lower it
+            os.setpriority(os.PRIO_PROCESS, tid, value)
+
+
+def pytest_runtest_setup(item):
+    """Under pytest-xdist, the `ray` tests (latency-bound: their servers, workers and timeouts wait on each other)
+    run at normal priority and the rest (CPU-bound) at a low one, so that the CPU-bound tests take only the cores
+    the Ray chains leave idle instead of slowing them. Set before the test's fixtures: what they and the test
+    start (rank processes, Ray, servers) inherits it."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        _renice(0 if item.get_closest_marker("ray") is not None else LOW_PRIORITY_NICE)
 
 
 class _Durations:
