@@ -1,6 +1,8 @@
 """The decode side of the KV transfer over torch.distributed (see `dist` for the whole protocol): a receiving
 thread per prefill peer, which posts a header receive while a transfer from that peer may come, then the
-metadata's receive and the pieces', in place or packed, and acknowledges."""
+metadata's receive and the pieces', in place or packed, and acknowledges. One file past 500 lines: it is one
+state machine per peer (header, metadata, pieces, acknowledgement, discard) over one table of expected transfers,
+and each stage reads and writes what the others do."""
 
 from __future__ import annotations
 
