@@ -13,11 +13,10 @@ import pytest
 import torch
 
 from pdserve.decode import DecodeConfig
-from pdserve.engine.offline import OfflineGenerator, generate_greedy
+from pdserve.engine.offline import OfflineGenerator
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer import KVTransferConfig
 from pdserve.model.loader import load_model
-from pdserve.model.random_checkpoint import make_checkpoint
 from pdserve.prefill import PrefillConfig
 
 from .harness import MiniRouter
@@ -27,27 +26,6 @@ from .procs import WorkerProcess
 pytestmark = pytest.mark.subprocess
 
 PREFILL = PrefillConfig(num_pages=400, max_prefill_chunk=64, max_num_batched_tokens=256)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_checkpoint(
-        tmp_path_factory.mktemp("ck") / "tiny", "tiny", dtype="fp32", progress=False
-    )
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    model = load_model(model_dir, dtype=torch.float32, progress=False)
-    cache = {}
-
-    def expected(prompt: list[int], max_tokens: int) -> list[int]:
-        key = (tuple(prompt), max_tokens)
-        if key not in cache:
-            cache[key] = generate_greedy(model, prompt, max_tokens)
-        return cache[key]
-
-    return expected
 
 
 def free_port() -> int:
