@@ -207,8 +207,9 @@ class DecodeWorker(Worker):
             moved_s = max(0.0, result.completed_at - result.started_at)
             stages = dataclasses.replace(stages, kv_transfer_s=stages.kv_transfer_s + moved_s)
         return self.scheduler.kv_arrived(
-            result.transfer_id, result.num_tokens, result.first_token, handoff.logprobs, stages
-        )
+            result.transfer_id, result.num_tokens, result.first_token, handoff.logprobs, stages,
+            handoff.draft_ids,
+        )  # fmt: skip
 
     def warm_up(self) -> None:
         """Prompt chunks up to `max_prefill_chunk` (the aggregated path) and a decode graph for every bucket of

@@ -34,6 +34,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 class _Graph:
     graph: torch.cuda.CUDAGraph
     batch: ForwardBatch
+    hidden: torch.Tensor  # [bucket, D], the graph's final-norm hidden states (MTP reads them)
     logits: torch.Tensor  # [bucket, V] fp32, the graph's output buffer
 
 
@@ -67,10 +68,19 @@ class DecodeGraphs:
     def logits(self, batch: ForwardBatch, key: tuple[int, int] | None = None) -> torch.Tensor:
         """Decode logits [B, V] fp32 for `batch`, through a graph when one fits. key: the bucket to run it in
         (at least `bucket(batch)`; the ranks of a worker run a step in a bucket they share)."""
+        return self.forward(batch, key)[1]
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ForwardBatch, key: tuple[int, int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`logits`, with the final-norm hidden states [B, D] they came from (views of the graph's buffers:
+        read them before the next replay)."""
         key = (key or self.bucket(batch)) if self.enabled else None
         graph = None if key is None else self._graph(key)
         if graph is None:
-            return self.model.compute_logits(self.model(batch, self.cache))
+            hidden = self.model(batch, self.cache)
+            return hidden, self.model.compute_logits(hidden)
         b, width = batch.num_seqs, batch.page_table.shape[1]
         s = graph.batch
         s.input_ids[:b].copy_(batch.input_ids)
@@ -80,7 +90,7 @@ class DecodeGraphs:
         s.page_table[:b, :width].copy_(batch.page_table)
         self._pad(s, b)
         graph.graph.replay()
-        return graph.logits[:b]
+        return graph.hidden[:b], graph.logits[:b]
 
     @torch.inference_mode()
     def idle(self, key: tuple[int, int]) -> bool:
@@ -150,11 +160,12 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             graph.capture_begin(self._pool, capture_error_mode="thread_local")
             try:
-                logits = self.model.compute_logits(self.model(static, self.cache))
+                hidden = self.model(static, self.cache)
+                logits = self.model.compute_logits(hidden)
             finally:
                 graph.capture_end()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         logger.debug("captured decode graph for batch %d x %d pages", bucket, pages)
-        captured = _Graph(graph, static, logits)
+        captured = _Graph(graph, static, hidden, logits)
         self._graphs[(bucket, pages)] = captured
         return captured

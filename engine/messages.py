@@ -120,15 +120,18 @@ class StageTimes:
 @dataclasses.dataclass(frozen=True, slots=True)
 class PrefillHandoff:
     """What a prefill worker knows of a request beyond its KV and first token, sent with its pages (the
-    transfer's metadata, `KVSender.send`) so that the decode worker's first output of the request is complete.
-    A field added later (the MTP draft's hidden state) must have a default, so that a handoff without it
-    decodes."""
+    transfer's metadata, `KVSender.send`) so that the decode worker's first output of the request is complete
+    and its first decode step verifies drafts. A field added later must have a default, so that a handoff
+    without it decodes."""
 
     logprobs: TokenLogprobs | None = None
     """The first token's log-probabilities, where the request asked for them."""
     stages: StageTimes = StageTimes()
     """The stages the prefill worker ran; its `kv_transfer_s` ends when its send began (the decode worker adds
     the transfer itself, on its own clock)."""
+    draft_ids: tuple[int, ...] = ()
+    """The MTP module's draft of the token after the first one, where the prefill worker speculates: the
+    decode worker's first step verifies it (as drawn from a point mass: its distribution stays here)."""
 
     def to_bytes(self) -> bytes:
         return encode(self)
@@ -181,6 +184,15 @@ class Reservation:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SpecCounts:
+    """A request's speculation: draft tokens its decode steps verified, and how many of them were accepted
+    (its mean accepted length a step is 1 + accepted / steps that verified)."""
+
+    drafted: int
+    accepted: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class RequestOutput:
     """One request's share of one step, streamed back to the router."""
 
@@ -199,6 +211,9 @@ class RequestOutput:
     stages: StageTimes | None = None
     """The stages the request ran so far, on this worker and on the prefill worker whose KV it took
     (`PrefillHandoff`): on its first output after that KV arrived, and on its finishing output."""
+    spec: SpecCounts | None = None
+    """On its finishing output, where its decode steps verified drafts: how many, and how many were
+    accepted."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -21,6 +21,11 @@ from pdserve.model.kv_cache import resolve_cache_dtype
 class Generation:
     token_ids: list[int]
     finish_reason: str
+    num_steps: int = 0
+    """Decode steps and prefill chunks it took."""
+    num_drafted: int = 0
+    """Draft tokens its steps verified, and of them accepted."""
+    num_accepted: int = 0
 
 
 class OfflineGenerationError(RuntimeError):
@@ -33,10 +38,17 @@ class OfflineGenerator:
 
     def __init__(
         self, model: Transformer, page_size: int = 64, prefill_chunk: int | None = None,
-        kv_cache_dtype: str = "auto",
+        kv_cache_dtype: str = "auto", num_drafts: int = 0,
     ):  # fmt: skip
-        """prefill_chunk: prefill the prompt this many tokens per step (None: all at once)."""
+        """prefill_chunk: prefill the prompt this many tokens per step (None: all at once); num_drafts: the
+        MTP module's draft tokens a step (0: one token a step)."""
+        if num_drafts and model.num_mtp == 0:
+            raise ValueError(
+                f"num_drafts={num_drafts}: speculation needs the checkpoint's MTP module, which this "
+                "model has none of"
+            )
         self.model, self.page_size, self.prefill_chunk = model, page_size, prefill_chunk
+        self.num_drafts = num_drafts
         resolve_cache_dtype(
             kv_cache_dtype, model.dtype
         )  # a bad name fails here, not at the first prompt
@@ -46,7 +58,10 @@ class OfflineGenerator:
         args = self.model.args
         check_token_ids(prompt_ids, args.vocab_size, "prompt_token_ids")
         check_context(len(prompt_ids), params.max_tokens, args.max_position_embeddings)
-        num_pages = pages_needed(len(prompt_ids) + params.max_tokens, self.page_size)
+        lookahead = (
+            2 * self.num_drafts
+        )  # the drafts' rows and the MTP chain (`Scheduler.lookahead`)
+        num_pages = pages_needed(len(prompt_ids) + params.max_tokens + lookahead, self.page_size)
         runner = ModelRunner(
             self.model, self.page_size, num_pages, self.kv_cache_dtype, cuda_graphs=False
         )
@@ -54,17 +69,23 @@ class OfflineGenerator:
         scheduler = Scheduler(
             PageAllocator(num_pages), self.page_size, chunk, chunk, args.vocab_size,
             args.max_position_embeddings, args.eos_token_ids, worker_kind="offline generator",
+            num_drafts=self.num_drafts,
         )  # fmt: skip
         request = Request("offline", list(prompt_ids), params.with_seed(), Policy.AGGREGATED)
         scheduler.add(request)
         finish_reason = None
+        num_steps = 0
         while request.state not in (RequestState.FINISHED, RequestState.ABORTED):
             plan, _ = scheduler.schedule()  # one request in a cache sized for it: never preempted
+            num_steps += 1
             for out in scheduler.finish_step(plan, [runner.execute(plan)]).outputs:
                 if out.finish_reason == FinishReason.ABORT:
                     raise OfflineGenerationError(out.error)
                 finish_reason = out.finish_reason
-        return Generation(request.token_ids[len(prompt_ids) :], finish_reason)
+        return Generation(
+            request.token_ids[len(prompt_ids) :], finish_reason, num_steps, request.num_drafted,
+            request.num_accepted,
+        )  # fmt: skip
 
 
 def generate_greedy(model: Transformer, prompt_ids: Sequence[int], max_tokens: int) -> list[int]:

@@ -8,7 +8,7 @@ import enum
 from collections.abc import Collection
 from typing import Any
 
-from pdserve.engine.messages import StageTimes
+from pdserve.engine.messages import SpecCounts, StageTimes
 from pdserve.engine.sampling_params import SamplingParams, min_tokens_ban
 
 
@@ -75,6 +75,11 @@ class Request:
     stop_ids: frozenset[int] = dataclasses.field(init=False, repr=False)
     """`params.stop_token_ids` as a set: each sampled token is looked up in it."""
     _banned: tuple[int, ...] | None = dataclasses.field(default=None, init=False, repr=False)
+    draft_ids: list[int] = dataclasses.field(default_factory=list)
+    """The MTP module's drafts for the tokens after its last one, verified by its next decode step."""
+    num_drafted: int = 0
+    """Drafts its decode steps verified, and of them accepted (speculation's per-request figures)."""
+    num_accepted: int = 0
     counted: bool = False
     """The runner running its rows counts its penalties already (its sequence went with a sampled row; see
     `SampleSpec.penalty_ids`); false again once it is preempted."""
@@ -88,6 +93,10 @@ class Request:
         if self._banned is None:
             self._banned = min_tokens_ban(self.params, eos_token_ids, self.stop_ids)
         return self._banned
+
+    def spec_counts(self) -> SpecCounts | None:
+        """Its drafts verified and accepted, None where it verified none."""
+        return SpecCounts(self.num_drafted, self.num_accepted) if self.num_drafted else None
 
     @property
     def num_tokens(self) -> int:

@@ -12,10 +12,12 @@ from collections.abc import Sequence
 import torch
 
 from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.drafter import MTPDrafter
 from pdserve.engine.rank_memory import GPU_MEMORY_UTILIZATION
 from pdserve.engine.ranks.wire import max_pages, prefill_tokens
 from pdserve.engine.sampler import PenaltyCounts, sample
 from pdserve.engine.sampling_params import TokenLogprobs
+from pdserve.engine.speculative import DraftProbs, verify
 from pdserve.engine.step import DecodeRow, PrefillRow, RankResult, StepPlan
 from pdserve.model.batch import SeqChunk, build_forward_batch
 from pdserve.model.deepseek import Transformer
@@ -46,6 +48,9 @@ class ModelRunner:
         )
         self.penalty_counts = PenaltyCounts()
         """The penalties' counts of the requests this runner samples (kept between steps)."""
+        self.draft_probs = DraftProbs()
+        """The draft distributions of the drafts this runner proposed last step (kept to verify them)."""
+        self._drafter: MTPDrafter | None = None
 
     @classmethod
     def sized(
@@ -103,16 +108,19 @@ class ModelRunner:
         step = plan.ranks[self.rank]
         result = RankResult(plan.step_id)
         joins = self._joins_idle
+        if plan.mtp and self._drafter is None:
+            self._drafter = MTPDrafter(self.model, self.cache)
         if any(r.prefill for r in plan.ranks) and (step.prefill or joins):
             tokens = max(prefill_tokens(s.prefill) for s in plan.ranks)
             with self.model.step_tokens(tokens if joins else None):
                 if not step.prefill:
-                    self._run(self._idle, None)
+                    self._run(self._idle, plan.mtp)
                 else:
                     try:
-                        tokens, logprobs = self._run(self._prefill, step.prefill)
+                        tokens, logprobs, drafts = self._run(self._prefill, step.prefill, plan)
                         result.prefill_tokens.extend(tokens)
                         result.prefill_logprobs.extend(logprobs)
+                        result.prefill_drafts.extend(drafts)
                     except Exception as e:  # the scheduler fails this pass's requests; we go on
                         logger.error("prefill pass failed", exc_info=True)
                         result = dataclasses.replace(result, prefill_error=str(e))
@@ -122,20 +130,26 @@ class ModelRunner:
             if joins and self.graphs is not None and self.graphs.enabled:
                 width = max(max_pages(s.decode) for s in plan.ranks)
                 key = self.graphs.key(rows, width)
+            chain = max(plan.num_drafts - 1, 0) if plan.mtp else 0
             with self.model.step_tokens((key[0] if key else rows) if joins else None):
                 if not step.decode:
-                    self._run(self._idle_decode, key)
+                    self._run(self._idle_decode, key, plan.mtp, chain)
                 else:
                     try:
-                        tokens, logprobs = self._run(self._decode, step.decode, key)
-                        result.decode_tokens.extend(tokens)
-                        result.decode_logprobs.extend(logprobs)
+                        out = self._run(self._decode, step.decode, key, plan, chain)
+                        result.decode_tokens.extend(out[0])
+                        result.decode_logprobs.extend(out[1])
+                        result.decode_accepted.extend(out[2])
+                        result.decode_drafts.extend(out[3])
                     except Exception as e:  # as above
                         logger.error("decode pass failed", exc_info=True)
                         result = dataclasses.replace(result, decode_error=str(e))
-        if len(self.penalty_counts):  # the requests not in this step are gone from this runner
+        if len(self.penalty_counts) or len(self.draft_probs):
+            # the requests not in this step are gone from this runner
             sampled = [r.request_id for r in step.prefill if r.sample is not None]
-            self.penalty_counts.keep({*sampled, *(r.request_id for r in step.decode)})
+            live = {*sampled, *(r.request_id for r in step.decode)}
+            self.penalty_counts.keep(live)
+            self.draft_probs.keep(live)
         return result
 
     @property
@@ -144,12 +158,17 @@ class ModelRunner:
         layout = self.model.layout
         return layout.worker.expert_parallel > 1 and not layout.worker.same_tokens_on_all_ranks
 
-    def _idle(self, _rows) -> None:
+    def _idle(self, mtp: bool) -> None:
         self.model.forward_idle()
+        if mtp:
+            self.model.mtp_idle(0)
 
-    def _idle_decode(self, key: tuple[int, int] | None) -> None:
+    def _idle_decode(self, key: tuple[int, int] | None, mtp: bool, chain: int) -> None:
         if key is None or not self.graphs.idle(key):
             self.model.forward_idle()
+        if mtp:
+            for depth in range(chain + 1):
+                self.model.mtp_idle(self._drafter.depth_module(depth))
 
     @torch.inference_mode()
     def _run(self, run_pass, *args):
@@ -157,10 +176,11 @@ class ModelRunner:
             return run_pass(*args)
 
     def _prefill(
-        self, rows: Sequence[PrefillRow]
-    ) -> tuple[list[int | None], list[TokenLogprobs | None]]:
+        self, rows: Sequence[PrefillRow], plan: StepPlan
+    ) -> tuple[list[int | None], list[TokenLogprobs | None], list[list[int]]]:
         """Runs prompt chunks (writing their KV); samples the next token of the rows that ask for it. Returns the
-        tokens and, where a row asked for them, log-probabilities per row (empty when none did)."""
+        tokens, where a row asked for them log-probabilities per row (else empty) and, where the plan asks for
+        drafts, each row's (else empty)."""
         chunks = [SeqChunk(r.token_ids, r.start, r.page_ids) for r in rows]
         batch = build_forward_batch(chunks, self.page_size, self.device, decode=False)
         hidden = self.model(batch, self.cache)
@@ -178,19 +198,37 @@ class ModelRunner:
                 out_logprobs = [None] * len(rows)
                 for i, lp in zip(sampled, logprobs, strict=True):
                     out_logprobs[i] = lp
-        return out, out_logprobs
+        drafts: list[list[int]] = []
+        if plan.mtp:
+            proposed = self._drafter.after_prefill(rows, hidden, out, plan.num_drafts)
+            for request_id, q in proposed.probs.items():
+                self.draft_probs.put(request_id, q)
+            if plan.num_drafts:
+                drafts = proposed.tokens
+        return out, out_logprobs, drafts
 
     def _decode(
-        self, rows: Sequence[DecodeRow], key: tuple[int, int] | None = None
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """One decode token per row (in CUDA-graph bucket `key` when given); returns each row's next token and,
-        where a row asked for them, log-probabilities per row (empty when none did)."""
+        self, rows: Sequence[DecodeRow], key: tuple[int, int] | None, plan: StepPlan, chain: int
+    ) -> tuple[list[int], list[TokenLogprobs | None], list[int], list[list[int]]]:
+        """One decode token per row (in CUDA-graph bucket `key` when given), verify groups verified; returns
+        each row's token, where a row asked for them log-probabilities per row (else empty), where the step
+        verified drafts each row's accepted count (`RankResult.decode_accepted`, else empty) and where the plan
+        asks for drafts each row's (else empty). chain: the MTP passes after the first (`MTPDrafter`)."""
         chunks = [SeqChunk([r.token_id], r.position, r.page_ids) for r in rows]
         batch = build_forward_batch(chunks, self.page_size, self.device, decode=True)
         if self.graphs is not None:
-            logits = self.graphs.logits(batch, key)
+            hidden, logits = self.graphs.forward(batch, key)
         else:
-            logits = self.model.compute_logits(self.model(batch, self.cache))
+            hidden = self.model(batch, self.cache)
+            logits = self.model.compute_logits(hidden)
         specs, request_ids = [r.sample for r in rows], [r.request_id for r in rows]
-        tokens, logprobs = sample(logits, specs, request_ids, self.penalty_counts)
-        return tokens, logprobs or []
+        if not plan.mtp:
+            tokens, logprobs = sample(logits, specs, request_ids, self.penalty_counts)
+            return tokens, logprobs or [], [], []
+        verified = verify(logits, rows, self.penalty_counts, self.draft_probs)
+        proposed = self._drafter.after_decode(rows, hidden, verified, plan.num_drafts, chain)
+        for request_id, q in proposed.probs.items():
+            self.draft_probs.put(request_id, q)
+        accepted = verified.accepted if any(r.drafts for r in rows) else []
+        drafts = proposed.tokens if plan.num_drafts else []
+        return verified.tokens, verified.logprobs or [], accepted, drafts

@@ -52,12 +52,15 @@ class PenaltyCounts:
     def __len__(self) -> int:
         return len(self._counts)
 
-    def penalize(self, request_id: str, spec: SampleSpec, logits: torch.Tensor) -> torch.Tensor:
+    def penalize(
+        self, request_id: str, spec: SampleSpec, logits: torch.Tensor, ahead: Sequence[int] = ()
+    ) -> torch.Tensor:
         """One row's logits [V] with the request's penalties applied (a new fp32 tensor): the repetition
         penalty (Hugging Face's: positive logits divided by it, negative ones multiplied, over every token of
         the sequence), then the frequency and presence penalties (OpenAI's: minus frequency x count and presence
-        x [count > 0], over the generated tokens). Raises RuntimeError for a request whose counts were never
-        given here (the pass fails, and with it the request)."""
+        x [count > 0], over the generated tokens). ahead: tokens counted as generated after the counted ones
+        for this row alone (a verify group's drafts before the row). Raises RuntimeError for a request whose
+        counts were never given here (the pass fails, and with it the request)."""
         out = logits.float().clone()
         if spec.penalty_ids is not None:
             self._start(request_id, spec, out)
@@ -65,6 +68,11 @@ class PenaltyCounts:
         if state is None:
             raise RuntimeError(f"request {request_id}: no penalty counts on this runner")
         counts, seen = state  # [V], [V] or None
+        if ahead:
+            ids = torch.tensor(list(ahead), dtype=torch.long).to(out.device, non_blocking=True)
+            counts = counts.index_add(0, ids, torch.ones_like(ids, dtype=counts.dtype))
+            if seen is not None:
+                seen = seen.index_fill(0, ids, True)
         if seen is not None:
             r = spec.repetition_penalty
             out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)

@@ -42,7 +42,15 @@ from pdserve.engine.messages import RequestOutput, StageTimes
 from pdserve.engine.pages import PageAllocator, pages_needed
 from pdserve.engine.request import Policy, Request, RequestState, stage_times
 from pdserve.engine.sampling_params import FinishReason, TokenLogprobs, check_stop
-from pdserve.engine.step import DecodeRow, PrefillRow, RankResult, RankStep, SampleSpec, StepPlan
+from pdserve.engine.step import (
+    MAX_DRAFTS,
+    DecodeRow,
+    PrefillRow,
+    RankResult,
+    RankStep,
+    SampleSpec,
+    StepPlan,
+)
 from pdserve.model.errors import CapacityError, InvalidRequestError
 from pdserve.model.parallel import rows_per_rank
 
@@ -57,6 +65,26 @@ class StepOutcome:
     to_send: list[tuple[Request, int, TokenLogprobs | None]]
     """PREFILL_ONLY requests whose prefill ended this step, with their first token (and its log-probabilities
     where the request asked for them): the role exports their KV and then calls `release` (or `abort`)."""
+
+
+@dataclasses.dataclass(slots=True)
+class SpecStats:
+    """Speculation's counts since start (Prometheus counters): drafts verified, drafts accepted, and per draft
+    position the drafts accepted there."""
+
+    num_drafts: int
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_position = [0] * self.num_drafts
+
+    def count(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -83,6 +111,7 @@ class Scheduler:
         worker_kind: str = "worker",
         ranks: int | None = None,
         replay_generated: bool = False,
+        num_drafts: int = 0,
     ):
         """allocator: the KV pages of the worker's one rank, or one allocator per data-parallel rank (of equal
         sizes); ranks: ranks of the worker (default: one per allocator; with one allocator and more ranks, each
@@ -92,7 +121,10 @@ class Scheduler:
         this worker ("decode worker"); replay_generated (batch-invariant mode): an aggregated request that
         carries generated tokens (preempted, or moved here from a lost worker) prefills its prompt alone and
         runs its generated tokens again as decode rows, so every token's KV comes from the phase that made
-        it the first time (`_prefill_end`)."""
+        it the first time (`_prefill_end`); num_drafts: the MTP module's draft tokens a step (0: no
+        speculation): every plan runs MTP (`StepPlan.mtp`) and a running request with drafts verifies them as
+        rows after its token (`DecodeRow.drafts`), as many as its rank has rows to spare under
+        `rank_max_running`."""
         allocators = [allocator] if isinstance(allocator, PageAllocator) else list(allocator)
         ranks = len(allocators) if ranks is None else ranks
         if not allocators or len(allocators) not in (1, ranks):
@@ -112,6 +144,12 @@ class Scheduler:
         """Requests one data-parallel rank holds at most: max_running shared evenly, so that no rank runs more
         rows than the decode graphs its warm-up captured."""
         self.replay_generated = replay_generated
+        if not 0 <= num_drafts <= MAX_DRAFTS:
+            raise ValueError(f"num_drafts={num_drafts}: must be in [0, {MAX_DRAFTS}]")
+        self.num_drafts = num_drafts
+        self.lookahead = 2 * num_drafts
+        """Positions past a running request's tokens its pages cover: its drafts' rows, then the MTP chain's."""
+        self.spec_stats = SpecStats(num_drafts)
         self.requests: dict[str, Request] = {}
         """Every live request, in arrival order."""
         self.waiting: deque[Request] = deque()
@@ -165,7 +203,7 @@ class Scheduler:
             return
         max_tokens = request.params.max_tokens
         check_context(request.num_prompt_tokens, max_tokens, self.max_model_len)
-        need = request.num_prompt_tokens + max_tokens
+        need = request.num_prompt_tokens + max_tokens + self.lookahead
         check_pages(need, self.page_size, self.allocator.num_pages, holder)
 
     @property
@@ -222,6 +260,7 @@ class Scheduler:
     def kv_arrived(
         self, transfer_id: int, num_tokens: int, first_token: int,
         logprobs: TokenLogprobs | None = None, prefill_stages: StageTimes | None = None,
+        draft_ids: Sequence[int] = (),
     ) -> list[RequestOutput]:  # fmt: skip
         """A DECODE_ONLY request's KV is in the cache, with the first token its prefill worker sampled, that
         token's log-probabilities (where asked) and the stages that worker ran and the transfer took: its
@@ -237,7 +276,9 @@ class Scheduler:
         request.state = RequestState.RUNNING
         request.first_token_at = time.monotonic()
         request.prefill_stages = prefill_stages
-        return self._append(request, first_token, logprobs, with_stages=True)
+        outputs = self._append(request, [first_token], [logprobs], with_stages=True)
+        request.draft_ids = list(draft_ids[: self.num_drafts])
+        return outputs
 
     def kv_failed(self, transfer_id: int, error: str) -> list[RequestOutput]:
         request = self._by_transfer.pop(transfer_id, None)
@@ -270,17 +311,26 @@ class Scheduler:
             self.waiting.remove(request)
 
     def _append(
-        self, request: Request, token: int, logprobs: TokenLogprobs | None = None,
-        with_stages: bool = False,
+        self, request: Request, tokens: Sequence[int],
+        logprobs: Sequence[TokenLogprobs | None] | None = None, with_stages: bool = False,
     ) -> list[RequestOutput]:  # fmt: skip
-        """`logprobs`: the token's, where the request asked for them. The output carries the request's stages
-        when it finishes, or when asked (`with_stages`)."""
-        request.token_ids.append(token)
-        request.num_generated += 1
+        """Appends `tokens` (one, or a verify group's kept tokens) up to the first that finishes the request;
+        `logprobs`: each token's, where the request asked for them. The output carries the request's stages
+        when it finishes, or when asked (`with_stages`). Clears the request's drafts (the caller sets the next
+        ones)."""
+        reason = None
+        taken = 0
+        for token in tokens:
+            request.token_ids.append(token)
+            request.num_generated += 1
+            taken += 1
+            reason = check_stop(
+                request.params, token, request.num_generated, self.eos_token_ids, request.stop_ids
+            )
+            if reason is not None:
+                break
         request.first_token_at = request.first_token_at or time.monotonic()
-        reason = check_stop(
-            request.params, token, request.num_generated, self.eos_token_ids, request.stop_ids
-        )
+        request.draft_ids = []
         if reason is not None:
             self._release(request, RequestState.FINISHED)
         stages = stage_times(request) if reason is not None or with_stages else None
@@ -288,10 +338,11 @@ class Scheduler:
         return [
             RequestOutput(
                 request.request_id,
-                [token],
+                list(tokens[:taken]),
                 reason,
-                logprobs=[logprobs] if wanted else None,
+                logprobs=list((logprobs or [None] * taken)[:taken]) if wanted else None,
                 stages=stages,
+                spec=request.spec_counts() if reason is not None else None,
             )  # fmt: skip
         ]
 
@@ -319,7 +370,8 @@ class Scheduler:
             if request.state is not RequestState.RUNNING:
                 continue  # preempted while making room for an earlier one
             allocator = self.allocators[request.rank]
-            need = pages_needed(request.num_tokens, self.page_size) - len(request.pages)
+            covered = min(request.num_tokens + self.lookahead, self.max_model_len)
+            need = pages_needed(covered, self.page_size) - len(request.pages)
             while need > 0 and not allocator.can_allocate(need):
                 victim = self._pick_victim(exclude=request, protected=decode)
                 if victim is None:
@@ -334,17 +386,22 @@ class Scheduler:
             decode.append(request)
         if self.replay_generated:
             decode = self._with_replay_rows(decode)
+        drafts = self._plan_drafts(decode)
+        if drafts:  # a row per draft after its request's, as `_rank_step` lays them out
+            decode = [row for r in decode for row in [r] * (1 + drafts.get(id(r), 0))]
         if not prefill and not decode:
             return None, outputs
         by_rank = range(len(self.allocators))
         prefill_by_rank = [[c for c in prefill if c[0].rank == d] for d in by_rank]
         decode_by_rank = [[r for r in decode if r.rank == d] for d in by_rank]
         steps = [
-            self._rank_step(p, d) for p, d in zip(prefill_by_rank, decode_by_rank, strict=True)
+            self._rank_step(p, d, drafts)
+            for p, d in zip(prefill_by_rank, decode_by_rank, strict=True)
         ]
         if len(steps) < self.ranks:
             steps *= self.ranks  # the same rows on every rank
-        plan = StepPlan(next(self._step_ids), steps)
+        mtp = self.num_drafts > 0
+        plan = StepPlan(next(self._step_ids), steps, mtp, self.num_drafts)
         self._in_flight = _InFlight(plan, prefill_by_rank, decode_by_rank)
         for allocator in self.allocators:
             allocator.hold_frees()
@@ -371,6 +428,27 @@ class Scheduler:
             [*decode, *extra], key=lambda r: r.admit_order
         )  # stable: a request's rows together
 
+    def _plan_drafts(self, decode: list[Request]) -> dict[int, int]:
+        """How many of its drafts each running request verifies this step (by id(request); none while it
+        replays): at most the tokens it may still generate after the step's first, and as many as its rank
+        has rows to spare under `rank_max_running`, oldest first."""
+        if not self.num_drafts:
+            return {}
+        rows = Counter(r.rank for r in decode)
+        out: dict[int, int] = {}
+        for request in decode:
+            if not request.draft_ids or request.num_computed != request.num_tokens - 1:
+                continue
+            room = request.params.max_tokens - request.num_generated - 1
+            room = min(room, self.max_model_len - request.num_tokens - 1)
+            if self.rank_max_running is not None:
+                room = min(room, self.rank_max_running - rows[request.rank])
+            k = min(len(request.draft_ids), room)
+            if k > 0:
+                out[id(request)] = k
+                rows[request.rank] += k
+        return out
+
     def _sample_spec(self, request: Request) -> SampleSpec:
         """Its next row's sampling; the first since it came here (or was preempted) carries its sequence for
         the penalties, which the runner counts on from then on."""
@@ -383,8 +461,9 @@ class Scheduler:
         return spec
 
     def _rank_step(
-        self, prefill: Sequence[tuple[Request, int, int]], decode: Sequence[Request]
-    ) -> RankStep:
+        self, prefill: Sequence[tuple[Request, int, int]], decode: Sequence[Request],
+        drafts: dict[int, int],
+    ) -> RankStep:  # fmt: skip
         now = time.monotonic()
         for request, _, _ in prefill:
             request.first_chunk_at = request.first_chunk_at or now
@@ -392,26 +471,40 @@ class Scheduler:
             request.first_decode_at = request.first_decode_at or now
         prefill_rows = []
         for request, start, length in prefill:
-            last = start + length == request.num_tokens  # not when its generated tokens replay next
+            end = start + length
+            last = end == request.num_tokens  # not when its generated tokens replay next
             sample = self._sample_spec(request) if last else None
-            chunk = request.token_ids[start : start + length]
+            chunk = request.token_ids[start:end]
+            after = request.token_ids[end] if self.num_drafts and not last else None
             prefill_rows.append(
-                PrefillRow(request.request_id, chunk, start, list(request.pages), sample)
+                PrefillRow(request.request_id, chunk, start, list(request.pages), sample, after)
             )
         decode_rows = []
         ahead: dict[str, int] = {}  # a request's rows so far (several while it replays)
         for r in decode:
+            if id(r) in drafts and r.request_id in ahead:
+                continue  # a draft's row: made with its group's first
             position = r.num_computed + ahead.get(r.request_id, 0)
             ahead[r.request_id] = ahead.get(r.request_id, 0) + 1
+            pages = list(r.pages)
+            if position < r.num_tokens - 1:  # a replayed token
+                decode_rows.append(DecodeRow(r.request_id, r.token_ids[position], position, pages,
+                                             _REPLAY))  # fmt: skip
+                continue
+            k = drafts.get(id(r), 0)
+            spec = self._sample_spec(r)
             decode_rows.append(
-                DecodeRow(
-                    r.request_id,
-                    r.token_ids[position],
-                    position,
-                    list(r.pages),
-                    self._sample_spec(r) if position == r.num_tokens - 1 else _REPLAY,
-                )  # fmt: skip
+                DecodeRow(r.request_id, r.token_ids[position], position, pages, spec, k)
             )
+            for i in range(1, k + 1):
+                step = r.num_generated + i
+                banned = r.banned_ids(self.eos_token_ids) if step < r.params.min_tokens else None
+                draft_spec = SampleSpec.of(
+                    r.params, step, (), self.eos_token_ids, counted=True, banned_ids=banned
+                )
+                decode_rows.append(
+                    DecodeRow(r.request_id, r.draft_ids[i - 1], position + i, pages, draft_spec)
+                )
         return RankStep(prefill_rows, decode_rows)
 
     def _prefill_end(self, request: Request) -> int:
@@ -449,6 +542,7 @@ class Scheduler:
         request.pages = []
         request.num_computed = 0
         request.counted = False
+        request.draft_ids = []
         if request.policy is Policy.DECODE_ONLY:
             self._release(request, RequestState.ABORTED)
             return [RequestOutput(request.request_id, [], preempted=True)]
@@ -488,9 +582,11 @@ class Scheduler:
     ) -> None:
         """Applies one rank's result to its rows, adding to `outputs` and `to_send`."""
         prefill_logprobs = result.prefill_logprobs or [None] * len(prefill)
-        for (request, start, length), token, logprobs in zip(
-            prefill, result.prefill_tokens or [None] * len(prefill), prefill_logprobs, strict=True
-        ):
+        prefill_drafts = result.prefill_drafts or [[]] * len(prefill)
+        for (request, start, length), token, logprobs, drafts in zip(
+            prefill, result.prefill_tokens or [None] * len(prefill), prefill_logprobs,
+            prefill_drafts, strict=True,
+        ):  # fmt: skip
             if request.state is not RequestState.PREFILLING:
                 continue  # aborted while the step ran
             if result.prefill_error is not None:
@@ -504,20 +600,44 @@ class Scheduler:
             if request.policy is Policy.PREFILL_ONLY:
                 request.first_token_at = request.first_token_at or time.monotonic()
                 request.state = RequestState.SENDING
+                request.draft_ids = list(drafts)  # they go with its KV
                 to_send.append((request, token, logprobs))
             else:
                 request.state = RequestState.RUNNING
-                outputs += self._append(request, token, logprobs)
-        decode_logprobs = result.decode_logprobs or [None] * len(decode)
-        for request, token, logprobs in zip(
-            decode, result.decode_tokens or [None] * len(decode), decode_logprobs, strict=True
-        ):
-            if request.state is not RequestState.RUNNING:
-                continue
+                outputs += self._append(request, [token], [logprobs])
+                if request.state is RequestState.RUNNING:
+                    request.draft_ids = list(drafts)
+        n = len(decode)
+        tokens = result.decode_tokens or [None] * n
+        decode_logprobs = result.decode_logprobs or [None] * n
+        accepted = result.decode_accepted or [1] * n
+        decode_drafts = result.decode_drafts or [[]] * n
+        for r, request in enumerate(decode):
+            if request.state is not RequestState.RUNNING or not accepted[r]:
+                continue  # finished or aborted while the step ran, or a draft's row
             if result.decode_error is not None:
                 outputs += self._abort(request, f"decode failed: {result.decode_error}")
                 continue
-            request.num_computed += 1
+            kept = accepted[r]
+            request.num_computed += kept
             if request.num_computed < request.num_tokens:
                 continue  # a replayed token: its sample is dropped
-            outputs += self._append(request, token, logprobs)
+            verified = r + 1 < n and decode[r + 1] is request and not accepted[r + 1]
+            if verified:  # a verify group's first row
+                drafted = self._group_size(decode, r) - 1
+                request.num_drafted += drafted
+                request.num_accepted += kept - 1
+                self.spec_stats.count(drafted, kept - 1)
+            outputs += self._append(
+                request, tokens[r : r + kept], decode_logprobs[r : r + kept]
+            )  # fmt: skip
+            if request.state is RequestState.RUNNING:
+                request.draft_ids = list(decode_drafts[r + kept - 1])
+
+    @staticmethod
+    def _group_size(decode: list[Request], r: int) -> int:
+        """Rows of the verify group starting at row r (its request's rows up to the next of another)."""
+        end = r + 1
+        while end < len(decode) and decode[end] is decode[r]:
+            end += 1
+        return end - r

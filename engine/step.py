@@ -3,7 +3,10 @@ runner hands back. Plain data (strings, ints, floats and sequences of them); `pd
 it between processes. Pure Python (no torch, no numpy).
 
 A rank's step is at most two forward passes, run in this order: one prefill pass over prompt chunks (each
-writes its KV; a request's last chunk samples its next token) and one decode pass of one token per request."""
+writes its KV; a request's last chunk samples its next token) and one decode pass of one token per request, or
+with speculation (`StepPlan.mtp`) a request's token and the drafts to verify as rows at consecutive positions.
+With `mtp` each pass is followed by the MTP module's passes over the same rows (writing its cache layer) and,
+for `num_drafts`, the drafts of the tokens after each sampled row (`pdserve.engine.speculative`)."""
 
 from __future__ import annotations
 
@@ -19,8 +22,11 @@ from pdserve.engine.sampling_params import (
 
 NO_LOGPROBS = -1
 """`SampleSpec.logprobs` of a request that asked for no log-probabilities."""
+MAX_DRAFTS = 4
+"""Draft tokens a step at most (`StepPlan.num_drafts`)."""
 
 __all__ = [
+    "MAX_DRAFTS",
     "NO_LOGPROBS",
     "DecodeRow",
     "PrefillRow",
@@ -102,6 +108,9 @@ class PrefillRow:
     """The request's pages in position order, covering every position up to the chunk's last token."""
     sample: SampleSpec | None
     """Given on the request's last chunk only: the token after the prompt is sampled."""
+    next_token: int | None = None
+    """The token after the chunk where the plan runs MTP (`StepPlan.mtp`) and it is known (None on a chunk
+    whose next token it samples): the MTP module's input at the chunk's last position."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -115,6 +124,10 @@ class DecodeRow:
     page_ids: list[int]
     """The request's pages in position order, covering `position`."""
     sample: SampleSpec
+    drafts: int = 0
+    """How many of the rows after this one are drafts to verify (their tokens proposed by the MTP module for
+    the positions after this row's): this row and those are the request's verify group, whose rows sample
+    steps `sample.step`, +1, ... and keep the longest accepted prefix of the drafts plus one token."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -136,6 +149,12 @@ class StepPlan:
     """Increases by one per step a scheduler plans; results carry it back."""
     ranks: list[RankStep]
     """Indexed by rank."""
+    mtp: bool = False
+    """Run the MTP module over each pass's rows after it, writing its cache layer (a worker that speculates
+    plans it every step, so that the layer holds every position its drafts attend to)."""
+    num_drafts: int = 0
+    """With `mtp`: the draft tokens to propose after each sampled row of the step (0: none this step); a
+    prefill row proposes at most one. The same on every rank: each runs as many draft passes."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -156,3 +175,13 @@ class RankResult:
     None for a row that asked for none or sampled none."""
     decode_logprobs: list[TokenLogprobs | None] = dataclasses.field(default_factory=list)
     """Per decode row, likewise."""
+    decode_accepted: list[int] = dataclasses.field(default_factory=list)
+    """Where the step verified drafts (else empty), per decode row: on a verify group's first row how many
+    tokens the group keeps (its accepted drafts plus one: `decode_tokens` of the group's first rows), 0 on the
+    group's other rows, 1 on any other row."""
+    prefill_drafts: list[list[int]] = dataclasses.field(default_factory=list)
+    """Where the plan asks for drafts (else empty), per prefill row: the drafts proposed after its sampled
+    token ([] for a row that sampled none)."""
+    decode_drafts: list[list[int]] = dataclasses.field(default_factory=list)
+    """Likewise per decode row: on the row whose token the request goes on from (a group's first row, a
+    plain row, a replay's last row) the drafts for the positions after the tokens it keeps; [] elsewhere."""

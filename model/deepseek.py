@@ -656,6 +656,22 @@ class Transformer(nn.Module):
             return self.head(hidden).float()
 
     @torch.inference_mode()
+    def mtp_forward(
+        self, depth: int, prev_hidden: torch.Tensor, next_token_ids: torch.Tensor,
+        batch: ForwardBatch, cache: PagedKVCache,
+    ) -> torch.Tensor:  # fmt: skip
+        """MTP module `depth`'s final-norm hidden states [T, D] (`mtp_head` gives their logits): its block
+        writes the batch's positions of its cache layer, as `forward` writes the main layers'."""
+        with kernels.forward_phase("decode" if batch.is_decode else "prefill"):
+            return self.mtp[depth](prev_hidden, next_token_ids, batch, cache, self.cos_sin)
+
+    @torch.inference_mode()
+    def mtp_head(self, depth: int, hidden: torch.Tensor) -> torch.Tensor:
+        """MTP module `depth`'s logits [N, V] fp32 for hidden states [N, D] it gave."""
+        with record_function(SPAN_LOGITS):
+            return self.mtp[depth].head(hidden).float()
+
+    @torch.inference_mode()
     def mtp_logits(
         self, depth: int, prev_hidden: torch.Tensor, next_token_ids: torch.Tensor,
         batch: ForwardBatch, cache: PagedKVCache,

@@ -163,7 +163,9 @@ class PrefillWorker(Worker):
         try:
             start = time.perf_counter()
             # the stages known now: the transfer's wait ends here, the decode worker adds the transfer
-            handoff = PrefillHandoff(logprobs, stage_times(request, time.monotonic()))
+            handoff = PrefillHandoff(
+                logprobs, stage_times(request, time.monotonic()), tuple(request.draft_ids)
+            )
             self.sender.send(
                 r.decode_peer, r.transfer_id, self.runner.cache.data, list(request.pages),
                 len(r.token_ids), first_token, r.dest_cuts, handoff.to_bytes(),

@@ -53,8 +53,8 @@ _NO_TOKEN = -1
 """A prefill row's token in a result's int32 array where the row sampled none (token ids are >= 0)."""
 _NO_IDS = -1
 """A sample's penalty id count on the wire where its `penalty_ids` is None."""
-_PREFILL_FIELDS = attrgetter("request_id", "token_ids", "start", "page_ids", "sample")
-_DECODE_FIELDS = attrgetter("request_id", "token_id", "position", "page_ids", "sample")
+_PREFILL_FIELDS = attrgetter("request_id", "token_ids", "start", "page_ids", "sample", "next_token")
+_DECODE_FIELDS = attrgetter("request_id", "token_id", "position", "page_ids", "sample", "drafts")
 _SAMPLE_FIELDS = attrgetter("temperature", "top_p", "min_p", "top_k", "seed", "step")
 
 
@@ -270,20 +270,20 @@ def max_pages(rows: Sequence[PrefillRow | DecodeRow]) -> int:
 
 
 def _heads(data: bytes, rows: int, what: str) -> np.ndarray:
-    """A pass's int32 [3, rows] per-row fields, the page counts last."""
-    return _array(data, _I32, 3 * rows, f"{what} rows").reshape(3, rows)
+    """A pass's int32 [4, rows] per-row fields, the page counts third."""
+    return _array(data, _I32, 4 * rows, f"{what} rows").reshape(4, rows)
 
 
 class _PrefillWireRows(WireRows):
-    """Also `starts`, `token_counts` int32 [rows], `token_ids` int32 [sum of token_counts] and `sampled` bool
-    [rows]."""
+    """Also `starts`, `token_counts` int32 [rows], `token_ids` int32 [sum of token_counts], `sampled` bool
+    [rows] and `next_tokens` int32 [rows] (-1: None)."""
 
-    __slots__ = ("starts", "token_counts", "token_ids", "sampled")
+    __slots__ = ("starts", "token_counts", "token_ids", "sampled", "next_tokens")
 
     def __init__(self, wire: list):
         request_ids, heads, token_ids, page_ids, sampled, floats, ints, extras = wire
         n = len(request_ids)
-        self.starts, self.token_counts, page_counts = _heads(heads, n, "prefill")
+        self.starts, self.token_counts, page_counts, self.next_tokens = _heads(heads, n, "prefill")
         super().__init__("prefill", request_ids, page_counts, page_ids)
         self.token_ids = _array(token_ids, _I32, int(self.token_counts.sum()), "prefill token ids")
         self.sampled = _array(sampled, np.dtype(np.bool_), n, "prefill sample flags")
@@ -294,23 +294,24 @@ class _PrefillWireRows(WireRows):
     def _make(self) -> list[PrefillRow]:
         specs = iter(_sample_specs(self.sample_floats, self.sample_ints, self.sample_extras))
         samples = [next(specs) if s else None for s in self.sampled.tolist()]
+        next_tokens = [None if t == _NO_TOKEN else t for t in self.next_tokens.tolist()]
         return list(
             map(
                 PrefillRow, self.request_ids, _split(self.token_ids, self.token_counts),
-                self.starts.tolist(), _split(self.page_ids, self.page_counts), samples,
+                self.starts.tolist(), _split(self.page_ids, self.page_counts), samples, next_tokens,
             )
         )  # fmt: skip
 
 
 class _DecodeWireRows(WireRows):
-    """Also `token_ids` and `positions` int32 [rows]."""
+    """Also `token_ids`, `positions` and `drafts` int32 [rows]."""
 
-    __slots__ = ("token_ids", "positions")
+    __slots__ = ("token_ids", "positions", "drafts")
 
     def __init__(self, wire: list):
         request_ids, heads, page_ids, floats, ints, extras = wire
         n = len(request_ids)
-        self.token_ids, self.positions, page_counts = _heads(heads, n, "decode")
+        self.token_ids, self.positions, page_counts, self.drafts = _heads(heads, n, "decode")
         super().__init__("decode", request_ids, page_counts, page_ids)
         self.sample_floats, self.sample_ints, self.sample_extras = _samples_from_wire(
             floats, ints, extras, n, "decode"
@@ -322,20 +323,24 @@ class _DecodeWireRows(WireRows):
                 DecodeRow, self.request_ids, self.token_ids.tolist(), self.positions.tolist(),
                 _split(self.page_ids, self.page_counts),
                 _sample_specs(self.sample_floats, self.sample_ints, self.sample_extras),
+                self.drafts.tolist(),
             )
         )  # fmt: skip
 
 
 def _prefill_to_wire(rows: Sequence[PrefillRow], cache: PageTableCache | None) -> list | None:
-    """[request ids, int32 [3, rows] (start, token count, page count), token ids, page ids, one byte per row
-    (1: sampled), the sampled rows' `_samples_to_wire`], None for no rows."""
+    """[request ids, int32 [4, rows] (start, token count, page count, next token or -1), token ids, page
+    ids, one byte per row (1: sampled), the sampled rows' `_samples_to_wire`], None for no rows."""
     if not rows:
         return None
     n = len(rows)
-    request_ids, tokens, starts, pages, samples = zip(*map(_PREFILL_FIELDS, rows), strict=True)
+    request_ids, tokens, starts, pages, samples, nexts = zip(
+        *map(_PREFILL_FIELDS, rows), strict=True
+    )
+    nexts = (_NO_TOKEN if t is None else t for t in nexts)
     return [
         list(request_ids),
-        _pack_known("i", 3 * n, chain(starts, map(len, tokens), map(len, pages))),
+        _pack_known("i", 4 * n, chain(starts, map(len, tokens), map(len, pages), nexts)),
         _pack(chain.from_iterable(tokens), _I32),
         _page_ids_to_wire(request_ids, pages, cache),
         bytes(s is not None for s in samples),
@@ -344,15 +349,17 @@ def _prefill_to_wire(rows: Sequence[PrefillRow], cache: PageTableCache | None) -
 
 
 def _decode_to_wire(rows: Sequence[DecodeRow], cache: PageTableCache | None) -> list | None:
-    """[request ids, int32 [3, rows] (token id, position, page count), page ids, `_samples_to_wire`], None for
-    no rows."""
+    """[request ids, int32 [4, rows] (token id, position, page count, drafts), page ids,
+    `_samples_to_wire`], None for no rows."""
     if not rows:
         return None
     n = len(rows)
-    request_ids, tokens, positions, pages, samples = zip(*map(_DECODE_FIELDS, rows), strict=True)
+    request_ids, tokens, positions, pages, samples, drafts = zip(
+        *map(_DECODE_FIELDS, rows), strict=True
+    )
     return [
         list(request_ids),
-        _pack_known("i", 3 * n, chain(tokens, positions, map(len, pages))),
+        _pack_known("i", 4 * n, chain(tokens, positions, map(len, pages), drafts)),
         _page_ids_to_wire(request_ids, pages, cache),
         *_samples_to_wire(samples),
     ]
@@ -360,8 +367,8 @@ def _decode_to_wire(rows: Sequence[DecodeRow], cache: PageTableCache | None) -> 
 
 def plan_to_wire(plan: StepPlan, cache: PageTableCache | None = None) -> list:
     """The plan as msgpack-ready values: [step_id, per rank: [prefill pass, decode pass] (each None when it
-    has no rows), or the index of an earlier rank whose `RankStep` is the same object]. cache: the driver's
-    `PageTableCache` when it encodes a plan every step."""
+    has no rows), or the index of an earlier rank whose `RankStep` is the same object, mtp, num_drafts].
+    cache: the driver's `PageTableCache` when it encodes a plan every step."""
     first_rank: dict[int, int] = {}
     ranks: list = []
     for rank, step in enumerate(plan.ranks):
@@ -373,13 +380,13 @@ def plan_to_wire(plan: StepPlan, cache: PageTableCache | None = None) -> list:
             ranks.append([prefill, _decode_to_wire(step.decode, cache)])
     if cache is not None:
         cache._plan_done()
-    return [plan.step_id, ranks]
+    return [plan.step_id, ranks, plan.mtp, plan.num_drafts]
 
 
 def plan_from_wire(wire: list) -> StepPlan:
     """The plan `plan_to_wire` encoded, its rows as `WireRows` (ranks sent as an index share one `RankStep`).
     Raises ValueError where the wire's arrays disagree with their counts."""
-    step_id, ranks_wire = wire
+    step_id, ranks_wire, mtp, num_drafts = wire
     ranks: list[RankStep] = []
     for rank, entry in enumerate(ranks_wire):
         if isinstance(entry, int):
@@ -394,7 +401,7 @@ def plan_from_wire(wire: list) -> StepPlan:
                 [] if decode is None else _DecodeWireRows(decode),
             )
         )
-    return StepPlan(step_id, ranks)
+    return StepPlan(step_id, ranks, bool(mtp), int(num_drafts))
 
 
 def _logprobs_to_wire(logprobs: Sequence[TokenLogprobs | None]) -> list | None:
@@ -434,20 +441,41 @@ def _logprobs_from_wire(wire: list | None, rows: int, what: str) -> list[TokenLo
     return out
 
 
+def _drafts_to_wire(drafts: Sequence[Sequence[int]]) -> list | None:
+    """None for no drafts; else [int32 [rows] draft counts, int32 drafts (row after row)]."""
+    if not drafts:
+        return None
+    return [_pack(map(len, drafts), _I32), _pack(chain.from_iterable(drafts), _I32)]
+
+
+def _drafts_from_wire(wire: list | None, what: str) -> list[list[int]]:
+    if wire is None:
+        return []
+    counts, flat = wire
+    counts = np.frombuffer(counts, _I32)
+    return _split(_array(flat, _I32, int(counts.sum()), f"{what} drafts"), counts)
+
+
 def result_to_wire(result: RankResult) -> list:
     """[step_id, prefill tokens (int32, -1 for a row that sampled none), decode tokens (int32), prefill
     error, decode error, prefill and decode log-probabilities (`_logprobs_to_wire`: None when no row of the
-    pass asked for them)]. Log-probabilities go as float32, what the model's log-softmax gives."""
+    pass asked for them), decode accepted counts (int32, empty when none verified), prefill and decode
+    drafts (`_drafts_to_wire`)]. Log-probabilities go as float32, what the model's log-softmax gives."""
     prefill = (_NO_TOKEN if t is None else t for t in result.prefill_tokens)
     return [
         result.step_id, _pack(prefill, _I32), _pack(result.decode_tokens, _I32),
         result.prefill_error, result.decode_error,
         _logprobs_to_wire(result.prefill_logprobs), _logprobs_to_wire(result.decode_logprobs),
+        _pack(result.decode_accepted, _I32), _drafts_to_wire(result.prefill_drafts),
+        _drafts_to_wire(result.decode_drafts),
     ]  # fmt: skip
 
 
 def result_from_wire(wire: list) -> RankResult:
-    step_id, prefill, decode, prefill_error, decode_error, prefill_lp, decode_lp = wire
+    (
+        step_id, prefill, decode, prefill_error, decode_error, prefill_lp, decode_lp, accepted,
+        prefill_drafts, decode_drafts,
+    ) = wire  # fmt: skip
     prefill_tokens = np.frombuffer(prefill, _I32).tolist()
     decode_tokens = np.frombuffer(decode, _I32).tolist()
     return RankResult(
@@ -458,4 +486,7 @@ def result_from_wire(wire: list) -> RankResult:
         decode_error,
         _logprobs_from_wire(prefill_lp, len(prefill_tokens), "prefill"),
         _logprobs_from_wire(decode_lp, len(decode_tokens), "decode"),
+        np.frombuffer(accepted, _I32).tolist(),
+        _drafts_from_wire(prefill_drafts, "prefill"),
+        _drafts_from_wire(decode_drafts, "decode"),
     )

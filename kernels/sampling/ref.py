@@ -37,6 +37,38 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> 
     return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
+def kept_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distribution a sampled row draws from, before renormalization: (probs [B, V] fp32, the softmax of
+    logits / temperature; keep [B, V] bool, the tokens top-k, top-p and min-p keep). The row's token follows
+    probs restricted to keep, renormalized. Shapes as `sample`'s."""
+    vocab = logits.shape[-1]
+    temp = temperature.float().clamp_min(1e-6)[:, None]
+    probs = torch.softmax(logits.float() / temp, dim=-1)  # [B, V]
+    sorted_probs, order = probs.sort(dim=-1, descending=True)  # [B, V]
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where((top_k <= 0) | (top_k >= vocab), vocab, top_k).long()[:, None]
+    keep_sorted = rank < k
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly more likely tokens
+    keep_sorted &= (mass_before < top_p.float()[:, None]) | (rank == 0)
+    keep_sorted &= sorted_probs >= min_p.float()[:, None] * sorted_probs[:, :1]
+    keep = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)  # [B, V]
+    return probs, keep
+
+
+def race(weights: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Draws token ids [B] from the rows of `weights` [B, V] (nonnegative, not necessarily normalized; a row
+    needs one positive weight) by the exponential race over the noise of (seed, step): the draw `sample` makes
+    for the same seed and step where weights are its kept probabilities."""
+    exp_noise = -torch.log(uniform_noise(seeds.long(), steps.long(), weights.shape[-1]))
+    return torch.where(weights > 0, weights / exp_noise, -1.0).argmax(-1)
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -50,20 +82,7 @@ def sample(
 
     Returns token ids [B] int64.
     """
-    batch, vocab = logits.shape
-    logits = logits.float()
-    greedy_ids = logits.argmax(-1)
-    temp = temperature.float().clamp_min(1e-6)[:, None]
-    probs = torch.softmax(logits / temp, dim=-1)  # [B, V]
-    sorted_probs, order = probs.sort(dim=-1, descending=True)  # [B, V]
-    rank = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.where((top_k <= 0) | (top_k >= vocab), vocab, top_k).long()[:, None]
-    keep_sorted = rank < k
-    mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly more likely tokens
-    keep_sorted &= (mass_before < top_p.float()[:, None]) | (rank == 0)
-    keep_sorted &= sorted_probs >= min_p.float()[:, None] * sorted_probs[:, :1]
-    keep = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)  # [B, V]
-    exp_noise = -torch.log(uniform_noise(seeds.long(), steps.long(), vocab))
-    race = torch.where(keep, probs / exp_noise, -1.0)
-    sampled_ids = race.argmax(-1)
+    greedy_ids = logits.float().argmax(-1)
+    probs, keep = kept_probs(logits, temperature, top_k, top_p, min_p)
+    sampled_ids = race(torch.where(keep, probs, 0.0), seeds, steps)
     return torch.where(temperature <= 0, greedy_ids, sampled_ids)

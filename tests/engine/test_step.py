@@ -145,10 +145,11 @@ def test_the_wire_is_raw_buffers():
     prefill = [r for rank in plan.ranks for r in rank.prefill]
     decode_rows = [r for rank in plan.ranks for r in rank.decode]
     # the step id, one string per row, and per rank and pass a fixed number of buffers, one page-id size and
-    # the sampling extras (None: plain samples pay nothing for penalties or log-probabilities)
+    # the sampling extras (None: plain samples pay nothing for penalties or log-probabilities), then the
+    # plan's mtp flag and draft count
     assert sum(isinstance(v, bytes) for v in values) == 2 * (6 + 4)
     assert sum(v is None for v in values) == 2 * 2
-    assert len(values) == 1 + len(prefill) + len(decode_rows) + 2 * (6 + 4 + 2 + 2)
+    assert len(values) == 1 + len(prefill) + len(decode_rows) + 2 * (6 + 4 + 2 + 2) + 2
     page_ids = sum(len(r.page_ids) for r in [*prefill, *decode_rows])
     sampled = sum(r.sample is not None for r in prefill)
     buffers = (
