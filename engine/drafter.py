@@ -16,6 +16,7 @@ reads them (a row reads only positions up to its own)."""
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Sequence
 
 import torch
@@ -87,7 +88,8 @@ class MTPDrafter:
             drafted, q = draft_tokens(logits, specs, [s.step + 1 for s in specs])
             for j, (r, d) in enumerate(zip(sampled_rows, drafted, strict=True)):
                 out.tokens[r] = [d]
-                out.probs[rows[r].request_id] = _q_row(q, j, specs[j])
+                q_row = _q_row(q, j, specs[j])
+                out.probs[rows[r].request_id] = None if q_row is None else q_row[None]  # [1, V]
         return out
 
     def after_decode(
@@ -165,3 +167,53 @@ def _next_step(spec: SampleSpec) -> SampleSpec:
 
 def _q_row(q: torch.Tensor | None, j: int, spec: SampleSpec) -> torch.Tensor | None:
     return None if q is None or spec.temperature <= 0 else q[j]
+
+
+class OracleDrafter(MTPDrafter):
+    """For benchmarks and tests only: runs the MTP module's passes as `MTPDrafter` does (so a step costs what
+    it would), then replaces each draft by the token the request's known continuation has at its position,
+    itself replaced by another token with probability 1 - `acceptance` (fixed by `seed`, the request and the
+    position). Greedy requests whose continuation is the target's own then accept each draft with probability
+    `acceptance`. Its drafts are verified as drawn from a point mass."""
+
+    def __init__(
+        self, model: Transformer, cache: PagedKVCache, sequences: dict[str, Sequence[int]],
+        acceptance: float, seed: int = 0,
+    ):  # fmt: skip
+        """sequences: per request id, its prompt and continuation (token at position i at index i)."""
+        super().__init__(model, cache)
+        if not 0 <= acceptance <= 1:
+            raise ValueError(f"acceptance={acceptance}: must be in [0, 1]")
+        self.sequences, self.acceptance, self.seed = sequences, acceptance, seed
+        self.vocab_size = model.args.vocab_size
+
+    def _oracle(self, request_id: str, position: int, drafted: int) -> int:
+        seq = self.sequences.get(request_id)
+        if seq is None or position >= len(seq):
+            return drafted
+        rng = random.Random(f"{self.seed}:{request_id}:{position}")
+        if rng.random() < self.acceptance:
+            return seq[position]
+        return (seq[position] + 1 + rng.randrange(self.vocab_size - 1)) % self.vocab_size
+
+    def _replace(self, out: Drafts, rows: Sequence, last_positions: list[int | None]) -> Drafts:
+        for r, drafts in enumerate(out.tokens):
+            if drafts and last_positions[r] is not None:
+                rid = rows[r].request_id
+                p = last_positions[r]  # the position of the row's last kept token's KV
+                out.tokens[r] = [self._oracle(rid, p + 1 + j, d) for j, d in enumerate(drafts, 1)]
+                out.probs[rid] = None
+        return out
+
+    def after_prefill(self, rows, hidden, tokens, num_drafts):  # type: ignore[override]
+        out = super().after_prefill(rows, hidden, tokens, num_drafts)
+        last = [row.start + len(row.token_ids) - 1 for row in rows]
+        return self._replace(out, rows, last)
+
+    def after_decode(self, rows, hidden, verified, num_drafts, chain_passes):  # type: ignore[override]
+        out = super().after_decode(rows, hidden, verified, num_drafts, chain_passes)
+        last: list[int | None] = [None] * len(rows)
+        for r, row in enumerate(rows):
+            if out.tokens[r]:
+                last[r] = row.position
+        return self._replace(out, rows, last)

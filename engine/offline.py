@@ -5,16 +5,17 @@ token, then decode one token per step over the paged cache. Workers are checked 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pdserve.engine.checks import check_context, check_token_ids
+from pdserve.engine.drafter import MTPDrafter
 from pdserve.engine.pages import PageAllocator, pages_needed
 from pdserve.engine.request import Policy, Request, RequestState
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling_params import FinishReason, SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.model.deepseek import Transformer
-from pdserve.model.kv_cache import resolve_cache_dtype
+from pdserve.model.kv_cache import PagedKVCache, resolve_cache_dtype
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -39,16 +40,18 @@ class OfflineGenerator:
     def __init__(
         self, model: Transformer, page_size: int = 64, prefill_chunk: int | None = None,
         kv_cache_dtype: str = "auto", num_drafts: int = 0,
+        drafter: Callable[[Transformer, PagedKVCache], MTPDrafter] | None = None,
     ):  # fmt: skip
         """prefill_chunk: prefill the prompt this many tokens per step (None: all at once); num_drafts: the
-        MTP module's draft tokens a step (0: one token a step)."""
+        MTP module's draft tokens a step (0: one token a step); drafter: makes the runner's drafter from the
+        model and its cache (tests and benchmarks: `OracleDrafter`)."""
         if num_drafts and model.num_mtp == 0:
             raise ValueError(
                 f"num_drafts={num_drafts}: speculation needs the checkpoint's MTP module, which this "
                 "model has none of"
             )
         self.model, self.page_size, self.prefill_chunk = model, page_size, prefill_chunk
-        self.num_drafts = num_drafts
+        self.num_drafts, self.drafter = num_drafts, drafter
         resolve_cache_dtype(
             kv_cache_dtype, model.dtype
         )  # a bad name fails here, not at the first prompt
@@ -65,6 +68,8 @@ class OfflineGenerator:
         runner = ModelRunner(
             self.model, self.page_size, num_pages, self.kv_cache_dtype, cuda_graphs=False
         )
+        if self.drafter is not None:
+            runner.drafter = self.drafter(self.model, runner.cache)
         chunk = self.prefill_chunk or len(prompt_ids)
         scheduler = Scheduler(
             PageAllocator(num_pages), self.page_size, chunk, chunk, args.vocab_size,

@@ -50,7 +50,8 @@ class ModelRunner:
         """The penalties' counts of the requests this runner samples (kept between steps)."""
         self.draft_probs = DraftProbs()
         """The draft distributions of the drafts this runner proposed last step (kept to verify them)."""
-        self._drafter: MTPDrafter | None = None
+        self.drafter: MTPDrafter | None = None
+        """Runs the MTP module's passes of a plan that asks (made at the first; a benchmark may set its own)."""
 
     @classmethod
     def sized(
@@ -108,8 +109,8 @@ class ModelRunner:
         step = plan.ranks[self.rank]
         result = RankResult(plan.step_id)
         joins = self._joins_idle
-        if plan.mtp and self._drafter is None:
-            self._drafter = MTPDrafter(self.model, self.cache)
+        if plan.mtp and self.drafter is None:
+            self.drafter = MTPDrafter(self.model, self.cache)
         if any(r.prefill for r in plan.ranks) and (step.prefill or joins):
             tokens = max(prefill_tokens(s.prefill) for s in plan.ranks)
             with self.model.step_tokens(tokens if joins else None):
@@ -168,7 +169,7 @@ class ModelRunner:
             self.model.forward_idle()
         if mtp:
             for depth in range(chain + 1):
-                self.model.mtp_idle(self._drafter.depth_module(depth))
+                self.model.mtp_idle(self.drafter.depth_module(depth))
 
     @torch.inference_mode()
     def _run(self, run_pass, *args):
@@ -200,7 +201,7 @@ class ModelRunner:
                     out_logprobs[i] = lp
         drafts: list[list[int]] = []
         if plan.mtp:
-            proposed = self._drafter.after_prefill(rows, hidden, out, plan.num_drafts)
+            proposed = self.drafter.after_prefill(rows, hidden, out, plan.num_drafts)
             for request_id, q in proposed.probs.items():
                 self.draft_probs.put(request_id, q)
             if plan.num_drafts:
@@ -226,7 +227,7 @@ class ModelRunner:
             tokens, logprobs = sample(logits, specs, request_ids, self.penalty_counts)
             return tokens, logprobs or [], [], []
         verified = verify(logits, rows, self.penalty_counts, self.draft_probs)
-        proposed = self._drafter.after_decode(rows, hidden, verified, plan.num_drafts, chain)
+        proposed = self.drafter.after_decode(rows, hidden, verified, plan.num_drafts, chain)
         for request_id, q in proposed.probs.items():
             self.draft_probs.put(request_id, q)
         accepted = verified.accepted if any(r.drafts for r in rows) else []

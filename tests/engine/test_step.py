@@ -59,6 +59,7 @@ def random_rank(rng: random.Random, prefill: int, decode: int) -> RankStep:
                 rng.randrange(5000),
                 random_pages(rng),
                 random_sample(rng) if rng.random() < 0.5 else None,
+                rng.randrange(129_280) if rng.random() < 0.5 else None,
             )  # fmt: skip
             for _ in range(prefill)
         ],
@@ -69,6 +70,7 @@ def random_rank(rng: random.Random, prefill: int, decode: int) -> RankStep:
                 rng.randrange(1 << 17),
                 random_pages(rng),
                 random_sample(rng),
+                rng.randrange(5),
             )  # fmt: skip
             for _ in range(decode)
         ],
@@ -96,7 +98,7 @@ def test_random_plans_of_several_ranks_round_trip(seed):
     ranks = [
         random_rank(rng, rng.randrange(4), rng.randrange(6)) for _ in range(rng.randrange(1, 5))
     ]
-    plan = StepPlan(rng.randrange(1 << 40), ranks)
+    plan = StepPlan(rng.randrange(1 << 40), ranks, seed % 2 == 1, rng.randrange(5))
     assert_same_plan(over_the_wire(plan), plan)
 
 
@@ -153,7 +155,7 @@ def test_the_wire_is_raw_buffers():
     page_ids = sum(len(r.page_ids) for r in [*prefill, *decode_rows])
     sampled = sum(r.sample is not None for r in prefill)
     buffers = (
-        4 * page_ids + 12 * (len(prefill) + len(decode_rows))  # page ids, 3 int32 a row
+        4 * page_ids + 16 * (len(prefill) + len(decode_rows))  # page ids, 4 int32 a row
         + len(prefill) + 4 * sum(len(r.token_ids) for r in prefill)  # sample flags, chunk tokens
         + 48 * (sampled + len(decode_rows))  # 3 float64 and 3 int64 a sample
     )  # fmt: skip
@@ -257,6 +259,10 @@ def test_the_cache_is_not_fooled_by_a_list_changed_in_place():
             prefill_logprobs=[TokenLogprobs(-0.5, (4, 9), (-0.5, -1.25)), None, None],
             decode_logprobs=[None, TokenLogprobs(-3.0)],
         ),  # fmt: skip
+        RankResult(
+            11, [4, None], [7, 8, 9, 1], decode_accepted=[2, 0, 0, 1],
+            prefill_drafts=[[5], []], decode_drafts=[[], [3, 4, 5], [], [6, 7, 8]],
+        ),  # fmt: skip
     ],
 )
 def test_results_round_trip(result):
@@ -305,12 +311,12 @@ def test_a_malformed_wire_is_refused_naming_the_field():
         plan_from_wire(wire)
     prefill[2] = prefill[2] + b"\0\0\0\0"
     with pytest.raises(ValueError, match="prefill token ids"):
-        plan_from_wire([1, [[prefill, None]]])
+        plan_from_wire([1, [[prefill, None]], False, 0])
     decode_pass[2] = [3, b"\0" * 3 * 6]
     with pytest.raises(ValueError, match="decode page ids of 3 bytes"):
-        plan_from_wire([1, [[None, decode_pass]]])
+        plan_from_wire([1, [[None, decode_pass]], False, 0])
     with pytest.raises(ValueError, match="rank 0 refers to rank 0"):
-        plan_from_wire([1, [0]])
+        plan_from_wire([1, [0], False, 0])
     sample = SampleSpec(0.0, 1.0, -1, 0.0, 1, 0)
     with pytest.raises(OverflowError):
         plan_to_wire(StepPlan(1, [RankStep(decode=[DecodeRow("a", 1, 2, [2**31], sample)])]))
