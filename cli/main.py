@@ -138,6 +138,11 @@ def _build_parser(config_flags: bool = True) -> tuple[argparse.ArgumentParser, d
         "--prefill-chunk", type=int, default=None, help="prefill in chunks of N tokens"
     )
     off.add_argument(
+        "--speculative-tokens", type=int, default=0, metavar="K",
+        help="draft K tokens a step with the checkpoint's MTP module and verify them (0: off, at most "
+        "4); greedy outputs are unchanged",
+    )  # fmt: skip
+    off.add_argument(
         "--json", action="store_true", help='print {"token_ids": [...], "text": "..."}'
     )
     _add_sampling_flags(off)
@@ -229,18 +234,32 @@ def cmd_offline(args: argparse.Namespace) -> int:
             model_dir, _resolve_device(args.device), _resolve_dtype(args.dtype),
             load_format=args.load_format,
         )  # fmt: skip
-        generator = OfflineGenerator(model, args.page_size, args.prefill_chunk, args.kv_cache_dtype)
+        if not 0 <= args.speculative_tokens <= 4:
+            raise PdserveError(f"--speculative-tokens {args.speculative_tokens}: must be in [0, 4]")
+        if args.speculative_tokens and model.num_mtp == 0:
+            raise PdserveError(
+                f"--speculative-tokens {args.speculative_tokens}: {args.model} has no MTP module"
+            )
+        generator = OfflineGenerator(
+            model, args.page_size, args.prefill_chunk, args.kv_cache_dtype, args.speculative_tokens
+        )
         start = time.perf_counter()
         result = generator.generate(prompt_ids, params)
         elapsed = time.perf_counter() - start
     text = tokenizer.decode(result.token_ids) if tokenizer is not None else ""
+    spec = ""
+    if result.num_drafted:
+        spec = (
+            f", {result.num_accepted}/{result.num_drafted} drafts accepted, "
+            f"{len(result.token_ids) / max(result.num_steps - 1, 1):.2f} tokens a decode step"
+        )
     if args.json:
         print(json.dumps({"token_ids": result.token_ids, "text": text}))
     else:
         print(text)
         print(
             f"[{len(prompt_ids)} prompt tokens, {len(result.token_ids)} generated in {elapsed:.2f}s, "
-            f"finish_reason={result.finish_reason}]",
+            f"finish_reason={result.finish_reason}{spec}]",
             file=sys.stderr,
         )
     return 0

@@ -266,6 +266,14 @@ class SecurityConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    num_tokens: int | None = None
+    """Speculative decoding with the checkpoint's MTP module: draft tokens a step (0: off, at most 4), for
+    both pools (sets decode.num_speculative_tokens and prefill.num_speculative_tokens unless a pool's own
+    key is given)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ServeConfig:
     """Everything `pdserve serve` needs; YAML sections and flag prefixes are the field names."""
 
@@ -276,6 +284,7 @@ class ServeConfig:
     decode: DecodeConfig = DecodeConfig(cpu_cache_bytes=CPU_CACHE_BYTES)
     kvtransfer: KVTransferConfig = KVTransferConfig()
     security: SecurityConfig = SecurityConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     def __post_init__(self) -> None:
         if self.prefill.page_size != self.decode.page_size:
@@ -295,6 +304,12 @@ class ServeConfig:
                 f"prefill.attention={prefill.attention!r} with prefill.ranks={prefill.ranks}: a "
                 "prefill worker sends its KV from rank 0, so several ranks need attention='tensor'"
             )
+        drafts = self.decode.num_speculative_tokens
+        if drafts and self.cluster.num_prefill > 0 and not self.prefill.num_speculative_tokens:
+            raise ValueError(
+                f"decode.num_speculative_tokens={drafts} needs prefill.num_speculative_tokens > 0 "
+                "(the prefill workers then fill the MTP module's cache; speculative.num_tokens sets both)"
+            )
         if self.kvtransfer.idle_timeout_s <= self.decode.kv_wait_timeout_s:
             raise ValueError(
                 f"kvtransfer.idle_timeout_s={self.kvtransfer.idle_timeout_s} must exceed "
@@ -310,6 +325,7 @@ SECTIONS: dict[str, type] = {
     "decode": DecodeConfig,
     "kvtransfer": KVTransferConfig,
     "security": SecurityConfig,
+    "speculative": SpeculativeConfig,
 }
 SECRET_FIELDS = (("security", "api_key"), ("security", "admin_key"))
 """Fields never printed (`to_dict` shows a set one as <set>)."""
@@ -446,6 +462,10 @@ def build_config(
                 merged[section][name] = _check_type(
                     value, keys[name].annotation, f"{section}.{name}"
                 )
+    drafts = merged["speculative"].get("num_tokens")
+    if drafts is not None:  # the shorthand for both pools, unless a pool gives its own
+        for pool in ("decode", "prefill"):
+            merged[pool].setdefault("num_speculative_tokens", drafts)
     defaults, parts = ServeConfig(), {}
     for name in SECTIONS:
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pdserve.engine.step import MAX_DRAFTS
 from pdserve.model.parallel import WorkerLayout
 
 
@@ -33,12 +34,20 @@ class DecodeConfig:
     warm_up_context: int = 8192
     """Before it serves, the worker captures the decode CUDA graph of every batch bucket for page tables of
     contexts up to this many tokens (longer contexts capture their bucket when first run); 0: none."""
+    num_speculative_tokens: int = 0
+    """Draft tokens the checkpoint's MTP module proposes a step for each running request, verified in the same
+    step (speculative decoding; 0: off, at most 4). Greedy outputs are those of one token a step (in
+    batch-invariant mode, to the bit); sampled ones follow the same distribution."""
     layout: WorkerLayout = WorkerLayout()
     """How one worker spreads the model over its ranks; its fields are this section's keys `ranks`,
     `attention`, `expert_parallel` and `dense` (`pdserve.cluster.config` flattens them)."""
 
     def __post_init__(self) -> None:
         self.layout.check_runnable()
+        if not 0 <= self.num_speculative_tokens <= MAX_DRAFTS:
+            raise ValueError(
+                f"num_speculative_tokens={self.num_speculative_tokens}: must be in [0, {MAX_DRAFTS}]"
+            )
         if self.warm_up_context < 0:
             raise ValueError(f"warm_up_context={self.warm_up_context}: must not be negative")
         for name in ("page_size", "max_running", "max_num_batched_tokens", "max_prefill_chunk"):

@@ -34,7 +34,7 @@ from pdserve.engine.ranks.group import RankGroup
 from pdserve.engine.ranks.kv import RankKVControl, rank_endpoint
 from pdserve.engine.request import Policy, Request, RequestState
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.worker import Worker
+from pdserve.engine.worker import Worker, check_speculation
 from pdserve.kvtransfer import ExpectedTransfer, KVReceiver, MakeReceiver, TransferResult
 from pdserve.model.deepseek import Transformer
 from pdserve.model.errors import TransferError
@@ -68,6 +68,7 @@ class DecodeWorker(Worker):
             config.max_prefill_chunk, args.vocab_size, args.max_position_embeddings, args.eos_token_ids,
             max_running=config.max_running, fixed_chunks=kernels.batch_invariant(),
             worker_kind="decode worker", replay_generated=kernels.batch_invariant(),
+            num_drafts=check_speculation(self.model, config.num_speculative_tokens),
         )  # fmt: skip
         self.receiver: KVReceiver | None = (
             make_receiver(self.runner.cache.data) if make_receiver else None

@@ -16,6 +16,8 @@ marked torch are imported from their modules.
 | `pages` | the page allocator |
 | `chunking` | chunked-prefill planning |
 | `runner` (torch) | the model runner, with `sampler` and `cuda_graphs` |
+| `speculative` (torch) | speculative decoding's arithmetic: drafting from MTP logits, verifying drafts |
+| `drafter` (torch) | the MTP module's passes of a speculating step; the oracle draft for benchmarks |
 | `worker` (torch) | the `Worker` base the prefill and decode roles share |
 | `warm_up` (torch) | a worker's warm-up steps |
 | `offline` (torch) | the single-process reference path of `pdserve offline` |

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pdserve.engine.step import MAX_DRAFTS
 from pdserve.model.parallel import WorkerLayout
 
 
@@ -23,12 +24,19 @@ class PrefillConfig:
     """Prompt tokens per forward pass (the token budget of a step)."""
     max_prefill_chunk: int = 4096
     """Longest piece of one prompt in one step; longer prompts are prefilled in chunks."""
+    num_speculative_tokens: int = 0
+    """Where the decode pool speculates: > 0 runs the MTP module over every prompt (its cache layer travels
+    with the KV) and sends one draft with the first token, for the decode worker's first step to verify."""
     layout: WorkerLayout = WorkerLayout()
     """How one worker spreads the model over its ranks; its fields are this section's keys `ranks`,
     `attention`, `expert_parallel` and `dense` (`pdserve.cluster.config` flattens them)."""
 
     def __post_init__(self) -> None:
         self.layout.check_runnable()
+        if not 0 <= self.num_speculative_tokens <= MAX_DRAFTS:
+            raise ValueError(
+                f"num_speculative_tokens={self.num_speculative_tokens}: must be in [0, {MAX_DRAFTS}]"
+            )
         for name in ("page_size", "max_num_batched_tokens", "max_prefill_chunk", "cpu_cache_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be positive")

@@ -22,7 +22,7 @@ from pdserve.engine.ranks.group import RankGroup
 from pdserve.engine.request import Policy, Request, RequestState, stage_times
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling_params import TokenLogprobs
-from pdserve.engine.worker import Worker
+from pdserve.engine.worker import Worker, check_speculation
 from pdserve.kvtransfer import KVSender
 from pdserve.model.deepseek import Transformer
 from pdserve.model.errors import ConfigError, PdserveError
@@ -54,6 +54,7 @@ class PrefillWorker(Worker):
             config.page_size, config.max_num_batched_tokens,
             config.max_prefill_chunk, args.vocab_size, args.max_position_embeddings,
             args.eos_token_ids, fixed_chunks=kernels.batch_invariant(), worker_kind="prefill worker",
+            num_drafts=min(check_speculation(self.model, config.num_speculative_tokens), 1),
         )  # fmt: skip
         self._aborted: set[str] = set()
         self._failures: list[PrefillFailure] = []
