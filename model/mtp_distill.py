@@ -217,9 +217,11 @@ def distill_mtp(
     device = torch.device(config.device)
     autocast = device.type == "cuda"
     start = time.perf_counter()
+    if ModelArgs.from_json(path).num_nextn_predict_layers == 0:
+        raise ConfigError(f"{path}: config.json has no MTP module to distil")
     model = load_model(path, device, progress=False)
     if model.num_mtp == 0:
-        raise ConfigError(f"{path}: the checkpoint has no MTP module to distil")
+        raise ConfigError(f"{path}: the checkpoint holds no MTP module tensors to distil")
     args, num_mtp = model.args, model.num_mtp
     log(
         f"generating {config.train_sequences} + {config.eval_sequences} held-out sequences of "
