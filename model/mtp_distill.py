@@ -219,6 +219,7 @@ def distill_mtp(
     start = time.perf_counter()
     if ModelArgs.from_json(path).num_nextn_predict_layers == 0:
         raise ConfigError(f"{path}: config.json has no MTP module to distil")
+    log(f"loading {path} on {device}")
     model = load_model(path, device, progress=False)
     if model.num_mtp == 0:
         raise ConfigError(f"{path}: the checkpoint holds no MTP module tensors to distil")

@@ -167,7 +167,8 @@ class TrainableMTP(nn.Module):
         if not self.moe:
             return self._mlp(x)
         a = self.args
-        logits = x.float() @ self.w("block.ffn.gate").float().T  # [N, E]
+        with torch.autocast(x.device.type, enabled=False):  # fp32 router logits, as the model's
+            logits = x.float() @ self.w("block.ffn.gate").float().T  # [N, E]
         weights, ids = moe_route(
             logits, self.gate_bias, a.num_experts_per_tok, a.n_group, a.topk_group,
             a.routed_scaling_factor, a.norm_topk_prob,
