@@ -78,6 +78,41 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _add_distill_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "MTP distillation",
+        "Train the checkpoint's MTP module on the main model's own greedy continuations of random prompts, "
+        "so that speculative-decoding acceptance is measured on a draft that has learned its target. Trained: "
+        "the MTP module's norms, eh_proj, attention, router weight and dense/shared-expert MLP; frozen: its "
+        "routed experts, router bias, and embedding and head (copies of the main model's). The trained "
+        "tensors are written back into the shards (same names and dtypes, fp8 re-quantized); every other "
+        "tensor keeps its bytes. Prints the held-out top-1 agreement with the main model's greedy token "
+        "(the acceptance a one-token greedy draft would reach).",
+    )
+    g.add_argument(
+        "--distill-mtp", type=int, default=None, metavar="STEPS",
+        help="after writing the random weights, distil the MTP module for STEPS optimizer steps",
+    )  # fmt: skip
+    g.add_argument(
+        "--distill-only", action="store_true",
+        help="OUT is an existing checkpoint: distil its MTP module in place, write nothing else "
+        "(--preset, --layers, --dtype, --override and the writing flags are ignored)",
+    )  # fmt: skip
+    g.add_argument("--distill-lr", type=float, default=1e-3, help="peak AdamW learning rate")
+    g.add_argument(
+        "--distill-seq-len", type=int, default=128,
+        help="tokens per sequence: 8 random prompt tokens, then the greedy continuation",
+    )  # fmt: skip
+    g.add_argument("--distill-batch-size", type=int, default=8, help="sequences per step")
+    g.add_argument(
+        "--distill-sequences", type=int, default=256,
+        help="training sequences generated (32 more are held out)",
+    )  # fmt: skip
+    g.add_argument(
+        "--distill-device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when present)"
+    )
+
+
 def _int_list(text: str, flag: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -122,6 +157,7 @@ def _build_parser(config_flags: bool = True) -> tuple[argparse.ArgumentParser, d
         "--override", action="append", default=[], metavar="KEY=JSON",
         help="set a config.json field, e.g. --override q_lora_rank=null (repeatable)",
     )  # fmt: skip
+    _add_distill_flags(mk)
 
     off = sub.add_parser(
         "offline",
@@ -190,9 +226,54 @@ def _sampling_params(args: argparse.Namespace, max_tokens: int, model_dir: Path)
     )
 
 
+_DISTILL_FLAGS = {
+    "steps": "--distill-mtp", "lr": "--distill-lr", "seq_len": "--distill-seq-len",
+    "batch_size": "--distill-batch-size", "train_sequences": "--distill-sequences",
+    "device": "--distill-device",
+}  # fmt: skip
+
+
+def _distill_config(args: argparse.Namespace):
+    """The distillation asked for, checked before any weight is written; None when not asked."""
+    from pdserve.model.mtp_distill import DistillConfig
+
+    if args.distill_mtp is None:
+        if args.distill_only:
+            raise PdserveError("--distill-only: give the steps with --distill-mtp STEPS")
+        return None
+    if args.config_only:
+        raise PdserveError("--distill-mtp: --config-only writes no weights to distil")
+    if args.distill_only and not (Path(args.out) / "config.json").is_file():
+        raise PdserveError(f"--distill-only: {args.out} is not a checkpoint (no config.json)")
+    try:
+        return DistillConfig(
+            steps=args.distill_mtp, lr=args.distill_lr, seq_len=args.distill_seq_len,
+            batch_size=args.distill_batch_size, train_sequences=args.distill_sequences,
+            device=_resolve_device(args.distill_device), seed=args.seed,
+        )  # fmt: skip
+    except ValueError as e:  # DistillConfig's message starts with the field's name
+        field = str(e).split("=", 1)[0]
+        raise PdserveError(f"{_DISTILL_FLAGS.get(field, 'MTP distillation')}: {e}") from e
+
+
+def _distill(args: argparse.Namespace, config) -> None:
+    from pdserve.model.mtp_distill import distill_mtp
+
+    start = time.perf_counter()
+    result = distill_mtp(args.out, config, log=lambda line: print(line, flush=True))
+    print(
+        f"distilled MTP of {args.out} in {time.perf_counter() - start:.1f}s: held-out agreement "
+        f"{result.initial_agreement:.4f} -> {result.final_agreement:.4f}"
+    )
+
+
 def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     from pdserve.model.random_checkpoint import make_checkpoint
 
+    distill = _distill_config(args)
+    if args.distill_only:
+        _distill(args, distill)
+        return 0
     overrides = {}
     for item in args.override:
         key, sep, value = item.partition("=")
@@ -211,6 +292,8 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> int:
     print(
         f"wrote {args.preset} ({args.dtype}) {what} to {out} in {time.perf_counter() - start:.1f}s"
     )
+    if distill is not None:
+        _distill(args, distill)
     return 0
 
 

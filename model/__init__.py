@@ -19,6 +19,8 @@ schedulers without importing torch.
 | `weight_names` | the one table from checkpoint tensor names to parameters |
 | `dummy_weights` | random weights of the checkpoint's shapes on the target device (`--load-format dummy`) |
 | `random_checkpoint` | random-weight checkpoints for tests and benchmarks |
+| `mtp_train` | one MTP module's forward in plain differentiable torch, over its weights |
+| `mtp_distill` | training a checkpoint's MTP module on its main model's greedy continuations |
 | `tokenizer` | the tokenizer, incremental detokenization, the local byte-level BPE (`data/`: its corpus) |
 | `errors` | pdserve's error hierarchy |
 """
@@ -46,6 +48,7 @@ _EXPORTS = {
     "load_model": "loader",
     "plan_load": "loader",
     "make_checkpoint": "random_checkpoint",
+    "distill_mtp": "mtp_distill",
     "Tokenizer": "tokenizer",
     "IncrementalDetokenizer": "tokenizer",
 }
