@@ -45,7 +45,15 @@ def main() -> None:
     parser.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
     parser.add_argument("--draft", default="oracle", choices=["oracle", "mtp"])
     parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--batch-invariant", action="store_true",
+        help="batch-invariant kernels: greedy outputs with drafts must equal K = 0's, request by request",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.batch_invariant:
+        from pdserve import kernels
+
+        kernels.use_batch_invariant().__enter__()
     torch.manual_seed(0)
     model = load_model(
         args.model, args.device, torch.bfloat16, progress=False, load_format=args.load_format
@@ -59,8 +67,8 @@ def main() -> None:
         f"context {args.context}, {args.tokens} tokens | drafts: {args.draft}"
         + (f" (acceptance {args.acceptance})" if args.draft == "oracle" else ""),
         "| batch | K | TPOT | tokens/step | accepted | speedup | ideal | measured/ideal | "
-        "ideal (61 layers) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "ideal (61 layers) | outputs = K 0's |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for batch in [int(b) for b in args.batch.split(",")]:
         prompts = [
@@ -159,9 +167,10 @@ def row(model, args, batch: int, k: int, result: dict, base: dict) -> str:
     ideal = ideal_speedup(model, batch, k, p, args.context)
     ideal_full = ideal_speedup(model, batch, k, p, args.context, layers=61)
     ratio = f"{speedup / ideal:.2f}" if k else "-"
+    same = sum(a == b for a, b in zip(result["outputs"], base["outputs"], strict=True))
     return (
         f"| {batch} | {k} | {1e3 * result['tpot_s']:.2f} ms | {tokens_per_step:.2f} | {accepted} | "
-        f"{speedup:.2f}x | {ideal:.2f}x | {ratio} | {ideal_full:.2f}x |"
+        f"{speedup:.2f}x | {ideal:.2f}x | {ratio} | {ideal_full:.2f}x | {same}/{batch} |"
     )
 
 

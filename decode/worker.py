@@ -214,10 +214,11 @@ class DecodeWorker(Worker):
 
     def warm_up(self) -> None:
         """Prompt chunks up to `max_prefill_chunk` (the aggregated path) and a decode graph for every bucket of
-        up to the rows one rank holds (`Scheduler.rank_max_running`) and `warm_up_context` tokens."""
+        up to the rows one rank runs (`Scheduler.max_rows`: its requests, with their drafts' rows where it
+        speculates) and `warm_up_context` tokens."""
         c = self.config
         self._warm_up(
-            c.max_prefill_chunk, self.scheduler.rank_max_running, c.warm_up_context,
+            c.max_prefill_chunk, self.scheduler.max_rows, c.warm_up_context,
             c.max_num_batched_tokens,
         )  # fmt: skip
 

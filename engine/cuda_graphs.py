@@ -21,13 +21,14 @@ import logging
 
 import torch
 
+from pdserve.engine.step import MAX_GRAPH_ROWS
 from pdserve.model.batch import ForwardBatch
 from pdserve.model.deepseek import Transformer
 from pdserve.model.kv_cache import PagedKVCache
 
 logger = logging.getLogger(__name__)
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, MAX_GRAPH_ROWS)
 
 
 @dataclasses.dataclass

@@ -44,6 +44,7 @@ from pdserve.engine.request import Policy, Request, RequestState, stage_times
 from pdserve.engine.sampling_params import FinishReason, TokenLogprobs, check_stop
 from pdserve.engine.step import (
     MAX_DRAFTS,
+    MAX_GRAPH_ROWS,
     DecodeRow,
     PrefillRow,
     RankResult,
@@ -124,7 +125,7 @@ class Scheduler:
         it the first time (`_prefill_end`); num_drafts: the MTP module's draft tokens a step (0: no
         speculation): every plan runs MTP (`StepPlan.mtp`) and a running request with drafts verifies them as
         rows after its token (`DecodeRow.drafts`), as many as its rank has rows to spare under
-        `rank_max_running`."""
+        `max_rows`."""
         allocators = [allocator] if isinstance(allocator, PageAllocator) else list(allocator)
         ranks = len(allocators) if ranks is None else ranks
         if not allocators or len(allocators) not in (1, ranks):
@@ -147,6 +148,13 @@ class Scheduler:
         if not 0 <= num_drafts <= MAX_DRAFTS:
             raise ValueError(f"num_drafts={num_drafts}: must be in [0, {MAX_DRAFTS}]")
         self.num_drafts = num_drafts
+        self.max_rows = None
+        """Decode rows one rank runs in a step at most, drafts' rows included: `rank_max_running` requests
+        with their drafts, within the largest CUDA-graph bucket (past it a request verifies fewer drafts, so
+        that the step stays a captured shape). None: no limit."""
+        if self.rank_max_running is not None:
+            self.max_rows = min(MAX_GRAPH_ROWS, self.rank_max_running * (1 + num_drafts))
+            self.max_rows = max(self.max_rows, self.rank_max_running)
         self.lookahead = 2 * num_drafts
         """Positions past a running request's tokens its pages cover: its drafts' rows, then the MTP chain's."""
         self.spec_stats = SpecStats(num_drafts)
@@ -431,7 +439,7 @@ class Scheduler:
     def _plan_drafts(self, decode: list[Request]) -> dict[int, int]:
         """How many of its drafts each running request verifies this step (by id(request); none while it
         replays): at most the tokens it may still generate after the step's first, and as many as its rank
-        has rows to spare under `rank_max_running`, oldest first."""
+        has rows to spare under `max_rows`, oldest first."""
         if not self.num_drafts:
             return {}
         rows = Counter(r.rank for r in decode)
@@ -441,8 +449,8 @@ class Scheduler:
                 continue
             room = request.params.max_tokens - request.num_generated - 1
             room = min(room, self.max_model_len - request.num_tokens - 1)
-            if self.rank_max_running is not None:
-                room = min(room, self.rank_max_running - rows[request.rank])
+            if self.max_rows is not None:
+                room = min(room, self.max_rows - rows[request.rank])
             k = min(len(request.draft_ids), room)
             if k > 0:
                 out[id(request)] = k

@@ -24,9 +24,13 @@ NO_LOGPROBS = -1
 """`SampleSpec.logprobs` of a request that asked for no log-probabilities."""
 MAX_DRAFTS = 4
 """Draft tokens a step at most (`StepPlan.num_drafts`)."""
+MAX_GRAPH_ROWS = 256
+"""Decode rows of the largest CUDA-graph bucket (`cuda_graphs.BATCH_BUCKETS`): the most a speculating step
+plans on one rank."""
 
 __all__ = [
     "MAX_DRAFTS",
+    "MAX_GRAPH_ROWS",
     "NO_LOGPROBS",
     "DecodeRow",
     "PrefillRow",
