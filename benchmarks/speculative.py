@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
     parser.add_argument("--draft", default="oracle", choices=["oracle", "mtp"])
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument(
         "--batch-invariant", action="store_true",
         help="batch-invariant kernels: greedy outputs with drafts must equal K = 0's, request by request",
@@ -104,7 +105,9 @@ def run(model, args, prompts, num_drafts: int, base: dict | None) -> dict:
     if runner is None:
         _runners.clear()
         _empty()
-        runner = ModelRunner(model, args.page_size, batch * (per_request + 1))
+        runner = ModelRunner(
+            model, args.page_size, batch * (per_request + 1), cuda_graphs=not args.eager
+        )
         _runners[key] = runner
     runner.drafter = None
     if num_drafts and args.draft == "oracle":
