@@ -218,7 +218,8 @@ def step_bytes(model, batch: int, rows: int, context: int, layers: int | None) -
         dense = [b for b, blk in zip(per_layer, model.layers, strict=True) if not _is_moe(blk)]
         moe = [b for b, blk in zip(per_layer, model.layers, strict=True) if _is_moe(blk)]
         first = model.args.first_k_dense_replace
-        per_layer = dense[:first] + [moe[0]] * (layers - first)
+        moe_bytes = moe[0] if moe else _layer_bytes(model, model.mtp[0].block, batch * rows)
+        per_layer = dense[:first] + [moe_bytes] * (layers - first)
     head = _nbytes(model.head.parameters()) + _nbytes(model.norm.parameters())
     row_bytes = (model.args.kv_lora_rank + model.args.qk_rope_head_dim) * 2
     kv = batch * context * len(per_layer) * row_bytes
