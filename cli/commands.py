@@ -270,6 +270,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"{t.prefill_worker or 'prefilled by the decode worker'} -> {t.decode_worker}]",
         file=sys.stderr,
     )
+    if last.usage.HasField("speculative"):
+        spec = last.usage.speculative
+        print(
+            f"[speculation: {spec.accepted_tokens}/{spec.draft_tokens} drafts accepted, "
+            f"{spec.mean_accepted_length:.2f} tokens a verifying step]",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -8,7 +8,7 @@ import dataclasses
 import time
 
 from pdserve.cluster.pools import WorkerHandle
-from pdserve.engine.messages import StageTimes
+from pdserve.engine.messages import SpecCounts, StageTimes
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -45,6 +45,10 @@ class Request:
     stages: StageTimes = dataclasses.field(default_factory=StageTimes)
     """The stages its last placement's workers ran, as D's outputs report them (the prefill worker's came to D
     with the KV)."""
+    spec: SpecCounts | None = None
+    """Its speculation so far: the sum of what its decode workers reported as its stays there ended (finished,
+    preempted, aborted by the worker); None while none reported drafts verified. A stay on a lost worker
+    reports nothing."""
     touched: set[WorkerHandle] = dataclasses.field(default_factory=set)
     pending: object = None
     """An event taken off `events` while merging outputs (`Router._coalesce`), handled next."""

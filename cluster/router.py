@@ -51,6 +51,7 @@ from pdserve.engine.messages import (
     RANK_GROUP_FAILED,
     PrefillFailure,
     RequestOutput,
+    SpecCounts,
     StageTimes,
 )
 from pdserve.engine.sampling_params import FinishReason, SamplingParams
@@ -81,7 +82,7 @@ def _joined(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     stages = b.stages if a.stages is None else a.stages.merged(b.stages)
     return RequestOutput(
         a.request_id, [*a.token_ids, *b.token_ids], b.finish_reason, b.error, logprobs=logprobs,
-        stages=stages,
+        stages=stages, spec=SpecCounts.total((a.spec, b.spec)),
     )  # fmt: skip
 
 
@@ -185,7 +186,10 @@ class Router:
             if isinstance(event, PrefillFailure):
                 await self._failed(r, r.prefill, event.error, force)
                 continue
+            # An output that ends a stay on the decode worker (preempted, aborted there, finished) brings
+            # the stay's speculation counts.
             if event.preempted:
+                r.spec = SpecCounts.total((r.spec, event.spec))
                 r.stages = StageTimes()
                 r.num_preemptions += 1
                 self.admission.detach(r)
@@ -193,11 +197,13 @@ class Router:
                 await self.admission.place(r, force)
                 continue
             if event.finish_reason == FinishReason.ABORT:
+                r.spec = SpecCounts.total((r.spec, event.spec))
                 error = f"{r.decode_worker}: {event.error or 'request aborted'}"
                 await self._failed(r, r.decode, error, force)
                 continue
             if event.finish_reason is None and not r.events.empty():
                 event = self._coalesce(r, event)
+            r.spec = SpecCounts.total((r.spec, event.spec))
             self.admission.prefill_done(r)
             now = time.monotonic()
             if event.token_ids and r.first_token_at is None:

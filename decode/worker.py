@@ -151,6 +151,7 @@ class DecodeWorker(Worker):
     def stats(self) -> DecodeStats:
         with self._lock:
             records = list(self.scheduler.requests.values())
+            spec = self.scheduler.spec_stats
             return DecodeStats(
                 self.worker_id,
                 sum(r.state is RequestState.RUNNING for r in records),
@@ -160,6 +161,8 @@ class DecodeWorker(Worker):
                 self.config.max_running,
                 self.config.page_size,
                 self.scheduler.num_preemptions,
+                spec=spec.totals(),
+                spec_accepted_per_position=tuple(spec.accepted_per_position),
             )
 
     def can_admit(self, num_tokens: int) -> bool:

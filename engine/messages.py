@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import msgpack
@@ -185,11 +185,31 @@ class Reservation:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SpecCounts:
-    """A request's speculation: draft tokens its decode steps verified, and how many of them were accepted
-    (its mean accepted length a step is 1 + accepted / steps that verified)."""
+    """A request's speculation: draft tokens its decode steps verified, how many of them were accepted, and the
+    decode steps that verified drafts (vLLM's "drafts")."""
 
     drafted: int
     accepted: int
+    steps: int
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying step gave on average: its target token and the drafts accepted before it
+        (1 + accepted / steps; 1.0 with no step)."""
+        return 1.0 + self.accepted / self.steps if self.steps else 1.0
+
+    @staticmethod
+    def total(counts: Iterable[SpecCounts | None]) -> SpecCounts | None:
+        """The sum of `counts` (a request's parts on the workers it moved through, or a request's choices);
+        None where none of them speculated."""
+        present = [c for c in counts if c is not None]
+        if not present:
+            return None
+        return SpecCounts(
+            sum(c.drafted for c in present),
+            sum(c.accepted for c in present),
+            sum(c.steps for c in present),
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -212,8 +232,9 @@ class RequestOutput:
     """The stages the request ran so far, on this worker and on the prefill worker whose KV it took
     (`PrefillHandoff`): on its first output after that KV arrived, and on its finishing output."""
     spec: SpecCounts | None = None
-    """On its finishing output, where its decode steps verified drafts: how many, and how many were
-    accepted."""
+    """Where its decode steps on this worker verified drafts: how many, how many were accepted, and in how many
+    steps; on its finishing output, and on an output that ends its stay here otherwise (preempted, or aborted
+    by the worker), so that the router can add up the parts of a request that moved."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -227,6 +248,12 @@ class DecodeStats:
     tokens_per_page: int
     num_preemptions: int
     """Since start."""
+    spec: SpecCounts | None = None
+    """Where the worker speculates: the drafts its decode steps verified and accepted since start (`steps`:
+    the verifying steps of its requests, vLLM's `num_drafts`)."""
+    spec_accepted_per_position: tuple[int, ...] = ()
+    """Where the worker speculates: per draft position (the first draft after a step's token is position 0),
+    drafts accepted there since start."""
 
 
 # The codec.

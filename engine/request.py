@@ -78,8 +78,10 @@ class Request:
     draft_ids: list[int] = dataclasses.field(default_factory=list)
     """The MTP module's drafts for the tokens after its last one, verified by its next decode step."""
     num_drafted: int = 0
-    """Drafts its decode steps verified, and of them accepted (speculation's per-request figures)."""
+    """Drafts its decode steps verified, of them accepted, and its decode steps that verified drafts
+    (speculation's per-request figures)."""
     num_accepted: int = 0
+    num_verify_steps: int = 0
     counted: bool = False
     """The runner running its rows counts its penalties already (its sequence went with a sampled row; see
     `SampleSpec.penalty_ids`); false again once it is preempted."""
@@ -95,8 +97,10 @@ class Request:
         return self._banned
 
     def spec_counts(self) -> SpecCounts | None:
-        """Its drafts verified and accepted, None where it verified none."""
-        return SpecCounts(self.num_drafted, self.num_accepted) if self.num_drafted else None
+        """Its drafts verified and accepted and its verifying steps, None where it verified none."""
+        if not self.num_drafted:
+            return None
+        return SpecCounts(self.num_drafted, self.num_accepted, self.num_verify_steps)
 
     @property
     def num_tokens(self) -> int:

@@ -38,7 +38,7 @@ from collections.abc import Collection, Sequence
 
 from pdserve.engine.checks import check_context, check_pages, check_token_ids
 from pdserve.engine.chunking import plan_prefill_chunks
-from pdserve.engine.messages import RequestOutput, StageTimes
+from pdserve.engine.messages import RequestOutput, SpecCounts, StageTimes
 from pdserve.engine.pages import PageAllocator, pages_needed
 from pdserve.engine.request import Policy, Request, RequestState, stage_times
 from pdserve.engine.sampling_params import FinishReason, TokenLogprobs, check_stop
@@ -70,10 +70,12 @@ class StepOutcome:
 
 @dataclasses.dataclass(slots=True)
 class SpecStats:
-    """Speculation's counts since start (Prometheus counters): drafts verified, drafts accepted, and per draft
-    position the drafts accepted there."""
+    """Speculation's counts since start (Prometheus counters): decode steps of a request that verified drafts
+    (vLLM's `num_drafts`), drafts verified, drafts accepted, and per draft position the drafts accepted
+    there. `num_drafts` here is the drafts a step proposes (the positions)."""
 
     num_drafts: int
+    steps: int = 0
     drafted: int = 0
     accepted: int = 0
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
@@ -82,10 +84,16 @@ class SpecStats:
         self.accepted_per_position = [0] * self.num_drafts
 
     def count(self, drafted: int, accepted: int) -> None:
+        """One request's verify group: `drafted` drafts verified, its first `accepted` of them accepted."""
+        self.steps += 1
         self.drafted += drafted
         self.accepted += accepted
         for i in range(accepted):
             self.accepted_per_position[i] += 1
+
+    def totals(self) -> SpecCounts | None:
+        """The counts as a `SpecCounts` (`steps` the verifying steps); None where nothing speculates."""
+        return SpecCounts(self.drafted, self.accepted, self.steps) if self.num_drafts else None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -307,7 +315,8 @@ class Scheduler:
 
     def _abort(self, request: Request, error: str | None) -> list[RequestOutput]:
         self._release(request, RequestState.ABORTED)
-        return [RequestOutput(request.request_id, [], FinishReason.ABORT, error)]
+        spec = request.spec_counts()
+        return [RequestOutput(request.request_id, [], FinishReason.ABORT, error, spec=spec)]
 
     def _release(self, request: Request, state: RequestState) -> None:
         request.state = state
@@ -553,7 +562,9 @@ class Scheduler:
         request.draft_ids = []
         if request.policy is Policy.DECODE_ONLY:
             self._release(request, RequestState.ABORTED)
-            return [RequestOutput(request.request_id, [], preempted=True)]
+            return [
+                RequestOutput(request.request_id, [], preempted=True, spec=request.spec_counts())
+            ]
         request.state = RequestState.WAITING
         self.waiting.append(request)
         return []
@@ -635,6 +646,7 @@ class Scheduler:
                 drafted = self._group_size(decode, r) - 1
                 request.num_drafted += drafted
                 request.num_accepted += kept - 1
+                request.num_verify_steps += 1
                 self.spec_stats.count(drafted, kept - 1)
             outputs += self._append(
                 request, tokens[r : r + kept], decode_logprobs[r : r + kept]

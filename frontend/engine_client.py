@@ -16,7 +16,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from pdserve.cluster.errors import UnavailableError
-from pdserve.engine.messages import DecodeStats, PrefillStats, StageTimes
+from pdserve.engine.messages import DecodeStats, PrefillStats, SpecCounts, StageTimes
 from pdserve.engine.sampling_params import TokenLogprobs
 
 if TYPE_CHECKING:
@@ -71,6 +71,10 @@ class Chunk:
     """The choice it belongs to (`Choices`; 0 for a request of one choice)."""
     logprobs: list[TokenLogprobs] | None = None
     """Where the request asked for them: one per token of `token_ids`."""
+    spec: SpecCounts | None = None
+    """On the last chunk, where decode steps of the request verified drafts (MTP speculation): the drafts
+    verified and accepted and the verifying steps, summed over the decode workers it ran on (a worker lost
+    under it, or a stop string that ended it before its decode worker did, leaves that stay's out)."""
 
 
 class ChunkStream(abc.ABC):

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from pdserve.cluster.pools import DECODE, PREFILL, ROLES
+from pdserve.engine.messages import SpecCounts
 from pdserve.engine.sampling_params import TokenLogprobs
 from pdserve.frontend.engine_client import EngineClient, ServerStatus, Timings, WorkerInfo
 from pdserve.frontend.errors import status_for
@@ -118,6 +119,15 @@ def _timings(t: Timings) -> generation_pb2.Timings:
     )
 
 
+def speculative_usage(spec: SpecCounts) -> generation_pb2.SpeculativeUsage:
+    """A choice's speculation as `Usage.speculative` carries it."""
+    return generation_pb2.SpeculativeUsage(
+        draft_tokens=spec.drafted,
+        accepted_tokens=spec.accepted,
+        mean_accepted_length=spec.mean_accepted_length,
+    )
+
+
 def _logprob(lp: TokenLogprobs) -> generation_pb2.TokenLogprob:
     return generation_pb2.TokenLogprob(
         logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs
@@ -159,6 +169,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     response.finish_reason = _FINISH[chunk.finish_reason]
                     response.usage.prompt_tokens = chunk.num_prompt_tokens
                     response.usage.completion_tokens = chunk.num_generated_tokens
+                    if chunk.spec is not None:
+                        response.usage.speculative.CopyFrom(speculative_usage(chunk.spec))
                     response.timings.CopyFrom(_timings(chunk.timings))
                 try:
                     await context.write(response)

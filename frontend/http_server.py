@@ -30,6 +30,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from pdserve.cluster.errors import NotFoundError, UnavailableError
+from pdserve.engine.messages import SpecCounts
 from pdserve.engine.sampling_params import FinishReason
 from pdserve.frontend import openai_api as api
 from pdserve.frontend.engine_client import Choices, Chunk, EngineClient
@@ -335,8 +336,9 @@ class HttpFrontEnd:
                     break
             chunk = await _next(generation)
         usage = api.usage(
-            last[0].num_prompt_tokens, sum(c.num_generated_tokens for c in last), _stages(last[0])
-        )
+            last[0].num_prompt_tokens, sum(c.num_generated_tokens for c in last), _stages(last[0]),
+            SpecCounts.total(c.spec for c in last),
+        )  # fmt: skip
         choices = []
         for i, c in enumerate(last):
             text = "".join(pieces[i])
@@ -393,7 +395,8 @@ class HttpFrontEnd:
                 chunk = await _next(generation)
             if req.include_usage:
                 generated = sum(c.num_generated_tokens for c in last)
-                usage = api.usage(chunk.num_prompt_tokens, generated, _stages(last[0]))
+                spec = SpecCounts.total(c.spec for c in last)
+                usage = api.usage(chunk.num_prompt_tokens, generated, _stages(last[0]), spec)
                 yield _sse(api.usage_chunk(head, req.kind, usage))
         except (
             Exception

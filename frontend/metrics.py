@@ -7,9 +7,12 @@ Two kinds of figure:
   histograms of time to first token, inter-token latency (one observation per step after the first, as vLLM
   counts), end-to-end latency and router queue time (arrival to admission on a decode worker);
 - per worker (label `worker`), read at scrape time from the stats the server already polls each second:
-  requests running and waiting on each decode worker, KV cache usage of every worker, preemptions, and what only
-  P/D has: each prefill worker's queue (requests and prompt tokens) and KV sends in flight, and the requests
-  still waiting at the router for a decode worker.
+  requests running and waiting on each decode worker, KV cache usage of every worker, preemptions, MTP
+  speculation's counts of each decode worker that speculates (vLLM's `spec_decode_*` counters: verifying steps,
+  draft tokens, accepted tokens, accepted tokens by draft position), and what only P/D has: each prefill
+  worker's queue (requests and prompt tokens) and KV sends in flight, and the requests still waiting at the
+  router for a decode worker. A counter series is its worker's count since start, never below what it
+  showed before.
 
 Each server has its own registry, so several servers in one process do not clash. Everything here runs on the
 server's event loop (scrapes included: the HTTP front ends serve them there)."""
@@ -59,6 +62,9 @@ class _WorkerCollector(Collector):
         self._model_name = model_name
         self._router = router
         self._supervisor = supervisor or (lambda: None)
+        self._counted: dict[tuple[str, ...], float] = {}
+        """Each per-worker counter series' last exposed value: a stats reply older than the last one (two
+        polls in flight at once) cannot take a counter back."""
 
     def _families(self) -> dict[str, Metric]:
         labels = ["model_name", "worker"]
@@ -125,6 +131,27 @@ class _WorkerCollector(Collector):
                 "KV bytes a prefill worker sent that the decode side acknowledged.",
                 labels=labels,
             ),
+            "spec_drafts": counter(
+                f"{PREFIX}spec_decode_num_drafts",
+                "Decode steps of a request that verified MTP drafts, on a decode worker, since it started.",
+                labels=labels,
+            ),
+            "spec_draft_tokens": counter(
+                f"{PREFIX}spec_decode_num_draft_tokens",
+                "MTP draft tokens a decode worker's steps verified, since it started.",
+                labels=labels,
+            ),
+            "spec_accepted_tokens": counter(
+                f"{PREFIX}spec_decode_num_accepted_tokens",
+                "MTP draft tokens a decode worker accepted, since it started.",
+                labels=labels,
+            ),
+            "spec_accepted_per_pos": counter(
+                f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
+                "MTP draft tokens a decode worker accepted at each draft position (0: the first draft "
+                "after a step's token), since it started.",
+                labels=[*labels, "position"],
+            ),
             "kv_failures": counter(
                 f"{PREFIX}kv_transfer_failures",
                 "KV sends of a prefill worker that failed (the request moved or failed).",
@@ -138,6 +165,14 @@ class _WorkerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         f = self._families()
         router = self._router
+        counted: dict[tuple[str, ...], float] = {}
+
+        def count(family: str, labels: list[str], since_start: float) -> None:
+            """A worker's counter: its count since start, never below what was exposed before."""
+            key = (family, *labels)
+            counted[key] = max(since_start, self._counted.get(key, 0))
+            f[family].add_metric(labels, counted[key])
+
         for w in sorted(router.workers.values(), key=lambda w: w.worker_id):
             stats, labels = w.stats, [self._model_name, w.worker_id]
             if stats is None:
@@ -147,13 +182,20 @@ class _WorkerCollector(Collector):
             if isinstance(stats, DecodeStats):
                 f["running"].add_metric(labels, stats.num_running)
                 f["waiting"].add_metric(labels, stats.num_waiting)
-                f["preemptions"].add_metric(labels, stats.num_preemptions)
+                count("preemptions", labels, stats.num_preemptions)
+                if stats.spec is not None:  # a worker that speculates
+                    count("spec_drafts", labels, stats.spec.steps)
+                    count("spec_draft_tokens", labels, stats.spec.drafted)
+                    count("spec_accepted_tokens", labels, stats.spec.accepted)
+                    for position, n in enumerate(stats.spec_accepted_per_position):
+                        count("spec_accepted_per_pos", [*labels, str(position)], n)
             elif isinstance(stats, PrefillStats):
                 f["prefill_requests"].add_metric(labels, stats.num_queued)
                 f["prefill_tokens"].add_metric(labels, stats.queued_tokens)
                 f["sending"].add_metric(labels, stats.num_sending)
-                f["kv_bytes"].add_metric(labels, stats.kv_bytes_sent)
-                f["kv_failures"].add_metric(labels, stats.num_send_failures)
+                count("kv_bytes", labels, stats.kv_bytes_sent)
+                count("kv_failures", labels, stats.num_send_failures)
+        self._counted = counted  # a worker gone is forgotten with its series
         waiting = sum(
             r.admitted_at is None and r.finish_reason is None for r in router.requests.values()
         )

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from pdserve.engine.messages import SpecCounts
 from pdserve.engine.sampling_params import TokenLogprobs
 from pdserve.frontend.request_builder import RequestInput
 from pdserve.frontend.validation import FieldNames, SamplingRequest
@@ -291,10 +292,12 @@ def new_id(kind: str) -> str:
 
 
 def usage(
-    num_prompt_tokens: int, num_generated_tokens: int, stage_times: dict[str, float] | None = None
-) -> dict:
+    num_prompt_tokens: int, num_generated_tokens: int, stage_times: dict[str, float] | None = None,
+    spec: SpecCounts | None = None,
+) -> dict:  # fmt: skip
     """OpenAI's usage object; with `stage_times` (pdserve's own key: `Timings.stage_dict`, the first choice's)
-    where the request finished with timings."""
+    where the request finished with timings, and `speculative` (pdserve's own key, as vLLM has none) where
+    its decode steps verified drafts: `spec`, its choices' summed (`SpecCounts.total`)."""
     out: dict = {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_generated_tokens,
@@ -302,6 +305,12 @@ def usage(
     }
     if stage_times is not None:
         out["stage_times"] = stage_times
+    if spec is not None:
+        out["speculative"] = {
+            "draft_tokens": spec.drafted,
+            "accepted_tokens": spec.accepted,
+            "mean_accepted_length": spec.mean_accepted_length,
+        }
     return out
 
 

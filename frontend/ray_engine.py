@@ -121,6 +121,7 @@ class Generation(ChunkStream):
             timings=timings,
             index=self.index,
             logprobs=None if out.logprobs is None else list(out.logprobs),
+            spec=r.spec if last else None,
         )
 
     def cancel(self) -> None:

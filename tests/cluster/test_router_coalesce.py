@@ -1,8 +1,8 @@
 """A caller that fell behind the decode steps gets the queued outputs of its request merged into one chunk, up to
 (not past) a preemption, an abort or a failure, which it gets next; outputs of a submission that migrated away are
-dropped; a first output is relayed as it comes, with its first token's log-probabilities, and the stage times
-of every output merge. No worker is called: the request sits on a decode worker handle and its outputs are queued as the
-router's poller queues them."""
+dropped; a first output is relayed as it comes, with its first token's log-probabilities, the stage times of
+every output merge, and the speculation counts of each stay on a decode worker add up. No worker is called: the
+request sits on a decode worker handle and its outputs are queued as the router's poller queues them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import asyncio
 from pdserve.cluster.config import RouterConfig
 from pdserve.cluster.pools import DECODE, WorkerHandle
 from pdserve.cluster.router import Router
-from pdserve.engine.messages import PrefillFailure, RequestOutput, StageTimes
+from pdserve.engine.messages import PrefillFailure, RequestOutput, SpecCounts, StageTimes
 from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
 
 
@@ -80,5 +80,32 @@ def test_outputs_relay_as_they_come_and_their_stages_merge():
         out = await router.next_tokens(r)
         assert out.token_ids == [6, 7, 8] and out.stages == StageTimes(0.0, 1.0, 0.0, 0.0625)
         assert r.stages == StageTimes(0.25, 1.0, 0.125, 0.0625)
+
+    asyncio.run(run())
+
+
+def test_the_speculation_of_each_stay_on_a_decode_worker_adds_up():
+    async def run():
+        router = Router(RouterConfig())
+        r, decode = _placed(router)
+
+        async def place_again(request, force):  # the admission's placement, on the same worker
+            request.decode = decode
+
+        router.admission.place = place_again
+        first, second = r.request_id, f"{r.request_id}.1"
+        for out in (
+            RequestOutput(first, [5]),
+            RequestOutput(first, [], preempted=True, spec=SpecCounts(4, 2, 2)),
+            RequestOutput(first, [], preempted=True, spec=SpecCounts(1, 1, 1)),  # stale: dropped
+            RequestOutput(second, [6]),
+            RequestOutput(second, [7], "length", spec=SpecCounts(3, 3, 1)),
+        ):
+            r.events.put_nowait(out)
+        assert (await router.next_tokens(r)).token_ids == [5] and r.spec is None
+        out = await router.next_tokens(r)  # placed again, then its outputs merged
+        assert r.request_id == second and r.num_preemptions == 1
+        assert out.token_ids == [6, 7] and out.spec == SpecCounts(3, 3, 1)
+        assert r.spec == SpecCounts(7, 5, 3)
 
     asyncio.run(run())

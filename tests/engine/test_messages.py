@@ -14,6 +14,7 @@ from pdserve.engine.messages import (
     PrefillRequest,
     RequestOutput,
     Reservation,
+    SpecCounts,
     StageTimes,
 )
 from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
@@ -32,6 +33,14 @@ PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop_to
         (Reservation(4, 2), Reservation),
         (Reservation(4, 50, (4, 40)), Reservation),
         (DecodeStats("decode-0", 1, 2, 3, 4, 5, 16, 0), DecodeStats),
+        (DecodeStats("decode-0", 1, 2, 3, 4, 5, 16, 0, SpecCounts(9, 5, 4), (3, 2)), DecodeStats),
+        (
+            [
+                RequestOutput("a", [7], "length", spec=SpecCounts(6, 3, 3)),
+                RequestOutput("b", [], preempted=True, spec=SpecCounts(2, 0, 1)),
+            ],
+            list[RequestOutput],
+        ),  # fmt: skip
         (
             [RequestOutput("a", [1, 2]), RequestOutput("b", [], "abort", "lost", False)],
             list[RequestOutput],
@@ -73,3 +82,11 @@ def test_a_prefill_handoff_reads_back_from_its_bytes_and_refuses_others():
     for garbage in (b"\xc1", msgpack.packb(7), msgpack.packb({"hidden": 1}), b"\x81\xa1"):
         with pytest.raises(TransferError, match="unreadable prefill handoff"):
             PrefillHandoff.from_bytes(garbage)
+
+
+def test_spec_counts_add_up_and_give_the_mean_accepted_length():
+    assert SpecCounts.total([None, None]) is None
+    total = SpecCounts.total([SpecCounts(4, 1, 2), None, SpecCounts(6, 5, 3)])
+    assert total == SpecCounts(10, 6, 5)
+    assert total.mean_accepted_length == 1.0 + 6 / 5
+    assert SpecCounts(0, 0, 0).mean_accepted_length == 1.0

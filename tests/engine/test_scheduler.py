@@ -12,7 +12,7 @@ import sys
 import msgpack
 import pytest
 
-from pdserve.engine.messages import RequestOutput, StageTimes
+from pdserve.engine.messages import RequestOutput, SpecCounts, StageTimes
 from pdserve.engine.pages import PageAllocator
 from pdserve.engine.ranks.wire import plan_from_wire, plan_to_wire, result_from_wire, result_to_wire
 from pdserve.engine.request import Policy, Request, RequestState
@@ -143,6 +143,92 @@ def run_until_preemption(s: Scheduler, token: int = 20) -> tuple[StepPlan, list[
             return plan, outputs
         finish(s, plan, token)
     raise AssertionError("no preemption")
+
+
+def speculating(num_pages=32) -> Scheduler:
+    """A decode worker's scheduler that verifies up to two drafts a step."""
+    return Scheduler(
+        PageAllocator(num_pages), PAGE, 64, 16, 100, 1000, {1}, max_running=8,
+        worker_kind="decode worker", num_drafts=2,
+    )  # fmt: skip
+
+
+def verify_step(s: Scheduler, tokens: list[int], kept: int, drafts: list[int]) -> StepOutcome:
+    """Runs one step of a lone request whose drafts are verified: the runner's `tokens` per row, `kept` of
+    them kept, `drafts` proposed after the last one kept."""
+    plan, _ = s.schedule()
+    rows = len(plan.ranks[0].decode)
+    accepted = [kept] + [0] * (rows - 1) if rows > 1 else []
+    proposed = [drafts if r == max(kept - 1, 0) else [] for r in range(rows)]
+    result = RankResult(plan.step_id, [], tokens[:rows], decode_accepted=accepted,
+                        decode_drafts=proposed)  # fmt: skip
+    return s.finish_step(plan, [result])
+
+
+def test_verify_groups_count_drafts_accepted_and_verifying_steps():
+    s = speculating()
+    req = request("a", 5, max_tokens=8)
+    s.add(req)
+    s.kv_arrived(req.transfer_id, 5, first_token=42, draft_ids=[50, 51])
+    verify_step(s, [50, 52, 0], kept=2, drafts=[60, 61])  # the first draft accepted, the second not
+    assert req.spec_counts() == SpecCounts(2, 1, 1)
+    verify_step(s, [70, 0, 0], kept=1, drafts=[80, 81])  # both rejected
+    (out,) = verify_step(s, [80, 81, 82], kept=3, drafts=[90]).outputs  # both accepted
+    assert out.finish_reason is None and out.spec is None  # only an ending output carries them
+    assert req.num_generated == 7
+    (out,) = verify_step(s, [90], kept=1, drafts=[]).outputs  # one token left: no draft verified
+    assert out.finish_reason == "length" and req.token_ids[5:] == [42, 50, 52, 70, 80, 81, 82, 90]
+    assert out.spec == SpecCounts(6, 3, 3) and out.spec.mean_accepted_length == 2.0
+    stats = s.spec_stats
+    assert (stats.steps, stats.drafted, stats.accepted) == (3, 6, 3)
+    assert stats.accepted_per_position == [2, 1]  # the second draft was accepted once
+    assert stats.totals() == SpecCounts(6, 3, 3)
+    assert scheduler().spec_stats.totals() is None  # a scheduler that does not speculate
+
+
+def test_an_output_ending_a_stay_otherwise_carries_its_speculation():
+    s = speculating()
+    aborted, plain = request("a", 5, max_tokens=8), request("b", 5, max_tokens=8)
+    s.add(aborted)
+    s.add(plain)
+    s.kv_arrived(aborted.transfer_id, 5, first_token=42, draft_ids=[50, 51])
+    s.kv_arrived(plain.transfer_id, 5, first_token=43)  # no drafts: it verifies none
+    plan, _ = s.schedule()
+    assert [row.request_id for row in plan.ranks[0].decode] == ["a", "a", "a", "b"]
+    result = RankResult(plan.step_id, [], [50, 51, 52, 60], decode_accepted=[3, 0, 0, 1],
+                        decode_drafts=[[], [], [], []])  # fmt: skip
+    s.finish_step(plan, [result])
+    assert s.abort("a")[0].spec == SpecCounts(2, 2, 1)
+    assert s.abort("b")[0].spec is None
+
+
+def accept_all(s: Scheduler, plan: StepPlan) -> StepOutcome:
+    """Finishes `plan` as a runner would that accepts every draft and proposes two more."""
+    rows = plan.ranks[0].decode
+    accepted, drafts = [0] * len(rows), [[] for _ in rows]
+    first = 0
+    for i, row in enumerate(rows):
+        if i + 1 == len(rows) or rows[i + 1].request_id != row.request_id:  # a group's last row
+            accepted[first], drafts[i] = i + 1 - first, [30, 30]
+            first = i + 1
+    result = RankResult(plan.step_id, [], [30] * len(rows), decode_accepted=accepted,
+                        decode_drafts=drafts)  # fmt: skip
+    return s.finish_step(plan, [result])
+
+
+def test_a_preempted_decode_only_request_reports_its_speculation():
+    s = speculating(num_pages=7)  # both fit two steps of three tokens, not the third
+    old, new = request("old", 4, max_tokens=20), request("new", 4, max_tokens=20)
+    for r in (old, new):
+        s.add(r)
+        s.kv_arrived(r.transfer_id, 4, first_token=30, draft_ids=[30, 30])
+    for _ in range(2):
+        plan, outputs = s.schedule()
+        assert not outputs and len(plan.ranks[0].decode) == 6
+        accept_all(s, plan)
+    _, outputs = s.schedule()
+    (out,) = outputs
+    assert out.request_id == "new" and out.preempted and out.spec == SpecCounts(4, 4, 2)
 
 
 def test_preemption_takes_the_newest_and_reports_it():

@@ -1,5 +1,6 @@
 """The metrics registry without a cluster: what each request event records, per-worker series from the latest
-stats, and two servers' registries kept apart. (End to end through `pdserve serve`: test_openai_http.py.)"""
+stats (speculation's per decode worker; counters never going back), and two servers' registries kept apart.
+(End to end through `pdserve serve`: test_openai_http.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pdserve.cluster.config import RouterConfig
 from pdserve.cluster.errors import WorkerLostError
 from pdserve.cluster.pools import DECODE, PREFILL, WorkerHandle
 from pdserve.cluster.router import Router
-from pdserve.engine.messages import DecodeStats, PrefillStats, StageTimes
+from pdserve.engine.messages import DecodeStats, PrefillStats, SpecCounts, StageTimes
 from pdserve.frontend.metrics import Metrics, RequestMetrics
 from pdserve.model.errors import CapacityError
 
@@ -114,3 +115,43 @@ def test_worker_series_come_from_the_latest_stats_and_registries_are_per_server(
     assert sample(metrics, "pdserve:generation_tokens_total") == 4
     assert sample(other, "pdserve:generation_tokens_total") == 0
     assert not {dict(labels).get("worker") for _, labels in samples(other)} - {None}
+
+
+def test_speculation_counters_per_decode_worker_never_go_back():
+    router = Router(RouterConfig())
+    speculating = WorkerHandle("decode-0", DECODE, None, None, 0)
+    plain = WorkerHandle("decode-1", DECODE, None, None, 0)
+    for w in (speculating, plain):
+        router.workers[w.worker_id] = w
+    metrics = Metrics(MODEL, router)
+    plain.stats = DecodeStats("decode-1", 0, 0, 0, 64, 256, 16, 0)  # does not speculate: no series
+    speculating.stats = DecodeStats(
+        "decode-0", 1, 0, 8, 64, 256, 16, 0, SpecCounts(10, 6, 5), (4, 2)
+    )
+    prefix = "pdserve:spec_decode_num"
+    assert sample(metrics, f"{prefix}_drafts_total", worker="decode-0") == 5
+    assert sample(metrics, f"{prefix}_draft_tokens_total", worker="decode-0") == 10
+    assert sample(metrics, f"{prefix}_accepted_tokens_total", worker="decode-0") == 6
+    per_pos = f"{prefix}_accepted_tokens_per_pos_total"
+    assert sample(metrics, per_pos, worker="decode-0", position="0") == 4
+    assert sample(metrics, per_pos, worker="decode-0", position="1") == 2
+    assert not [key for key in samples(metrics) if key[0].startswith(prefix)
+                and ("worker", "decode-1") in key[1]]  # fmt: skip
+
+    # A later poll's counts show; a reply older than the last one shown does not take them back.
+    speculating.stats = DecodeStats(
+        "decode-0", 1, 0, 8, 64, 256, 16, 3, SpecCounts(14, 9, 7), (6, 3)
+    )
+    assert sample(metrics, f"{prefix}_draft_tokens_total", worker="decode-0") == 14
+    speculating.stats = DecodeStats(
+        "decode-0", 1, 0, 8, 64, 256, 16, 2, SpecCounts(12, 7, 6), (5, 2)
+    )
+    assert sample(metrics, f"{prefix}_drafts_total", worker="decode-0") == 7
+    assert sample(metrics, f"{prefix}_draft_tokens_total", worker="decode-0") == 14
+    assert sample(metrics, f"{prefix}_accepted_tokens_total", worker="decode-0") == 9
+    assert sample(metrics, per_pos, worker="decode-0", position="0") == 6
+    assert sample(metrics, "pdserve:num_preemptions_total", worker="decode-0") == 3
+
+    # A worker gone takes its series with it.
+    del router.workers["decode-0"]
+    assert not [key for key in samples(metrics) if key[0].startswith(prefix)]

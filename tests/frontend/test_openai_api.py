@@ -1,6 +1,6 @@
 """The OpenAI front end's pure parts, without Ray: chat templates render as transformers renders them, the
 reasoning split of a stream equals the whole text's wherever the stream is cut, and request parameters the engine
-cannot honour are refused by name."""
+cannot honour are refused by name; the usage object has speculation's figures only where there were drafts."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from pdserve.cluster.errors import (
     UnavailableError,
     WorkerFailedError,
 )
+from pdserve.engine.messages import SpecCounts
 from pdserve.frontend.chat_template import ChatTemplate
 from pdserve.frontend.errors import http_error_for
-from pdserve.frontend.openai_api import CHAT, COMPLETIONS, parse
+from pdserve.frontend.openai_api import CHAT, COMPLETIONS, parse, usage
 from pdserve.frontend.reasoning import ReasoningSplitter, split_reasoning
 from pdserve.frontend.text_stream import TextStream
 from pdserve.frontend.validation import (
@@ -332,3 +333,13 @@ def test_errors_map_to_http_statuses_in_openai_shape(error, status, kind, param)
     assert (e.status, e.type, e.param) == (status, kind, param)
     body = e.body()["error"]
     assert set(body) == {"message", "type", "param", "code"} and str(error) in body["message"]
+
+
+def test_usage_has_speculation_only_where_the_request_speculated():
+    plain = usage(5, 8)
+    assert plain == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
+    assert "speculative" not in usage(5, 8, {"router_queue_s": 0.1}, None)
+    speculated = usage(5, 8, None, SpecCounts.total([SpecCounts(6, 3, 4), SpecCounts(2, 1, 1)]))
+    assert speculated["speculative"] == {
+        "draft_tokens": 8, "accepted_tokens": 4, "mean_accepted_length": 1.8,
+    }  # fmt: skip
