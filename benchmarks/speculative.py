@@ -21,6 +21,7 @@ printed beside it as a projection."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -43,7 +44,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
-    parser.add_argument("--draft", default="oracle", choices=["oracle", "mtp"])
+    parser.add_argument(
+        "--draft", default="oracle", choices=["oracle", "forced", "mtp"],
+        help="oracle: the known continuation, drafts wrong with probability 1 - acceptance (tokens exact "
+        "in batch-invariant mode); forced: each draft accepted with probability acceptance whatever its "
+        "token (speed alone: the tokens mean nothing); mtp: the checkpoint's MTP module",
+    )  # fmt: skip
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument(
@@ -54,7 +60,7 @@ def main() -> None:
     if args.batch_invariant:
         from pdserve import kernels
 
-        kernels.use_batch_invariant().__enter__()
+        _contexts.enter_context(kernels.use_batch_invariant())
     torch.manual_seed(0)
     model = load_model(
         args.model, args.device, torch.bfloat16, progress=False, load_format=args.load_format
@@ -66,7 +72,8 @@ def main() -> None:
     lines = [
         f"{name} | {args.model} ({model.args.num_hidden_layers} layers + {model.num_mtp} MTP) | "
         f"context {args.context}, {args.tokens} tokens | drafts: {args.draft}"
-        + (f" (acceptance {args.acceptance})" if args.draft == "oracle" else ""),
+        + (f" (acceptance {args.acceptance})" if args.draft != "mtp" else "")
+        + (" | batch-invariant" if args.batch_invariant else ""),
         "| batch | K | TPOT | tokens/step | accepted | speedup | ideal | measured/ideal | "
         "ideal (61 layers) | outputs = K 0's |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -110,9 +117,11 @@ def run(model, args, prompts, num_drafts: int, base: dict | None) -> dict:
         )
         _runners[key] = runner
     runner.drafter = None
-    if num_drafts and args.draft == "oracle":
+    if num_drafts and args.draft != "mtp":
         sequences = {str(i): p + base["outputs"][i] for i, p in enumerate(prompts)}
-        runner.drafter = OracleDrafter(model, runner.cache, sequences, args.acceptance, seed=1)
+        runner.drafter = OracleDrafter(
+            model, runner.cache, sequences, args.acceptance, seed=1, forced=args.draft == "forced"
+        )
     scheduler = Scheduler(
         PageAllocator(runner.num_pages), args.page_size, 8192, 8192, model.args.vocab_size,
         model.args.max_position_embeddings, model.args.eos_token_ids, max_running=batch,
@@ -148,6 +157,7 @@ def run(model, args, prompts, num_drafts: int, base: dict | None) -> dict:
 
 
 _runners: dict = {}
+_contexts = contextlib.ExitStack()
 
 
 def _sync() -> None:
@@ -164,7 +174,7 @@ def row(model, args, batch: int, k: int, result: dict, base: dict) -> str:
     tokens_per_step = (args.tokens - 1) / max(result["steps"], 1)
     accepted = f"{result['accepted'] / result['drafted']:.2f}" if result["drafted"] else "-"
     speedup = base["tpot_s"] / result["tpot_s"]
-    p = args.acceptance if args.draft == "oracle" else (
+    p = args.acceptance if args.draft != "mtp" else (
         result["accepted"] / result["drafted"] if result["drafted"] else 0.0
     )  # fmt: skip
     ideal = ideal_speedup(model, batch, k, p, args.context)

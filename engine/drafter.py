@@ -21,7 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.engine.speculative import Verified, draft_tokens
+from pdserve.engine.sampler import PenaltyCounts
+from pdserve.engine.speculative import DraftProbs, Verified, draft_tokens, verify, verify_groups
 from pdserve.engine.step import DecodeRow, PrefillRow, SampleSpec
 from pdserve.model.batch import SeqChunk, build_forward_batch
 from pdserve.model.deepseek import Transformer
@@ -44,6 +45,13 @@ class MTPDrafter:
         self.page_size = cache.layout.page_size
         self.device = cache.device
         self.max_position = model.args.max_position_embeddings
+
+    def verify(
+        self, logits: torch.Tensor, rows: Sequence[DecodeRow], counts: PenaltyCounts,
+        draft_probs: DraftProbs,
+    ) -> Verified:  # fmt: skip
+        """The decode pass's tokens and accepted drafts (`speculative.verify`)."""
+        return verify(logits, rows, counts, draft_probs)
 
     def depth_module(self, depth: int) -> int:
         """The MTP module drafting at `depth` (0: the first draft)."""
@@ -174,18 +182,41 @@ class OracleDrafter(MTPDrafter):
     it would), then replaces each draft by the token the request's known continuation has at its position,
     itself replaced by another token with probability 1 - `acceptance` (fixed by `seed`, the request and the
     position). Greedy requests whose continuation is the target's own then accept each draft with probability
-    `acceptance`. Its drafts are verified as drawn from a point mass."""
+    `acceptance`. Its drafts are verified as drawn from a point mass.
+
+    `forced`: for speed alone, where the target's greedy tokens under speculation are not the known
+    continuation's (off batch-invariant mode a random-weight model's near-tied logits flip with the rows a
+    step runs): each draft is accepted with probability `acceptance` whatever its token, and a group's tokens
+    are its accepted drafts and the target's token after them. Steps then run the rows an acceptance of
+    `acceptance` gives; the tokens mean nothing."""
 
     def __init__(
         self, model: Transformer, cache: PagedKVCache, sequences: dict[str, Sequence[int]],
-        acceptance: float, seed: int = 0,
+        acceptance: float, seed: int = 0, forced: bool = False,
     ):  # fmt: skip
         """sequences: per request id, its prompt and continuation (token at position i at index i)."""
         super().__init__(model, cache)
         if not 0 <= acceptance <= 1:
             raise ValueError(f"acceptance={acceptance}: must be in [0, 1]")
         self.sequences, self.acceptance, self.seed = sequences, acceptance, seed
+        self.forced = forced
         self.vocab_size = model.args.vocab_size
+
+    def verify(self, logits, rows, counts, draft_probs):  # type: ignore[override]
+        verified = super().verify(logits, rows, counts, draft_probs)
+        if not self.forced:
+            return verified
+        tokens, accepted = list(verified.tokens), list(verified.accepted)
+        target = logits.argmax(-1).tolist()
+        for s in verify_groups(rows)[1]:
+            k, a = rows[s].drafts, 0
+            rng = random.Random(f"{self.seed}:{rows[s].request_id}:{rows[s].position}")
+            while a < k and rng.random() < self.acceptance:
+                tokens[s + a] = rows[s + a + 1].token_id
+                a += 1
+            tokens[s + a] = target[s + a]
+            accepted[s] = a + 1
+        return dataclasses.replace(verified, tokens=tokens, accepted=accepted)
 
     def _oracle(self, request_id: str, position: int, drafted: int) -> int:
         seq = self.sequences.get(request_id)

@@ -17,7 +17,7 @@ from pdserve.engine.rank_memory import GPU_MEMORY_UTILIZATION
 from pdserve.engine.ranks.wire import max_pages, prefill_tokens
 from pdserve.engine.sampler import PenaltyCounts, sample
 from pdserve.engine.sampling_params import TokenLogprobs
-from pdserve.engine.speculative import DraftProbs, verify
+from pdserve.engine.speculative import DraftProbs
 from pdserve.engine.step import DecodeRow, PrefillRow, RankResult, StepPlan
 from pdserve.model.batch import SeqChunk, build_forward_batch
 from pdserve.model.deepseek import Transformer
@@ -226,7 +226,7 @@ class ModelRunner:
         if not plan.mtp:
             tokens, logprobs = sample(logits, specs, request_ids, self.penalty_counts)
             return tokens, logprobs or [], [], []
-        verified = verify(logits, rows, self.penalty_counts, self.draft_probs)
+        verified = self.drafter.verify(logits, rows, self.penalty_counts, self.draft_probs)
         proposed = self.drafter.after_decode(rows, hidden, verified, plan.num_drafts, chain)
         for request_id, q in proposed.probs.items():
             self.draft_probs.put(request_id, q)
