@@ -18,6 +18,7 @@ marked torch are imported from their modules.
 | `runner` (torch) | the model runner, with `sampler` and `cuda_graphs` |
 | `speculative` (torch) | speculative decoding's arithmetic: drafting from MTP logits, verifying drafts |
 | `drafter` (torch) | the MTP module's passes of a speculating step; the oracle draft for benchmarks |
+| `draft_graphs` (torch) | CUDA graphs of a decode step's MTP passes |
 | `worker` (torch) | the `Worker` base the prefill and decode roles share |
 | `warm_up` (torch) | a worker's warm-up steps |
 | `offline` (torch) | the single-process reference path of `pdserve offline` |

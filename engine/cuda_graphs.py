@@ -51,6 +51,8 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
         self.enabled = True
+        self.last_key: tuple[int, int] | None = None
+        """The bucket the last `forward` replayed (None: it ran eagerly)."""
 
     def bucket(self, batch: ForwardBatch) -> tuple[int, int] | None:
         """The (batch, pages) bucket of a decode batch of one query token per request, or None (run eagerly)."""
@@ -79,6 +81,7 @@ class DecodeGraphs:
         read them before the next replay)."""
         key = (key or self.bucket(batch)) if self.enabled else None
         graph = None if key is None else self._graph(key)
+        self.last_key = None if graph is None else key
         if graph is None:
             hidden = self.model(batch, self.cache)
             return hidden, self.model.compute_logits(hidden)

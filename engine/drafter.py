@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pdserve.engine.draft_graphs import DraftGraphs
 from pdserve.engine.sampler import PenaltyCounts
 from pdserve.engine.speculative import DraftProbs, Verified, draft_tokens, verify, verify_groups
 from pdserve.engine.step import DecodeRow, PrefillRow, SampleSpec
@@ -45,6 +46,8 @@ class MTPDrafter:
         self.page_size = cache.layout.page_size
         self.device = cache.device
         self.max_position = model.args.max_position_embeddings
+        self.graphs: DraftGraphs | None = None
+        """Where the runner replays decode graphs: the decode passes' drafting as graphs too."""
 
     def verify(
         self, logits: torch.Tensor, rows: Sequence[DecodeRow], counts: PenaltyCounts,
@@ -102,11 +105,13 @@ class MTPDrafter:
 
     def after_decode(
         self, rows: Sequence[DecodeRow], hidden: torch.Tensor, verified: Verified, num_drafts: int,
-        chain_passes: int,
+        chain_passes: int, graph_key: tuple[int, int] | None = None,
     ) -> Drafts:  # fmt: skip
         """rows: the decode pass's rows; hidden: their final hidden states [R, D]; verified: their tokens;
         chain_passes: the passes after the first every rank of the worker runs this step (`num_drafts` - 1
-        where any rank has decode rows): a pass with no row of this rank joins the others' exchanges."""
+        where any rank has decode rows): a pass with no row of this rank joins the others' exchanges;
+        graph_key: the decode graph bucket the rows ran in, where they did and the drafting may replay a
+        graph too (`DraftGraphs`)."""
         n = len(rows)
         nxt, last = [], []  # per row its successor's token; the rows each request goes on from
         for r, row in enumerate(rows):
@@ -119,6 +124,21 @@ class MTPDrafter:
                 last.append(r + verified.accepted[r] - 1)
             elif verified.group_of[r] < 0 and not follows:
                 last.append(r)
+        out = Drafts([[] for _ in rows], {})
+        if (
+            graph_key is not None and self.graphs is not None and num_drafts
+            and chain_passes == num_drafts - 1
+            and max(row.position for row in rows) + 2 * num_drafts < self.max_position
+        ):  # fmt: skip
+            specs = [_next_step(rows[r].sample) for r in last]
+            ran = self.graphs.run(graph_key, n, nxt, last, specs, num_drafts)
+            if ran is not None:
+                drafts, probs = ran
+                for j, r in enumerate(last):
+                    out.tokens[r] = drafts[j]
+                    sampled = probs is not None and specs[j].temperature > 0
+                    out.probs[rows[r].request_id] = probs[:, j].clone() if sampled else None
+                return out
         chunks = [
             SeqChunk([t], row.position, row.page_ids) for t, row in zip(nxt, rows, strict=True)
         ]
@@ -126,7 +146,6 @@ class MTPDrafter:
         mtp_hidden = self.model.mtp_forward(
             self.depth_module(0), hidden[: len(rows)], batch.input_ids, batch, self.cache
         )
-        out = Drafts([[] for _ in rows], {})
         if not num_drafts:
             for _ in range(chain_passes):
                 self.model.mtp_idle(self.depth_module(1))
@@ -241,8 +260,10 @@ class OracleDrafter(MTPDrafter):
         last = [row.start + len(row.token_ids) - 1 for row in rows]
         return self._replace(out, rows, last)
 
-    def after_decode(self, rows, hidden, verified, num_drafts, chain_passes):  # type: ignore[override]
-        out = super().after_decode(rows, hidden, verified, num_drafts, chain_passes)
+    def after_decode(  # type: ignore[override]
+        self, rows, hidden, verified, num_drafts, chain_passes, graph_key=None
+    ):
+        out = super().after_decode(rows, hidden, verified, num_drafts, chain_passes, graph_key)
         last: list[int | None] = [None] * len(rows)
         for r, row in enumerate(rows):
             if out.tokens[r]:

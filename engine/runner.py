@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.draft_graphs import DraftGraphs
 from pdserve.engine.drafter import MTPDrafter
 from pdserve.engine.rank_memory import GPU_MEMORY_UTILIZATION
 from pdserve.engine.ranks.wire import max_pages, prefill_tokens
@@ -81,6 +82,9 @@ class ModelRunner:
 
     def close(self) -> None:
         """Releases the decode graphs (see `DecodeGraphs.close`); steps after it run eagerly."""
+        if self.drafter is not None and self.drafter.graphs is not None:
+            self.drafter.graphs.close()
+            self.drafter.graphs = None
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
@@ -227,7 +231,16 @@ class ModelRunner:
             tokens, logprobs = sample(logits, specs, request_ids, self.penalty_counts)
             return tokens, logprobs or [], [], []
         verified = self.drafter.verify(logits, rows, self.penalty_counts, self.draft_probs)
-        proposed = self.drafter.after_decode(rows, hidden, verified, plan.num_drafts, chain)
+        graph_key = None
+        if self.graphs is not None and not self._joins_idle:
+            graph_key = self.graphs.last_key
+            if self.drafter.graphs is None:
+                self.drafter.graphs = DraftGraphs(
+                    self.model, self.cache, self.graphs, self.drafter.depth_module
+                )
+        proposed = self.drafter.after_decode(
+            rows, hidden, verified, plan.num_drafts, chain, graph_key
+        )
         for request_id, q in proposed.probs.items():
             self.draft_probs.put(request_id, q)
         accepted = verified.accepted if any(r.drafts for r in rows) else []

@@ -29,11 +29,19 @@ from pdserve.engine.sampling_params import TokenLogprobs
 from pdserve.engine.step import MAX_DRAFTS, NO_LOGPROBS, DecodeRow, SampleSpec
 from pdserve.kernels.sampling.ref import kept_probs, race, uniform_noise
 
-_DRAFT_STREAM = 0x2545F4914F6CDD1D
+DRAFT_STREAM = 0x2545F4914F6CDD1D
 _ACCEPT_STREAM = 0x1B87359385EBCA6B
 """XORed into a request's seed: the draft and acceptance draws' noise streams, apart from the sampling one."""
 
-__all__ = ["MAX_DRAFTS", "DraftProbs", "Verified", "draft_tokens", "verify", "verify_groups"]
+__all__ = [
+    "DRAFT_STREAM",
+    "MAX_DRAFTS",
+    "DraftProbs",
+    "Verified",
+    "draft_tokens",
+    "verify",
+    "verify_groups",
+]
 
 
 def _col(values, dtype, device) -> torch.Tensor:
@@ -67,7 +75,7 @@ def draft_tokens(
         return greedy.tolist(), None
     q = _kept(logits, specs)
     device = logits.device
-    seeds = _col([(s.seed ^ _DRAFT_STREAM) for s in specs], torch.int64, device)
+    seeds = _col([(s.seed ^ DRAFT_STREAM) for s in specs], torch.int64, device)
     drawn = race(q, seeds, _col(list(steps), torch.int64, device))
     hot = _col([s.temperature > 0 for s in specs], torch.bool, device)
     return torch.where(hot, drawn, greedy).tolist(), q
