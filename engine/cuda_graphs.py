@@ -9,8 +9,8 @@ bucket run eagerly.
 
 Capture uses the thread-local capture mode: the decode worker's KV-receiver threads keep polling NCCL while a
 graph is captured, and the default (global) mode invalidates a capture whenever another thread makes such a
-CUDA call. If a capture fails anyway, graphs are switched off for this worker (with a warning) and steps run
-eagerly; no request fails for it.
+CUDA call. If a capture fails anyway, that bucket's steps run eagerly (with a warning); no request fails for
+it.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
         self.enabled = True
+        self._failed: set[tuple[int, int]] = set()
         self.last_key: tuple[int, int] | None = None
         """The bucket the last `forward` replayed (None: it ran eagerly)."""
 
@@ -115,14 +116,18 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
 
     def _graph(self, key: tuple[int, int]) -> _Graph | None:
-        """Bucket `key`'s graph, captured now if need be; None when capture failed (graphs are then off)."""
+        """Bucket `key`'s graph, captured now if need be; None when its capture failed (that bucket's steps
+        then run eagerly; the other buckets keep their graphs)."""
         graph = self._graphs.get(key)
-        if graph is None:
+        if graph is None and key not in self._failed:
             try:
                 graph = self._capture(*key)
             except RuntimeError:
-                logger.warning("CUDA graph capture failed: decode steps run eagerly", exc_info=True)
-                self.enabled = False
+                logger.warning(
+                    "CUDA graph capture of bucket %s failed: its decode steps run eagerly", key,
+                    exc_info=True,
+                )  # fmt: skip
+                self._failed.add(key)
                 torch.cuda.current_stream(self.device).synchronize()
         return graph
 

@@ -21,7 +21,7 @@ import torch
 
 from pdserve.engine.cuda_graphs import BATCH_BUCKETS, DecodeGraphs
 from pdserve.engine.speculative import DRAFT_STREAM
-from pdserve.engine.step import SampleSpec
+from pdserve.engine.step import MAX_GRAPH_ROWS, SampleSpec
 from pdserve.kernels.sampling.ref import kept_probs, race
 from pdserve.model.batch import ForwardBatch
 from pdserve.model.deepseek import Transformer
@@ -42,8 +42,8 @@ class _DraftGraph:
     min_p: torch.Tensor  # [N] fp32
     seeds: torch.Tensor  # [N] int64 (the draft stream's)
     steps: torch.Tensor  # [N] int64: the first draft's step
-    drafts: torch.Tensor  # [K, N] int64, output
-    probs: torch.Tensor | None  # [K, N, V] fp32, output (sampled graphs)
+    drafts: torch.Tensor  # [K, N] int64, output: a view of `DraftGraphs`' shared buffer
+    probs: torch.Tensor | None  # [K, N, V] fp32, output (sampled graphs), likewise
 
 
 class DraftGraphs:
@@ -54,6 +54,11 @@ class DraftGraphs:
         self.page_size = cache.layout.page_size
         self.device = cache.device
         self._graphs: dict[tuple, _DraftGraph] = {}
+        self._failed: set[tuple] = set()
+        self._out: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        """Per draft count: the drafts [K, max rows] and draft distributions [K, max rows, V] every graph
+        writes its outputs into (one buffer for all graphs: a graph's outputs are read before the next
+        replays)."""
         self.enabled = True
 
     def run(
@@ -73,16 +78,19 @@ class DraftGraphs:
         gkey = (key, BATCH_BUCKETS[i], num_drafts, sampled)
         graph = self._graphs.get(gkey)
         if graph is None:
+            if gkey in self._failed:
+                return None
             try:
                 graph = self._capture(*gkey)
             except RuntimeError:
-                logger.warning("draft graph capture failed: drafts run eagerly", exc_info=True)
-                self.enabled = False
+                logger.warning(
+                    "draft graph capture %s failed: its drafts run eagerly", gkey, exc_info=True
+                )
+                self._failed.add(gkey)
                 torch.cuda.current_stream(self.device).synchronize()
                 return None
             self._graphs[gkey] = graph
         g = graph
-        bucket = g.select.shape[0]
 
         def fill(buf, values, pad_value):
             host = torch.tensor(list(values) + [pad_value] * (buf.shape[0] - len(values)),
@@ -100,7 +108,6 @@ class DraftGraphs:
             fill(g.min_p, [s.min_p for s in specs], 0.0)
             fill(g.seeds, [s.seed ^ DRAFT_STREAM for s in specs], 0)
             fill(g.steps, [s.step for s in specs], 0)
-        del bucket
         g.graph.replay()
         drafts = g.drafts[:, :n].t().tolist()  # [n, K]
         return drafts, (None if g.probs is None else g.probs[:, :n])
@@ -115,13 +122,14 @@ class DraftGraphs:
         def zeros(*shape, dtype):
             return torch.zeros(shape, dtype=dtype, device=dev)
 
+        out_drafts, out_probs = self._outputs(num_drafts, sampled)
         g = _DraftGraph(
             torch.cuda.CUDAGraph(), zeros(rows, dtype=torch.int64), zeros(bucket, dtype=torch.int64),
             torch.ones(bucket, dtype=torch.bool, device=dev), zeros(bucket, dtype=torch.float32),
             torch.full((bucket,), -1, dtype=torch.int32, device=dev),
             torch.ones(bucket, dtype=torch.float32, device=dev), zeros(bucket, dtype=torch.float32),
             zeros(bucket, dtype=torch.int64), zeros(bucket, dtype=torch.int64),
-            zeros(num_drafts, bucket, dtype=torch.int64), None,
+            out_drafts[:, :bucket], None if not sampled else out_probs[:, :bucket],
         )  # fmt: skip
         scratch = self.decode.scratch_page
         ps = self.page_size
@@ -159,7 +167,9 @@ class DraftGraphs:
                     probs.append(q)
                 else:
                     drafts.append(greedy)
-            return torch.stack(drafts), (torch.stack(probs) if probs else None)
+            g.drafts.copy_(torch.stack(drafts))
+            if probs:
+                g.probs.copy_(torch.stack(probs))
 
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -167,13 +177,22 @@ class DraftGraphs:
             body()  # compiles and fills lazy caches outside the capture
             g.graph.capture_begin(self.decode._pool, capture_error_mode="thread_local")
             try:
-                drafts, probs = body()
+                body()
             finally:
                 g.graph.capture_end()
         torch.cuda.current_stream(dev).wait_stream(stream)
-        g.drafts, g.probs = drafts, probs
         logger.debug("captured draft graph %s", (key, bucket, num_drafts, sampled))
         return g
+
+    def _outputs(self, num_drafts: int, sampled: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        drafts, probs = self._out.get(num_drafts, (None, None))
+        if drafts is None:
+            drafts = torch.zeros(num_drafts, MAX_GRAPH_ROWS, dtype=torch.int64, device=self.device)
+        if sampled and probs is None:
+            vocab = self.model.args.vocab_size
+            probs = torch.zeros(num_drafts, MAX_GRAPH_ROWS, vocab, device=self.device)
+        self._out[num_drafts] = (drafts, probs)
+        return drafts, probs
 
     def close(self) -> None:
         self.enabled = False

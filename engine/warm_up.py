@@ -19,6 +19,7 @@ PREFILL_SIZES = (1, 7, 16)
 being 1 and on divisibility by 16)."""
 
 _GREEDY = SampleSpec(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, step=0)
+_SAMPLED = SampleSpec(temperature=1.0, top_p=0.9, top_k=-1, min_p=0.0, seed=0, step=0)
 
 
 def page_buckets(max_tokens: int, page_size: int) -> list[int]:
@@ -35,7 +36,7 @@ def page_buckets(max_tokens: int, page_size: int) -> list[int]:
 
 def warm_up_plans(
     num_ranks: int, page_size: int, num_pages: int, prefill_tokens: int, decode_rows: int,
-    decode_tokens: int, prefill_budget: int | None = None,
+    decode_tokens: int, prefill_budget: int | None = None, num_drafts: int = 0,
 ) -> list[StepPlan]:  # fmt: skip
     """Plans for a worker of `num_ranks` ranks (every rank the same rows: as many as the busiest rank of a
     data-parallel worker runs, or the rows of a tensor-parallel one): prefill passes of one prompt of
@@ -44,11 +45,14 @@ def warm_up_plans(
     sampler's batch are the prompts; kernels specialize on their power-of-two class), a pass filling the
     budget with prompt chunks and a chunk that continues a prompt; then (decode_rows > 0) one decode pass per
     graph bucket of up to `decode_rows` rows per rank and page tables for up to `decode_tokens` tokens. Page
-    ids stay below `num_pages`; rows of one pass may share pages (their KV is never read)."""
+    ids stay below `num_pages`; rows of one pass may share pages (their KV is never read). num_drafts > 0 (a
+    worker that speculates): every plan runs the MTP module's passes and drafts, and for each graph bucket of
+    requests whose rows with `num_drafts` drafts each fit `decode_rows`, a pass verifying them, greedy and
+    sampled (the verify bucket's decode graph and its draft graphs)."""
     plans: list[StepPlan] = []
 
     def plan(step: RankStep) -> None:
-        plans.append(StepPlan(-1 - len(plans), [step] * num_ranks))
+        plans.append(StepPlan(-1 - len(plans), [step] * num_ranks, num_drafts > 0, num_drafts))
 
     for n in sorted({*PREFILL_SIZES, prefill_tokens}):
         if n > prefill_tokens or pages_needed(n, page_size) > num_pages:
@@ -66,6 +70,20 @@ def warm_up_plans(
             position = min(width * page_size, decode_tokens) - 1
             rows = [DecodeRow(f"warm-up-{i}", 0, position, [0] * width, _GREEDY) for i in range(b)]
             plan(RankStep(decode=rows))
+        if not num_drafts:
+            continue
+        # verify groups: the rows and their drafts', then the chain's positions, inside the width
+        position = min(width * page_size, decode_tokens) - 1 - 2 * num_drafts
+        for b in batches:
+            if b * (num_drafts + 1) > decode_rows or position < 0:
+                continue
+            for spec in (_GREEDY, _SAMPLED):
+                rows = [
+                    DecodeRow(f"warm-up-{i}", 0, position + j, [0] * width, spec,
+                              num_drafts if j == 0 else 0)
+                    for i in range(b) for j in range(num_drafts + 1)
+                ]  # fmt: skip
+                plan(RankStep(decode=rows))
     return plans
 
 

@@ -200,6 +200,7 @@ class Worker:
         plans = warm_up_plans(
             self.num_ranks, self.config.page_size, self.runner.num_pages, prefill_tokens,
             decode_rows if self.runner.graphs is not None else 0, decode_tokens, prefill_budget,
+            self.scheduler.num_drafts,
         )  # fmt: skip
         page_tables = PageTableCache(self.runner.num_pages)
         for plan in plans:

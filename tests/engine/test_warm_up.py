@@ -58,3 +58,21 @@ def test_a_token_budget_adds_batched_prompts_the_budget_and_a_later_chunk():
         for row in p.ranks[0].prefill:
             assert max(row.page_ids) < 1000
             assert len(row.page_ids) * 64 >= row.start + len(row.token_ids)
+
+
+def test_a_speculating_worker_warms_up_verify_groups_greedy_and_sampled():
+    plans = warm_up_plans(1, 64, 100, 64, 64, 4096, num_drafts=3)
+    assert all(p.mtp and p.num_drafts == 3 for p in plans)
+    groups = [p.ranks[0].decode for p in plans if any(r.drafts for r in p.ranks[0].decode)]
+    # request buckets whose rows with 3 drafts each fit 64 rows, at each page width, greedy and sampled
+    requests = [b for b in BATCH_BUCKETS if 4 * b <= 64]
+    assert sorted({len(rows) // 4 for rows in groups}) == requests
+    assert len(groups) == 2 * len(requests) * len(page_buckets(4096, 64))
+    for rows in groups:
+        width = len(rows[0].page_ids)
+        for first in rows[::4]:
+            assert first.drafts == 3
+            # the drafts' rows and the chain's positions stay inside the page table
+            assert first.position + 2 * 3 < width * 64
+        assert {r.sample.temperature for r in rows} in ({0.0}, {1.0})
+    assert warm_up_plans(1, 64, 100, 64, 64, 4096)[0].mtp is False
