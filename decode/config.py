@@ -38,12 +38,26 @@ class DecodeConfig:
     """Draft tokens the checkpoint's MTP module proposes a step for each running request, verified in the same
     step (speculative decoding; 0: off, at most 4). Greedy outputs are those of one token a step (in
     batch-invariant mode, to the bit); sampled ones follow the same distribution."""
+    speculative_max_batch: int | None = 32
+    """With speculation: a step drafts only while every rank runs at most this many requests (past it the
+    verify rows and draft passes cost more than the tokens they add, as measured on H200s); None: always."""
+    speculative_min_acceptance: float = 0.25
+    """With speculation: drafting stops while the acceptance measured on the running traffic (drafts accepted
+    per draft verified, a running average) is below this, probing again every 32 steps; 0: never stops."""
     layout: WorkerLayout = WorkerLayout()
     """How one worker spreads the model over its ranks; its fields are this section's keys `ranks`,
     `attention`, `expert_parallel` and `dense` (`pdserve.cluster.config` flattens them)."""
 
     def __post_init__(self) -> None:
         self.layout.check_runnable()
+        if self.speculative_max_batch is not None and self.speculative_max_batch < 0:
+            raise ValueError(
+                f"speculative_max_batch={self.speculative_max_batch}: must be >= 0 (or None)"
+            )
+        if not 0 <= self.speculative_min_acceptance <= 1:
+            raise ValueError(
+                f"speculative_min_acceptance={self.speculative_min_acceptance}: must be in [0, 1]"
+            )
         if not 0 <= self.num_speculative_tokens <= MAX_DRAFTS:
             raise ValueError(
                 f"num_speculative_tokens={self.num_speculative_tokens}: must be in [0, {MAX_DRAFTS}]"

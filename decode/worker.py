@@ -34,6 +34,7 @@ from pdserve.engine.ranks.group import RankGroup
 from pdserve.engine.ranks.kv import RankKVControl, rank_endpoint
 from pdserve.engine.request import Policy, Request, RequestState
 from pdserve.engine.runner import ModelRunner
+from pdserve.engine.spec_policy import SpecPolicy
 from pdserve.engine.worker import Worker, check_speculation
 from pdserve.kvtransfer import ExpectedTransfer, KVReceiver, MakeReceiver, TransferResult
 from pdserve.model.deepseek import Transformer
@@ -69,6 +70,10 @@ class DecodeWorker(Worker):
             max_running=config.max_running, fixed_chunks=kernels.batch_invariant(),
             worker_kind="decode worker", replay_generated=kernels.batch_invariant(),
             num_drafts=check_speculation(self.model, config.num_speculative_tokens),
+            spec_policy=SpecPolicy(
+                config.num_speculative_tokens, config.speculative_max_batch,
+                config.speculative_min_acceptance,
+            ),
         )  # fmt: skip
         self.receiver: KVReceiver | None = (
             make_receiver(self.runner.cache.data) if make_receiver else None

@@ -14,6 +14,7 @@ marked torch are imported from their modules.
 | `sampling_params` | per-request sampling parameters and stop rules |
 | `checks` | the request checks the front end, the scheduler and the offline path share |
 | `pages` | the page allocator |
+| `spec_policy` | when a speculating worker drafts: a batch-size limit and the measured acceptance |
 | `chunking` | chunked-prefill planning |
 | `runner` (torch) | the model runner, with `sampler` and `cuda_graphs` |
 | `speculative` (torch) | speculative decoding's arithmetic: drafting from MTP logits, verifying drafts |

@@ -67,7 +67,8 @@ class DraftGraphs:
     ) -> tuple[list[list[int]], torch.Tensor | None] | None:  # fmt: skip
         """The drafts [per request, num_drafts] and, where any request samples, their distributions
         [K, requests, V] (a view of the graph's buffer: copy what is kept), for the verify rows the decode
-        graph of bucket `key` just ran (`num_rows` of them); None where no graph fits (run eagerly)."""
+        graph of bucket `key` just ran (`num_rows` of them); None where no graph fits (run eagerly). With
+        no drafts, the first pass alone runs."""
         if not self.enabled:
             return None
         n = len(last)
@@ -109,6 +110,8 @@ class DraftGraphs:
             fill(g.seeds, [s.seed ^ DRAFT_STREAM for s in specs], 0)
             fill(g.steps, [s.step for s in specs], 0)
         g.graph.replay()
+        if not num_drafts:
+            return [[] for _ in range(n)], None
         drafts = g.drafts[:, :n].t().tolist()  # [n, K]
         return drafts, (None if g.probs is None else g.probs[:, :n])
 
@@ -138,6 +141,8 @@ class DraftGraphs:
         def body():
             h = self.model.mtp_forward(self.depth_module(0), verify.hidden, g.next_ids, first,
                                        self.cache)  # fmt: skip
+            if not num_drafts:  # the pass alone: the module's cache layer at the rows' positions
+                return
             x = h[g.select]  # [N, D]
             base = s.positions[g.select]  # [N]: the continue rows' positions
             table = torch.where(g.pad[:, None], scratch, s.page_table[g.select])  # [N, W]

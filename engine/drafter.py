@@ -126,8 +126,8 @@ class MTPDrafter:
                 last.append(r)
         out = Drafts([[] for _ in rows], {})
         if (
-            graph_key is not None and self.graphs is not None and num_drafts
-            and chain_passes == num_drafts - 1
+            graph_key is not None and self.graphs is not None
+            and chain_passes == max(num_drafts - 1, 0)
             and max(row.position for row in rows) + 2 * num_drafts < self.max_position
         ):  # fmt: skip
             specs = [_next_step(rows[r].sample) for r in last]

@@ -42,6 +42,7 @@ from pdserve.engine.messages import RequestOutput, SpecCounts, StageTimes
 from pdserve.engine.pages import PageAllocator, pages_needed
 from pdserve.engine.request import Policy, Request, RequestState, stage_times
 from pdserve.engine.sampling_params import FinishReason, TokenLogprobs, check_stop
+from pdserve.engine.spec_policy import SpecPolicy
 from pdserve.engine.step import (
     MAX_DRAFTS,
     MAX_GRAPH_ROWS,
@@ -121,6 +122,7 @@ class Scheduler:
         ranks: int | None = None,
         replay_generated: bool = False,
         num_drafts: int = 0,
+        spec_policy: SpecPolicy | None = None,
     ):
         """allocator: the KV pages of the worker's one rank, or one allocator per data-parallel rank (of equal
         sizes); ranks: ranks of the worker (default: one per allocator; with one allocator and more ranks, each
@@ -133,7 +135,7 @@ class Scheduler:
         it the first time (`_prefill_end`); num_drafts: the MTP module's draft tokens a step (0: no
         speculation): every plan runs MTP (`StepPlan.mtp`) and a running request with drafts verifies them as
         rows after its token (`DecodeRow.drafts`), as many as its rank has rows to spare under
-        `max_rows`."""
+        `max_rows`; spec_policy: when a step drafts (`SpecPolicy`; default: every step)."""
         allocators = [allocator] if isinstance(allocator, PageAllocator) else list(allocator)
         ranks = len(allocators) if ranks is None else ranks
         if not allocators or len(allocators) not in (1, ranks):
@@ -166,6 +168,9 @@ class Scheduler:
         self.lookahead = 2 * num_drafts
         """Positions past a running request's tokens its pages cover: its drafts' rows, then the MTP chain's."""
         self.spec_stats = SpecStats(num_drafts)
+        self.spec_policy = spec_policy or SpecPolicy(num_drafts)
+        self._step_drafts = num_drafts
+        """The drafts the step being planned proposes (`SpecPolicy.drafts_for_step`)."""
         self.requests: dict[str, Request] = {}
         """Every live request, in arrival order."""
         self.waiting: deque[Request] = deque()
@@ -403,6 +408,9 @@ class Scheduler:
             decode.append(request)
         if self.replay_generated:
             decode = self._with_replay_rows(decode)
+        self._step_drafts = self.spec_policy.drafts_for_step(
+            max(Counter(r.rank for r in decode).values(), default=0)
+        )
         drafts = self._plan_drafts(decode)
         if drafts:  # a row per draft after its request's, as `_rank_step` lays them out
             decode = [row for r in decode for row in [r] * (1 + drafts.get(id(r), 0))]
@@ -418,7 +426,7 @@ class Scheduler:
         if len(steps) < self.ranks:
             steps *= self.ranks  # the same rows on every rank
         mtp = self.num_drafts > 0
-        plan = StepPlan(next(self._step_ids), steps, mtp, self.num_drafts)
+        plan = StepPlan(next(self._step_ids), steps, mtp, self._step_drafts)
         self._in_flight = _InFlight(plan, prefill_by_rank, decode_by_rank)
         for allocator in self.allocators:
             allocator.hold_frees()
@@ -449,7 +457,7 @@ class Scheduler:
         """How many of its drafts each running request verifies this step (by id(request); none while it
         replays): at most the tokens it may still generate after the step's first, and as many as its rank
         has rows to spare under `max_rows`, oldest first."""
-        if not self.num_drafts:
+        if not self._step_drafts:
             return {}
         rows = Counter(r.rank for r in decode)
         out: dict[int, int] = {}
@@ -583,12 +591,16 @@ class Scheduler:
         )
         outputs: list[RequestOutput] = []
         to_send: list[tuple[Request, int, TokenLogprobs | None]] = []
+        before = (self.spec_stats.drafted, self.spec_stats.accepted)
         # zip stops at the data-parallel ranks: with replicated rows rank 0's result is taken
         for prefill, decode, result in zip(
             in_flight.prefill, in_flight.decode, results, strict=False
         ):
             assert result.step_id == plan.step_id, "a result of another step"
             self._apply(prefill, decode, result, outputs, to_send)
+        self.spec_policy.verified(
+            self.spec_stats.drafted - before[0], self.spec_stats.accepted - before[1]
+        )
         return StepOutcome(outputs, to_send)
 
     def _apply(
