@@ -53,6 +53,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument(
+        "--policy", action="store_true",
+        help="also each K under the decode worker's default SpecPolicy (drafting off past its batch "
+        "limit or below its acceptance floor): rows marked 'auto'",
+    )  # fmt: skip
+    parser.add_argument(
         "--batch-invariant", action="store_true",
         help="batch-invariant kernels: greedy outputs with drafts must equal K = 0's, request by request",
     )  # fmt: skip
@@ -84,26 +89,29 @@ def main() -> None:
         ]
         base = None
         for k in drafts:
-            run(model, args, prompts, k, base)  # captures this shape's graphs
-            result = run(model, args, prompts, k, base)
-            if k == 0:
-                base = result
-            lines.append(row(model, args, batch, k, result, base))
-            print(lines[-1], flush=True)
-            _empty()
+            for auto in (False, True) if args.policy and k else (False,):
+                run(model, args, prompts, k, base, auto)  # captures this shape's graphs
+                result = run(model, args, prompts, k, base, auto)
+                if k == 0:
+                    base = result
+                lines.append(row(model, args, batch, f"{k} auto" if auto else k, result, base))
+                print(lines[-1], flush=True)
+                _empty()
     text = "\n".join(lines)
     print(text)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "speculative.md").write_text(text + "\n")
 
 
-def run(model, args, prompts, num_drafts: int, base: dict | None) -> dict:
+def run(model, args, prompts, num_drafts: int, base: dict | None, auto: bool = False) -> dict:
+    from pdserve.decode import DecodeConfig
     from pdserve.engine.drafter import OracleDrafter
     from pdserve.engine.pages import PageAllocator, pages_needed
     from pdserve.engine.request import Policy, Request, RequestState
     from pdserve.engine.runner import ModelRunner
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.scheduler import Scheduler
+    from pdserve.engine.spec_policy import SpecPolicy
 
     batch = len(prompts)
     per_request = pages_needed(args.context + args.tokens + 2 * num_drafts, args.page_size)
@@ -125,7 +133,10 @@ def run(model, args, prompts, num_drafts: int, base: dict | None) -> dict:
     scheduler = Scheduler(
         PageAllocator(runner.num_pages), args.page_size, 8192, 8192, model.args.vocab_size,
         model.args.max_position_embeddings, model.args.eos_token_ids, max_running=batch,
-        num_drafts=num_drafts,
+        num_drafts=num_drafts, spec_policy=SpecPolicy(
+            num_drafts, DecodeConfig().speculative_max_batch,
+            DecodeConfig().speculative_min_acceptance,
+        ) if auto else None,
     )  # fmt: skip
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, seed=0)
     requests = [Request(str(i), list(p), params, Policy.AGGREGATED) for i, p in enumerate(prompts)]
@@ -170,7 +181,8 @@ def _empty() -> None:
         torch.cuda.empty_cache()
 
 
-def row(model, args, batch: int, k: int, result: dict, base: dict) -> str:
+def row(model, args, batch: int, k_label, result: dict, base: dict) -> str:
+    k = int(str(k_label).split()[0])
     tokens_per_step = (args.tokens - 1) / max(result["steps"], 1)
     accepted = f"{result['accepted'] / result['drafted']:.2f}" if result["drafted"] else "-"
     speedup = base["tpot_s"] / result["tpot_s"]
@@ -182,7 +194,7 @@ def row(model, args, batch: int, k: int, result: dict, base: dict) -> str:
     ratio = f"{speedup / ideal:.2f}" if k else "-"
     same = sum(a == b for a, b in zip(result["outputs"], base["outputs"], strict=True))
     return (
-        f"| {batch} | {k} | {1e3 * result['tpot_s']:.2f} ms | {tokens_per_step:.2f} | {accepted} | "
+        f"| {batch} | {k_label} | {1e3 * result['tpot_s']:.2f} ms | {tokens_per_step:.2f} | {accepted} | "
         f"{speedup:.2f}x | {ideal:.2f}x | {ratio} | {ideal_full:.2f}x | {same}/{batch} |"
     )
 
