@@ -128,8 +128,14 @@ class DecodeGraphs:
                     exc_info=True,
                 )  # fmt: skip
                 self._failed.add(key)
-                torch.cuda.current_stream(self.device).synchronize()
+                self.capture_failed()
         return graph
+
+    def capture_failed(self) -> None:
+        """After a failed capture (this class's or a drafter's over the same pool): later captures record
+        into a new memory pool, since a capture that failed leaves its pool marked as recording."""
+        torch.cuda.current_stream(self.device).synchronize()
+        self._pool = torch.cuda.graph_pool_handle()
 
     def _pad(self, s: ForwardBatch, start: int) -> None:
         """Rows from `start` on attend to and write only the scratch page's first slot."""

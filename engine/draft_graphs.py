@@ -88,7 +88,7 @@ class DraftGraphs:
                     "draft graph capture %s failed: its drafts run eagerly", gkey, exc_info=True
                 )
                 self._failed.add(gkey)
-                torch.cuda.current_stream(self.device).synchronize()
+                self.decode.capture_failed()
                 return None
             self._graphs[gkey] = graph
         g = graph
@@ -179,7 +179,8 @@ class DraftGraphs:
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
-            body()  # compiles and fills lazy caches outside the capture
+            for _ in range(2):  # compiles and fills lazy caches outside the capture
+                body()
             g.graph.capture_begin(self.decode._pool, capture_error_mode="thread_local")
             try:
                 body()
