@@ -135,10 +135,11 @@ class ModelRunner:
             if joins and self.graphs is not None and self.graphs.enabled:
                 width = max(max_pages(s.decode) for s in plan.ranks)
                 key = self.graphs.key(rows, width)
-            chain = max(plan.num_drafts - 1, 0) if plan.mtp else 0
+            drafting = plan.mtp and plan.num_drafts > 0  # the decode pass's MTP passes
+            chain = plan.num_drafts - 1 if drafting else 0
             with self.model.step_tokens((key[0] if key else rows) if joins else None):
                 if not step.decode:
-                    self._run(self._idle_decode, key, plan.mtp, chain)
+                    self._run(self._idle_decode, key, drafting, chain)
                 else:
                     try:
                         out = self._run(self._decode, step.decode, key, plan, chain)
@@ -227,7 +228,7 @@ class ModelRunner:
             hidden = self.model(batch, self.cache)
             logits = self.model.compute_logits(hidden)
         specs, request_ids = [r.sample for r in rows], [r.request_id for r in rows]
-        if not plan.mtp:
+        if not plan.mtp or not plan.num_drafts:
             tokens, logprobs = sample(logits, specs, request_ids, self.penalty_counts)
             return tokens, logprobs or [], [], []
         verified = self.drafter.verify(logits, rows, self.penalty_counts, self.draft_probs)

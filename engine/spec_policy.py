@@ -5,8 +5,9 @@ A step verifies drafts only while every data-parallel rank runs at most `max_bat
 verify rows and draft passes cost more than the tokens they add, as measured) and while the acceptance measured
 on the running traffic (an exponential average over recent verify steps) stays at or above `min_acceptance`.
 When acceptance has switched drafting off, every `probe_every` steps two steps draft again (one proposes, the
-next verifies), so that the measure follows the traffic. With drafting off the MTP module still runs over each
-step's rows (its cache layer stays whole), without its head."""
+next verifies), so that the measure follows the traffic. With drafting off the MTP module does not run over the
+decode rows (it is a whole MoE layer): their positions in its cache layer stay stale, which costs acceptance
+later, never a token."""
 
 from __future__ import annotations
 

@@ -154,8 +154,10 @@ class StepPlan:
     ranks: list[RankStep]
     """Indexed by rank."""
     mtp: bool = False
-    """Run the MTP module over each pass's rows after it, writing its cache layer (a worker that speculates
-    plans it every step, so that the layer holds every position its drafts attend to)."""
+    """Run the MTP module over the prefill pass's rows after it, and over the decode pass's where the step
+    drafts, writing its cache layer (a worker that speculates plans it every step, so that the layer holds the
+    positions its drafts attend to; a step that does not draft leaves its decode rows' positions stale, which
+    costs acceptance, never a token: the MTP layer is a whole MoE layer)."""
     num_drafts: int = 0
     """With `mtp`: the draft tokens to propose after each sampled row of the step (0: none this step); a
     prefill row proposes at most one. The same on every rank: each runs as many draft passes."""

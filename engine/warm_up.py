@@ -48,12 +48,11 @@ def warm_up_plans(
     ids stay below `num_pages`; rows of one pass may share pages (their KV is never read). num_drafts > 0 (a
     worker that speculates): every plan runs the MTP module's passes and drafts, and for each graph bucket of
     requests whose rows with `num_drafts` drafts each fit `decode_rows`, a pass verifying them, greedy and
-    sampled (the verify bucket's decode graph and its draft graphs), and each plain decode pass again as a
-    step that does not draft."""
+    sampled (the verify bucket's decode graph and its draft graphs)."""
     plans: list[StepPlan] = []
 
-    def plan(step: RankStep, drafts: int = num_drafts) -> None:
-        plans.append(StepPlan(-1 - len(plans), [step] * num_ranks, num_drafts > 0, drafts))
+    def plan(step: RankStep) -> None:
+        plans.append(StepPlan(-1 - len(plans), [step] * num_ranks, num_drafts > 0, num_drafts))
 
     for n in sorted({*PREFILL_SIZES, prefill_tokens}):
         if n > prefill_tokens or pages_needed(n, page_size) > num_pages:
@@ -71,8 +70,6 @@ def warm_up_plans(
             position = min(width * page_size, decode_tokens) - 1
             rows = [DecodeRow(f"warm-up-{i}", 0, position, [0] * width, _GREEDY) for i in range(b)]
             plan(RankStep(decode=rows))
-            if num_drafts:  # a step that does not draft (`SpecPolicy`) still runs the MTP pass
-                plan(RankStep(decode=rows), 0)
         if not num_drafts:
             continue
         # verify groups: the rows and their drafts', then the chain's positions, inside the width
