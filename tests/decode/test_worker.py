@@ -89,6 +89,27 @@ def test_aggregated_requests_give_the_offline_tokens(model):
     assert decode.stats().pages_used == 0 and decode.stats().num_running == 0
 
 
+def assert_speculated(got: dict, want: dict) -> None:
+    """Greedy requests' tokens equal, sampled ones' counts and finish reasons (`PARAMS`)."""
+    for i, params in enumerate(PARAMS):
+        (tokens, reason), (want_tokens, want_reason) = got[f"r{i}"], want[f"r{i}"]
+        assert reason == want_reason and len(tokens) == len(want_tokens)
+        if params.temperature == 0:
+            assert tokens == want_tokens, i
+
+
+def test_speculating_aggregated_requests_give_the_offline_tokens(model):
+    """With MTP drafts: the greedy requests get the offline tokens of one token a step; the sampled one as
+    many tokens (its draws depend on the drafts, which depend on the batch)."""
+    config = DecodeConfig(page_size=PAGE, num_pages=32, max_prefill_chunk=4, num_speculative_tokens=2)
+    decode = DecodeWorker("d0", model, config)
+    for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
+        decode.add_request(DecodeRequest(f"r{i}", prompt, params))
+    assert_speculated(drain(decode, ["r0", "r1", "r2"]), offline(model))
+    assert decode.scheduler.spec_stats.drafted > 0
+    assert decode.stats().pages_used == 0
+
+
 def test_disaggregated_requests_give_the_offline_tokens(model):
     hub = LoopbackHub()
     decode = DecodeWorker(

@@ -25,7 +25,7 @@ from pdserve.model.parallel import WorkerLayout
 from pdserve.model.random_checkpoint import make_checkpoint
 from pdserve.prefill import PrefillConfig, PrefillWorker
 
-from .test_worker import PAGE, PARAMS, PROMPTS, drain, offline
+from .test_worker import PAGE, PARAMS, PROMPTS, assert_speculated, drain, offline
 
 # its tests start processes of their own
 pytestmark = pytest.mark.subprocess
@@ -35,6 +35,8 @@ CONFIG = DecodeConfig(
     layout=WorkerLayout(2, "data", expert_parallel=2),
 )  # fmt: skip
 TP2 = dataclasses.replace(CONFIG, layout=WorkerLayout(2, "tensor", dense="tensor"))
+MTP = {"num_speculative_tokens": 2}
+"""Speculation: every rank joins the MTP passes' exchanges (a rank without rows too)."""
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,11 @@ def worker(ckpt, config=CONFIG) -> DecodeWorker:
     return DecodeWorker("d0", None, config, ranks=group)
 
 
-@pytest.mark.parametrize("config", [CONFIG, TP2], ids=["dp2-ep2", "tp2"])
+@pytest.mark.parametrize(
+    "config",
+    [CONFIG, TP2, dataclasses.replace(CONFIG, **MTP), dataclasses.replace(TP2, **MTP)],
+    ids=["dp2-ep2", "tp2", "dp2-ep2-mtp2", "tp2-mtp2"],
+)
 def test_requests_give_the_offline_tokens(ckpt, config):
     decode = worker(ckpt, config)
     try:
@@ -70,7 +76,12 @@ def test_requests_give_the_offline_tokens(ckpt, config):
         assert decode.num_used_pages == 0 and decode.num_pages == pages
     finally:
         decode.close()
-    assert got == offline(load_model(ckpt, dtype=torch.float32))
+    want = offline(load_model(ckpt, dtype=torch.float32))
+    if config.num_speculative_tokens:
+        assert_speculated(got, want)
+        assert decode.scheduler.spec_stats.drafted > 0
+    else:
+        assert got == want
 
 
 def test_a_killed_rank_fails_every_request_and_frees_every_page(ckpt):
