@@ -51,6 +51,8 @@ def test_speculative_1p1d_streams_equal_offline_and_report_their_drafts(
         start_server(
             model_dir, model={"batch_invariant": True}, speculative={"num_tokens": NUM_DRAFTS},
             router={"http_port": 0},
+            # every step drafts: the random MTP module's drafts would switch drafting off (SpecPolicy)
+            decode={"speculative_min_acceptance": 0.0},
         ) as server,
         Client(server.address) as client,
     ):  # fmt: skip
