@@ -29,6 +29,7 @@ def generate_request(
     frequency_penalty: float | None = None, repetition_penalty: float | None = None,
     min_tokens: int | None = None, logprobs: int | None = None,
     skip_special_tokens: bool | None = None, n: int | None = None,
+    relaxed_acceptance: bool | None = None,
 ) -> generation_pb2.GenerateRequest:  # fmt: skip
     """A GenerateRequest; None leaves a sampling field unset (the model's or the server's default)."""
     sp = generation_pb2.SamplingParams(
@@ -40,6 +41,7 @@ def generate_request(
         ("frequency_penalty", frequency_penalty), ("repetition_penalty", repetition_penalty),
         ("min_tokens", min_tokens), ("logprobs", logprobs),
         ("skip_special_tokens", skip_special_tokens), ("n", n),
+        ("relaxed_acceptance", relaxed_acceptance),
     ):  # fmt: skip
         if value is not None:
             setattr(sp, name, value)

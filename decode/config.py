@@ -44,6 +44,12 @@ class DecodeConfig:
     speculative_min_acceptance: float = 0.25
     """With speculation: drafting stops while the acceptance measured on the running traffic (drafts accepted
     per draft verified, a running average) is below this, probing again every 32 steps; 0: never stops."""
+    speculative_relaxed_topk: int = 0
+    """Relaxed acceptance for requests that opt in (`relaxed_acceptance`), inside their think block: a greedy
+    request's draft among the target's this-many most likely tokens within `speculative_relaxed_delta` of the
+    best log-probability is accepted (TensorRT-LLM's relaxed_topk; e.g. 10). 0: off, every draft strict."""
+    speculative_relaxed_delta: float = 0.6
+    """See speculative_relaxed_topk (TensorRT-LLM's relaxed_delta)."""
     layout: WorkerLayout = WorkerLayout()
     """How one worker spreads the model over its ranks; its fields are this section's keys `ranks`,
     `attention`, `expert_parallel` and `dense` (`pdserve.cluster.config` flattens them)."""
@@ -57,6 +63,11 @@ class DecodeConfig:
         if not 0 <= self.speculative_min_acceptance <= 1:
             raise ValueError(
                 f"speculative_min_acceptance={self.speculative_min_acceptance}: must be in [0, 1]"
+            )
+        if self.speculative_relaxed_topk < 0 or self.speculative_relaxed_delta < 0:
+            raise ValueError(
+                f"speculative_relaxed_topk={self.speculative_relaxed_topk}, speculative_relaxed_delta="
+                f"{self.speculative_relaxed_delta}: must be >= 0"
             )
         if not 0 <= self.num_speculative_tokens <= MAX_DRAFTS:
             raise ValueError(

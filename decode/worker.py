@@ -74,6 +74,7 @@ class DecodeWorker(Worker):
                 config.num_speculative_tokens, config.speculative_max_batch,
                 config.speculative_min_acceptance,
             ),
+            relaxed=(config.speculative_relaxed_topk, config.speculative_relaxed_delta),
         )  # fmt: skip
         self.receiver: KVReceiver | None = (
             make_receiver(self.runner.cache.data) if make_receiver else None

@@ -51,10 +51,10 @@ class MTPDrafter:
 
     def verify(
         self, logits: torch.Tensor, rows: Sequence[DecodeRow], counts: PenaltyCounts,
-        draft_probs: DraftProbs,
+        draft_probs: DraftProbs, relaxed: tuple[int, float] | None = None,
     ) -> Verified:  # fmt: skip
         """The decode pass's tokens and accepted drafts (`speculative.verify`)."""
-        return verify(logits, rows, counts, draft_probs)
+        return verify(logits, rows, counts, draft_probs, relaxed)
 
     def depth_module(self, depth: int) -> int:
         """The MTP module drafting at `depth` (0: the first draft)."""
@@ -221,8 +221,8 @@ class OracleDrafter(MTPDrafter):
         self.forced = forced
         self.vocab_size = model.args.vocab_size
 
-    def verify(self, logits, rows, counts, draft_probs):  # type: ignore[override]
-        verified = super().verify(logits, rows, counts, draft_probs)
+    def verify(self, logits, rows, counts, draft_probs, relaxed=None):  # type: ignore[override]
+        verified = super().verify(logits, rows, counts, draft_probs, relaxed)
         if not self.forced:
             return verified
         tokens, accepted = list(verified.tokens), list(verified.accepted)

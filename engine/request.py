@@ -81,6 +81,9 @@ class Request:
     """Drafts its decode steps verified, of them accepted, and its decode steps that verified drafts
     (speculation's per-request figures)."""
     num_accepted: int = 0
+    in_think: bool = False
+    """With `params.relaxed_think_ids`: its tokens so far leave it inside a think block (kept by the
+    scheduler: `think_state`)."""
     num_verify_steps: int = 0
     counted: bool = False
     """The runner running its rows counts its penalties already (its sequence went with a sampled row; see
@@ -109,6 +112,18 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.token_ids) - self.num_generated
+
+
+def think_state(inside: bool, tokens, think_ids: tuple[int, int]) -> bool:
+    """Whether a sequence is inside a think block after `tokens`, starting `inside` (the block opens at the
+    first id and closes at the second)."""
+    start, end = think_ids
+    for token in tokens:
+        if token == start:
+            inside = True
+        elif token == end:
+            inside = False
+    return inside
 
 
 def stage_times(request: Request, sent_at: float = 0.0) -> StageTimes:

@@ -231,7 +231,8 @@ class ModelRunner:
         if not plan.mtp or not plan.num_drafts:
             tokens, logprobs = sample(logits, specs, request_ids, self.penalty_counts)
             return tokens, logprobs or [], [], []
-        verified = self.drafter.verify(logits, rows, self.penalty_counts, self.draft_probs)
+        relaxed = (plan.relaxed_topk, plan.relaxed_delta) if plan.relaxed_topk else None
+        verified = self.drafter.verify(logits, rows, self.penalty_counts, self.draft_probs, relaxed)
         graph_key = None
         if self.graphs is not None and not self._joins_idle:
             graph_key = self.graphs.last_key

@@ -54,6 +54,11 @@ class SamplingParams:
     token's alone), from the log-softmax of the raw logits (before penalties and temperature); None: none."""
     skip_special_tokens: bool = True
     """The text leaves out special tokens (BOS, EOS, padding); token ids are never filtered."""
+    relaxed_think_ids: tuple[int, int] | None = None
+    """Opt-in relaxed acceptance of MTP drafts inside a think block: the ids that open and close it (the front
+    end sets them from the tokenizer where the request asks). A speculating decode worker configured for it
+    (`decode.speculative_relaxed_topk`) accepts a greedy request's draft inside the block when it is among the
+    target's top-k within delta of the best log-probability; elsewhere, and on other workers, strict."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -90,6 +95,12 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(
                 "min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if self.relaxed_think_ids is not None and (
+            len(self.relaxed_think_ids) != 2 or min(self.relaxed_think_ids) < 0
+        ):
+            raise InvalidRequestError(
+                "relaxed_think_ids", f"must be two token ids, got {self.relaxed_think_ids!r}"
             )
         if self.logprobs is not None and (
             isinstance(self.logprobs, bool)

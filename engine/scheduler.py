@@ -40,7 +40,7 @@ from pdserve.engine.checks import check_context, check_pages, check_token_ids
 from pdserve.engine.chunking import plan_prefill_chunks
 from pdserve.engine.messages import RequestOutput, SpecCounts, StageTimes
 from pdserve.engine.pages import PageAllocator, pages_needed
-from pdserve.engine.request import Policy, Request, RequestState, stage_times
+from pdserve.engine.request import Policy, Request, RequestState, stage_times, think_state
 from pdserve.engine.sampling_params import FinishReason, TokenLogprobs, check_stop
 from pdserve.engine.spec_policy import SpecPolicy
 from pdserve.engine.step import (
@@ -123,6 +123,7 @@ class Scheduler:
         replay_generated: bool = False,
         num_drafts: int = 0,
         spec_policy: SpecPolicy | None = None,
+        relaxed: tuple[int, float] | None = None,
     ):
         """allocator: the KV pages of the worker's one rank, or one allocator per data-parallel rank (of equal
         sizes); ranks: ranks of the worker (default: one per allocator; with one allocator and more ranks, each
@@ -135,7 +136,9 @@ class Scheduler:
         it the first time (`_prefill_end`); num_drafts: the MTP module's draft tokens a step (0: no
         speculation): every plan runs MTP (`StepPlan.mtp`) and a running request with drafts verifies them as
         rows after its token (`DecodeRow.drafts`), as many as its rank has rows to spare under
-        `max_rows`; spec_policy: when a step drafts (`SpecPolicy`; default: every step)."""
+        `max_rows`; spec_policy: when a step drafts (`SpecPolicy`; default: every step); relaxed: (top-k,
+        delta) of relaxed acceptance for the requests that opt in (`SamplingParams.relaxed_think_ids`),
+        inside their think blocks (None: strict acceptance for every request)."""
         allocators = [allocator] if isinstance(allocator, PageAllocator) else list(allocator)
         ranks = len(allocators) if ranks is None else ranks
         if not allocators or len(allocators) not in (1, ranks):
@@ -169,6 +172,9 @@ class Scheduler:
         """Positions past a running request's tokens its pages cover: its drafts' rows, then the MTP chain's."""
         self.spec_stats = SpecStats(num_drafts)
         self.spec_policy = spec_policy or SpecPolicy(num_drafts)
+        if relaxed is not None and (relaxed[0] < 0 or relaxed[1] < 0):
+            raise ValueError(f"relaxed={relaxed}: top-k and delta must be >= 0")
+        self.relaxed = relaxed if relaxed is not None and relaxed[0] > 0 else None
         self._step_drafts = num_drafts
         """The drafts the step being planned proposes (`SpecPolicy.drafts_for_step`)."""
         self.requests: dict[str, Request] = {}
@@ -265,6 +271,9 @@ class Scheduler:
                 request.state = RequestState.PREFILLING
         request.admit_order = next(self._arrivals)
         request.added_at = time.monotonic()
+        think_ids = request.params.relaxed_think_ids
+        if think_ids is not None:
+            request.in_think = think_state(False, request.token_ids, think_ids)
         self.requests[request.request_id] = request
 
     @property
@@ -342,10 +351,13 @@ class Scheduler:
         ones)."""
         reason = None
         taken = 0
+        think_ids = request.params.relaxed_think_ids
         for token in tokens:
             request.token_ids.append(token)
             request.num_generated += 1
             taken += 1
+            if think_ids is not None:
+                request.in_think = think_state(request.in_think, (token,), think_ids)
             reason = check_stop(
                 request.params, token, request.num_generated, self.eos_token_ids, request.stop_ids
             )
@@ -426,7 +438,8 @@ class Scheduler:
         if len(steps) < self.ranks:
             steps *= self.ranks  # the same rows on every rank
         mtp = self.num_drafts > 0
-        plan = StepPlan(next(self._step_ids), steps, mtp, self._step_drafts)
+        topk, delta = self.relaxed or (0, 0.0)
+        plan = StepPlan(next(self._step_ids), steps, mtp, self._step_drafts, topk, delta)
         self._in_flight = _InFlight(plan, prefill_by_rank, decode_by_rank)
         for allocator in self.allocators:
             allocator.hold_frees()
@@ -518,6 +531,11 @@ class Scheduler:
                 continue
             k = drafts.get(id(r), 0)
             spec = self._sample_spec(r)
+            # relaxed acceptance judges a draft inside the request's think block (its state after the row)
+            loose = k > 0 and self.relaxed is not None and r.params.relaxed_think_ids is not None
+            inside = r.in_think
+            if loose and inside:
+                spec = dataclasses.replace(spec, relaxed=True)
             decode_rows.append(
                 DecodeRow(r.request_id, r.token_ids[position], position, pages, spec, k)
             )
@@ -527,6 +545,10 @@ class Scheduler:
                 draft_spec = SampleSpec.of(
                     r.params, step, (), self.eos_token_ids, counted=True, banned_ids=banned
                 )
+                if loose:
+                    inside = think_state(inside, (r.draft_ids[i - 1],), r.params.relaxed_think_ids)
+                    if inside:
+                        draft_spec = dataclasses.replace(draft_spec, relaxed=True)
                 decode_rows.append(
                     DecodeRow(r.request_id, r.draft_ids[i - 1], position + i, pages, draft_spec)
                 )

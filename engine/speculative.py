@@ -128,20 +128,29 @@ def verify(
     rows: Sequence[DecodeRow],
     counts: PenaltyCounts,
     draft_probs: DraftProbs | None = None,
+    relaxed: tuple[int, float] | None = None,
 ) -> Verified:
     """Samples the plain rows and verifies the verify groups of a decode pass. logits: [R, V] the target's raw
     logits of `rows`; counts: the runner's penalty counts (a group's rows see its earlier drafts counted; the
-    kept tokens are counted in); draft_probs: the q of drafts this runner proposed (sampled requests)."""
+    kept tokens are counted in); draft_probs: the q of drafts this runner proposed (sampled requests);
+    relaxed: (top-k, delta) of relaxed acceptance for greedy rows marked `SampleSpec.relaxed`: a draft among
+    the row's top-k tokens within delta of its best log-probability (of the penalized logits) is accepted as
+    if it were the argmax; a rejected one is replaced by the argmax (no longer the tokens of one token a
+    step: opt-in, inside think blocks)."""
     specs = [r.sample for r in rows]
     group_of, starts = verify_groups(rows)
     adjusted = _adjusted(logits, rows, group_of, counts)
     target = sample_tokens(adjusted, specs, [s.step for s in specs])
     tokens, accepted = list(target), [1 if g < 0 else 0 for g in group_of]
     sampled_groups = [s for s in starts if specs[s].temperature > 0]
+    loose = _relaxed_rows(adjusted, rows, specs, starts, relaxed)
     for s in starts:
         if specs[s].temperature <= 0:
             k, a = rows[s].drafts, 0
-            while a < k and rows[s + a + 1].token_id == target[s + a]:
+            while a < k and (
+                rows[s + a + 1].token_id == target[s + a]
+                or rows[s + a + 1].token_id in loose.get(s + a, ())
+            ):
                 a += 1
             for i in range(a):
                 tokens[s + i] = rows[s + i + 1].token_id
@@ -159,6 +168,29 @@ def verify(
     if any(s.logprobs != NO_LOGPROBS for s in specs):
         logprobs = token_logprobs(logits, tokens, specs)
     return Verified(tokens, accepted, logprobs, group_of)
+
+
+def _relaxed_rows(
+    adjusted: torch.Tensor, rows: Sequence[DecodeRow], specs: Sequence[SampleSpec],
+    starts: list[int], relaxed: tuple[int, float] | None,
+) -> dict[int, set[int]]:  # fmt: skip
+    """Per greedy group row marked relaxed (that judges a draft): the tokens relaxed acceptance takes there."""
+    if relaxed is None or relaxed[0] <= 0:
+        return {}
+    judged = [
+        s + i for s in starts if specs[s].temperature <= 0 for i in range(rows[s].drafts)
+        if specs[s + i].relaxed
+    ]  # fmt: skip
+    if not judged:
+        return {}
+    topk, delta = relaxed
+    logp = torch.log_softmax(adjusted[judged].float(), dim=-1)  # [J, V]
+    values, ids = logp.topk(min(topk, logp.shape[-1]), dim=-1)
+    ok = values >= values[:, :1] - delta
+    return {
+        r: {t for t, good in zip(row_ids, row_ok, strict=True) if good}
+        for r, row_ids, row_ok in zip(judged, ids.tolist(), ok.tolist(), strict=True)
+    }
 
 
 def verify_groups(rows: Sequence[DecodeRow]) -> tuple[list[int], list[int]]:

@@ -67,6 +67,9 @@ class SampleSpec:
     pays for its sequence once, not every step."""
     banned_ids: tuple[int, ...] = ()
     """Tokens that must not be sampled: the end-of-sequence and stop tokens while `step` < min_tokens."""
+    relaxed: bool = False
+    """On a verify group's row: the draft after it is judged by relaxed acceptance (`StepPlan.relaxed_topk`;
+    the request opted in and the row is inside its think block)."""
 
     @classmethod
     def of(
@@ -161,6 +164,10 @@ class StepPlan:
     num_drafts: int = 0
     """With `mtp`: the draft tokens to propose after each sampled row of the step (0: none this step); a
     prefill row proposes at most one. The same on every rank: each runs as many draft passes."""
+    relaxed_topk: int = 0
+    """Relaxed acceptance for the rows marked `SampleSpec.relaxed` (greedy): a draft among the target's
+    `relaxed_topk` most likely tokens within `relaxed_delta` of the best log-probability is accepted (0: off)."""
+    relaxed_delta: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -72,6 +72,7 @@ GRPC_FIELDS = FieldNames(
 _OPTIONAL_SAMPLING = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "skip_special_tokens",
+    "relaxed_acceptance",
 )  # fmt: skip
 """SamplingParams fields a client may leave unset (None: the server's default), by the same names in
 `SamplingRequest`."""

@@ -43,7 +43,7 @@ _COMMON = {
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "stop", "stop_token_ids", "ignore_eos", "user", "logprobs", "n", "best_of", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "skip_special_tokens",
-    "prompt_logprobs", "return_tokens_as_token_ids",
+    "prompt_logprobs", "return_tokens_as_token_ids", "relaxed_acceptance",
 }  # fmt: skip
 _KNOWN = {
     COMPLETIONS: _COMMON | {"prompt", "echo", "suffix"},
@@ -249,6 +249,9 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
         logprobs=logprobs,
         skip_special_tokens=_optional(
             body, "skip_special_tokens", lambda v: isinstance(v, bool), "true or false"
+        ),
+        relaxed_acceptance=_optional(
+            body, "relaxed_acceptance", lambda v: isinstance(v, bool), "true or false"
         ),
     )
     n = _optional(body, "n", _is_int, "an integer")

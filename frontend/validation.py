@@ -208,6 +208,8 @@ class SamplingRequest:
     logprobs: int | None = None
     """Alternatives per token with log-probabilities (None: no log-probabilities)."""
     skip_special_tokens: bool | None = None
+    relaxed_acceptance: bool | None = None
+    """Opt in to relaxed acceptance of MTP drafts inside the think block (a model that thinks)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -271,6 +273,18 @@ def sampling_params(
             "(router.max_logprobs)",
         )
     d = model.defaults
+    relaxed_think_ids = None
+    if given.relaxed_acceptance:
+        if not model.thinks:
+            raise InvalidRequestError(
+                f"{prefix}relaxed_acceptance",
+                f"{model.name} has no think block (its chat template and vocabulary have no "
+                f"{THINK_START} ... {THINK_END}): relaxed acceptance applies inside one",
+            )
+        relaxed_think_ids = (
+            model.tokenizer.token_id(THINK_START),
+            model.tokenizer.token_id(THINK_END),
+        )
 
     def either(value, default):
         return default if value is None else value
@@ -291,6 +305,7 @@ def sampling_params(
             min_tokens=either(given.min_tokens, 0),
             logprobs=given.logprobs,
             skip_special_tokens=either(given.skip_special_tokens, True),
+            relaxed_think_ids=relaxed_think_ids,
         ).with_seed()
     except InvalidRequestError as e:
         if e.field == "max_tokens":

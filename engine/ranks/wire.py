@@ -55,7 +55,7 @@ _NO_IDS = -1
 """A sample's penalty id count on the wire where its `penalty_ids` is None."""
 _PREFILL_FIELDS = attrgetter("request_id", "token_ids", "start", "page_ids", "sample", "next_token")
 _DECODE_FIELDS = attrgetter("request_id", "token_id", "position", "page_ids", "sample", "drafts")
-_SAMPLE_FIELDS = attrgetter("temperature", "top_p", "min_p", "top_k", "seed", "step")
+_SAMPLE_FIELDS = attrgetter("temperature", "top_p", "min_p", "top_k", "seed", "step", "relaxed")
 
 
 def _pack(values: Iterable[Any], dtype: np.dtype) -> bytes:
@@ -85,7 +85,7 @@ def _split(flat: np.ndarray, counts: np.ndarray) -> list[list[int]]:
 
 
 def _samples_to_wire(samples: Sequence[SampleSpec]) -> list:
-    """float64 [3, samples] (temperature, top_p, min_p), int64 [3, samples] (top_k, seed, step), and None
+    """float64 [3, samples] (temperature, top_p, min_p), int64 [4, samples] (top_k, seed, step, relaxed), and None
     unless some sample has a penalty, a ban or asks for log-probabilities: then [float64 [3, samples]
     (presence, frequency and repetition penalties), int64 [samples] (logprobs), int32 [2, samples] (penalty id
     counts, -1 for None, and banned id counts), int32 ids (each sample's penalty ids then its banned ids)].
@@ -93,7 +93,9 @@ def _samples_to_wire(samples: Sequence[SampleSpec]) -> list:
     if not samples:
         return [b"", b"", None]
     n = len(samples)
-    temperature, top_p, min_p, top_k, seed, step = zip(*map(_SAMPLE_FIELDS, samples), strict=True)
+    temperature, top_p, min_p, top_k, seed, step, relaxed = zip(
+        *map(_SAMPLE_FIELDS, samples), strict=True
+    )
     extras = None
     if not all(s.plain for s in samples):
         ids = [chain(s.penalty_ids or (), s.banned_ids) for s in samples]
@@ -111,7 +113,7 @@ def _samples_to_wire(samples: Sequence[SampleSpec]) -> list:
         ]  # fmt: skip
     return [
         _pack_known("d", 3 * n, chain(temperature, top_p, min_p)),
-        _pack_known("q", 3 * n, chain(top_k, seed, step)),
+        _pack_known("q", 4 * n, chain(top_k, seed, step, relaxed)),
         extras,
     ]
 
@@ -139,7 +141,7 @@ def _samples_from_wire(
             at = end
     return (
         _array(floats, _F64, 3 * n, f"{what} sampling floats").reshape(3, n),
-        _array(ints, _I64, 3 * n, f"{what} sampling ints").reshape(3, n),
+        _array(ints, _I64, 4 * n, f"{what} sampling ints").reshape(4, n),
         rows,
     )
 
@@ -149,8 +151,8 @@ def _sample_specs(
 ) -> list[SampleSpec]:
     """The specs `_samples_to_wire` packed, as `_samples_from_wire` reads them."""
     specs = [
-        SampleSpec(temperature, top_p, top_k, min_p, seed, step)
-        for temperature, top_p, min_p, top_k, seed, step in zip(
+        SampleSpec(temperature, top_p, top_k, min_p, seed, step, relaxed=bool(relaxed))
+        for temperature, top_p, min_p, top_k, seed, step, relaxed in zip(
             *floats.tolist(), *ints.tolist(), strict=True
         )
     ]
@@ -208,8 +210,8 @@ class WireRows(Sequence):
     that needs no row objects) and, as a sequence, the row objects, made on first access and kept. Equal to any
     list or tuple of the same rows. Every kind has `request_ids` (a list), `page_counts` int32 [rows],
     `page_ids` uint16 or int32 [sum of page_counts] (row after row), and for its sampled rows
-    `sample_floats` float64 [3, sampled] (temperature, top_p, min_p) and `sample_ints` int64 [3, sampled]
-    (top_k, seed, step), and `sample_extras`: None, or per sampled row its penalties, logprobs and ids
+    `sample_floats` float64 [3, sampled] (temperature, top_p, min_p) and `sample_ints` int64 [4, sampled]
+    (top_k, seed, step, relaxed), and `sample_extras`: None, or per sampled row its penalties, logprobs and ids
     (`_samples_from_wire`)."""
 
     __slots__ = (
@@ -380,13 +382,13 @@ def plan_to_wire(plan: StepPlan, cache: PageTableCache | None = None) -> list:
             ranks.append([prefill, _decode_to_wire(step.decode, cache)])
     if cache is not None:
         cache._plan_done()
-    return [plan.step_id, ranks, plan.mtp, plan.num_drafts]
+    return [plan.step_id, ranks, plan.mtp, plan.num_drafts, plan.relaxed_topk, plan.relaxed_delta]
 
 
 def plan_from_wire(wire: list) -> StepPlan:
     """The plan `plan_to_wire` encoded, its rows as `WireRows` (ranks sent as an index share one `RankStep`).
     Raises ValueError where the wire's arrays disagree with their counts."""
-    step_id, ranks_wire, mtp, num_drafts = wire
+    step_id, ranks_wire, mtp, num_drafts, relaxed_topk, relaxed_delta = wire
     ranks: list[RankStep] = []
     for rank, entry in enumerate(ranks_wire):
         if isinstance(entry, int):
@@ -401,7 +403,9 @@ def plan_from_wire(wire: list) -> StepPlan:
                 [] if decode is None else _DecodeWireRows(decode),
             )
         )
-    return StepPlan(step_id, ranks, bool(mtp), int(num_drafts))
+    return StepPlan(
+        step_id, ranks, bool(mtp), int(num_drafts), int(relaxed_topk), float(relaxed_delta)
+    )
 
 
 def _logprobs_to_wire(logprobs: Sequence[TokenLogprobs | None]) -> list | None:

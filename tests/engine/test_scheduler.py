@@ -518,3 +518,25 @@ def test_plan_and_result_round_trip_through_msgpack():
     assert plan.ranks[0].prefill[0].sample == SampleSpec(0.7, 0.9, 5, 0.1, 0, 0)
     result = RankResult(plan.step_id, [11], [], decode_error="device lost")
     assert result_from_wire(msgpack.unpackb(msgpack.packb(result_to_wire(result)))) == result
+
+
+def test_relaxed_rows_are_the_verify_rows_inside_the_think_block():
+    """A request that opted in, its prompt ending inside <think> (id 7, closed by 8): its verify row and the
+    draft rows before the draft that closes the block judge relaxed; the rows after it strict. Without the
+    server's relaxed setting, or for a request that did not opt in, no row is relaxed."""
+    from pdserve.engine.sampling_params import SamplingParams
+
+    def rows_of(relaxed, think_ids):
+        s = Scheduler(PageAllocator(16), 4, 64, 64, 100, 1000, [], num_drafts=3, relaxed=relaxed)
+        params = SamplingParams(max_tokens=20, ignore_eos=True, seed=0, relaxed_think_ids=think_ids)
+        r = Request("a", [1, 2, 7, 3], params, Policy.AGGREGATED)
+        s.add(r)
+        plan, _ = s.schedule()
+        s.finish_step(plan, [RankResult(plan.step_id, [5], prefill_drafts=[[6]])])
+        r.draft_ids = [9, 8, 4]  # the second draft closes the block
+        plan, _ = s.schedule()
+        return [row.sample.relaxed for row in plan.ranks[0].decode]
+
+    assert rows_of((10, 0.5), (7, 8)) == [True, True, False, False]
+    assert rows_of(None, (7, 8)) == [False] * 4
+    assert rows_of((10, 0.5), None) == [False] * 4

@@ -135,3 +135,32 @@ def test_speculative_sampling_follows_the_target_distribution(temperature, top_p
         assert stat < CHI2_999[dof], (row, stat, dof, counts.tolist(), p.tolist())
         assert counts[p == 0].sum() == 0  # nothing the filters drop
     assert second.sum() > trials / 20  # the second row was tested on enough trials
+
+
+def test_relaxed_acceptance_takes_a_near_best_draft_only_on_relaxed_greedy_rows():
+    """Row 0's logits: token 3 best, token 5 0.3 below it, token 7 2.0 below. With relaxed (top-3, 0.5):
+    draft 5 is accepted on a relaxed row and its tokens go on from it; draft 7 is not (too far); a strict row
+    and a sampled row accept neither."""
+    logits = torch.full((2, 10), -10.0)
+    logits[0, 3], logits[0, 5], logits[0, 7] = 0.0, -0.3, -2.0
+    logits[1, 4] = 0.0
+
+    def group(draft, relaxed, temperature=0.0):
+        spec = SampleSpec(temperature, 1.0, -1, 0.0, 1, 0, relaxed=relaxed)
+        return [
+            DecodeRow("r", 1, 10, [0], spec, drafts=1),
+            DecodeRow("r", draft, 11, [0], dataclasses.replace(spec, step=1)),
+        ]
+
+    def run(rows):
+        v = verify(logits, rows, PenaltyCounts(), None, relaxed=(3, 0.5))
+        return v.tokens[: v.accepted[0]]
+
+    assert run(group(5, relaxed=True)) == [5, 4]
+    assert run(group(7, relaxed=True)) == [3]
+    assert run(group(5, relaxed=False)) == [3]
+    assert verify(logits, group(5, True), PenaltyCounts()).tokens[:1] == [3]  # server off
+    assert len(run(group(5, relaxed=True, temperature=1.0))) in (
+        1,
+        2,
+    )  # the sampling rule, not relaxed

@@ -42,6 +42,7 @@ def over_the_wire(plan: StepPlan, cache: PageTableCache | None = None) -> StepPl
 def random_sample(rng: random.Random) -> SampleSpec:
     return SampleSpec(
         temperature=rng.choice([0.0, 0.7, 1.3]), top_p=rng.random(), top_k=rng.choice([-1, 1, 50]),
+        relaxed=rng.random() < 0.3,
         min_p=rng.random() / 3, seed=rng.randrange(2**63), step=rng.randrange(10_000),
     )  # fmt: skip
 
@@ -98,7 +99,14 @@ def test_random_plans_of_several_ranks_round_trip(seed):
     ranks = [
         random_rank(rng, rng.randrange(4), rng.randrange(6)) for _ in range(rng.randrange(1, 5))
     ]
-    plan = StepPlan(rng.randrange(1 << 40), ranks, seed % 2 == 1, rng.randrange(5))
+    plan = StepPlan(
+        rng.randrange(1 << 40),
+        ranks,
+        seed % 2 == 1,
+        rng.randrange(5),
+        rng.randrange(8),
+        rng.random(),
+    )
     assert_same_plan(over_the_wire(plan), plan)
 
 
@@ -148,16 +156,16 @@ def test_the_wire_is_raw_buffers():
     decode_rows = [r for rank in plan.ranks for r in rank.decode]
     # the step id, one string per row, and per rank and pass a fixed number of buffers, one page-id size and
     # the sampling extras (None: plain samples pay nothing for penalties or log-probabilities), then the
-    # plan's mtp flag and draft count
+    # plan's mtp flag, draft count and relaxed acceptance (top-k, delta)
     assert sum(isinstance(v, bytes) for v in values) == 2 * (6 + 4)
     assert sum(v is None for v in values) == 2 * 2
-    assert len(values) == 1 + len(prefill) + len(decode_rows) + 2 * (6 + 4 + 2 + 2) + 2
+    assert len(values) == 1 + len(prefill) + len(decode_rows) + 2 * (6 + 4 + 2 + 2) + 4
     page_ids = sum(len(r.page_ids) for r in [*prefill, *decode_rows])
     sampled = sum(r.sample is not None for r in prefill)
     buffers = (
         4 * page_ids + 16 * (len(prefill) + len(decode_rows))  # page ids, 4 int32 a row
         + len(prefill) + 4 * sum(len(r.token_ids) for r in prefill)  # sample flags, chunk tokens
-        + 48 * (sampled + len(decode_rows))  # 3 float64 and 3 int64 a sample
+        + 56 * (sampled + len(decode_rows))  # 3 float64 and 4 int64 a sample
     )  # fmt: skip
     assert sum(len(v) for v in values if isinstance(v, bytes)) == buffers
 
@@ -260,8 +268,12 @@ def test_the_cache_is_not_fooled_by_a_list_changed_in_place():
             decode_logprobs=[None, TokenLogprobs(-3.0)],
         ),  # fmt: skip
         RankResult(
-            11, [4, None], [7, 8, 9, 1], decode_accepted=[2, 0, 0, 1],
-            prefill_drafts=[[5], []], decode_drafts=[[], [3, 4, 5], [], [6, 7, 8]],
+            11,
+            [4, None],
+            [7, 8, 9, 1],
+            decode_accepted=[2, 0, 0, 1],
+            prefill_drafts=[[5], []],
+            decode_drafts=[[], [3, 4, 5], [], [6, 7, 8]],
         ),  # fmt: skip
     ],
 )
@@ -311,12 +323,12 @@ def test_a_malformed_wire_is_refused_naming_the_field():
         plan_from_wire(wire)
     prefill[2] = prefill[2] + b"\0\0\0\0"
     with pytest.raises(ValueError, match="prefill token ids"):
-        plan_from_wire([1, [[prefill, None]], False, 0])
+        plan_from_wire([1, [[prefill, None]], False, 0, 0, 0.0])
     decode_pass[2] = [3, b"\0" * 3 * 6]
     with pytest.raises(ValueError, match="decode page ids of 3 bytes"):
-        plan_from_wire([1, [[None, decode_pass]], False, 0])
+        plan_from_wire([1, [[None, decode_pass]], False, 0, 0, 0.0])
     with pytest.raises(ValueError, match="rank 0 refers to rank 0"):
-        plan_from_wire([1, [0], False, 0])
+        plan_from_wire([1, [0], False, 0, 0, 0.0])
     sample = SampleSpec(0.0, 1.0, -1, 0.0, 1, 0)
     with pytest.raises(OverflowError):
         plan_to_wire(StepPlan(1, [RankStep(decode=[DecodeRow("a", 1, 2, [2**31], sample)])]))

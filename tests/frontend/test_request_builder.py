@@ -95,3 +95,22 @@ def test_advice_names_how_each_protocol_takes_token_ids(model):
         with pytest.raises(InvalidRequestError, match=advice) as e:
             build_request(given, no_tokenizer, RouterConfig())
         assert e.value.field == "prompt"
+
+
+def test_relaxed_acceptance_carries_the_think_ids_from_both_front_ends(model, tmp_path):
+    grpc_input = _request_input(generate_request([3, 4], relaxed_acceptance=True), None)
+    http_input = parse({"prompt": [3, 4], "relaxed_acceptance": True}, COMPLETIONS).input
+    from_grpc = build_request(grpc_input, model, RouterConfig())
+    from_http = build_request(http_input, model, RouterConfig())
+    assert model.thinks
+    think = (model.tokenizer.token_id("<think>"), model.tokenizer.token_id("</think>"))
+    assert from_grpc.params.relaxed_think_ids == from_http.params.relaxed_think_ids == think
+    plain = build_request(_request_input(generate_request([3, 4]), None), model, RouterConfig())
+    assert plain.params.relaxed_think_ids is None
+    # a model without a think block refuses it, naming the field
+    no_think = dataclasses.replace(model, thinks=False)
+    with pytest.raises(InvalidRequestError) as e:
+        build_request(grpc_input, no_think, RouterConfig())
+    assert e.value.field == "sampling_params.relaxed_acceptance"
+    with pytest.raises(InvalidRequestError, match="relaxed_acceptance"):
+        parse({"prompt": [3], "relaxed_acceptance": "yes"}, COMPLETIONS)
