@@ -36,7 +36,7 @@ TEST_WORKERS ?= 4
 DURATIONS_FILE ?= build/test-durations.tsv
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m "not gpu and not multi_gpu" -n $(TEST_WORKERS) --dist loadgroup \
-		--durations=20 --durations-file $(DURATIONS_FILE)
+		--durations=20 --durations-file=$(DURATIONS_FILE)
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
