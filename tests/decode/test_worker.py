@@ -101,7 +101,9 @@ def assert_speculated(got: dict, want: dict) -> None:
 def test_speculating_aggregated_requests_give_the_offline_tokens(model):
     """With MTP drafts: the greedy requests get the offline tokens of one token a step; the sampled one as
     many tokens (its draws depend on the drafts, which depend on the batch)."""
-    config = DecodeConfig(page_size=PAGE, num_pages=32, max_prefill_chunk=4, num_speculative_tokens=2)
+    config = DecodeConfig(
+        page_size=PAGE, num_pages=32, max_prefill_chunk=4, num_speculative_tokens=2
+    )
     decode = DecodeWorker("d0", model, config)
     for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
         decode.add_request(DecodeRequest(f"r{i}", prompt, params))
