@@ -61,6 +61,11 @@ def main() -> None:
         "--batch-invariant", action="store_true",
         help="batch-invariant kernels: greedy outputs with drafts must equal K = 0's, request by request",
     )  # fmt: skip
+    parser.add_argument(
+        "--verify-steps", action="store_true",
+        help="also time the verify step alone: a decode step of K + 1 rows a request (no MTP pass) "
+        "against one of one row a request, CUDA graphs, median of 20",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.batch_invariant:
         from pdserve import kernels
@@ -97,6 +102,8 @@ def main() -> None:
                 lines.append(row(model, args, batch, f"{k} auto" if auto else k, result, base))
                 print(lines[-1], flush=True)
                 _empty()
+    if args.verify_steps:
+        lines += verify_steps(model, args, [int(b) for b in args.batch.split(",")], drafts)
     text = "\n".join(lines)
     print(text)
     if os.environ.get("OUT"):
@@ -165,6 +172,47 @@ def run(model, args, prompts, num_drafts: int, base: dict | None, auto: bool = F
         "outputs": outputs, "decode_s": decode_s, "steps": decode_steps,
         "tpot_s": decode_s / (args.tokens - 1), "drafted": drafted, "accepted": accepted,
     }  # fmt: skip
+
+
+def verify_steps(model, args, batches: list[int], drafts: list[int]) -> list[str]:
+    """The verify step's time (K + 1 rows a request at consecutive positions, as a verify group runs) against
+    a plain step's, through `ModelRunner.execute` with no MTP pass."""
+    import statistics
+
+    from pdserve.engine.pages import pages_needed
+    from pdserve.engine.runner import ModelRunner
+    from pdserve.engine.step import DecodeRow, RankStep, SampleSpec, StepPlan
+
+    out = ["", "| batch | K | verify step | plain step | ratio |", "|---|---|---|---|---|"]
+    greedy = SampleSpec(0.0, 1.0, -1, 0.0, 0, 0)
+    for batch in batches:
+        per = pages_needed(args.context + 2 * max(drafts) + 2, args.page_size)
+        _runners.clear()
+        _empty()
+        runner = ModelRunner(model, args.page_size, batch * per, cuda_graphs=not args.eager)
+        tables = [list(range(b * per, (b + 1) * per)) for b in range(batch)]
+        times: dict[int, float] = {}
+        for k in drafts:
+            rows = [
+                DecodeRow(str(b), 5, args.context + j, tables[b], greedy, k if j == 0 else 0)
+                for b in range(batch) for j in range(k + 1)
+            ]  # fmt: skip
+            plan = StepPlan(0, [RankStep(decode=rows)])
+            samples = []
+            for step in range(25):
+                _sync()
+                start = time.perf_counter()
+                runner.execute(plan)
+                _sync()
+                if step >= 5:
+                    samples.append(time.perf_counter() - start)
+            times[k] = statistics.median(samples)
+            out.append(
+                f"| {batch} | {k} | {1e3 * times[k]:.2f} ms | {1e3 * times[drafts[0]]:.2f} ms | "
+                f"{times[k] / times[drafts[0]]:.2f}x |"
+            )
+        runner.close()
+    return out
 
 
 _runners: dict = {}
