@@ -149,13 +149,15 @@ def test_ranks_exit_when_their_driver_is_killed(channel):
     finally:
         driver.kill()
         driver.wait()
-    deadline = time.monotonic() + 10
+    # a rank notices within a poll or a failed receive; its exit (torch's teardown) runs at the niceness the
+    # test suite gives CPU-bound tests, behind the other workers' load
+    deadline = time.monotonic() + 30
     while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     left = [p for p in pids if not _gone(p)]
     for p in left:
         os.kill(p, signal.SIGKILL)
-    assert not left, f"ranks {left} outlived their killed driver by 10 s"
+    assert not left, f"ranks {left} outlived their killed driver by 30 s"
 
 
 def test_handler_error_names_the_rank_and_its_traceback():
