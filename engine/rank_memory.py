@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from pdserve.engine.step import MAX_GRAPH_ROWS
 from pdserve.model.args import QUANT_BLOCK, ModelArgs
 from pdserve.model.errors import ConfigError
 from pdserve.model.parallel import WorkerLayout, rows_per_rank
@@ -151,16 +152,27 @@ def reserve_bytes_per_rank(
     }
 
 
-def worker_reserve_bytes(model, max_num_batched_tokens: int, max_running: int | None) -> int:
+def worker_reserve_bytes(
+    model, max_num_batched_tokens: int, max_running: int | None, num_drafts: int = 0
+) -> int:
     """`reserve_bytes_per_rank` summed for a loaded model (`Transformer`, its `ParallelLayout`) and a role's step
     bounds: what a rank leaves free beside its KV cache at startup, so that the cache `pdserve plan` prints is
     the one the worker takes and the largest step still finds its activations and exchange buffers. A decode
     worker's `max_running` is shared by its data-parallel ranks; a prefill worker has no running batch (None),
-    and its logits rows are counted as `pdserve plan`'s default of 256."""
+    and its logits rows are counted as `pdserve plan`'s default of 256. A worker that speculates
+    (`num_drafts`) runs its requests' drafts as rows too (up to `MAX_GRAPH_ROWS`) and keeps, per request, the
+    draft distributions of its sampled requests twice over (the draft graphs' output and the runner's copy:
+    fp32 [num_drafts, vocab] each)."""
     layout = model.layout.worker
     rows = 256 if max_running is None else rows_per_rank(max_running, layout.attention_dp_size)
+    requests = rows
+    if num_drafts:
+        rows = max(rows, min(MAX_GRAPH_ROWS, rows * (1 + num_drafts)))
     step_tokens = max(max_num_batched_tokens, rows)
-    return sum(reserve_bytes_per_rank(model.args, model.dtype, layout, step_tokens, rows).values())
+    spec = 2 * num_drafts * min(requests, MAX_GRAPH_ROWS) * model.args.vocab_size * 4
+    return spec + sum(
+        reserve_bytes_per_rank(model.args, model.dtype, layout, step_tokens, rows).values()
+    )
 
 
 @functools.lru_cache(maxsize=4)

@@ -95,7 +95,10 @@ class Worker:
                 cuda_graphs=cuda_graphs,
                 kv_cache_dtype=kv_cache_dtype,
                 reserve_bytes=worker_reserve_bytes(
-                    model, config.max_num_batched_tokens, getattr(config, "max_running", None)
+                    model,
+                    config.max_num_batched_tokens,
+                    getattr(config, "max_running", None),
+                    getattr(config, "num_speculative_tokens", 0),
                 ),
             )
         else:

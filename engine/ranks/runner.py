@@ -66,7 +66,7 @@ def make_rank_runner(
     load_format: str = "safetensors", kernel_backend: str | None = None,
     batch_invariant: bool | None = None, kv: dict[str, Any] | None = None, cuda_graphs: bool = False,
     max_num_batched_tokens: int = 8192, max_running: int | None = None,
-    layout_options: dict[str, Any] | None = None,
+    layout_options: dict[str, Any] | None = None, num_drafts: int = 0,
 ) -> RankRunner:  # fmt: skip
     """Loads rank `ctx.rank`'s shard of the model under `WorkerLayout(**layout)` (with `ParallelLayout`'s
     `layout_options`, such as its exchange; None: its defaults) over the group the rank joined and builds its
@@ -88,7 +88,7 @@ def make_rank_runner(
             log.warning(
                 "decode steps run without CUDA graphs: the all-to-all exchange syncs the host"
             )
-        reserve = worker_reserve_bytes(model, max_num_batched_tokens, max_running)
+        reserve = worker_reserve_bytes(model, max_num_batched_tokens, max_running, num_drafts)
         sized = ModelRunner.sized(
             model, page_size, num_pages, gpu_memory_fraction, cpu_cache_bytes,
             cuda_graphs=graphs, kv_cache_dtype=kv_cache_dtype, rank=ctx.rank,
@@ -141,6 +141,7 @@ def start_rank_group(
             "cuda_graphs": getattr(config, "cuda_graphs", False),
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "max_running": getattr(config, "max_running", None),
+            "num_drafts": getattr(config, "num_speculative_tokens", 0),
         },
     )  # fmt: skip
     group_config = RankGroupConfig(

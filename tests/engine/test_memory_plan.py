@@ -260,6 +260,10 @@ def test_startup_keeps_the_plans_reserve_free(layout, monkeypatch):
         PlanSettings(gpu_memory_gib=80, max_num_batched_tokens=8192, max_running=512),
     )  # fmt: skip
     assert reserve == plan.total_reserve_bytes > 4 * GIB
+    # speculating, a rank also keeps its sampled requests' draft distributions (twice, fp32)
+    spec = worker_reserve_bytes(model, 8192, 512, num_drafts=3)
+    requests = min(512 // layout.attention_dp_size, 256)
+    assert spec - reserve >= 2 * 3 * requests * args.vocab_size * 4
     kv = KVCacheLayout.for_model(args, 64, torch.bfloat16, 1)
     total, in_use = 80 * GIB, plan.total_weight_bytes + GIB // 2  # the weights and a CUDA context
     free = total - in_use
