@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 
 import pytest
 
@@ -82,6 +83,11 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     # Ray starts its worker processes (our prefill and decode actors) at niceness 15 unless told otherwise: at 0
     # they keep the priority of the tests that start them over the CPU-bound tests beside them.
     os.environ.setdefault("RAY_worker_niceness", "0")
+    # Four workers share the CI machine's two cores: a worker's torch computes on one thread (more only
+    # contend, and OpenMP's spinning waits burn the cores the other workers need); what it starts inherits it.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
 
 
 def _renice(value: int) -> None:
