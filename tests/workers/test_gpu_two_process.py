@@ -113,3 +113,39 @@ def test_nccl_two_gpu_outputs_match_single_gpu(model_dir, monkeypatch):
     finally:
         p.stop()
         d.stop()
+
+
+def test_nccl_two_gpu_speculative_outputs_match_single_gpu(tmp_path_factory, monkeypatch):
+    """MTP speculation across the two GPUs (the tiny model, which has an MTP module): the prefill worker fills
+    the MTP cache layer and sends a draft with the first token, the decode worker verifies K = 2 drafts a step
+    with its graphs; every greedy stream equals the single-process path's, in batch-invariant mode."""
+    from pdserve.model.random_checkpoint import make_checkpoint
+
+    monkeypatch.setenv("PDSERVE_BATCH_INVARIANT", "1")
+    tiny = make_checkpoint(tmp_path_factory.mktemp("ck") / "tiny", "tiny", dtype="bf16")
+    g = torch.Generator().manual_seed(5)
+    work = {
+        f"s{i}": [0, *torch.randint(3, 1000, (int(n),), generator=g).tolist()]
+        for i, n in enumerate(torch.randint(1, 200, (12,), generator=g))
+    }
+    model = load_model(tiny, "cuda:0", torch.bfloat16, progress=False)
+    expected = {k: reference(model, p) for k, p in work.items()}
+    del model
+    torch.cuda.empty_cache()
+    kv = KVTransferConfig(store_port=free_port(), timeout_s=60)
+    spec = {"num_speculative_tokens": 2, "gpu_memory_fraction": 0.3}
+    d = WorkerProcess("decode", "d0", tiny, DecodeConfig(speculative_min_acceptance=0.0, **spec),
+                      kv, True, device="cuda:1", dtype="bfloat16")  # fmt: skip
+    p = WorkerProcess("prefill", "p0", tiny, PrefillConfig(**spec), kv, device="cuda:0",
+                      dtype="bfloat16")  # fmt: skip
+    try:
+        router = MiniRouter(d, "d0", p, "p0")
+        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+        for request_id, prompt in work.items():
+            router.submit(request_id, prompt, params)
+        for request_id, result in router.run_until_done(300).items():
+            check(request_id, result, expected[request_id])
+        assert p.stats().pages_used == 0 and d.stats().pages_used == 0
+    finally:
+        p.stop()
+        d.stop()
