@@ -270,3 +270,22 @@ def test_penalized_greedy_follows_the_formula_and_survives_a_move(model):
     got = drain(decode, ["a", "b"])
     assert got["a"] == (expected, "length")
     assert got["b"] == (expected[3:], "length")
+
+
+def test_speculating_requests_preempted_for_pages_keep_the_offline_tokens(model):
+    """Six greedy requests with MTP drafts in a cache too small for them all (drafts' rows need pages ahead):
+    preempted ones are prefilled again and go on with the tokens of one token a step; every page comes back."""
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompts = [list(range(3 + i, 30 + i)) for i in range(6)]
+    config = DecodeConfig(
+        page_size=PAGE, num_pages=60, max_prefill_chunk=16, num_speculative_tokens=2,
+        speculative_min_acceptance=0.0,
+    )  # fmt: skip
+    decode = DecodeWorker("d0", model, config)
+    for i, prompt in enumerate(prompts):
+        decode.add_request(DecodeRequest(f"r{i}", prompt, params))
+    got = drain(decode, [f"r{i}" for i in range(6)])
+    want = OfflineGenerator(model, PAGE)
+    for i, prompt in enumerate(prompts):
+        assert got[f"r{i}"][0] == want.generate(prompt, params).token_ids, i
+    assert decode.scheduler.num_preemptions > 0 and decode.num_used_pages == 0
