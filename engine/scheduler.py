@@ -12,7 +12,11 @@ path). A step is `schedule()` -> `StepPlan` -> the runner's `RankResult`s -> `fi
   generated so far, a decode-only one is handed back to the router), or is preempted itself; in batch-invariant
   mode a request that comes back with generated tokens prefills its prompt and replays those tokens as decode
   rows (`replay_generated`);
-- after the step, sampled tokens are appended and the stop rules applied.
+- with speculation (`num_drafts`), a running request's drafts from the step before run as rows after its token
+  (a verify group), as many as `SpecPolicy` lets the step draft and its rank has rows for; its pages cover the
+  drafts' rows and the MTP chain's positions ahead of its tokens (`lookahead`);
+- after the step, sampled tokens are appended (a verify group's kept tokens, up to the first that stops it) and
+  the stop rules applied.
 
 Pages freed while a step is in flight (an abort from another thread) are held back until `finish_step`, since
 the step's forward passes may still write them.
