@@ -22,7 +22,7 @@ import torch
 from pdserve.engine.cuda_graphs import BATCH_BUCKETS, DecodeGraphs
 from pdserve.engine.speculative import DRAFT_STREAM
 from pdserve.engine.step import MAX_GRAPH_ROWS, SampleSpec
-from pdserve.kernels.sampling.ref import kept_probs, race
+from pdserve.kernels.sampling.ref import sample_with_distribution
 from pdserve.model.batch import ForwardBatch
 from pdserve.model.deepseek import Transformer
 from pdserve.model.kv_cache import PagedKVCache
@@ -162,16 +162,14 @@ class DraftGraphs:
                     )  # fmt: skip
                     x = self.model.mtp_forward(module, x, drafts[-1], chain, self.cache)
                 logits = self.model.mtp_head(module, x)  # [N, V]
-                greedy = logits.argmax(-1)
-                if sampled:
-                    p, keep = kept_probs(logits, g.temperature, g.top_k, g.top_p, g.min_p)
-                    q = torch.where(keep, p, 0.0)
-                    q = q / q.sum(-1, keepdim=True)
-                    drawn = race(q, g.seeds, g.steps + depth)
-                    drafts.append(torch.where(g.temperature > 0, drawn, greedy))
+                if sampled:  # `draft_tokens`' draws
+                    drawn, q = sample_with_distribution(
+                        logits, g.temperature, g.top_k, g.top_p, g.min_p, g.seeds, g.steps + depth
+                    )
+                    drafts.append(drawn)
                     probs.append(q)
                 else:
-                    drafts.append(greedy)
+                    drafts.append(logits.argmax(-1))
             g.drafts.copy_(torch.stack(drafts))
             if probs:
                 g.probs.copy_(torch.stack(probs))

@@ -27,7 +27,12 @@ import torch
 from pdserve.engine.sampler import PenaltyCounts, ban, sample_tokens, token_logprobs
 from pdserve.engine.sampling_params import TokenLogprobs
 from pdserve.engine.step import MAX_DRAFTS, NO_LOGPROBS, DecodeRow, SampleSpec
-from pdserve.kernels.sampling.ref import kept_probs, race, uniform_noise
+from pdserve.kernels.sampling.ref import (
+    kept_distribution,
+    race,
+    sample_with_distribution,
+    uniform_noise,
+)
 
 DRAFT_STREAM = 0x2545F4914F6CDD1D
 _ACCEPT_STREAM = 0x1B87359385EBCA6B
@@ -48,18 +53,19 @@ def _col(values, dtype, device) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
-def _kept(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
-    """Each row's sampling distribution [N, V] fp32 (kept probabilities, renormalized)."""
-    device = logits.device
-    probs, keep = kept_probs(
-        logits,
+def _fields(specs: Sequence[SampleSpec], device) -> tuple[torch.Tensor, ...]:
+    """The rows' temperature, top_k, top_p and min_p as columns on `device`."""
+    return (
         _col([s.temperature for s in specs], torch.float32, device),
         _col([s.top_k for s in specs], torch.int32, device),
         _col([s.top_p for s in specs], torch.float32, device),
         _col([s.min_p for s in specs], torch.float32, device),
     )
-    kept = torch.where(keep, probs, 0.0)
-    return kept / kept.sum(-1, keepdim=True)
+
+
+def _kept(logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
+    """Each row's sampling distribution [N, V] fp32 (kept probabilities, renormalized)."""
+    return kept_distribution(logits, *_fields(specs, logits.device))
 
 
 def draft_tokens(
@@ -70,15 +76,14 @@ def draft_tokens(
     with the draft stream's noise of (seed, `steps[i]`, the step of the token it proposes). Returns the
     tokens and the draft distributions q [N, V] (rows of greedy requests unused), None when every row is
     greedy."""
-    greedy = logits.argmax(-1)
     if all(s.temperature <= 0 for s in specs):
-        return greedy.tolist(), None
-    q = _kept(logits, specs)
+        return logits.argmax(-1).tolist(), None
     device = logits.device
     seeds = _col([(s.seed ^ DRAFT_STREAM) for s in specs], torch.int64, device)
-    drawn = race(q, seeds, _col(list(steps), torch.int64, device))
-    hot = _col([s.temperature > 0 for s in specs], torch.bool, device)
-    return torch.where(hot, drawn, greedy).tolist(), q
+    drafts, q = sample_with_distribution(
+        logits, *_fields(specs, device), seeds, _col(list(steps), torch.int64, device)
+    )
+    return drafts.tolist(), q
 
 
 class DraftProbs:

@@ -61,6 +61,37 @@ def kept_probs(
     return probs, keep
 
 
+def kept_distribution(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """The distribution a sampled row draws from [B, V] fp32: `kept_probs` restricted and renormalized."""
+    probs, keep = kept_probs(logits, temperature, top_k, top_p, min_p)
+    kept = torch.where(keep, probs, 0.0)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def sample_with_distribution(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample`'s token ids [B] and the kept distribution they were drawn from [B, V] (`kept_distribution`;
+    a greedy row's is computed and unused)."""
+    probs, keep = kept_probs(logits, temperature, top_k, top_p, min_p)
+    kept = torch.where(keep, probs, 0.0)
+    sampled_ids = race(kept, seeds, steps)
+    greedy_ids = logits.float().argmax(-1)
+    return torch.where(temperature <= 0, greedy_ids, sampled_ids), kept / kept.sum(-1, keepdim=True)
+
+
 def race(weights: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """Draws token ids [B] from the rows of `weights` [B, V] (nonnegative, not necessarily normalized; a row
     needs one positive weight) by the exponential race over the noise of (seed, step): the draw `sample` makes
@@ -82,7 +113,4 @@ def sample(
 
     Returns token ids [B] int64.
     """
-    greedy_ids = logits.float().argmax(-1)
-    probs, keep = kept_probs(logits, temperature, top_k, top_p, min_p)
-    sampled_ids = race(torch.where(keep, probs, 0.0), seeds, steps)
-    return torch.where(temperature <= 0, greedy_ids, sampled_ids)
+    return sample_with_distribution(logits, temperature, top_k, top_p, min_p, seeds, steps)[0]
