@@ -319,10 +319,6 @@ def cmd_offline(args: argparse.Namespace) -> int:
         )  # fmt: skip
         if not 0 <= args.speculative_tokens <= 4:
             raise PdserveError(f"--speculative-tokens {args.speculative_tokens}: must be in [0, 4]")
-        if args.speculative_tokens and model.num_mtp == 0:
-            raise PdserveError(
-                f"--speculative-tokens {args.speculative_tokens}: {args.model} has no MTP module"
-            )
         generator = OfflineGenerator(
             model, args.page_size, args.prefill_chunk, args.kv_cache_dtype, args.speculative_tokens
         )

@@ -23,6 +23,7 @@ import queue
 import time
 
 from pdserve import kernels
+from pdserve.engine.drafter import check_speculation
 from pdserve.engine.messages import (
     DecodeRequest,
     DecodeStats,
@@ -35,7 +36,7 @@ from pdserve.engine.ranks.kv import RankKVControl, rank_endpoint
 from pdserve.engine.request import Policy, Request, RequestState
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.spec_policy import SpecPolicy
-from pdserve.engine.worker import Worker, check_speculation
+from pdserve.engine.worker import Worker
 from pdserve.kvtransfer import ExpectedTransfer, KVReceiver, MakeReceiver, TransferResult
 from pdserve.model.deepseek import Transformer
 from pdserve.model.errors import TransferError

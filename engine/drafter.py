@@ -27,6 +27,7 @@ from pdserve.engine.speculative import DraftProbs, Verified, draft_tokens, verif
 from pdserve.engine.step import DecodeRow, PrefillRow, SampleSpec
 from pdserve.model.batch import SeqChunk, build_forward_batch
 from pdserve.model.deepseek import Transformer
+from pdserve.model.errors import ConfigError
 from pdserve.model.kv_cache import PagedKVCache
 
 
@@ -38,10 +39,19 @@ class Drafts:
     """Per request that got drafts: their draft distributions [k, V] (None for a greedy request)."""
 
 
+def check_speculation(model: Transformer, num_drafts: int) -> int:
+    """`num_drafts`; raises ConfigError where it asks for speculation from a model without an MTP module."""
+    if num_drafts and model.num_mtp == 0:
+        raise ConfigError(
+            f"num_speculative_tokens={num_drafts}: speculation drafts with the checkpoint's MTP module, and "
+            "this checkpoint has none (num_nextn_predict_layers=0 or no MTP tensors)"
+        )
+    return num_drafts
+
+
 class MTPDrafter:
     def __init__(self, model: Transformer, cache: PagedKVCache):
-        if model.num_mtp == 0:
-            raise ValueError("speculation needs the checkpoint's MTP module; this model has none")
+        check_speculation(model, 1)
         self.model, self.cache = model, cache
         self.page_size = cache.layout.page_size
         self.device = cache.device

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from pdserve.engine.checks import check_context, check_token_ids
-from pdserve.engine.drafter import MTPDrafter
+from pdserve.engine.drafter import MTPDrafter, check_speculation
 from pdserve.engine.pages import PageAllocator, pages_needed
 from pdserve.engine.request import Policy, Request, RequestState
 from pdserve.engine.runner import ModelRunner
@@ -45,11 +45,7 @@ class OfflineGenerator:
         """prefill_chunk: prefill the prompt this many tokens per step (None: all at once); num_drafts: the
         MTP module's draft tokens a step (0: one token a step); drafter: makes the runner's drafter from the
         model and its cache (tests and benchmarks: `OracleDrafter`)."""
-        if num_drafts and model.num_mtp == 0:
-            raise ValueError(
-                f"num_drafts={num_drafts}: speculation needs the checkpoint's MTP module, which this "
-                "model has none of"
-            )
+        check_speculation(model, num_drafts)
         self.model, self.page_size, self.prefill_chunk = model, page_size, prefill_chunk
         self.num_drafts, self.drafter = num_drafts, drafter
         resolve_cache_dtype(

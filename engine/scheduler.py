@@ -42,11 +42,11 @@ from collections.abc import Collection, Sequence
 
 from pdserve.engine.checks import check_context, check_pages, check_token_ids
 from pdserve.engine.chunking import plan_prefill_chunks
-from pdserve.engine.messages import RequestOutput, SpecCounts, StageTimes
+from pdserve.engine.messages import RequestOutput, StageTimes
 from pdserve.engine.pages import PageAllocator, pages_needed
 from pdserve.engine.request import Policy, Request, RequestState, stage_times, think_state
 from pdserve.engine.sampling_params import FinishReason, TokenLogprobs, check_stop
-from pdserve.engine.spec_policy import SpecPolicy
+from pdserve.engine.spec_policy import SpecPolicy, SpecStats
 from pdserve.engine.step import (
     MAX_DRAFTS,
     MAX_GRAPH_ROWS,
@@ -71,34 +71,6 @@ class StepOutcome:
     to_send: list[tuple[Request, int, TokenLogprobs | None]]
     """PREFILL_ONLY requests whose prefill ended this step, with their first token (and its log-probabilities
     where the request asked for them): the role exports their KV and then calls `release` (or `abort`)."""
-
-
-@dataclasses.dataclass(slots=True)
-class SpecStats:
-    """Speculation's counts since start (Prometheus counters): decode steps of a request that verified drafts
-    (vLLM's `num_drafts`), drafts verified, drafts accepted, and per draft position the drafts accepted
-    there. `num_drafts` here is the drafts a step proposes (the positions)."""
-
-    num_drafts: int
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.accepted_per_position = [0] * self.num_drafts
-
-    def count(self, drafted: int, accepted: int) -> None:
-        """One request's verify group: `drafted` drafts verified, its first `accepted` of them accepted."""
-        self.steps += 1
-        self.drafted += drafted
-        self.accepted += accepted
-        for i in range(accepted):
-            self.accepted_per_position[i] += 1
-
-    def totals(self) -> SpecCounts | None:
-        """The counts as a `SpecCounts` (`steps` the verifying steps); None where nothing speculates."""
-        return SpecCounts(self.drafted, self.accepted, self.steps) if self.num_drafts else None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

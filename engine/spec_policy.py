@@ -1,5 +1,5 @@
 """When a speculating worker drafts: `SpecPolicy` picks each step's draft count, 0 where drafting costs more than
-it gives. Pure Python (no torch).
+it gives; `SpecStats` counts what its steps verified. Pure Python (no torch).
 
 A step verifies drafts only while every data-parallel rank runs at most `max_batch` requests (past it the
 verify rows and draft passes cost more than the tokens they add, as measured) and while the acceptance measured
@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["SpecPolicy"]
+from pdserve.engine.messages import SpecCounts
+
+__all__ = ["SpecPolicy", "SpecStats"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -58,3 +60,31 @@ class SpecPolicy:
             self.acceptance = rate
         else:
             self.acceptance += self.smoothing * (rate - self.acceptance)
+
+
+@dataclasses.dataclass(slots=True)
+class SpecStats:
+    """Speculation's counts since start (Prometheus counters): decode steps of a request that verified drafts
+    (vLLM's `num_drafts`), drafts verified, drafts accepted, and per draft position the drafts accepted
+    there. `num_drafts` here is the drafts a step proposes (the positions)."""
+
+    num_drafts: int
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_position = [0] * self.num_drafts
+
+    def count(self, drafted: int, accepted: int) -> None:
+        """One request's verify group: `drafted` drafts verified, its first `accepted` of them accepted."""
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    def totals(self) -> SpecCounts | None:
+        """The counts as a `SpecCounts` (`steps` the verifying steps); None where nothing speculates."""
+        return SpecCounts(self.drafted, self.accepted, self.steps) if self.num_drafts else None

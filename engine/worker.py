@@ -28,7 +28,7 @@ from pdserve.engine.scheduler import Scheduler, StepOutcome
 from pdserve.engine.step import RankResult, StepPlan
 from pdserve.engine.warm_up import warm_up_plans
 from pdserve.model.deepseek import Transformer
-from pdserve.model.errors import ConfigError, PdserveError
+from pdserve.model.errors import PdserveError
 
 logger = logging.getLogger(__name__)
 
@@ -47,16 +47,6 @@ def plan_shape(plan: StepPlan) -> str:
             parts.append(f"... {len(plan.ranks) - 4} more ranks")
             break
     return "; ".join(parts)
-
-
-def check_speculation(model: Transformer, num_drafts: int) -> int:
-    """`num_drafts`; raises ConfigError where it asks for speculation from a model without an MTP module."""
-    if num_drafts and model.num_mtp == 0:
-        raise ConfigError(
-            f"num_speculative_tokens={num_drafts}: speculation drafts with the checkpoint's MTP module, and "
-            "this checkpoint has none (num_nextn_predict_layers=0 or no MTP tensors)"
-        )
-    return num_drafts
 
 
 class RanksFailedError(PdserveError):

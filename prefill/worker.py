@@ -17,12 +17,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve import kernels
+from pdserve.engine.drafter import check_speculation
 from pdserve.engine.messages import PrefillFailure, PrefillHandoff, PrefillRequest, PrefillStats
 from pdserve.engine.ranks.group import RankGroup
 from pdserve.engine.request import Policy, Request, RequestState, stage_times
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling_params import TokenLogprobs
-from pdserve.engine.worker import Worker, check_speculation
+from pdserve.engine.worker import Worker
 from pdserve.kvtransfer import KVSender
 from pdserve.model.deepseek import Transformer
 from pdserve.model.errors import ConfigError, PdserveError
