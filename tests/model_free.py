@@ -278,7 +278,7 @@ def decode_worker(
 
 
 def pump(
-    workers: list, until: Callable[[], bool], timeout_s: float = 2.0, what: str = "the condition"
+    workers: list, until: Callable[[], bool], timeout_s: float = 10.0, what: str = "the condition"
 ) -> None:
     """Steps `workers` (each `step()`) until `until()` holds; fails after `timeout_s`. Waits a little between
     rounds when no worker had work (sends and deadlines run on their own clocks)."""

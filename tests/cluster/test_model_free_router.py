@@ -27,7 +27,12 @@ from pdserve.cluster.router import Router
 from pdserve.engine.request import RequestState
 from pdserve.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.timed
+
 PROMPT = list(range(3, 14))
+HANG_S = 10.0
+"""How long a wait may take before the test calls it a hang: far above what any takes unloaded (milliseconds), as a
+loaded CI machine may hold a thread for seconds."""
 
 
 class Cluster:
@@ -40,7 +45,7 @@ class Cluster:
         """kv_wait_timeout_s: d0's, d1's; prefills: 0 or 1 (p0)."""
         self.hub = FaultyHub()
         self.router = Router(
-            RouterConfig(poll_timeout_s=0.02, admission_timeout_s=2.0, migration_limit=2)
+            RouterConfig(poll_timeout_s=0.02, admission_timeout_s=HANG_S, migration_limit=2)
         )
         self.lost: list[str] = []
         self.router.on_worker_lost = lambda w, reason, state: self.lost.append(w.worker_id)
@@ -69,7 +74,7 @@ class Cluster:
     def worker(self, worker_id: str):
         return self.actors[worker_id].worker
 
-    async def settle(self, timeout_s: float = 1.0) -> None:
+    async def settle(self, timeout_s: float = HANG_S) -> None:
         """Waits until every worker still up holds no request and no page."""
         give_up = time.monotonic() + timeout_s
         while True:
@@ -89,7 +94,7 @@ class Cluster:
             actor.stop()
 
 
-async def until(condition, what: str, timeout_s: float = 2.0) -> None:
+async def until(condition, what: str, timeout_s: float = HANG_S) -> None:
     give_up = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < give_up, f"{what} did not happen within {timeout_s:g}s"
@@ -121,7 +126,7 @@ def run(test, **cluster):
         c = Cluster(**cluster)
         c.start()
         try:
-            await asyncio.wait_for(test(c), 10)
+            await asyncio.wait_for(test(c), 3 * HANG_S)
         finally:
             await c.close()
 
