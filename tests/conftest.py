@@ -31,6 +31,12 @@ except ImportError:  # pragma: no cover
 if _CUDA_DEVICES == 0:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The project root holds the `pdserve` package's subpackages (kernels, model, engine, ...), installed under
+# `pdserve.`; on sys.path (`python -m pytest` puts the working directory there) they would shadow installed
+# distributions of the same top-level names, e.g. HF `kernels`, which transformers imports.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
+
 
 GPU_SWEEP_REASON = (
     "shape sweep: runs where CUDA is present; on CPU a smaller case takes its code path"
