@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing as mp
 import threading
 from typing import Any
 
-_CTX = mp.get_context("spawn")
+from pdserve.engine.ranks.group import rank_process_context
+
+_CTX = rank_process_context()  # forked from a server that imported torch once
 
 
 def _serve(
