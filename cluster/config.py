@@ -183,9 +183,10 @@ class RouterConfig:
     role are not replaced and `pdserve status` says why. 0: never replace."""
     restart_window_s: float = 600.0
     """The window of max_restarts, in seconds."""
-    heartbeat_timeout_s: float = 30.0
-    """A worker that answers no stats call (sent every second) for this long is declared lost, killed and
-    replaced."""
+    heartbeat_timeout_s: float = 3.0
+    """A worker silent (no answer to its stats call, sent every second, or its long-poll) this long past the
+    deadline of the step it runs, or reporting a step that runs this long past it, is declared lost, killed and
+    replaced. A step's deadline scales with the step: 4x what the worker's measured speed makes it take."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

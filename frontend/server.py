@@ -236,6 +236,7 @@ class PdServer:
         self.serving = True
         await self._set_health(True)
         self._tasks.append(asyncio.create_task(self._refresh_loop(), name="stats"))
+        self._tasks.append(asyncio.create_task(self.supervisor.watch(), name="heartbeats"))
         self._log_summary(gpus)
 
     async def _start_grpc(self) -> None:
@@ -347,8 +348,8 @@ class PdServer:
 
     async def refresh_stats(self) -> float:
         """Fetches every worker's stats (bounded wait); they steer admission and feed status and logs. The
-        answers are the workers' heartbeats: a dead actor, or one silent for router.heartbeat_timeout_s, is
-        declared lost. Returns `output_tokens_per_s`."""
+        answers are heartbeats, and tell the step each worker runs (`Supervisor.watch` declares stalled ones
+        lost); a dead actor is lost at once. Returns `output_tokens_per_s`."""
         workers = [w for w in self.router.workers.values() if w.state != WorkerState.DEAD]
         calls = [asyncio.wait_for(w.actor.stats.remote(), _STATS_TIMEOUT_S) for w in workers]
         for w, result in zip(
@@ -364,7 +365,6 @@ class PdServer:
                 result, ray.exceptions.ActorDiedError
             ):  # unreachable: the heartbeat tells
                 self.router.worker_lost(w, str(result).splitlines()[0])
-        self.supervisor.check_heartbeats()
         now, tokens = time.monotonic(), self.router.num_output_tokens
         then, before = self._rate
         if now - then >= _REFRESH_S:

@@ -1,0 +1,83 @@
+"""`StepTimer`: how long a worker's current step has run and how long it is expected to take, so that the router
+can tell a stalled worker from one running a long step (a long prefill chunk is not a hang).
+
+A step's work is the tokens it computes (prompt chunk tokens plus each decode row's token and drafts). Steps are
+kept in buckets of work by powers of two, each holding the slowest seconds per token measured there lately: a
+decayed maximum, so that one slow step (a machine busy for a moment) raises it at once and it comes down over the
+following steps of that bucket. A step's expectation is its work times its bucket's seconds per token; for a
+bucket not measured yet, that of the nearest smaller one (seconds per token fall as steps grow: the fixed cost of
+a step spreads over more tokens), else the time of the smallest step of the nearest larger one. So it errs long,
+never short. Before any step has been measured the expectation is unknown (0.0)."""
+
+from __future__ import annotations
+
+import time
+
+from pdserve.engine.step import StepPlan
+
+DECAY = 0.98
+"""Per measured step of a bucket, how much of its slowest seconds per token so far is kept."""
+
+
+def step_work(plan: StepPlan) -> int:
+    """Tokens the plan computes on its busiest rank (ranks run side by side): prompt chunk tokens, and each
+    decode row's token with its drafts."""
+    return max(
+        (
+            sum(len(r.token_ids) for r in step.prefill) + sum(1 + r.drafts for r in step.decode)
+            for step in plan.ranks
+        ),
+        default=0,
+    )
+
+
+class StepTimer:
+    """Written by the worker's loop thread (`started`, `finished`), read by any thread (`current`). One
+    attribute holds the step in flight, replaced whole, so a reader never sees half an update."""
+
+    def __init__(self) -> None:
+        self.seconds_per_token: dict[int, float] = {}
+        """Per bucket (the work's bit length: bucket b holds 2**(b-1) to 2**b - 1 tokens), the decayed
+        maximum of measured seconds per token."""
+        self._current: tuple[float, float] | None = None
+        """The step in flight: (its start on time.monotonic(), its expected seconds)."""
+
+    def expected_s(self, work: int) -> float:
+        """Seconds a step of `work` tokens is expected to take (0.0: unknown)."""
+        if work <= 0:
+            return 0.0
+        bucket = work.bit_length()
+        below = [b for b in self.seconds_per_token if b <= bucket]
+        if below:
+            return work * self.seconds_per_token[max(below)]
+        above = min(self.seconds_per_token, default=None)
+        if above is None:
+            return 0.0
+        return self.seconds_per_token[above] * (1 << (above - 1))
+
+    def started(self, plan: StepPlan) -> None:
+        self._current = (time.monotonic(), self.expected_s(step_work(plan)))
+
+    def finished(self, plan: StepPlan) -> None:
+        """Ends the step `started` began and folds its speed into the expectation."""
+        if self._current is None:
+            return
+        elapsed = time.monotonic() - self._current[0]
+        self._current = None
+        self.measured(elapsed, step_work(plan))
+
+    def measured(self, elapsed_s: float, work: int) -> None:
+        """Folds one step of `work` tokens that took `elapsed_s` into its bucket."""
+        if work <= 0:
+            return
+        bucket = work.bit_length()
+        kept = DECAY * self.seconds_per_token.get(bucket, 0.0)
+        self.seconds_per_token[bucket] = max(elapsed_s / work, kept)
+
+    def current(self) -> tuple[float, float]:
+        """(seconds the step in flight has run, its expected seconds); (0.0, 0.0) between steps. The expected
+        seconds are 0.0 while nothing has been measured."""
+        current = self._current
+        if current is None:
+            return 0.0, 0.0
+        return time.monotonic() - current[0], current[1]
