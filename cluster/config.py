@@ -253,6 +253,9 @@ class SecurityConfig:
     """PEM private key of tls_cert."""
     tls_client_ca: str | None = None
     """PEM CA bundle: gRPC and HTTP clients must present a certificate it signed (mutual TLS)."""
+    insecure: bool = False
+    """Serve open (no API key, no client certificates) on a --host beyond loopback: refused without this;
+    with it, a WARNING at start-up names each open endpoint."""
 
     def __post_init__(self) -> None:
         for name in ("api_key", "admin_key"):

@@ -1,5 +1,6 @@
 """Who may call the front ends, and over what: the API and admin keys (`Credentials`), their check on every gRPC
-method (`KeyInterceptor`) and HTTP request (`require_key`), and the TLS material of both ports.
+method (`KeyInterceptor`) and HTTP request (`require_key`), the TLS material of both ports, and the refusal to
+listen beyond loopback with no key (`check_exposure`) unless --insecure says so.
 
 Open on purpose, keys or not: gRPC's grpc.health.v1 and HTTP's /health, which load balancers and orchestrators
 probe without credentials (as vLLM leaves /health open); they tell only whether the server is serving. Everything
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import ssl
@@ -110,6 +112,13 @@ class Credentials:
             )
         raise UnauthenticatedError("invalid API key")
 
+    @property
+    def generation_auth(self) -> str:
+        """What a generation call needs, in words (`pdserve status`)."""
+        if self.api is not None:
+            return "API key"
+        return "none" if self.admin is None else "none (the admin key only for Admin)"
+
     def describe(self) -> str:
         """One line for the start-up log."""
         if self.open:
@@ -121,6 +130,47 @@ class Credentials:
             else "Admin refused (no admin key)"
         )
         return f"{api}; {admin}; health open"
+
+
+# Exposure.
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name other than localhost: what it resolves to is not ours to trust
+        return False
+
+
+def check_exposure(host: str, credentials: Credentials, config: SecurityConfig) -> None:
+    """Refuses (ConfigError) to listen on a non-loopback `host` with no API key and no client certificates
+    required (tls_client_ca), unless config.insecure: then the caller warns (`open_doors_warning`)."""
+    if is_loopback(host) or credentials.api is not None or config.tls_client_ca is not None:
+        return
+    if config.insecure:
+        return
+    raise ConfigError(
+        f"--host {host}: listening beyond loopback with no API key would let anyone who reaches this "
+        "address generate (and, with no admin key, scale and drain): set --api-key, "
+        "--security.api-key-file or PDSERVE_API_KEY (or require client certificates: --tls-client-ca), or "
+        "pass --insecure to serve open on purpose"
+    )
+
+
+def open_doors_warning(
+    host: str, credentials: Credentials, config: SecurityConfig, endpoints: list[str]
+) -> str | None:
+    """The WARNING to log once listening (None: nothing open beyond loopback): `endpoints` are what listens on
+    `host`, as `name host:port` lines."""
+    if is_loopback(host) or credentials.api is not None or config.tls_client_ca is not None:
+        return None
+    return (
+        f"--insecure: open to anyone who reaches {host} (no API key, no client certificate): "
+        + "; ".join(endpoints)
+    )
 
 
 # gRPC.

@@ -29,14 +29,18 @@ from pdserve.cluster.scaling import Scaler
 from pdserve.cluster.supervisor import Supervisor
 from pdserve.engine import messages
 from pdserve.engine.messages import DecodeStats, PrefillStats
+from pdserve.frontend.engine_client import EndpointInfo
 from pdserve.frontend.grpc_service import add_servicers, message_limit
 from pdserve.frontend.http_server import HttpFrontEnd
 from pdserve.frontend.ray_engine import RayEngineClient
 from pdserve.frontend.security import (
     Credentials,
     KeyInterceptor,
+    check_exposure,
     grpc_server_credentials,
     http_ssl_options,
+    is_loopback,
+    open_doors_warning,
 )
 from pdserve.frontend.validation import ModelInfo
 from pdserve.kvtransfer import KVTransferConfig
@@ -54,12 +58,14 @@ _IDLE_LOG_S = 60.0
 _STATS_TIMEOUT_S = 5.0
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
+_RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def connect_ray(config: ServeConfig) -> None:
     """Joins the configured Ray cluster (None: RAY_ADDRESS if set, else a new local Ray). A local Ray gets
     logical CPUs for twice the configured pools, so that they can be scaled up even on a machine with fewer
-    cores, and ends with this process, however it ends (`reaper`); no-op when already connected."""
+    cores, runs on loopback (`_loopback_ray`: its node address, so every port it opens, is 127.0.0.1), and ends
+    with this process, however it ends (`reaper`); no-op when already connected."""
     if ray.is_initialized():
         return
     address = config.cluster.ray_address or os.environ.get("RAY_ADDRESS") or "local"
@@ -85,9 +91,30 @@ def connect_ray(config: ServeConfig) -> None:
                 "Ray token authentication is off (%s=%s): whoever reaches Ray's ports can run code here",
                 RAY_AUTH_MODE_ENV, mode,
             )  # fmt: skip
+        _loopback_ray()
     ray.init(
         address=address, num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING
     )
+    if address == "local" and not is_loopback(ray.util.get_node_ip_address()):
+        logger.warning(
+            "the local Ray runs on %s, not loopback: its ports are open to that network (behind its "
+            "token authentication; its autoscaler's metrics port has none)",
+            ray.util.get_node_ip_address(),
+        )
+
+
+def _loopback_ray() -> None:
+    """Makes the Ray that ray.init starts next take loopback as its node address. Ray binds its servers (GCS,
+    raylet, workers, agents) and its autoscaler's Prometheus port (which has no authentication) to loopback
+    when the node address is loopback, and to every interface otherwise. Ray turns a loopback address given to
+    ray.init into the machine's routable one unless it runs as a one-machine Ray, whose switch is
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read when ray is imported: this sets what it sets (and the variable,
+    for the processes Ray starts)."""
+    from ray._private import ray_constants
+
+    os.environ[_RAY_CLUSTER_ENV] = "0"
+    if hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):
+        ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -148,6 +175,35 @@ class PdServer:
         host = self.config.router.host
         return "127.0.0.1" if host in ("0.0.0.0", "::") else host
 
+    def endpoints(self) -> list[EndpointInfo]:
+        """What this server listens on (once started), each with what a caller needs (`pdserve status`)."""
+        config, host = self.config, self.config.router.host
+        tls = "none"
+        if config.security.tls_cert is not None:
+            tls = "mutual TLS" if config.security.tls_client_ca else "TLS"
+        generation = self.credentials.generation_auth
+        if self.credentials.open:
+            admin = "none"
+        else:
+            admin = "admin key" if self.credentials.admin is not None else "refused (no admin key)"
+        found = [EndpointInfo("gRPC", f"{host}:{self.port}", f"{generation}; Admin: {admin}", tls)]
+        if self.http_port:
+            found.append(EndpointInfo("HTTP", f"{host}:{self.http_port}", generation, tls))
+        if self.metrics_port:
+            found.append(EndpointInfo("metrics", f"{host}:{self.metrics_port}", generation, tls))
+        if hasattr(self, "_store"):
+            found.append(EndpointInfo(
+                "KV store", f"{self._store_host}:{self._store.port}",
+                "none (keys under a secret prefix the workers get through Ray)", "none",
+            ))  # fmt: skip
+        if ray.is_initialized():
+            mode = os.environ.get(RAY_AUTH_MODE_ENV, "")
+            auth = (
+                "Ray token" if mode == "token" else f"none ({RAY_AUTH_MODE_ENV}={mode or 'unset'})"
+            )
+            found.append(EndpointInfo("Ray", ray.get_runtime_context().gcs_address, auth, "none"))
+        return found
+
     def _kv_config(self) -> KVTransferConfig:
         """The store address workers get: where it listens (`_host_store`) and the port it got."""
         return dataclasses.replace(
@@ -197,6 +253,7 @@ class PdServer:
             plan_load(self.model_dir)
         self.model = ModelInfo.load(self.model_dir, config.model.path)
         self.credentials = Credentials.resolve(config.security)
+        check_exposure(config.router.host, self.credentials, config.security)
         self._grpc_tls = grpc_server_credentials(config.security)
         self._http_tls = http_ssl_options(config.security)
         check_port_free(config.router.host, config.router.port, "--port")
@@ -222,12 +279,18 @@ class PdServer:
             self.router, self.scaler, self.supervisor, self.model, config.router,
             model_dir=str(self.model_dir), kv_cache_dtype=config.model.kv_cache_dtype,
             started_at=self._started_at, ready=lambda: self.serving,
-            refresh_stats=self.refresh_stats,
+            refresh_stats=self.refresh_stats, endpoints=self.endpoints,
         )  # fmt: skip
         """What both front ends are handed (`EngineClient`)."""
         await self._start_grpc()
         await self._start_http()
         await self._start_metrics()
+        open_doors = open_doors_warning(
+            config.router.host, self.credentials, config.security,
+            [f"{e.name} {e.address}" for e in self.endpoints() if e.auth.startswith("none")],
+        )  # fmt: skip
+        if open_doors:
+            logger.warning("%s", open_doors)
         logger.info(
             "starting %d prefill and %d decode workers (%d GPUs each) for %s",
             config.cluster.num_prefill, config.cluster.num_decode, gpus, self.model_dir,
