@@ -240,13 +240,13 @@ class SecurityConfig:
     `authorization: Bearer KEY` (as OpenAI clients send it). Unset: api_key_file, else env PDSERVE_API_KEY,
     else none (open). A key on the command line shows in `ps`: prefer the file or the environment."""
     api_key_file: str | None = None
-    """File holding the API key (its first line)."""
+    """File holding the API key (its first line; ~ expands)."""
     admin_key: str | None = dataclasses.field(default=None, repr=False)
     """Key the Admin service (status, scale, drain) requires; the API key cannot call it. Unset:
     admin_key_file, else env PDSERVE_ADMIN_KEY, else none: Admin is open when no API key is set either,
     and refused (PERMISSION_DENIED) when one is."""
     admin_key_file: str | None = None
-    """File holding the admin key (its first line)."""
+    """File holding the admin key (its first line; ~ expands)."""
     tls_cert: str | None = None
     """PEM certificate (chain) of the gRPC and HTTP ports; with tls_key, both serve TLS only."""
     tls_key: str | None = None

@@ -42,7 +42,7 @@ def _digest(key: str) -> bytes:
 
 def _read_key(path: str, flag: str) -> str:
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = Path(path).expanduser().read_text().splitlines()
     except OSError as e:
         raise ConfigError(f"{flag} {path}: cannot read ({e.strerror})") from e
     key = lines[0].strip() if lines else ""

@@ -135,10 +135,12 @@ def test_credentials_decide_by_key_and_kind_of_call(monkeypatch):
         Credentials.resolve(SecurityConfig()).check("Bearer other", admin=False)
 
 
-def test_key_files_and_bad_security_config_raise_naming_the_field(tmp_path):
+def test_key_files_and_bad_security_config_raise_naming_the_field(tmp_path, monkeypatch):
     path = tmp_path / "key"
     path.write_text("from-file\nignored\n")
     Credentials.resolve(SecurityConfig(api_key_file=str(path))).check("Bearer from-file", False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # ~ expands, as the example configs write it
+    Credentials.resolve(SecurityConfig(api_key_file="~/key")).check("Bearer from-file", False)
     path.write_text("\n")
     with pytest.raises(ConfigError, match="api-key-file.*empty"):
         Credentials.resolve(SecurityConfig(api_key_file=str(path)))
