@@ -225,6 +225,11 @@ def test_a_stopped_decode_worker_is_lost_past_its_step_deadline(server, client, 
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     assert "no answer" in record.reason and "router.heartbeat_timeout_s" in record.reason
+    (lost,) = [x for x in server.server.supervisor.lost if x.worker.worker_id == victim]
+    heartbeat_timeout_s = server.server.config.router.heartbeat_timeout_s
+    assert (
+        lost.lost_at - stopped < heartbeat_timeout_s + 1.0
+    )  # its decode step's deadline is far shorter
     assert len(workers(client, admin_pb2.ROLE_DECODE)) == 2
     # each stream that was on the stopped worker and not done then got its next tokens from another worker
     resumed = {
