@@ -5,9 +5,10 @@ A step's work is the tokens it computes (prompt chunk tokens plus each decode ro
 kept in buckets of work by powers of two, each holding the slowest seconds per token measured there lately: a
 decayed maximum, so that one slow step (a machine busy for a moment) raises it at once and it comes down over the
 following steps of that bucket. A step's expectation is its work times its bucket's seconds per token; for a
-bucket not measured yet, that of the nearest smaller one (seconds per token fall as steps grow: the fixed cost of
-a step spreads over more tokens), else the time of the smallest step of the nearest larger one. So it errs long,
-never short. Before any step has been measured the expectation is unknown (0.0)."""
+bucket not measured yet, the lesser of two bounds: its work at the nearest smaller bucket's seconds per token
+(they fall as steps grow: the fixed cost of a step spreads over more tokens), and the time of the largest step of
+the nearest larger bucket at that bucket's seconds per token (a bigger step takes longer). So it errs long, never
+short. Before any step has been measured the expectation is unknown (0.0)."""
 
 from __future__ import annotations
 
@@ -47,13 +48,15 @@ class StepTimer:
         if work <= 0:
             return 0.0
         bucket = work.bit_length()
+        bounds = []
         below = [b for b in self.seconds_per_token if b <= bucket]
         if below:
-            return work * self.seconds_per_token[max(below)]
-        above = min(self.seconds_per_token, default=None)
-        if above is None:
-            return 0.0
-        return self.seconds_per_token[above] * (1 << (above - 1))
+            bounds.append(work * self.seconds_per_token[max(below)])
+        above = [b for b in self.seconds_per_token if b > bucket]
+        if above:  # a step of that bucket's largest work takes at least as long as ours
+            b = min(above)
+            bounds.append(self.seconds_per_token[b] * ((1 << b) - 1))
+        return min(bounds, default=0.0)
 
     def started(self, plan: StepPlan) -> None:
         self._current = (time.monotonic(), self.expected_s(step_work(plan)))

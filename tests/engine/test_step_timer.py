@@ -38,10 +38,13 @@ def test_the_expectation_is_unknown_until_a_step_is_measured_then_scales_with_wo
     assert timer.expected_s(512) == pytest.approx(0.5)
     assert timer.expected_s(700) == pytest.approx(700 * 0.5 / 512)  # the nearest smaller bucket
     assert timer.expected_s(1) == pytest.approx(0.010)  # buckets apart
-    # only a larger bucket measured: the time of that bucket's smallest step bounds a smaller one's
+    # a larger bucket measured: the time of its largest step bounds a smaller one's
     big = StepTimer()
     big.measured(1.0, 1000)  # bucket 10: 512..1023 tokens
-    assert big.expected_s(8) == pytest.approx(512 / 1000)
+    assert big.expected_s(8) == pytest.approx(1023 / 1000)
+    big.measured(0.010, 1)  # and a smaller one: the lesser bound
+    assert big.expected_s(8) == pytest.approx(8 * 0.010)
+    assert big.expected_s(200) == pytest.approx(1023 / 1000)
 
 
 def test_a_slow_step_raises_the_expectation_at_once_and_it_decays_after():
