@@ -242,8 +242,9 @@ class PdServer:
     def prepare(self) -> None:
         """What needs no Ray, done before Ray starts so that a mistake fails in a second rather than after
         Ray's start-up: the checkpoint (config.json against the shards' headers; no tensor data is read), keys
-        and TLS files, the gRPC port free, the KV store hosted (on a free port unless one is configured; when
-        joining a Ray cluster, `start` hosts it on this node's address). Idempotent."""
+        and TLS files, a key for a --host beyond loopback (`check_exposure`), the gRPC port free, the KV store
+        hosted (on a free port unless one is configured; when joining a Ray cluster, `start` hosts it on this
+        node's address). Idempotent."""
         if hasattr(self, "model"):
             self._host_store()
             return
@@ -287,7 +288,10 @@ class PdServer:
         await self._start_metrics()
         open_doors = open_doors_warning(
             config.router.host, self.credentials, config.security,
-            [f"{e.name} {e.address}" for e in self.endpoints() if e.auth.startswith("none")],
+            [
+                f"{e.name} {e.address}" for e in self.endpoints()
+                if e.auth.startswith("none") and not is_loopback(e.address.rsplit(":", 1)[0])
+            ],
         )  # fmt: skip
         if open_doors:
             logger.warning("%s", open_doors)
