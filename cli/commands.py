@@ -169,7 +169,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
         return 0
-    from pdserve.frontend.server import PdServer, connect_ray
+    from pdserve.cluster.ray_connect import connect_ray
+    from pdserve.frontend.server import PdServer
 
     server = PdServer(config)
     server.prepare()  # a bad --model or a busy port fails here, before Ray's seconds of start-up

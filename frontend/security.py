@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
-import ipaddress
 import logging
 import os
 import ssl
@@ -24,6 +23,7 @@ import grpc
 
 from pdserve.cluster.config import SecurityConfig
 from pdserve.cluster.errors import PermissionDeniedError, UnauthenticatedError
+from pdserve.cluster.ray_connect import is_loopback
 from pdserve.frontend.errors import status_for
 from pdserve.model.errors import ConfigError, PdserveError
 
@@ -133,16 +133,6 @@ class Credentials:
 
 
 # Exposure.
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (an address or a name) is reachable from this machine only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # a name other than localhost: what it resolves to is not ours to trust
-        return False
 
 
 def check_exposure(host: str, credentials: Credentials, config: SecurityConfig) -> None:

@@ -17,7 +17,7 @@ import yaml
 from pdserve.cli.plan import add_plan_command, layout_from_args, plan_from_args
 from pdserve.cluster.config import ServeConfig, build_config, load_yaml
 from pdserve.cluster.placement import NVLINK_DOMAIN_LABEL
-from pdserve.frontend.security import is_loopback
+from pdserve.cluster.ray_connect import is_loopback
 from pdserve.model.parallel import WorkerLayout
 
 CONFIGS = sorted((Path(__file__).parents[2] / "deploy" / "configs").glob("*.yaml"))

@@ -28,12 +28,8 @@ from serving import listening, sockets_of, start_server
 from pdserve.cli.client import Client, format_status, generate_request
 from pdserve.cluster.config import SecurityConfig, build_config
 from pdserve.cluster.errors import PermissionDeniedError, UnauthenticatedError
-from pdserve.frontend.security import (
-    Credentials,
-    check_exposure,
-    is_loopback,
-    open_doors_warning,
-)
+from pdserve.cluster.ray_connect import is_loopback
+from pdserve.frontend.security import Credentials, check_exposure, open_doors_warning
 from pdserve.frontend.validation import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from pdserve.model.errors import ConfigError
 from pdserve.v1 import generation_pb2
