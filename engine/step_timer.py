@@ -61,13 +61,15 @@ class StepTimer:
     def started(self, plan: StepPlan) -> None:
         self._current = (time.monotonic(), self.expected_s(step_work(plan)))
 
-    def finished(self, plan: StepPlan) -> None:
-        """Ends the step `started` began and folds its speed into the expectation."""
+    def finished(self, plan: StepPlan, measure: bool = True) -> None:
+        """Ends the step `started` began and, unless `measure` is false (it failed), folds its speed into
+        the expectation."""
         if self._current is None:
             return
         elapsed = time.monotonic() - self._current[0]
         self._current = None
-        self.measured(elapsed, step_work(plan))
+        if measure:
+            self.measured(elapsed, step_work(plan))
 
     def measured(self, elapsed_s: float, work: int) -> None:
         """Folds one step of `work` tokens that took `elapsed_s` into its bucket."""

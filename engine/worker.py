@@ -146,6 +146,7 @@ class Worker:
         start = time.monotonic()
         if plan is not None:
             self.step_timer.started(plan)
+        ran = False  # a step that failed tells nothing of the worker's speed
         try:
             if self.ranks is None:
                 results = [self.runner.execute(plan)]
@@ -158,9 +159,10 @@ class Worker:
                     return self._fail_ranks(plan, e), []
                 results = [] if plan is None else [result_from_wire(r[0]) for r in replies]
                 arrivals = [r[1] for r in replies]
+            ran = True
         finally:
             if plan is not None:
-                self.step_timer.finished(plan)
+                self.step_timer.finished(plan, measure=ran)
         elapsed = time.monotonic() - start
         if elapsed > self.slow_step_s and plan is not None:
             logger.warning(

@@ -65,3 +65,7 @@ def test_the_step_in_flight_reports_its_running_time_and_expectation():
     assert 0.0 < ran < 1.0 and expected == pytest.approx(0.002)
     timer.finished(step)
     assert timer.current() == (0.0, 0.0)
+    before = dict(timer.seconds_per_token)
+    timer.started(step)
+    timer.finished(step, measure=False)  # a failed step: not a measure of speed
+    assert timer.current() == (0.0, 0.0) and timer.seconds_per_token == before
