@@ -4,16 +4,18 @@ worker stalled (silent or stepping past its step's deadline, which scales with t
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 
 from pdserve.cluster.config import RouterConfig
-from pdserve.cluster.pools import DECODE, PREFILL, WorkerHandle
+from pdserve.cluster.pools import DECODE, PREFILL, WorkerHandle, WorkerState
 from pdserve.cluster.router import Router
 from pdserve.cluster.supervisor import (
     STEP_DEADLINE_FACTOR,
     UNKNOWN_STEP_S,
+    WATCH_S,
     Supervisor,
     stall_reason,
     step_deadline_s,
@@ -83,3 +85,27 @@ def test_a_worker_that_answers_but_reports_a_step_past_its_deadline_is_lost():
     )
     why = stall_reason(decode_worker(step_s=0.2 + 3.1, step_expected_s=0.05), 100.0, config)
     assert "its step has run 3.3s, past its deadline of 0.2s" in why
+
+
+def test_the_watch_skips_a_round_the_router_woke_late_for_then_finds_the_silent_worker():
+    config = RouterConfig(heartbeat_timeout_s=0.5)
+    router = Router(config)
+    supervisor = Supervisor(config, router, scaler=None, launcher=None)
+    router.on_worker_lost = lambda *_: None  # nothing to replace it with here
+    w = decode_worker()
+    w.state = WorkerState.SERVING
+    router.workers[w.worker_id] = w
+
+    async def run():
+        watch = asyncio.create_task(supervisor.watch())
+        w.last_heartbeat = time.monotonic()
+        await asyncio.sleep(0.05)
+        time.sleep(1.0)  # the router's loop is held: answers that came meanwhile wait behind it
+        await asyncio.sleep(0.05)
+        held_round = w.state
+        await asyncio.sleep(2 * WATCH_S + 0.1)  # no answer came after all
+        watch.cancel()
+        return held_round
+
+    assert asyncio.run(run()) == WorkerState.SERVING
+    assert w.state == WorkerState.DEAD and w.worker_id not in router.workers
