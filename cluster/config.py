@@ -133,7 +133,8 @@ class ClusterConfig:
 @dataclasses.dataclass(frozen=True, slots=True)
 class RouterConfig:
     host: str = "127.0.0.1"
-    """Address the gRPC server listens on (0.0.0.0: every interface)."""
+    """Address the gRPC server listens on (0.0.0.0: every interface); beyond loopback it needs an API key
+    (or security.insecure)."""
     port: int = 50051
     """gRPC port; 0 picks a free one."""
     http_port: int | None = 8000
