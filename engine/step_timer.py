@@ -24,8 +24,8 @@ DECAY = 0.98
 
 CONTEXT_TOKENS = 2048
 """Keys of context whose attention a query token is counted to cost as much as its own pass through the layers.
-Small (for DeepSeek-V3 it is about seven times too small), so that a step over a long context errs long: a chunk
-attending to a long cached prefix is not a hang."""
+Small (DeepSeek-V3's layers cost as much as attention over several times as many keys), so that a step over a
+long context errs long: a chunk attending to a long cached prefix is not a hang."""
 
 
 def step_work(plan: StepPlan) -> float:
