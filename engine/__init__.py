@@ -16,6 +16,7 @@ marked torch are imported from their modules.
 | `pages` | the page allocator |
 | `spec_policy` | when a speculating worker drafts: a batch-size limit and the measured acceptance |
 | `chunking` | chunked-prefill planning |
+| `step_timer` | how long the step in flight has run and is expected to take, for the router's stall check |
 | `runner` (torch) | the model runner, with `sampler` and `cuda_graphs` |
 | `speculative` (torch) | speculative decoding's arithmetic: drafting from MTP logits, verifying drafts |
 | `drafter` (torch) | the MTP module's passes of a speculating step; the oracle draft for benchmarks |

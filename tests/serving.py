@@ -30,6 +30,9 @@ def serve_config(model_dir, **sections):
             "http_port": None,
             "stats_interval_s": 0.0,
             "admission_timeout_s": 20.0,
+            # a loaded 2-core CI machine can hold a healthy worker's answer for seconds: only test_survive, which
+            # loses workers on purpose, runs the default
+            "heartbeat_timeout_s": 15.0,
         },
         "prefill": {"num_pages": 512, "max_prefill_chunk": 128, "max_num_batched_tokens": 512},
         "decode": {"num_pages": 512, "max_prefill_chunk": 128, "max_num_batched_tokens": 512},

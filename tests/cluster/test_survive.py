@@ -19,6 +19,7 @@ import ray
 from serving import all_pages_free, greedy, scrape, start_server, wait_for, workload
 
 from pdserve.cli.client import Client, format_status, generate_request
+from pdserve.cluster.config import RouterConfig
 from pdserve.engine import messages
 from pdserve.v1 import admin_pb2
 
@@ -41,6 +42,7 @@ def server(ray_cluster, model_dir):
         cluster={"num_decode": 2},
         router={
             "max_restarts": MAX_RESTARTS, "restart_window_s": 3600.0, "metrics_port": 0,
+            "heartbeat_timeout_s": RouterConfig().heartbeat_timeout_s,  # the default (the shared one is longer)
         },
         kvtransfer={"timeout_s": SEND_TIMEOUT_S, "connect_timeout_s": CONNECT_TIMEOUT_S},
     ) as server:  # fmt: skip
