@@ -448,7 +448,7 @@ def test_prompt_and_body_sizes_are_refused_naming_the_limit(server, api, grpc_cl
     connection.putheader("content-length", str(2 * PROMPT_BYTES + (1 << 20) + 1))
     connection.endheaders()
     reply = connection.getresponse()
-    assert reply.status == 400 and json.loads(reply.read())["error"]["param"] == "body"
+    assert reply.status == 413 and json.loads(reply.read())["error"]["param"] == "body"
     connection.close()
     with pytest.raises(grpc.RpcError) as e:
         list(grpc_client.generate(generate_request(text, max_tokens=2), timeout_s=30))
