@@ -9,8 +9,8 @@ their headers and trickle the body, one byte every --trickle-s seconds, until th
 connection. Each slow client's time from connecting to being closed is its cut time; the header tricklers'
 bound is the header timeout, the body tricklers' the body timeout (their headers arrive at once). Prints the
 cut times against their bound, how many got the 408 answer, the watchers' chunk gaps and times to a first
-chunk in the baseline and during the attack (the slow clients run in a process of their own), and the server log's ERROR lines and tracebacks; writes
-$OUT/slow_clients.json when OUT is set."""
+chunk in the baseline and during the attack (the slow clients run in a process of their own), and the server
+log's ERROR lines and tracebacks; writes $OUT/slow_clients.json when OUT is set."""
 
 from __future__ import annotations
 
