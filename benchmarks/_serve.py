@@ -1,6 +1,7 @@
 """What the fail-closed benchmarks (slow_clients.py, malformed.py) share: `pdserve serve` in a child process on
 free ports with its log in a file, the log's ERROR lines and tracebacks counted, and `Watchers`: a few ordinary
-streaming clients that run beside an attack and record every gap between the chunks they receive."""
+streaming clients that run beside an attack and record every gap between the chunks they receive, and a
+/health pinger that times the front end's event loop alone."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -79,12 +81,36 @@ class Watchers:
         self.url, self.count, self.max_tokens = url, count, max_tokens
         self.gaps: list[tuple[float, float]] = []  # (when it ended, seconds)
         self.first_chunks: list[tuple[float, float]] = []
+        self.pings: list[tuple[float, float]] = []  # (when it was answered, seconds)
         self.errors: list[str] = []
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._client()) for _ in range(self.count)]
+        self._tasks.append(asyncio.create_task(self._pinger()))
+
+    async def _pinger(self) -> None:
+        """GET /health every 10 ms on one keep-alive connection: its latency is the front end's event loop
+        (and this client's), without the decode worker: a stream gap with no slow ping is the worker's."""
+        url = urllib.parse.urlsplit(self.url)
+        request = b"GET /health HTTP/1.1\r\nhost: bench\r\n\r\n"
+        while not self._stop.is_set():
+            try:
+                reader, writer = await asyncio.open_connection(url.hostname, url.port)
+                while not self._stop.is_set():
+                    sent = time.monotonic()
+                    writer.write(request)
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                    await reader.readexactly(length)
+                    now = time.monotonic()
+                    self.pings.append((now, now - sent))
+                    await asyncio.sleep(0.01)
+                writer.close()
+            except (OSError, asyncio.IncompleteReadError, IndexError) as e:
+                self.errors.append(f"ping: {e}"[:200])
+                await asyncio.sleep(0.1)
 
     async def stop(self) -> None:
         self._stop.set()
@@ -111,7 +137,7 @@ class Watchers:
                 await asyncio.sleep(0.1)
 
     def summary(self, start: float, end: float) -> dict:
-        """Gaps and first chunks that ended within [start, end]: their count, p50, p99 and max (ms)."""
+        """Gaps, first chunks and /health pings that ended within [start, end]: their count, p50, p99 and max (ms)."""
 
         def stats(pairs):
             values = np.array([v for t, v in pairs if start <= t <= end]) * 1e3
@@ -125,4 +151,8 @@ class Watchers:
                 "over_100ms": int((values > 100).sum()),
             }
 
-        return {"gaps": stats(self.gaps), "first_chunk": stats(self.first_chunks)}
+        return {
+            "gaps": stats(self.gaps),
+            "first_chunk": stats(self.first_chunks),
+            "health_ping": stats(self.pings),
+        }
