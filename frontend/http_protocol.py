@@ -74,12 +74,31 @@ class _Transport:
         self._protocol.close_lingering()
 
 
+_UVICORN_INVALID = "Invalid HTTP request received."
+
+
+class _Logger:
+    """uvicorn's logger as a connection uses it, less its WARNING for bytes that are not HTTP (a client's
+    fault, logged at INFO with its address by `send_400_response`); every other record passes through."""
+
+    def __init__(self, logger: logging.Logger):
+        self._logger = logger
+
+    def __getattr__(self, name: str):
+        return getattr(self._logger, name)
+
+    def warning(self, msg, *args, **kwargs) -> None:
+        if msg != _UVICORN_INVALID:
+            self._logger.warning(msg, *args, **kwargs)
+
+
 class DeadlineProtocol(H11Protocol):
     """uvicorn's H11Protocol with the deadlines of this module's docstring. Instantiate through
     `protocol_factory` (uvicorn passes config, server_state and app_state)."""
 
     def __init__(self, *args, deadlines: Deadlines, **kwargs):
         super().__init__(*args, **kwargs)
+        self.logger = _Logger(self.logger)  # type: ignore[assignment]
         self.deadlines = deadlines
         self._raw: asyncio.Transport | None = None
         self._phase: str | None = None
@@ -233,6 +252,9 @@ class DeadlineProtocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """Bytes that are not an HTTP request: 400 with an OpenAI-shaped body, then a lingering close."""
+        logger.info(
+            "HTTP client %s sent bytes that are not an HTTP/1.1 request", _peer(self.client)
+        )
         self._raw.write(
             error_bytes(400, "Bad Request", "not a valid HTTP/1.1 request", "bad_request")
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import threading
 import time
@@ -155,7 +156,8 @@ def test_headers_that_trickle_get_408(served):
     assert took >= DEADLINES.header_s
 
 
-def test_a_body_that_trickles_gets_408_and_its_handler_a_disconnect(served):
+def test_a_body_that_trickles_gets_408_and_its_handler_a_disconnect(served, caplog):
+    caplog.set_level(logging.INFO)
     app, port = served
     before = app.disconnects
     with _connect(port) as s:
@@ -165,6 +167,8 @@ def test_a_body_that_trickles_gets_408_and_its_handler_a_disconnect(served):
     assert status == 408 and "router.http_body_timeout_s" in error["message"]
     assert took >= DEADLINES.body_s
     assert app.disconnects == before + 1
+    cuts = [r for r in caplog.records if "cut: its request's body" in r.getMessage()]
+    assert len(cuts) == 1 and cuts[0].levelno == logging.INFO and cuts[0].exc_info is None
 
 
 def test_whole_requests_share_a_connection_and_an_idle_one_is_closed(served):
@@ -208,10 +212,15 @@ def test_an_upload_answered_early_is_read_not_reset(served):
     [b"GARBAGE\r\n\r\n", b"GET /\xff HTTP/1.1\r\n\r\n", b"GET / HTTP/1.1\r\nx: " + b"y" * 70000],
     ids=["no-request-line", "non-ascii-target", "huge-header"],
 )
-def test_bytes_that_are_not_http_get_an_openai_shaped_400(served, garbage):
+def test_bytes_that_are_not_http_get_an_openai_shaped_400(served, garbage, caplog):
+    caplog.set_level(logging.INFO)
     _, port = served
     with _connect(port) as s:
         with contextlib.suppress(OSError):
             s.sendall(garbage)
         status, error = _error_of(_read_all(s))
     assert status == 400 and error["type"] == "invalid_request_error"
+    # One INFO line naming the client; nothing above INFO (uvicorn's own WARNING is left out).
+    lines = [r for r in caplog.records if "not an HTTP/1.1 request" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    assert not [r for r in caplog.records if r.levelno > logging.INFO]
