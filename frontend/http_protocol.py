@@ -73,6 +73,10 @@ class _Transport:
     def close(self) -> None:
         self._protocol.close_lingering()
 
+    def is_closing(self) -> bool:
+        """True from the start of a lingering close: uvicorn then arms no keep-alive and starts no request."""
+        return self._protocol.closing or self._transport.is_closing()
+
 
 _UVICORN_INVALID = "Invalid HTTP request received."
 
@@ -107,7 +111,8 @@ class DeadlineProtocol(H11Protocol):
         self._deadline: asyncio.TimerHandle | None = None
         self._stall: asyncio.TimerHandle | None = None
         self._linger: asyncio.TimerHandle | None = None
-        self._closing = False
+        self.closing = False
+        """Set once the connection is closing (lingering or not): nothing more is read into a request."""
 
     # Connection life.
 
@@ -124,7 +129,7 @@ class DeadlineProtocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._closing:
+        if self.closing:
             return  # lingering: what the client still sends is dropped
         super().data_received(data)
         self._track()
@@ -136,7 +141,7 @@ class DeadlineProtocol(H11Protocol):
         self._track()
 
     def shutdown(self) -> None:
-        if self._closing:
+        if self.closing:
             if self._raw is not None:
                 self._raw.close()
             return
@@ -146,7 +151,7 @@ class DeadlineProtocol(H11Protocol):
 
     def _track(self) -> None:
         """Arms the deadline of what the connection now waits for from its client, when that changed."""
-        if self._closing:
+        if self.closing:
             return
         state = self.conn.their_state
         phase = "headers" if state is h11.IDLE else "body" if state is h11.SEND_BODY else None
@@ -162,7 +167,7 @@ class DeadlineProtocol(H11Protocol):
 
     def _expired(self, phase: str) -> None:
         self._deadline = None
-        if self._closing:
+        if self.closing:
             return
         limit = self.deadlines.header_s if phase == "headers" else self.deadlines.body_s
         setting = "http_header_timeout_s" if phase == "headers" else "http_body_timeout_s"
@@ -214,7 +219,7 @@ class DeadlineProtocol(H11Protocol):
         )  # fmt: skip
         if self.cycle is not None:
             self.cycle.scope["pdserve.cut"] = True
-        self._closing = True
+        self.closing = True
         self._cancel_timers()
         self._raw.abort()  # what is buffered cannot be delivered: drop it with the connection
 
@@ -230,9 +235,9 @@ class DeadlineProtocol(H11Protocol):
         """Closes the connection; while its client may still be sending (a request unread, or unparsed bytes),
         first shuts the write side and drops what comes for up to LINGER_S (or until the client's EOF)."""
         raw = self._raw
-        if raw is None or self._closing:
+        if raw is None or self.closing:
             return
-        self._closing = True
+        self.closing = True
         self._phase = None
         self._cancel_timers()
         if raw.is_closing():

@@ -123,11 +123,11 @@ class _EventStream(StreamingResponse):
     """A server-sent event stream that ends (closing its events, which cancels the request) as soon as the client
     disconnects, whether or not an event is being written."""
 
-    def __init__(self, events: AsyncIterator[bytes]):
+    def __init__(self, events: AsyncIterator[bytes], request_id: str):
         super().__init__(
             events, media_type="text/event-stream", headers={"cache-control": "no-cache"}
         )
-        self.events = events
+        self.events, self.request_id = events, request_id
 
     async def _send_all(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
@@ -139,7 +139,7 @@ class _EventStream(StreamingResponse):
         try:
             await _until_disconnect(receive, self._send_all(send))
         except (_ClientGone, OSError):
-            pass
+            logger.info("request %s cancelled: the HTTP client disconnected", self.request_id)
         finally:
             await self.events.aclose()
 
@@ -341,7 +341,9 @@ class HttpFrontEnd:
             return self._error(e, f"request {generation.request_id}")
         reasoning = self.reasoning and kind == api.CHAT
         if req.stream:
-            return _EventStream(self._events(req, head, generation, first, reasoning))
+            return _EventStream(
+                self._events(req, head, generation, first, reasoning), generation.request_id
+            )
         try:
             return await _until_disconnect(
                 request.receive, self._whole(req, head, generation, first, reasoning)
