@@ -260,6 +260,10 @@ class DeadlineProtocol(H11Protocol):
         logger.info(
             "HTTP client %s sent bytes that are not an HTTP/1.1 request", _peer(self.client)
         )
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.scope["pdserve.cut"] = (
+                True  # its handler reads a disconnect: logged here, once
+            )
         self._raw.write(
             error_bytes(400, "Bad Request", "not a valid HTTP/1.1 request", "bad_request")
         )

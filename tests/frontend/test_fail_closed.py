@@ -9,6 +9,7 @@ import http.client
 import json
 import logging
 import socket
+import time
 import urllib.parse
 
 import grpc
@@ -174,3 +175,21 @@ def test_bad_grpc_request_is_invalid_argument_naming_the_field(grpc_client, erro
         list(_raw_generate(grpc_client)(bad, metadata=grpc_client.metadata, timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert errors_logged() == []
+
+
+def test_a_body_that_breaks_http_mid_request_is_one_400_and_one_line(shared_server, caplog):
+    caplog.set_level(logging.INFO)
+    url = urllib.parse.urlsplit(shared_server.http_url)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"zz\r\nnot a chunk size\r\n"
+        )
+        answer = b""
+        while chunk := s.recv(1 << 16):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["message"]
+    time.sleep(0.3)  # room for a second line (its handler's disconnect), which must not come
+    lines = [r for r in caplog.records if r.name.startswith("pdserve.frontend")]
+    assert [r.levelno for r in lines] == [logging.INFO], [r.getMessage() for r in lines]
