@@ -2,13 +2,15 @@
 router's event loop: /v1/models, /v1/completions, /v1/chat/completions (streamed as server-sent events or whole),
 /health, /version and /metrics (Prometheus' text format; `metrics_only` serves that alone, on a port of its own).
 
-A request's body is size-checked before it is parsed, then translated into a `RequestInput` for
-`request_builder`; parsing a large body and checking the request (rendering the chat template, tokenizing) run in
-a worker thread, so that other streams keep flowing meanwhile. The response waits for the first chunk before it
+A request's body over the cap is answered 413 before the rest of it is read; a body within it is decoded and
+checked (`json_body`: depth, Unicode) and translated into a `RequestInput` for `request_builder`; parsing a
+large body and checking the request (rendering the chat template, tokenizing) run in a worker thread, so that
+other streams keep flowing meanwhile. The response waits for the first chunk before it
 starts, so that errors of admission (429, 503) and of the request (400) get their status; after
 that an error arrives as a last `data: {"error": ...}` event. A client that disconnects, before or during the
-stream, cancels its request: its pages are freed on every worker. Errors have OpenAI's shape
-(`errors.http_error_for`)."""
+stream, cancels its request: its pages are freed on every worker (one INFO line). Errors have OpenAI's shape
+(`errors.http_error_for`), Starlette's own 404 and 405 too. Connections are `http_protocol`'s: deadlines for
+headers, body and a response the client stops reading, and a close that lets a client read an early answer."""
 
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from pdserve.frontend import openai_api as api
 from pdserve.frontend.engine_client import Choices, Chunk, EngineClient
 from pdserve.frontend.errors import BodyTooLargeError, http_error_for
 from pdserve.frontend.http_protocol import Deadlines, protocol_factory
+from pdserve.frontend.json_body import decode_body
 from pdserve.frontend.reasoning import ReasoningSplitter, split_reasoning
 from pdserve.frontend.request_builder import build_request
 from pdserve.frontend.security import Credentials, require_key
@@ -281,8 +284,8 @@ class HttpFrontEnd:
             raise _ClientGone from None
         body = b"".join(parts)
         if len(body) > _PARSE_IN_THREAD_BYTES:
-            return await asyncio.to_thread(api.decode_body, body)
-        return api.decode_body(body)
+            return await asyncio.to_thread(decode_body, body)
+        return decode_body(body)
 
     def _token_text(self, token_id: int) -> str:
         """A token's own text, as log-probabilities name it (`token_id:N` for a model without a tokenizer)."""

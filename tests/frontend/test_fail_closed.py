@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from pdserve.cli.client import Client, generate_request
-from pdserve.frontend.openai_api import MAX_JSON_DEPTH
+from pdserve.frontend.json_body import MAX_JSON_DEPTH
 from pdserve.v1 import generation_pb2
 
 

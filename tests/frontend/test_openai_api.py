@@ -20,7 +20,8 @@ from pdserve.cluster.errors import (
 from pdserve.engine.messages import SpecCounts
 from pdserve.frontend.chat_template import ChatTemplate
 from pdserve.frontend.errors import http_error_for
-from pdserve.frontend.openai_api import CHAT, COMPLETIONS, MAX_JSON_DEPTH, decode_body, parse, usage
+from pdserve.frontend.json_body import MAX_JSON_DEPTH, decode_body
+from pdserve.frontend.openai_api import CHAT, COMPLETIONS, parse, usage
 from pdserve.frontend.reasoning import ReasoningSplitter, split_reasoning
 from pdserve.frontend.text_stream import TextStream
 from pdserve.frontend.validation import (
