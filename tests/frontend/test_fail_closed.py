@@ -18,7 +18,7 @@ import pytest
 
 from pdserve.cli.client import Client, generate_request
 from pdserve.frontend.json_body import MAX_JSON_DEPTH
-from pdserve.v1 import generation_pb2
+from pdserve.v1 import admin_pb2, generation_pb2
 
 
 @pytest.fixture(scope="module")
@@ -193,3 +193,16 @@ def test_a_body_that_breaks_http_mid_request_is_one_400_and_one_line(shared_serv
     time.sleep(0.3)  # room for a second line (its handler's disconnect), which must not come
     lines = [r for r in caplog.records if r.name.startswith("pdserve.frontend")]
     assert [r.levelno for r in lines] == [logging.INFO], [r.getMessage() for r in lines]
+
+
+def test_scaling_a_pool_past_any_cluster_is_invalid_argument(grpc_client):
+    scale = grpc_client.channel.unary_unary(
+        "/pdserve.v1.Admin/ScalePool",
+        request_serializer=admin_pb2.ScalePoolRequest.SerializeToString,
+        response_deserializer=admin_pb2.ScalePoolResponse.FromString,
+    )
+    request = admin_pb2.ScalePoolRequest(role=admin_pb2.ROLE_DECODE, count=2**32 - 1)
+    with pytest.raises(grpc.RpcError) as e:
+        scale(request, metadata=grpc_client.metadata, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("count: ")
