@@ -216,6 +216,7 @@ def grpc_case(rng: random.Random) -> tuple[str, str, bytes]:
     request = rng.choice(
         [("/pdserve.v1.Admin/ScalePool", admin_pb2.ScalePoolRequest(count=1)),
          ("/pdserve.v1.Admin/ScalePool", admin_pb2.ScalePoolRequest(role=99, count=1)),
+         ("/pdserve.v1.Admin/ScalePool", admin_pb2.ScalePoolRequest(role=1, count=2**32 - 1)),
          ("/pdserve.v1.Admin/DrainWorker", admin_pb2.DrainWorkerRequest(worker_id="nobody")),
          ("/pdserve.v1.Admin/DrainWorker", admin_pb2.DrainWorkerRequest(worker_id="\u2603" * 500))]
     )  # fmt: skip
