@@ -13,7 +13,9 @@ contract) and `ray_engine.RayEngineClient` (the serving process's implementation
 | `ray_engine` | that interface over the router, the scaler and the supervisor |
 | `grpc_service` | the thin gRPC servicers (Generation, Admin) |
 | `http_server` | the OpenAI-compatible HTTP front end (Starlette on uvicorn, on the router's loop) |
+| `http_protocol` | the HTTP connection: deadlines for headers, body and unread responses; lingering close |
 | `openai_api` | OpenAI's request and response JSON shapes |
+| `json_body` | a request body's JSON, decoded and checked (nesting depth, lone surrogates) |
 | `request_builder` | a request in no protocol's shape -> the checked request (prompt ids, SamplingParams, stop, n) |
 | `validation` | the checks both front ends' requests pass, errors naming the field as each protocol does |
 | `chat_template` | chat messages -> prompt text, as transformers renders the checkpoint's template |

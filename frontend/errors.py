@@ -56,6 +56,10 @@ def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
 
 
+class BodyTooLargeError(InvalidRequestError):
+    """An HTTP request body past the server's limit: 413, answered before the rest of it is read."""
+
+
 _HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     # code: (HTTP status, OpenAI error type)
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -96,5 +100,7 @@ def http_error_for(error: BaseException) -> HttpError:
     InvalidRequestError."""
     code, message = status_for(error)
     status, kind = _HTTP.get(code, (500, "server_error"))
+    if isinstance(error, BodyTooLargeError):
+        status = 413
     param = error.field if isinstance(error, InvalidRequestError) else None
     return HttpError(status, kind, message, param, code.name.lower())

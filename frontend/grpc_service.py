@@ -40,6 +40,9 @@ _FINISH = {
     "length": generation_pb2.FINISH_REASON_LENGTH,
     "abort": generation_pb2.FINISH_REASON_ABORT,
 }
+MAX_POOL_WORKERS = 1024
+"""Most workers ScalePool grows a pool to: past any cluster pdserve serves (each worker holds at least one
+GPU or CPU share), and each is launched at once, so a uint32 count is refused before anything starts."""
 _ROLE = {PREFILL: admin_pb2.ROLE_PREFILL, DECODE: admin_pb2.ROLE_DECODE}
 _ROLE_NAME = {v: k for k, v in _ROLE.items()}
 _STATE = {
@@ -249,6 +252,10 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             role = _ROLE_NAME.get(request.role)
             if role is None:
                 raise ConfigError("role: expected ROLE_PREFILL or ROLE_DECODE")
+            if request.count > MAX_POOL_WORKERS:
+                raise ConfigError(
+                    f"count: {request.count} workers; a pool is scaled to at most {MAX_POOL_WORKERS}"
+                )
             added, removed = await self.engine.scale(role, request.count)
             status = await self.engine.status()
             return admin_pb2.ScalePoolResponse(

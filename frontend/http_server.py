@@ -2,13 +2,15 @@
 router's event loop: /v1/models, /v1/completions, /v1/chat/completions (streamed as server-sent events or whole),
 /health, /version and /metrics (Prometheus' text format; `metrics_only` serves that alone, on a port of its own).
 
-A request's body is size-checked before it is parsed, then translated into a `RequestInput` for
-`request_builder`; parsing a large body and checking the request (rendering the chat template, tokenizing) run in
-a worker thread, so that other streams keep flowing meanwhile. The response waits for the first chunk before it
+A request's body over the cap is answered 413 before the rest of it is read; a body within it is decoded and
+checked (`json_body`: depth, Unicode) and translated into a `RequestInput` for `request_builder`; parsing a
+large body and checking the request (rendering the chat template, tokenizing) run in a worker thread, so that
+other streams keep flowing meanwhile. The response waits for the first chunk before it
 starts, so that errors of admission (429, 503) and of the request (400) get their status; after
 that an error arrives as a last `data: {"error": ...}` event. A client that disconnects, before or during the
-stream, cancels its request: its pages are freed on every worker. Errors have OpenAI's shape
-(`errors.http_error_for`)."""
+stream, cancels its request: its pages are freed on every worker (one INFO line). Errors have OpenAI's shape
+(`errors.http_error_for`), Starlette's own 404 and 405 too. Connections are `http_protocol`'s: deadlines for
+headers, body and a response the client stops reading, and a close that lets a client read an early answer."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from collections.abc import AsyncIterator, Awaitable
 
 import uvicorn
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -34,12 +37,14 @@ from pdserve.engine.messages import SpecCounts
 from pdserve.engine.sampling_params import FinishReason
 from pdserve.frontend import openai_api as api
 from pdserve.frontend.engine_client import Choices, Chunk, EngineClient
-from pdserve.frontend.errors import http_error_for
+from pdserve.frontend.errors import BodyTooLargeError, http_error_for
+from pdserve.frontend.http_protocol import Deadlines, protocol_factory
+from pdserve.frontend.json_body import decode_body
 from pdserve.frontend.reasoning import ReasoningSplitter, split_reasoning
 from pdserve.frontend.request_builder import build_request
 from pdserve.frontend.security import Credentials, require_key
 from pdserve.frontend.validation import prompt_bytes_limit
-from pdserve.model.errors import InvalidRequestError, PdserveError
+from pdserve.model.errors import PdserveError
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +64,22 @@ def _version() -> str:
 
 class _ClientGone(Exception):
     """The HTTP client disconnected."""
+
+
+class _ErrorResponse(JSONResponse):
+    """An error's JSON, every character past ASCII escaped: an error may quote request text, which need not
+    be encodable (a lone surrogate)."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
+async def _http_exception(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own refusals (no such path: 404, a method the path does not take: 405) in OpenAI's shape."""
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    message = f"{request.method} {request.url.path:.200}: {exc.detail}"
+    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return _ErrorResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
 async def _until_disconnect(receive: Receive, work: Awaitable):
@@ -82,6 +103,11 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
+def _peer(request: Request) -> str:
+    client = request.client
+    return f"{client.host}:{client.port}" if client else "(unknown)"
+
+
 def _stages(chunk: Chunk | None) -> dict[str, float] | None:
     """A choice's stage times for the usage object (`Timings.stage_dict`), where its last chunk has timings."""
     return None if chunk is None or chunk.timings is None else chunk.timings.stage_dict()
@@ -100,11 +126,11 @@ class _EventStream(StreamingResponse):
     """A server-sent event stream that ends (closing its events, which cancels the request) as soon as the client
     disconnects, whether or not an event is being written."""
 
-    def __init__(self, events: AsyncIterator[bytes]):
+    def __init__(self, events: AsyncIterator[bytes], request_id: str):
         super().__init__(
             events, media_type="text/event-stream", headers={"cache-control": "no-cache"}
         )
-        self.events = events
+        self.events, self.request_id = events, request_id
 
     async def _send_all(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
@@ -116,7 +142,7 @@ class _EventStream(StreamingResponse):
         try:
             await _until_disconnect(receive, self._send_all(send))
         except (_ClientGone, OSError):
-            pass
+            logger.info("request %s cancelled: the HTTP client disconnected", self.request_id)
         finally:
             await self.events.aclose()
 
@@ -147,7 +173,8 @@ class HttpFrontEnd:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             ]
-        self.app = require_key(Starlette(routes=routes), credentials or Credentials(), self._error)
+        app = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
+        self.app = require_key(app, credentials or Credentials(), self._error)
         self._token_texts: dict[int, str] = {}
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
@@ -164,8 +191,13 @@ class HttpFrontEnd:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         self.port = sock.getsockname()[1]
+        limits = self.engine.limits
+        deadlines = Deadlines(
+            limits.http_header_timeout_s, limits.http_body_timeout_s, limits.http_idle_timeout_s
+        )
         config = uvicorn.Config(
-            self.app, lifespan="off", log_config=None, access_log=False,
+            self.app, http=protocol_factory(deadlines), lifespan="off", log_config=None,
+            access_log=False, timeout_keep_alive=deadlines.header_s,
             timeout_graceful_shutdown=graceful_s, **(ssl_options or {}),
         )  # fmt: skip
         self._server = _Server(config)
@@ -228,30 +260,32 @@ class HttpFrontEnd:
         if not isinstance(error, PdserveError):
             logger.error("%s failed", what or "HTTP request", exc_info=error)
         e = http_error_for(error)
-        return JSONResponse(e.body(), status_code=e.status)
+        # An oversized body is answered before it is read: the connection closes (lingering) after.
+        headers = {"connection": "close"} if e.status == 413 else None
+        return _ErrorResponse(e.body(), status_code=e.status, headers=headers)
 
     async def _read_json(self, request: Request):
         prompt_limit, what = prompt_bytes_limit(self.engine.limits, self.engine.model)
         limit = 2 * prompt_limit + (1 << 20)
-        too_big = InvalidRequestError(
+        too_big = BodyTooLargeError(
             "body", f"larger than this server's limit of {limit} bytes (twice {what}, plus 1 MiB)"
         )
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             raise too_big
         parts, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise too_big
-            parts.append(part)
-        body = b"".join(parts)
         try:
-            if len(body) > _PARSE_IN_THREAD_BYTES:
-                return await asyncio.to_thread(json.loads, body)
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InvalidRequestError("body", f"not valid JSON ({e})") from None
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise too_big
+                parts.append(part)
+        except ClientDisconnect:
+            raise _ClientGone from None
+        body = b"".join(parts)
+        if len(body) > _PARSE_IN_THREAD_BYTES:
+            return await asyncio.to_thread(decode_body, body)
+        return decode_body(body)
 
     def _token_text(self, token_id: int) -> str:
         """A token's own text, as log-probabilities name it (`token_id:N` for a model without a tokenizer)."""
@@ -290,6 +324,13 @@ class HttpFrontEnd:
             # Templates and tokenizing take CPU: off the loop, other streams keep flowing meanwhile.
             checked = await asyncio.to_thread(build_request, given, engine.model, engine.limits)
             generation = engine.submit(checked)
+        except _ClientGone:
+            # A client the connection cut (a deadline) was logged there; one that left is logged here.
+            if not request.scope.get("pdserve.cut"):
+                logger.info(
+                    "HTTP client %s left before its %s request arrived", _peer(request), kind
+                )
+            return Response(status_code=499)
         except Exception as e:  # process boundary
             return self._error(e, f"{kind} request")
         try:
@@ -303,7 +344,9 @@ class HttpFrontEnd:
             return self._error(e, f"request {generation.request_id}")
         reasoning = self.reasoning and kind == api.CHAT
         if req.stream:
-            return _EventStream(self._events(req, head, generation, first, reasoning))
+            return _EventStream(
+                self._events(req, head, generation, first, reasoning), generation.request_id
+            )
         try:
             return await _until_disconnect(
                 request.receive, self._whole(req, head, generation, first, reasoning)

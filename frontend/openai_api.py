@@ -200,7 +200,7 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
         raise InvalidRequestError("body", "expected a JSON object")
     for name in body:
         if name not in _KNOWN[kind]:
-            raise InvalidRequestError(name, "unknown parameter")
+            raise InvalidRequestError(f"{name:.100}", "unknown parameter")
     _check_inert(body)
     logprobs, logprobs_field = _logprobs(body, kind)
     model = _optional(body, "model", lambda v: isinstance(v, str), "a string")

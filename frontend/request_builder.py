@@ -21,6 +21,7 @@ from pdserve.frontend.validation import (
     check_prompt_bytes,
     check_request_id,
     check_stop_strings,
+    has_lone_surrogate,
     sampling_params,
 )
 from pdserve.model.errors import InvalidRequestError
@@ -114,6 +115,10 @@ def _prompt_ids(given: RequestInput, model: ModelInfo, router: RouterConfig) -> 
         else:
             text = given.prompt_text
         check_prompt_bytes(text, router, field, model)
+        if has_lone_surrogate(text):
+            raise InvalidRequestError(
+                field, "holds a lone surrogate (\\ud800-\\udfff): not Unicode text"
+            )
         # A rendered template writes its own BOS, as transformers assumes.
         ids = model.tokenizer.encode(text, add_bos=not chat)
     check_prompt_len(len(ids), model.max_model_len, field)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 from pdserve.cluster.config import RouterConfig
@@ -17,6 +18,15 @@ from pdserve.frontend.chat_template import ChatTemplate
 from pdserve.model.args import ModelArgs
 from pdserve.model.errors import InvalidRequestError
 from pdserve.model.tokenizer import THINK_END, THINK_START, Tokenizer
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def has_lone_surrogate(text: str) -> bool:
+    """Whether `text` holds a surrogate code point, which no UTF-8 encoder, tokenizer or response can carry
+    (JSON can spell one, `"\\ud800"`; a proto string cannot)."""
+    return not text.isascii() and _SURROGATE.search(text) is not None
+
 
 MAX_REQUEST_ID_CHARS = 256
 """Longest client `request_id` accepted: it is echoed in every response chunk."""
@@ -182,6 +192,8 @@ def check_stop_strings(stop: list[str], model: ModelInfo, field: str) -> tuple[s
             raise InvalidRequestError(
                 field, f"stop string {i} has {len(s)} characters; 1 to {MAX_STOP_STRING_CHARS}"
             )
+        if has_lone_surrogate(s):
+            raise InvalidRequestError(field, f"stop string {i} holds a lone surrogate: not Unicode")
     if model.tokenizer is None:
         raise InvalidRequestError(
             field, f"{model.name} has no tokenizer.json: stop strings need one (use stop_token_ids)"
@@ -240,12 +252,38 @@ def check_n(n: int, router: RouterConfig, field: str) -> None:
         )
 
 
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "max_tokens": (1, 2**32 - 1),
+    "top_k": (-1, 2**31 - 1),
+    "seed": (0, 2**63 - 1),
+    "min_tokens": (0, 2**32 - 1),
+    "logprobs": (0, 2**32 - 1),
+}
+"""The range of each integer sampling field, whichever front end it came through: the gRPC API's field widths
+(int32 top_k, uint32 counts; the seed as the engine takes it). A value past its range is refused naming the
+field before anything is packed for the workers (msgpack and torch take 64-bit integers at most)."""
+
+
+def check_int_ranges(given: SamplingRequest, names: FieldNames = FieldNames()) -> None:
+    """Raises InvalidRequestError naming the first integer sampling field of `given` outside `INT_RANGES`."""
+    for name, (low, high) in INT_RANGES.items():
+        value = getattr(given, name)
+        if value is not None and not low <= value <= high:
+            if name == "max_tokens":
+                field = names.max_tokens
+            else:
+                field = names.logprobs if name == "logprobs" else names.sampling_prefix + name
+            shown = f"{value}" if abs(value) < 10**30 else f"an integer of {len(str(value))} digits"
+            raise InvalidRequestError(field, f"must be in [{low}, {high}], got {shown}")
+
+
 def sampling_params(
     given: SamplingRequest, num_prompt_tokens: int, model: ModelInfo, router: RouterConfig,
     names: FieldNames = FieldNames(),
 ) -> SamplingParams:  # fmt: skip
     """`given` with the model's defaults for unset fields and the router's default max_tokens (capped by the
     context left), checked. Errors name the field as the front end spells it (`names`)."""
+    check_int_ranges(given, names)
     prefix, max_tokens_field = names.sampling_prefix, names.max_tokens
     room = model.max_model_len - num_prompt_tokens
     limit = min(router.max_tokens_limit or model.max_model_len, room)

@@ -61,6 +61,7 @@ def test_file_then_flags(tmp_path):
             "decode.attention='tensor' with decode.ranks=2 needs",
         ),
         ({"prefill": {"ranks": 2}}, "prefill.attention='data' with prefill.ranks=2"),
+        ({"router": {"http_body_timeout_s": 0}}, "http_body_timeout_s=0"),
     ],
 )
 def test_bad_values_name_the_field(values, message):

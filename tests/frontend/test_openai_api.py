@@ -20,6 +20,7 @@ from pdserve.cluster.errors import (
 from pdserve.engine.messages import SpecCounts
 from pdserve.frontend.chat_template import ChatTemplate
 from pdserve.frontend.errors import http_error_for
+from pdserve.frontend.json_body import MAX_JSON_DEPTH, decode_body
 from pdserve.frontend.openai_api import CHAT, COMPLETIONS, parse, usage
 from pdserve.frontend.reasoning import ReasoningSplitter, split_reasoning
 from pdserve.frontend.text_stream import TextStream
@@ -236,7 +237,10 @@ def test_sampling_parameters_reach_the_sampling_request():
     [
         (SamplingRequest(logprobs=21), FieldNames(logprobs="top_logprobs"), "top_logprobs",
          "limit of 20 (router.max_logprobs)"),
-        (SamplingRequest(logprobs=-1), FieldNames(), "logprobs", ">= 0"),
+        (SamplingRequest(logprobs=-1), FieldNames(), "logprobs", "must be in [0, "),
+        (SamplingRequest(top_k=2**63), FieldNames(sampling_prefix="sampling_params."),
+         "sampling_params.top_k", "must be in [-1, 2147483647]"),
+        (SamplingRequest(seed=2**64), FieldNames(), "seed", "got 18446744073709551616"),
         (SamplingRequest(presence_penalty=2.5), FieldNames(), "presence_penalty", "[-2, 2]"),
         (SamplingRequest(repetition_penalty=0.0), FieldNames(), "repetition_penalty", "> 0"),
         (SamplingRequest(max_tokens=4, min_tokens=5), FieldNames(), "min_tokens", "max_tokens=4"),
@@ -343,3 +347,22 @@ def test_usage_has_speculation_only_where_the_request_speculated():
     assert speculated["speculative"] == {
         "draft_tokens": 8, "accepted_tokens": 4, "mean_accepted_length": 1.8,
     }  # fmt: skip
+
+
+def test_a_body_is_decoded_only_when_the_api_can_take_its_text_and_depth():
+    # A surrogate pair is one character; a lone surrogate is no text at all, wherever it is.
+    assert decode_body(b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "\U0001f600"}
+    for raw, field in [
+        (b'{"messages": [{"role": "user", "content": "x\\udc00"}]}', "messages[0].content"),
+        (b'{"a": {"\\ud800": 1}}', "a"),
+        (b'{"stop": ["ok", "\\ud800"]}', "stop[1]"),
+        (b'{"user": ' + b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH + b"}", "user"),
+        (b"[" * 5000 + b"]" * 5000, "body"),
+        (b"{not json", "body"),
+    ]:
+        with pytest.raises(InvalidRequestError) as e:
+            decode_body(raw)
+        assert e.value.field == field
+        assert "\ud800" not in str(e.value) and "\udc00" not in str(e.value)
+    deepest = b'{"user": ' + b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1) + b"}"
+    assert decode_body(deepest)["user"]

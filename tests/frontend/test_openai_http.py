@@ -199,7 +199,8 @@ def test_reasoning_and_content_split_in_whole_and_streamed_replies(
     assert not any(getattr(d, "reasoning", None) for d in deltas[began[0] + 1 :])
 
 
-def test_disconnect_mid_stream_frees_pages_on_both_workers(server, api, grpc_client):
+def test_disconnect_mid_stream_frees_pages_on_both_workers(server, api, grpc_client, caplog):
+    caplog.set_level(logging.INFO)
     # two choices: the disconnect ends both
     stream = api.completions.create(
         model=model_name(server), prompt=[0, *range(10, 200)], stream=True, n=2, **greedy(3000)
@@ -212,6 +213,12 @@ def test_disconnect_mid_stream_frees_pages_on_both_workers(server, api, grpc_cli
     assert status.num_requests == 2 and held["decode-0"] > 0, held
     stream.close()
     wait_for(lambda: all_pages_free(grpc_client), 10, "pages freed after the client disconnected")
+    # One INFO line for the disconnect, no traceback.
+    gone = [
+        r for r in caplog.records if "cancelled: the HTTP client disconnected" in r.getMessage()
+    ]
+    assert len(gone) == 1 and gone[0].levelno == logging.INFO
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def test_disconnect_during_prefill_frees_pages_on_both_workers(server, api, grpc_client, caplog):
@@ -448,7 +455,7 @@ def test_prompt_and_body_sizes_are_refused_naming_the_limit(server, api, grpc_cl
     connection.putheader("content-length", str(2 * PROMPT_BYTES + (1 << 20) + 1))
     connection.endheaders()
     reply = connection.getresponse()
-    assert reply.status == 400 and json.loads(reply.read())["error"]["param"] == "body"
+    assert reply.status == 413 and json.loads(reply.read())["error"]["param"] == "body"
     connection.close()
     with pytest.raises(grpc.RpcError) as e:
         list(grpc_client.generate(generate_request(text, max_tokens=2), timeout_s=30))

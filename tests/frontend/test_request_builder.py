@@ -61,6 +61,10 @@ FAULTS = [
      "sampling_params.n", "n"),
     ("empty stop string", generate_request([0], stop=[""]), {"prompt": [0], "stop": [""]},
      "sampling_params.stop", "stop"),
+    ("seed past the engine's", generate_request([0], seed=2**64 - 1), {"prompt": [0], "seed": 2**64 - 1},
+     "sampling_params.seed", "seed"),
+    ("top_k below -1", generate_request([0], top_k=-2), {"prompt": [0], "top_k": -2},
+     "sampling_params.top_k", "top_k"),
 ]  # fmt: skip
 
 

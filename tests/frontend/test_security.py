@@ -449,7 +449,7 @@ def test_huge_prompt_and_largest_stop_lists_do_not_delay_other_streams(server, c
             assert "fits the context" in refused.value.details()
             try:
                 r = h.post(url, content=huge_body, headers=headers)
-                assert r.status_code == 400 and r.json()["error"]["param"] == "body", r.text
+                assert r.status_code == 413 and r.json()["error"]["param"] == "body", r.text
             except httpx2.TransportError:  # refused (and closed) before all of it was sent
                 pass
             run(stops)
