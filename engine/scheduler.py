@@ -5,7 +5,11 @@ those waiting for pages, and the transfers expected from prefill workers. A requ
 (prefill-only for a prefill worker, decode-only or aggregated for a decode worker, aggregated for the offline
 path). A step is `schedule()` -> `StepPlan` -> the runner's `RankResult`s -> `finish_step()`:
 
-- waiting requests take their pages in arrival order, the head of the queue blocking the rest;
+- waiting requests take their pages in arrival order, the head of the queue blocking the rest; with the prefix
+  cache (`prefix_caching`) a prefilled request first takes a reference to the cached pages its prompt starts
+  with and its prefill starts after them, and the full pages its prefill computes are cached as they are
+  (`PrefixCache`); a request's references go with its pages (finished, aborted, failed, preempted), the
+  pages staying cached;
 - prefilling requests get chunks under the step's token budget, first come first served (`plan_prefill_chunks`);
 - running requests each run one decode token, oldest first; one that needs a page nobody has free preempts the
   most recently admitted requests (their pages freed; an aggregated one is prefilled again later with the tokens
