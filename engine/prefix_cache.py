@@ -75,7 +75,9 @@ class PrefixCache:
         if hit_tokens <= 0:
             return []
         num_pages = hit_tokens // self.page_size
-        return allocator.match(self._hashes(request, num_pages, request.token_ids))
+        pages = allocator.match(self._hashes(request, num_pages, request.token_ids))
+        per_unit = self.hit_unit // self.page_size
+        return pages[: len(pages) // per_unit * per_unit]
 
     def count(self, request: Request, num_hit_tokens: int) -> None:
         """A request's first lookup here: `num_hit_tokens` of its tokens were cached (its usage's

@@ -175,6 +175,8 @@ def test_batch_invariant_hits_are_whole_chunks():
     assert b.num_computed == 16  # 4 full pages within 19 tokens, 16 a multiple of 8
     s.add(request("c", prompt[:15]))
     assert s.requests["c"].num_computed == 8  # 3 full pages within 14 tokens: cut to 8
+    s.add(request("d", prompt[:14] + [99] * 6))
+    assert s.requests["d"].num_computed == 8  # 3 pages found (page 3 differs): cut to 8
 
 
 def test_with_mtp_a_page_is_found_only_where_the_next_token_is_the_same():

@@ -103,19 +103,21 @@ def test_hits_give_the_outputs_of_no_cache(reference_model, num_drafts):
     assert plain.stats().prefix_cache_queries == 0
 
 
-def prefill(model, prompts: list[list[int]], num_drafts: int) -> tuple[torch.Tensor, Request]:
-    """Prefills the prompts one after another on one scheduler and runner with the prefix cache; returns the
-    last one's cache rows [positions, layers, entry] (the MTP layer's included) and its record."""
+def prefill(
+    model, prompts: list[list[int]], num_drafts: int = 0, fixed_chunks: bool = False
+) -> tuple[torch.Tensor, Request]:
+    """Runs the prompts one after another (each to the end of its prefill, the one before it finishing
+    meanwhile) on one scheduler and runner with the prefix cache, 8-token chunks; returns the last one's
+    cache rows [positions, layers, entry] (the MTP layer's included) and its record."""
     runner = ModelRunner(model, PAGE, 64, cuda_graphs=False)
     args = model.args
     s = Scheduler(
         PageAllocator(64), PAGE, 64, 8, args.vocab_size, args.max_position_embeddings,
-        args.eos_token_ids, num_drafts=num_drafts, prefix_caching=True,
+        args.eos_token_ids, num_drafts=num_drafts, prefix_caching=True, fixed_chunks=fixed_chunks,
     )  # fmt: skip
     for i, prompt in enumerate(prompts):
-        r = Request(
-            f"r{i}", list(prompt), SamplingParams(max_tokens=4, ignore_eos=True), Policy.AGGREGATED
-        )
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        r = Request(f"r{i}", list(prompt), params, Policy.AGGREGATED)
         s.add(r)
         while r.state is RequestState.PREFILLING:
             plan, _ = s.schedule()
@@ -136,3 +138,17 @@ def test_a_hit_leaves_the_mtp_rows_and_drafts_it_would_have_computed(reference_m
     assert (alone.num_cached_tokens, after_a.num_cached_tokens) == (0, 8)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert after_a.token_ids == alone.token_ids and after_a.draft_ids == alone.draft_ids
+
+
+def test_batch_invariant_hits_leave_the_bits_of_no_hit(reference_model):
+    """With prompts cut only at multiples of the chunk (batch-invariant mode) a hit is whole chunks, so the
+    request computes the chunks it would have computed alone: on the CPU's reference kernels (deterministic
+    for a given shape) its cache rows and first token are the same bits, where a hit of every full page
+    (20 tokens, a chunk starting at 20) would leave other bits."""
+    shared = prompt_ids(22, 7)
+    a, b = shared + prompt_ids(3, 8), shared + prompt_ids(4, 9)
+    want, alone = prefill(reference_model, [b], fixed_chunks=True)
+    got, after_a = prefill(reference_model, [a, b], fixed_chunks=True)
+    assert (alone.num_cached_tokens, after_a.num_cached_tokens) == (0, 16)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert after_a.token_ids == alone.token_ids
