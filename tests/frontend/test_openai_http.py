@@ -599,12 +599,13 @@ def test_a_prompt_sent_again_finds_its_pages_in_the_prefix_cache(server, api, gr
     replies = list(grpc_client.generate(generate_request(prompt, max_tokens=4, ignore_eos=True)))
     assert replies[-1].usage.cached_tokens == hit
 
-    def counted():
+    def counted():  # the stats polled after the four requests
         families = scrape(metrics_url(server))
-        if "pdserve:prefix_cache_hits" not in families:
-            return None
-        hits = value(families, "pdserve:prefix_cache_hits", "_total", worker="prefill-0")
-        return hits >= 3 * hit and families
+        hits = [
+            s.value for s in families["pdserve:prefix_cache_hits"].samples
+            if s.labels["worker"] == "prefill-0"
+        ]  # fmt: skip
+        return hits and hits[0] >= 3 * hit and families
 
     families = wait_for(counted, 10, "the prefill worker's prefix-cache hits in /metrics")
     queries = value(families, "pdserve:prefix_cache_queries", "_total", worker="prefill-0")
