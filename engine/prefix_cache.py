@@ -34,12 +34,14 @@ from pdserve.engine.request import Request
 
 ROOT_HASH = b""
 """The parent of a request's first page."""
+_TOKEN_BYTES = 8
+"""A token id's bytes in what a page's hash covers (array typecode "q")."""
 
 
 def page_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
     """The chained hash of a page whose parent page has hash `parent` (ROOT_HASH for the first page) and
     whose contents are determined by `token_ids` (its tokens, and with lookahead the token after them)."""
-    return hashlib.sha256(parent + array.array("q", token_ids).tobytes()).digest()
+    return hashlib.sha256(parent + array.array("q", token_ids).tobytes()).digest()  # _TOKEN_BYTES
 
 
 class PrefixCache:
@@ -62,10 +64,14 @@ class PrefixCache:
         tokens, with the token after them where known (lookahead)."""
         hashes, ps = request.page_hashes, self.page_size
         extra = 1 if self.lookahead else 0
-        while len(hashes) < num_pages:
-            p = len(hashes)
-            parent = hashes[-1] if hashes else ROOT_HASH
-            hashes.append(page_hash(parent, tokens[p * ps : (p + 1) * ps + extra]))
+        first = len(hashes)
+        if first < num_pages:  # the tokens' bytes made once, each page's hash over a slice of them
+            data = array.array("q", tokens[first * ps : num_pages * ps + extra]).tobytes()
+            size = _TOKEN_BYTES * (ps + extra)
+            for p in range(first, num_pages):
+                at = _TOKEN_BYTES * (p - first) * ps
+                parent = hashes[-1] if hashes else ROOT_HASH
+                hashes.append(hashlib.sha256(parent + data[at : at + size]).digest())
         return hashes[:num_pages]
 
     def match(self, request: Request, allocator: PageAllocator, prefill_end: int) -> list[int]:

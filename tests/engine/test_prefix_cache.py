@@ -65,6 +65,18 @@ def test_hashes_chain_through_parents():
     assert page_hash(page_hash(b"", [1, 2]), [3, 4]) != page_hash(page_hash(b"", [9, 9]), [3, 4])
     with pytest.raises(ValueError, match="align=0"):
         PrefixCache(PAGE, align=0)
+    # a request's chain, made a piece at a time, is the chain of its pages (with lookahead: and the token after)
+    tokens = list(range(10, 33))
+    for lookahead in (False, True):
+        r = request("r", tokens)
+        cache, allocator = PrefixCache(PAGE, lookahead), PageAllocator(8)
+        cache.match(r, allocator, 9)  # 2 pages
+        cache.match(r, allocator, len(tokens))  # 5 pages
+        want, parent = [], b""
+        for p in range(5):
+            parent = page_hash(parent, tokens[p * PAGE : (p + 1) * PAGE + lookahead])
+            want.append(parent)
+        assert r.page_hashes == want
 
 
 def aggregated(num_pages=32, budget=64, chunk=16, **kw) -> Scheduler:
