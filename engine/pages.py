@@ -102,7 +102,9 @@ class PageAllocator:
 
     def free(self, pages: Sequence[int]) -> None:
         """Drops one reference to each page; a page whose last reference goes is free again (after
-        `release_held` where frees are held), or cached and unreferenced."""
+        `release_held` where frees are held), or cached and unreferenced, released in the order given: a
+        request's pages go last first, so that the first pages of its prompt (its hash chain's roots, which
+        any hit needs and more prompts share) are evicted last."""
         for p in pages:
             refs = self._refs.get(p)
             if refs is None:

@@ -360,7 +360,7 @@ class Scheduler:
 
     def _release(self, request: Request, state: RequestState) -> None:
         request.state = state
-        self.allocators[request.rank].free(request.pages)
+        self.allocators[request.rank].free(request.pages[::-1])  # its prefix evicted last
         request.pages = []
         self.requests.pop(request.request_id, None)
         self._by_transfer.pop(request.transfer_id, None)
@@ -613,7 +613,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> list[RequestOutput]:
         self.num_preemptions += 1
-        self.allocators[request.rank].free(request.pages)
+        self.allocators[request.rank].free(request.pages[::-1])  # its prefix evicted last
         request.pages = []
         request.num_computed = 0
         request.num_cached_pages = 0  # they stay in the cache, for its prefill again

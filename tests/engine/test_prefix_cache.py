@@ -140,6 +140,19 @@ def test_a_prompt_prefilled_before_starts_after_its_full_pages_and_reports_them(
     s.allocator.check()
 
 
+def test_a_finished_request_s_last_pages_are_evicted_first():
+    s = aggregated(num_pages=7)
+    prompt = list(range(10, 27))  # 17 tokens: 4 full pages cached
+    s.add(request("a", prompt, max_tokens=1))
+    drain(s)
+    assert s.allocator.num_cached == 4
+    s.add(request("b", list(range(50, 63)), max_tokens=1))  # 4 pages: the 3 free and 1 evicted
+    assert s.allocator.num_evicted == 1
+    drain(s)
+    s.add(request("c", prompt))  # finds the first 3 pages: the one evicted was the last
+    assert s.requests["c"].num_computed == 12
+
+
 def test_a_cancelled_or_failed_request_releases_its_references_and_the_pages_stay_cached():
     s = aggregated()
     prompt = list(range(10, 30))
