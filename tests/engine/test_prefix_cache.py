@@ -245,13 +245,18 @@ def next_token(values) -> int:
 class ListRunner:
     """A fake model over a list cache (one list of rows per page): each row it runs writes its token + 1, and it
     samples `next_token` of the rows its pages hold up to the row. A request that found another's page
-    holding other contents, or whose shared page another request wrote, samples other tokens than `expected`."""
+    holding other contents, or whose shared page another request wrote, samples other tokens than `expected`.
+    One such cache per rank (data-parallel attention: each rank its own pages)."""
 
-    def __init__(self, num_pages: int):
-        self.cache = [[0] * PAGE for _ in range(num_pages)]
+    def __init__(self, num_pages: int, ranks: int = 1):
+        self.caches = [[[0] * PAGE for _ in range(num_pages)] for _ in range(ranks)]
 
-    def run(self, plan: StepPlan) -> RankResult:
-        step, result = plan.ranks[0], RankResult(plan.step_id)
+    def run(self, plan: StepPlan) -> list[RankResult]:
+        return [self._run_rank(plan, rank) for rank in range(len(self.caches))]
+
+    def _run_rank(self, plan: StepPlan, rank: int) -> RankResult:
+        step, result = plan.ranks[rank], RankResult(plan.step_id)
+        self.cache = self.caches[rank]
         for row in step.prefill:
             for i, t in enumerate(row.token_ids):
                 self._write(row.page_ids, row.start + i, t)
@@ -278,23 +283,25 @@ def expected(prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "policy, total, fixed_chunks",
+    "policy, total, fixed_chunks, ranks",
     [
-        (Policy.AGGREGATED, 10_000, False),
-        (Policy.AGGREGATED, 2_000, True),  # batch-invariant mode: hits of whole chunks
-        (Policy.PREFILL_ONLY, 2_000, False),  # a prefill worker: pages kept while the KV is sent
+        (Policy.AGGREGATED, 10_000, False, 1),
+        (Policy.AGGREGATED, 2_000, True, 1),  # batch-invariant mode: hits of whole chunks
+        (Policy.PREFILL_ONLY, 2_000, False, 1),  # a prefill worker: pages kept while the KV is sent
+        (Policy.AGGREGATED, 2_000, False, 2),  # data-parallel attention: a cache per rank
     ],
 )
 def test_requests_with_shared_prefixes_cancels_and_evictions_leak_nothing(
-    policy, total, fixed_chunks
+    policy, total, fixed_chunks, ranks
 ):
-    rng = random.Random(total)
-    num_pages = 48
+    rng = random.Random(total + ranks)
+    num_pages = 48 // ranks
     s = Scheduler(
-        PageAllocator(num_pages), PAGE, 48, 16 if fixed_chunks else 10, VOCAB, 1000, {0},
-        max_running=12, fixed_chunks=fixed_chunks, worker_kind="worker", prefix_caching=True,
+        [PageAllocator(num_pages) for _ in range(ranks)], PAGE, 48, 16 if fixed_chunks else 10,
+        VOCAB, 1000, {0}, max_running=12, fixed_chunks=fixed_chunks, worker_kind="worker",
+        prefix_caching=True,
     )  # fmt: skip
-    runner = ListRunner(num_pages)
+    runner = ListRunner(num_pages, ranks)
     # prefixes made of a few page-long blocks: the same page contents come after different parents
     blocks = [[rng.randrange(2, VOCAB) for _ in range(PAGE)] for _ in range(4)]
     prefixes = [
@@ -332,7 +339,7 @@ def test_requests_with_shared_prefixes_cancels_and_evictions_leak_nothing(
             if rng.random() < 0.05 and s.requests:  # a cancel while the step runs
                 s.abort(rng.choice(list(s.requests)))
                 cancelled += 1
-            outcome = s.finish_step(plan, [runner.run(plan)])
+            outcome = s.finish_step(plan, runner.run(plan))
             outputs += outcome.outputs
             for request, token, _ in outcome.to_send:
                 assert [token] == expected(prompts[request.request_id], 1), request.request_id
@@ -345,10 +352,10 @@ def test_requests_with_shared_prefixes_cancels_and_evictions_leak_nothing(
                 assert tokens == expected(prompt, len(tokens)), out.request_id
         sending = [rid for rid in sending if rid in s.requests]  # those not cancelled
         assert steps < 20 * total, "no progress"
-    a = s.allocator
-    a.check()
-    assert a.num_used == 0 and a.num_free == num_pages
+    for a in s.allocators:
+        a.check()
+        assert a.num_used == 0 and a.num_free == num_pages
+        assert a.num_evicted > total // 100 // ranks  # the cache ran full
     assert finished > total // 2 and cancelled > total // 100
     assert s.prefix_cache.num_hits > s.prefix_cache.num_queries // 8  # the prefixes were found
-    assert a.num_evicted > total // 100  # and the cache ran full
     assert s.num_preemptions > 0 or policy is Policy.PREFILL_ONLY
