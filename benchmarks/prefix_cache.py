@@ -2,19 +2,20 @@
 same request computed whole, and time per output token with the cache on against off.
 
     python benchmarks/prefix_cache.py MODEL_DIR [--prefix 32768] [--suffix 64] [--max-tokens 64]
-        [--kv-cache-dtype fp8] [--load-format dummy] [--device cuda]
+        [--trials 3] [--kv-cache-dtype fp8] [--load-format dummy] [--device cuda]
 
-One aggregated decode worker (the engine's scheduler, runner, CUDA graphs after its warm-up), stepped in this
-process. With the cache on: request A (the shared prefix and a suffix of its own) runs alone, then request B (the
-prefix and another suffix) finds the prefix's pages cached. With the cache off, on a fresh worker, A runs (to
-warm the same shapes) and then B is computed whole. Prints each B's time to first token (from its admission to
-its first output) and time per output token (its first output to its last, per token after the first), the
-ratios, and the tokens B found cached. Greedy, EOS ignored; random prompt tokens."""
+Two aggregated decode workers (the engine's scheduler, runner, CUDA graphs after their warm-up), one with the
+prefix cache and one without, stepped in this process. Each trial draws a new prefix; on each worker (in turn,
+the order alternating between trials) request A (the prefix and a suffix of its own) runs alone, then request B
+(the prefix and another suffix), which on the cached worker finds the prefix's pages cached. Prints the medians
+over the trials of B's time to first token (from its admission to its first output) and time per output token
+(its first output to its last, per token after the first), their ratios, and the tokens B found cached. Greedy,
+EOS ignored; random prompt tokens."""
 
 from __future__ import annotations
 
 import argparse
-import gc
+import statistics
 import time
 
 import torch
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=8192, help="prefill tokens a step")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"])
+    parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     if args.prefix < args.page_size or args.suffix < 1 or args.max_tokens < 2:
@@ -52,14 +54,12 @@ def main() -> None:
     def tokens(n: int) -> list[int]:
         return torch.randint(3, model.args.vocab_size, (n,), generator=g).tolist()
 
-    prefix = tokens(args.prefix)
-    prompts = {"A": prefix + tokens(args.suffix), "B": prefix + tokens(args.suffix)}
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
 
-    def serve(worker: DecodeWorker, rid: str) -> tuple[float, float, int]:
+    def serve(worker: DecodeWorker, rid: str, prompt: list[int]) -> tuple[float, float, int]:
         """Time to first token, time per output token, cached tokens."""
         start = time.perf_counter()
-        worker.add_request(DecodeRequest(rid, prompts[rid], params))
+        worker.add_request(DecodeRequest(rid, prompt, params))
         first = last = None
         cached = 0
         deadline = start + 600
@@ -75,24 +75,33 @@ def main() -> None:
                 if out.finish_reason is not None:
                     return first - start, (last - first) / (args.max_tokens - 1), cached
 
-    results = {}
+    workers = {}
     for caching in (True, False):
         config = DecodeConfig(
             page_size=args.page_size, num_pages=3 * pages_needed(total, args.page_size),
             max_num_batched_tokens=args.chunk, max_prefill_chunk=args.chunk,
             max_running=4, warm_up_context=total, enable_prefix_caching=caching,
         )  # fmt: skip
-        worker = DecodeWorker("d0", model, config, kv_cache_dtype=args.kv_cache_dtype)
-        worker.warm_up()
-        serve(worker, "A")
-        results[caching] = serve(worker, "B")
+        workers[caching] = DecodeWorker(
+            f"d{int(caching)}", model, config, kv_cache_dtype=args.kv_cache_dtype
+        )
+        workers[caching].warm_up()
+    results: dict[bool, list[tuple[float, float, int]]] = {True: [], False: []}
+    for trial in range(args.trials):
+        prefix = tokens(args.prefix)
+        a, b = prefix + tokens(args.suffix), prefix + tokens(args.suffix)
+        for caching in (True, False) if trial % 2 == 0 else (False, True):
+            serve(workers[caching], f"A{trial}", a)
+            results[caching].append(serve(workers[caching], f"B{trial}", b))
+    for worker in workers.values():
         worker.close()
-        del worker
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-    (hit_ttft, hit_tpot, cached), (cold_ttft, cold_tpot, _) = results[True], results[False]
-    print(f"prefix {args.prefix} + {args.suffix} tokens, {args.max_tokens} out, "
+
+    def median(caching: bool, i: int) -> float:
+        return statistics.median(r[i] for r in results[caching])
+
+    hit_ttft, hit_tpot, cached = median(True, 0), median(True, 1), results[True][-1][2]
+    cold_ttft, cold_tpot = median(False, 0), median(False, 1)
+    print(f"prefix {args.prefix} + {args.suffix} tokens, {args.max_tokens} out, {args.trials} trials, "
           f"{model.args.num_hidden_layers} layers, kv {args.kv_cache_dtype}, {dev}")  # fmt: skip
     print(f"  cache on:  TTFT {hit_ttft * 1e3:9.1f} ms  TPOT {hit_tpot * 1e3:7.2f} ms  "
           f"({cached} tokens cached)")  # fmt: skip
