@@ -49,6 +49,9 @@ class Request:
     """Its speculation so far: the sum of what its decode workers reported as its stays there ended (finished,
     preempted, aborted by the worker); None while none reported drafts verified. A stay on a lost worker
     reports nothing."""
+    num_cached_tokens: int | None = None
+    """Its prompt tokens its first prefill found in a prefix cache, as the first output that reported them
+    said (a prefill again after a preemption or a move does not change it, as in vLLM)."""
     touched: set[WorkerHandle] = dataclasses.field(default_factory=set)
     pending: object = None
     """An event taken off `events` while merging outputs (`Router._coalesce`), handled next."""

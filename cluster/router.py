@@ -83,6 +83,7 @@ def _joined(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     return RequestOutput(
         a.request_id, [*a.token_ids, *b.token_ids], b.finish_reason, b.error, logprobs=logprobs,
         stages=stages, spec=SpecCounts.total((a.spec, b.spec)),
+        num_cached_tokens=b.num_cached_tokens if a.num_cached_tokens is None else a.num_cached_tokens,
     )  # fmt: skip
 
 
@@ -217,6 +218,8 @@ class Router:
                 r.moved_at = None
             r.generated.extend(event.token_ids)
             r.stages = r.stages.merged(event.stages)
+            if r.num_cached_tokens is None:
+                r.num_cached_tokens = event.num_cached_tokens
             if event.finish_reason is not None:
                 r.finish_reason, r.finished_at = event.finish_reason, now
                 self.admission.detach(r)

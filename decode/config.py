@@ -50,6 +50,11 @@ class DecodeConfig:
     best log-probability is accepted (TensorRT-LLM's relaxed_topk; e.g. 10). 0: off, every draft strict."""
     speculative_relaxed_delta: float = 0.6
     """See speculative_relaxed_topk (TensorRT-LLM's relaxed_delta)."""
+    enable_prefix_caching: bool = True
+    """Keep the KV pages of prompts in a prefix cache (full pages, named by a hash chained through their
+    parents, evicted least recently used when pages run short) and prefill only what follows the longest
+    cached prefix of an aggregated request's prompt (vLLM's enable_prefix_caching, on by default as in vLLM
+    and SGLang)."""
     layout: WorkerLayout = WorkerLayout()
     """How one worker spreads the model over its ranks; its fields are this section's keys `ranks`,
     `attention`, `expert_parallel` and `dense` (`pdserve.cluster.config` flattens them)."""

@@ -36,7 +36,7 @@ from pdserve.engine.ranks.kv import RankKVControl, rank_endpoint
 from pdserve.engine.request import Policy, Request, RequestState
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.spec_policy import SpecPolicy
-from pdserve.engine.worker import Worker
+from pdserve.engine.worker import Worker, prefix_cache_counts
 from pdserve.kvtransfer import ExpectedTransfer, KVReceiver, MakeReceiver, TransferResult
 from pdserve.model.deepseek import Transformer
 from pdserve.model.errors import TransferError
@@ -76,6 +76,7 @@ class DecodeWorker(Worker):
                 config.speculative_min_acceptance,
             ),
             relaxed=(config.speculative_relaxed_topk, config.speculative_relaxed_delta),
+            prefix_caching=config.enable_prefix_caching,
         )  # fmt: skip
         self.receiver: KVReceiver | None = (
             make_receiver(self.runner.cache.data) if make_receiver else None
@@ -173,6 +174,7 @@ class DecodeWorker(Worker):
                 spec_accepted_per_position=tuple(spec.accepted_per_position),
                 step_s=step_s,
                 step_expected_s=step_expected_s,
+                **prefix_cache_counts(self.scheduler),
             )
 
     def can_admit(self, num_tokens: int) -> bool:
@@ -222,7 +224,7 @@ class DecodeWorker(Worker):
             stages = dataclasses.replace(stages, kv_transfer_s=stages.kv_transfer_s + moved_s)
         return self.scheduler.kv_arrived(
             result.transfer_id, result.num_tokens, result.first_token, handoff.logprobs, stages,
-            handoff.draft_ids,
+            handoff.draft_ids, handoff.cached_tokens,
         )  # fmt: skip
 
     def warm_up(self) -> None:

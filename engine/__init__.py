@@ -13,7 +13,8 @@ marked torch are imported from their modules.
 | `messages` | every router <-> worker message and their msgpack codec |
 | `sampling_params` | per-request sampling parameters and stop rules |
 | `checks` | the request checks the front end, the scheduler and the offline path share |
-| `pages` | the page allocator |
+| `pages` | the page allocator: reference-counted pages, the prefix cache's pages and their eviction |
+| `prefix_cache` | which of a request's pages it shares through the prefix cache: the hash chain, hits, counts |
 | `spec_policy` | when a speculating worker drafts: a batch-size limit and the measured acceptance |
 | `chunking` | chunked-prefill planning |
 | `step_timer` | how long the step in flight has run and is expected to take, for the router's stall check |

@@ -90,6 +90,10 @@ class PrefillStats:
     step deadline."""
     step_expected_s: float = 0.0
     """Seconds that step is expected to take, from the worker's measured speed (0.0: unknown)."""
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in its prefix cache, and of them those found there, since start (vLLM's
+    prefix_cache_queries and prefix_cache_hits)."""
+    prefix_cache_hits: int = 0
 
 
 # Prefill worker -> decode worker, with the KV pages.
@@ -137,6 +141,8 @@ class PrefillHandoff:
     draft_ids: tuple[int, ...] = ()
     """The MTP module's draft of the token after the first one, where the prefill worker speculates: the
     decode worker's first step verifies it (as drawn from a point mass: its distribution stays here)."""
+    cached_tokens: int = 0
+    """Its prompt tokens the prefill worker found in its prefix cache (its usage's cached_tokens)."""
 
     def to_bytes(self) -> bytes:
         return encode(self)
@@ -240,6 +246,10 @@ class RequestOutput:
     """Where its decode steps on this worker verified drafts: how many, how many were accepted, and in how many
     steps; on its finishing output, and on an output that ends its stay here otherwise (preempted, or aborted
     by the worker), so that the router can add up the parts of a request that moved."""
+    num_cached_tokens: int | None = None
+    """On its first output with tokens from this worker, where a prefix cache served its prompt (here, or on
+    the prefill worker whose KV it took): the prompt tokens found cached there (OpenAI's
+    usage.prompt_tokens_details.cached_tokens)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -264,6 +274,10 @@ class DecodeStats:
     step deadline."""
     step_expected_s: float = 0.0
     """Seconds that step is expected to take, from the worker's measured speed (0.0: unknown)."""
+    prefix_cache_queries: int = 0
+    """Tokens of aggregated requests looked up in its prefix cache, and of them those found there, since
+    start (vLLM's prefix_cache_queries and prefix_cache_hits)."""
+    prefix_cache_hits: int = 0
 
 
 # The codec.

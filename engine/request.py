@@ -88,6 +88,15 @@ class Request:
     counted: bool = False
     """The runner running its rows counts its penalties already (its sequence went with a sampled row; see
     `SampleSpec.penalty_ids`); false again once it is preempted."""
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list, repr=False)
+    """The prefix cache's chained hashes of its first full pages, as far as made (`PrefixCache`)."""
+    num_cached_pages: int = 0
+    """Its first pages that are in the prefix cache (found there, or cached once computed)."""
+    num_cached_tokens: int | None = None
+    """Its prompt tokens found in the prefix cache when it was first given pages here, or (DECODE_ONLY)
+    on its prefill worker (its usage's cached_tokens); None before."""
+    cached_reported: bool = False
+    """An output of it carried `num_cached_tokens` already."""
 
     def __post_init__(self) -> None:
         self.stop_ids = frozenset(self.params.stop_token_ids)

@@ -5,7 +5,11 @@ those waiting for pages, and the transfers expected from prefill workers. A requ
 (prefill-only for a prefill worker, decode-only or aggregated for a decode worker, aggregated for the offline
 path). A step is `schedule()` -> `StepPlan` -> the runner's `RankResult`s -> `finish_step()`:
 
-- waiting requests take their pages in arrival order, the head of the queue blocking the rest;
+- waiting requests take their pages in arrival order, the head of the queue blocking the rest; with the prefix
+  cache (`prefix_caching`) a prefilled request first takes a reference to the cached pages its prompt starts
+  with and its prefill starts after them, and the full pages its prefill computes are cached as they are
+  (`PrefixCache`); a request's references go with its pages (finished, aborted, failed, preempted), the
+  pages staying cached;
 - prefilling requests get chunks under the step's token budget, first come first served (`plan_prefill_chunks`);
 - running requests each run one decode token, oldest first; one that needs a page nobody has free preempts the
   most recently admitted requests (their pages freed; an aggregated one is prefilled again later with the tokens
@@ -44,6 +48,7 @@ from pdserve.engine.checks import check_context, check_pages, check_token_ids
 from pdserve.engine.chunking import plan_prefill_chunks
 from pdserve.engine.messages import RequestOutput, StageTimes
 from pdserve.engine.pages import PageAllocator, pages_needed
+from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.request import Policy, Request, RequestState, stage_times, think_state
 from pdserve.engine.sampling_params import FinishReason, TokenLogprobs, check_stop
 from pdserve.engine.spec_policy import SpecPolicy, SpecStats
@@ -100,6 +105,7 @@ class Scheduler:
         num_drafts: int = 0,
         spec_policy: SpecPolicy | None = None,
         relaxed: tuple[int, float] | None = None,
+        prefix_caching: bool = False,
     ):
         """allocator: the KV pages of the worker's one rank, or one allocator per data-parallel rank (of equal
         sizes); ranks: ranks of the worker (default: one per allocator; with one allocator and more ranks, each
@@ -114,7 +120,9 @@ class Scheduler:
         rows after its token (`DecodeRow.drafts`), as many as its rank has rows to spare under
         `max_rows`; spec_policy: when a step drafts (`SpecPolicy`; default: every step); relaxed: (top-k,
         delta) of relaxed acceptance for the requests that opt in (`SamplingParams.relaxed_think_ids`),
-        inside their think blocks (None: strict acceptance for every request)."""
+        inside their think blocks (None: strict acceptance for every request); prefix_caching: prefilled
+        requests (prefill-only, aggregated) share the full pages of their prefill through each allocator's
+        prefix cache and start their prefill after the pages they find there (`PrefixCache`)."""
         allocators = [allocator] if isinstance(allocator, PageAllocator) else list(allocator)
         ranks = len(allocators) if ranks is None else ranks
         if not allocators or len(allocators) not in (1, ranks):
@@ -151,6 +159,10 @@ class Scheduler:
         if relaxed is not None and (relaxed[0] < 0 or relaxed[1] < 0):
             raise ValueError(f"relaxed={relaxed}: top-k and delta must be >= 0")
         self.relaxed = relaxed if relaxed is not None and relaxed[0] > 0 else None
+        self.prefix_cache: PrefixCache | None = None
+        if prefix_caching:
+            align = min(max_chunk, token_budget) if fixed_chunks else 1
+            self.prefix_cache = PrefixCache(page_size, lookahead=num_drafts > 0, align=align)
         self._step_drafts = num_drafts
         """The drafts the step being planned proposes (`SpecPolicy.drafts_for_step`)."""
         self.requests: dict[str, Request] = {}
@@ -182,15 +194,52 @@ class Scheduler:
         """The data-parallel rank a new request goes to: of those with `num_pages` free and fewer requests than
         `rank_max_running`, the fewest pages in use, then the fewest requests, then the lowest rank; None when
         no rank has room."""
+        return self._pick(lambda d: self.allocators[d].can_allocate(num_pages))
+
+    def _pick(self, fits) -> int | None:
+        """`_pick_rank`'s choice among the ranks d where fits(d)."""
         if len(self.allocators) == 1:
-            return 0 if self.allocators[0].can_allocate(num_pages) else None
+            return 0 if fits(0) else None
         counts = [0] * len(self.allocators)
         for r in self.requests.values():
             counts[r.rank] += 1
         cap = self.rank_max_running
-        fits = [d for d, a in enumerate(self.allocators)
-                if a.can_allocate(num_pages) and (cap is None or counts[d] < cap)]  # fmt: skip
-        return min(fits, key=lambda d: (self.allocators[d].num_used, counts[d], d), default=None)
+        ok = [
+            d for d in range(len(self.allocators)) if (cap is None or counts[d] < cap) and fits(d)
+        ]
+        return min(ok, key=lambda d: (self.allocators[d].num_used, counts[d], d), default=None)
+
+    def _fit(self, request: Request) -> tuple[int, list[int]] | None:
+        """Where the request's pages come from now: the rank (`_pick_rank`'s choice among those with room for
+        what it does not find cached there) and the cached pages it starts from there; None when no rank has
+        room."""
+        need = pages_needed(request.num_tokens, self.page_size)
+        cache = self.prefix_cache
+        if cache is None or request.policy is Policy.DECODE_ONLY:
+            rank = self._pick_rank(need)
+            return None if rank is None else (rank, [])
+        end = self._prefill_end(request)
+        matched = [cache.match(request, a, end) for a in self.allocators]
+
+        def fits(d: int) -> bool:
+            a, m = self.allocators[d], matched[d]
+            return need - len(m) + a.cost(m) <= a.num_free
+
+        rank = self._pick(fits)
+        return None if rank is None else (rank, matched[rank])
+
+    def _give_pages(self, request: Request, rank: int, cached: list[int]) -> None:
+        """Gives the request its pages on `rank`: `cached` (a match there), then new ones; its prefill starts
+        after the cached ones."""
+        allocator = self.allocators[rank]
+        allocator.take(cached)
+        need = pages_needed(request.num_tokens, self.page_size) - len(cached)
+        request.rank = rank
+        request.pages = cached + allocator.allocate(need)
+        request.num_computed = len(cached) * self.page_size
+        request.num_cached_pages = len(cached)
+        if self.prefix_cache is not None and request.num_cached_tokens is None:
+            self.prefix_cache.count(request, request.num_computed)
 
     # Admission.
 
@@ -230,15 +279,15 @@ class Scheduler:
             request.state = RequestState.WAITING
             self.waiting.append(request)
         else:
-            if not self.can_admit(request.num_tokens):
+            full = self.max_running is not None and self.num_active >= self.max_running
+            fit = None if full or self.waiting else self._fit(request)
+            if fit is None:
                 free = [a.num_free for a in self.allocators]
                 raise CapacityError(
                     f"{self.worker_kind} full: {'/'.join(map(str, free))} free KV pages, "
                     f"{self.num_active}/{self.max_running} requests"
                 )
-            need = pages_needed(request.num_tokens, self.page_size)
-            request.rank = self._pick_rank(need)
-            request.pages = self.allocators[request.rank].allocate(need)
+            self._give_pages(request, *fit)
             if request.policy is Policy.DECODE_ONLY:
                 request.state = RequestState.WAITING_FOR_KV
                 request.transfer_id = next(self._transfer_ids)
@@ -266,11 +315,11 @@ class Scheduler:
     def kv_arrived(
         self, transfer_id: int, num_tokens: int, first_token: int,
         logprobs: TokenLogprobs | None = None, prefill_stages: StageTimes | None = None,
-        draft_ids: Sequence[int] = (),
+        draft_ids: Sequence[int] = (), cached_tokens: int | None = None,
     ) -> list[RequestOutput]:  # fmt: skip
         """A DECODE_ONLY request's KV is in the cache, with the first token its prefill worker sampled, that
-        token's log-probabilities (where asked) and the stages that worker ran and the transfer took: its
-        output carries them all."""
+        token's log-probabilities (where asked), the stages that worker ran and the transfer took, and the
+        prompt tokens it found in its prefix cache: its output carries them all."""
         request = self._by_transfer.pop(transfer_id, None)
         if request is None or request.state is not RequestState.WAITING_FOR_KV:
             return []
@@ -282,6 +331,7 @@ class Scheduler:
         request.state = RequestState.RUNNING
         request.first_token_at = time.monotonic()
         request.prefill_stages = prefill_stages
+        request.num_cached_tokens = cached_tokens
         outputs = self._append(request, [first_token], [logprobs], with_stages=True)
         request.draft_ids = list(draft_ids[: self.num_drafts])
         return outputs
@@ -310,7 +360,7 @@ class Scheduler:
 
     def _release(self, request: Request, state: RequestState) -> None:
         request.state = state
-        self.allocators[request.rank].free(request.pages)
+        self.allocators[request.rank].free(request.pages[::-1])  # its prefix evicted last
         request.pages = []
         self.requests.pop(request.request_id, None)
         self._by_transfer.pop(request.transfer_id, None)
@@ -345,6 +395,9 @@ class Scheduler:
             self._release(request, RequestState.FINISHED)
         stages = stage_times(request) if reason is not None or with_stages else None
         wanted = request.params.logprobs is not None
+        cached = None
+        if not request.cached_reported and request.num_cached_tokens is not None:
+            cached, request.cached_reported = request.num_cached_tokens, True
         return [
             RequestOutput(
                 request.request_id,
@@ -353,6 +406,7 @@ class Scheduler:
                 logprobs=list((logprobs or [None] * taken)[:taken]) if wanted else None,
                 stages=stages,
                 spec=request.spec_counts() if reason is not None else None,
+                num_cached_tokens=cached,
             )  # fmt: skip
         ]
 
@@ -542,12 +596,10 @@ class Scheduler:
     def _take_pages_in_order(self) -> None:
         while self.waiting:
             request = self.waiting[0]
-            need = pages_needed(request.num_tokens, self.page_size)
-            rank = self._pick_rank(need)
-            if rank is None:
+            fit = self._fit(request)
+            if fit is None:
                 return
-            request.rank = rank
-            request.pages = self.allocators[rank].allocate(need)
+            self._give_pages(request, *fit)
             request.state = RequestState.PREFILLING
             self.waiting.popleft()
 
@@ -561,9 +613,10 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> list[RequestOutput]:
         self.num_preemptions += 1
-        self.allocators[request.rank].free(request.pages)
+        self.allocators[request.rank].free(request.pages[::-1])  # its prefix evicted last
         request.pages = []
         request.num_computed = 0
+        request.num_cached_pages = 0  # they stay in the cache, for its prefill again
         request.counted = False
         request.draft_ids = []
         if request.policy is Policy.DECODE_ONLY:
@@ -622,6 +675,8 @@ class Scheduler:
                 outputs += self._abort(request, f"prefill failed: {result.prefill_error}")
                 continue
             request.num_computed = start + length
+            if self.prefix_cache is not None:
+                self.prefix_cache.register(request, self.allocators[request.rank], token)
             if token is None:
                 if request.num_computed == self._prefill_end(request) < request.num_tokens:
                     request.state = RequestState.RUNNING  # its generated tokens replay next

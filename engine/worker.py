@@ -50,6 +50,15 @@ def plan_shape(plan: StepPlan) -> str:
     return "; ".join(parts)
 
 
+def prefix_cache_counts(scheduler: Scheduler) -> dict[str, int]:
+    """A worker's stats' prefix-cache counters (`PrefillStats`, `DecodeStats`): tokens looked up and found, since
+    start (0 with the cache off)."""
+    cache = scheduler.prefix_cache
+    if cache is None:
+        return {"prefix_cache_queries": 0, "prefix_cache_hits": 0}
+    return {"prefix_cache_queries": cache.num_queries, "prefix_cache_hits": cache.num_hits}
+
+
 class RanksFailedError(PdserveError):
     """A worker's rank group failed; the worker has failed its requests and cannot go on."""
 

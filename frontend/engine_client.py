@@ -75,6 +75,8 @@ class Chunk:
     """On the last chunk, where decode steps of the request verified drafts (MTP speculation): the drafts
     verified and accepted and the verifying steps, summed over the decode workers it ran on (a worker lost
     under it, or a stop string that ended it before its decode worker did, leaves that stay's out)."""
+    num_cached_tokens: int = 0
+    """Of its prompt tokens, those its prefill found in a prefix cache (0 while not reported)."""
 
 
 class ChunkStream(abc.ABC):

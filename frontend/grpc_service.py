@@ -173,6 +173,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     response.finish_reason = _FINISH[chunk.finish_reason]
                     response.usage.prompt_tokens = chunk.num_prompt_tokens
                     response.usage.completion_tokens = chunk.num_generated_tokens
+                    response.usage.cached_tokens = chunk.num_cached_tokens
                     if chunk.spec is not None:
                         response.usage.speculative.CopyFrom(speculative_usage(chunk.spec))
                     response.timings.CopyFrom(_timings(chunk.timings))

@@ -380,7 +380,7 @@ class HttpFrontEnd:
             chunk = await _next(generation)
         usage = api.usage(
             last[0].num_prompt_tokens, sum(c.num_generated_tokens for c in last), _stages(last[0]),
-            SpecCounts.total(c.spec for c in last),
+            SpecCounts.total(c.spec for c in last), last[0].num_cached_tokens,
         )  # fmt: skip
         choices = []
         for i, c in enumerate(last):
@@ -439,7 +439,10 @@ class HttpFrontEnd:
             if req.include_usage:
                 generated = sum(c.num_generated_tokens for c in last)
                 spec = SpecCounts.total(c.spec for c in last)
-                usage = api.usage(chunk.num_prompt_tokens, generated, _stages(last[0]), spec)
+                usage = api.usage(
+                    chunk.num_prompt_tokens, generated, _stages(last[0]), spec,
+                    last[0].num_cached_tokens,
+                )  # fmt: skip
                 yield _sse(api.usage_chunk(head, req.kind, usage))
         except (
             Exception

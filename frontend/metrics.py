@@ -9,7 +9,8 @@ Two kinds of figure:
 - per worker (label `worker`), read at scrape time from the stats the server already polls each second:
   requests running and waiting on each decode worker, KV cache usage of every worker, preemptions, MTP
   speculation's counts of each decode worker that speculates (vLLM's `spec_decode_*` counters: verifying steps,
-  draft tokens, accepted tokens, accepted tokens by draft position), and what only P/D has: each prefill
+  draft tokens, accepted tokens, accepted tokens by draft position), each worker's prefix-cache queries and
+  hits in prompt tokens (vLLM's `prefix_cache_queries`, `prefix_cache_hits`), and what only P/D has: each prefill
   worker's queue (requests and prompt tokens) and KV sends in flight, and the requests still waiting at the
   router for a decode worker. A counter series is its worker's count since start, never below what it
   showed before.
@@ -152,6 +153,17 @@ class _WorkerCollector(Collector):
                 "after a step's token), since it started.",
                 labels=[*labels, "position"],
             ),
+            "prefix_queries": counter(
+                f"{PREFIX}prefix_cache_queries",
+                "Prompt tokens a worker looked up in its prefix cache (each request once), since it "
+                "started.",
+                labels=labels,
+            ),
+            "prefix_hits": counter(
+                f"{PREFIX}prefix_cache_hits",
+                "Prompt tokens a worker found in its prefix cache, since it started.",
+                labels=labels,
+            ),
             "kv_failures": counter(
                 f"{PREFIX}kv_transfer_failures",
                 "KV sends of a prefill worker that failed (the request moved or failed).",
@@ -179,6 +191,8 @@ class _WorkerCollector(Collector):
                 continue
             if stats.pages_total:
                 f["kv"].add_metric(labels, stats.pages_used / stats.pages_total)
+            count("prefix_queries", labels, stats.prefix_cache_queries)
+            count("prefix_hits", labels, stats.prefix_cache_hits)
             if isinstance(stats, DecodeStats):
                 f["running"].add_metric(labels, stats.num_running)
                 f["waiting"].add_metric(labels, stats.num_waiting)

@@ -296,15 +296,17 @@ def new_id(kind: str) -> str:
 
 def usage(
     num_prompt_tokens: int, num_generated_tokens: int, stage_times: dict[str, float] | None = None,
-    spec: SpecCounts | None = None,
+    spec: SpecCounts | None = None, cached_tokens: int = 0,
 ) -> dict:  # fmt: skip
-    """OpenAI's usage object; with `stage_times` (pdserve's own key: `Timings.stage_dict`, the first choice's)
+    """OpenAI's usage object (`prompt_tokens_details.cached_tokens`: the prompt tokens found in a prefix
+    cache, the first choice's); with `stage_times` (pdserve's own key: `Timings.stage_dict`, the first choice's)
     where the request finished with timings, and `speculative` (pdserve's own key, as vLLM has none) where
     its decode steps verified drafts: `spec`, its choices' summed (`SpecCounts.total`)."""
     out: dict = {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_generated_tokens,
         "total_tokens": num_prompt_tokens + num_generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
     if stage_times is not None:
         out["stage_times"] = stage_times

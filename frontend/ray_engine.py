@@ -123,6 +123,7 @@ class Generation(ChunkStream):
             index=self.index,
             logprobs=None if out.logprobs is None else list(out.logprobs),
             spec=r.spec if last else None,
+            num_cached_tokens=r.num_cached_tokens or 0,
         )
 
     def cancel(self) -> None:

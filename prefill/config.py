@@ -27,6 +27,10 @@ class PrefillConfig:
     num_speculative_tokens: int = 0
     """Where the decode pool speculates: > 0 runs the MTP module over every prompt (its cache layer travels
     with the KV) and sends one draft with the first token, for the decode worker's first step to verify."""
+    enable_prefix_caching: bool = True
+    """Keep the KV pages of prompts in a prefix cache (full pages, named by a hash chained through their
+    parents, evicted least recently used when pages run short) and prefill only what follows the longest
+    cached prefix of a new prompt (vLLM's enable_prefix_caching, on by default as in vLLM and SGLang)."""
     layout: WorkerLayout = WorkerLayout()
     """How one worker spreads the model over its ranks; its fields are this section's keys `ranks`,
     `attention`, `expert_parallel` and `dense` (`pdserve.cluster.config` flattens them)."""

@@ -23,7 +23,7 @@ from pdserve.engine.ranks.group import RankGroup
 from pdserve.engine.request import Policy, Request, RequestState, stage_times
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling_params import TokenLogprobs
-from pdserve.engine.worker import Worker
+from pdserve.engine.worker import Worker, prefix_cache_counts
 from pdserve.kvtransfer import KVSender
 from pdserve.model.deepseek import Transformer
 from pdserve.model.errors import ConfigError, PdserveError
@@ -56,6 +56,7 @@ class PrefillWorker(Worker):
             config.max_prefill_chunk, args.vocab_size, args.max_position_embeddings,
             args.eos_token_ids, fixed_chunks=kernels.batch_invariant(), worker_kind="prefill worker",
             num_drafts=min(check_speculation(self.model, config.num_speculative_tokens), 1),
+            prefix_caching=config.enable_prefix_caching,
         )  # fmt: skip
         self._aborted: set[str] = set()
         self._failures: list[PrefillFailure] = []
@@ -116,6 +117,7 @@ class PrefillWorker(Worker):
                 self._kv_bytes_sent,
                 self._num_send_failures,
                 *self.step_timing(),
+                **prefix_cache_counts(self.scheduler),
             )
 
     def step(self) -> bool:
@@ -167,8 +169,9 @@ class PrefillWorker(Worker):
             start = time.perf_counter()
             # the stages known now: the transfer's wait ends here, the decode worker adds the transfer
             handoff = PrefillHandoff(
-                logprobs, stage_times(request, time.monotonic()), tuple(request.draft_ids)
-            )
+                logprobs, stage_times(request, time.monotonic()), tuple(request.draft_ids),
+                request.num_cached_tokens or 0,
+            )  # fmt: skip
             self.sender.send(
                 r.decode_peer, r.transfer_id, self.runner.cache.data, list(request.pages),
                 len(r.token_ids), first_token, r.dest_cuts, handoff.to_bytes(),

@@ -48,8 +48,8 @@ def test_requests_are_spread_by_pages_then_count_and_keep_their_rank():
         s.add(r)
     # big (3 pages) to rank 0; small to rank 1 (fewer pages); third to rank 1 (1 page in use < 3)
     assert [big.rank, small.rank, third.rank] == [0, 1, 1]
-    assert sorted(s.allocators[0]._used) == sorted(big.pages)
-    assert sorted(s.allocators[1]._used) == sorted(small.pages + third.pages)
+    assert sorted(s.allocators[0]._refs) == sorted(big.pages)
+    assert sorted(s.allocators[1]._refs) == sorted(small.pages + third.pages)
     assert s.num_used_pages == 5 and s.num_pages == 16
 
     plan, _ = s.schedule()

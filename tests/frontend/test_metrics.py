@@ -89,7 +89,9 @@ def test_worker_series_come_from_the_latest_stats_and_registries_are_per_server(
     metrics = Metrics(MODEL, router)
     other = Metrics(MODEL, Router(RouterConfig()))
     decode.stats = DecodeStats("decode-0", 3, 2, 48, 64, 256, 16, 7)
-    prefill.stats = PrefillStats("prefill-0", 4, 900, 1, 16, 128, 5 << 20, 2)
+    prefill.stats = PrefillStats(
+        "prefill-0", 4, 900, 1, 16, 128, 5 << 20, 2, prefix_cache_queries=300, prefix_cache_hits=128
+    )
 
     series = samples(metrics)
     workers = {dict(labels).get("worker") for _, labels in series} - {None}
@@ -104,6 +106,9 @@ def test_worker_series_come_from_the_latest_stats_and_registries_are_per_server(
     assert sample(metrics, "pdserve:kv_transfers_in_flight", worker="prefill-0") == 1
     assert sample(metrics, "pdserve:kv_transfer_bytes_total", worker="prefill-0") == 5 << 20
     assert sample(metrics, "pdserve:kv_transfer_failures_total", worker="prefill-0") == 2
+    assert sample(metrics, "pdserve:prefix_cache_queries_total", worker="prefill-0") == 300
+    assert sample(metrics, "pdserve:prefix_cache_hits_total", worker="prefill-0") == 128
+    assert sample(metrics, "pdserve:prefix_cache_hits_total", worker="decode-0") == 0
     router.on_resumed(0.4)  # a moved request's next token, 0.4 s after its move
     assert sample(metrics, "pdserve:request_migration_seconds_count") == 1
     assert sample(metrics, "pdserve:request_migration_seconds_sum") == 0.4

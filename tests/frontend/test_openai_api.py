@@ -341,7 +341,11 @@ def test_errors_map_to_http_statuses_in_openai_shape(error, status, kind, param)
 
 def test_usage_has_speculation_only_where_the_request_speculated():
     plain = usage(5, 8)
-    assert plain == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
+    assert plain == {
+        "prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }  # fmt: skip
+    assert usage(5, 8, cached_tokens=4)["prompt_tokens_details"] == {"cached_tokens": 4}
     assert "speculative" not in usage(5, 8, {"router_queue_s": 0.1}, None)
     speculated = usage(5, 8, None, SpecCounts.total([SpecCounts(6, 3, 4), SpecCounts(2, 1, 1)]))
     assert speculated["speculative"] == {

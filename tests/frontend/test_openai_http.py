@@ -26,6 +26,7 @@ from serving import SHARED_PROMPT_BYTES, scrape, wait_for
 from transformers import AutoTokenizer
 
 from pdserve.cli.client import Client, generate_request
+from pdserve.kernels import batch_invariant
 from pdserve.model.tokenizer import THINK_END, Tokenizer
 from pdserve.v1 import generation_pb2
 
@@ -580,6 +581,42 @@ def test_metrics_count_what_http_and_grpc_requests_did(server, api, grpc_client)
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10)
     assert e.value.code == 404
+
+
+def test_a_prompt_sent_again_finds_its_pages_in_the_prefix_cache(server, api, grpc_client):
+    """The prefill worker's prefix cache: a prompt sent again has its full pages (within all but its last
+    token) found cached, as usage.prompt_tokens_details.cached_tokens says on both front ends, streamed or
+    whole, with the tokens it had the first time; the worker's prefix-cache counters count them."""
+    model = model_name(server)
+    g = torch.Generator().manual_seed(45)
+    prompt = [0, *torch.randint(3, 1000, (200,), generator=g).tolist()]  # 201 tokens
+    # a hit is whole pages (64 tokens), in batch-invariant mode whole prefill chunks (128 tokens)
+    unit = 128 if batch_invariant() else 64
+    hit = (len(prompt) - 1) // unit * unit
+    first = api.completions.create(model=model, prompt=prompt, **greedy(4))
+    second = api.completions.create(model=model, prompt=prompt, **greedy(4))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == hit
+    assert second.choices[0].text == first.choices[0].text
+    stream = api.completions.create(
+        model=model, prompt=prompt, stream=True, stream_options={"include_usage": True},
+        **greedy(4),
+    )  # fmt: skip
+    assert list(stream)[-1].usage.prompt_tokens_details.cached_tokens == hit
+    replies = list(grpc_client.generate(generate_request(prompt, max_tokens=4, ignore_eos=True)))
+    assert replies[-1].usage.cached_tokens == hit
+
+    def counted():  # the stats polled after the four requests
+        families = scrape(metrics_url(server))
+        hits = [
+            s.value for s in families["pdserve:prefix_cache_hits"].samples
+            if s.labels["worker"] == "prefill-0"
+        ]  # fmt: skip
+        return hits and hits[0] >= 3 * hit and families
+
+    families = wait_for(counted, 10, "the prefill worker's prefix-cache hits in /metrics")
+    queries = value(families, "pdserve:prefix_cache_queries", "_total", worker="prefill-0")
+    assert queries >= 4 * len(prompt)
 
 
 def test_dashboard_uses_only_metrics_the_server_exposes(server):

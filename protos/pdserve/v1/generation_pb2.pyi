@@ -105,14 +105,16 @@ class TokenLogprob(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "speculative")
+    __slots__ = ("prompt_tokens", "completion_tokens", "speculative", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     speculative: SpeculativeUsage
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeUsage, _Mapping]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeUsage, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculativeUsage(_message.Message):
     __slots__ = ("draft_tokens", "accepted_tokens", "mean_accepted_length")

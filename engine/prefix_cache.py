@@ -1,0 +1,112 @@
+"""`PrefixCache`: which of a request's KV pages it may share with other requests through the page allocator's
+cache (`PageAllocator.cache`, `match`, `take`), and the counts of what it found. Pure Python (no torch).
+
+A full page of a request's tokens is named by a hash chained through its parents: sha256 of its parent page's
+hash and its own token ids (a cryptographic hash, so that a prompt cannot be made to collide with another
+client's). A page is cached once a prefill pass of its request has computed it, and never written again; a new
+request whose first pages are cached takes a reference to them and starts its prefill after them.
+
+What the hash must cover: everything the page's KV rows depend on. The main layers' rows at a position depend on
+the tokens up to it. Where the worker speculates, the MTP module's cache layer is a layer of the same pages, and
+its row at position t is made from the main model's last hidden state at t and the token at t + 1
+(`pdserve.engine.drafter`): the row at a page's last position depends on the first token of the next page,
+which the page's own tokens do not fix (two prompts may share a page and go on differently). The hidden state
+is not kept, so that row cannot be made again for a request that goes on otherwise; instead, with `lookahead`
+the hash of a page covers the token after it too, and a page is cached only once that token is known (the
+MTP pass wrote its row with it). A request then matches a page only where it goes on with the same token, so
+every row it finds is the row it would have computed.
+
+What a hit leaves to compute: at least the last token of the prefill, whose logits sample the next token
+(vLLM's rule: a hit covers full pages within the first n - 1 tokens). In batch-invariant mode (`align`) a
+prompt is cut only at multiples of the chunk size and a chunk's arithmetic depends on where it starts (what
+is in the cache before it), so a hit is cut to a multiple of the chunk size as well: the request computes
+exactly the chunks it would have without the hit, and its KV and logits are the bits they would have been."""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import math
+from collections.abc import Sequence
+
+from pdserve.engine.pages import PageAllocator
+from pdserve.engine.request import Request
+
+ROOT_HASH = b""
+"""The parent of a request's first page."""
+_TOKEN_BYTES = 8
+"""A token id's bytes in what a page's hash covers (array typecode "q")."""
+
+
+def page_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """The chained hash of a page whose parent page has hash `parent` (ROOT_HASH for the first page) and
+    whose contents are determined by `token_ids` (its tokens, and with lookahead the token after them)."""
+    return hashlib.sha256(parent + array.array("q", token_ids).tobytes()).digest()  # _TOKEN_BYTES
+
+
+class PrefixCache:
+    def __init__(self, page_size: int, lookahead: bool = False, align: int = 1):
+        """lookahead: the page's hash covers the token after it (a worker that runs the MTP module, whose
+        cache layer's row at a page's last position depends on that token); align: a hit is a multiple of
+        this many tokens (batch-invariant mode: the chunk size; see the module docstring)."""
+        if align <= 0:
+            raise ValueError(f"align={align}: must be positive")
+        self.page_size, self.lookahead = page_size, lookahead
+        self.hit_unit = math.lcm(page_size, align)
+        """A hit is a multiple of this many tokens."""
+        self.num_queries = 0
+        """Tokens of the requests looked up (on their first admission here), and of them the tokens found
+        cached: vLLM's prefix_cache_queries and prefix_cache_hits."""
+        self.num_hits = 0
+
+    def _hashes(self, request: Request, num_pages: int, tokens: Sequence[int]) -> list[bytes]:
+        """The request's first `num_pages` page hashes (extending `request.page_hashes`); `tokens`: its
+        tokens, with the token after them where known (lookahead)."""
+        hashes, ps = request.page_hashes, self.page_size
+        extra = 1 if self.lookahead else 0
+        first = len(hashes)
+        if first < num_pages:  # the tokens' bytes made once, each page's hash over a slice of them
+            data = array.array("q", tokens[first * ps : num_pages * ps + extra]).tobytes()
+            size = _TOKEN_BYTES * (ps + extra)
+            for p in range(first, num_pages):
+                at = _TOKEN_BYTES * (p - first) * ps
+                parent = hashes[-1] if hashes else ROOT_HASH
+                hashes.append(hashlib.sha256(parent + data[at : at + size]).digest())
+        return hashes[:num_pages]
+
+    def match(self, request: Request, allocator: PageAllocator, prefill_end: int) -> list[int]:
+        """The cached pages the request may start from, for a prefill that ends at token `prefill_end` (no
+        reference taken: `PageAllocator.take`)."""
+        hit_tokens = (prefill_end - 1) // self.hit_unit * self.hit_unit
+        if hit_tokens <= 0:
+            return []
+        num_pages = hit_tokens // self.page_size
+        pages = allocator.match(self._hashes(request, num_pages, request.token_ids))
+        per_unit = self.hit_unit // self.page_size
+        return pages[: len(pages) // per_unit * per_unit]
+
+    def count(self, request: Request, num_hit_tokens: int) -> None:
+        """A request's first lookup here: `num_hit_tokens` of its tokens were cached (its usage's
+        cached_tokens)."""
+        request.num_cached_tokens = num_hit_tokens
+        self.num_queries += request.num_tokens
+        self.num_hits += num_hit_tokens
+
+    def register(
+        self, request: Request, allocator: PageAllocator, next_token: int | None = None
+    ) -> None:
+        """Caches the request's full pages that its prefill computed up to `request.num_computed` (those
+        not cached yet); next_token: the token after its tokens, where its last chunk just sampled it."""
+        tokens = request.token_ids
+        known = len(tokens) + (next_token is not None)
+        full = request.num_computed // self.page_size
+        if self.lookahead:  # a page whose next token is not known yet waits (module docstring)
+            full = min(full, (known - 1) // self.page_size)
+        if full <= request.num_cached_pages:
+            return
+        if next_token is not None and self.lookahead:
+            tokens = [*tokens, next_token]
+        hashes = self._hashes(request, full, tokens)
+        for p in range(request.num_cached_pages, full):
+            allocator.cache(request.pages[p], hashes[p])
+        request.num_cached_pages = full
