@@ -146,7 +146,8 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
-    from pdserve.cluster.config import SECTIONS, build_config, load_yaml, parse_value, section_keys
+    from pdserve.cluster.config import SECTIONS, build_config, load_yaml, section_keys
+    from pdserve.cluster.config_keys import parse_value
 
     overrides: dict[str, dict] = {}
     for key, value in vars(args).items():
