@@ -266,6 +266,7 @@ class DistKVReceiver(KVReceiver):
                         pair.drop()  # the peer moved to a new epoch; rebuild on the next pass
                     header = None
                     continue
+                pair.settled()  # a header came: both sides are past the group's rendezvous
                 header = self._receive_one(peer, pair, header)
             except PeerAbsent as e:
                 if self._closed.is_set():
