@@ -254,7 +254,13 @@ class DistKVReceiver(KVReceiver):
                         continue
                     if pair.group is None:
                         pair.connect()
-                    header = self._post_header(pair)
+                    try:
+                        header = self._post_header(pair)
+                    except RuntimeError as e:  # the link closed while idle (gloo reports it at once)
+                        if pair.epoch_moved():  # the peer moved on: rebuild, no expected transfer is lost
+                            pair.drop()
+                            continue
+                        raise TransferError(f"KV link from {peer} closed: {e}") from e
                 outcome = self._wait_header(peer, pair, header.op, idle_reason)
                 if outcome is not _Wait.HEADER:
                     if outcome is _Wait.STALE:
