@@ -3,17 +3,18 @@ one prefill and one decode worker, and an attacker process that knows the store'
 deployment's secret. Phases, each `--phase-s` long, with a request started every `--every-s` (greedy, ignore_eos):
 
 - `baseline`: no attack, the normal latency;
-- `bump`: every `--period-ms`, every key ending in /epoch set to a larger number, to garbage, and raised with add;
-- `delete`: every key deleted;
+- `bump`: every `--period-ms`, every key ending in /epoch raised with add when it holds a number (an unsigned
+  counter), else set to a larger number, to garbage, and raised with add (which makes the server drop the client);
 - `forge`: every value replaced by bytes of a signed value's shape;
 - `replay`: every value replaced by one seen earlier under another key (another epoch's), the epoch key set back
-  to the oldest value seen, and the next epoch's keys written ahead.
+  to the oldest value seen, and the next epoch's keys written ahead;
+- `delete`: every key deleted (last: nothing is left to tamper with until a rebuild writes keys again).
 
 The attacker lists the keys itself (TCPStore shows every key to every client). The pair's link is built during
-the warm-up, so here the attack meets an established link (a rebuild under attack is in
-tests/kvtransfer/test_tamper.py). Reports, per phase: requests, failed, latency p50/max, the delay beyond the
-baseline's median (max), and how many were delayed more than 2 s; exits 1 when a request failed or was delayed
-more than 2 s. Writes $OUT/kv_tamper.json when OUT is set.
+the warm-up, so the attack meets an established link, as it would on a serving cluster most of the time: a
+rebuild under attack is in tests/kvtransfer/test_tamper.py. Reports, per phase:
+requests, failed, latency p50/max, the delay beyond the baseline's median (max), and how many were delayed more
+than 2 s; exits 1 when a request failed or was delayed more than 2 s. Writes $OUT/kv_tamper.json when OUT is set.
 
     python benchmarks/kv_tamper.py                      # CPU, tiny model
     python benchmarks/kv_tamper.py --phase-s 6 --period-ms 20
@@ -43,7 +44,7 @@ from pdserve.cluster.config import build_config
 from pdserve.frontend.server import ServerThread, free_port
 from pdserve.v1 import generation_pb2_grpc
 
-PHASES = ("baseline", "bump", "delete", "forge", "replay")
+PHASES = ("baseline", "bump", "forge", "replay", "delete")
 DELAY_LIMIT_S = 2.0
 
 
@@ -51,17 +52,27 @@ def attack(port: int, mode: str, period_s: float, stop, counts) -> None:
     """The attacker process: `mode` on every pdserve key, every `period_s`, until `stop` is set."""
     import torch.distributed as dist
 
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)  # torch logs every client the server drops (see `bump`), with a stack trace
+
     def client():
-        return dist.TCPStore(
-            "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2), wait_for_workers=False
-        )
+        while not stop.is_set():
+            try:
+                return dist.TCPStore(
+                    "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10),
+                    wait_for_workers=False,
+                )  # fmt: skip
+            except dist.DistError:  # a connect can stall for seconds under churn: try again
+                continue
+        return None
 
     def read(store, key):
         value = store.compare_set(key, "\x01", "\x01")  # reads without waiting for a missing key
         return None if value == b"\x01" else value
 
     rng, seen, store, acts = random.Random(0), {}, client(), 0
-    while not stop.wait(period_s):
+    while store is not None and not stop.wait(period_s):
+        counts[mode] = acts
         try:
             keys = [k for k in store.list_keys() if "pdkv/" in k]
             for key in keys:
