@@ -257,9 +257,8 @@ class Pair:
                     f"{self.peer} did not join the KV link within {self.config.connect_timeout_s:g}s"
                 )
             stored = self._stored_epoch()
-            if (
-                stored is not None and stored > epoch
-            ):  # the peer moved on (or failed first): follow it
+            if stored is not None and stored > epoch:
+                # the peer moved on (or failed first): follow it
                 epoch = self._seen_epoch = max(stored, self._seen_epoch)
                 mine = f"{self.key}/{epoch}/ready{self.rank}"
                 self.store.set(mine, "1")
@@ -373,9 +372,8 @@ def _guard(
         try:
             for view in views:
                 view.heal()
-        except (
-            Exception
-        ):  # the store is unreachable: nothing to put back now, and the build fails on its own
+        except Exception:
+            # the store is unreachable: nothing to put back now, and the build fails on its own
             logger.debug("KV guard: store unreachable", exc_info=True)
         if not building.is_set():
             interval = min(interval * 2, _GUARD_MAX_S)

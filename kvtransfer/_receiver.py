@@ -256,8 +256,10 @@ class DistKVReceiver(KVReceiver):
                         pair.connect()
                     try:
                         header = self._post_header(pair)
-                    except RuntimeError as e:  # the link closed while idle (gloo reports it at once)
-                        if pair.epoch_moved():  # the peer moved on: rebuild, no expected transfer is lost
+                    except RuntimeError as e:
+                        # The link closed while idle (gloo reports it at once). If the peer moved on, rebuild:
+                        # no expected transfer is lost.
+                        if pair.epoch_moved():
                             pair.drop()
                             continue
                         raise TransferError(f"KV link from {peer} closed: {e}") from e

@@ -3,8 +3,8 @@ it can list, read, overwrite and delete every key, and none of that fails or sta
 
 Real gloo groups and a real TCPStore, both ends in this process; the attacker is a thread with its own store
 client. While it works, the test breaks the link every few transfers (as a failed send would), so that pairs
-rebuild their group under attack: each transfer, rebuild included, must complete within a second, and no
-tampering may cost the pair an epoch beyond the one each break costs."""
+rebuild their group under attack: each transfer, rebuild included, must complete within a second, and the
+tampering may cost the pair at most one epoch (one retry) beyond the one each break costs."""
 
 from __future__ import annotations
 
@@ -162,9 +162,8 @@ def test_transfers_complete_within_a_second_while_the_store_is_tampered_with(sec
     first_epoch, breaks, times = pair.epoch, 0, []
     with Attacker(port, mode) as attacker:
         for transfer_id in range(1, TRANSFERS + 1):
-            if (
-                transfer_id % BREAK_EVERY == 0
-            ):  # as a failed send would: a new epoch, rebuilt under attack
+            if transfer_id % BREAK_EVERY == 0:
+                # As a failed send would: a new epoch, and the group rebuilt under attack.
                 with pair.held():
                     pair.fail()
                 breaks += 1
