@@ -3,8 +3,9 @@ one prefill and one decode worker, and an attacker process that knows the store'
 deployment's secret. Phases, each `--phase-s` long, with a request started every `--every-s` (greedy, ignore_eos):
 
 - `baseline`: no attack, the normal latency;
-- `bump`: every `--period-ms`, every key ending in /epoch raised with add when it holds a number (an unsigned
-  counter), else set to a larger number, to garbage, and raised with add (which makes the server drop the client);
+- `bump`: every `--period-ms`, each pair's epoch key (named after the pair's other keys, there or not) raised
+  with add when it holds a number (an unsigned counter), else set to a larger number, to garbage, and raised with
+  add (which makes the server drop the attacker's client: it reconnects);
 - `forge`: every value replaced by bytes of a signed value's shape;
 - `replay`: every value replaced by one seen earlier under another key (another epoch's), the epoch key set back
   to the oldest value seen, and the next epoch's keys written ahead;
@@ -48,68 +49,99 @@ PHASES = ("baseline", "bump", "forge", "replay", "delete")
 DELAY_LIMIT_S = 2.0
 
 
-def attack(port: int, mode: str, period_s: float, stop, counts) -> None:
-    """The attacker process: `mode` on every pdserve key, every `period_s`, until `stop` is set."""
+class Attacker:
+    """A process with a client of the store and no secret, forked before Ray starts (a spawned one would import
+    this script's world, seconds of CPU that would weigh on the phase it starts in). Idle until told a mode."""
+
+    def __init__(self, port: int, period_s: float):
+        ctx = mp.get_context("fork")
+        self.mode = ctx.Value("i", 0)
+        self.acts = ctx.Array("l", len(PHASES))
+        self.quit = ctx.Event()
+        self.proc = ctx.Process(
+            target=_attack, args=(port, period_s, self.mode, self.acts, self.quit), daemon=True
+        )
+        self.proc.start()
+
+    def set(self, phase: str) -> None:
+        self.mode.value = PHASES.index(phase)
+
+    def close(self) -> None:
+        self.quit.set()
+        self.proc.join(timeout=30)
+
+
+def _attack(port: int, period_s: float, mode, acts, quit_) -> None:
     import torch.distributed as dist
 
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)  # torch logs every client the server drops (see `bump`), with a stack trace
-
-    def client():
-        while not stop.is_set():
-            try:
-                return dist.TCPStore(
+    rng, seen, created, store = random.Random(0), {}, set(), None
+    while not quit_.wait(period_s):
+        phase = PHASES[mode.value]
+        if phase == "baseline":
+            continue
+        try:
+            if store is None:
+                store = dist.TCPStore(
                     "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10),
                     wait_for_workers=False,
                 )  # fmt: skip
-            except dist.DistError:  # a connect can stall for seconds under churn: try again
-                continue
-        return None
+            acts[mode.value] += _tamper(store, phase, rng, seen, created)
+        except (
+            dist.DistError
+        ):  # the server dropped us (see `bump`), or a connect stalled: a new client
+            store = None
 
-    def read(store, key):
-        value = store.compare_set(key, "\x01", "\x01")  # reads without waiting for a missing key
-        return None if value == b"\x01" else value
 
-    rng, seen, store, acts = random.Random(0), {}, client(), 0
-    while store is not None and not stop.wait(period_s):
-        counts[mode] = acts
-        try:
-            keys = [k for k in store.list_keys() if "pdkv/" in k]
-            for key in keys:
-                value = read(store, key)
-                if value is not None:
-                    seen.setdefault(key, set()).add(value)
-            for key in keys:
-                acts += 1
-                if mode == "delete":
-                    store.delete_key(key)
-                elif mode == "forge":
-                    store.set(key, bytes(rng.choice(b"0123456789abcdef") for _ in range(64)) + b"1")
-                elif mode == "bump" and key.endswith("/epoch"):
-                    value = read(store, key)
-                    if value is not None and value.isdigit():  # an unsigned counter: move it
-                        store.add(key, 1)
-                    else:
-                        store.set(key, str(rng.randrange(10**6)))
-                        store.set(key, b"\xff garbage")
-                        store.add(key, 1)  # a non-number: the server closes this client
-                elif mode == "replay":
-                    tail = re.sub(r"^.*pdkv/[^/]+/[^/]+/(\d+/)?", "", key)
-                    if key.endswith("/epoch"):
-                        pool = sorted(seen.get(key, ()), key=lambda v: v[-12:])[:1]
-                    else:
-                        pool = [
-                            v for k, vs in seen.items() if k != key and k.endswith(tail) for v in vs
-                        ]
-                    if pool:
-                        store.set(key, rng.choice(pool))
-                    match = re.match(r"^(.*pdkv/[^/]+/[^/]+)/(\d+)/(.*)$", key)
-                    value = read(store, key)
-                    if match and value is not None:
-                        store.set(f"{match[1]}/{int(match[2]) + 1}/{match[3]}", value)
-        except dist.DistError:
-            store = client()
-    counts[mode] = acts
+def _read(store, key: str) -> bytes | None:
+    value = store.compare_set(key, "\x01", "\x01")  # reads without waiting for a missing key
+    return None if value == b"\x01" else value
+
+
+def _tamper(store, phase: str, rng: random.Random, seen: dict, created: set) -> int:
+    """One round of `phase` on the pdserve keys the store lists; returns how many keys it touched."""
+    keys = [k for k in store.list_keys() if "pdkv/" in k]
+    for key in keys:
+        value = _read(store, key)
+        if value is not None:
+            seen.setdefault(key, set()).add(value)
+    if phase == "bump":  # every pair's epoch, whether or not the key is there yet
+        keys = sorted(
+            {m[1] + "/epoch" for k in keys if (m := re.match(r"^(.*pdkv/[^/]+/[^/]+)/", k))}
+        )
+    acts = 0
+    for key in keys:
+        acts += 1
+        if phase == "delete":
+            store.delete_key(key)
+        elif phase == "forge":
+            store.set(key, bytes(rng.choice(b"0123456789abcdef") for _ in range(64)) + b"1")
+        elif phase == "bump":
+            value = _read(store, key)
+            if value is not None and value.isdigit():  # an unsigned counter: move it
+                store.add(key, 1)
+            else:
+                store.set(key, str(rng.randrange(10**6)))
+                store.set(key, b"\xff garbage")
+                store.add(key, 1)  # a non-number: the server drops this client
+        elif phase == "replay" and key not in created:
+            tail = re.sub(r"^.*pdkv/[^/]+/[^/]+/(\d+/)?", "", key)
+            if key.endswith("/epoch"):
+                pool = sorted(seen.get(key, ()), key=lambda v: v[-12:])[:1]  # the oldest epoch seen
+            else:
+                pool = [v for k, vs in seen.items() if k != key and k.endswith(tail) for v in vs]
+            value = _read(store, key)
+            if pool:
+                store.set(key, rng.choice(pool))
+            match = re.match(r"^(.*pdkv/[^/]+/[^/]+)/(\d+)/(.*)$", key)
+            if (
+                match and value is not None
+            ):  # the next epoch's key, written ahead with this one's value
+                ahead = f"{match[1]}/{int(match[2]) + 1}/{match[3]}"
+                created.add(ahead)
+                store.set(ahead, value)
+    return acts
 
 
 async def one_request(
@@ -129,10 +161,7 @@ async def one_request(
     return {"name": name, "latency_s": time.perf_counter() - start, "error": error}
 
 
-async def run_phases(server: ServerThread, args, port: int) -> dict[str, list[dict]]:
-    ctx = mp.get_context("spawn")
-    manager = ctx.Manager()
-    counts = manager.dict()
+async def run_phases(server: ServerThread, args, attacker: Attacker) -> dict[str, list[dict]]:
     rng = random.Random(args.seed)
     results: dict[str, list[dict]] = {}
     async with grpc.aio.insecure_channel(server.address) as channel:
@@ -142,31 +171,21 @@ async def run_phases(server: ServerThread, args, port: int) -> dict[str, list[di
             *(one_request(stub, f"warm{i}", [0, 5, 6, 7], 4, args.timeout) for i in range(2))
         )
         for phase in args.phases:
-            stop, attacker = ctx.Event(), None
-            if phase != "baseline":
-                attacker = ctx.Process(
-                    target=attack,
-                    args=(port, phase, args.period_ms / 1e3, stop, counts),
-                    daemon=True,
-                )
-                attacker.start()
+            attacker.set(phase)
             tasks, start, i = [], time.perf_counter(), 0
             while time.perf_counter() - start < args.phase_s:
                 prompt = [0, *(rng.randrange(3, 1000) for _ in range(args.input_len - 1))]
-                name = f"{phase}{i}"
-                tasks.append(
-                    asyncio.create_task(
-                        one_request(stub, name, prompt, args.output_len, args.timeout)
-                    )
-                )
+                request = one_request(stub, f"{phase}{i}", prompt, args.output_len, args.timeout)
+                tasks.append(asyncio.create_task(request))
                 i += 1
                 await asyncio.sleep(args.every_s)
-            stop.set()
-            if attacker is not None:
-                attacker.join(timeout=30)
+            attacker.set("baseline")
             results[phase] = await asyncio.gather(*tasks)
-            print(f"{phase}: done ({counts.get(phase, 0)} tampering acts)", flush=True)
-    results["_acts"] = dict(counts)
+            print(
+                f"{phase}: done ({attacker.acts[PHASES.index(phase)]} keys tampered with)",
+                flush=True,
+            )
+    results["_acts"] = {phase: attacker.acts[i] for i, phase in enumerate(PHASES)}
     return results
 
 
@@ -225,8 +244,11 @@ def main() -> None:
         p.error("--phase-s, --period-ms, --every-s, --input-len and --output-len must be positive")
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
     port = free_port()
+    attacker = Attacker(
+        port, args.period_ms / 1e3
+    )  # before Ray: forked while this process has no threads
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
     config = build_config(
         None,
         {
@@ -246,8 +268,9 @@ def main() -> None:
     )
     try:
         with ServerThread(config) as server:
-            results = asyncio.run(run_phases(server, args, port))
+            results = asyncio.run(run_phases(server, args, attacker))
     finally:
+        attacker.close()
         ray.shutdown()
     summary = summarize(results)
     summary["settings"] = {
