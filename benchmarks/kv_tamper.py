@@ -88,10 +88,15 @@ def _attack(port: int, period_s: float, mode, acts, quit_) -> None:
                     wait_for_workers=False,
                 )  # fmt: skip
             acts[mode.value] += _tamper(store, phase, rng, seen, created)
-        except (
-            dist.DistError
-        ):  # the server dropped us (see `bump`), or a connect stalled: a new client
+        except _Dropped as e:  # the server dropped us (see `bump`): a new client
+            acts[mode.value] += e.args[0]
             store = None
+        except dist.DistError:  # a connect stalled, or the store is gone: a new client
+            store = None
+
+
+class _Dropped(Exception):
+    """The server dropped the attacker's client after this many keys of the round."""
 
 
 def _read(store, key: str) -> bytes | None:
@@ -101,6 +106,8 @@ def _read(store, key: str) -> bytes | None:
 
 def _tamper(store, phase: str, rng: random.Random, seen: dict, created: set) -> int:
     """One round of `phase` on the pdserve keys the store lists; returns how many keys it touched."""
+    import torch.distributed as dist
+
     keys = [k for k in store.list_keys() if "pdkv/" in k]
     for key in keys:
         value = _read(store, key)
@@ -124,7 +131,10 @@ def _tamper(store, phase: str, rng: random.Random, seen: dict, created: set) -> 
             else:
                 store.set(key, str(rng.randrange(10**6)))
                 store.set(key, b"\xff garbage")
-                store.add(key, 1)  # a non-number: the server drops this client
+                try:
+                    store.add(key, 1)  # a non-number: the server drops this client
+                except dist.DistError:
+                    raise _Dropped(acts) from None
         elif phase == "replay" and key not in created:
             tail = re.sub(r"^.*pdkv/[^/]+/[^/]+/(\d+/)?", "", key)
             if key.endswith("/epoch"):
