@@ -178,8 +178,8 @@ class SignedStore(dist.Store):
         return self.view(raw=self.raw.clone(), keep=self._kept is not None, abort=self._abort)
 
     def heal(self) -> int:
-        """Puts back each value set through this view (with `keep`) that is no longer in the store as written
-        (deleted or overwritten); returns how many."""
+        """Puts back each value `set` through this view (with `keep`; not counters or `compare_set`'s values)
+        that is no longer in the store as written (deleted or overwritten); returns how many."""
         if self._kept is None:
             return 0
         with self._lock:

@@ -232,3 +232,25 @@ def test_an_unsigned_store_is_refused():
     store = dist.HashStore()
     with pytest.raises(TypeError, match="SignedStore"):
         Pair(store, "p0", "d0", 0, "gloo", config, torch.device("cpu"))
+
+
+def test_signed_counters_compare_set_and_heal_over_a_real_store():
+    server = dist.TCPStore(
+        "127.0.0.1", 0, None, True, timeout=timedelta(seconds=2), wait_for_workers=False
+    )
+    secret = new_secret()
+    store = SignedStore(server, secret, prefix="t/", keep=True)
+    assert store.add("n", 2) == 2 and store.add("n", 3) == 5
+    server.set("t/n", "41")  # an unsigned number counts as nothing
+    assert store.add("n", 1) == 1
+    assert store.compare_set("c", "", "a") == b"a" and store.compare_set("c", "x", "b") == b"a"
+    assert store.compare_set("c", "a", "b") == b"b" and store.get("c") == b"b"
+    # `heal` puts back what `set` wrote (not counters, nor compare_set's values), deleted or overwritten.
+    store.set("a", "1")
+    store.set("b", "2")
+    server.delete_key("t/a")
+    server.set("t/b", "0" * 64 + "2")
+    assert store.heal() == 2 and store.get("a") == b"1" and store.get("b") == b"2"
+    assert store.heal() == 0
+    clone = store.clone()
+    assert clone.get("c") == b"b" and clone.raw is not server
