@@ -33,7 +33,8 @@ MAX_TRANSFER_S = 1.0
 
 class Attacker:
     """A client of the store without the secret. Every `period_s` it lists the keys and does `mode` to the
-    pair's: `bump` (the epoch: a raw add, a larger number, garbage), `delete`, `forge` (each value replaced by
+    pair's: `bump` (the epoch key, there or not: raised with add when it holds a number, else set to a larger
+    number, now and then to garbage raised with add), `delete`, `forge` (each value replaced by
     bytes of a signed value's shape), `replay` (each value replaced by one seen earlier under another key, the
     same flag or group key of another epoch, the next epoch's keys written ahead from the current ones, the
     epoch key set back to an older epoch's value)."""
@@ -54,31 +55,35 @@ class Attacker:
         self.stop.set()
         self.thread.join(timeout=10)
 
-    def _client(self) -> dist.TCPStore:
-        return dist.TCPStore(
-            "127.0.0.1",
-            self.port,
-            is_master=False,
-            timeout=timedelta(seconds=2),
-            wait_for_workers=False,
-        )
+    def _client(self) -> dist.TCPStore | None:
+        while not self.stop.is_set():
+            try:
+                return dist.TCPStore(
+                    "127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=2),
+                    wait_for_workers=False,
+                )  # fmt: skip
+            except dist.DistError:  # a connect can stall for seconds: try again
+                continue
+        return None
 
     def _run(self) -> None:
-        client = self._client()
-        while not self.stop.wait(self.period_s):
+        client, rounds = self._client(), 0
+        while client is not None and not self.stop.wait(self.period_s):
+            rounds += 1
             try:
-                self._act(client)
-            except (
-                dist.DistError
-            ):  # the server drops a client whose add hit a non-number: reconnect
+                self._act(client, rounds)
+            except dist.DistError:
+                # The server drops a client whose add hit a non-number: reconnect.
                 client = self._client()
 
     def _read(self, client, key: str) -> bytes | None:
         value = client.compare_set(key, "\x01", "\x01")
         return None if value == b"\x01" else value
 
-    def _act(self, client) -> None:
+    def _act(self, client, rounds: int) -> None:
         keys = [k for k in client.list_keys() if k.startswith("pdkv/")]
+        if self.mode == "bump":  # every pair's epoch, whether or not the key is there yet
+            keys = sorted({"/".join(k.split("/")[:3]) + "/epoch" for k in keys})
         for key in keys:
             value = self._read(client, key)
             if value is not None:
@@ -90,10 +95,15 @@ class Attacker:
             elif self.mode == "forge":
                 fake = bytes(self._rng.choice(b"0123456789abcdef") for _ in range(64)) + b"1"
                 client.set(key, fake)
-            elif self.mode == "bump" and key.endswith("/epoch"):
-                client.set(key, str(self._rng.randrange(10**6)))
-                client.set(key, b"\xff garbage")
-                client.add(key, 1)  # a non-number: the server closes this client
+            elif self.mode == "bump":
+                value = self._read(client, key)
+                if value is not None and value.isdigit():
+                    client.add(key, 1)
+                elif rounds % 10:
+                    client.set(key, str(self._rng.randrange(10**6)))
+                else:  # now and then: garbage, raised with add (the server drops this client)
+                    client.set(key, b"\xff garbage")
+                    client.add(key, 1)
             elif self.mode == "replay":
                 self._replay(client, key)
 
