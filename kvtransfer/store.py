@@ -62,7 +62,9 @@ class SignedStore(dist.Store):
     client's timeout), up to their timeout or until `abort()` returns True. With `keep`, the values set here are
     remembered so that `heal` can put back any that were deleted or overwritten.
 
-    Thread-safe as far as `raw` is (a TCPStore client serves one request at a time)."""
+    Thread-safe as far as `raw` is (a TCPStore client serves one request at a time). A torch store written in
+    Python: C++ reaches it through the Python object, which must outlive every group built on it (`_link.Pair`
+    keeps its groups' stores)."""
 
     def __init__(
         self, raw: dist.Store, secret: str, prefix: str = "", timeout_s: float = 60.0,
