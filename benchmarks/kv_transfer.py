@@ -104,7 +104,7 @@ def _page_sums(cache: torch.Tensor, pages: list[int]) -> list[float]:
 
 
 def _bare_group(store, rank: int, device: torch.device):
-    prefixed = dist.PrefixStore("bare", store)
+    prefixed = dist.PrefixStore("bare", store.raw)  # torch's own group, unsigned: the reference
     if device.type == "cuda":
         return dist.ProcessGroupNCCL(prefixed, rank, 2)
     return dist.ProcessGroupGloo(prefixed, rank, 2)

@@ -3,12 +3,19 @@ OpenAI-compatible HTTP API (/v1/completions, server-sent events), closed-loop (a
 open-loop (Poisson arrivals at --request-rate, each request sent on time whatever is in flight); or a sweep over
 rates or concurrencies that writes JSON and a PNG plot.
 
-    python benchmarks/serving.py --addr 127.0.0.1:50051 --num-requests 256 --concurrency 64 \
+    python benchmarks/serving.py --addr 127.0.0.1:50051 --duration 60 --concurrency 64 \
         --input-len 1024 --output-len 256 [--check-offline --model DIR --dtype bf16]
     python benchmarks/serving.py --protocol http --base-url http://127.0.0.1:8000/v1 --request-rate 16 \
-        --num-requests 256 --warmup 0 --repeat 2 --goodput ttft:2000 tpot:30
+        --duration 120 --warmup-s 20 --goodput ttft:2000 tpot:30
     python benchmarks/serving.py --sweep-rates 4,8,16,32 --num-gpus 2 --goodput ttft:2000 tpot:30 \
         --sweep-out benchmarks/figures/sweep  # writes sweep.json and sweep.png
+
+Steady state (the default): each load runs --warmup-s seconds of arrivals that are sent but not measured, then
+--duration seconds (default 60) that are: the figures are those of the requests sent in that window, and output
+tokens/s counts the tokens that arrived within it. The report says whether the offered load was held: open loop,
+whether requests completed within the window at the offered rate (within 5%) and TTFT did not climb across it
+(the second half's median at most 1.5x the first half's plus 50 ms); closed loop, whether TTFT did not climb.
+--num-requests N runs a fixed count instead (a few seconds of requests mislead: it is marked steady_state false).
 
 Per request: TTFT (to the first chunk with tokens), TPOT (time per output token after the first), ITL (gaps
 between chunks) and end-to-end latency; printed as p50/p99 with output tokens/s and requests/s over the timed run,
@@ -59,9 +66,14 @@ class Result:
     e2e_s: float = 0.0
     itl_s: list[float] = dataclasses.field(default_factory=list)
     error: str | None = None
+    sent_at: float = 0.0
+    """perf_counter() when the request was sent."""
+    chunk_times: list[float] = dataclasses.field(default_factory=list)
+    """perf_counter() at each chunk with tokens."""
 
     def timed(self, start: float, chunk_times: list[float]) -> Result:
         """Fills the latencies from the send time and the arrival of each chunk with tokens."""
+        self.sent_at, self.chunk_times = start, chunk_times
         first, last = chunk_times[0], chunk_times[-1]
         self.ttft_s, self.e2e_s = first - start, last - start
         self.itl_s = list(np.diff(chunk_times))
@@ -71,7 +83,7 @@ class Result:
 
 
 async def one_grpc(stub, request_id: str, prompt: list[int], args) -> Result:
-    result = Result(prompt)
+    result = Result(prompt, sent_at=time.perf_counter())
     request = generate_request(
         prompt, request_id=request_id, max_tokens=args.output_len, temperature=0.0, ignore_eos=True
     )
@@ -85,12 +97,13 @@ async def one_grpc(stub, request_id: str, prompt: list[int], args) -> Result:
         result.error = f"{e.code().name}: {e.details()}"
         return result
     result.num_tokens = len(result.token_ids)
+    result.sent_at = start
     return result.timed(start, times) if times else result
 
 
 async def one_http(model: str, prompt: list[int], args) -> Result:
     """A streamed /v1/completions; the token count comes from the usage chunk (chunks carry text)."""
-    result = Result(prompt)
+    result = Result(prompt, sent_at=time.perf_counter())
     body = {
         "model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0.0,
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
@@ -113,12 +126,22 @@ async def one_http(model: str, prompt: list[int], args) -> Result:
     except (HttpStatusError, OSError, TimeoutError) as e:
         result.error = f"{type(e).__name__}: {e}"
         return result
+    result.sent_at = start
     return result.timed(start, times) if times else result
 
 
 def make_prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[0, *(rng.randrange(3, vocab) for _ in range(input_len - 1))] for _ in range(n)]
+
+
+def arrivals_until(seconds: float, rate: float, seed: int) -> list[float]:
+    """Send times (s from the start) of a Poisson process at `rate` requests/s over [0, seconds)."""
+    rng, t, out = random.Random(seed + 1), 0.0, []
+    while t < seconds:
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
 
 
 def arrival_times(n: int, rate: float | None, seed: int) -> list[float]:
@@ -149,8 +172,9 @@ async def _served_model(args) -> str:
 async def run(args, point: dict | None = None) -> list[dict]:
     """The timed runs of one load (`point` overrides request_rate or concurrency for a sweep)."""
     args = argparse.Namespace(**{**vars(args), **(point or {})})
-    prompts = make_prompts(args.num_requests + args.warmup, args.input_len, args.vocab, args.seed)
-    arrivals = arrival_times(args.num_requests, args.request_rate, args.seed)
+    count = args.num_requests or 0
+    prompts = make_prompts(count + args.warmup, args.input_len, args.vocab, args.seed)
+    arrivals = arrival_times(count, args.request_rate, args.seed)
     async with grpc.aio.insecure_channel(args.addr) as channel:
         if args.protocol == "grpc":
             health = health_pb2_grpc.HealthStub(channel)
@@ -176,6 +200,8 @@ async def run(args, point: dict | None = None) -> list[dict]:
             async with limit:
                 return await send(i, prompt)
 
+        if args.num_requests is None:  # steady state: a window of a load already running
+            return [await _steady(args, send, repeat) for repeat in range(args.repeat)]
         warm = prompts[: args.warmup]
         await asyncio.gather(*(bounded(-i - 1, p) for i, p in enumerate(warm)))
         summaries = []
@@ -191,6 +217,84 @@ async def run(args, point: dict | None = None) -> list[dict]:
             wall = time.perf_counter() - start
             summaries.append(summarize(args, results, wall, repeat))
     return summaries
+
+
+async def _steady(args, send, repeat: int) -> dict:
+    """One steady-state load: --warmup-s seconds of arrivals, then --duration measured (see the module
+    docstring); the requests still in flight at the window's end are awaited (their tokens past it not counted)."""
+    total = args.warmup_s + args.duration
+    rng = random.Random(args.seed + repeat)
+    ids = iter(range(10**9))
+
+    def prompt() -> list[int]:
+        return [0, *(rng.randrange(3, args.vocab) for _ in range(args.input_len - 1))]
+
+    start = time.perf_counter()
+    if args.request_rate is not None:  # open loop: each sent on time, whatever is in flight
+
+        async def at(t: float) -> Result:
+            await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
+            return await send(next(ids), prompt())
+
+        results = await asyncio.gather(
+            *(at(t) for t in arrivals_until(total, args.request_rate, args.seed + repeat))
+        )
+    else:  # closed loop: each of --concurrency streams sends its next request when one ends
+
+        async def stream() -> list[Result]:
+            done = []
+            while time.perf_counter() - start < total:
+                done.append(await send(next(ids), prompt()))
+            return done
+
+        results = [
+            r
+            for rs in await asyncio.gather(*(stream() for _ in range(args.concurrency)))
+            for r in rs
+        ]
+    return summarize_window(args, results, start + args.warmup_s, start + total, repeat)
+
+
+def summarize_window(args, results: list[Result], lo: float, hi: float, repeat: int) -> dict:
+    """The summary of the requests sent in [lo, hi), with output tokens/s over the tokens that arrived in it and
+    whether the load was held (see the module docstring)."""
+    window = hi - lo
+    measured = [r for r in results if lo <= r.sent_at < hi]
+    summary = summarize(args, measured, window, repeat)
+    tokens = 0.0
+    for r in results:
+        if r.error is None and r.chunk_times:
+            per_chunk = r.num_tokens / len(r.chunk_times)
+            tokens += per_chunk * sum(lo <= t < hi for t in r.chunk_times)
+    ok = [r for r in measured if r.error is None]
+    completed = sum(
+        1 for r in results if r.error is None and r.chunk_times and lo <= r.chunk_times[-1] < hi
+    )
+    half = lo + window / 2
+    first = [r.ttft_s for r in ok if r.sent_at < half]
+    second = [r.ttft_s for r in ok if r.sent_at >= half]
+    p50 = {
+        k: float(np.median(v)) * 1e3 if v else None
+        for k, v in (("first", first), ("second", second))
+    }
+    climbing = None not in p50.values() and p50["second"] > 1.5 * p50["first"] + 50.0
+    summary.update(
+        steady_state=True,
+        warmup_s=args.warmup_s,
+        window_s=window,
+        num_requests=len(measured),
+        arrival_rate=len(measured) / window,
+        completion_rate=completed / window,
+        ttft_ms_p50_first_half=p50["first"],
+        ttft_ms_p50_second_half=p50["second"],
+        output_tokens_per_s=tokens / window,
+        output_tokens_per_s_per_gpu=tokens / window / args.num_gpus,
+    )
+    held = not climbing and not summary["errors"]
+    if args.request_rate is not None:
+        held = held and completed >= 0.95 * args.request_rate * window
+    summary["load_held"] = held
+    return summary
 
 
 def _percentiles(summary: dict, name: str, values_s: list[float]) -> None:
@@ -212,7 +316,8 @@ def summarize(args, results: list[Result], wall: float, repeat: int) -> dict:
         "run": repeat + 1,
         "protocol": args.protocol,
         "addr": args.addr if args.protocol == "grpc" else args.base_url,
-        "num_requests": args.num_requests,
+        "steady_state": False,
+        "num_requests": len(results),
         "request_rate": args.request_rate,
         "concurrency": None if args.request_rate is not None else args.concurrency,
         "input_len": args.input_len,
@@ -360,7 +465,18 @@ def main() -> None:
         "--base-url", default="http://127.0.0.1:8000/v1", help="HTTP: the OpenAI API's base URL"
     )
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"), help="HTTP: bearer key")
-    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument(
+        "--duration", type=float, default=60.0,
+        help="steady state: seconds of arrivals measured, after --warmup-s (default 60)",
+    )  # fmt: skip
+    p.add_argument(
+        "--warmup-s", type=float, default=10.0,
+        help="steady state: seconds of arrivals sent first and not measured (default 10)",
+    )  # fmt: skip
+    p.add_argument(
+        "--num-requests", type=int, default=None,
+        help="a fixed count of timed requests instead of the steady-state window (marked steady_state false)",
+    )  # fmt: skip
     p.add_argument(
         "--concurrency", type=int, default=32, help="closed loop: streams in flight at once"
     )
@@ -390,7 +506,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens")
     p.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
     p.add_argument("--vocab", type=int, default=1000, help="prompt ids are drawn from [3, vocab)")
-    p.add_argument("--warmup", type=int, default=4, help="untimed requests first")
+    p.add_argument("--warmup", type=int, default=4, help="--num-requests: untimed requests first")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline per request, s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -412,6 +528,12 @@ def main() -> None:
     args = p.parse_args()
     if args.request_rate is not None and args.request_rate <= 0:
         p.error(f"--request-rate {args.request_rate}: must be positive")
+    if args.duration <= 0 or args.warmup_s < 0:
+        p.error(
+            f"--duration {args.duration} must be positive and --warmup-s {args.warmup_s} at least 0"
+        )
+    if args.num_requests is not None and args.num_requests < 1:
+        p.error(f"--num-requests {args.num_requests}: must be at least 1")
     if args.repeat < 1:
         p.error(f"--repeat {args.repeat}: must be at least 1")
     if args.num_gpus < 1:
@@ -471,12 +593,18 @@ def sweep_main(p: argparse.ArgumentParser, args) -> None:
             f"{summary['tokens_per_s_per_user'] or 0:.1f} tok/s/user, TTFT p50 "
             f"{summary['ttft_ms_p50'] or 0:.0f} ms, TPOT p50 {summary['tpot_ms_p50'] or 0:.1f} ms"
             + (f", goodput {good:.2f} req/s ({100 * summary['goodput_share']:.0f}%)" if args.goodput else "")
-            + f", errors {summary['errors']}",
+            + f", errors {summary['errors']}"
+            + (f", load held: {summary['load_held']}" if summary["steady_state"] else ""),
             flush=True,
         )  # fmt: skip
+    per_point = (
+        f"{args.num_requests} requests"
+        if args.num_requests is not None
+        else f"{args.duration:g} s measured after {args.warmup_s:g} s"
+    )
     title = (
         f"{args.protocol}, ISL {args.input_len} / OSL {args.output_len}, "
-        f"{args.num_requests} requests per point, {args.num_gpus} GPU(s)"
+        f"{per_point} per point, {args.num_gpus} GPU(s)"
     )
     record = {
         "title": title,

@@ -8,7 +8,7 @@
 # MODEL_DIR defaults to /tmp/v2l (made there as the v2-lite-shape random checkpoint when absent). Writes
 # sweep-1p1d.{json,png}, sweep-0p2d.{json,png}, sweep.png and the servers' logs under $OUT (default
 # benchmarks/figures). The plot needs matplotlib (`pip install .[benchmarks]`). Environment: RATES
-# (4,8,16,24,32,40), REQUESTS per rate (256), INPUT_LEN (2048), OUTPUT_LEN (256), GOODPUT ("ttft:2000 tpot:30"),
+# (4,8,16,24,32,40), DURATION (seconds measured per rate, 60) after WARMUP_S (10), INPUT_LEN (2048), OUTPUT_LEN (256), GOODPUT ("ttft:2000 tpot:30"),
 # PROTOCOL (grpc or http), SERVE_ARGS (more `pdserve serve` flags for both layouts).
 set -euo pipefail
 MODEL=${1:-/tmp/v2l}
@@ -32,7 +32,7 @@ sweep() {  # name, then the layout's `pdserve serve` flags
     }
     # shellcheck disable=SC2086
     python benchmarks/serving.py --protocol "${PROTOCOL:-grpc}" --sweep-rates "${RATES:-4,8,16,24,32,40}" \
-        --num-requests "${REQUESTS:-256}" --warmup 8 --input-len "${INPUT_LEN:-2048}" \
+        --duration "${DURATION:-60}" --warmup-s "${WARMUP_S:-10}" --input-len "${INPUT_LEN:-2048}" \
         --output-len "${OUTPUT_LEN:-256}" --num-gpus 2 --goodput ${GOODPUT:-ttft:2000 tpot:30} \
         --sweep-out "$OUT/sweep-$name"
     kill -INT $SERVE

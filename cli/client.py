@@ -137,7 +137,7 @@ class Client:
 
 
 def format_status(status: admin_pb2.GetStatusResponse) -> str:
-    """A table of the pools for the terminal."""
+    """A table of the pools for the terminal, then what the server listens on."""
     lines = [
         f"model {status.model}  requests {status.num_requests}  {status.output_tokens_per_s:.1f} tok/s  "
         f"uptime {status.uptime_s:.0f}s  KV rows {status.kv_cache_dtype or 'auto'}"
@@ -173,4 +173,8 @@ def format_status(status: admin_pb2.GetStatusResponse) -> str:
         )
     if status.restarts_stopped:
         lines.append(status.restarts_stopped)
+    if status.endpoints:
+        lines.append(f"{'listening':<12}{'address':<24}{'TLS':<12}needs")
+        for e in status.endpoints:
+            lines.append(f"{e.name:<12}{e.address:<24}{e.tls:<12}{e.auth}")
     return "\n".join(lines)

@@ -43,7 +43,10 @@ _SHORT_FLAGS = {
         "GPUs per worker (default: 1 if any)",
     ),
     "--ray-address": ("cluster", "ray_address", str, "auto|ADDR", "join this Ray cluster"),
-    "--host": ("router", "host", str, "HOST", "listen address (default 127.0.0.1; 0.0.0.0: all)"),
+    "--host": (
+        "router", "host", str, "HOST",
+        "listen address (default 127.0.0.1; 0.0.0.0: all, which needs an API key or --insecure)",
+    ),
     "--port": ("router", "port", int, "PORT", "gRPC port (default 50051; 0: any free port)"),
     "--http-port": (
         "router",
@@ -66,11 +69,17 @@ _SHORT_FLAGS = {
     "--tls-client-ca": (
         "security", "tls_client_ca", str, "PEM", "require client certificates this CA signed (mTLS)",
     ),
+    "--insecure": (
+        "security", "insecure", bool, None,
+        "serve with no API key on a --host beyond loopback (refused without it; a WARNING names what is "
+        "open)",
+    ),
 }  # fmt: skip
 SERVE_USAGE = (
     "pdserve serve [--model DIR|tiny] [--prefill N] [--decode M] [--gpus-per-worker K] [--host HOST]\n"
     "                     [--port PORT] [--http-port PORT] [--config FILE.yaml] [--ray-address auto|ADDR]\n"
     "                     [--api-key KEY] [--admin-key KEY] [--tls-cert PEM --tls-key PEM [--tls-client-ca PEM]]\n"
+    "                     [--insecure]\n"
     "                     [--SECTION.FIELD VALUE ...] [--print-config]"
 )
 SAMPLING_DEFAULT = (
@@ -112,6 +121,12 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--print-config", action="store_true", help="print the resolved config, exit")
     short = p.add_argument_group("common")
     for flag, (section, name, kind, metavar, text) in _SHORT_FLAGS.items():
+        if kind is bool:  # a switch: given, it sets the field true
+            short.add_argument(
+                flag, dest=_flag_dest(section, name), action="store_const", const=True,
+                default=argparse.SUPPRESS, help=text,
+            )  # fmt: skip
+            continue
         short.add_argument(
             flag, dest=_flag_dest(section, name), type=kind, metavar=metavar,
             default=argparse.SUPPRESS, help=text,
@@ -154,7 +169,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
         return 0
-    from pdserve.frontend.server import PdServer, connect_ray
+    from pdserve.cluster.ray_connect import connect_ray
+    from pdserve.frontend.server import PdServer
 
     server = PdServer(config)
     server.prepare()  # a bad --model or a busy port fails here, before Ray's seconds of start-up

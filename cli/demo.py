@@ -11,7 +11,8 @@ import ray
 
 from pdserve.cli.client import FINISH_REASONS, Client, generate_request
 from pdserve.cluster.config import ServeConfig
-from pdserve.frontend.server import ServerThread, connect_ray
+from pdserve.cluster.ray_connect import connect_ray
+from pdserve.frontend.server import ServerThread
 
 PROMPTS = (
     "The quick brown fox",

@@ -17,6 +17,7 @@ Public surface (imported from the modules, so that importing the config does not
 | `request` | the router's record of one request in flight (router and admission share it) |
 | `scaling` | starting, warming up, draining and stopping workers |
 | `supervisor` | replacing lost workers |
+| `ray_connect` | joining Ray, or starting the local one on loopback; what counts as loopback |
 | `reaper` | the watchdog that ends a local Ray with the process that started it, `kill -9` included |
 | `errors` | the errors the Ray side raises (the front ends map them to statuses) |
 """

@@ -133,7 +133,8 @@ class ClusterConfig:
 @dataclasses.dataclass(frozen=True, slots=True)
 class RouterConfig:
     host: str = "127.0.0.1"
-    """Address the gRPC server listens on (0.0.0.0: every interface)."""
+    """Address the gRPC server listens on (0.0.0.0: every interface); beyond loopback it needs an API key
+    (or security.insecure)."""
     port: int = 50051
     """gRPC port; 0 picks a free one."""
     http_port: int | None = 8000
@@ -183,9 +184,10 @@ class RouterConfig:
     role are not replaced and `pdserve status` says why. 0: never replace."""
     restart_window_s: float = 600.0
     """The window of max_restarts, in seconds."""
-    heartbeat_timeout_s: float = 30.0
-    """A worker that answers no stats call (sent every second) for this long is declared lost, killed and
-    replaced."""
+    heartbeat_timeout_s: float = 3.0
+    """A worker silent (no answer to its stats call, sent every second, or its long-poll) this long past the
+    deadline of the step it runs, or reporting a step that runs this long past it, is declared lost, killed and
+    replaced. A step's deadline scales with the step: 4x what the worker's measured speed makes it take."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -239,19 +241,22 @@ class SecurityConfig:
     `authorization: Bearer KEY` (as OpenAI clients send it). Unset: api_key_file, else env PDSERVE_API_KEY,
     else none (open). A key on the command line shows in `ps`: prefer the file or the environment."""
     api_key_file: str | None = None
-    """File holding the API key (its first line)."""
+    """File holding the API key (its first line; ~ expands)."""
     admin_key: str | None = dataclasses.field(default=None, repr=False)
     """Key the Admin service (status, scale, drain) requires; the API key cannot call it. Unset:
     admin_key_file, else env PDSERVE_ADMIN_KEY, else none: Admin is open when no API key is set either,
     and refused (PERMISSION_DENIED) when one is."""
     admin_key_file: str | None = None
-    """File holding the admin key (its first line)."""
+    """File holding the admin key (its first line; ~ expands)."""
     tls_cert: str | None = None
     """PEM certificate (chain) of the gRPC and HTTP ports; with tls_key, both serve TLS only."""
     tls_key: str | None = None
     """PEM private key of tls_cert."""
     tls_client_ca: str | None = None
     """PEM CA bundle: gRPC and HTTP clients must present a certificate it signed (mutual TLS)."""
+    insecure: bool = False
+    """Serve open (no API key, no client certificates) on a --host beyond loopback: refused without this;
+    with it, a WARNING at start-up names each open endpoint."""
 
     def __post_init__(self) -> None:
         for name in ("api_key", "admin_key"):

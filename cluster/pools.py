@@ -68,7 +68,7 @@ class WorkerHandle:
     """Decode: pages of the requests sent here whose reservation has not been answered yet."""
     poller: asyncio.Task | None = None
     last_heartbeat: float = 0.0
-    """time.monotonic() of the worker's latest answer to a stats call (or of its start)."""
+    """time.monotonic() of the worker's latest answer to a stats call or a long-poll (or of its start)."""
     num_migrated: int = 0
     """Requests moved off this worker after it was lost."""
 

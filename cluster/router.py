@@ -6,9 +6,9 @@ in FIFO order while none has room, up to admission_timeout_s), submit the prompt
 prompt tokens together with D's transfer id (no P: D prefills itself), then relay D's outputs as they come (what P
 knows of a request beyond its KV, its first token's log-probabilities and its stage times, reaches D with the KV
 and comes in D's first output: nothing waits for P). One long-poll per worker brings back D's output
-batches and P's failures. A request that ends any other way than finishing (client cancel, deadline,
-failure) is aborted on every worker it touched, after its calls in flight have landed, so its pages are freed on
-both sides.
+batches and P's failures; each answer is also the worker's heartbeat (`Supervisor.check_heartbeats`). A
+request that ends any other way than finishing (client cancel, deadline, failure) is aborted on every worker it
+touched, after its calls in flight have landed, so its pages are freed on both sides.
 
 Inside the system a request is keyed by an id this router makes, unique per submission (`Request.request_id`);
 the client's own `request_id` is only echoed back (`Request.client_id`). So a client that cancels and at once
@@ -344,6 +344,7 @@ class Router:
             except ray.exceptions.RayError as e:
                 self.worker_lost(w, str(e).splitlines()[0])
                 return
+            w.last_heartbeat = time.monotonic()
             for out in messages.decode(list[RequestOutput], data):
                 self.num_output_tokens += len(out.token_ids)
                 r = self.requests.get(out.request_id)
@@ -361,6 +362,7 @@ class Router:
             except ray.exceptions.RayError as e:
                 self.worker_lost(w, str(e).splitlines()[0])
                 return
+            w.last_heartbeat = time.monotonic()
             for failure in messages.decode(list[PrefillFailure], data):
                 r = self.requests.get(failure.request_id)
                 if r is not None and r.prefill is w:

@@ -1,7 +1,8 @@
 """The supervisor: keeps a record of every lost worker and starts a replacement in its place.
 
 A worker is lost when a call to its actor raises Ray's actor-death errors (the router's polls and calls), when
-it answers no stats call for `router.heartbeat_timeout_s` (`check_heartbeats`), or when it reports that its
+it stalls (`check_heartbeats`: silent, or reporting a step that runs on, for `router.heartbeat_timeout_s` past
+its step's deadline, which scales with the step: a long prefill chunk is not a hang), or when it reports that its
 rank group failed (the router sees RANK_GROUP_FAILED in a request's error). The router then moves the worker's
 requests elsewhere and calls `worker_lost` here, which kills what is left of the worker and starts a new one of
 the same role and layout under a new name (so no KV link of the dead one is ever reused), warmed up like any
@@ -29,6 +30,12 @@ _MAX_RECORDS = 256
 """Lost workers remembered (the oldest are forgotten first)."""
 _RETRY_S = 1.0
 """Pause before another try at a replacement whose start failed."""
+WATCH_S = 0.25
+"""Between checks of the workers' heartbeats."""
+STEP_DEADLINE_FACTOR = 4.0
+"""A step's deadline in multiples of the time its worker expects it to take (`pdserve.engine.step_timer`)."""
+UNKNOWN_STEP_S = 60.0
+"""The deadline of a step whose worker has not measured its speed yet (its first step)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -151,15 +158,51 @@ class Supervisor:
             self.router.admission.num_replacing[w.role] -= 1
 
     def check_heartbeats(self) -> None:
-        """Declares lost every worker past its heartbeat timeout (its latest stats answer is too old)."""
+        """Declares lost every worker that stalls past its step deadline (`stall_reason`)."""
         now = time.monotonic()
         for w in list(self.router.workers.values()):
-            silent = now - w.last_heartbeat
-            if (
-                w.state != WorkerState.DEAD
-                and w.last_heartbeat
-                and silent > self.config.heartbeat_timeout_s
-            ):
-                self.router.worker_lost(
-                    w, f"no heartbeat for {silent:.0f}s (router.heartbeat_timeout_s)"
-                )
+            if w.state != WorkerState.DEAD and (why := stall_reason(w, now, self.config)):
+                self.router.worker_lost(w, why)
+
+    async def watch(self) -> None:
+        """Runs `check_heartbeats` every WATCH_S until cancelled. A round that wakes late (this loop was held:
+        answers that came meanwhile may not be processed yet) is skipped, so a busy router never takes its
+        own delay for the workers' silence."""
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(WATCH_S)
+            now = time.monotonic()
+            if now - last < 2 * WATCH_S:
+                self.check_heartbeats()
+            last = now
+
+
+def step_deadline_s(w: WorkerHandle) -> tuple[float, float]:
+    """(seconds the worker's step in flight had run at its latest stats, that step's deadline in seconds from
+    its start); (0.0, 0.0) between steps. The deadline is STEP_DEADLINE_FACTOR times the step's expected
+    seconds, or UNKNOWN_STEP_S before the worker has measured its speed."""
+    stats = w.stats
+    if stats is None or stats.step_s <= 0:
+        return 0.0, 0.0
+    expected = stats.step_expected_s
+    return stats.step_s, STEP_DEADLINE_FACTOR * expected if expected > 0 else UNKNOWN_STEP_S
+
+
+def stall_reason(w: WorkerHandle, now: float, config: RouterConfig) -> str | None:
+    """Why the worker counts as stalled at `now`, or None. Stalled: silent (no answer to a stats call or a
+    long-poll) for router.heartbeat_timeout_s past the deadline of the step it was running at its latest
+    stats, or reporting a step that runs router.heartbeat_timeout_s past its deadline."""
+    if not w.last_heartbeat:
+        return None
+    grace = config.heartbeat_timeout_s
+    ran, deadline = step_deadline_s(w)
+    if ran > deadline + grace:
+        return (
+            f"its step has run {ran:.1f}s, past its deadline of {deadline:.1f}s "
+            f"(router.heartbeat_timeout_s={grace:g})"
+        )
+    silent = now - w.last_heartbeat
+    if silent > max(0.0, deadline - ran) + grace:
+        step = f"; its step had run {ran:.1f}s of a {deadline:.1f}s deadline" if ran else ""
+        return f"no answer for {silent:.1f}s (router.heartbeat_timeout_s={grace:g}{step})"
+    return None

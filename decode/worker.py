@@ -156,6 +156,7 @@ class DecodeWorker(Worker):
                 return out
 
     def stats(self) -> DecodeStats:
+        step_s, step_expected_s = self.step_timing()
         with self._lock:
             records = list(self.scheduler.requests.values())
             spec = self.scheduler.spec_stats
@@ -170,6 +171,8 @@ class DecodeWorker(Worker):
                 self.scheduler.num_preemptions,
                 spec=spec.totals(),
                 spec_accepted_per_position=tuple(spec.accepted_per_position),
+                step_s=step_s,
+                step_expected_s=step_expected_s,
             )
 
     def can_admit(self, num_tokens: int) -> bool:

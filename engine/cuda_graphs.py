@@ -159,8 +159,6 @@ class DecodeGraphs:
             page_table=zeros(bucket, pages, dtype=torch.int32),
             logits_indices=torch.arange(bucket, dtype=torch.int64, device=self.device),
             num_queries_per_seq=1,
-            prefix_slots=None,
-            cu_seqlens_prefix=None,
         )
         self._pad(static, 0)
         # Warm up on a side stream (compiles Triton kernels, fills lazy caches), then capture.

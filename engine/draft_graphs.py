@@ -158,7 +158,7 @@ class DraftGraphs:
                         cu_seqlens_q=torch.arange(bucket + 1, dtype=torch.int32, device=dev),
                         seq_lens=(pos + 1).to(torch.int32), page_table=table,
                         logits_indices=torch.arange(bucket, dtype=torch.int64, device=dev),
-                        num_queries_per_seq=1, prefix_slots=None, cu_seqlens_prefix=None,
+                        num_queries_per_seq=1,
                     )  # fmt: skip
                     x = self.model.mtp_forward(module, x, drafts[-1], chain, self.cache)
                 logits = self.model.mtp_head(module, x)  # [N, V]

@@ -85,6 +85,11 @@ class PrefillStats:
     """KV bytes the decode workers acknowledged, since start."""
     num_send_failures: int = 0
     """KV sends that failed (their requests moved or failed), since start."""
+    step_s: float = 0.0
+    """Seconds the worker's step in flight has run (0.0: between steps): with step_expected_s, the router's
+    step deadline."""
+    step_expected_s: float = 0.0
+    """Seconds that step is expected to take, from the worker's measured speed (0.0: unknown)."""
 
 
 # Prefill worker -> decode worker, with the KV pages.
@@ -254,6 +259,11 @@ class DecodeStats:
     spec_accepted_per_position: tuple[int, ...] = ()
     """Where the worker speculates: per draft position (the first draft after a step's token is position 0),
     drafts accepted there since start."""
+    step_s: float = 0.0
+    """Seconds the worker's step in flight has run (0.0: between steps): with step_expected_s, the router's
+    step deadline."""
+    step_expected_s: float = 0.0
+    """Seconds that step is expected to take, from the worker's measured speed (0.0: unknown)."""
 
 
 # The codec.

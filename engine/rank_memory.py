@@ -22,6 +22,7 @@ import torch
 
 from pdserve.engine.step import MAX_GRAPH_ROWS
 from pdserve.model.args import QUANT_BLOCK, ModelArgs
+from pdserve.model.batch import PREFIX_BLOCK_TOKENS
 from pdserve.model.errors import ConfigError
 from pdserve.model.parallel import WorkerLayout, rows_per_rank
 from pdserve.model.weight_names import WeightSpec, checkpoint_weights
@@ -124,6 +125,10 @@ def reserve_bytes_per_rank(
           output; per head the query, the expanded k_nope|v of prefill, the output and the absorbed query; the
           wider of the dense MLP (gate|up and their product) and the MoE (each token's k permuted copies with
           their expert gate|up and product, plus the shared expert); and fp32 logits for R rows.
+        prefix attention block = a*(B*(H*(qk_head_dim + v_head_dim) + kv_lora_rank + rope_dim) + T*H*v_head_dim)
+          a prefill chunk's attention to its cached prefix, B = PREFIX_BLOCK_TOKENS keys at a time (fewer where
+          the model's context is shorter): the gathered latents, their per-head keys and values, and the
+          block's output before it merges into the chunk's.
         EP dispatch buffers = 2 * (1 + EP_RECV_CAPACITY_FACTOR) * T*k*d*a   (when EP > 1)
           dispatch and combine, each a send buffer of T*k token copies and a receive buffer of
           EP_RECV_CAPACITY_FACTOR times the balanced load.
@@ -141,11 +146,17 @@ def reserve_bytes_per_rank(
     per_head = args.qk_head_dim + args.qk_nope_head_dim + 2 * args.v_head_dim + args.kv_cache_dim
     activations = a * t * (3 * d + heads * per_head + max(3 * dense_i, moe_width))
     activations += 4 * max_running * args.vocab_size
+    block = min(PREFIX_BLOCK_TOKENS, args.max_position_embeddings)
+    prefix_block = a * (
+        block * (heads * (args.qk_head_dim + args.v_head_dim) + args.kv_cache_dim)
+        + t * heads * args.v_head_dim
+    )
     ep_buffers = 0
     if layout.expert_parallel > 1 and has_moe:
         ep_buffers = int(2 * (1 + EP_RECV_CAPACITY_FACTOR) * t * k * d * a)
     return {
         "activations": activations,
+        "prefix attention block": prefix_block,
         "EP dispatch buffers": ep_buffers,
         "RoPE table": args.max_position_embeddings * args.qk_rope_head_dim * 4,
         "CUDA graphs, NCCL, workspace": RUNTIME_WORKSPACE_BYTES,

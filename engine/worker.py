@@ -26,6 +26,7 @@ from pdserve.engine.ranks.wire import PageTableCache, plan_to_wire, result_from_
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler, StepOutcome
 from pdserve.engine.step import RankResult, StepPlan
+from pdserve.engine.step_timer import StepTimer
 from pdserve.engine.warm_up import warm_up_plans
 from pdserve.model.deepseek import Transformer
 from pdserve.model.errors import PdserveError
@@ -107,6 +108,8 @@ class Worker:
         self._wake = threading.Event()
         self._page_tables = PageTableCache(self.runner.num_pages)
         """The page ids of the last plan sent to the ranks (the loop thread's)."""
+        self.step_timer = StepTimer()
+        """The step in flight and its expected duration, which the stats report (the router's step deadline)."""
 
     @property
     def num_pages(self) -> int:
@@ -116,6 +119,10 @@ class Worker:
     @property
     def num_used_pages(self) -> int:
         return sum(a.num_used for a in self.allocators)
+
+    def step_timing(self) -> tuple[float, float]:
+        """(seconds the step in flight has run, its expected seconds), as the stats report them."""
+        return self.step_timer.current()
 
     def _make_scheduler(self, *args, **kwargs) -> Scheduler:
         """The role's scheduler over this worker's allocators and ranks (Scheduler's arguments after them)."""
@@ -137,17 +144,25 @@ class Worker:
         """`_run_plan` for a worker whose ranks also take KV control (`pdserve.engine.ranks.kv`): runs one round
         of the plan (None: KV control alone) and returns its outcome and each rank's KV arrivals."""
         start = time.monotonic()
-        if self.ranks is None:
-            results = [self.runner.execute(plan)]
-            arrivals: list[list] = []
-        else:
-            wire = None if plan is None else plan_to_wire(plan, self._page_tables)
-            try:
-                replies = self.ranks.step([wire, kv_control])
-            except (PlanChannelError, RankStepError) as e:  # a rank lost, stalled or raised
-                return self._fail_ranks(plan, e), []
-            results = [] if plan is None else [result_from_wire(r[0]) for r in replies]
-            arrivals = [r[1] for r in replies]
+        if plan is not None:
+            self.step_timer.started(plan)
+        ran = False  # a step that failed tells nothing of the worker's speed
+        try:
+            if self.ranks is None:
+                results = [self.runner.execute(plan)]
+                arrivals: list[list] = []
+            else:
+                wire = None if plan is None else plan_to_wire(plan, self._page_tables)
+                try:
+                    replies = self.ranks.step([wire, kv_control])
+                except (PlanChannelError, RankStepError) as e:  # a rank lost, stalled or raised
+                    return self._fail_ranks(plan, e), []
+                results = [] if plan is None else [result_from_wire(r[0]) for r in replies]
+                arrivals = [r[1] for r in replies]
+            ran = True
+        finally:
+            if plan is not None:
+                self.step_timer.finished(plan, measure=ran)
         elapsed = time.monotonic() - start
         if elapsed > self.slow_step_s and plan is not None:
             logger.warning(

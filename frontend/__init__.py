@@ -3,7 +3,7 @@ engine-client interface, with what they share (request building and validation, 
 split, text streaming, security, metrics, the error -> status mapping) and the serving process that hosts them.
 
 Public surface (imported from the modules, so that a client does not pay for torch and Ray):
-`server.PdServer`, `server.ServerThread`, `server.connect_ray`; `engine_client.EngineClient` (the front ends'
+`server.PdServer`, `server.ServerThread`; `engine_client.EngineClient` (the front ends'
 contract) and `ray_engine.RayEngineClient` (the serving process's implementation of it).
 
 | module | its one job |

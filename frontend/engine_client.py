@@ -187,6 +187,20 @@ class LostWorkerInfo:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class EndpointInfo:
+    """One address the serving process listens on."""
+
+    name: str
+    """gRPC, HTTP, metrics, KV store or Ray (the cluster's GCS)."""
+    address: str
+    """host:port."""
+    auth: str
+    """What a caller must present, in words ("API key", "Ray token", "none ...")."""
+    tls: str
+    """none, TLS or mutual TLS."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ServerStatus:
     model: str
     workers: dict[str, list[WorkerInfo]]
@@ -203,6 +217,8 @@ class ServerStatus:
     num_requests_migrated: int = 0
     restarts_stopped: str = ""
     """Why lost workers are no longer replaced (the restart bound), or empty."""
+    endpoints: list[EndpointInfo] = dataclasses.field(default_factory=list)
+    """What the serving process listens on."""
 
 
 class EngineClient(abc.ABC):

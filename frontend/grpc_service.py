@@ -239,6 +239,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 num_workers_replaced=status.num_workers_replaced,
                 num_requests_migrated=status.num_requests_migrated,
                 restarts_stopped=status.restarts_stopped,
+                endpoints=[admin_pb2.Endpoint(**dataclasses.asdict(e)) for e in status.endpoints],
             )
         except Exception as e:  # process boundary
             await _abort(context, e, "GetStatus")

@@ -18,6 +18,7 @@ from pdserve.frontend.engine_client import (
     Choices,
     Chunk,
     ChunkStream,
+    EndpointInfo,
     EngineClient,
     LostWorkerInfo,
     ServerStatus,
@@ -139,11 +140,12 @@ class RayEngineClient(EngineClient):
         self, router: Router, scaler: Scaler, supervisor: Supervisor, model: ModelInfo,
         limits: RouterConfig, *, model_dir: str, kv_cache_dtype: str, started_at: float,
         ready: Callable[[], bool], refresh_stats: Callable[[], Awaitable[float]],
+        endpoints: Callable[[], list[EndpointInfo]] = list,
     ):  # fmt: skip
         """model_dir, kv_cache_dtype: what status reports of the deployment; started_at: time.monotonic()
         when the serving process started. ready(): whether the process takes requests now (every worker warm,
         not shutting down). refresh_stats(): fetches every worker's stats (bounded wait) and returns the
-        output tokens per second since the previous refresh."""
+        output tokens per second since the previous refresh. endpoints(): what the process listens on."""
         self._router, self._scaler, self._supervisor = router, scaler, supervisor
         self._model, self._limits = model, limits
         self._model_dir, self._kv_cache_dtype, self._started_at = (
@@ -151,7 +153,7 @@ class RayEngineClient(EngineClient):
             kv_cache_dtype,
             started_at,
         )
-        self._ready, self._refresh_stats = ready, refresh_stats
+        self._ready, self._refresh_stats, self._endpoints = ready, refresh_stats, endpoints
         self.metrics = metrics.Metrics(model.name, router, lambda: supervisor)
         """This server's metrics (its own registry)."""
 
@@ -241,6 +243,7 @@ class RayEngineClient(EngineClient):
             num_workers_replaced=supervisor.num_replaced,
             num_requests_migrated=router.num_migrated,
             restarts_stopped=router.admission.restarts_stopped,
+            endpoints=self._endpoints(),
         )
 
     async def scale(self, role: str, count: int) -> tuple[list[str], list[str]]:

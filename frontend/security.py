@@ -1,5 +1,6 @@
 """Who may call the front ends, and over what: the API and admin keys (`Credentials`), their check on every gRPC
-method (`KeyInterceptor`) and HTTP request (`require_key`), and the TLS material of both ports.
+method (`KeyInterceptor`) and HTTP request (`require_key`), the TLS material of both ports, and the refusal to
+listen beyond loopback with no key (`check_exposure`) unless --insecure says so.
 
 Open on purpose, keys or not: gRPC's grpc.health.v1 and HTTP's /health, which load balancers and orchestrators
 probe without credentials (as vLLM leaves /health open); they tell only whether the server is serving. Everything
@@ -22,6 +23,7 @@ import grpc
 
 from pdserve.cluster.config import SecurityConfig
 from pdserve.cluster.errors import PermissionDeniedError, UnauthenticatedError
+from pdserve.cluster.ray_connect import is_loopback
 from pdserve.frontend.errors import status_for
 from pdserve.model.errors import ConfigError, PdserveError
 
@@ -40,7 +42,7 @@ def _digest(key: str) -> bytes:
 
 def _read_key(path: str, flag: str) -> str:
     try:
-        lines = Path(path).read_text().splitlines()
+        lines = Path(path).expanduser().read_text().splitlines()
     except OSError as e:
         raise ConfigError(f"{flag} {path}: cannot read ({e.strerror})") from e
     key = lines[0].strip() if lines else ""
@@ -110,6 +112,13 @@ class Credentials:
             )
         raise UnauthenticatedError("invalid API key")
 
+    @property
+    def generation_auth(self) -> str:
+        """What a generation call needs, in words (`pdserve status`)."""
+        if self.api is not None:
+            return "API key"
+        return "none" if self.admin is None else "none (the admin key only for Admin)"
+
     def describe(self) -> str:
         """One line for the start-up log."""
         if self.open:
@@ -121,6 +130,37 @@ class Credentials:
             else "Admin refused (no admin key)"
         )
         return f"{api}; {admin}; health open"
+
+
+# Exposure.
+
+
+def check_exposure(host: str, credentials: Credentials, config: SecurityConfig) -> None:
+    """Refuses (ConfigError) to listen on a non-loopback `host` with no API key and no client certificates
+    required (tls_client_ca), unless config.insecure: then the caller warns (`open_doors_warning`)."""
+    if is_loopback(host) or credentials.api is not None or config.tls_client_ca is not None:
+        return
+    if config.insecure:
+        return
+    raise ConfigError(
+        f"--host {host}: listening beyond loopback with no API key would let anyone who reaches this "
+        "address generate (and, with no admin key, scale and drain): set --api-key, "
+        "--security.api-key-file or PDSERVE_API_KEY (or require client certificates: --tls-client-ca), or "
+        "pass --insecure to serve open on purpose"
+    )
+
+
+def open_doors_warning(
+    host: str, credentials: Credentials, config: SecurityConfig, endpoints: list[str]
+) -> str | None:
+    """The WARNING to log once listening (None: nothing open beyond loopback): `endpoints` are what listens on
+    `host`, as `name host:port` lines."""
+    if is_loopback(host) or credentials.api is not None or config.tls_client_ca is not None:
+        return None
+    return (
+        f"--insecure: open to anyone who reaches {host} (no API key, no client certificate): "
+        + "; ".join(endpoints)
+    )
 
 
 # gRPC.

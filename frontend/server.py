@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import socket
 import threading
@@ -23,20 +22,23 @@ from grpc_reflection.v1alpha import reflection
 from pdserve.cluster import placement
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.pools import DECODE, PREFILL, Launcher, WorkerState
-from pdserve.cluster.reaper import tie_ray_to_this_process
+from pdserve.cluster.ray_connect import is_loopback, ray_auth
 from pdserve.cluster.router import Router
 from pdserve.cluster.scaling import Scaler
 from pdserve.cluster.supervisor import Supervisor
 from pdserve.engine import messages
 from pdserve.engine.messages import DecodeStats, PrefillStats
+from pdserve.frontend.engine_client import EndpointInfo
 from pdserve.frontend.grpc_service import add_servicers, message_limit
 from pdserve.frontend.http_server import HttpFrontEnd
 from pdserve.frontend.ray_engine import RayEngineClient
 from pdserve.frontend.security import (
     Credentials,
     KeyInterceptor,
+    check_exposure,
     grpc_server_credentials,
     http_ssl_options,
+    open_doors_warning,
 )
 from pdserve.frontend.validation import ModelInfo
 from pdserve.kvtransfer import KVTransferConfig
@@ -53,41 +55,6 @@ _REFRESH_S = 1.0
 _IDLE_LOG_S = 60.0
 _STATS_TIMEOUT_S = 5.0
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
-RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
-
-
-def connect_ray(config: ServeConfig) -> None:
-    """Joins the configured Ray cluster (None: RAY_ADDRESS if set, else a new local Ray). A local Ray gets
-    logical CPUs for twice the configured pools, so that they can be scaled up even on a machine with fewer
-    cores, and ends with this process, however it ends (`reaper`); no-op when already connected."""
-    if ray.is_initialized():
-        return
-    address = config.cluster.ray_address or os.environ.get("RAY_ADDRESS") or "local"
-    num_cpus = None
-    if address == "local":
-        cluster = config.cluster
-        ranks = (
-            cluster.num_prefill * config.prefill.layout.ranks
-            + cluster.num_decode * config.decode.layout.ranks
-        )
-        demand = (
-            ranks * cluster.cpus_per_worker
-        )  # a worker of several ranks takes a bundle per rank
-        num_cpus = max(os.cpu_count() or 1, math.ceil(2 * demand))
-        tie_ray_to_this_process()
-        # Ray's own ports listen on every interface: its token authentication keeps them to this process
-        # and its workers. Ray turns it on for a new local cluster by itself; the variable is read when ray is
-        # imported, so setting it here would only give the cluster a mode this process's client lacks (its
-        # start then fails on a missing token). Warn where the environment turns it off.
-        mode = os.environ.get(RAY_AUTH_MODE_ENV, "token")
-        if mode != "token":
-            logger.warning(
-                "Ray token authentication is off (%s=%s): whoever reaches Ray's ports can run code here",
-                RAY_AUTH_MODE_ENV, mode,
-            )  # fmt: skip
-    ray.init(
-        address=address, num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING
-    )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -148,6 +115,32 @@ class PdServer:
         host = self.config.router.host
         return "127.0.0.1" if host in ("0.0.0.0", "::") else host
 
+    def endpoints(self) -> list[EndpointInfo]:
+        """What this server listens on (once started), each with what a caller needs (`pdserve status`)."""
+        config, host = self.config, self.config.router.host
+        tls = "none"
+        if config.security.tls_cert is not None:
+            tls = "mutual TLS" if config.security.tls_client_ca else "TLS"
+        generation = self.credentials.generation_auth
+        if self.credentials.open:
+            admin = "none"
+        else:
+            admin = "admin key" if self.credentials.admin is not None else "refused (no admin key)"
+        found = [EndpointInfo("gRPC", f"{host}:{self.port}", f"{generation}; Admin: {admin}", tls)]
+        if self.http_port:
+            found.append(EndpointInfo("HTTP", f"{host}:{self.http_port}", generation, tls))
+        if self.metrics_port:
+            found.append(EndpointInfo("metrics", f"{host}:{self.metrics_port}", generation, tls))
+        if hasattr(self, "_store"):
+            found.append(EndpointInfo(
+                "KV store", f"{self._store_host}:{self._store.port}",
+                "none (keys under a secret prefix the workers get through Ray)", "none",
+            ))  # fmt: skip
+        if ray.is_initialized():
+            gcs = ray.get_runtime_context().gcs_address
+            found.append(EndpointInfo("Ray", gcs, ray_auth(), "none"))
+        return found
+
     def _kv_config(self) -> KVTransferConfig:
         """The store address workers get: where it listens (`_host_store`) and the port it got."""
         return dataclasses.replace(
@@ -186,8 +179,9 @@ class PdServer:
     def prepare(self) -> None:
         """What needs no Ray, done before Ray starts so that a mistake fails in a second rather than after
         Ray's start-up: the checkpoint (config.json against the shards' headers; no tensor data is read), keys
-        and TLS files, the gRPC port free, the KV store hosted (on a free port unless one is configured; when
-        joining a Ray cluster, `start` hosts it on this node's address). Idempotent."""
+        and TLS files, a key for a --host beyond loopback (`check_exposure`), the gRPC port free, the KV store
+        hosted (on a free port unless one is configured; when joining a Ray cluster, `start` hosts it on this
+        node's address). Idempotent."""
         if hasattr(self, "model"):
             self._host_store()
             return
@@ -197,6 +191,7 @@ class PdServer:
             plan_load(self.model_dir)
         self.model = ModelInfo.load(self.model_dir, config.model.path)
         self.credentials = Credentials.resolve(config.security)
+        check_exposure(config.router.host, self.credentials, config.security)
         self._grpc_tls = grpc_server_credentials(config.security)
         self._http_tls = http_ssl_options(config.security)
         check_port_free(config.router.host, config.router.port, "--port")
@@ -222,12 +217,21 @@ class PdServer:
             self.router, self.scaler, self.supervisor, self.model, config.router,
             model_dir=str(self.model_dir), kv_cache_dtype=config.model.kv_cache_dtype,
             started_at=self._started_at, ready=lambda: self.serving,
-            refresh_stats=self.refresh_stats,
+            refresh_stats=self.refresh_stats, endpoints=self.endpoints,
         )  # fmt: skip
         """What both front ends are handed (`EngineClient`)."""
         await self._start_grpc()
         await self._start_http()
         await self._start_metrics()
+        open_doors = open_doors_warning(
+            config.router.host, self.credentials, config.security,
+            [
+                f"{e.name} {e.address}" for e in self.endpoints()
+                if e.auth.startswith("none") and not is_loopback(e.address.rsplit(":", 1)[0])
+            ],
+        )  # fmt: skip
+        if open_doors:
+            logger.warning("%s", open_doors)
         logger.info(
             "starting %d prefill and %d decode workers (%d GPUs each) for %s",
             config.cluster.num_prefill, config.cluster.num_decode, gpus, self.model_dir,
@@ -236,6 +240,7 @@ class PdServer:
         self.serving = True
         await self._set_health(True)
         self._tasks.append(asyncio.create_task(self._refresh_loop(), name="stats"))
+        self._tasks.append(asyncio.create_task(self.supervisor.watch(), name="heartbeats"))
         self._log_summary(gpus)
 
     async def _start_grpc(self) -> None:
@@ -347,8 +352,8 @@ class PdServer:
 
     async def refresh_stats(self) -> float:
         """Fetches every worker's stats (bounded wait); they steer admission and feed status and logs. The
-        answers are the workers' heartbeats: a dead actor, or one silent for router.heartbeat_timeout_s, is
-        declared lost. Returns `output_tokens_per_s`."""
+        answers are heartbeats, and tell the step each worker runs (`Supervisor.watch` declares stalled ones
+        lost); a dead actor is lost at once. Returns `output_tokens_per_s`."""
         workers = [w for w in self.router.workers.values() if w.state != WorkerState.DEAD]
         calls = [asyncio.wait_for(w.actor.stats.remote(), _STATS_TIMEOUT_S) for w in workers]
         for w, result in zip(
@@ -364,7 +369,6 @@ class PdServer:
                 result, ray.exceptions.ActorDiedError
             ):  # unreachable: the heartbeat tells
                 self.router.worker_lost(w, str(result).splitlines()[0])
-        self.supervisor.check_heartbeats()
         now, tokens = time.monotonic(), self.router.num_output_tokens
         then, before = self._rate
         if now - then >= _REFRESH_S:

@@ -3,6 +3,12 @@
 A batch packs T new tokens of B requests. Request b contributes query_lens[b] tokens starting at position
 num_computed_tokens[b] (its cached prefix); its pages, in order, hold positions 0, page_size, 2*page_size, ...
 A decode batch gives every request the same number of query tokens (1, or up to 4 for MTP verification).
+
+A prefill chunk attends to its request's cached prefix by expanding the prefix's latents to per-head keys and
+values; a long prefix is expanded in blocks (`PrefixBlock`), so that the expansion's memory is bounded by
+`PREFIX_BLOCK_TOKENS` whatever the prompt's length, and each block's attention is merged into the chunk's by
+its log-sum-exp. A request's blocks are cut at fixed positions (multiples of the block size) and merged in
+position order, whatever else shares the batch, so that batch invariance holds.
 """
 
 from __future__ import annotations
@@ -25,6 +31,21 @@ class SeqChunk:
     """Cache pages of the request, in position order, covering every position up to the last new token."""
 
 
+PREFIX_BLOCK_TOKENS = 8192
+"""The most cached-prefix tokens one block of prefix attention expands (summed over its requests), and the
+positions a request's prefix is cut at: `reserve_bytes_per_rank` counts one block's expansion."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefixBlock:
+    """Part of the batch's cached prefixes attended in one launch: at most one block of each request's."""
+
+    slots: torch.Tensor  # [Tb] int64: the cache slots of the block's keys, request by request
+    cu_seqlens: (
+        torch.Tensor
+    )  # [B + 1] int32: each request's keys in `slots` (none for most requests)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ForwardBatch:
     is_decode: bool
@@ -36,10 +57,9 @@ class ForwardBatch:
     page_table: torch.Tensor  # [B, max_pages] int32
     logits_indices: torch.Tensor  # [N] int64: rows of the hidden states that need logits
     num_queries_per_seq: int  # decode: query tokens per request; prefill: 0
-    prefix_slots: (
-        torch.Tensor | None
-    )  # [Tp] int64: slots of every request's cached prefix, in order
-    cu_seqlens_prefix: torch.Tensor | None  # [B + 1] int32
+    prefix_blocks: tuple[
+        PrefixBlock, ...
+    ] = ()  # prefill: the cached prefixes, in blocks (merge order)
 
     @property
     def num_seqs(self) -> int:
@@ -68,8 +88,7 @@ def build_forward_batch(
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    prefix_slots: list[int] = []
-    cu_q, cu_prefix, seq_lens = [0], [0], []
+    cu_q, seq_lens = [0], []
     max_pages = 0
     for c in chunks:
         start, end = c.num_computed_tokens, c.num_computed_tokens + len(c.token_ids)
@@ -82,12 +101,7 @@ def build_forward_batch(
         slots.extend(
             c.page_ids[p // page_size] * page_size + p % page_size for p in range(start, end)
         )
-        if not decode:
-            prefix_slots.extend(
-                c.page_ids[p // page_size] * page_size + p % page_size for p in range(start)
-            )
         cu_q.append(cu_q[-1] + end - start)
-        cu_prefix.append(cu_prefix[-1] + start)
         seq_lens.append(end)
         max_pages = max(max_pages, -(-end // page_size))
     page_table = torch.zeros(len(chunks), max_pages, dtype=torch.int32)
@@ -102,7 +116,7 @@ def build_forward_batch(
     def tensor(values, dtype):
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-    has_prefix = not decode and cu_prefix[-1] > 0
+    prefix_blocks = () if decode else _prefix_blocks(chunks, page_size, device)
     return ForwardBatch(
         is_decode=decode,
         input_ids=tensor(input_ids, torch.int64),
@@ -113,6 +127,49 @@ def build_forward_batch(
         page_table=page_table.to(device, non_blocking=True),
         logits_indices=tensor(logits_indices, torch.int64),
         num_queries_per_seq=query_lens[0] if decode else 0,
-        prefix_slots=tensor(prefix_slots, torch.int64) if has_prefix else None,
-        cu_seqlens_prefix=tensor(cu_prefix, torch.int32) if has_prefix else None,
+        prefix_blocks=prefix_blocks,
     )
+
+
+def _slots(page_ids: Sequence[int], page_size: int, start: int, end: int) -> torch.Tensor:
+    """The cache slots of positions [start, end) of a request on `page_ids`, [end - start] int64."""
+    first, last = start // page_size, -(-end // page_size)
+    pages = torch.tensor(page_ids[first:last], dtype=torch.int64)
+    rows = (pages[:, None] * page_size + torch.arange(page_size)).flatten()
+    offset = start - first * page_size
+    return rows[offset : offset + end - start]
+
+
+def _prefix_blocks(
+    chunks: Sequence[SeqChunk], page_size: int, device, block_tokens: int | None = None
+) -> tuple[PrefixBlock, ...]:
+    """The batch's cached prefixes as blocks of prefix attention: request b's prefix cut at multiples of
+    `block_tokens`; its pieces taken in position order, and each launch holding at most one piece of a request
+    and at most `block_tokens` keys in all."""
+    block = block_tokens or PREFIX_BLOCK_TOKENS
+    launches: list[list[tuple[int, int, int]]] = []  # (request, start, end) per launch
+    depth = max(c.num_computed_tokens for c in chunks)
+    for lo in range(0, depth, block):
+        pieces = [
+            (b, lo, min(lo + block, c.num_computed_tokens))
+            for b, c in enumerate(chunks)
+            if c.num_computed_tokens > lo
+        ]
+        launch: list[tuple[int, int, int]] = []
+        for piece in pieces:
+            if launch and sum(e - s for _, s, e in launch) + piece[2] - piece[1] > block:
+                launches.append(launch)
+                launch = []
+            launch.append(piece)
+        launches.append(launch)
+    blocks = []
+    for launch in launches:
+        lens = [0] * len(chunks)
+        for b, start, end in launch:
+            lens[b] = end - start
+        cu = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        slots = torch.cat([_slots(chunks[b].page_ids, page_size, s, e) for b, s, e in launch])
+        blocks.append(
+            PrefixBlock(slots.to(device, non_blocking=True), cu.to(device, non_blocking=True))
+        )
+    return tuple(blocks)

@@ -236,16 +236,18 @@ class MLA(nn.Module):
         k, v = self._expand(c_kv, k_pe)
         cu_q = batch.cu_seqlens_q
         out, lse = kernels.mla_prefill(q, k, v, cu_q, cu_q, self.softmax_scale, causal=True)
-        if batch.prefix_slots is not None:
-            prefix = cache.gather(self.cache_layer, batch.prefix_slots)  # [Tp, kv_lora + rope]
+        for block in batch.prefix_blocks:  # the cached prefix, a bounded block at a time
+            prefix = cache.gather(self.cache_layer, block.slots)  # [Tb, kv_lora + rope]
             k_p, v_p = self._expand(
                 prefix[:, : self.kv_lora_rank].to(q.dtype),
                 prefix[:, self.kv_lora_rank :].to(q.dtype),
             )
+            del prefix
             out_p, lse_p = kernels.mla_prefill(
-                q, k_p, v_p, cu_q, batch.cu_seqlens_prefix, self.softmax_scale, causal=False
+                q, k_p, v_p, cu_q, block.cu_seqlens, self.softmax_scale, causal=False
             )
-            out, _ = kernels.merge_attn_states(out, lse, out_p, lse_p)
+            del k_p, v_p
+            out, lse = kernels.merge_attn_states(out, lse, out_p, lse_p)
         return out
 
     def wkv_b_dense(self) -> torch.Tensor:

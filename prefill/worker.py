@@ -115,6 +115,7 @@ class PrefillWorker(Worker):
                 self.num_pages,
                 self._kv_bytes_sent,
                 self._num_send_failures,
+                *self.step_timing(),
             )
 
     def step(self) -> bool:

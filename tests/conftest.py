@@ -110,9 +110,9 @@ def _renice(value: int) -> None:
 
 def pytest_runtest_setup(item):
     """Under pytest-xdist, the `ray` and `timed` tests (latency-bound: their servers, workers and timeouts wait on
-    each other; the `timed` ones take little CPU) run at normal priority and the rest (CPU-bound) at a low one, so that the CPU-bound tests take only the cores
-    the Ray chains leave idle instead of slowing them. Set before the test's fixtures: what they and the test
-    start (rank processes, Ray, servers) inherits it."""
+    each other; the `timed` ones take little CPU) run at normal priority and the rest (CPU-bound) at a low one,
+    so that the CPU-bound tests take only the cores the Ray chains leave idle instead of slowing them. Set before
+    the test's fixtures: what they and the test start (rank processes, Ray, servers) inherits it."""
     if "PYTEST_XDIST_WORKER" in os.environ:
         latency_bound = any(item.get_closest_marker(m) is not None for m in ("ray", "timed"))
         _renice(0 if latency_bound else LOW_PRIORITY_NICE)

@@ -4,6 +4,7 @@ fixtures (Ray, the tiny checkpoint, offline references, the shared server) are i
 
 from __future__ import annotations
 
+import os
 import time
 import urllib.request
 
@@ -93,3 +94,42 @@ def scrape(url: str) -> dict:
         assert reply.headers["content-type"].startswith("text/plain")
         text = reply.read().decode()
     return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def listening() -> dict[str, tuple[str, int]]:
+    """Socket inode -> (local address in /proc's hex, port) of every listening TCP socket on this host."""
+    out = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # LISTEN
+                    host, port = fields[1].split(":")
+                    out[fields[9]] = (host, int(port, 16))
+    return out
+
+
+def is_loopback_hex(host: str) -> bool:
+    """Whether a local address as /proc/net/tcp{,6} writes it is loopback (127/8, ::1, ::ffff:127/104)."""
+    if len(host) == 8:
+        return host.endswith("7F")  # little-endian: 127.x.x.x
+    return host == "00000000000000000000000001000000" or (
+        host.startswith("0000000000000000FFFF0000") and host.endswith("7F")
+    )
+
+
+def sockets_of(pid: int) -> set[str]:
+    """The socket inodes `pid` holds (none once it is gone)."""
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:  # exited
+        return inodes
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    return inodes

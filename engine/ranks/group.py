@@ -93,7 +93,7 @@ class RankLauncher(abc.ABC):
     """Starts and watches the processes of ranks 1..N-1."""
 
     watches_driver_pid = True
-    """Ranks are child processes of the driver and exit when it is gone."""
+    """Ranks run on the driver's host as its descendants and exit when it is gone (`RankBootstrap.driver_pid`)."""
 
     def device(self, rank: int, backend: str) -> str:
         """The device rank `rank` drives: the CPU on gloo; on NCCL, GPU `rank` of the host (ranks as local
@@ -114,14 +114,30 @@ class RankLauncher(abc.ABC):
         """Wait up to `timeout_s` for the ranks to exit, then kill those left; idempotent."""
 
 
+RANK_PRELOAD = ("pdserve.engine.ranks.process",)
+"""What the fork server imports once for every rank it forks: torch and torch.distributed, nothing that touches
+CUDA (a fork after CUDA's initialization could not use it)."""
+
+
+def rank_process_context() -> mp.context.BaseContext:
+    """The multiprocessing context local rank processes start from: a fork server, started once per driver
+    process, that has imported `RANK_PRELOAD`. A spawned rank imports torch again, the most of its start-up's
+    CPU; a rank forked from the server starts with it imported. The server starts as a fresh interpreter (not a
+    fork of the driver, whose threads and CUDA state a fork would copy) and ends with the driver."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(RANK_PRELOAD))
+    return ctx
+
+
 class LocalRankLauncher(RankLauncher):
-    """Ranks as spawned subprocesses of the driver's process (tests, offline, a single host without Ray)."""
+    """Ranks as subprocesses of the driver's process (tests, offline, a single host without Ray), forked from
+    its fork server (`rank_process_context`)."""
 
     def __init__(self) -> None:
         self.procs: list[mp.Process] = []
 
     def launch(self, bootstraps: list[bytes]) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = rank_process_context()
         for rank, boot in enumerate(bootstraps, start=1):
             proc = ctx.Process(
                 target=run_rank, args=(boot,), name=f"pdserve-rank{rank}", daemon=True

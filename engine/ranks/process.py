@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import logging
 import os
+import select
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -83,7 +84,8 @@ class RankBootstrap:
     shm: dict | None = None
     """`ShmSpec.as_dict()` of the driver's channel (channel 'shm')."""
     driver_pid: int | None = None
-    """The driver's process id when it is the rank's parent process: the rank exits when it is gone."""
+    """The driver's process id where the rank runs on its host as its descendant (a child of the driver's fork
+    server): the rank exits when the driver is gone. None where it is not (Ray actors)."""
     device: str = "cpu"
     """The rank's device: 'cpu', or the one GPU it drives ('cuda:0' where it sees only its own)."""
 
@@ -120,22 +122,53 @@ def open_channel(boot: RankBootstrap) -> PlanChannel:
     raise ValueError(f"plan channel {boot.channel!r}, expected 'shm' or 'dist'")
 
 
-def _driver_alive(pid: int | None) -> bool:
-    """Whether the driver (this process's parent, when `pid` is given) still lives: an orphaned rank is
-    re-parented, so its parent id changes."""
-    return pid is None or os.getppid() == pid
+class DriverWatch:
+    """Whether the driver process still runs, by a pidfd opened at the rank's start (readable once the process
+    has ended, a zombie included; immune to the id's reuse). The rank's parent is the driver's fork server,
+    which outlives the driver while ranks it forked live, so the parent's id tells nothing."""
+
+    def __init__(self, pid: int | None):
+        self.pid, self.fd, self.gone = pid, None, False
+        if pid is None:
+            return
+        try:
+            self.fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self.gone = True
+        except (AttributeError, OSError):  # no pidfds here: signal 0, which a zombie still answers
+            self.fd = None
+
+    def alive(self) -> bool:
+        if self.pid is None or self.gone:
+            return not self.gone
+        if self.fd is not None:
+            self.gone = bool(select.select([self.fd], [], [], 0)[0])
+        else:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                self.gone = True
+            except PermissionError:
+                pass
+        return not self.gone
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def serve(boot: RankBootstrap, channel: PlanChannel, handler: Callable[[Any], Any] | None,
-          setup_error: str | None) -> None:  # fmt: skip
+          setup_error: str | None, driver: DriverWatch | None = None) -> None:  # fmt: skip
     """The rank loop: one reply per message until 'stop', or until the driver's process is gone."""
+    driver = driver or DriverWatch(boot.driver_pid)
     # The gloo channel cannot resume a timed-out wait: there the rank waits up to the group's timeout, and a
     # driver that dies closes its sockets, which fails the wait at once.
     poll_s = _DRIVER_POLL_S if boot.channel == "shm" else None
     while True:
         message = channel.receive(poll_s)
         if message is None:
-            if not _driver_alive(boot.driver_pid):
+            if not driver.alive():
                 log.warning("rank %d: driver %s is gone, exiting", boot.rank, boot.driver_pid)
                 return
             continue
@@ -170,6 +203,7 @@ def close_handler(handler: Any) -> None:
 def run_rank(bootstrap: bytes) -> None:
     """A rank process's whole life (see the module docstring)."""
     boot = RankBootstrap.decode(bootstrap)
+    driver = DriverWatch(boot.driver_pid)  # at once: the id names the driver only while it lives
     if boot.backend == "gloo":
         torch.set_num_threads(1)
     store = dist.TCPStore(
@@ -185,10 +219,11 @@ def run_rank(bootstrap: bytes) -> None:
     except Exception:  # reported to the driver on its first message
         setup_error = traceback.format_exc()
     try:
-        serve(boot, channel, handler, setup_error)
+        serve(boot, channel, handler, setup_error, driver)
     except PlanChannelError:
         log.warning("rank %d: plan channel failed", boot.rank, exc_info=True)
     finally:
         close_handler(handler)
+        driver.close()
         channel.close()
         dist.destroy_process_group()

@@ -17,6 +17,7 @@ import yaml
 from pdserve.cli.plan import add_plan_command, layout_from_args, plan_from_args
 from pdserve.cluster.config import ServeConfig, build_config, load_yaml
 from pdserve.cluster.placement import NVLINK_DOMAIN_LABEL
+from pdserve.cluster.ray_connect import is_loopback
 from pdserve.model.parallel import WorkerLayout
 
 CONFIGS = sorted((Path(__file__).parents[2] / "deploy" / "configs").glob("*.yaml"))
@@ -59,6 +60,22 @@ def test_there_are_configs() -> None:
 def test_config_builds(path: Path) -> None:
     config = build_config(load_yaml(path))
     assert config.cluster.num_decode >= 1
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_a_config_that_listens_beyond_loopback_has_its_keys(path: Path) -> None:
+    """`pdserve serve` refuses a non-loopback host with no API key: each such example names its key files
+    (which the `ray up` YAMLs mount), and an admin key, without which an API key refuses `pdserve status`."""
+    config = build_config(load_yaml(path))
+    if is_loopback(config.router.host):
+        return
+    security = config.security
+    assert not security.insecure, path.name
+    assert security.api_key_file and security.admin_key_file, path.name
+    for yaml_path in sorted(CONFIGS[0].parents[1].glob("ray/*.yaml")):
+        mounts = yaml.safe_load(yaml_path.read_text())["file_mounts"]
+        folder = str(Path(security.api_key_file).parent)
+        assert mounts.get(folder) == folder, f"{yaml_path.name} does not mount {folder}"
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

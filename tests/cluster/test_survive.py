@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -26,7 +27,9 @@ SEND_TIMEOUT_S = 6.0
 """kvtransfer.timeout_s. A prefill worker's send under way to a lost decode worker fails, freeing its pages,
 within kvtransfer.connect_timeout_s (the link to the dead worker is not rebuilt) plus this."""
 CONNECT_TIMEOUT_S = 12.0
-HEARTBEAT_TIMEOUT_S = 4.0
+RESUME_BOUND_S = 5.0
+"""A stopped decode worker's streams go on elsewhere within this of the stop (router.heartbeat_timeout_s, its
+default, past the deadline of its decode step, then the move)."""
 REPLACE_TIMEOUT_S = 90
 STREAM_TIMEOUT_S = 180
 
@@ -37,8 +40,7 @@ def server(ray_cluster, model_dir):
         model_dir,
         cluster={"num_decode": 2},
         router={
-            "max_restarts": MAX_RESTARTS, "restart_window_s": 3600.0,
-            "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S, "metrics_port": 0,
+            "max_restarts": MAX_RESTARTS, "restart_window_s": 3600.0, "metrics_port": 0,
         },
         kvtransfer={"timeout_s": SEND_TIMEOUT_S, "connect_timeout_s": CONNECT_TIMEOUT_S},
     ) as server:  # fmt: skip
@@ -68,11 +70,13 @@ def router_requests(server, worker_id: str) -> int:
 
 
 class Streams:
-    """Requests streamed on threads; `first_tokens` counts streams that got a token."""
+    """Requests streamed on threads; `first_tokens` counts streams that got a token; `arrivals` holds each
+    stream's time.monotonic() of every chunk with tokens."""
 
     def __init__(self, client: Client, requests):
         self.client, self.requests = client, requests
         self.tokens: list[list[int]] = [[] for _ in requests]
+        self.arrivals: list[list[float]] = [[] for _ in requests]
         self.first_tokens = 0
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(len(requests))
@@ -85,6 +89,8 @@ class Streams:
                 with self._lock:
                     if chunk.token_ids and not self.tokens[i]:
                         self.first_tokens += 1
+                    if chunk.token_ids:
+                        self.arrivals[i].append(time.monotonic())
                     self.tokens[i].extend(chunk.token_ids)
                 last = chunk
         except grpc.RpcError as e:
@@ -191,10 +197,17 @@ def test_single_decode_worker_killed_streams_wait_for_its_replacement(server, cl
     wait_pages_free(client)
 
 
-def test_a_hung_decode_worker_is_lost_at_its_heartbeat_timeout(server, client, reference):
+def streams_on(server, worker_id: str) -> set[str]:
+    """The client request ids of the requests the router has on the worker now (read in-process)."""
+    router = server.server.router
+    w = router.workers[worker_id]
+    return {router.requests[r].client_id for r in list(w.requests) if r in router.requests}
+
+
+def test_a_stopped_decode_worker_is_lost_past_its_step_deadline(server, client, reference):
     ensure_pools(client, 1, 2)
     prompts = workload(6, seed=35, max_len=60)
-    requests, expected = greedy_and_seeded(client, reference, prompts, 40, num_seeded=0)
+    requests, expected = greedy_and_seeded(client, reference, prompts, 64, num_seeded=0)
     victim = workers(client, admin_pb2.ROLE_DECODE)[0].worker_id
     pid = pid_of(server, victim)
     streams = Streams(client, requests)
@@ -203,14 +216,30 @@ def test_a_hung_decode_worker_is_lost_at_its_heartbeat_timeout(server, client, r
         60, f"streams running on {victim}", interval_s=0.01,
     )  # fmt: skip
     os.kill(pid, signal.SIGSTOP)  # alive but silent: only the heartbeat tells
+    stopped = time.monotonic()
+    moved = streams_on(server, victim)
     try:
         check_finished(streams.results(), requests, [streams.tokens, expected])
         record = wait_replaced(client, victim)
     finally:  # the supervisor killed it already; a failed test must not leave it stopped
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    assert "heartbeat" in record.reason
+    assert "no answer" in record.reason and "router.heartbeat_timeout_s" in record.reason
+    (lost,) = [x for x in server.server.supervisor.lost if x.worker.worker_id == victim]
+    heartbeat_timeout_s = server.server.config.router.heartbeat_timeout_s
+    assert (
+        lost.lost_at - stopped < heartbeat_timeout_s + 1.0
+    )  # its decode step's deadline is far shorter
     assert len(workers(client, admin_pb2.ROLE_DECODE)) == 2
+    # each stream that was on the stopped worker and not done then got its next tokens from another worker
+    resumed = {
+        r.request_id: next(t for t in times if t > stopped) - stopped
+        for r, times in zip(requests, streams.arrivals, strict=True)
+        if r.request_id in moved and any(t > stopped for t in times)
+    }
+    assert resumed, f"no stream of {victim} was left to move: {moved}"
+    print(f"stop to resume: {max(resumed.values()):.2f}s (per stream: {resumed})")
+    assert max(resumed.values()) < RESUME_BOUND_S, resumed
     wait_pages_free(client)
 
 

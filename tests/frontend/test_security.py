@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import shutil
 import ssl
 import subprocess
@@ -22,12 +23,13 @@ import httpx2
 import openai
 import pytest
 import torch.distributed as dist
-from serving import start_server
+from serving import listening, sockets_of, start_server
 
-from pdserve.cli.client import Client, generate_request
+from pdserve.cli.client import Client, format_status, generate_request
 from pdserve.cluster.config import SecurityConfig, build_config
 from pdserve.cluster.errors import PermissionDeniedError, UnauthenticatedError
-from pdserve.frontend.security import Credentials
+from pdserve.cluster.ray_connect import is_loopback
+from pdserve.frontend.security import Credentials, check_exposure, open_doors_warning
 from pdserve.frontend.validation import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from pdserve.model.errors import ConfigError
 from pdserve.v1 import generation_pb2
@@ -129,10 +131,12 @@ def test_credentials_decide_by_key_and_kind_of_call(monkeypatch):
         Credentials.resolve(SecurityConfig()).check("Bearer other", admin=False)
 
 
-def test_key_files_and_bad_security_config_raise_naming_the_field(tmp_path):
+def test_key_files_and_bad_security_config_raise_naming_the_field(tmp_path, monkeypatch):
     path = tmp_path / "key"
     path.write_text("from-file\nignored\n")
     Credentials.resolve(SecurityConfig(api_key_file=str(path))).check("Bearer from-file", False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # ~ expands, as the example configs write it
+    Credentials.resolve(SecurityConfig(api_key_file="~/key")).check("Bearer from-file", False)
     path.write_text("\n")
     with pytest.raises(ConfigError, match="api-key-file.*empty"):
         Credentials.resolve(SecurityConfig(api_key_file=str(path)))
@@ -156,6 +160,47 @@ def test_print_config_never_shows_a_key():
     text = repr(config) + repr(to_dict(config))
     assert API_KEY not in text and ADMIN_KEY not in text
     assert to_dict(config)["security"]["api_key"] == "<set>"
+
+
+def test_listening_beyond_loopback_needs_a_key_or_insecure(monkeypatch):
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("PDSERVE_ADMIN_KEY", raising=False)
+    for host in ("127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"):
+        assert is_loopback(host), host
+    for host in ("0.0.0.0", "::", "10.1.2.3", "myhost"):
+        assert not is_loopback(host), host
+    open_config = SecurityConfig()
+    none = Credentials.resolve(open_config)
+    check_exposure("127.0.0.1", none, open_config)  # loopback: no key needed
+    admin_only = SecurityConfig(admin_key="b" * 20)  # generation would still be open
+    for host, config in (("0.0.0.0", open_config), ("10.1.2.3", open_config), ("::", admin_only)):
+        with pytest.raises(
+            ConfigError, match=rf"--host {re.escape(host)}: .*--api-key.*--insecure"
+        ):
+            check_exposure(host, Credentials.resolve(config), config)
+    with_key = SecurityConfig(api_key="a" * 20)
+    check_exposure("0.0.0.0", Credentials.resolve(with_key), with_key)
+    assert open_doors_warning("0.0.0.0", Credentials.resolve(with_key), with_key, ["x"]) is None
+    insecure = SecurityConfig(insecure=True)
+    check_exposure("0.0.0.0", none, insecure)
+    warning = open_doors_warning("0.0.0.0", none, insecure, ["gRPC 0.0.0.0:1", "HTTP 0.0.0.0:2"])
+    assert (
+        warning.startswith("--insecure: open to anyone")
+        and "gRPC 0.0.0.0:1; HTTP 0.0.0.0:2" in warning
+    )
+    assert open_doors_warning("127.0.0.1", none, insecure, ["gRPC 127.0.0.1:1"]) is None
+
+
+def test_insecure_is_a_switch_of_serve(monkeypatch):
+    from pdserve.cli.commands import config_from_args
+    from pdserve.cli.main import _build_parser
+
+    parser, _ = _build_parser()
+    assert config_from_args(parser.parse_args(["serve", "--insecure"])).security.insecure
+    assert not config_from_args(parser.parse_args(["serve"])).security.insecure
+    args = parser.parse_args(["serve", "--security.insecure", "true", "--host", "0.0.0.0"])
+    config = config_from_args(args)
+    assert config.security.insecure and config.router.host == "0.0.0.0"
 
 
 GRPC_CALLS = {
@@ -252,31 +297,6 @@ def test_clients_without_a_certificate_the_ca_signed_cannot_connect(server, cert
 # Exposure.
 
 
-def _listening() -> dict[str, tuple[str, int]]:
-    """Socket inode -> (local address in /proc's hex, port) of every listening TCP socket on this host."""
-    out = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                if fields[3] == "0A":  # LISTEN
-                    host, port = fields[1].split(":")
-                    out[fields[9]] = (host, int(port, 16))
-    return out
-
-
-def _sockets_of(pid: int) -> set[str]:
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    return inodes
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads /proc/net/tcp")
 def test_no_port_of_ours_listens_on_the_wildcard_address(server):
     import ray
@@ -293,11 +313,11 @@ def test_no_port_of_ours_listens_on_the_wildcard_address(server):
 
     actors = [w.actor for w in server.server.router.workers.values()]
     processes = [_ray_process(), *ray.get([a.__ray_call__.remote(_ray_process) for a in actors])]
-    listening = _listening()
+    sockets = listening()
     ours = {}
     for pid, ray_port in processes:
-        for inode in _sockets_of(pid) & listening.keys():
-            host, port = listening[inode]
+        for inode in sockets_of(pid) & sockets.keys():
+            host, port = sockets[inode]
             if port != ray_port:  # Ray's own server: behind Ray's token authentication
                 ours[port] = host
     s = server.server
@@ -307,7 +327,24 @@ def test_no_port_of_ours_listens_on_the_wildcard_address(server):
     assert not {port: host for port, host in ours.items() if host in wildcard}, ours
 
 
-def test_anonymous_store_client_cannot_find_or_move_the_pairs_keys(server, certs, reference):
+def test_status_lists_what_is_exposed_and_what_each_needs(server, certs):
+    with client(server, certs, ADMIN_KEY) as c:
+        status = c.status()
+    found = {e.name: e for e in status.endpoints}
+    s = server.server
+    assert set(found) == {"gRPC", "HTTP", "KV store", "Ray"}, found
+    assert found["gRPC"].address == f"127.0.0.1:{s.port}"
+    assert (found["gRPC"].auth, found["gRPC"].tls) == ("API key; Admin: admin key", "mutual TLS")
+    assert found["HTTP"].address == f"127.0.0.1:{s.http_port}"
+    assert (found["HTTP"].auth, found["HTTP"].tls) == ("API key", "mutual TLS")
+    assert found["KV store"].address == f"{s._store_host}:{s._store.port}"
+    assert found["KV store"].tls == "none" and found["KV store"].auth.startswith("none")
+    assert found["Ray"].auth == "Ray token"
+    text = format_status(status)
+    assert f"127.0.0.1:{s.port}" in text and "API key; Admin: admin key" in text
+
+
+def test_anonymous_store_client_finds_but_cannot_move_the_pairs_keys(server, certs, reference):
     s = server.server
     with client(server, certs, API_KEY) as c:
         first = [
@@ -320,11 +357,14 @@ def test_anonymous_store_client_cannot_find_or_move_the_pairs_keys(server, certs
         s._store_host, s._store.port, is_master=False, timeout=datetime.timedelta(seconds=10)
     )
     pair = "pdkv/prefill-0/decode-0"
-    assert not anonymous.check([f"{pair}/epoch"]), "a pair's key at its plain name"
-    assert any(k.endswith(f"/{pair}/epoch") for k in s._store.list_keys()), "the pair never met"
-    # The attack that failed every request for a minute: bump the epoch, claim both sides are ready.
+    keys = anonymous.list_keys()
+    assert any(k.startswith(f"{pair}/") for k in keys), f"the pair never met: {keys}"
+    secret = s.store_secret
+    assert not any(secret in k or secret.encode() in anonymous.get(k) for k in keys)
+    # The attack that failed every request for a minute: bump the epoch, claim both sides are ready. The
+    # workers sign every value with a key the store never holds, so none of this moves the pair.
     for epoch in range(50):
-        anonymous.add(f"{pair}/epoch", 1)
+        anonymous.set(f"{pair}/epoch", str(epoch + 1))
         anonymous.set(f"{pair}/{epoch}/ready0", "1")
         anonymous.set(f"{pair}/{epoch}/ready1", "1")
     with client(server, certs, API_KEY) as c:

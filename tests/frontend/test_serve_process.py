@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from serving import wait_for
+from serving import is_loopback_hex, listening, sockets_of, wait_for
 
 from pdserve.cli.client import Client, generate_request
 from pdserve.cluster.reaper import OWNER_ENV
@@ -115,6 +115,14 @@ def test_busy_ports_fail_before_ray(ray_tmpdir, model_dir, busy_port):
     assert_fails_before_ray(out, ray_tmpdir, f"--kvtransfer.store-port {busy_port}: cannot host")
 
 
+def test_open_host_without_a_key_fails_before_ray(ray_tmpdir, model_dir):
+    out = run_serve(ray_tmpdir, "--model", str(model_dir), "--port", "0", "--host", "0.0.0.0")
+    assert_fails_before_ray(
+        out, ray_tmpdir, "--host 0.0.0.0: listening beyond loopback with no API key"
+    )
+    assert "--insecure" in out.stderr
+
+
 def _stat(pid: int) -> tuple[int, int] | None:
     """(parent pid, start time in clock ticks) of a live process; None if gone or a zombie."""
     try:
@@ -157,11 +165,11 @@ def raylets(processes: set[tuple[int, int]]) -> set[tuple[int, int]]:
 class ServeProcess:
     """`pdserve serve` on free ports in its own session; `address` once it logged ready."""
 
-    def __init__(self, model_dir: Path, ray_tmpdir: Path, log: Path):
+    def __init__(self, model_dir: Path, ray_tmpdir: Path, log: Path, *flags: str):
         self.log = log
         self.proc = subprocess.Popen(
             [*CLI, "serve", "--model", str(model_dir), "--dtype", "fp32", "--port", "0",
-             "--http-port", "0", "--cluster.cpus-per-worker", "0.25"],
+             "--http-port", "0", "--cluster.cpus-per-worker", "0.25", *flags],
             stdout=subprocess.DEVNULL, stderr=log.open("w"), env=serve_env(ray_tmpdir),
             start_new_session=True,
         )  # fmt: skip
@@ -192,8 +200,9 @@ class ServeProcess:
 def servers(model_dir, ray_tmpdir, tmp_path):
     started: list[ServeProcess] = []
 
-    def start() -> ServeProcess:
-        started.append(ServeProcess(model_dir, ray_tmpdir, tmp_path / f"serve{len(started)}.log"))
+    def start(*flags: str) -> ServeProcess:
+        log = tmp_path / f"serve{len(started)}.log"
+        started.append(ServeProcess(model_dir, ray_tmpdir, log, *flags))
         return started[-1]
 
     yield start
@@ -207,14 +216,39 @@ def greedy_tokens(address: str, prompt: list[int]) -> list[int]:
         return [t for chunk in client.generate(request, timeout_s=60) for t in chunk.token_ids]
 
 
+def listening_in(server: ServeProcess) -> dict[int, str]:
+    """Port -> local address (/proc's hex) of every TCP socket the server and its process tree listen on."""
+    sockets = listening()
+    pids = {server.proc.pid} | {pid for pid, _ in alive(server.tree)}
+    return {
+        sockets[inode][1]: sockets[inode][0]
+        for pid in pids
+        for inode in sockets_of(pid) & sockets.keys()
+    }
+
+
 def test_two_servers_share_a_host_and_sigkill_leaves_no_ray_behind(servers, reference):
-    first, second = servers(), servers()
+    # the second listens on every interface, open on purpose (--insecure): it says so
+    first, second = servers(), servers("--host", "0.0.0.0", "--insecure")
     for server in (first, second):
         server.wait_ready()
         assert raylets(server.tree), server.tree  # a real Ray runs under it
         # Disaggregated (one prefill, one decode worker): the KV pages travel through this server's store.
         assert greedy_tokens(server.address, [0, 5, 6, 7]) == reference([0, 5, 6, 7], 4)
     assert not first.tree & second.tree
+    # Everything the default server and its embedded Ray open listens on loopback (Ray's ports, its
+    # autoscaler's metrics port among them); the open one's own ports listen everywhere, its Ray's do not.
+    first_ports = listening_in(first)
+    assert len(first_ports) > 3, first_ports  # gRPC, HTTP, the KV store, and Ray's
+    assert all(is_loopback_hex(h) for h in first_ports.values()), first_ports
+    port = int(second.address.rsplit(":", 1)[1])
+    second_ports = listening_in(second)
+    assert not is_loopback_hex(second_ports[port]), second_ports
+    open_ports = {p for p, h in second_ports.items() if not is_loopback_hex(h)}
+    assert len(open_ports) == 2, second_ports  # gRPC and HTTP
+    warning = [line for line in second.log.read_text().splitlines() if "--insecure: open" in line]
+    assert len(warning) == 1 and "WARNING" in warning[0] and f"gRPC 0.0.0.0:{port}" in warning[0]
+    assert "--insecure" not in first.log.read_text()
 
     first.proc.send_signal(signal.SIGKILL)
     wait_for(

@@ -7,7 +7,6 @@ tensors its loader read."""
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 import time
 import traceback
 from datetime import timedelta
@@ -15,7 +14,9 @@ from pathlib import Path
 
 import torch
 
-_CTX = mp.get_context("spawn")
+from pdserve.engine.ranks.group import rank_process_context
+
+_CTX = rank_process_context()  # forked from a server that imported torch once
 PAGE_SIZE = 16
 JOIN_TIMEOUT_S = 240
 

@@ -1,11 +1,13 @@
 """Absorbed MLA decode over the paged latent cache equals the naive form (fp32, <= 1e-5 relative), for page sizes
-1, 16 and 64 and a ragged batch; chunked prefill over a cached prefix equals one-shot prefill."""
+1, 16 and 64 and a ragged batch; chunked prefill over a cached prefix equals one-shot prefill, the prefix attended
+whole or in blocks; the blocks cut each request's prefix at fixed positions and bound each launch's keys."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pdserve.model import batch as batch_module
 from pdserve.model.batch import SeqChunk, build_forward_batch
 from pdserve.model.kv_cache import KVCacheLayout, PagedKVCache
 from pdserve.model.loader import load_model
@@ -81,7 +83,10 @@ def test_absorbed_decode_equals_naive(model, page_size, num_queries):
     assert rel_err(absorbed, naive_last) <= 1e-5
 
 
-def test_chunked_prefill_equals_one_shot(model):
+@pytest.mark.parametrize("block", [None, 10], ids=["whole-prefix", "prefix-in-blocks"])
+def test_chunked_prefill_equals_one_shot(model, block, monkeypatch):
+    if block is not None:
+        monkeypatch.setattr(batch_module, "PREFIX_BLOCK_TOKENS", block)
     page_size = 16
     g = torch.Generator().manual_seed(7)
     seqs = [
@@ -109,3 +114,25 @@ def test_chunked_prefill_equals_one_shot(model):
             done[i] = min(done[i] + chunk, len(seqs[i]))
             if done[i] == len(seqs[i]):
                 assert rel_err(logits[row], one_shot[i]) <= 1e-5
+
+
+def test_prefix_blocks_cut_each_prefix_at_fixed_positions_and_bound_each_launch():
+    page_size, block = 4, 8
+    prefixes = [0, 5, 19, 8]
+    pages = [list(range(10 * b, 10 * b + 8)) for b in range(len(prefixes))]
+    chunks = [SeqChunk([1, 2], n, p) for n, p in zip(prefixes, pages, strict=True)]
+    blocks = batch_module._prefix_blocks(chunks, page_size, "cpu", block_tokens=block)
+    pieces: dict[int, list[int]] = {b: [] for b in range(len(prefixes))}
+    for blk in blocks:
+        lens = blk.cu_seqlens.diff().tolist()
+        assert sum(lens) == blk.slots.numel() <= block
+        for b, slots in enumerate(blk.slots.split(lens)):
+            if len(slots):
+                pieces[b].append(len(slots))
+                start = sum(pieces[b][:-1])
+                assert start % block == 0  # cut at multiples of the block, in position order
+                want = [pages[b][p // page_size] * page_size + p % page_size
+                        for p in range(start, start + len(slots))]  # fmt: skip
+                assert slots.tolist() == want
+    assert {b: sum(p) for b, p in pieces.items()} == dict(enumerate(prefixes))
+    assert pieces[2] == [8, 8, 3]

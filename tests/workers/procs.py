@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing as mp
 import threading
 from typing import Any
 
+from pdserve.engine.ranks.group import rank_process_context
 from pdserve.kvtransfer.store import new_secret
 
-_CTX = mp.get_context("spawn")
+_CTX = rank_process_context()  # forked from a server that imported torch once
 SECRET = new_secret()
-"""The KV store's key for the workers these tests start (passed to each child: a spawned child draws its own)."""
+"""The KV store's key for the workers these tests start (passed to each child, which would draw its own)."""
 
 
 def _serve(

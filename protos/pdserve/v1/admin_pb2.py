@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/admin.proto\x12\npdserve.v1\"\x12\n\x10GetStatusRequest\"\xd2\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.pdserve.v1.WorkerState\x12\x10\n\x08num_gpus\x18\x04 \x01(\r\x12\x0f\n\x07node_ip\x18\x05 \x01(\t\x12\x14\n\x0cnum_requests\x18\x06 \x01(\r\x12\x12\n\nnum_queued\x18\x07 \x01(\r\x12\x15\n\rqueued_tokens\x18\x08 \x01(\x04\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12\x15\n\rkv_pages_used\x18\x0b \x01(\r\x12\x16\n\x0ekv_pages_total\x18\x0c \x01(\r\x12\x11\n\tpage_size\x18\r \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x0e \x01(\x04\"W\n\nPoolStatus\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Role\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\"\xc8\x01\n\nLostWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x12\n\nlost_s_ago\x18\x04 \x01(\x01\x12\x13\n\x0breplaced_by\x18\x05 \x01(\t\x12\x14\n\x0cnot_replaced\x18\x06 \x01(\t\x12\x19\n\x11replacement_error\x18\x07 \x01(\t\x12\x1d\n\x15num_requests_migrated\x18\x08 \x01(\r\"\xd9\x02\n\x11GetStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12%\n\x05pools\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.PoolStatus\x12\x14\n\x0cnum_requests\x18\x03 \x01(\r\x12\x1b\n\x13output_tokens_per_s\x18\x04 \x01(\x01\x12\x10\n\x08uptime_s\x18\x05 \x01(\x01\x12\x12\n\naggregated\x18\x06 \x01(\x08\x12\x16\n\x0ekv_cache_dtype\x18\x07 \x01(\t\x12,\n\x0clost_workers\x18\x08 \x03(\x0b\x32\x16.pdserve.v1.LostWorker\x12\x18\n\x10num_workers_lost\x18\t \x01(\x04\x12\x1c\n\x14num_workers_replaced\x18\n \x01(\x04\x12\x1d\n\x15num_requests_migrated\x18\x0b \x01(\x04\x12\x18\n\x10restarts_stopped\x18\x0c \x01(\t\"A\n\x10ScalePoolRequest\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"Y\n\x11ScalePoolResponse\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x01 \x03(\t\x12\x0f\n\x07removed\x18\x02 \x03(\t\x12$\n\x04pool\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.PoolStatus\"\'\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"F\n\x13\x44rainWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14num_requests_drained\x18\x02 \x01(\r*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02*{\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATE_STARTING\x10\x01\x12\x18\n\x14WORKER_STATE_SERVING\x10\x02\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x03\x32\xeb\x01\n\x05\x41\x64min\x12H\n\tGetStatus\x12\x1c.pdserve.v1.GetStatusRequest\x1a\x1d.pdserve.v1.GetStatusResponse\x12H\n\tScalePool\x12\x1c.pdserve.v1.ScalePoolRequest\x1a\x1d.pdserve.v1.ScalePoolResponse\x12N\n\x0b\x44rainWorker\x12\x1e.pdserve.v1.DrainWorkerRequest\x1a\x1f.pdserve.v1.DrainWorkerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/admin.proto\x12\npdserve.v1\"\x12\n\x10GetStatusRequest\"\xd2\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.pdserve.v1.WorkerState\x12\x10\n\x08num_gpus\x18\x04 \x01(\r\x12\x0f\n\x07node_ip\x18\x05 \x01(\t\x12\x14\n\x0cnum_requests\x18\x06 \x01(\r\x12\x12\n\nnum_queued\x18\x07 \x01(\r\x12\x15\n\rqueued_tokens\x18\x08 \x01(\x04\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12\x15\n\rkv_pages_used\x18\x0b \x01(\r\x12\x16\n\x0ekv_pages_total\x18\x0c \x01(\r\x12\x11\n\tpage_size\x18\r \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x0e \x01(\x04\"W\n\nPoolStatus\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Role\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\"\xc8\x01\n\nLostWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x12\n\nlost_s_ago\x18\x04 \x01(\x01\x12\x13\n\x0breplaced_by\x18\x05 \x01(\t\x12\x14\n\x0cnot_replaced\x18\x06 \x01(\t\x12\x19\n\x11replacement_error\x18\x07 \x01(\t\x12\x1d\n\x15num_requests_migrated\x18\x08 \x01(\r\"\x82\x03\n\x11GetStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12%\n\x05pools\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.PoolStatus\x12\x14\n\x0cnum_requests\x18\x03 \x01(\r\x12\x1b\n\x13output_tokens_per_s\x18\x04 \x01(\x01\x12\x10\n\x08uptime_s\x18\x05 \x01(\x01\x12\x12\n\naggregated\x18\x06 \x01(\x08\x12\x16\n\x0ekv_cache_dtype\x18\x07 \x01(\t\x12,\n\x0clost_workers\x18\x08 \x03(\x0b\x32\x16.pdserve.v1.LostWorker\x12\x18\n\x10num_workers_lost\x18\t \x01(\x04\x12\x1c\n\x14num_workers_replaced\x18\n \x01(\x04\x12\x1d\n\x15num_requests_migrated\x18\x0b \x01(\x04\x12\x18\n\x10restarts_stopped\x18\x0c \x01(\t\x12\'\n\tendpoints\x18\r \x03(\x0b\x32\x14.pdserve.v1.Endpoint\"D\n\x08\x45ndpoint\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04\x61uth\x18\x03 \x01(\t\x12\x0b\n\x03tls\x18\x04 \x01(\t\"A\n\x10ScalePoolRequest\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"Y\n\x11ScalePoolResponse\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x01 \x03(\t\x12\x0f\n\x07removed\x18\x02 \x03(\t\x12$\n\x04pool\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.PoolStatus\"\'\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"F\n\x13\x44rainWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1c\n\x14num_requests_drained\x18\x02 \x01(\r*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02*{\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATE_STARTING\x10\x01\x12\x18\n\x14WORKER_STATE_SERVING\x10\x02\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x03\x32\xeb\x01\n\x05\x41\x64min\x12H\n\tGetStatus\x12\x1c.pdserve.v1.GetStatusRequest\x1a\x1d.pdserve.v1.GetStatusResponse\x12H\n\tScalePool\x12\x1c.pdserve.v1.ScalePoolRequest\x1a\x1d.pdserve.v1.ScalePoolResponse\x12N\n\x0b\x44rainWorker\x12\x1e.pdserve.v1.DrainWorkerRequest\x1a\x1f.pdserve.v1.DrainWorkerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=1310
-  _globals['_ROLE']._serialized_end=1373
-  _globals['_WORKERSTATE']._serialized_start=1375
-  _globals['_WORKERSTATE']._serialized_end=1498
+  _globals['_ROLE']._serialized_start=1421
+  _globals['_ROLE']._serialized_end=1484
+  _globals['_WORKERSTATE']._serialized_start=1486
+  _globals['_WORKERSTATE']._serialized_end=1609
   _globals['_GETSTATUSREQUEST']._serialized_start=38
   _globals['_GETSTATUSREQUEST']._serialized_end=56
   _globals['_WORKERSTATUS']._serialized_start=59
@@ -44,15 +44,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOSTWORKER']._serialized_start=489
   _globals['_LOSTWORKER']._serialized_end=689
   _globals['_GETSTATUSRESPONSE']._serialized_start=692
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1037
-  _globals['_SCALEPOOLREQUEST']._serialized_start=1039
-  _globals['_SCALEPOOLREQUEST']._serialized_end=1104
-  _globals['_SCALEPOOLRESPONSE']._serialized_start=1106
-  _globals['_SCALEPOOLRESPONSE']._serialized_end=1195
-  _globals['_DRAINWORKERREQUEST']._serialized_start=1197
-  _globals['_DRAINWORKERREQUEST']._serialized_end=1236
-  _globals['_DRAINWORKERRESPONSE']._serialized_start=1238
-  _globals['_DRAINWORKERRESPONSE']._serialized_end=1308
-  _globals['_ADMIN']._serialized_start=1501
-  _globals['_ADMIN']._serialized_end=1736
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1078
+  _globals['_ENDPOINT']._serialized_start=1080
+  _globals['_ENDPOINT']._serialized_end=1148
+  _globals['_SCALEPOOLREQUEST']._serialized_start=1150
+  _globals['_SCALEPOOLREQUEST']._serialized_end=1215
+  _globals['_SCALEPOOLRESPONSE']._serialized_start=1217
+  _globals['_SCALEPOOLRESPONSE']._serialized_end=1306
+  _globals['_DRAINWORKERREQUEST']._serialized_start=1308
+  _globals['_DRAINWORKERREQUEST']._serialized_end=1347
+  _globals['_DRAINWORKERRESPONSE']._serialized_start=1349
+  _globals['_DRAINWORKERRESPONSE']._serialized_end=1419
+  _globals['_ADMIN']._serialized_start=1612
+  _globals['_ADMIN']._serialized_end=1847
 # @@protoc_insertion_point(module_scope)

@@ -92,7 +92,7 @@ class LostWorker(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., reason: _Optional[str] = ..., lost_s_ago: _Optional[float] = ..., replaced_by: _Optional[str] = ..., not_replaced: _Optional[str] = ..., replacement_error: _Optional[str] = ..., num_requests_migrated: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("model", "pools", "num_requests", "output_tokens_per_s", "uptime_s", "aggregated", "kv_cache_dtype", "lost_workers", "num_workers_lost", "num_workers_replaced", "num_requests_migrated", "restarts_stopped")
+    __slots__ = ("model", "pools", "num_requests", "output_tokens_per_s", "uptime_s", "aggregated", "kv_cache_dtype", "lost_workers", "num_workers_lost", "num_workers_replaced", "num_requests_migrated", "restarts_stopped", "endpoints")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class GetStatusResponse(_message.Message):
     NUM_WORKERS_REPLACED_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_MIGRATED_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_STOPPED_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     num_requests: int
@@ -117,7 +118,20 @@ class GetStatusResponse(_message.Message):
     num_workers_replaced: int
     num_requests_migrated: int
     restarts_stopped: str
-    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., num_requests: _Optional[int] = ..., output_tokens_per_s: _Optional[float] = ..., uptime_s: _Optional[float] = ..., aggregated: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ..., lost_workers: _Optional[_Iterable[_Union[LostWorker, _Mapping]]] = ..., num_workers_lost: _Optional[int] = ..., num_workers_replaced: _Optional[int] = ..., num_requests_migrated: _Optional[int] = ..., restarts_stopped: _Optional[str] = ...) -> None: ...
+    endpoints: _containers.RepeatedCompositeFieldContainer[Endpoint]
+    def __init__(self, model: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., num_requests: _Optional[int] = ..., output_tokens_per_s: _Optional[float] = ..., uptime_s: _Optional[float] = ..., aggregated: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ..., lost_workers: _Optional[_Iterable[_Union[LostWorker, _Mapping]]] = ..., num_workers_lost: _Optional[int] = ..., num_workers_replaced: _Optional[int] = ..., num_requests_migrated: _Optional[int] = ..., restarts_stopped: _Optional[str] = ..., endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ...) -> None: ...
+
+class Endpoint(_message.Message):
+    __slots__ = ("name", "address", "auth", "tls")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    auth: str
+    tls: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., auth: _Optional[str] = ..., tls: _Optional[str] = ...) -> None: ...
 
 class ScalePoolRequest(_message.Message):
     __slots__ = ("role", "count")
