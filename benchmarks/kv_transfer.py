@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pdserve.kvtransfer import KVTransferConfig
+from pdserve.kvtransfer.store import new_secret
 
 ENTRY_DIM = 576  # kv_lora_rank 512 + rope 64
 WARMUP = 3
@@ -103,7 +104,7 @@ def _page_sums(cache: torch.Tensor, pages: list[int]) -> list[float]:
 
 
 def _bare_group(store, rank: int, device: torch.device):
-    prefixed = dist.PrefixStore("bare", store)
+    prefixed = dist.PrefixStore("bare", store.raw)  # torch's own group, unsigned: the reference
     if device.type == "cuda":
         return dist.ProcessGroupNCCL(prefixed, rank, 2)
     return dist.ProcessGroupGloo(prefixed, rank, 2)
@@ -140,7 +141,7 @@ def _measure(rank: int, args, port: int, results) -> None:
         store_port=port, timeout_s=60, connect_timeout_s=60, spin_s=args.spin_ms / 1e3,
         pipeline_min_bytes=int(args.pipeline_min_mib * 2**20),
     )  # fmt: skip
-    store = connect_store(config, is_master=rank == 1)
+    store = connect_store(config, is_master=rank == 1, secret=args.secret)
     num_transfers = len(_cases(args)) * (WARMUP + args.iters)
     pages = _pages("scattered", rank, num_pages)
     if rank == 1:  # decode side
@@ -282,6 +283,7 @@ def main() -> None:
         help="write each rank's torch.profiler trace (chrome format) there; use with few transfers",
     )  # fmt: skip
     args = parser.parse_args()
+    args.secret = new_secret()  # the two ranks' shared key for the store's values
     if not set(args.pages) <= set(MODES):
         parser.error(f"--pages {','.join(args.pages)}: expected some of {', '.join(MODES)}")
     if args.device == "cuda" and torch.cuda.device_count() < 2:

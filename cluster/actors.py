@@ -47,7 +47,7 @@ class _WorkerShell:
         num_gpus: int, cpu_threads: int, cpus_per_rank: float = 1.0, store_secret: str = "",
     ):  # fmt: skip
         """num_gpus: of this process (rank 0 of a worker of several ranks: 0 or 1, as each other rank);
-        cpus_per_rank: what each other rank's actor reserves; store_secret: the KV store's key prefix."""
+        cpus_per_rank: what each other rank's actor reserves; store_secret: the key that signs the KV store's values."""
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         self.worker_id = worker_id
         self.worker = None

@@ -97,7 +97,7 @@ class Launcher:
         num_gpus: int,
         store_secret: str = "",
     ):
-        """store_secret: the prefix of the KV store's keys (`kvtransfer.store`), handed to each worker
+        """store_secret: the key that signs the KV store's values (`kvtransfer.store`), handed to each worker
         through Ray."""
         self.config, self.kv_config, self.num_gpus = config, kv_config, num_gpus
         self.store_secret = store_secret

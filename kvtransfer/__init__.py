@@ -11,7 +11,15 @@ tests. This package knows torch.distributed and the page layout, nothing else.
 | `dist` | the contract over torch.distributed (`_link` a pair's group, `_receiver` D's side, `_wire` the format) |
 | `loopback` | the contract in one process, for tests |
 | `pages` | whole-page gathers and scatters of the page-major cache |
-| `store` | the shared rendezvous store |
+| `store` | the shared rendezvous store, every value signed (`SignedStore`) |
+
+The rendezvous. A pair's group meets through the deployment's TCPStore, which any client that reaches it can read
+and write. Every value the workers put there is signed (HMAC-SHA256, keyed by a per-deployment secret handed to
+the workers through Ray, never written to the store) over its key name, which holds the pair and its epoch: a
+value forged or copied from another key reads as absent, an epoch moves only by a signed value newer than the one
+a side has seen, and a side puts back its own values that go missing while its peer may need them (`store`,
+`_link`). A signing store, rather than the workers' Ray calls, because torch's gloo and NCCL groups rendezvous
+through a `dist.Store` from C++: signing it keeps them unchanged and this package free of Ray.
 """
 
 from .base import (

@@ -1,16 +1,27 @@
 """The link of one (P, D) pair: its two-rank process group, rebuilt under a new epoch when it breaks, and the
 posted operations on it, polled against deadlines.
 
-Each pair has an epoch counter in the shared store: whichever side sees the link fail aborts its group and bumps
-the epoch, and both sides rebuild under the new epoch's prefix on next use. Before building, the two sides meet in
-the store (each sets a ready key and waits, with a timeout, for the other's), so a dead peer costs a timeout, never
-a hang. A peer may still die between its ready key and its group: the build then waits in the store for it, up to
-the connect timeout, on a store client of the pair's own (a client serves one request at a time), so that no other
-pair of the process waits with it.
+All the pair's rendezvous goes through the deployment's `SignedStore` (see `store`): its epoch, its ready flags
+and its group's own keys (gloo's addresses, NCCL's unique id) are signed values under key names that hold the
+pair and the epoch, so a client of the store without the deployment's secret can delete or overwrite them but
+never forge or replay one.
+
+Each pair has an epoch in the store: whichever side sees the link fail drops its group and writes the next
+epoch, and both sides rebuild under the new epoch's keys on next use. Each side keeps the newest valid epoch it
+has seen, so a value that does not verify or an older one (replayed) moves neither. Before building, the two
+sides meet in the store (each sets a ready flag and waits, with a timeout, for the other's), so a dead peer costs
+a timeout, never a hang. While a side waits it keeps its own flag and the epoch in the store (puts them back when
+deleted or overwritten), and it follows the pair to a newer epoch the moment the store shows one. From the meeting
+until the group first carries an operation, a guard thread puts back the side's values the same way (a peer may
+still be reading them: gloo's peer may finish building first, NCCL exchanges its id on first use). So deleting or
+overwriting a key costs the peer a poll or two, not a retry. A peer may still die between its ready flag and its
+group: the build then waits in the store for it, up to the connect timeout, on a store client of the pair's own (a
+client serves one request at a time), so that no other pair of the process waits with it.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import logging
@@ -29,6 +40,7 @@ from pdserve.model.errors import TransferError
 
 from ._wire import HEADER_LEN
 from .config import KVTransferConfig
+from .store import SignedStore
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +50,13 @@ IDLE_POLL_S = 0.002
 _FAST_POLL_WINDOW_S = 0.02
 CHECK_S = 0.05
 _JOIN_POLL_S = 0.005
+GUARD_S = 0.02
+"""Between the guard's checks of a side's values while its group is being built; afterwards, until the group's
+first operation, the interval doubles up to `_GUARD_MAX_S`."""
+_GUARD_MAX_S = 1.0
+_RETIRED_STORES = 4
+"""Group stores kept after their group is dropped: a torch store written in Python must outlive every C++ user
+of it (NCCL's threads may still look at theirs for a moment after an abort)."""
 SENDER_EPOCH_TTL_S = 1.0
 """How long the prefill side trusts its last read of a pair's epoch (a store round trip on every send would
 add a network round trip to each); a failed send re-reads it."""
@@ -138,8 +157,14 @@ class Pair:
         self, store, prefill_id: str, decode_id: str, rank: int, backend: str,
         config: KVTransferConfig, device: torch.device,
     ):  # fmt: skip
+        if not isinstance(store, SignedStore):
+            raise TypeError(
+                f"a KV pair needs the deployment's SignedStore (kvtransfer.store.connect_store), not "
+                f"{type(store).__name__}: an unsigned store lets any client of it move the pair's keys"
+            )
         self.store, self.rank, self.backend, self.config = store, rank, backend, config
         self.key = f"pdkv/{prefill_id}/{decode_id}"
+        self._epoch_key = f"{self.key}/epoch"
         self.peer = decode_id if rank == 0 else prefill_id
         self.lock = threading.Lock()
         self.group: dist.ProcessGroup | None = None
@@ -150,7 +175,11 @@ class Pair:
         self._scratch: Scratch | None = None
         self.gone = False
         """The peer was lost for good (set from any thread): connecting fails at once."""
-        self._group_store = None
+        self._seen_epoch = -1
+        """The newest valid epoch read from the store or written here: the store's value counts only above it."""
+        self._group_store: SignedStore | None = None
+        self._retired: collections.deque[SignedStore] = collections.deque(maxlen=_RETIRED_STORES)
+        self._guard_stop: threading.Event | None = None
 
     def on_device(self) -> contextlib.AbstractContextManager:
         """Makes the pair's device and side stream current for the calling thread (both are per thread)."""
@@ -164,12 +193,24 @@ class Pair:
             self._scratch = Scratch(self.device, pinned=self.stream is not None)
         return self._scratch
 
+    def _stored_epoch(self, store: SignedStore | None = None) -> int | None:
+        """The epoch the store holds, if its value verifies (None: missing, forged or copied)."""
+        value = (store or self.store).read(self._epoch_key)
+        try:
+            return int(value) if value is not None else None
+        except ValueError:  # signed by a worker of this deployment, so never; but no crash on it
+            return None
+
     def current_epoch(self) -> int:
+        """The pair's newest epoch: the store's when it verifies and is newer than any seen here."""
         self._epoch_read_at = time.monotonic()
-        return int(self.store.add(f"{self.key}/epoch", 0))
+        stored = self._stored_epoch()
+        if stored is not None and stored > self._seen_epoch:
+            self._seen_epoch = stored
+        return max(self._seen_epoch, 0)
 
     def epoch_moved(self) -> bool:
-        return self.current_epoch() != self.epoch
+        return self.current_epoch() > self.epoch
 
     def connect(self, epoch_ttl_s: float = 0.0) -> dist.ProcessGroup:
         """The pair's group for the current epoch, building it (meeting the peer) when needed. With
@@ -183,46 +224,102 @@ class Pair:
         if self.group is not None and epoch == self.epoch:
             return self.group
         self.drop()
-        prefix = f"{self.key}/{epoch}"
-        self.store.set(f"{prefix}/ready{self.rank}", "1")
-        # Polled, not one long store.wait: the store client is shared by the process's threads and serves one
-        # request at a time, so a long wait would hold up every other pair's epoch checks.
         deadline = time.monotonic() + self.config.connect_timeout_s
-        while not self.store.check([f"{prefix}/ready{1 - self.rank}"]):
+        while True:
+            epoch = self._meet(epoch, deadline)
+            try:
+                self.group = self._build(epoch, deadline)
+            except RuntimeError as e:
+                # torch's store and network errors here: the peer went away while joining, or moved on
+                self.drop()
+                newer = self.current_epoch()
+                if newer > epoch and not self.gone and time.monotonic() < deadline:
+                    epoch = newer  # the peer gave this epoch up: follow it
+                    continue
+                self.fail()  # both sides build afresh, under a new epoch's keys
+                raise PeerAbsent(f"{self.peer} joined the KV link but did not build it: {e}") from e
+            self.epoch = epoch
+            return self.group
+
+    def _meet(self, epoch: int, deadline: float) -> int:
+        """Sets our ready flag under `epoch` and waits for the peer's, following the pair to any newer epoch the
+        store shows; returns the epoch at which both are ready. While waiting, puts back our flag and the epoch
+        when they are missing or do not verify (deleted or overwritten by another client of the store)."""
+        mine = f"{self.key}/{epoch}/ready{self.rank}"
+        self.store.set(mine, "1")
+        # Polled, not one long wait: the store client is shared by the process's threads and serves one request
+        # at a time, so a long wait would hold up every other pair's epoch checks.
+        while self.store.read(f"{self.key}/{epoch}/ready{1 - self.rank}") is None:
             if self.gone:
                 raise PeerAbsent(f"{self.peer} was lost")
             if time.monotonic() > deadline:
                 raise PeerAbsent(
                     f"{self.peer} did not join the KV link within {self.config.connect_timeout_s:g}s"
                 )
+            stored = self._stored_epoch()
+            if stored is not None and stored > epoch:
+                # the peer moved on (or failed first): follow it
+                epoch = self._seen_epoch = max(stored, self._seen_epoch)
+                mine = f"{self.key}/{epoch}/ready{self.rank}"
+                self.store.set(mine, "1")
+                continue
+            if stored is None or stored < epoch:
+                self.store.set(self._epoch_key, str(epoch))
+            if self.store.read(mine) is None:
+                self.store.set(mine, "1")
             time.sleep(_JOIN_POLL_S)
-        self._group_store = self._own_store()
-        prefixed = dist.PrefixStore(prefix, self._group_store)
+        return epoch
+
+    def _build(self, epoch: int, deadline: float) -> dist.ProcessGroup:
+        """The group of `epoch`, built through a signed view of a store client of its own, whose waits give up
+        once the pair is lost or the store shows a newer epoch (the peer gave this one up). A guard thread puts
+        back our values (ready flag, the group's own keys) until the group's first operation (`settled`)."""
+        raw = self._own_client()
+        probe = self.store.view(raw=raw)
+        stop = threading.Event()
+
+        def abort() -> bool:
+            if self.gone or stop.is_set():
+                return True
+            stored = self._stored_epoch(probe)
+            return stored is not None and stored > epoch
+
+        remaining = max(deadline - time.monotonic(), 0.001)
+        epoch_view = self.store.view(raw=raw, prefix=f"{self.key}/{epoch}/", keep=True)
+        epoch_view.set(f"ready{self.rank}", "1")
+        group_store = epoch_view.view(prefix="g/", keep=True, abort=abort, timeout_s=remaining)
+        self._group_store, self._guard_stop = group_store, stop
+        building = threading.Event()
+        building.set()
+        threading.Thread(
+            target=_guard, args=((epoch_view, group_store), stop, building), daemon=True,
+            name=f"kv-guard-{self.peer}",
+        ).start()  # fmt: skip
         try:
             if self.backend == "nccl":  # its communicator is set up through the store on first use
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = timedelta(seconds=self.config.idle_timeout_s)
-                self.group = dist.ProcessGroupNCCL(prefixed, self.rank, 2, options)
-            else:
-                # Gloo meets the peer in the store now, waiting up to the group's timeout, which is
-                # therefore the connect timeout; each operation waits with its own (`Op`).
-                timeout = timedelta(seconds=self.config.connect_timeout_s)
-                self.group = dist.ProcessGroupGloo(prefixed, self.rank, 2, timeout)
-        except RuntimeError as e:
-            # torch's store and network errors here: the peer went away while joining
-            self.fail()  # both sides build afresh, under a new epoch's prefix
-            raise PeerAbsent(f"{self.peer} joined the KV link but did not build it: {e}") from e
-        self.epoch = epoch
-        return self.group
+                return dist.ProcessGroupNCCL(group_store, self.rank, 2, options)
+            # Gloo meets the peer in the store now, waiting up to the connect timeout's rest; each operation
+            # waits with its own timeout (`Op`).
+            return dist.ProcessGroupGloo(group_store, self.rank, 2, timedelta(seconds=remaining))
+        finally:
+            building.clear()
 
-    def _own_store(self):
+    def settled(self) -> None:
+        """The group carried an operation: both sides are past its rendezvous, so the guard stops."""
+        if self._guard_stop is not None:
+            self._guard_stop.set()
+
+    def _own_client(self) -> dist.Store:
         """A new client of the shared store for one group (kept while the group lives: NCCL sets up its
         communicator through it on first use): the build's waits for the peer, up to the connect timeout,
         then hold up no other pair's store requests."""
-        if not isinstance(self.store, dist.TCPStore):
-            return self.store
+        raw = self.store.raw
+        if not isinstance(raw, dist.TCPStore):
+            return raw
         return dist.TCPStore(
-            self.store.host, self.store.port, is_master=False,
+            raw.host, raw.port, is_master=False,
             timeout=timedelta(seconds=self.config.connect_timeout_s), wait_for_workers=False,
         )  # fmt: skip
 
@@ -247,18 +344,39 @@ class Pair:
         return Op(work, self.group, self.backend, self.config.idle_timeout_s)
 
     def drop(self) -> None:
+        self.settled()  # no more guarding of the dropped group's values
         if self.group is not None and self.backend == "nccl":
             try:
                 self.group.abort()
             except Exception:  # already broken: nothing more to release
                 logger.debug("abort of %s failed", self.key, exc_info=True)
-        self.group = self._group_store = None
+        if self._group_store is not None:
+            self._retired.append(self._group_store)
+        self.group = self._group_store = self._guard_stop = None
 
     def fail(self) -> None:
-        """The link is unusable: drop our side and move both sides to a new epoch."""
+        """The link is unusable: drop our side and move both sides to a new epoch (the newest seen, plus one)."""
         self.drop()
         self._epoch_read_at = -float("inf")
-        self.store.add(f"{self.key}/epoch", 1)
+        self._seen_epoch = self.current_epoch() + 1
+        self.store.set(self._epoch_key, str(self._seen_epoch))
+
+
+def _guard(
+    views: tuple[SignedStore, ...], stop: threading.Event, building: threading.Event
+) -> None:
+    """Puts back what `views` set and lost (`SignedStore.heal`) until `stop`: every `GUARD_S` while `building`,
+    then less and less often."""
+    interval = GUARD_S
+    while not stop.wait(interval):
+        try:
+            for view in views:
+                view.heal()
+        except Exception:
+            # the store is unreachable: nothing to put back now, and the build fails on its own
+            logger.debug("KV guard: store unreachable", exc_info=True)
+        if not building.is_set():
+            interval = min(interval * 2, _GUARD_MAX_S)
 
 
 class Op:

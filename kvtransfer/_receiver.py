@@ -254,7 +254,15 @@ class DistKVReceiver(KVReceiver):
                         continue
                     if pair.group is None:
                         pair.connect()
-                    header = self._post_header(pair)
+                    try:
+                        header = self._post_header(pair)
+                    except RuntimeError as e:
+                        # The link closed while idle (gloo reports it at once). If the peer moved on, rebuild:
+                        # no expected transfer is lost.
+                        if pair.epoch_moved():
+                            pair.drop()
+                            continue
+                        raise TransferError(f"KV link from {peer} closed: {e}") from e
                 outcome = self._wait_header(peer, pair, header.op, idle_reason)
                 if outcome is not _Wait.HEADER:
                     if outcome is _Wait.STALE:
@@ -266,6 +274,7 @@ class DistKVReceiver(KVReceiver):
                         pair.drop()  # the peer moved to a new epoch; rebuild on the next pass
                     header = None
                     continue
+                pair.settled()  # a header came: both sides are past the group's rendezvous
                 header = self._receive_one(peer, pair, header)
             except PeerAbsent as e:
                 if self._closed.is_set():

@@ -191,6 +191,7 @@ class DistKVSender(KVSender):
                 posted = time.monotonic()
                 wait_ops(ops, deadline, what, self.config.spin_s)
                 ack_id, status = ack.tolist()
+                pair.settled()
             except Exception as e:
                 pair.fail()
                 sync(pair.stream)  # no gather may still read pages the caller frees on our return

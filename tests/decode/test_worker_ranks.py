@@ -20,6 +20,7 @@ from pdserve.engine.ranks.runner import start_rank_group
 from pdserve.engine.worker import RanksFailedError
 from pdserve.kvtransfer import KVTransferConfig
 from pdserve.kvtransfer.dist import DistKVSender, connect_store
+from pdserve.kvtransfer.store import new_secret
 from pdserve.model.loader import load_model
 from pdserve.model.parallel import WorkerLayout
 from pdserve.model.random_checkpoint import make_checkpoint
@@ -30,6 +31,7 @@ from .test_worker import PAGE, PARAMS, PROMPTS, assert_speculated, drain, offlin
 # its tests start processes of their own
 pytestmark = pytest.mark.subprocess
 
+SECRET = new_secret()
 CONFIG = DecodeConfig(
     page_size=PAGE, num_pages=32, max_prefill_chunk=4, cuda_graphs=False,
     layout=WorkerLayout(2, "data", expert_parallel=2),
@@ -113,8 +115,8 @@ def test_a_killed_rank_fails_every_request_and_frees_every_page(ckpt):
 def kv_store():
     """The deployment's KV rendezvous store, hosted here on a free port; yields its config."""
     config = KVTransferConfig(store_port=0, timeout_s=20, connect_timeout_s=20)
-    store = connect_store(config, is_master=True)
-    yield dataclasses.replace(config, store_port=store.port)
+    store = connect_store(config, is_master=True, secret=SECRET)
+    yield dataclasses.replace(config, store_port=store.raw.port)
     del store
 
 
@@ -122,12 +124,14 @@ def test_disaggregated_requests_land_on_their_ranks_and_give_the_offline_tokens(
     """A prefill worker sends each request's pages to the decode rank that holds it (its reservation names the
     rank's endpoint); a request cancelled while its KV is awaited on rank 1 frees its pages once the rank has
     cancelled, and the ranks go on receiving."""
-    kv = {"config": dataclasses.asdict(kv_store), "worker_id": "d0"}
+    kv = {"config": dataclasses.asdict(kv_store), "worker_id": "d0", "store_secret": SECRET}
     decode = DecodeWorker(
         "d0", None, CONFIG, ranks=start_rank_group(CONFIG, str(ckpt), "fp32", "auto", kv=kv)
     )
     model = load_model(ckpt, dtype=torch.float32)
-    sender = DistKVSender(kv_store, connect_store(kv_store, False), "p0", torch.device("cpu"))
+    sender = DistKVSender(
+        kv_store, connect_store(kv_store, False, SECRET), "p0", torch.device("cpu")
+    )
     prefill = PrefillWorker("p0", model, PrefillConfig(page_size=PAGE, num_pages=32), sender)
     try:
         endpoints = {}

@@ -18,6 +18,7 @@ from pdserve.kvtransfer import MAX_METADATA_BYTES, ExpectedTransfer, KVTransferC
 from pdserve.kvtransfer import _receiver as receiver_module
 from pdserve.kvtransfer.dist import DistKVReceiver, DistKVSender, chunk_plan, connect_store
 from pdserve.kvtransfer.loopback import LoopbackHub, LoopbackReceiver, LoopbackSender
+from pdserve.kvtransfer.store import new_secret
 from pdserve.model.errors import TransferError
 
 LAYERS, PAGES, PAGE_SIZE, DIM = 5, 40, 4, 8
@@ -70,8 +71,9 @@ def make_link():
             chunk_bytes=4 * page_bytes, first_piece_bytes=page_bytes, pipeline_min_bytes=0,
             expect_grace_s=expect_grace_s,
         )  # fmt: skip
-        d_store = connect_store(config, is_master=True)
-        p_store = connect_store(config, is_master=False)
+        secret = new_secret()
+        d_store = connect_store(config, is_master=True, secret=secret)
+        p_store = connect_store(config, is_master=False, secret=secret)
         source = torch.randn(PAGES, LAYERS, PAGE_SIZE, DIM)
         dest = torch.zeros(PAGES, LAYERS, PAGE_SIZE, DIM)
         sender = DistKVSender(config, p_store, "p0", torch.device("cpu"))

@@ -10,13 +10,16 @@ import threading
 from typing import Any
 
 from pdserve.engine.ranks.group import rank_process_context
+from pdserve.kvtransfer.store import new_secret
 
 _CTX = rank_process_context()  # forked from a server that imported torch once
+SECRET = new_secret()
+"""The KV store's key for the workers these tests start (passed to each child, which would draw its own)."""
 
 
 def _serve(
     conn, role: str, worker_id: str, model_dir: str, config, kv_config, store_master: bool,
-    device: str, dtype: str, kv_cache_dtype: str,
+    device: str, dtype: str, kv_cache_dtype: str, store_secret: str,
 ):  # fmt: skip
     import torch
 
@@ -31,7 +34,7 @@ def _serve(
         torch.cuda.set_device(device)
     dev = torch.device(device)
     model = load_model(model_dir, device, getattr(torch, dtype), progress=False)
-    store = connect_store(kv_config, is_master=store_master)
+    store = connect_store(kv_config, is_master=store_master, secret=store_secret)
     if role == "prefill":
         worker = PrefillWorker(
             worker_id, model, config, DistKVSender(kv_config, store, worker_id, dev),
@@ -68,7 +71,7 @@ class WorkerProcess:
 
     def __init__(
         self, role, worker_id, model_dir, config, kv_config, store_master=False, device="cpu",
-        dtype="float32", kv_cache_dtype="auto",
+        dtype="float32", kv_cache_dtype="auto", store_secret=SECRET,
     ):  # fmt: skip
         self.worker_id = worker_id
         self._conn, child = _CTX.Pipe()
@@ -85,6 +88,7 @@ class WorkerProcess:
                 device,
                 dtype,
                 kv_cache_dtype,
+                store_secret,
             ),
             daemon=True,
         )
