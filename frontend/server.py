@@ -175,7 +175,8 @@ class PdServer:
             ) from e
         self._store_host = host
         self.store_secret = new_secret()
-        """The prefix of every key the workers use in the store: handed to them through Ray."""
+        """The key that signs every value the workers put in the KV store (`kvtransfer.store.SignedStore`): handed to
+        them through Ray, never written to the store."""
 
     def prepare(self) -> None:
         """What needs no Ray, done before Ray starts so that a mistake fails in a second rather than after
