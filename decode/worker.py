@@ -224,7 +224,7 @@ class DecodeWorker(Worker):
             stages = dataclasses.replace(stages, kv_transfer_s=stages.kv_transfer_s + moved_s)
         return self.scheduler.kv_arrived(
             result.transfer_id, result.num_tokens, result.first_token, handoff.logprobs, stages,
-            handoff.draft_ids, handoff.cached_tokens,
+            handoff.draft_ids, handoff.cached_tokens, handoff.prompt_logprobs,
         )  # fmt: skip
 
     def warm_up(self) -> None:

@@ -143,6 +143,9 @@ class PrefillHandoff:
     decode worker's first step verifies it (as drawn from a point mass: its distribution stays here)."""
     cached_tokens: int = 0
     """Its prompt tokens the prefill worker found in its prefix cache (its usage's cached_tokens)."""
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """Its prompt log-probabilities, where it asked for them (`SamplingParams.prompt_logprobs`; their size is
+    bounded by `MAX_PROMPT_LOGPROBS`)."""
 
     def to_bytes(self) -> bytes:
         return encode(self)
@@ -250,6 +253,9 @@ class RequestOutput:
     """On its first output with tokens from this worker, where a prefix cache served its prompt (here, or on
     the prefill worker whose KV it took): the prompt tokens found cached there (OpenAI's
     usage.prompt_tokens_details.cached_tokens)."""
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """On its first output with tokens, where it asked for them (`SamplingParams.prompt_logprobs`): per prompt
+    token after the first, its log-probability given the tokens before it and the alternatives asked for."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from pdserve.engine.drafter import MTPDrafter, check_speculation
 from pdserve.engine.pages import PageAllocator, pages_needed
 from pdserve.engine.request import Policy, Request, RequestState
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.sampling_params import FinishReason, SamplingParams
+from pdserve.engine.sampling_params import FinishReason, SamplingParams, TokenLogprobs
 from pdserve.engine.scheduler import Scheduler
 from pdserve.model.deepseek import Transformer
 from pdserve.model.kv_cache import PagedKVCache, resolve_cache_dtype
@@ -27,6 +27,9 @@ class Generation:
     num_drafted: int = 0
     """Draft tokens its steps verified, and of them accepted."""
     num_accepted: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """Where the params asked for them: per prompt token after the first, its log-probability given the
+    tokens before it (`SamplingParams.prompt_logprobs`)."""
 
 
 class OfflineGenerationError(RuntimeError):
@@ -74,7 +77,7 @@ class OfflineGenerator:
         )  # fmt: skip
         request = Request("offline", list(prompt_ids), params.with_seed(), Policy.AGGREGATED)
         scheduler.add(request)
-        finish_reason = None
+        finish_reason = prompt_logprobs = None
         num_steps = 0
         while request.state not in (RequestState.FINISHED, RequestState.ABORTED):
             plan, _ = scheduler.schedule()  # one request in a cache sized for it: never preempted
@@ -83,9 +86,10 @@ class OfflineGenerator:
                 if out.finish_reason == FinishReason.ABORT:
                     raise OfflineGenerationError(out.error)
                 finish_reason = out.finish_reason
+                prompt_logprobs = prompt_logprobs or out.prompt_logprobs
         return Generation(
             request.token_ids[len(prompt_ids) :], finish_reason, num_steps, request.num_drafted,
-            request.num_accepted,
+            request.num_accepted, prompt_logprobs,
         )  # fmt: skip
 
 

@@ -9,7 +9,7 @@ from collections.abc import Collection
 from typing import Any
 
 from pdserve.engine.messages import SpecCounts, StageTimes
-from pdserve.engine.sampling_params import SamplingParams, min_tokens_ban
+from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs, min_tokens_ban
 
 
 class Policy(enum.Enum):
@@ -97,6 +97,11 @@ class Request:
     on its prefill worker (its usage's cached_tokens); None before."""
     cached_reported: bool = False
     """An output of it carried `num_cached_tokens` already."""
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """Where it asked for them (`SamplingParams.prompt_logprobs`): entry i is the log-probability of prompt
+    token i + 1, as far as its prefill computed them (or as they came with its KV, DECODE_ONLY)."""
+    prompt_reported: bool = False
+    """An output of it carried its prompt log-probabilities already."""
 
     def __post_init__(self) -> None:
         self.stop_ids = frozenset(self.params.stop_token_ids)

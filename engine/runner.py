@@ -16,15 +16,19 @@ from pdserve.engine.draft_graphs import DraftGraphs
 from pdserve.engine.drafter import MTPDrafter
 from pdserve.engine.rank_memory import GPU_MEMORY_UTILIZATION
 from pdserve.engine.ranks.wire import max_pages, prefill_tokens
-from pdserve.engine.sampler import PenaltyCounts, sample
+from pdserve.engine.sampler import PenaltyCounts, sample, target_logprobs
 from pdserve.engine.sampling_params import TokenLogprobs
 from pdserve.engine.speculative import DraftProbs
-from pdserve.engine.step import DecodeRow, PrefillRow, RankResult, StepPlan
+from pdserve.engine.step import NO_LOGPROBS, DecodeRow, PrefillRow, RankResult, StepPlan
 from pdserve.model.batch import SeqChunk, build_forward_batch
 from pdserve.model.deepseek import Transformer
 from pdserve.model.kv_cache import KVCacheLayout, PagedKVCache, capacity_pages, resolve_cache_dtype
 
 logger = logging.getLogger(__name__)
+
+PROMPT_LOGITS_ROWS = 512
+"""Positions whose logits a prefill makes at once for prompt log-probabilities (each is a vocabulary of fp32
+values)."""
 
 
 class ModelRunner:
@@ -122,10 +126,13 @@ class ModelRunner:
                     self._run(self._idle, plan.mtp)
                 else:
                     try:
-                        tokens, logprobs, drafts = self._run(self._prefill, step.prefill, plan)
+                        tokens, logprobs, drafts, prompt = self._run(
+                            self._prefill, step.prefill, plan
+                        )
                         result.prefill_tokens.extend(tokens)
                         result.prefill_logprobs.extend(logprobs)
                         result.prefill_drafts.extend(drafts)
+                        result.prefill_prompt_logprobs.extend(prompt)
                     except Exception as e:  # the scheduler fails this pass's requests; we go on
                         logger.error("prefill pass failed", exc_info=True)
                         result = dataclasses.replace(result, prefill_error=str(e))
@@ -181,15 +188,18 @@ class ModelRunner:
         with self._on_device():
             return run_pass(*args)
 
-    def _prefill(
-        self, rows: Sequence[PrefillRow], plan: StepPlan
-    ) -> tuple[list[int | None], list[TokenLogprobs | None], list[list[int]]]:
+    def _prefill(self, rows: Sequence[PrefillRow], plan: StepPlan) -> tuple[
+        list[int | None], list[TokenLogprobs | None], list[list[int]],
+        list[list[TokenLogprobs] | None],
+    ]:  # fmt: skip
         """Runs prompt chunks (writing their KV); samples the next token of the rows that ask for it. Returns the
-        tokens, where a row asked for them log-probabilities per row (else empty) and, where the plan asks for
-        drafts, each row's (else empty)."""
+        tokens, where a row asked for them log-probabilities per row (else empty), where the plan asks for
+        drafts each row's (else empty) and, where a row asked for them, prompt log-probabilities per row
+        (`RankResult.prefill_prompt_logprobs`, else empty)."""
         chunks = [SeqChunk(r.token_ids, r.start, r.page_ids) for r in rows]
         batch = build_forward_batch(chunks, self.page_size, self.device, decode=False)
         hidden = self.model(batch, self.cache)
+        prompt = self._prompt_logprobs(rows, hidden)
         sampled = [i for i, r in enumerate(rows) if r.sample is not None]
         out: list[int | None] = [None] * len(rows)
         out_logprobs: list[TokenLogprobs | None] = []
@@ -211,7 +221,32 @@ class ModelRunner:
                 self.draft_probs.put(request_id, q)
             if plan.num_drafts:
                 drafts = proposed.tokens
-        return out, out_logprobs, drafts
+        return out, out_logprobs, drafts, prompt
+
+    def _prompt_logprobs(
+        self, rows: Sequence[PrefillRow], hidden: torch.Tensor
+    ) -> list[list[TokenLogprobs] | None]:
+        """Per row, where any row asks (else empty): the log-probabilities of the prompt tokens after its
+        positions (`PrefillRow.prompt_logprobs`), None for a row that asks none. Logits are made
+        `PROMPT_LOGITS_ROWS` positions at a time, so that their memory stays bounded whatever the chunk."""
+        if all(r.prompt_logprobs == NO_LOGPROBS for r in rows):
+            return []
+        out: list[list[TokenLogprobs] | None] = [None] * len(rows)
+        at = 0
+        for i, r in enumerate(rows):
+            n = len(r.token_ids)
+            if r.prompt_logprobs != NO_LOGPROBS:
+                targets = list(r.token_ids[1:])
+                if r.prompt_next is not None:
+                    targets.append(r.prompt_next)
+                scored: list[TokenLogprobs] = []
+                for lo in range(0, len(targets), PROMPT_LOGITS_ROWS):
+                    part = targets[lo : lo + PROMPT_LOGITS_ROWS]
+                    logits = self.model.compute_logits(hidden[at + lo : at + lo + len(part)])
+                    scored += target_logprobs(logits, part, r.prompt_logprobs)
+                out[i] = scored
+            at += n
+        return out
 
     def _decode(
         self, rows: Sequence[DecodeRow], key: tuple[int, int] | None, plan: StepPlan, chain: int

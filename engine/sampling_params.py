@@ -12,6 +12,12 @@ from pdserve.model.errors import InvalidRequestError
 
 MAX_SEED = (1 << 63) - 1
 MAX_ADDITIVE_PENALTY = 2.0
+MAX_PROMPT_LOGPROBS = 32768
+"""The most prompt log-probability entries a request may ask for (`SamplingParams.prompt_logprobs`): its
+prompt tokens times (1 + the alternatives asked for), e.g. 16384 tokens with one alternative. They travel in one
+message with the request's first token, from a prefill worker in the handoff that goes with its KV pages
+(`PrefillHandoff`, within `kvtransfer.base.MAX_METADATA_BYTES`): about 15 bytes an entry, so the bound keeps
+them under half a MiB."""
 """presence_penalty and frequency_penalty lie in [-2, 2], as OpenAI's API takes them."""
 
 
@@ -52,6 +58,11 @@ class SamplingParams:
     logprobs: int | None = None
     """Report each sampled token's log-probability and this many most likely alternatives (0: the sampled
     token's alone), from the log-softmax of the raw logits (before penalties and temperature); None: none."""
+    prompt_logprobs: int | None = None
+    """Report the log-probability of each prompt token after the first (given the tokens before it) and this
+    many most likely alternatives at its position (vLLM's prompt_logprobs; 0: the prompt token's alone), on
+    the request's first output; None: none. A request asking for them is prefilled in full (the prefix cache
+    serves it nothing) and its prompt is bounded (`MAX_PROMPT_LOGPROBS`)."""
     skip_special_tokens: bool = True
     """The text leaves out special tokens (BOS, EOS, padding); token ids are never filtered."""
     relaxed_think_ids: tuple[int, int] | None = None
@@ -102,14 +113,12 @@ class SamplingParams:
             raise InvalidRequestError(
                 "relaxed_think_ids", f"must be two token ids, got {self.relaxed_think_ids!r}"
             )
-        if self.logprobs is not None and (
-            isinstance(self.logprobs, bool)
-            or not isinstance(self.logprobs, int)
-            or self.logprobs < 0
-        ):
-            raise InvalidRequestError(
-                "logprobs", f"must be None or an integer >= 0, got {self.logprobs!r}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise InvalidRequestError(name, f"must be None or an integer >= 0, got {value!r}")
 
     @property
     def penalized(self) -> bool:

@@ -50,11 +50,17 @@ from pdserve.engine.messages import RequestOutput, StageTimes
 from pdserve.engine.pages import PageAllocator, pages_needed
 from pdserve.engine.prefix_cache import PrefixCache
 from pdserve.engine.request import Policy, Request, RequestState, stage_times, think_state
-from pdserve.engine.sampling_params import FinishReason, TokenLogprobs, check_stop
+from pdserve.engine.sampling_params import (
+    MAX_PROMPT_LOGPROBS,
+    FinishReason,
+    TokenLogprobs,
+    check_stop,
+)
 from pdserve.engine.spec_policy import SpecPolicy, SpecStats
 from pdserve.engine.step import (
     MAX_DRAFTS,
     MAX_GRAPH_ROWS,
+    NO_LOGPROBS,
     DecodeRow,
     PrefillRow,
     RankResult,
@@ -215,7 +221,8 @@ class Scheduler:
         room."""
         need = pages_needed(request.num_tokens, self.page_size)
         cache = self.prefix_cache
-        if cache is None or request.policy is Policy.DECODE_ONLY:
+        if cache is None or request.policy is Policy.DECODE_ONLY or _scores_prompt(request):
+            # a request scoring its prompt computes every position: the cache serves it nothing
             rank = self._pick_rank(need)
             return None if rank is None else (rank, [])
         end = self._prefill_end(request)
@@ -249,6 +256,20 @@ class Scheduler:
             taken = "queued" if request.policy is Policy.PREFILL_ONLY else "running"
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already {taken}")
         check_token_ids(request.token_ids, self.vocab_size, "prompt_token_ids")
+        if request.params.prompt_logprobs is not None:
+            if self.ranks > 1:
+                raise InvalidRequestError(
+                    "prompt_logprobs", f"not supported on a {self.worker_kind} of several ranks yet"
+                )
+            entries = request.num_prompt_tokens * (1 + request.params.prompt_logprobs)
+            if entries > MAX_PROMPT_LOGPROBS:
+                raise InvalidRequestError(
+                    "prompt_logprobs",
+                    f"{request.num_prompt_tokens} prompt tokens with "
+                    f"{request.params.prompt_logprobs} alternatives each exceed the "
+                    f"{MAX_PROMPT_LOGPROBS} entries a request may ask for "
+                    "(prompt tokens x (1 + alternatives))",
+                )
         holder = f"this {self.worker_kind}"
         if request.policy is Policy.PREFILL_ONLY:
             check_pages(request.num_tokens, self.page_size, self.allocator.num_pages, holder)
@@ -316,10 +337,12 @@ class Scheduler:
         self, transfer_id: int, num_tokens: int, first_token: int,
         logprobs: TokenLogprobs | None = None, prefill_stages: StageTimes | None = None,
         draft_ids: Sequence[int] = (), cached_tokens: int | None = None,
+        prompt_logprobs: list[TokenLogprobs] | None = None,
     ) -> list[RequestOutput]:  # fmt: skip
         """A DECODE_ONLY request's KV is in the cache, with the first token its prefill worker sampled, that
-        token's log-probabilities (where asked), the stages that worker ran and the transfer took, and the
-        prompt tokens it found in its prefix cache: its output carries them all."""
+        token's log-probabilities (where asked), the stages that worker ran and the transfer took, the
+        prompt tokens it found in its prefix cache and its prompt log-probabilities (where asked): its output
+        carries them all."""
         request = self._by_transfer.pop(transfer_id, None)
         if request is None or request.state is not RequestState.WAITING_FOR_KV:
             return []
@@ -332,6 +355,7 @@ class Scheduler:
         request.first_token_at = time.monotonic()
         request.prefill_stages = prefill_stages
         request.num_cached_tokens = cached_tokens
+        request.prompt_logprobs = prompt_logprobs
         outputs = self._append(request, [first_token], [logprobs], with_stages=True)
         request.draft_ids = list(draft_ids[: self.num_drafts])
         return outputs
@@ -398,6 +422,9 @@ class Scheduler:
         cached = None
         if not request.cached_reported and request.num_cached_tokens is not None:
             cached, request.cached_reported = request.num_cached_tokens, True
+        prompt = None
+        if request.params.prompt_logprobs is not None and not request.prompt_reported:
+            prompt, request.prompt_reported = request.prompt_logprobs or [], True
         return [
             RequestOutput(
                 request.request_id,
@@ -407,6 +434,7 @@ class Scheduler:
                 stages=stages,
                 spec=request.spec_counts() if reason is not None else None,
                 num_cached_tokens=cached,
+                prompt_logprobs=prompt,
             )  # fmt: skip
         ]
 
@@ -544,9 +572,14 @@ class Scheduler:
             sample = self._sample_spec(request) if last else None
             chunk = request.token_ids[start:end]
             after = request.token_ids[end] if self.num_drafts and not last else None
+            scored, prompt_next = NO_LOGPROBS, None
+            if _scores_prompt(request):
+                scored = request.params.prompt_logprobs
+                prompt_next = request.token_ids[end] if end < request.num_prompt_tokens else None
             prefill_rows.append(
-                PrefillRow(request.request_id, chunk, start, list(request.pages), sample, after)
-            )
+                PrefillRow(request.request_id, chunk, start, list(request.pages), sample, after,
+                           scored, prompt_next)
+            )  # fmt: skip
         decode_rows = []
         ahead: dict[str, int] = {}  # a request's rows so far (several while it replays)
         for r in decode:
@@ -665,9 +698,10 @@ class Scheduler:
         """Applies one rank's result to its rows, adding to `outputs` and `to_send`."""
         prefill_logprobs = result.prefill_logprobs or [None] * len(prefill)
         prefill_drafts = result.prefill_drafts or [[]] * len(prefill)
-        for (request, start, length), token, logprobs, drafts in zip(
+        prompt_logprobs = result.prefill_prompt_logprobs or [None] * len(prefill)
+        for (request, start, length), token, logprobs, drafts, scored in zip(
             prefill, result.prefill_tokens or [None] * len(prefill), prefill_logprobs,
-            prefill_drafts, strict=True,
+            prefill_drafts, prompt_logprobs, strict=True,
         ):  # fmt: skip
             if request.state is not RequestState.PREFILLING:
                 continue  # aborted while the step ran
@@ -675,6 +709,8 @@ class Scheduler:
                 outputs += self._abort(request, f"prefill failed: {result.prefill_error}")
                 continue
             request.num_computed = start + length
+            if scored is not None:  # entry i: the prompt token after position i
+                request.prompt_logprobs = [*(request.prompt_logprobs or [])[:start], *scored]
             if self.prefix_cache is not None:
                 self.prefix_cache.register(request, self.allocators[request.rank], token)
             if token is None:
@@ -726,3 +762,9 @@ class Scheduler:
         while end < len(decode) and decode[end] is decode[r]:
             end += 1
         return end - r
+
+
+def _scores_prompt(request: Request) -> bool:
+    """Whether its prefill computes its prompt log-probabilities: it asked for them, and has not had them (a
+    request prefilled again with generated tokens reported them with its first token)."""
+    return request.params.prompt_logprobs is not None and request.num_generated == 0

@@ -118,6 +118,13 @@ class PrefillRow:
     next_token: int | None = None
     """The token after the chunk where the plan runs MTP (`StepPlan.mtp`) and it is known (None on a chunk
     whose next token it samples): the MTP module's input at the chunk's last position."""
+    prompt_logprobs: int = NO_LOGPROBS
+    """For a request that asked for prompt log-probabilities (`SamplingParams.prompt_logprobs`): the
+    alternatives to report with the log-probability of the prompt token after each of the chunk's positions
+    (`RankResult.prefill_prompt_logprobs`); NO_LOGPROBS: none."""
+    prompt_next: int | None = None
+    """With `prompt_logprobs`: the prompt token after the chunk (None on the prompt's last chunk), scored at
+    the chunk's last position."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -188,6 +195,12 @@ class RankResult:
     None for a row that asked for none or sampled none."""
     decode_logprobs: list[TokenLogprobs | None] = dataclasses.field(default_factory=list)
     """Per decode row, likewise."""
+    prefill_prompt_logprobs: list[list[TokenLogprobs] | None] = dataclasses.field(
+        default_factory=list
+    )
+    """Per prefill row, in order, where any row asked for prompt log-probabilities (else empty): for a row
+    with `prompt_logprobs`, those of the tokens after each of its positions that are prompt tokens (the
+    chunk's tokens after its first, then `prompt_next`), None for the other rows."""
     decode_accepted: list[int] = dataclasses.field(default_factory=list)
     """Where the step verified drafts (else empty), per decode row: on a verify group's first row how many
     tokens the group keeps (its accepted drafts plus one: `decode_tokens` of the group's first rows), 0 on the

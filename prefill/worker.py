@@ -170,7 +170,7 @@ class PrefillWorker(Worker):
             # the stages known now: the transfer's wait ends here, the decode worker adds the transfer
             handoff = PrefillHandoff(
                 logprobs, stage_times(request, time.monotonic()), tuple(request.draft_ids),
-                request.num_cached_tokens or 0,
+                request.num_cached_tokens or 0, request.prompt_logprobs,
             )  # fmt: skip
             self.sender.send(
                 r.decode_peer, r.transfer_id, self.runner.cache.data, list(request.pages),
