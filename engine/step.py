@@ -195,12 +195,6 @@ class RankResult:
     None for a row that asked for none or sampled none."""
     decode_logprobs: list[TokenLogprobs | None] = dataclasses.field(default_factory=list)
     """Per decode row, likewise."""
-    prefill_prompt_logprobs: list[list[TokenLogprobs] | None] = dataclasses.field(
-        default_factory=list
-    )
-    """Per prefill row, in order, where any row asked for prompt log-probabilities (else empty): for a row
-    with `prompt_logprobs`, those of the tokens after each of its positions that are prompt tokens (the
-    chunk's tokens after its first, then `prompt_next`), None for the other rows."""
     decode_accepted: list[int] = dataclasses.field(default_factory=list)
     """Where the step verified drafts (else empty), per decode row: on a verify group's first row how many
     tokens the group keeps (its accepted drafts plus one: `decode_tokens` of the group's first rows), 0 on the
@@ -211,3 +205,9 @@ class RankResult:
     decode_drafts: list[list[int]] = dataclasses.field(default_factory=list)
     """Likewise per decode row: on the row whose token the request goes on from (a group's first row, a
     plain row, a replay's last row) the drafts for the positions after the tokens it keeps; [] elsewhere."""
+    prefill_prompt_logprobs: list[list[TokenLogprobs] | None] = dataclasses.field(
+        default_factory=list
+    )
+    """Per prefill row, in order, where any row asked for prompt log-probabilities (else empty): for a row
+    with `prompt_logprobs`, those of the tokens after each of its positions that are prompt tokens (the
+    chunk's tokens after its first, then `prompt_next`), None for the other rows."""
