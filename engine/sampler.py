@@ -132,17 +132,21 @@ def token_logprobs(
 
 
 def target_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[TokenLogprobs]:
-    """Per row of logits [N, V], the log-probability of targets[row] and the k most likely tokens', from the
-    log-softmax of the raw logits in fp32 (prompt log-probabilities: row i scores the prompt token after it)."""
+    """Per row of logits [N, V], the log-probability of targets[row], its rank and the k most likely tokens',
+    from the log-softmax of the raw logits in fp32 (prompt log-probabilities: row i scores the prompt token
+    after it)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
     index = torch.tensor(targets, dtype=torch.long).to(logprobs.device, non_blocking=True)
-    chosen = logprobs.gather(1, index[:, None])[:, 0].tolist()
+    chosen = logprobs.gather(1, index[:, None])  # [N, 1]
+    ranks = ((logprobs > chosen).sum(1) + 1).tolist()
+    chosen = chosen[:, 0].tolist()
     if not k:
-        return [TokenLogprobs(v) for v in chosen]
+        return [TokenLogprobs(c, rank=r) for c, r in zip(chosen, ranks, strict=True)]
     top = torch.topk(logprobs, min(k, logprobs.shape[1]), dim=-1)
     ids, values = top.indices.tolist(), top.values.tolist()
     return [
-        TokenLogprobs(c, tuple(i), tuple(v)) for c, i, v in zip(chosen, ids, values, strict=True)
+        TokenLogprobs(c, tuple(i), tuple(v), r)
+        for c, i, v, r in zip(chosen, ids, values, ranks, strict=True)
     ]
 
 

@@ -141,6 +141,9 @@ class TokenLogprobs:
     top_ids: tuple[int, ...] = ()
     """Most likely first (as many as the request asked for)."""
     top_logprobs: tuple[float, ...] = ()
+    rank: int | None = None
+    """The token's rank among the vocabulary by log-probability (1: the most likely; ties share the best),
+    given for prompt tokens (vLLM's prompt_logprobs report it); None where not computed."""
 
 
 def any_penalty(presence: float, frequency: float, repetition: float) -> bool:

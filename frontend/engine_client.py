@@ -77,6 +77,9 @@ class Chunk:
     under it, or a stop string that ended it before its decode worker did, leaves that stay's out)."""
     num_cached_tokens: int = 0
     """Of its prompt tokens, those its prefill found in a prefix cache (0 while not reported)."""
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """On its first chunk, where the request asked for them (`SamplingParams.prompt_logprobs`): per prompt
+    token after the first, its log-probability and alternatives."""
 
 
 class ChunkStream(abc.ABC):

@@ -124,6 +124,7 @@ class Generation(ChunkStream):
             logprobs=None if out.logprobs is None else list(out.logprobs),
             spec=r.spec if last else None,
             num_cached_tokens=r.num_cached_tokens or 0,
+            prompt_logprobs=None if out.prompt_logprobs is None else list(out.prompt_logprobs),
         )
 
     def cancel(self) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pdserve.cluster.config import RouterConfig
 from pdserve.engine.checks import check_context, check_token_ids
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import MAX_PROMPT_LOGPROBS, SamplingParams
 from pdserve.frontend.chat_template import ChatTemplate
 from pdserve.model.args import ModelArgs
 from pdserve.model.errors import InvalidRequestError
@@ -219,6 +219,9 @@ class SamplingRequest:
     min_tokens: int | None = None
     logprobs: int | None = None
     """Alternatives per token with log-probabilities (None: no log-probabilities)."""
+    prompt_logprobs: int | None = None
+    """Alternatives per prompt token with the prompt's log-probabilities (None: none; vLLM's
+    prompt_logprobs, or OpenAI's echo with logprobs)."""
     skip_special_tokens: bool | None = None
     relaxed_acceptance: bool | None = None
     """Opt in to relaxed acceptance of MTP drafts inside the think block (a model that thinks)."""
@@ -258,6 +261,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "seed": (0, 2**63 - 1),
     "min_tokens": (0, 2**32 - 1),
     "logprobs": (0, 2**32 - 1),
+    "prompt_logprobs": (0, 2**32 - 1),
 }
 """The range of each integer sampling field, whichever front end it came through: the gRPC API's field widths
 (int32 top_k, uint32 counts; the seed as the engine takes it). A value past its range is refused naming the
@@ -304,12 +308,24 @@ def sampling_params(
                 f"{len(given.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}",
             )
         check_token_ids(given.stop_token_ids, model.vocab_size, f"{prefix}stop_token_ids")
-    if given.logprobs is not None and given.logprobs > router.max_logprobs:
-        raise InvalidRequestError(
-            names.logprobs,
-            f"{given.logprobs} alternatives exceed this server's limit of {router.max_logprobs} "
-            "(router.max_logprobs)",
-        )
+    for field, value in ((names.logprobs, given.logprobs), (
+        prefix + "prompt_logprobs", given.prompt_logprobs
+    )):  # fmt: skip
+        if value is not None and value > router.max_logprobs:
+            raise InvalidRequestError(
+                field,
+                f"{value} alternatives exceed this server's limit of {router.max_logprobs} "
+                "(router.max_logprobs)",
+            )
+    if given.prompt_logprobs is not None:
+        entries = num_prompt_tokens * (1 + given.prompt_logprobs)
+        if entries > MAX_PROMPT_LOGPROBS:
+            raise InvalidRequestError(
+                prefix + "prompt_logprobs",
+                f"{num_prompt_tokens} prompt tokens with {given.prompt_logprobs} alternatives each "
+                f"exceed the {MAX_PROMPT_LOGPROBS} entries a request may ask for (prompt tokens x "
+                "(1 + alternatives); echo with logprobs asks for them too)",
+            )
     d = model.defaults
     relaxed_think_ids = None
     if given.relaxed_acceptance:
@@ -342,6 +358,7 @@ def sampling_params(
             repetition_penalty=either(given.repetition_penalty, 1.0),
             min_tokens=either(given.min_tokens, 0),
             logprobs=given.logprobs,
+            prompt_logprobs=given.prompt_logprobs,
             skip_special_tokens=either(given.skip_special_tokens, True),
             relaxed_think_ids=relaxed_think_ids,
         ).with_seed()

@@ -44,6 +44,7 @@ def assert_matches(got: list[TokenLogprobs], model, prompt: list[int], k: int) -
     assert len(got) == len(prompt) - 1
     for i, lp in enumerate(got):  # entry i: prompt token i + 1, scored at position i
         torch.testing.assert_close(lp.logprob, want[i, prompt[i + 1]].item(), rtol=1e-4, atol=1e-4)
+        assert lp.rank == int((want[i] > want[i, prompt[i + 1]]).sum()) + 1, i
         top = torch.topk(want[i], k)
         assert list(lp.top_ids) == top.indices.tolist(), i
         torch.testing.assert_close(torch.tensor(lp.top_logprobs), top.values, rtol=1e-4, atol=1e-4)
