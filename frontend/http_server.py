@@ -36,6 +36,7 @@ from pdserve.cluster.errors import NotFoundError, UnavailableError
 from pdserve.engine.messages import SpecCounts
 from pdserve.engine.sampling_params import FinishReason
 from pdserve.frontend import openai_api as api
+from pdserve.frontend.echo import Echo
 from pdserve.frontend.engine_client import Choices, Chunk, EngineClient
 from pdserve.frontend.errors import BodyTooLargeError, http_error_for
 from pdserve.frontend.http_protocol import Deadlines, protocol_factory
@@ -323,6 +324,8 @@ class HttpFrontEnd:
             given = dataclasses.replace(req.input, client_id=head.id)
             # Templates and tokenizing take CPU: off the loop, other streams keep flowing meanwhile.
             checked = await asyncio.to_thread(build_request, given, engine.model, engine.limits)
+            texts = api.token_id_text if req.tokens_as_ids else self._token_text
+            echo = Echo.of(req, checked.prompt_ids, engine.model.tokenizer, texts)
             generation = engine.submit(checked)
         except _ClientGone:
             # A client the connection cut (a deadline) was logged there; one that left is logged here.
@@ -345,11 +348,11 @@ class HttpFrontEnd:
         reasoning = self.reasoning and kind == api.CHAT
         if req.stream:
             return _EventStream(
-                self._events(req, head, generation, first, reasoning), generation.request_id
+                self._events(req, head, generation, first, reasoning, echo), generation.request_id
             )
         try:
             return await _until_disconnect(
-                request.receive, self._whole(req, head, generation, first, reasoning)
+                request.receive, self._whole(req, head, generation, first, reasoning, echo)
             )
         except _ClientGone:
             logger.info("request %s cancelled: the HTTP client disconnected", generation.request_id)
@@ -361,26 +364,30 @@ class HttpFrontEnd:
 
     async def _whole(
         self, req: api.OpenAIRequest, head: api.ResponseHead, generation: Choices, first: Chunk,
-        reasoning: bool,
+        reasoning: bool, echo: Echo | None = None,
     ) -> Response:  # fmt: skip
         pieces: list[list[str]] = [[] for _ in range(req.n)]
         token_ids: list[list[int]] = [[] for _ in range(req.n)]
         logprobs: list[list] = [[] for _ in range(req.n)]
+        prompt_logprobs: list = [None] * req.n
         last: list[Chunk | None] = [None] * req.n
+        dropped = echo is not None and echo.prompt_only  # max_tokens 0: the prompt alone
         chunk = first
         while True:
             i = chunk.index
-            pieces[i].append(chunk.text)
-            token_ids[i] += chunk.token_ids
-            logprobs[i] += chunk.logprobs or []
+            prompt_logprobs[i] = prompt_logprobs[i] or chunk.prompt_logprobs
+            if not dropped:
+                pieces[i].append(chunk.text)
+                token_ids[i] += chunk.token_ids
+                logprobs[i] += chunk.logprobs or []
             if chunk.finish_reason is not None:
                 last[i] = chunk
                 if all(c is not None for c in last):
                     break
             chunk = await _next(generation)
         usage = api.usage(
-            last[0].num_prompt_tokens, sum(c.num_generated_tokens for c in last), _stages(last[0]),
-            SpecCounts.total(c.spec for c in last), last[0].num_cached_tokens,
+            last[0].num_prompt_tokens, 0 if dropped else sum(c.num_generated_tokens for c in last),
+            _stages(last[0]), SpecCounts.total(c.spec for c in last), last[0].num_cached_tokens,
         )  # fmt: skip
         choices = []
         for i, c in enumerate(last):
@@ -388,9 +395,12 @@ class HttpFrontEnd:
             whole = dataclasses.replace(
                 c, token_ids=token_ids[i], logprobs=logprobs[i] if c.logprobs is not None else None
             )
-            lp = self._logprobs(req, whole, 0)
+            lp = self._logprobs(req, whole, len(echo.text) if echo is not None else 0)
             if req.kind == api.COMPLETIONS:
-                choices.append(api.completion_choice(text, c.finish_reason, i, lp))
+                choice = api.completion_choice(text, c.finish_reason, i, lp)
+                if echo is not None:
+                    choice = echo.choice(choice, prompt_logprobs[i])
+                choices.append(choice)
                 continue
             if reasoning:
                 thought, content = split_reasoning(text)
@@ -404,13 +414,15 @@ class HttpFrontEnd:
 
     async def _events(
         self, req: api.OpenAIRequest, head: api.ResponseHead, generation: Choices, first: Chunk,
-        reasoning: bool,
+        reasoning: bool, echo: Echo | None = None,
     ) -> AsyncIterator[bytes]:  # fmt: skip
         chat = req.kind == api.CHAT
         extra = {"usage": None} if req.include_usage else {}
         splitters = [ReasoningSplitter() if reasoning else None for _ in range(req.n)]
         offsets = [0] * req.n  # characters of each choice's text sent so far
         last: list[Chunk | None] = [None] * req.n
+        echoed = [False] * req.n
+        dropped = echo is not None and echo.prompt_only  # max_tokens 0: the prompt alone
         try:
             if chat:
                 role = {"role": "assistant", "content": ""}
@@ -419,6 +431,14 @@ class HttpFrontEnd:
             chunk = first
             while True:
                 i, done, delta = chunk.index, chunk.finish_reason is not None, chunk.text
+                if echo is not None and not echoed[i]:  # the choice starts with its prompt
+                    echoed[i] = True
+                    choice = echo.choice(api.completion_choice("", None, i), chunk.prompt_logprobs)
+                    yield _sse(api.completions(head, [choice], **extra))
+                    offsets[i] = len(echo.text)
+                if dropped:
+                    chunk = dataclasses.replace(chunk, token_ids=[], text="", logprobs=None)
+                    delta = ""
                 logprobs = self._logprobs(req, chunk, offsets[i])
                 offsets[i] += len(delta)
                 if chat:
@@ -437,7 +457,7 @@ class HttpFrontEnd:
                         break
                 chunk = await _next(generation)
             if req.include_usage:
-                generated = sum(c.num_generated_tokens for c in last)
+                generated = 0 if dropped else sum(c.num_generated_tokens for c in last)
                 spec = SpecCounts.total(c.spec for c in last)
                 usage = api.usage(
                     chunk.num_prompt_tokens, generated, _stages(last[0]), spec,

@@ -29,7 +29,6 @@ _UNSUPPORTED_HINT = "not supported by this server yet"
 _INERT: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "logit_bias": (None, {}),
-    "echo": (None, False),
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -37,7 +36,6 @@ _INERT: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "continue_final_message": (None, False),
-    "prompt_logprobs": (None,),
 }
 _COMMON = {
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
@@ -71,6 +69,14 @@ class OpenAIRequest:
     tokens_as_ids: bool = False
     """Log-probabilities name tokens `token_id:N` rather than by their text (vLLM's
     `return_tokens_as_token_ids`)."""
+    echo: bool = False
+    """Completions: each choice's text (and, with `logprobs`, its log-probabilities) starts with the prompt's
+    (`pdserve.frontend.echo`)."""
+    prompt_only: bool = False
+    """Completions with echo and `max_tokens: 0`: the choices are the prompt alone (the engine samples one
+    token, which is dropped)."""
+    prompt_logprobs: int | None = None
+    """vLLM's `prompt_logprobs`: each choice's `prompt_logprobs` with this many alternatives per token."""
 
     @property
     def n(self) -> int:
@@ -203,6 +209,10 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
             raise InvalidRequestError(f"{name:.100}", "unknown parameter")
     _check_inert(body)
     logprobs, logprobs_field = _logprobs(body, kind)
+    echo = _optional(body, "echo", lambda v: isinstance(v, bool), "true or false") or False
+    prompt_logprobs = _optional(body, "prompt_logprobs", _is_int, "an integer")
+    if kind == CHAT and prompt_logprobs is not None:
+        raise InvalidRequestError("prompt_logprobs", f"in chat completions is {_UNSUPPORTED_HINT}")
     model = _optional(body, "model", lambda v: isinstance(v, str), "a string")
     stream = _optional(body, "stream", lambda v: isinstance(v, bool), "true or false") or False
     options = _optional(body, "stream_options", lambda v: isinstance(v, dict), "an object")
@@ -230,6 +240,11 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
     if kind == CHAT and body.get("max_completion_tokens") is not None:
         max_tokens_field = "max_completion_tokens"
         max_tokens = _optional(body, "max_completion_tokens", _is_int, "an integer")
+    prompt_only = echo and max_tokens == 0
+    if prompt_only:
+        max_tokens = 1  # sampled, then dropped: the engine's prefill always samples a token
+    # the engine scores the prompt for vLLM's prompt_logprobs and for echo's logprobs, with the larger k
+    scored = [k for k in (prompt_logprobs, logprobs if echo else None) if k is not None]
     sampling = SamplingRequest(
         max_tokens=max_tokens,
         temperature=_optional(body, "temperature", _is_number, "a number"),
@@ -247,6 +262,7 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
         repetition_penalty=_optional(body, "repetition_penalty", _is_number, "a number"),
         min_tokens=_optional(body, "min_tokens", _is_int, "an integer"),
         logprobs=logprobs,
+        prompt_logprobs=max(scored, default=None),
         skip_special_tokens=_optional(
             body, "skip_special_tokens", lambda v: isinstance(v, bool), "true or false"
         ),
@@ -283,7 +299,7 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
     return OpenAIRequest(
         kind, model, given, stream, include_usage,
         _optional(body, "return_tokens_as_token_ids", lambda v: isinstance(v, bool), "true or false")
-        or False,
+        or False, echo, prompt_only, prompt_logprobs,
     )  # fmt: skip
 
 
