@@ -159,7 +159,9 @@ def test_reasoning_split_of_any_stream_equals_the_whole(text):
         (CHAT, {"repetition_penalty": float("inf")}, "repetition_penalty"),
         (CHAT, {"min_tokens": 1.5}, "min_tokens"),
         (CHAT, {"logit_bias": {"5": 1}}, "logit_bias"),
-        (COMPLETIONS, {"echo": True}, "echo"),
+        (COMPLETIONS, {"echo": "yes"}, "echo"),
+        (COMPLETIONS, {"prompt_logprobs": 1.5}, "prompt_logprobs"),
+        (CHAT, {"prompt_logprobs": 1}, "prompt_logprobs"),
         (COMPLETIONS, {"best_of": 2}, "best_of"),
         (CHAT, {"tools": [{"type": "function"}]}, "tools"),
         (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
@@ -370,3 +372,25 @@ def test_a_body_is_decoded_only_when_the_api_can_take_its_text_and_depth():
         assert "\ud800" not in str(e.value) and "\udc00" not in str(e.value)
     deepest = b'{"user": ' + b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1) + b"}"
     assert decode_body(deepest)["user"]
+
+
+def test_echo_and_prompt_logprobs_ask_the_engine_for_the_prompt_s_log_probabilities():
+    """echo with logprobs and vLLM's prompt_logprobs ask the engine to score the prompt with the larger of
+    their alternatives; echo with max_tokens 0 runs one token, dropped later."""
+    cases = [
+        ({"echo": True}, None, False),
+        ({"echo": True, "logprobs": 1}, 1, False),
+        ({"prompt_logprobs": 3, "logprobs": 1}, 3, False),
+        ({"echo": True, "logprobs": 4, "prompt_logprobs": 2}, 4, False),
+        ({"echo": True, "max_tokens": 0, "logprobs": 0}, 0, True),
+        ({"logprobs": 2}, None, False),
+    ]
+    for body, scored, prompt_only in cases:
+        request = parse({"prompt": "hi", **body}, COMPLETIONS)
+        assert request.input.sampling.prompt_logprobs == scored, body
+        assert request.prompt_only == prompt_only, body
+        assert request.input.sampling.max_tokens == (1 if prompt_only else body.get("max_tokens"))
+        assert request.echo == body.get("echo", False)
+        assert request.prompt_logprobs == body.get("prompt_logprobs")
+    # max_tokens 0 without echo is left to the range check, which refuses it
+    assert parse({"prompt": "hi", "max_tokens": 0}, COMPLETIONS).input.sampling.max_tokens == 0
