@@ -16,7 +16,7 @@ from pdserve.engine.draft_graphs import DraftGraphs
 from pdserve.engine.drafter import MTPDrafter
 from pdserve.engine.rank_memory import GPU_MEMORY_UTILIZATION
 from pdserve.engine.ranks.wire import max_pages, prefill_tokens
-from pdserve.engine.sampler import PenaltyCounts, sample, target_logprobs
+from pdserve.engine.sampler import PenaltyCounts, sample, target_logprobs, to_token_logprobs
 from pdserve.engine.sampling_params import TokenLogprobs
 from pdserve.engine.speculative import DraftProbs
 from pdserve.engine.step import NO_LOGPROBS, DecodeRow, PrefillRow, RankResult, StepPlan
@@ -26,9 +26,10 @@ from pdserve.model.kv_cache import KVCacheLayout, PagedKVCache, capacity_pages, 
 
 logger = logging.getLogger(__name__)
 
-PROMPT_LOGITS_ROWS = 512
-"""Positions whose logits a prefill makes at once for prompt log-probabilities (each is a vocabulary of fp32
-values)."""
+PROMPT_LOGITS_ROWS = 64
+"""Positions whose logits a prefill makes at once for prompt log-probabilities: their fp32 logits, log-softmax
+and comparison mask (about 9 bytes per vocabulary entry and row) stay well within the step's activation reserve
+(`rank_memory.reserve_bytes_per_rank`), which the forward pass has freed by then."""
 
 
 class ModelRunner:
@@ -239,12 +240,15 @@ class ModelRunner:
                 targets = list(r.token_ids[1:])
                 if r.prompt_next is not None:
                     targets.append(r.prompt_next)
-                scored: list[TokenLogprobs] = []
+                index = torch.tensor(targets, dtype=torch.long).to(self.device, non_blocking=True)
+                parts = []  # per block: the tensors of `target_logprobs`, read back once at the end
                 for lo in range(0, len(targets), PROMPT_LOGITS_ROWS):
-                    part = targets[lo : lo + PROMPT_LOGITS_ROWS]
-                    logits = self.model.compute_logits(hidden[at + lo : at + lo + len(part)])
-                    scored += target_logprobs(logits, part, r.prompt_logprobs)
-                out[i] = scored
+                    hi = min(lo + PROMPT_LOGITS_ROWS, len(targets))
+                    logits = self.model.compute_logits(hidden[at + lo : at + hi])
+                    parts.append(target_logprobs(logits, index[lo:hi], r.prompt_logprobs))
+                out[i] = (
+                    to_token_logprobs(*map(torch.cat, zip(*parts, strict=True))) if parts else []
+                )
             at += n
         return out
 

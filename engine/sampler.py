@@ -131,22 +131,28 @@ def token_logprobs(
     return out
 
 
-def target_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[TokenLogprobs]:
-    """Per row of logits [N, V], the log-probability of targets[row], its rank and the k most likely tokens',
-    from the log-softmax of the raw logits in fp32 (prompt log-probabilities: row i scores the prompt token
-    after it)."""
+def target_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of logits [N, V], from the log-softmax of the raw logits in fp32: the log-probability of
+    targets[row] ([N] int64 on the logits' device) and its rank (1: the most likely; ties share the best), and
+    the k most likely tokens' ids and log-probabilities ([N, k]), on the device (prompt log-probabilities: row
+    i scores the prompt token after it; `to_token_logprobs` makes them objects)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
-    index = torch.tensor(targets, dtype=torch.long).to(logprobs.device, non_blocking=True)
-    chosen = logprobs.gather(1, index[:, None])  # [N, 1]
-    ranks = ((logprobs > chosen).sum(1) + 1).tolist()
-    chosen = chosen[:, 0].tolist()
-    if not k:
-        return [TokenLogprobs(c, rank=r) for c, r in zip(chosen, ranks, strict=True)]
+    chosen = logprobs.gather(1, targets[:, None])  # [N, 1]
+    ranks = (logprobs > chosen).sum(1) + 1
     top = torch.topk(logprobs, min(k, logprobs.shape[1]), dim=-1)
-    ids, values = top.indices.tolist(), top.values.tolist()
+    return chosen[:, 0], ranks, top.indices, top.values
+
+
+def to_token_logprobs(
+    chosen: torch.Tensor, ranks: torch.Tensor, top_ids: torch.Tensor, top_values: torch.Tensor
+) -> list[TokenLogprobs]:
+    """`target_logprobs`' tensors (blocks of them concatenated) as one `TokenLogprobs` per row."""
+    ids, values = top_ids.tolist(), top_values.tolist()
     return [
         TokenLogprobs(c, tuple(i), tuple(v), r)
-        for c, i, v, r in zip(chosen, ids, values, ranks, strict=True)
+        for c, i, v, r in zip(chosen.tolist(), ids, values, ranks.tolist(), strict=True)
     ]
 
 

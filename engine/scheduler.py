@@ -423,8 +423,9 @@ class Scheduler:
         if not request.cached_reported and request.num_cached_tokens is not None:
             cached, request.cached_reported = request.num_cached_tokens, True
         prompt = None
-        if request.params.prompt_logprobs is not None and not request.prompt_reported:
-            prompt, request.prompt_reported = request.prompt_logprobs or [], True
+        if request.prompt_logprobs is not None and not request.prompt_reported:
+            # scored here, or arrived with its KV (not where it came back with generated tokens)
+            prompt, request.prompt_reported = request.prompt_logprobs, True
         return [
             RequestOutput(
                 request.request_id,

@@ -375,7 +375,8 @@ class HttpFrontEnd:
         chunk = first
         while True:
             i = chunk.index
-            prompt_logprobs[i] = prompt_logprobs[i] or chunk.prompt_logprobs
+            if chunk.prompt_logprobs is not None:
+                prompt_logprobs[i] = chunk.prompt_logprobs
             if not dropped:
                 pieces[i].append(chunk.text)
                 token_ids[i] += chunk.token_ids

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from pdserve.decode import DecodeConfig, DecodeWorker
+from pdserve.engine import runner as runner_module
 from pdserve.engine.messages import DecodeRequest, PrefillHandoff, RequestOutput
 from pdserve.engine.offline import OfflineGenerator
 from pdserve.engine.pages import PageAllocator, pages_needed
-from pdserve.engine.request import Policy, Request
+from pdserve.engine.request import Policy, Request, RequestState
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling_params import MAX_PROMPT_LOGPROBS, SamplingParams, TokenLogprobs
 from pdserve.engine.scheduler import Scheduler
@@ -51,7 +52,10 @@ def assert_matches(got: list[TokenLogprobs], model, prompt: list[int], k: int) -
 
 
 @pytest.mark.parametrize("chunk", [None, 5, 8])
-def test_prompt_logprobs_equal_a_log_softmax_of_every_position(reference_model, chunk):
+def test_prompt_logprobs_equal_a_log_softmax_of_every_position(reference_model, chunk, monkeypatch):
+    monkeypatch.setattr(
+        runner_module, "PROMPT_LOGITS_ROWS", 3
+    )  # logits made in blocks, as long prompts are
     prompt = prompt_ids(19, 0)
     params = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=3, seed=1)
     got = OfflineGenerator(reference_model, PAGE, prefill_chunk=chunk).generate(prompt, params)
@@ -131,3 +135,32 @@ def test_prompts_past_the_bound_and_bad_values_are_refused_by_name(reference_mod
     for bad in (-1, True, 1.5):
         with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+
+
+def test_a_request_preempted_mid_prefill_reports_the_scores_of_its_prefill_again(reference_model):
+    """Preempted after its first chunks, it is prefilled again from its start (the prefix cache serves it
+    nothing): its prompt log-probabilities are those of the prefill that finished, once."""
+    args = reference_model.args
+    runner = ModelRunner(reference_model, PAGE, 32, cuda_graphs=False)
+    s = Scheduler(
+        PageAllocator(32), PAGE, 6, 6, args.vocab_size, args.max_position_embeddings,
+        args.eos_token_ids, prefix_caching=True,
+    )  # fmt: skip
+    prompt = prompt_ids(17, 2)
+    r = Request(
+        "r", list(prompt), SamplingParams(max_tokens=2, prompt_logprobs=1), Policy.AGGREGATED
+    )
+    s.add(r)
+    outputs = []
+    for _ in range(2):  # two chunks of 6
+        plan, _ = s.schedule()
+        outputs += s.finish_step(plan, [runner.execute(plan)]).outputs
+    assert r.num_computed == 12 and len(r.prompt_logprobs) == 12
+    r.prompt_logprobs = [TokenLogprobs(0.0)] * 12  # what a prefill again must overwrite
+    s._preempt(r)
+    while r.state is not RequestState.FINISHED:
+        plan, more = s.schedule()
+        outputs += more + s.finish_step(plan, [runner.execute(plan)]).outputs
+    reported = [o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None]
+    assert len(reported) == 1
+    assert_matches(reported[0], reference_model, prompt, 1)
