@@ -75,7 +75,7 @@ GRPC_FIELDS = FieldNames(
 _OPTIONAL_SAMPLING = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "skip_special_tokens",
-    "relaxed_acceptance",
+    "relaxed_acceptance", "prompt_logprobs",
 )  # fmt: skip
 """SamplingParams fields a client may leave unset (None: the server's default), by the same names in
 `SamplingRequest`."""
@@ -134,7 +134,7 @@ def speculative_usage(spec: SpecCounts) -> generation_pb2.SpeculativeUsage:
 
 def _logprob(lp: TokenLogprobs) -> generation_pb2.TokenLogprob:
     return generation_pb2.TokenLogprob(
-        logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs
+        logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs, rank=lp.rank
     )
 
 
@@ -169,6 +169,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 )
                 if chunk.logprobs is not None:
                     response.logprobs.extend(_logprob(lp) for lp in chunk.logprobs)
+                if chunk.prompt_logprobs is not None:
+                    response.prompt_logprobs.extend(_logprob(lp) for lp in chunk.prompt_logprobs)
                 if chunk.finish_reason is not None:
                     response.finish_reason = _FINISH[chunk.finish_reason]
                     response.usage.prompt_tokens = chunk.num_prompt_tokens

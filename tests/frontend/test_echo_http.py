@@ -2,13 +2,14 @@
 fp32 server (one prefill and one decode worker: the prompt's log-probabilities come with the KV handoff). A
 continuation scored as lm-eval's local-completions scores it (echo, logprobs, max_tokens 1, the sum of
 token_logprobs over the continuation's tokens) equals the engine's own scoring of it; `max_tokens: 0` echoes
-the prompt alone; vLLM's `prompt_logprobs` and a streamed echo carry the same figures."""
+the prompt alone; vLLM's `prompt_logprobs` (and gRPC's) and a streamed echo carry the same figures."""
 
 from __future__ import annotations
 
 import openai
 import pytest
 
+from pdserve.cli.client import Client, generate_request
 from pdserve.engine.offline import OfflineGenerator
 from pdserve.engine.sampling_params import MAX_PROMPT_LOGPROBS, SamplingParams
 from pdserve.model.tokenizer import Tokenizer
@@ -149,3 +150,19 @@ def test_echo_and_prompt_logprobs_are_refused_by_name_where_they_cannot_be(api, 
             model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
             extra_body={"prompt_logprobs": 1},
         )  # fmt: skip
+
+
+def test_grpc_prompt_logprobs_come_on_the_first_chunk(shared_server, reference_model):
+    ids = [0, *range(220, 232)]
+    request = generate_request(ids, max_tokens=1, temperature=0, ignore_eos=True)
+    request.sampling_params.prompt_logprobs = 1
+    with Client(shared_server.address) as client:
+        chunks = list(client.generate(request, timeout_s=60))
+    got = chunks[0].prompt_logprobs
+    want = OfflineGenerator(reference_model, 4).generate(
+        ids, SamplingParams(max_tokens=1, prompt_logprobs=1)
+    )
+    assert len(got) == len(ids) - 1 and not any(c.prompt_logprobs for c in chunks[1:])
+    for g, w in zip(got, want.prompt_logprobs, strict=True):
+        assert g.logprob == pytest.approx(w.logprob, abs=1e-4) and g.rank == w.rank
+        assert list(g.top_token_ids) == list(w.top_ids)
