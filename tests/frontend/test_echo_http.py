@@ -166,3 +166,15 @@ def test_grpc_prompt_logprobs_come_on_the_first_chunk(shared_server, reference_m
     for g, w in zip(got, want.prompt_logprobs, strict=True):
         assert g.logprob == pytest.approx(w.logprob, abs=1e-4) and g.rank == w.rank
         assert list(g.top_token_ids) == list(w.top_ids)
+
+
+def test_a_one_token_prompt_echoes_with_a_null_first_entry(api, model):
+    reply = api.completions.create(
+        model=model, prompt=[[7]], echo=True, max_tokens=0, logprobs=1,
+        extra_body={"prompt_logprobs": 1, "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    (choice,) = reply.choices
+    assert choice.logprobs.tokens == ["token_id:7"] and choice.logprobs.token_logprobs == [None]
+    assert choice.logprobs.top_logprobs == [None] and choice.model_extra["prompt_logprobs"] == [
+        None
+    ]
