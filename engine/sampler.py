@@ -141,6 +141,9 @@ def target_logprobs(
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
     chosen = logprobs.gather(1, targets[:, None])  # [N, 1]
     ranks = (logprobs > chosen).sum(1) + 1
+    if not k:
+        none = torch.empty(logprobs.shape[0], 0, dtype=torch.long, device=logprobs.device)
+        return chosen[:, 0], ranks, none, none.float()
     top = torch.topk(logprobs, min(k, logprobs.shape[1]), dim=-1)
     return chosen[:, 0], ranks, top.indices, top.values
 

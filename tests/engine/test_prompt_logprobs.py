@@ -51,15 +51,16 @@ def assert_matches(got: list[TokenLogprobs], model, prompt: list[int], k: int) -
         torch.testing.assert_close(torch.tensor(lp.top_logprobs), top.values, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("chunk", [None, 5, 8])
-def test_prompt_logprobs_equal_a_log_softmax_of_every_position(reference_model, chunk, monkeypatch):
-    monkeypatch.setattr(
-        runner_module, "PROMPT_LOGITS_ROWS", 3
-    )  # logits made in blocks, as long prompts are
+@pytest.mark.parametrize("chunk, k", [(None, 3), (5, 0), (8, 3)])
+def test_prompt_logprobs_equal_a_log_softmax_of_every_position(
+    reference_model, chunk, k, monkeypatch
+):
+    # logits made in blocks, as a long prompt's are
+    monkeypatch.setattr(runner_module, "PROMPT_LOGITS_ROWS", 3)
     prompt = prompt_ids(19, 0)
-    params = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=3, seed=1)
+    params = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=k, seed=1)
     got = OfflineGenerator(reference_model, PAGE, prefill_chunk=chunk).generate(prompt, params)
-    assert_matches(got.prompt_logprobs, reference_model, prompt, 3)
+    assert_matches(got.prompt_logprobs, reference_model, prompt, k)
     # the generated tokens are those of a request that asked for none
     plain = OfflineGenerator(reference_model, PAGE, prefill_chunk=chunk).generate(
         prompt, SamplingParams(max_tokens=2, ignore_eos=True, seed=1)
