@@ -214,6 +214,8 @@ class DecodeWorker(Worker):
             return self.scheduler.kv_failed(result.transfer_id, result.error)
         try:
             handoff = PrefillHandoff.from_bytes(result.metadata)
+            prompt = handoff.prompt_logprobs
+            prompt_logprobs = None if prompt is None else prompt.unpacked()
         except TransferError as e:
             return self.scheduler.kv_failed(
                 result.transfer_id, f"transfer {result.transfer_id}: {e}"
@@ -224,7 +226,7 @@ class DecodeWorker(Worker):
             stages = dataclasses.replace(stages, kv_transfer_s=stages.kv_transfer_s + moved_s)
         return self.scheduler.kv_arrived(
             result.transfer_id, result.num_tokens, result.first_token, handoff.logprobs, stages,
-            handoff.draft_ids, handoff.cached_tokens, handoff.prompt_logprobs,
+            handoff.draft_ids, handoff.cached_tokens, prompt_logprobs,
         )  # fmt: skip
 
     def warm_up(self) -> None:

@@ -12,13 +12,13 @@ from pdserve.model.errors import InvalidRequestError
 
 MAX_SEED = (1 << 63) - 1
 MAX_ADDITIVE_PENALTY = 2.0
-MAX_PROMPT_LOGPROBS = 32768
-"""The most prompt log-probability entries a request may ask for (`SamplingParams.prompt_logprobs`): its
-prompt tokens times (1 + the alternatives asked for), e.g. 16384 tokens with one alternative. They travel in one
-message with the request's first token, from a prefill worker in the handoff that goes with its KV pages
-(`PrefillHandoff`, within `kvtransfer.base.MAX_METADATA_BYTES`): about 15 bytes an entry, so the bound keeps
-them under half a MiB."""
 """presence_penalty and frequency_penalty lie in [-2, 2], as OpenAI's API takes them."""
+MAX_PROMPT_LOGPROBS = 65536
+"""The most prompt log-probability entries a request may ask for (`SamplingParams.prompt_logprobs`): its
+prompt tokens times (1 + the alternatives asked for), e.g. 32768 tokens with one alternative. They travel in one
+message with the request's first token, from a prefill worker in the handoff that goes with its KV pages
+(`PrefillHandoff`, packed at 8 bytes an entry, within `kvtransfer.base.MAX_METADATA_BYTES`): the bound keeps
+them to half a MiB."""
 
 
 class FinishReason:

@@ -18,7 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pdserve import kernels
 from pdserve.engine.drafter import check_speculation
-from pdserve.engine.messages import PrefillFailure, PrefillHandoff, PrefillRequest, PrefillStats
+from pdserve.engine.messages import (
+    PackedLogprobs,
+    PrefillFailure,
+    PrefillHandoff,
+    PrefillRequest,
+    PrefillStats,
+)
 from pdserve.engine.ranks.group import RankGroup
 from pdserve.engine.request import Policy, Request, RequestState, stage_times
 from pdserve.engine.runner import ModelRunner
@@ -170,7 +176,8 @@ class PrefillWorker(Worker):
             # the stages known now: the transfer's wait ends here, the decode worker adds the transfer
             handoff = PrefillHandoff(
                 logprobs, stage_times(request, time.monotonic()), tuple(request.draft_ids),
-                request.num_cached_tokens or 0, request.prompt_logprobs,
+                request.num_cached_tokens or 0,
+                None if request.prompt_logprobs is None else PackedLogprobs.of(request.prompt_logprobs),
             )  # fmt: skip
             self.sender.send(
                 r.decode_peer, r.transfer_id, self.runner.cache.data, list(request.pages),

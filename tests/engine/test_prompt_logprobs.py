@@ -5,6 +5,8 @@ and through a prefill worker's handoff; prompts past the bound are refused by na
 
 from __future__ import annotations
 
+import dataclasses
+import random
 import time
 
 import pytest
@@ -12,15 +14,22 @@ import torch
 
 from pdserve.decode import DecodeConfig, DecodeWorker
 from pdserve.engine import runner as runner_module
-from pdserve.engine.messages import DecodeRequest, PrefillHandoff, RequestOutput
+from pdserve.engine.messages import (
+    DecodeRequest,
+    PackedLogprobs,
+    PrefillHandoff,
+    RequestOutput,
+    StageTimes,
+)
 from pdserve.engine.offline import OfflineGenerator
 from pdserve.engine.pages import PageAllocator, pages_needed
 from pdserve.engine.request import Policy, Request, RequestState
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling_params import MAX_PROMPT_LOGPROBS, SamplingParams, TokenLogprobs
 from pdserve.engine.scheduler import Scheduler
+from pdserve.kvtransfer.base import MAX_METADATA_BYTES
 from pdserve.model.batch import SeqChunk, build_forward_batch
-from pdserve.model.errors import InvalidRequestError
+from pdserve.model.errors import InvalidRequestError, TransferError
 
 PAGE = 4
 
@@ -114,17 +123,38 @@ def test_the_prefix_cache_serves_no_request_that_scores_its_prompt(reference_mod
     assert worker.stats().pages_used == 0
 
 
-def test_prompt_logprobs_travel_in_the_prefill_handoff():
-    lps = [TokenLogprobs(-1.5, (4, 9), (-0.25, -1.5)), TokenLogprobs(-3.0)]
-    handoff = PrefillHandoff(prompt_logprobs=lps)
-    assert PrefillHandoff.from_bytes(handoff.to_bytes()).prompt_logprobs == lps
+def test_prompt_logprobs_travel_packed_in_the_prefill_handoff():
+    lps = [TokenLogprobs(-1.5, (4, 9), (-0.25, -1.5), 3), TokenLogprobs(-3.0, (4, 7), (-0.5, -1.0))]
+    handoff = PrefillHandoff(prompt_logprobs=PackedLogprobs.of(lps))
+    assert PrefillHandoff.from_bytes(handoff.to_bytes()).prompt_logprobs.unpacked() == lps
     assert PrefillHandoff.from_bytes(PrefillHandoff().to_bytes()).prompt_logprobs is None
+    assert PackedLogprobs.of([]).unpacked() == []
+    with pytest.raises(ValueError, match="alternatives"):
+        PackedLogprobs.of([TokenLogprobs(-1.0, (4,), (-1.0,)), TokenLogprobs(-2.0)])
+    torn = dataclasses.replace(PackedLogprobs.of(lps), ranks=b"")
+    with pytest.raises(TransferError, match="unequal"):
+        torn.unpacked()
+
+
+@pytest.mark.parametrize("k", [0, 1, 20])
+def test_the_most_prompt_logprobs_a_request_may_ask_for_fit_a_transfer_s_metadata(k):
+    n = MAX_PROMPT_LOGPROBS // (1 + k)
+    rng = random.Random(k)
+    lps = [
+        TokenLogprobs(-rng.random() * 30, tuple(rng.randrange(1 << 17) for _ in range(k)),
+                      tuple(-rng.random() for _ in range(k)), rng.randrange(1, 1 << 17))
+        for _ in range(n)
+    ]  # fmt: skip
+    handoff = PrefillHandoff(
+        StageTimes(), draft_ids=(1, 2, 3), prompt_logprobs=PackedLogprobs.of(lps)
+    )
+    assert len(handoff.to_bytes()) <= MAX_METADATA_BYTES
 
 
 def test_prompts_past_the_bound_and_bad_values_are_refused_by_name(reference_model):
     args = reference_model.args
     s = Scheduler(
-        PageAllocator(4096), PAGE, 64, 64, args.vocab_size, 1 << 20, args.eos_token_ids
+        PageAllocator(1 << 14), PAGE, 64, 64, args.vocab_size, 1 << 20, args.eos_token_ids
     )  # fmt: skip
     k = 3
     n = MAX_PROMPT_LOGPROBS // (1 + k) + 1
