@@ -108,6 +108,14 @@ def test_streamed_echo_starts_with_the_prompt_then_the_generated_text(api, model
     assert chunks[0].choices[0].text == prompt
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     assert whole.choices[0].text.startswith(prompt) and len(whole.choices[0].text) > len(prompt)
+    # two choices, each starting with the prompt
+    chunks = api.completions.create(model=model, prompt=prompt, echo=True, max_tokens=2, n=2,
+                                    seed=3, temperature=1.0, stream=True)  # fmt: skip
+    texts = ["", ""]
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+    assert all(t.startswith(prompt) for t in texts)
 
 
 def test_vllm_prompt_logprobs_name_each_token_its_rank_and_alternatives(
