@@ -40,6 +40,7 @@ from pdserve.frontend.engine_client import Choices, Chunk, EngineClient
 from pdserve.frontend.errors import BodyTooLargeError, http_error_for
 from pdserve.frontend.http_protocol import Deadlines, protocol_factory
 from pdserve.frontend.json_body import decode_body
+from pdserve.frontend.prompt_batch import submit_all
 from pdserve.frontend.reasoning import ReasoningSplitter, split_reasoning
 from pdserve.frontend.request_builder import build_request
 from pdserve.frontend.security import Credentials, require_key
@@ -53,6 +54,9 @@ _PARSE_IN_THREAD_BYTES = 64 << 10
 _STARTUP_TIMEOUT_S = 10.0
 _TOKEN_TEXTS_KEPT = 1 << 18
 """Token texts remembered for log-probabilities (a vocabulary's worth: DeepSeek-V3 has 129,280 tokens)."""
+_IGNORED_NAMES_WARNED = 1024
+"""Ignored parameter names warned about once each; past this many, no more warnings (a client sending
+made-up names must not grow memory or flood the log)."""
 
 
 def _version() -> str:
@@ -126,10 +130,13 @@ class _EventStream(StreamingResponse):
     """A server-sent event stream that ends (closing its events, which cancels the request) as soon as the client
     disconnects, whether or not an event is being written."""
 
-    def __init__(self, events: AsyncIterator[bytes], request_id: str):
+    def __init__(
+        self, events: AsyncIterator[bytes], request_id: str, headers: dict[str, str] | None = None
+    ):
         super().__init__(
-            events, media_type="text/event-stream", headers={"cache-control": "no-cache"}
-        )
+            events, media_type="text/event-stream",
+            headers={"cache-control": "no-cache", **(headers or {})},
+        )  # fmt: skip
         self.events, self.request_id = events, request_id
 
     async def _send_all(self, send: Send) -> None:
@@ -176,6 +183,7 @@ class HttpFrontEnd:
         app = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
         self.app = require_key(app, credentials or Credentials(), self._error)
         self._token_texts: dict[int, str] = {}
+        self._warned_ignored: set[str] = set()
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
 
@@ -320,10 +328,12 @@ class HttpFrontEnd:
                     "see /v1/models)"
                 )
             head = api.ResponseHead(api.new_id(kind), engine.model.name)
-            given = dataclasses.replace(req.input, client_id=head.id)
+            given = [dataclasses.replace(g, client_id=head.id) for g in req.inputs]
             # Templates and tokenizing take CPU: off the loop, other streams keep flowing meanwhile.
-            checked = await asyncio.to_thread(build_request, given, engine.model, engine.limits)
-            generation = engine.submit(checked)
+            checked = await asyncio.to_thread(
+                lambda: [build_request(g, engine.model, engine.limits) for g in given]
+            )
+            generation = submit_all(engine, checked)
         except _ClientGone:
             # A client the connection cut (a deadline) was logged there; one that left is logged here.
             if not request.scope.get("pdserve.cut"):
@@ -343,14 +353,17 @@ class HttpFrontEnd:
             generation.cancel()
             return self._error(e, f"request {generation.request_id}")
         reasoning = self.reasoning and kind == api.CHAT
+        headers = self._ignored_header(req)
+        prompt_tokens = sum(len(c.prompt_ids) for c in checked)
         if req.stream:
-            return _EventStream(
-                self._events(req, head, generation, first, reasoning), generation.request_id
-            )
+            events = self._events(req, head, generation, first, reasoning, prompt_tokens)
+            return _EventStream(events, generation.request_id, headers)
         try:
-            return await _until_disconnect(
-                request.receive, self._whole(req, head, generation, first, reasoning)
+            reply = await _until_disconnect(
+                request.receive, self._whole(req, head, generation, first, reasoning, prompt_tokens)
             )
+            reply.headers.update(headers)
+            return reply
         except _ClientGone:
             logger.info("request %s cancelled: the HTTP client disconnected", generation.request_id)
             return Response(status_code=499)
@@ -359,14 +372,30 @@ class HttpFrontEnd:
         finally:
             generation.cancel()
 
+    def _ignored_header(self, req: api.OpenAIRequest) -> dict[str, str]:
+        """The header naming the parameters `req` gave that were ignored (none: no header); a WARNING the
+        first time this process ignores each name."""
+        if not req.ignored:
+            return {}
+        new = [n for n in dict.fromkeys(req.ignored) if n not in self._warned_ignored]
+        if new and len(self._warned_ignored) < _IGNORED_NAMES_WARNED:
+            self._warned_ignored.update(new)
+            logger.warning(
+                "ignoring request parameters this server does not use: %s (warned once per name)",
+                api.ignored_names(tuple(new)),
+            )
+        return {api.IGNORED_HEADER: api.ignored_names(req.ignored)}
+
     async def _whole(
         self, req: api.OpenAIRequest, head: api.ResponseHead, generation: Choices, first: Chunk,
-        reasoning: bool,
+        reasoning: bool, prompt_tokens: int,
     ) -> Response:  # fmt: skip
-        pieces: list[list[str]] = [[] for _ in range(req.n)]
-        token_ids: list[list[int]] = [[] for _ in range(req.n)]
-        logprobs: list[list] = [[] for _ in range(req.n)]
-        last: list[Chunk | None] = [None] * req.n
+        """prompt_tokens: of every prompt of the request, summed (the usage's)."""
+        num = req.num_choices
+        pieces: list[list[str]] = [[] for _ in range(num)]
+        token_ids: list[list[int]] = [[] for _ in range(num)]
+        logprobs: list[list] = [[] for _ in range(num)]
+        last: list[Chunk | None] = [None] * num
         chunk = first
         while True:
             i = chunk.index
@@ -379,8 +408,9 @@ class HttpFrontEnd:
                     break
             chunk = await _next(generation)
         usage = api.usage(
-            last[0].num_prompt_tokens, sum(c.num_generated_tokens for c in last), _stages(last[0]),
-            SpecCounts.total(c.spec for c in last), last[0].num_cached_tokens,
+            prompt_tokens, sum(c.num_generated_tokens for c in last), _stages(last[0]),
+            SpecCounts.total(c.spec for c in last),
+            sum(c.num_cached_tokens for c in last[:: req.n]),
         )  # fmt: skip
         choices = []
         for i, c in enumerate(last):
@@ -404,23 +434,30 @@ class HttpFrontEnd:
 
     async def _events(
         self, req: api.OpenAIRequest, head: api.ResponseHead, generation: Choices, first: Chunk,
-        reasoning: bool,
+        reasoning: bool, prompt_tokens: int,
     ) -> AsyncIterator[bytes]:  # fmt: skip
-        chat = req.kind == api.CHAT
+        """prompt_tokens: of every prompt of the request, summed (the usage's)."""
+        chat, num = req.kind == api.CHAT, req.num_choices
         extra = {"usage": None} if req.include_usage else {}
-        splitters = [ReasoningSplitter() if reasoning else None for _ in range(req.n)]
-        offsets = [0] * req.n  # characters of each choice's text sent so far
-        last: list[Chunk | None] = [None] * req.n
+        splitters = [ReasoningSplitter() if reasoning else None for _ in range(num)]
+        offsets = [0] * num  # characters of each choice's text sent so far
+        generated = [0] * num  # tokens of each choice so far
+        last: list[Chunk | None] = [None] * num
         try:
             if chat:
                 role = {"role": "assistant", "content": ""}
-                for i in range(req.n):
+                if req.continuous_usage:
+                    extra = {"usage": api.usage(prompt_tokens, 0)}
+                for i in range(num):
                     yield _sse(api.chat_chunk(head, role, None, i, **extra))
             chunk = first
             while True:
                 i, done, delta = chunk.index, chunk.finish_reason is not None, chunk.text
                 logprobs = self._logprobs(req, chunk, offsets[i])
                 offsets[i] += len(delta)
+                if req.continuous_usage:  # the usage so far, every choice's tokens summed
+                    generated[i] = chunk.num_generated_tokens
+                    extra = {"usage": api.usage(prompt_tokens, sum(generated))}
                 if chat:
                     body = _chat_delta(splitters[i], delta, done)
                     if body or logprobs is not None:
@@ -437,11 +474,10 @@ class HttpFrontEnd:
                         break
                 chunk = await _next(generation)
             if req.include_usage:
-                generated = sum(c.num_generated_tokens for c in last)
                 spec = SpecCounts.total(c.spec for c in last)
                 usage = api.usage(
-                    chunk.num_prompt_tokens, generated, _stages(last[0]), spec,
-                    last[0].num_cached_tokens,
+                    prompt_tokens, sum(c.num_generated_tokens for c in last), _stages(last[0]),
+                    spec, sum(c.num_cached_tokens for c in last[:: req.n]),
                 )  # fmt: skip
                 yield _sse(api.usage_chunk(head, req.kind, usage))
         except (
