@@ -170,6 +170,9 @@ class HttpFrontEnd:
         self.engine = engine
         model = engine.model
         self.reasoning = model.thinks if reasoning_parser == "auto" else reasoning_parser != "none"
+        # auto: the output starts as reasoning only where the prompt opened a think block; deepseek_r1:
+        # always, as vLLM's parser of that name assumes (R1's templates always open one)
+        self._think_from_prompt = reasoning_parser == "auto"
         self.port = 0
         routes = [Route("/metrics", self.metrics, methods=["GET"])]
         if not metrics_only:
@@ -352,7 +355,9 @@ class HttpFrontEnd:
         except Exception as e:  # process boundary
             generation.cancel()
             return self._error(e, f"request {generation.request_id}")
-        reasoning = self.reasoning and kind == api.CHAT
+        reasoning = None
+        if self.reasoning and kind == api.CHAT:
+            reasoning = checked[0].prompt_in_think or not self._think_from_prompt
         headers = self._ignored_header(req)
         prompt_tokens = sum(len(c.prompt_ids) for c in checked)
         if req.stream:
@@ -388,9 +393,10 @@ class HttpFrontEnd:
 
     async def _whole(
         self, req: api.OpenAIRequest, head: api.ResponseHead, generation: Choices, first: Chunk,
-        reasoning: bool, prompt_tokens: int,
+        reasoning: bool | None, prompt_tokens: int,
     ) -> Response:  # fmt: skip
-        """prompt_tokens: of every prompt of the request, summed (the usage's)."""
+        """reasoning: None, no reasoning split; else whether the output starts inside a think block.
+        prompt_tokens: of every prompt of the request, summed (the usage's)."""
         num = req.num_choices
         pieces: list[list[str]] = [[] for _ in range(num)]
         token_ids: list[list[int]] = [[] for _ in range(num)]
@@ -422,8 +428,8 @@ class HttpFrontEnd:
             if req.kind == api.COMPLETIONS:
                 choices.append(api.completion_choice(text, c.finish_reason, i, lp))
                 continue
-            if reasoning:
-                thought, content = split_reasoning(text)
+            if reasoning is not None:
+                thought, content = split_reasoning(text, reasoning)
                 message = api.chat_message(content, thought)
             else:
                 message = api.chat_message(text, None)
@@ -434,12 +440,14 @@ class HttpFrontEnd:
 
     async def _events(
         self, req: api.OpenAIRequest, head: api.ResponseHead, generation: Choices, first: Chunk,
-        reasoning: bool, prompt_tokens: int,
+        reasoning: bool | None, prompt_tokens: int,
     ) -> AsyncIterator[bytes]:  # fmt: skip
-        """prompt_tokens: of every prompt of the request, summed (the usage's)."""
+        """`_whole`'s arguments; the same answer as server-sent events."""
         chat, num = req.kind == api.CHAT, req.num_choices
         extra = {"usage": None} if req.include_usage else {}
-        splitters = [ReasoningSplitter() if reasoning else None for _ in range(num)]
+        splitters = [
+            None if reasoning is None else ReasoningSplitter(reasoning) for _ in range(num)
+        ]
         offsets = [0] * num  # characters of each choice's text sent so far
         generated = [0] * num  # tokens of each choice so far
         last: list[Chunk | None] = [None] * num

@@ -30,7 +30,7 @@ from pdserve.frontend.openai_api import (
     parse,
     usage,
 )
-from pdserve.frontend.reasoning import ReasoningSplitter, split_reasoning
+from pdserve.frontend.reasoning import ReasoningSplitter, prompt_opens_think, split_reasoning
 from pdserve.frontend.text_stream import TextStream
 from pdserve.frontend.validation import (
     MAX_STOP_STRINGS,
@@ -42,7 +42,7 @@ from pdserve.frontend.validation import (
     sampling_params,
 )
 from pdserve.model.errors import CapacityError, InvalidRequestError
-from pdserve.model.tokenizer import CHAT_TOKENS, EOS_TOKEN, THINK_END, Tokenizer
+from pdserve.model.tokenizer import CHAT_TOKENS, EOS_TOKEN, THINK_END, THINK_START, Tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello"}],
@@ -82,18 +82,27 @@ def test_tiny_checkpoint_has_r1_chat_tokens_and_template(model_dir):
     assert ModelInfo.load(model_dir, "tiny").thinks
 
 
+@pytest.mark.parametrize("thinking", [None, True, False])
 @pytest.mark.parametrize("generation_prompt", [True, False])
 @pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
 def test_chat_template_renders_as_transformers(
-    model_dir, hf_tokenizer, conversation, generation_prompt
+    model_dir, hf_tokenizer, conversation, generation_prompt, thinking
 ):
     messages = CONVERSATIONS[conversation]
     template = ChatTemplate.load(model_dir)
-    ours = template.render(messages, generation_prompt)
+    kwargs = {} if thinking is None else {"thinking": thinking}
+    ours = template.render(messages, generation_prompt, kwargs)
     theirs = hf_tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation_prompt
+        messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
     )
     assert ours == theirs
+    # The tiny model thinks only when asked: its generation prompt opens a think block then, and closes
+    # it otherwise (DeepSeek-V3.1's two modes).
+    assert prompt_opens_think(ours) == bool(generation_prompt and thinking)
+    if generation_prompt:
+        assert ours.endswith(THINK_START if thinking else THINK_END)
+    if thinking is not None:
+        return
     layout = ChatTemplate(LAYOUT_TEMPLATE, template.special_tokens)
     theirs = hf_tokenizer.apply_chat_template(
         messages, chat_template=LAYOUT_TEMPLATE, tokenize=False,
@@ -113,8 +122,11 @@ def test_chat_template_refusal_names_messages(model_dir):
     assert e.value.field == "messages"
 
 
-def _naive_split(text: str) -> tuple[str, str]:
-    """The reference: a leading <think> dropped, reasoning before the first </think>, content after it."""
+def _naive_split(text: str, in_think: bool) -> tuple[str, str]:
+    """The reference: a leading <think> dropped, reasoning before the first </think>, content after it; where
+    the prompt left no think block open, all content unless the text opens one."""
+    if not in_think and not text.startswith("<think>"):
+        return "", text
     text = text.removeprefix("<think>")
     reasoning, closed, content = text.partition("</think>")
     return (reasoning, content) if closed else (text, "")
@@ -122,6 +134,7 @@ def _naive_split(text: str) -> tuple[str, str]:
 
 TEXTS = [
     "plan it</think>\n\nanswer",
+    "<think>opened, never closed",
     "<think>plan</think>answer </think> again",
     "never closes <think> the block",
     "</think>",
@@ -133,17 +146,18 @@ TEXTS = [
 ]
 
 
+@pytest.mark.parametrize("in_think", [True, False])
 @pytest.mark.parametrize("text", TEXTS)
-def test_reasoning_split_of_any_stream_equals_the_whole(text):
-    expected = _naive_split(text)
-    assert split_reasoning(text) == expected
+def test_reasoning_split_of_any_stream_equals_the_whole(text, in_think):
+    expected = _naive_split(text, in_think)
+    assert split_reasoning(text, in_think) == expected
     cuts = list(itertools.combinations(range(1, len(text)), 2)) if len(text) < 40 else []
     rng = random.Random(0)
     cuts += [sorted(rng.sample(range(len(text) + 1), min(4, len(text) + 1))) for _ in range(20)]
     for cut in cuts:
         bounds = [0, *cut, len(text)]
         pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
-        splitter, reasoning, content = ReasoningSplitter(), "", ""
+        splitter, reasoning, content = ReasoningSplitter(in_think), "", ""
         for piece in pieces:
             r, c = splitter.push(piece)
             reasoning, content = reasoning + r, content + c
