@@ -3,7 +3,9 @@ router's event loop: /v1/models, /v1/completions, /v1/chat/completions (streamed
 /health, /version and /metrics (Prometheus' text format; `metrics_only` serves that alone, on a port of its own).
 
 A request's body over the cap is answered 413 before the rest of it is read; a body within it is decoded and
-checked (`json_body`: depth, Unicode) and translated into a `RequestInput` for `request_builder`; parsing a
+checked (`json_body`: depth, Unicode) and translated into a `RequestInput` per prompt for `request_builder`
+(a completions request may list prompts: `prompt_batch`; parameters ignored are named in a response header and
+warned about once: `openai_fields`); parsing a
 large body and checking the request (rendering the chat template, tokenizing) run in a worker thread, so that
 other streams keep flowing meanwhile. The response waits for the first chunk before it
 starts, so that errors of admission (429, 503) and of the request (400) get their status; after
@@ -40,8 +42,9 @@ from pdserve.frontend.engine_client import Choices, Chunk, EngineClient
 from pdserve.frontend.errors import BodyTooLargeError, http_error_for
 from pdserve.frontend.http_protocol import Deadlines, protocol_factory
 from pdserve.frontend.json_body import decode_body
+from pdserve.frontend.openai_fields import IgnoredFieldsLog
 from pdserve.frontend.prompt_batch import submit_all
-from pdserve.frontend.reasoning import ReasoningSplitter, split_reasoning
+from pdserve.frontend.reasoning import ReasoningSplitter, chat_delta, split_reasoning
 from pdserve.frontend.request_builder import build_request
 from pdserve.frontend.security import Credentials, require_key
 from pdserve.frontend.validation import prompt_bytes_limit
@@ -54,9 +57,6 @@ _PARSE_IN_THREAD_BYTES = 64 << 10
 _STARTUP_TIMEOUT_S = 10.0
 _TOKEN_TEXTS_KEPT = 1 << 18
 """Token texts remembered for log-probabilities (a vocabulary's worth: DeepSeek-V3 has 129,280 tokens)."""
-_IGNORED_NAMES_WARNED = 1024
-"""Ignored parameter names warned about once each; past this many, no more warnings (a client sending
-made-up names must not grow memory or flood the log)."""
 
 
 def _version() -> str:
@@ -186,7 +186,7 @@ class HttpFrontEnd:
         app = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
         self.app = require_key(app, credentials or Credentials(), self._error)
         self._token_texts: dict[int, str] = {}
-        self._warned_ignored: set[str] = set()
+        self._ignored = IgnoredFieldsLog()
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
 
@@ -358,7 +358,7 @@ class HttpFrontEnd:
         reasoning = None
         if self.reasoning and kind == api.CHAT:
             reasoning = checked[0].prompt_in_think or not self._think_from_prompt
-        headers = self._ignored_header(req)
+        headers = self._ignored.headers(req.ignored)
         prompt_tokens = sum(len(c.prompt_ids) for c in checked)
         if req.stream:
             events = self._events(req, head, generation, first, reasoning, prompt_tokens)
@@ -376,20 +376,6 @@ class HttpFrontEnd:
             return self._error(e, f"request {generation.request_id}")
         finally:
             generation.cancel()
-
-    def _ignored_header(self, req: api.OpenAIRequest) -> dict[str, str]:
-        """The header naming the parameters `req` gave that were ignored (none: no header); a WARNING the
-        first time this process ignores each name."""
-        if not req.ignored:
-            return {}
-        new = [n for n in dict.fromkeys(req.ignored) if n not in self._warned_ignored]
-        if new and len(self._warned_ignored) < _IGNORED_NAMES_WARNED:
-            self._warned_ignored.update(new)
-            logger.warning(
-                "ignoring request parameters this server does not use: %s (warned once per name)",
-                api.ignored_names(tuple(new)),
-            )
-        return {api.IGNORED_HEADER: api.ignored_names(req.ignored)}
 
     async def _whole(
         self, req: api.OpenAIRequest, head: api.ResponseHead, generation: Choices, first: Chunk,
@@ -467,7 +453,7 @@ class HttpFrontEnd:
                     generated[i] = chunk.num_generated_tokens
                     extra = {"usage": api.usage(prompt_tokens, sum(generated))}
                 if chat:
-                    body = _chat_delta(splitters[i], delta, done)
+                    body = chat_delta(splitters[i], delta, done)
                     if body or logprobs is not None:
                         yield _sse(api.chat_chunk(head, body, None, i, logprobs, **extra))
                 elif delta or logprobs is not None:
@@ -497,22 +483,6 @@ class HttpFrontEnd:
         finally:
             generation.cancel()
         yield _DONE
-
-
-def _chat_delta(splitter: ReasoningSplitter | None, text: str, last: bool) -> dict[str, str]:
-    """A chat stream's delta for `text` (empty: nothing to send); `last` flushes what the splitter held."""
-    if splitter is None:
-        return {"content": text} if text else {}
-    thought, content = splitter.push(text)
-    if last:
-        more_thought, more_content = splitter.flush()
-        thought, content = thought + more_thought, content + more_content
-    body = {}
-    if thought:
-        body["reasoning_content"] = body["reasoning"] = thought
-    if content:
-        body["content"] = content
-    return body
 
 
 async def _next(generation: Choices) -> Chunk:

@@ -4,16 +4,16 @@ OpenAI calls them; and how to answer), and the response and stream-chunk objects
 
 Every parameter a client may send is either used; accepted only at the value that asks for nothing
 (`best_of: 1`, `echo: false`, `logit_bias: {}`, ...) and otherwise refused with InvalidRequestError naming it;
-or ignored, as vLLM ignores it: OpenAI's parameters that change nothing a model computes (`IGNORED`: `store`,
-`metadata`, `service_tier`, ...; their types still checked) and names this API does not know. An ignored name
-is listed in `OpenAIRequest.ignored`, which the HTTP server logs and answers in a header. The values are
-checked by `request_builder`, as the gRPC API's are. Pure Python: no I/O, no event loop."""
+or ignored, as vLLM ignores it: OpenAI's parameters that change nothing a model computes
+(`openai_fields.IGNORED`: `store`, `metadata`, `service_tier`, ...; their types still checked) and names this
+API does not know. An ignored name is listed in `OpenAIRequest.ignored`, which the HTTP server logs and
+answers in a header. The values are checked by `request_builder`, as the gRPC API's are. Pure Python: no I/O,
+no event loop."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import time
 import uuid
 from collections.abc import Callable
@@ -21,6 +21,8 @@ from typing import Any
 
 from pdserve.engine.messages import SpecCounts
 from pdserve.engine.sampling_params import TokenLogprobs
+from pdserve.frontend.openai_fields import IGNORED, IGNORED_STREAM_OPTIONS
+from pdserve.frontend.prompt_batch import MAX_CHOICES, completion_prompts
 from pdserve.frontend.request_builder import RequestInput
 from pdserve.frontend.validation import FieldNames, SamplingRequest
 from pdserve.model.errors import InvalidRequestError
@@ -43,41 +45,6 @@ _INERT: dict[str, tuple[Any, ...]] = {
 }
 
 
-def _is_str(value) -> bool:
-    return isinstance(value, str)
-
-
-def _is_bool(value) -> bool:
-    return isinstance(value, bool)
-
-
-def _is_object(value) -> bool:
-    return isinstance(value, dict)
-
-
-IGNORED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "store": (_is_bool, "true or false"),
-    "metadata": (_is_object, "an object"),
-    "service_tier": (_is_str, "a string"),
-    "reasoning_effort": (_is_str, "a string"),
-    "modalities": (lambda v: isinstance(v, list) and all(map(_is_str, v)), "a list of strings"),
-    "prediction": (_is_object, "an object"),
-    "verbosity": (_is_str, "a string"),
-    "prompt_cache_key": (_is_str, "a string"),
-    "safety_identifier": (_is_str, "a string"),
-    "parallel_tool_calls": (_is_bool, "true or false"),
-}
-"""OpenAI parameters accepted and ignored, as vLLM ignores them (they ask for storage, billing tiers, caching
-hints or output modes that change no token here), each with its type check: a value of the wrong type is
-still refused naming it. Listed in `OpenAIRequest.ignored` when given (not null)."""
-IGNORED_STREAM_OPTIONS = frozenset({"include_obfuscation"})
-"""`stream_options` keys accepted and ignored (obfuscation pads chunks against side channels; none here)."""
-
-MAX_PROMPTS = 128
-"""Prompts one /v1/completions request may list (`prompt: ["a", "b"]` or lists of token ids); each becomes
-a request of its own."""
-MAX_CHOICES = 256
-"""Choices one request may ask for in all: prompts x n."""
 _COMMON = {
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "stop", "stop_token_ids", "ignore_eos", "user", "logprobs", "n", "best_of", "presence_penalty",
@@ -191,40 +158,6 @@ def _stop_strings(body: dict) -> list[str]:
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         return stop
     raise InvalidRequestError("stop", f"expected a string or a list of strings, got {stop!r:.80}")
-
-
-def _completion_prompts(body: dict) -> list[tuple[str | None, list[int] | None]]:
-    """The prompts of a completions body, each as (text, None) or (None, token ids): one string or list of
-    token ids, or a list of up to MAX_PROMPTS of either."""
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise InvalidRequestError("prompt", "missing: a string or a list of token ids")
-    if isinstance(prompt, str) or _int_list(prompt) and prompt:
-        prompts = [prompt]
-    elif isinstance(prompt, list) and any(isinstance(p, str | list) for p in prompt):
-        prompts = prompt
-    elif prompt == []:
-        raise InvalidRequestError("prompt", "is empty")
-    else:
-        raise InvalidRequestError(
-            "prompt", "expected a string, a list of token ids, or a list of either"
-        )
-    if len(prompts) > MAX_PROMPTS:
-        raise InvalidRequestError(
-            "prompt", f"{len(prompts)} prompts; one request takes at most {MAX_PROMPTS}"
-        )
-    out = []
-    for i, p in enumerate(prompts):
-        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-        if isinstance(p, str) and p:
-            out.append((p, None))
-        elif _int_list(p) and p:
-            out.append((None, p))
-        elif p in ("", []):
-            raise InvalidRequestError(where, "is empty")
-        else:
-            raise InvalidRequestError(where, "expected a string or a list of token ids")
-    return out
 
 
 def _message_text(content, where: str) -> str:
@@ -341,7 +274,7 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
     messages = None
     add_generation_prompt, template_kwargs = True, {}
     if kind == COMPLETIONS:
-        prompts = _completion_prompts(body)
+        prompts = completion_prompts(body)
         if len(prompts) > 1 and len(prompts) * n > MAX_CHOICES:
             raise InvalidRequestError(
                 "n",
@@ -378,25 +311,13 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
                 stop=stop,
             )
         )
-    tokens_as_ids = _optional(body, "return_tokens_as_token_ids", _is_bool, "true or false")
+    tokens_as_ids = _optional(
+        body, "return_tokens_as_token_ids", lambda v: isinstance(v, bool), "true or false"
+    )
     return OpenAIRequest(
         kind, model, tuple(inputs), stream, include_usage, continuous_usage,
         tokens_as_ids or False, tuple(ignored),
     )  # fmt: skip
-
-
-IGNORED_HEADER = "x-pdserve-ignored-fields"
-"""The response header that names the parameters a request gave and the server ignored."""
-_SHOWN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
-_MAX_SHOWN = 32
-
-
-def ignored_names(names: tuple[str, ...]) -> str:
-    """`names` as the ignored-fields header and the log name them: comma-separated, those that are not plain
-    short identifiers (any text a client may send as a key) and those past the first few counted instead."""
-    shown = [n for n in names if _SHOWN_NAME.fullmatch(n)][:_MAX_SHOWN]
-    rest = len(names) - len(shown)
-    return ", ".join(shown + ([f"({rest} more)"] if rest else []))
 
 
 # Responses.

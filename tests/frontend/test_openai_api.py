@@ -21,15 +21,9 @@ from pdserve.engine.messages import SpecCounts
 from pdserve.frontend.chat_template import ChatTemplate
 from pdserve.frontend.errors import http_error_for
 from pdserve.frontend.json_body import MAX_JSON_DEPTH, decode_body
-from pdserve.frontend.openai_api import (
-    CHAT,
-    COMPLETIONS,
-    IGNORED,
-    MAX_PROMPTS,
-    ignored_names,
-    parse,
-    usage,
-)
+from pdserve.frontend.openai_api import CHAT, COMPLETIONS, parse, usage
+from pdserve.frontend.openai_fields import IGNORED, ignored_names
+from pdserve.frontend.prompt_batch import MAX_PROMPTS
 from pdserve.frontend.reasoning import ReasoningSplitter, prompt_opens_think, split_reasoning
 from pdserve.frontend.text_stream import TextStream
 from pdserve.frontend.validation import (

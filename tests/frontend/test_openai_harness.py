@@ -13,7 +13,8 @@ import uuid
 import openai
 import pytest
 
-from pdserve.frontend.openai_api import IGNORED_HEADER, MAX_PROMPTS
+from pdserve.frontend.openai_fields import IGNORED_HEADER
+from pdserve.frontend.prompt_batch import MAX_PROMPTS
 from pdserve.model.tokenizer import Tokenizer
 
 
@@ -116,7 +117,7 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(api, model, 
 
 
 def test_openai_fields_vllm_ignores_are_ignored_named_and_warned_once(api, model, caplog):
-    caplog.set_level(logging.WARNING, logger="pdserve.frontend.http_server")
+    caplog.set_level(logging.WARNING, logger="pdserve.frontend.openai_fields")
     unknown = f"made_up_{uuid.uuid4().hex[:8]}"
     fields = {
         "store": True, "metadata": {"run": "x"}, "service_tier": "auto", "reasoning_effort": "low",
