@@ -12,7 +12,9 @@ import uuid
 
 import openai
 import pytest
+from serving import wait_for
 
+from pdserve.cli.client import Client
 from pdserve.frontend.openai_fields import IGNORED_HEADER
 from pdserve.frontend.prompt_batch import MAX_PROMPTS
 from pdserve.model.tokenizer import Tokenizer
@@ -74,6 +76,27 @@ def test_a_list_of_text_prompts_with_n_is_prompt_major_whole_and_streamed(api, m
     assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens) == (
         reply.usage.prompt_tokens, 16,
     )  # fmt: skip
+
+
+def test_leaving_a_stream_of_several_prompts_frees_every_prompt_s_pages(shared_server, api, model):
+    stream = api.completions.create(
+        model=model, prompt=[[0, *range(10, 100)], [0, *range(200, 260)]], stream=True, n=2,
+        **greedy(3000),
+    )  # fmt: skip
+    chunks = iter(stream)
+    seen = set()
+    while len(seen) < 4:  # every choice of both prompts under way
+        seen |= {c.index for c in next(chunks).choices}
+    with Client(shared_server.address) as client:
+        assert client.status().num_requests == 4
+        stream.close()
+
+        def all_free():
+            status = client.status()
+            used = [w.kv_pages_used for pool in status.pools for w in pool.workers]
+            return status.num_requests == 0 and not any(used)
+
+        wait_for(all_free, 10, "pages freed after the client left a stream of two prompts")
 
 
 def test_too_many_prompts_is_400_naming_prompt(api, model):
