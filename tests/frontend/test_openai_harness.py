@@ -1,9 +1,9 @@
 """The OpenAI HTTP API as evaluation harnesses and benchmark tools call it, through the official `openai` client on
 the shared tiny server: a list of prompts in one completions request (lm-eval's batches) answers each prompt as a
-request of its own would, choices prompt-major, usage summed, streamed too; `continuous_usage_stats` (guidellm)
-puts the usage so far in every chunk; OpenAI parameters that vLLM ignores, and unknown ones, are ignored with a
-warning and a header naming them, while a known parameter with a bad value is still a 400 naming it; the tiny
-model's chat answers land in `content`, and in `reasoning_content` only inside a think block the prompt opens."""
+request of its own would, choices prompt-major, usage summed, streamed too, and a client that leaves frees every
+prompt's pages; `continuous_usage_stats` (guidellm) puts the usage so far in every chunk; OpenAI parameters that
+vLLM ignores, and unknown ones, are ignored with a warning and a header naming them, while a known parameter with
+a bad value is still a 400 naming it. (The tiny model's chat answers in `content`: test_openai_http.py.)"""
 
 from __future__ import annotations
 
