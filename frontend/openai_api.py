@@ -43,8 +43,6 @@ _INERT: dict[str, tuple[Any, ...]] = {
     "continue_final_message": (None, False),
     "prompt_logprobs": (None,),
 }
-
-
 _COMMON = {
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "stop", "stop_token_ids", "ignore_eos", "user", "logprobs", "n", "best_of", "presence_penalty",
