@@ -145,8 +145,9 @@ class RouterConfig:
     free one; none: no such port (the HTTP port serves /metrics too)."""
     reasoning_parser: str = "auto"
     """Where chat responses put text inside <think>...</think>: deepseek_r1 (in reasoning_content, the rest in
-    content), none (all in content), or auto (deepseek_r1 when the checkpoint's chat template closes a think
-    block and its vocabulary has both think tokens)."""
+    content), none (all in content), or auto (where the checkpoint's template and vocabulary have a think block:
+    per request, deepseek_r1 when the rendered prompt leaves a think block open, else content unless the output
+    opens one)."""
     max_prompt_bytes: int = 8 << 20
     """Largest prompt text (a chat's rendered messages included) in bytes, refused before it is tokenized; an
     HTTP request body may be twice that plus 1 MiB (JSON escapes), refused before it is parsed."""
