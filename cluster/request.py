@@ -31,6 +31,11 @@ class Request:
     prefill: WorkerHandle | None = None
     """Set while the prompt is on P (until the first token arrives from D)."""
     prefill_tokens: int = 0
+    """Its prompt tokens counted in the queue of the worker computing them (`WorkerHandle.queued_tokens`)."""
+    prefilling_on: WorkerHandle | None = None
+    """The worker computing its prompt (P, or D where D prefills it), until the first token arrives."""
+    expected_hits: dict[WorkerHandle, int] = dataclasses.field(default_factory=dict)
+    """While it is being placed: the prompt tokens each candidate's prefix cache is expected to hold."""
     decode_worker: str = ""
     prefill_worker: str = ""
     admitted_at: float | None = None
