@@ -11,9 +11,10 @@ request is greedy with EOS ignored (--output-len tokens each). The same load (sa
 with router.prefix_aware_routing on and one with it off; the workers' prefix caches are on in both.
 
 Reported per policy: hit rate (prompt tokens found cached over prompt tokens, from each response's
-usage.cached_tokens; the first turns, which nothing can hit, counted too and also left out), TTFT p50/p99 over
-all turns and over the turns after the first, and where the turns ran (requests per worker, from the server's log
-is not needed: the hit rate shows it). Writes $OUT/prefix_routing.json when OUT is set."""
+usage.cached_tokens) and TTFT p50/p99, over all turns and over the turns after the first (the first turns find
+nothing cached under either policy). A turn can find at most the full pages of the previous turn's prompt (a
+worker caches the pages its prefill computed), so the later turns' hit rate stays below 1 even where every turn
+goes to the right worker. Writes $OUT/prefix_routing.json when OUT is set."""
 
 from __future__ import annotations
 
