@@ -19,7 +19,7 @@ import ray
 from pdserve.cluster.config import RouterConfig
 from pdserve.cluster.errors import DeadlineExceededError, UnavailableError, WorkerLostError
 from pdserve.cluster.pools import DECODE, PREFILL, WorkerHandle, WorkerState
-from pdserve.cluster.prefix_routing import rank_by_prefix
+from pdserve.cluster.prefix_routing import PromptHashes, rank_by_prefix
 from pdserve.cluster.request import Request
 from pdserve.engine import messages
 from pdserve.engine.checks import check_pages
@@ -155,6 +155,7 @@ class Admission:
                 return False
             d.in_flight_pages += need
             future = self._start_call(r, d, d.actor.add_request.remote(payload))
+            self._expect(r, prefill or d)  # seen by the next request's choice, before the answer
         try:
             reservation = messages.unwrap(Reservation, await self._end_call(r, d, future))
         except (CapacityError, WorkerLostError):
@@ -201,11 +202,19 @@ class Admission:
     ) -> list[WorkerHandle]:
         """`workers` best first by prefix-cache hit and load (`prefix_routing`); their expected hits go to
         `r.expected_hits`."""
+        r.prompt_hashes = PromptHashes(tokens)
         ranked, r.expected_hits = rank_by_prefix(
-            workers, tokens, lambda w: w.queued_tokens, self.config.prefix_load_weight,
+            workers, r.prompt_hashes, lambda w: w.queued_tokens, self.config.prefix_load_weight,
             lambda w: w.prefix,
         )  # fmt: skip
         return ranked
+
+    @staticmethod
+    def _expect(r: Request, w: WorkerHandle) -> None:
+        """`r`'s prompt is placed on `w` to prefill: its pages count as cached there from now on
+        (`PrefixIndex.expect`)."""
+        if r.prompt_hashes is not None and w.prefix is not None:
+            w.prefix.expect(r.prompt_hashes.of(w.prefix), time.monotonic())
 
     async def _try_admit(self, r: Request, force) -> bool:
         choice = self._choose(r, force)
@@ -238,7 +247,8 @@ class Admission:
         r.prefilling_on = prefill or d
         r.prefill_tokens = len(tokens) - r.expected_hits.get(r.prefilling_on, 0)
         r.prefilling_on.queued_tokens += r.prefill_tokens
-        r.expected_hits = {}
+        self._expect(r, r.prefilling_on)
+        r.expected_hits, r.prompt_hashes = {}, None
         if prefill is None:
             return
         r.prefill = prefill

@@ -5,7 +5,9 @@ The index. A worker whose prefix cache is on reports the pages it cached and evi
 (`messages.CacheEvents`: the first bytes of each page's chained hash, a net count per hash, bounded per answer;
 `engine.prefix_cache.CacheEventLog`). `PrefixIndex` keeps a count per hash per worker. It is approximate (events
 arrive a poll late, a log that overflowed sends only its newest hashes) and only steers placement: the worker
-itself matches the prompt against its own cache, so a stale index costs a miss, never a wrong token.
+itself matches the prompt against its own cache, so a stale index costs a miss, never a wrong token. A prompt's
+pages count as on the worker it was placed on from its placement (`PrefixIndex.expect`) until that worker's events
+say so, or for PENDING_S at most: a burst of prompts that share a new prefix sees it where the first one went.
 
 The request's pages. The router hashes a prompt as the worker does (`prefix_cache.chain_hashes`, the worker's
 page size; with `lookahead`, where the worker speculates, a page's hash covers the token after the page too) and
@@ -27,11 +29,17 @@ as before. A decode worker that receives its KV from a prefill worker is chosen 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from pdserve.engine.messages import CacheEvents
 from pdserve.engine.prefix_cache import EVENT_HASH_BYTES, chain_hashes, prompt_pages
+
+PENDING_S = 10.0
+"""How long a placed prompt's pages count as on its worker without that worker's events saying so."""
+MAX_PENDING = 1 << 16
+"""Pages expected per worker at most; past it the expired ones go, and if still too many, all."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -45,6 +53,8 @@ class PrefixIndex:
     """A page's hash covers the token after it (`PrefixCache.lookahead`)."""
     counts: dict[bytes, int] = dataclasses.field(default_factory=dict)
     """Per hash (its first EVENT_HASH_BYTES bytes): the copies cached (one per rank holding it)."""
+    pending: dict[bytes, float] = dataclasses.field(default_factory=dict)
+    """Hashes of pages of prompts placed here that its events have not reported yet: until when they count."""
 
     @classmethod
     def from_info(cls, info: dict[str, Any] | None) -> PrefixIndex | None:
@@ -57,22 +67,38 @@ class PrefixIndex:
     def apply(self, events: CacheEvents) -> None:
         if events.reset:
             self.counts.clear()
-        counts = self.counts
+        counts, pending = self.counts, self.pending
         for h in events.added:
             counts[h] = counts.get(h, 0) + 1
+            pending.pop(h, None)
         for h in events.evicted:
+            pending.pop(h, None)
             n = counts.get(h, 0) - 1
             if n > 0:
                 counts[h] = n
             else:
                 counts.pop(h, None)
 
-    def hit_tokens(self, hashes: Sequence[bytes], num_tokens: int) -> int:
-        """Tokens a prefill of `num_tokens` tokens whose page hashes are `hashes` (short ones) would find here."""
+    def expect(self, hashes: Sequence[bytes], now: float) -> None:
+        """A prompt whose pages have these hashes was placed here: they count as cached here for PENDING_S."""
+        pending = self.pending
+        if len(pending) + len(hashes) > MAX_PENDING:
+            for h in [h for h, until in pending.items() if until <= now]:
+                del pending[h]
+            if len(pending) + len(hashes) > MAX_PENDING:
+                pending.clear()
+        until = now + PENDING_S
+        for h in hashes:
+            if h not in self.counts:
+                pending[h] = until
+
+    def hit_tokens(self, hashes: Sequence[bytes], num_tokens: int, now: float = 0.0) -> int:
+        """Tokens a prefill of `num_tokens` tokens whose page hashes are `hashes` (short ones) would find here
+        (pages expected here count until their time at `now`)."""
         limit = prompt_pages(num_tokens, self.page_size, self.hit_unit)
         pages = 0
         for h in hashes[:limit]:
-            if h not in self.counts:
+            if h not in self.counts and self.pending.get(h, 0.0) <= now:
                 break
             pages += 1
         return pages * self.page_size // self.hit_unit * self.hit_unit
@@ -97,12 +123,12 @@ class PromptHashes:
             hashes = self._made[key] = [h[:EVENT_HASH_BYTES] for h in full]
         return hashes
 
-    def hit_tokens(self, index: PrefixIndex | None) -> int:
-        return 0 if index is None else index.hit_tokens(self.of(index), len(self.tokens))
+    def hit_tokens(self, index: PrefixIndex | None, now: float = 0.0) -> int:
+        return 0 if index is None else index.hit_tokens(self.of(index), len(self.tokens), now)
 
 
 def rank_by_prefix(
-    workers: Iterable[Any], tokens: Sequence[int], load: Callable[[Any], float], weight: float,
+    workers: Iterable[Any], prompt: PromptHashes, load: Callable[[Any], float], weight: float,
     index: Callable[[Any], PrefixIndex | None],
 ) -> tuple[list[Any], dict[Any, int]]:  # fmt: skip
     """`workers` (in their load-only order of preference) best first by the policy of the module docstring:
@@ -111,8 +137,8 @@ def rank_by_prefix(
     workers = list(workers)
     if not any(index(w) is not None for w in workers):
         return workers, {}
-    prompt = PromptHashes(tokens)
-    hits = {w: prompt.hit_tokens(index(w)) for w in workers}
+    now = time.monotonic()
+    hits = {w: prompt.hit_tokens(index(w), now) for w in workers}
     scored = [(weight * load(w) - hits[w], load(w), i, w) for i, w in enumerate(workers)]
     scored.sort(key=lambda s: s[:3])
     return [s[3] for s in scored], hits

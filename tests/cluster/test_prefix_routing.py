@@ -6,6 +6,7 @@ goes there unless that worker is much busier, and a prefix evicted there stops a
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -83,7 +84,7 @@ def test_the_policy_weighs_the_hit_against_the_load():
     for holder_load, weight, best in [(0, 1.0, "holder"), (39, 1.0, "holder"), (41, 1.0, "other"),
                                       (5, 10.0, "other"), (1000, 0.0, "holder")]:  # fmt: skip
         load = {"holder": holder_load, "other": 0}
-        ranked, hits = rank_by_prefix(workers, prompt, load.get, weight, workers.get)
+        ranked, hits = rank_by_prefix(workers, PromptHashes(prompt), load.get, weight, workers.get)
         assert ranked[0] == best and hits == {"holder": 40, "other": 0}
 
 
@@ -209,3 +210,31 @@ def test_an_evicted_prefix_stops_attracting_requests():
         assert where != first and cached == 0
 
     run(test)
+
+
+@pytest.mark.timed
+def test_a_burst_sharing_a_new_prefix_goes_where_the_first_was_placed():
+    """The second prompt is placed while the first is still prefilling (its worker held), before any cache
+    event: its pages count as there from the first's placement."""
+
+    async def test(c: Cluster):
+        d0, gate = c.actors["d0"].worker, threading.Event()
+        d0.runner.on_execute = lambda plan: gate.wait(HANG_S)
+        params = SamplingParams(max_tokens=2, seed=1)
+        first = c.router.open("a", PROMPT, params, None)
+        second = c.router.open("b", [*PROMPT, 50, 51, 52, 53], params, None)
+        tasks = [asyncio.create_task(c.router.next_tokens(r)) for r in (first, second)]
+        try:
+            give_up = time.monotonic() + HANG_S
+            while not (first.decode and second.decode):
+                assert time.monotonic() < give_up, "the requests were not placed"
+                await asyncio.sleep(0.002)
+            assert not c.handles["d0"].prefix.counts  # no event came: only the placement tells
+            assert (first.decode_worker, second.decode_worker) == ("d0", "d0")
+        finally:
+            gate.set()
+        await asyncio.gather(*tasks)
+        for r in (first, second):
+            c.router.close(r)
+
+    run(test, prefix_load_weight=0.5)
