@@ -117,6 +117,11 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="deadline per request, s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--policies",
+        default="prefix_aware,load_only",
+        help="which to run, in this order (comma-separated)",
+    )
+    p.add_argument(
         "--log", default="/tmp/pdserve-prefix-routing-serve.log", help="the server's log"
     )
     p.add_argument(
@@ -125,8 +130,12 @@ def main() -> None:
     args = p.parse_args()
     if args.decode < 1 or args.prefill < 0 or args.conversations < 1 or args.turns < 1:
         sys.exit("--decode and --conversations and --turns must be >= 1, --prefill >= 0")
+    unknown = set(args.policies.split(",")) - {"prefix_aware", "load_only"}
+    if unknown:
+        sys.exit(f"--policies: unknown {sorted(unknown)} (expected prefix_aware, load_only)")
     summary = {"config": {k: v for k, v in vars(args).items() if k != "log"}}
-    for policy, on in (("prefix_aware", "true"), ("load_only", "false")):
+    for policy in args.policies.split(","):
+        on = {"prefix_aware": "true", "load_only": "false"}[policy]
         flags = [
             "--prefill", str(args.prefill), "--decode", str(args.decode),
             "--router.prefix-aware-routing", on, "--router.prefix-load-weight", str(args.load_weight),
