@@ -14,7 +14,8 @@ Reported per policy: hit rate (prompt tokens found cached over prompt tokens, fr
 usage.cached_tokens) and TTFT p50/p99, over all turns and over the turns after the first (the first turns find
 nothing cached under either policy). A turn can find at most the full pages of the previous turn's prompt (a
 worker caches the pages its prefill computed), so the later turns' hit rate stays below 1 even where every turn
-goes to the right worker. Writes $OUT/prefix_routing.json when OUT is set."""
+goes to the right worker. On a small shared machine the server started second can run faster than the first
+whatever its policy: compare runs in both orders (--policies). Writes $OUT/prefix_routing.json when OUT is set."""
 
 from __future__ import annotations
 
