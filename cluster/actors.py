@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 
 from pdserve.cluster.config import ModelConfig
 from pdserve.engine import messages
@@ -29,8 +28,6 @@ from pdserve.engine.messages import DecodeRequest, PrefillRequest
 from pdserve.kvtransfer import KVTransferConfig
 
 logger = logging.getLogger(__name__)
-
-_POLL_FAILURES_S = 0.01
 
 
 def _torch_dtype(name: str):
@@ -156,6 +153,8 @@ class _WorkerShell:
         """What the router needs to know once the model is loaded: node, device and KV capacity."""
         import ray
 
+        from pdserve.engine import worker
+
         if self._init_error is not None:
             return messages.reply_error(self._init_error)
         return self._call(lambda: {
@@ -163,6 +162,7 @@ class _WorkerShell:
             "device": str(self.device),
             "num_pages": self.worker.num_pages,
             "page_size": self.worker.config.page_size,
+            "prefix_cache": worker.prefix_cache_info(self.worker.scheduler),
             "pid": os.getpid(),
             "rank_pids": [] if self.ranks is None else list(self.ranks.rank_pids),
         })  # fmt: skip
@@ -199,12 +199,9 @@ class PrefillShell(_WorkerShell):
         return self._call(lambda: self.worker.peer_lost(decode_worker))
 
     def poll_failures(self, timeout_s: float) -> bytes:
-        """The requests the worker failed since the last call (`list[PrefillFailure]`); waits up to timeout_s
-        for the first (the router's long-poll)."""
-        deadline = time.monotonic() + timeout_s
-        while not (failures := self.worker.poll_failures()) and time.monotonic() < deadline:
-            time.sleep(_POLL_FAILURES_S)
-        return messages.encode(failures)
+        """The requests the worker failed since the last call and its prefix cache's events (`PrefillPoll`);
+        waits up to timeout_s for them (the router's long-poll: `PrefillWorker.poll`)."""
+        return messages.encode(self.worker.poll(timeout_s))
 
 
 class DecodeShell(_WorkerShell):
@@ -226,5 +223,6 @@ class DecodeShell(_WorkerShell):
         return self._call(lambda: self.worker.add_request(messages.decode(DecodeRequest, request)))
 
     def poll_outputs(self, timeout_s: float) -> bytes:
-        """Per-step output batches since the last call; waits up to timeout_s for the first."""
-        return messages.encode(self.worker.poll_outputs(timeout_s))
+        """Per-step output batches since the last call, with the prefix cache's events (`DecodePoll`); waits up
+        to timeout_s for the first batch."""
+        return messages.encode(self.worker.poll(timeout_s))

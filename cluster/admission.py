@@ -1,5 +1,7 @@
 """The router's placement of a request (`Admission`, an object the router owns): on which decode worker it runs and
-which prefill worker computes its prompt, by the router's estimates of free pages and queued prompt tokens; its
+which prefill worker computes its prompt, by the router's estimates of free pages and queued prompt tokens and,
+with `router.prefix_aware_routing`, the prompt tokens each worker's prefix cache is expected to hold
+(`prefix_routing`: the worker that computes the prompt, a prefill worker or a decode worker prefilling it); its
 admission in arrival order when no decode worker has room (up to `router.admission_timeout_s`), or at once in a
 burst (the reservation sent in its turn, the answer awaited after); and the tracking of every actor call made for
 a request, so its cleanup waits for them and aborts it where it went."""
@@ -17,6 +19,7 @@ import ray
 from pdserve.cluster.config import RouterConfig
 from pdserve.cluster.errors import DeadlineExceededError, UnavailableError, WorkerLostError
 from pdserve.cluster.pools import DECODE, PREFILL, WorkerHandle, WorkerState
+from pdserve.cluster.prefix_routing import PromptHashes, rank_by_prefix
 from pdserve.cluster.request import Request
 from pdserve.engine import messages
 from pdserve.engine.checks import check_pages
@@ -152,6 +155,7 @@ class Admission:
                 return False
             d.in_flight_pages += need
             future = self._start_call(r, d, d.actor.add_request.remote(payload))
+            self._expect(r, prefill or d)  # seen by the next request's choice, before the answer
         try:
             reservation = messages.unwrap(Reservation, await self._end_call(r, d, future))
         except (CapacityError, WorkerLostError):
@@ -179,11 +183,38 @@ class Admission:
             prefill = min(prefills, key=lambda w: w.queued_tokens, default=None)
             if r.generated and self.replay_on_decode:
                 prefill = None
+            elif prefill is not None and self.config.prefix_aware_routing:
+                prefill = self._by_prefix(
+                    r, sorted(prefills, key=lambda w: w.queued_tokens), tokens
+                )[0]
+            if prefill is None and self.config.prefix_aware_routing:  # D prefills it
+                roomy = [d for d in decodes if d.free_pages >= need]
+                ranked = self._by_prefix(r, roomy, tokens)
+                decodes = ranked + [d for d in decodes if d.free_pages < need]
         peer = prefill.worker_id if prefill is not None else None
         payload = messages.encode(
             DecodeRequest(r.request_id, r.prompt_ids, r.params, peer, r.generated)
         )
         return prefill, decodes, tokens, payload
+
+    def _by_prefix(
+        self, r: Request, workers: list[WorkerHandle], tokens: list[int]
+    ) -> list[WorkerHandle]:
+        """`workers` best first by prefix-cache hit and load (`prefix_routing`); their expected hits go to
+        `r.expected_hits`."""
+        r.prompt_hashes = PromptHashes(tokens)
+        ranked, r.expected_hits = rank_by_prefix(
+            workers, r.prompt_hashes, lambda w: w.queued_tokens, self.config.prefix_load_weight,
+            lambda w: w.prefix,
+        )  # fmt: skip
+        return ranked
+
+    @staticmethod
+    def _expect(r: Request, w: WorkerHandle) -> None:
+        """`r`'s prompt is placed on `w` to prefill: its pages count as cached there from now on
+        (`PrefixIndex.expect`)."""
+        if r.prompt_hashes is not None and w.prefix is not None:
+            w.prefix.expect(r.prompt_hashes.of(w.prefix), time.monotonic())
 
     async def _try_admit(self, r: Request, force) -> bool:
         choice = self._choose(r, force)
@@ -212,11 +243,16 @@ class Admission:
         d.requests.add(r.request_id)
         d.reserved_pages += reservation.num_pages
         r.prefill_worker = prefill.worker_id if prefill is not None else ""
+        # the prompt tokens left to compute count in the queue of the worker that computes them
+        r.prefilling_on = prefill or d
+        r.prefill_tokens = len(tokens) - r.expected_hits.get(r.prefilling_on, 0)
+        r.prefilling_on.queued_tokens += r.prefill_tokens
+        self._expect(r, r.prefilling_on)
+        r.expected_hits, r.prompt_hashes = {}, None
         if prefill is None:
             return
-        r.prefill, r.prefill_tokens = prefill, len(tokens)
+        r.prefill = prefill
         prefill.requests.add(r.request_id)
-        prefill.queued_tokens += len(tokens)
         request = PrefillRequest(
             r.request_id, tokens, r.params, len(r.generated), reservation.endpoint or r.decode_worker,
             reservation.transfer_id, reservation.dest_cuts,
@@ -262,8 +298,10 @@ class Admission:
         """`r`'s prompt is off its prefill worker (its first token came): the worker's queue estimate drops it."""
         if r.prefill is not None:
             r.prefill.requests.discard(r.request_id)
-            r.prefill.queued_tokens -= r.prefill_tokens
-            r.prefill, r.prefill_tokens = None, 0
+            r.prefill = None
+        if r.prefilling_on is not None:
+            r.prefilling_on.queued_tokens -= r.prefill_tokens
+            r.prefilling_on, r.prefill_tokens = None, 0
 
     def detach(self, r: Request) -> None:
         """`r` leaves the workers it is placed on (in the router's estimates; the workers are not told)."""

@@ -145,8 +145,9 @@ class RouterConfig:
     free one; none: no such port (the HTTP port serves /metrics too)."""
     reasoning_parser: str = "auto"
     """Where chat responses put text inside <think>...</think>: deepseek_r1 (in reasoning_content, the rest in
-    content), none (all in content), or auto (deepseek_r1 when the checkpoint's chat template closes a think
-    block and its vocabulary has both think tokens)."""
+    content), none (all in content), or auto (where the checkpoint's template and vocabulary have a think block:
+    per request, deepseek_r1 when the rendered prompt leaves a think block open, else content unless the output
+    opens one)."""
     max_prompt_bytes: int = 8 << 20
     """Largest prompt text (a chat's rendered messages included) in bytes, refused before it is tokenized; an
     HTTP request body may be twice that plus 1 MiB (JSON escapes), refused before it is parsed."""
@@ -194,6 +195,13 @@ class RouterConfig:
     role are not replaced and `pdserve status` says why. 0: never replace."""
     restart_window_s: float = 600.0
     """The window of max_restarts, in seconds."""
+    prefix_aware_routing: bool = True
+    """Choose the worker that computes a prompt (a prefill worker; with none, the decode worker that prefills
+    it) by the prompt tokens its prefix cache is expected to hold, from the workers' cache events, against its
+    load (`pdserve.cluster.prefix_routing`); off: by load alone."""
+    prefix_load_weight: float = 1.0
+    """Of that choice: a queued prompt token's weight against a token expected cached (1: the fewest tokens
+    computed before the request's first token; more: balance first; less: reuse first)."""
     heartbeat_timeout_s: float = 3.0
     """A worker silent (no answer to its stats call, sent every second, or its long-poll) this long past the
     deadline of the step it runs, or reporting a step that runs this long past it, is declared lost, killed and
@@ -238,6 +246,8 @@ class RouterConfig:
         for name in names:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be positive")
+        if not self.prefix_load_weight >= 0:
+            raise ValueError(f"prefix_load_weight={self.prefix_load_weight}: must be >= 0")
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests={self.max_queued_requests}: must be >= 1")
         if self.stats_interval_s < 0 or self.shutdown_grace_s < 0:

@@ -20,7 +20,13 @@ import time
 
 from pdserve.cluster.config import ModelConfig
 from pdserve.engine import messages
-from pdserve.engine.messages import DecodeRequest, DecodeStats, RequestOutput, Reservation
+from pdserve.engine.messages import (
+    DecodePoll,
+    DecodeRequest,
+    DecodeStats,
+    RequestOutput,
+    Reservation,
+)
 from pdserve.engine.pages import pages_needed
 from pdserve.engine.sampling_params import FinishReason
 from pdserve.model.errors import ConfigError
@@ -153,7 +159,7 @@ class FixedRateDecodeShell:
             if not self._outputs:
                 self._cond.wait(timeout_s)
             outputs, self._outputs = self._outputs, []
-        return messages.encode(outputs)
+        return messages.encode(DecodePoll(outputs))
 
     def abort(self, request_id: str) -> bytes:
         def abort() -> None:

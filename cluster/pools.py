@@ -19,6 +19,7 @@ from pdserve.cluster import placement
 from pdserve.cluster.actors import DecodeShell, PrefillShell
 from pdserve.cluster.config import ServeConfig
 from pdserve.cluster.fixed_rate_decode import FixedRateDecodeShell
+from pdserve.cluster.prefix_routing import PrefixIndex
 from pdserve.engine import messages
 from pdserve.engine.messages import DecodeStats, PrefillStats
 from pdserve.kvtransfer import KVTransferConfig
@@ -61,7 +62,10 @@ class WorkerHandle:
     """Requests on this worker: a decode worker's from admission to finish, a prefill worker's until their
     first token arrives from the decode side."""
     queued_tokens: int = 0
-    """Prefill: prompt tokens submitted here and not yet handed over (the router's load measure)."""
+    """Prompt tokens placed here to prefill whose first token has not come yet (the router's load measure of
+    a prefill worker; of a decode worker, those of the requests it prefills itself)."""
+    prefix: PrefixIndex | None = None
+    """What its prefix cache holds, by its cache events (None: its cache is off)."""
     reserved_pages: int = 0
     """Decode: pages reserved here since `stats` was taken."""
     in_flight_pages: int = 0
@@ -179,6 +183,7 @@ class Launcher:
         handle.node_ip, handle.device = info["node_ip"], info["device"]
         handle.last_heartbeat = time.monotonic()
         handle.num_pages, handle.page_size = info["num_pages"], info["page_size"]
+        handle.prefix = PrefixIndex.from_info(info.get("prefix_cache"))
         logger.info(
             "%s up on %s (%s): %d KV pages = %d tokens", worker_id, handle.node_ip,
             handle.device, handle.num_pages, handle.num_pages * handle.page_size,

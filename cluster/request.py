@@ -8,6 +8,7 @@ import dataclasses
 import time
 
 from pdserve.cluster.pools import WorkerHandle
+from pdserve.cluster.prefix_routing import PromptHashes
 from pdserve.engine.messages import SpecCounts, StageTimes
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -31,6 +32,13 @@ class Request:
     prefill: WorkerHandle | None = None
     """Set while the prompt is on P (until the first token arrives from D)."""
     prefill_tokens: int = 0
+    """Its prompt tokens counted in the queue of the worker computing them (`WorkerHandle.queued_tokens`)."""
+    prefilling_on: WorkerHandle | None = None
+    """The worker computing its prompt (P, or D where D prefills it), until the first token arrives."""
+    expected_hits: dict[WorkerHandle, int] = dataclasses.field(default_factory=dict)
+    """While it is being placed: the prompt tokens each candidate's prefix cache is expected to hold."""
+    prompt_hashes: PromptHashes | None = None
+    """While it is being placed: its prompt's page hashes (`prefix_routing`)."""
     decode_worker: str = ""
     prefill_worker: str = ""
     admitted_at: float | None = None

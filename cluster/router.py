@@ -6,7 +6,8 @@ in FIFO order while none has room, up to admission_timeout_s), submit the prompt
 prompt tokens together with D's transfer id (no P: D prefills itself), then relay D's outputs as they come (what P
 knows of a request beyond its KV, its first token's log-probabilities and its stage times, reaches D with the KV
 and comes in D's first output: nothing waits for P). One long-poll per worker brings back D's output
-batches and P's failures; each answer is also the worker's heartbeat (`Supervisor.check_heartbeats`). A
+batches and P's failures, and the workers' prefix-cache events (`prefix_routing`); each answer is also the
+worker's heartbeat (`Supervisor.check_heartbeats`). A
 request that ends any other way than finishing (client cancel, deadline, failure) is aborted on every worker it
 touched, after its calls in flight have landed, so its pages are freed on both sides.
 
@@ -49,7 +50,9 @@ from pdserve.cluster.request import Request
 from pdserve.engine import messages
 from pdserve.engine.messages import (
     RANK_GROUP_FAILED,
+    DecodePoll,
     PrefillFailure,
+    PrefillPoll,
     RequestOutput,
     SpecCounts,
     StageTimes,
@@ -348,7 +351,10 @@ class Router:
                 self.worker_lost(w, str(e).splitlines()[0])
                 return
             w.last_heartbeat = time.monotonic()
-            for out in messages.decode(list[RequestOutput], data):
+            poll = messages.decode(DecodePoll, data)
+            if poll.cache_events is not None and w.prefix is not None:
+                w.prefix.apply(poll.cache_events)
+            for out in poll.outputs:
                 self.num_output_tokens += len(out.token_ids)
                 r = self.requests.get(out.request_id)
                 # also while its reservation's answer is on its way (r.decode still None): a decode
@@ -366,7 +372,10 @@ class Router:
                 self.worker_lost(w, str(e).splitlines()[0])
                 return
             w.last_heartbeat = time.monotonic()
-            for failure in messages.decode(list[PrefillFailure], data):
+            poll = messages.decode(PrefillPoll, data)
+            if poll.cache_events is not None and w.prefix is not None:
+                w.prefix.apply(poll.cache_events)
+            for failure in poll.failures:
                 r = self.requests.get(failure.request_id)
                 if r is not None and r.prefill is w:
                     r.events.put_nowait(failure)

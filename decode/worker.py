@@ -25,6 +25,7 @@ import time
 from pdserve import kernels
 from pdserve.engine.drafter import check_speculation
 from pdserve.engine.messages import (
+    DecodePoll,
     DecodeRequest,
     DecodeStats,
     PrefillHandoff,
@@ -155,6 +156,12 @@ class DecodeWorker(Worker):
                 out.extend(self._outputs.get_nowait())
             except queue.Empty:
                 return out
+
+    def poll(self, timeout_s: float = 0.0) -> DecodePoll:
+        """The router's long-poll: `poll_outputs`, with the prefix cache's events since the last poll (those of
+        the steps whose outputs come here included)."""
+        outputs = self.poll_outputs(timeout_s)
+        return DecodePoll(outputs, self.cache_events())
 
     def stats(self) -> DecodeStats:
         step_s, step_expected_s = self.step_timing()

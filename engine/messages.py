@@ -97,6 +97,27 @@ class PrefillStats:
     prefix_cache_hits: int = 0
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheEvents:
+    """The pages' hashes (their first `prefix_cache.EVENT_HASH_BYTES` bytes) a worker's prefix cache took in and
+    evicted since its last report, for the router's placement (`pdserve.cluster.prefix_routing`). A hash cached
+    on several ranks comes once per rank."""
+
+    added: list[bytes]
+    evicted: list[bytes]
+    reset: bool = False
+    """The worker's log overflowed: `added` is (the newest part of) what it caches now, and the router forgets
+    what it knew of it before."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefillPoll:
+    """A prefill worker's answer to the router's long-poll."""
+
+    failures: list[PrefillFailure]
+    cache_events: CacheEvents | None = None
+
+
 # Prefill worker -> decode worker, with the KV pages.
 
 
@@ -336,6 +357,15 @@ class DecodeStats:
     """Tokens of aggregated requests looked up in its prefix cache, and of them those found there, since
     start (vLLM's prefix_cache_queries and prefix_cache_hits)."""
     prefix_cache_hits: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DecodePoll:
+    """A decode worker's answer to the router's long-poll: its output batches, oldest first, and (where it
+    prefills aggregated requests with the prefix cache on) its cache events."""
+
+    outputs: list[RequestOutput]
+    cache_events: CacheEvents | None = None
 
 
 # The codec.

@@ -50,6 +50,9 @@ class PageAllocator:
         """Cached pages nobody references, least recently released first."""
         self.num_evicted = 0
         """Cached pages evicted since start."""
+        self.events = None
+        """A `prefix_cache.CacheEventLog` told of each page cached and evicted (the router's cache events), or
+        None."""
 
     @property
     def num_free(self) -> int:
@@ -143,6 +146,8 @@ class PageAllocator:
             return False
         self._hash_of[page] = page_hash
         self._page_of[page_hash] = page
+        if self.events is not None:
+            self.events.note(page_hash, 1)
         return True
 
     def match(self, hashes: Sequence[bytes]) -> list[int]:
@@ -155,6 +160,10 @@ class PageAllocator:
                 break
             pages.append(p)
         return pages
+
+    def cached_hashes(self) -> list[bytes]:
+        """The hashes of the cached pages, in the order they were cached."""
+        return list(self._hash_of.values())
 
     def cost(self, cached: Sequence[int]) -> int:
         """Free pages that taking `cached` (a match) uses up: those nobody references."""
@@ -172,7 +181,10 @@ class PageAllocator:
 
     def _evict(self) -> None:
         page, _ = self._evictable.popitem(last=False)
-        del self._page_of[self._hash_of.pop(page)]
+        page_hash = self._hash_of.pop(page)
+        del self._page_of[page_hash]
+        if self.events is not None:
+            self.events.note(page_hash, -1)
         self._map[page] = _FREE
         self._num_unmapped += 1
         self.num_evicted += 1

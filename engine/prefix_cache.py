@@ -20,7 +20,13 @@ What a hit leaves to compute: at least the last token of the prefill, whose logi
 (vLLM's rule: a hit covers full pages within the first n - 1 tokens). In batch-invariant mode (`align`) a
 prompt is cut only at multiples of the chunk size and a chunk's arithmetic depends on where it starts (what
 is in the cache before it), so a hit is cut to a multiple of the chunk size as well: the request computes
-exactly the chunks it would have without the hit, and its KV and logits are the bits they would have been."""
+exactly the chunks it would have without the hit, and its KV and logits are the bits they would have been.
+
+Cache events: a `CacheEventLog` on the allocators records the pages' hashes cached and evicted, which the worker
+sends to the router with its long-poll answers (`messages.CacheEvents`); the router's index of them
+(`pdserve.cluster.prefix_routing`) places requests where their prefix is. The router computes a prompt's chain
+with the same function as the worker (`chain_hashes`) and compares the hashes' first `EVENT_HASH_BYTES` bytes:
+its index only steers placement, so a rare collision there costs a miss, never a wrong page."""
 
 from __future__ import annotations
 
@@ -44,6 +50,75 @@ def page_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(parent + array.array("q", token_ids).tobytes()).digest()  # _TOKEN_BYTES
 
 
+EVENT_HASH_BYTES = 8
+"""Bytes of a page's hash in the cache events and the router's index (a prefix of the full hash)."""
+
+
+def chain_hashes(
+    tokens: Sequence[int], page_size: int, num_pages: int, lookahead: bool,
+    parent: bytes = ROOT_HASH, first: int = 0,
+) -> list[bytes]:  # fmt: skip
+    """The chained hashes of pages `first` .. `num_pages` - 1 of a sequence of `tokens` (with lookahead the
+    token after each page must be in `tokens`), the page before `first` having hash `parent`. What the worker
+    caches a page under (`PrefixCache`) and what the router looks a prompt up with."""
+    extra = 1 if lookahead else 0
+    data = array.array("q", tokens[first * page_size : num_pages * page_size + extra]).tobytes()
+    size = _TOKEN_BYTES * (page_size + extra)
+    hashes = []
+    for p in range(first, num_pages):
+        at = _TOKEN_BYTES * (p - first) * page_size
+        parent = hashlib.sha256(parent + data[at : at + size]).digest()
+        hashes.append(parent)
+    return hashes
+
+
+def prompt_pages(num_tokens: int, page_size: int, hit_unit: int) -> int:
+    """The most pages of a prefill of `num_tokens` tokens a hit can cover (`PrefixCache.match`)."""
+    return max(0, (num_tokens - 1) // hit_unit * hit_unit) // page_size
+
+
+class CacheEventLog:
+    """The pages' hashes (their first EVENT_HASH_BYTES bytes) a worker's allocators cached and evicted since the
+    last `drain`, as a net count per hash. Bounded: past `max_hashes` distinct hashes it forgets them and marks
+    the batch a reset, which `drain` answers with a snapshot of the hashes cached now (the newest `max_hashes`)."""
+
+    def __init__(self, max_hashes: int = 4096):
+        if max_hashes <= 0:
+            raise ValueError(f"max_hashes={max_hashes}: must be positive")
+        self.max_hashes = max_hashes
+        self._delta: dict[bytes, int] = {}
+        self._reset = False
+
+    def __bool__(self) -> bool:
+        return self._reset or bool(self._delta)
+
+    def note(self, page_hash: bytes, delta: int) -> None:
+        """A page of hash `page_hash` was cached (+1) or evicted (-1)."""
+        if self._reset:
+            return
+        key = page_hash[:EVENT_HASH_BYTES]
+        n = self._delta.get(key, 0) + delta
+        if n:
+            self._delta[key] = n
+        else:
+            self._delta.pop(key, None)
+        if len(self._delta) > self.max_hashes:
+            self._delta.clear()
+            self._reset = True
+
+    def drain(self, allocators: Sequence[PageAllocator]) -> tuple[list[bytes], list[bytes], bool]:
+        """(hashes cached, hashes evicted, reset) since the last call; after a reset the first list is what the
+        allocators cache now (newest last, at most max_hashes) and the receiver forgets what it knew."""
+        reset, self._reset = self._reset, False
+        if reset:
+            held = [h[:EVENT_HASH_BYTES] for a in allocators for h in a.cached_hashes()]
+            return held[-self.max_hashes :], [], True
+        delta, self._delta = self._delta, {}
+        added = [h for h, n in delta.items() for _ in range(max(n, 0))]
+        evicted = [h for h, n in delta.items() for _ in range(max(-n, 0))]
+        return added, evicted, False
+
+
 class PrefixCache:
     def __init__(self, page_size: int, lookahead: bool = False, align: int = 1):
         """lookahead: the page's hash covers the token after it (a worker that runs the MTP module, whose
@@ -62,25 +137,21 @@ class PrefixCache:
     def _hashes(self, request: Request, num_pages: int, tokens: Sequence[int]) -> list[bytes]:
         """The request's first `num_pages` page hashes (extending `request.page_hashes`); `tokens`: its
         tokens, with the token after them where known (lookahead)."""
-        hashes, ps = request.page_hashes, self.page_size
-        extra = 1 if self.lookahead else 0
+        hashes = request.page_hashes
         first = len(hashes)
-        if first < num_pages:  # the tokens' bytes made once, each page's hash over a slice of them
-            data = array.array("q", tokens[first * ps : num_pages * ps + extra]).tobytes()
-            size = _TOKEN_BYTES * (ps + extra)
-            for p in range(first, num_pages):
-                at = _TOKEN_BYTES * (p - first) * ps
-                parent = hashes[-1] if hashes else ROOT_HASH
-                hashes.append(hashlib.sha256(parent + data[at : at + size]).digest())
+        if first < num_pages:
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.extend(
+                chain_hashes(tokens, self.page_size, num_pages, self.lookahead, parent, first)
+            )
         return hashes[:num_pages]
 
     def match(self, request: Request, allocator: PageAllocator, prefill_end: int) -> list[int]:
         """The cached pages the request may start from, for a prefill that ends at token `prefill_end` (no
         reference taken: `PageAllocator.take`)."""
-        hit_tokens = (prefill_end - 1) // self.hit_unit * self.hit_unit
-        if hit_tokens <= 0:
+        num_pages = prompt_pages(prefill_end, self.page_size, self.hit_unit)
+        if num_pages <= 0:
             return []
-        num_pages = hit_tokens // self.page_size
         pages = allocator.match(self._hashes(request, num_pages, request.token_ids))
         per_unit = self.hit_unit // self.page_size
         return pages[: len(pages) // per_unit * per_unit]

@@ -48,7 +48,7 @@ from pdserve.engine.checks import check_context, check_pages, check_token_ids
 from pdserve.engine.chunking import plan_prefill_chunks
 from pdserve.engine.messages import RequestOutput, StageTimes
 from pdserve.engine.pages import PageAllocator, pages_needed
-from pdserve.engine.prefix_cache import PrefixCache
+from pdserve.engine.prefix_cache import CacheEventLog, PrefixCache
 from pdserve.engine.request import Policy, Request, RequestState, stage_times, think_state
 from pdserve.engine.sampling_params import (
     MAX_PROMPT_LOGPROBS,
@@ -166,9 +166,14 @@ class Scheduler:
             raise ValueError(f"relaxed={relaxed}: top-k and delta must be >= 0")
         self.relaxed = relaxed if relaxed is not None and relaxed[0] > 0 else None
         self.prefix_cache: PrefixCache | None = None
+        self.cache_events: CacheEventLog | None = None
+        """The pages cached and evicted since the router last heard (with the prefix cache)."""
         if prefix_caching:
             align = min(max_chunk, token_budget) if fixed_chunks else 1
             self.prefix_cache = PrefixCache(page_size, lookahead=num_drafts > 0, align=align)
+            self.cache_events = CacheEventLog()
+            for a in self.allocators:
+                a.events = self.cache_events
         self._step_drafts = num_drafts
         """The drafts the step being planned proposes (`SpecPolicy.drafts_for_step`)."""
         self.requests: dict[str, Request] = {}

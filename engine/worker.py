@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from pdserve.engine.messages import RANK_GROUP_FAILED, RequestOutput
+from pdserve.engine.messages import RANK_GROUP_FAILED, CacheEvents, RequestOutput
 from pdserve.engine.pages import PageAllocator
 from pdserve.engine.rank_memory import worker_reserve_bytes
 from pdserve.engine.ranks.channel import PlanChannelError
@@ -57,6 +57,15 @@ def prefix_cache_counts(scheduler: Scheduler) -> dict[str, int]:
     if cache is None:
         return {"prefix_cache_queries": 0, "prefix_cache_hits": 0}
     return {"prefix_cache_queries": cache.num_queries, "prefix_cache_hits": cache.num_hits}
+
+
+def prefix_cache_info(scheduler: Scheduler) -> dict[str, int | bool] | None:
+    """What the router needs to hash a prompt as this worker's prefix cache does (`ready`): page_size,
+    hit_unit and lookahead (`PrefixCache`); None with the cache off."""
+    cache = scheduler.prefix_cache
+    if cache is None:
+        return None
+    return {"page_size": cache.page_size, "hit_unit": cache.hit_unit, "lookahead": cache.lookahead}
 
 
 class RanksFailedError(PdserveError):
@@ -185,6 +194,15 @@ class Worker:
             return StepOutcome([], []), arrivals
         with self._lock:
             return self.scheduler.finish_step(plan, results), arrivals
+
+    def cache_events(self) -> CacheEvents | None:
+        """The prefix cache's events since the last call (`CacheEventLog`), None when there are none."""
+        with self._lock:
+            log = self.scheduler.cache_events
+            if not log:
+                return None
+            added, evicted, reset = log.drain(self.scheduler.allocators)
+        return CacheEvents(added, evicted, reset)
 
     def _fail_ranks(self, plan: StepPlan | None, error: Exception) -> StepOutcome:
         """Fails the step in flight and every other request, freeing their pages, and stops the ranks."""

@@ -15,11 +15,13 @@ contract) and `ray_engine.RayEngineClient` (the serving process's implementation
 | `http_server` | the OpenAI-compatible HTTP front end (Starlette on uvicorn, on the router's loop) |
 | `http_protocol` | the HTTP connection: deadlines for headers, body and unread responses; lingering close |
 | `openai_api` | OpenAI's request and response JSON shapes |
+| `openai_fields` | the OpenAI parameters accepted and ignored, their header and once-per-name warning |
+| `prompt_batch` | a completions request listing several prompts: read, bounded, one request each, choices merged |
 | `json_body` | a request body's JSON, decoded and checked (nesting depth, lone surrogates) |
 | `request_builder` | a request in no protocol's shape -> the checked request (prompt ids, SamplingParams, stop, n) |
 | `validation` | the checks both front ends' requests pass, errors naming the field as each protocol does |
 | `chat_template` | chat messages -> prompt text, as transformers renders the checkpoint's template |
-| `reasoning` | the `<think>` split of a reasoning model's text |
+| `reasoning` | the `<think>` split of a reasoning model's text, starting where the prompt left off |
 | `text_stream` | generated ids -> text deltas, stop strings across token boundaries |
 | `security` | API and admin keys on both front ends, TLS material |
 | `metrics` | Prometheus metrics in vLLM's names |

@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from pdserve.engine.sampling_params import TokenLogprobs
+from pdserve.frontend.openai_api import completion_choice, token_id_text
 from pdserve.model.errors import PdserveError
 
 
@@ -104,18 +105,19 @@ class Echo:
 
     @classmethod
     def of(
-        cls, req, prompt_ids: list[int], tokenizer, token_text: Callable[[int], str]
+        cls, req, given, prompt_ids: list[int], tokenizer, token_text: Callable[[int], str]
     ) -> Echo | None:
-        """For an `OpenAIRequest` of the completions API that echoes or asks for prompt_logprobs, else None;
-        a prompt given as token ids is echoed decoded (special tokens kept), "" without a tokenizer."""
+        """For one prompt (`given`, a `RequestInput`, its `prompt_ids`) of an `OpenAIRequest` of the
+        completions API that echoes or asks for prompt_logprobs, else None; a prompt given as token ids is
+        echoed decoded (special tokens kept), "" without a tokenizer."""
         if req.kind != "completions" or not req.echo and req.prompt_logprobs is None:
             return None
         text = ""
         if req.echo:
-            text = req.input.prompt_text
+            text = given.prompt_text
             if text is None:
                 text = "" if tokenizer is None else tokenizer.decode(prompt_ids, False)
-        logprobs = req.input.sampling.logprobs if req.echo else None
+        logprobs = given.sampling.logprobs if req.echo else None
         return cls(
             list(prompt_ids), text, logprobs, req.prompt_logprobs, req.prompt_only, token_text
         )
@@ -144,3 +146,56 @@ class Echo:
         if prompt_lp is not None:
             choice["logprobs"] = joined(prompt_lp, choice["logprobs"])
         return choice
+
+
+class Echoes:
+    """What the choices of one request (prompt-major: choice i is prompt i // n's) start with, and the
+    prompt log-probabilities that came with each choice's first chunk; nothing for a request that echoes
+    nothing and asks for no prompt log-probabilities (every method then leaves what it is given)."""
+
+    def __init__(self, req, checked, tokenizer, token_text: Callable[[int], str]):
+        """req: an `OpenAIRequest`; checked: its prompts' `CheckedRequest`s; token_text: how log-probabilities
+        name a token by its text (`token_id:N` where the request asks for ids)."""
+        if req.tokens_as_ids:
+            token_text = token_id_text
+        self.n, self.prompt_only = req.n, req.prompt_only
+        self.echoes = [
+            Echo.of(req, g, c.prompt_ids, tokenizer, token_text)
+            for g, c in zip(req.inputs, checked, strict=True)
+        ]
+        self.prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
+        self.opened: set[int] = set()
+
+    def _echo(self, index: int) -> Echo | None:
+        return self.echoes[index // self.n]
+
+    def offset(self, index: int) -> int:
+        """Characters of choice `index`'s text before its generated text."""
+        echo = self._echo(index)
+        return 0 if echo is None else len(echo.text)
+
+    def kept(self, chunk):
+        """A `Chunk` as its choice answers it: its prompt log-probabilities taken note of, and with
+        `max_tokens: 0` its generated tokens dropped."""
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs[chunk.index] = chunk.prompt_logprobs
+        if not self.prompt_only:
+            return chunk
+        return dataclasses.replace(
+            chunk, token_ids=[], text="", logprobs=None, num_generated_tokens=0
+        )
+
+    def choice(self, index: int, choice: dict) -> dict:
+        """A whole completion choice (`Echo.choice`) of a choice whose chunks were all `kept`."""
+        echo = self._echo(index)
+        return choice if echo is None else echo.choice(choice, self.prompt_logprobs.get(index))
+
+    def opening(self, chunk) -> dict | None:
+        """For a stream: the choice to send before the first chunk of `chunk`'s choice (its prompt, its
+        prompt log-probabilities), None after it or with nothing to send."""
+        index = chunk.index
+        echo = self._echo(index)
+        if echo is None or index in self.opened:
+            return None
+        self.opened.add(index)
+        return echo.choice(completion_choice("", None, index), chunk.prompt_logprobs)

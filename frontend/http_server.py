@@ -3,7 +3,9 @@ router's event loop: /v1/models, /v1/completions, /v1/chat/completions (streamed
 /health, /version and /metrics (Prometheus' text format; `metrics_only` serves that alone, on a port of its own).
 
 A request's body over the cap is answered 413 before the rest of it is read; a body within it is decoded and
-checked (`json_body`: depth, Unicode) and translated into a `RequestInput` for `request_builder`; parsing a
+checked (`json_body`: depth, Unicode) and translated into a `RequestInput` per prompt for `request_builder`
+(a completions request may list prompts: `prompt_batch`; parameters ignored are named in a response header and
+warned about once: `openai_fields`); parsing a
 large body and checking the request (rendering the chat template, tokenizing) run in a worker thread, so that
 other streams keep flowing meanwhile. The response waits for the first chunk before it
 starts, so that errors of admission (429, 503) and of the request (400) get their status; after
@@ -36,12 +38,14 @@ from pdserve.cluster.errors import NotFoundError, UnavailableError
 from pdserve.engine.messages import SpecCounts
 from pdserve.engine.sampling_params import FinishReason
 from pdserve.frontend import openai_api as api
-from pdserve.frontend.echo import Echo
+from pdserve.frontend.echo import Echoes
 from pdserve.frontend.engine_client import Choices, Chunk, EngineClient
 from pdserve.frontend.errors import BodyTooLargeError, http_error_for
 from pdserve.frontend.http_protocol import Deadlines, protocol_factory
 from pdserve.frontend.json_body import decode_body
-from pdserve.frontend.reasoning import ReasoningSplitter, split_reasoning
+from pdserve.frontend.openai_fields import IgnoredFieldsLog
+from pdserve.frontend.prompt_batch import submit_all
+from pdserve.frontend.reasoning import ReasoningSplitter, chat_delta, split_reasoning
 from pdserve.frontend.request_builder import build_request
 from pdserve.frontend.security import Credentials, require_key
 from pdserve.frontend.validation import prompt_bytes_limit
@@ -127,10 +131,13 @@ class _EventStream(StreamingResponse):
     """A server-sent event stream that ends (closing its events, which cancels the request) as soon as the client
     disconnects, whether or not an event is being written."""
 
-    def __init__(self, events: AsyncIterator[bytes], request_id: str):
+    def __init__(
+        self, events: AsyncIterator[bytes], request_id: str, headers: dict[str, str] | None = None
+    ):
         super().__init__(
-            events, media_type="text/event-stream", headers={"cache-control": "no-cache"}
-        )
+            events, media_type="text/event-stream",
+            headers={"cache-control": "no-cache", **(headers or {})},
+        )  # fmt: skip
         self.events, self.request_id = events, request_id
 
     async def _send_all(self, send: Send) -> None:
@@ -164,6 +171,9 @@ class HttpFrontEnd:
         self.engine = engine
         model = engine.model
         self.reasoning = model.thinks if reasoning_parser == "auto" else reasoning_parser != "none"
+        # auto: the output starts as reasoning only where the prompt opened a think block; deepseek_r1:
+        # always, as vLLM's parser of that name assumes (R1's templates always open one)
+        self._think_from_prompt = reasoning_parser == "auto"
         self.port = 0
         routes = [Route("/metrics", self.metrics, methods=["GET"])]
         if not metrics_only:
@@ -177,6 +187,7 @@ class HttpFrontEnd:
         app = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
         self.app = require_key(app, credentials or Credentials(), self._error)
         self._token_texts: dict[int, str] = {}
+        self._ignored = IgnoredFieldsLog()
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
 
@@ -321,12 +332,13 @@ class HttpFrontEnd:
                     "see /v1/models)"
                 )
             head = api.ResponseHead(api.new_id(kind), engine.model.name)
-            given = dataclasses.replace(req.input, client_id=head.id)
+            given = [dataclasses.replace(g, client_id=head.id) for g in req.inputs]
             # Templates and tokenizing take CPU: off the loop, other streams keep flowing meanwhile.
-            checked = await asyncio.to_thread(build_request, given, engine.model, engine.limits)
-            texts = api.token_id_text if req.tokens_as_ids else self._token_text
-            echo = Echo.of(req, checked.prompt_ids, engine.model.tokenizer, texts)
-            generation = engine.submit(checked)
+            checked = await asyncio.to_thread(
+                lambda: [build_request(g, engine.model, engine.limits) for g in given]
+            )
+            echo = Echoes(req, checked, engine.model.tokenizer, self._token_text)
+            generation = submit_all(engine, checked)
         except _ClientGone:
             # A client the connection cut (a deadline) was logged there; one that left is logged here.
             if not request.scope.get("pdserve.cut"):
@@ -345,15 +357,19 @@ class HttpFrontEnd:
         except Exception as e:  # process boundary
             generation.cancel()
             return self._error(e, f"request {generation.request_id}")
-        reasoning = self.reasoning and kind == api.CHAT
+        reasoning = None
+        if self.reasoning and kind == api.CHAT:
+            reasoning = checked[0].prompt_in_think or not self._think_from_prompt
+        headers = self._ignored.headers(req.ignored)
+        prompt_tokens = sum(len(c.prompt_ids) for c in checked)
         if req.stream:
-            return _EventStream(
-                self._events(req, head, generation, first, reasoning, echo), generation.request_id
-            )
+            events = self._events(req, head, generation, first, reasoning, prompt_tokens, echo)
+            return _EventStream(events, generation.request_id, headers)
         try:
-            return await _until_disconnect(
-                request.receive, self._whole(req, head, generation, first, reasoning, echo)
-            )
+            answer = self._whole(req, head, generation, first, reasoning, prompt_tokens, echo)
+            reply = await _until_disconnect(request.receive, answer)
+            reply.headers.update(headers)
+            return reply
         except _ClientGone:
             logger.info("request %s cancelled: the HTTP client disconnected", generation.request_id)
             return Response(status_code=499)
@@ -364,31 +380,30 @@ class HttpFrontEnd:
 
     async def _whole(
         self, req: api.OpenAIRequest, head: api.ResponseHead, generation: Choices, first: Chunk,
-        reasoning: bool, echo: Echo | None = None,
+        reasoning: bool | None, prompt_tokens: int, echo: Echoes,
     ) -> Response:  # fmt: skip
-        pieces: list[list[str]] = [[] for _ in range(req.n)]
-        token_ids: list[list[int]] = [[] for _ in range(req.n)]
-        logprobs: list[list] = [[] for _ in range(req.n)]
-        prompt_logprobs: list = [None] * req.n
-        last: list[Chunk | None] = [None] * req.n
-        dropped = echo is not None and echo.prompt_only  # max_tokens 0: the prompt alone
+        """reasoning: None, no reasoning split; else whether the output starts inside a think block.
+        prompt_tokens: of every prompt of the request, summed (the usage's); echo: what choices start with."""
+        num = req.num_choices
+        pieces: list[list[str]] = [[] for _ in range(num)]
+        token_ids: list[list[int]] = [[] for _ in range(num)]
+        logprobs: list[list] = [[] for _ in range(num)]
+        last: list[Chunk | None] = [None] * num
         chunk = first
         while True:
-            i = chunk.index
-            if chunk.prompt_logprobs is not None:
-                prompt_logprobs[i] = chunk.prompt_logprobs
-            if not dropped:
-                pieces[i].append(chunk.text)
-                token_ids[i] += chunk.token_ids
-                logprobs[i] += chunk.logprobs or []
+            i, chunk = chunk.index, echo.kept(chunk)
+            pieces[i].append(chunk.text)
+            token_ids[i] += chunk.token_ids
+            logprobs[i] += chunk.logprobs or []
             if chunk.finish_reason is not None:
                 last[i] = chunk
                 if all(c is not None for c in last):
                     break
             chunk = await _next(generation)
         usage = api.usage(
-            last[0].num_prompt_tokens, 0 if dropped else sum(c.num_generated_tokens for c in last),
-            _stages(last[0]), SpecCounts.total(c.spec for c in last), last[0].num_cached_tokens,
+            prompt_tokens, sum(c.num_generated_tokens for c in last), _stages(last[0]),
+            SpecCounts.total(c.spec for c in last),
+            sum(c.num_cached_tokens for c in last[:: req.n]),
         )  # fmt: skip
         choices = []
         for i, c in enumerate(last):
@@ -396,15 +411,12 @@ class HttpFrontEnd:
             whole = dataclasses.replace(
                 c, token_ids=token_ids[i], logprobs=logprobs[i] if c.logprobs is not None else None
             )
-            lp = self._logprobs(req, whole, len(echo.text) if echo is not None else 0)
+            lp = self._logprobs(req, whole, echo.offset(i))
             if req.kind == api.COMPLETIONS:
-                choice = api.completion_choice(text, c.finish_reason, i, lp)
-                if echo is not None:
-                    choice = echo.choice(choice, prompt_logprobs[i])
-                choices.append(choice)
+                choices.append(echo.choice(i, api.completion_choice(text, c.finish_reason, i, lp)))
                 continue
-            if reasoning:
-                thought, content = split_reasoning(text)
+            if reasoning is not None:
+                thought, content = split_reasoning(text, reasoning)
                 message = api.chat_message(content, thought)
             else:
                 message = api.chat_message(text, None)
@@ -415,35 +427,39 @@ class HttpFrontEnd:
 
     async def _events(
         self, req: api.OpenAIRequest, head: api.ResponseHead, generation: Choices, first: Chunk,
-        reasoning: bool, echo: Echo | None = None,
+        reasoning: bool | None, prompt_tokens: int, echo: Echoes,
     ) -> AsyncIterator[bytes]:  # fmt: skip
-        chat = req.kind == api.CHAT
+        """`_whole`'s arguments; the same answer as server-sent events."""
+        chat, num = req.kind == api.CHAT, req.num_choices
         extra = {"usage": None} if req.include_usage else {}
-        splitters = [ReasoningSplitter() if reasoning else None for _ in range(req.n)]
-        offsets = [0] * req.n  # characters of each choice's text sent so far
-        last: list[Chunk | None] = [None] * req.n
-        echoed = [False] * req.n
-        dropped = echo is not None and echo.prompt_only  # max_tokens 0: the prompt alone
+        splitters = [
+            None if reasoning is None else ReasoningSplitter(reasoning) for _ in range(num)
+        ]
+        offsets = [
+            echo.offset(i) for i in range(num)
+        ]  # characters of each choice's text sent so far
+        generated = [0] * num  # tokens of each choice so far
+        last: list[Chunk | None] = [None] * num
         try:
             if chat:
                 role = {"role": "assistant", "content": ""}
-                for i in range(req.n):
+                if req.continuous_usage:
+                    extra = {"usage": api.usage(prompt_tokens, 0)}
+                for i in range(num):
                     yield _sse(api.chat_chunk(head, role, None, i, **extra))
             chunk = first
             while True:
+                if (opening := echo.opening(chunk)) is not None:  # the choice's prompt first
+                    yield _sse(api.completions(head, [opening], **extra))
+                chunk = echo.kept(chunk)
                 i, done, delta = chunk.index, chunk.finish_reason is not None, chunk.text
-                if echo is not None and not echoed[i]:  # the choice starts with its prompt
-                    echoed[i] = True
-                    choice = echo.choice(api.completion_choice("", None, i), chunk.prompt_logprobs)
-                    yield _sse(api.completions(head, [choice], **extra))
-                    offsets[i] = len(echo.text)
-                if dropped:
-                    chunk = dataclasses.replace(chunk, token_ids=[], text="", logprobs=None)
-                    delta = ""
                 logprobs = self._logprobs(req, chunk, offsets[i])
                 offsets[i] += len(delta)
+                if req.continuous_usage:  # the usage so far, every choice's tokens summed
+                    generated[i] = chunk.num_generated_tokens
+                    extra = {"usage": api.usage(prompt_tokens, sum(generated))}
                 if chat:
-                    body = _chat_delta(splitters[i], delta, done)
+                    body = chat_delta(splitters[i], delta, done)
                     if body or logprobs is not None:
                         yield _sse(api.chat_chunk(head, body, None, i, logprobs, **extra))
                 elif delta or logprobs is not None:
@@ -458,11 +474,10 @@ class HttpFrontEnd:
                         break
                 chunk = await _next(generation)
             if req.include_usage:
-                generated = 0 if dropped else sum(c.num_generated_tokens for c in last)
                 spec = SpecCounts.total(c.spec for c in last)
                 usage = api.usage(
-                    chunk.num_prompt_tokens, generated, _stages(last[0]), spec,
-                    last[0].num_cached_tokens,
+                    prompt_tokens, sum(c.num_generated_tokens for c in last), _stages(last[0]),
+                    spec, sum(c.num_cached_tokens for c in last[:: req.n]),
                 )  # fmt: skip
                 yield _sse(api.usage_chunk(head, req.kind, usage))
         except (
@@ -474,22 +489,6 @@ class HttpFrontEnd:
         finally:
             generation.cancel()
         yield _DONE
-
-
-def _chat_delta(splitter: ReasoningSplitter | None, text: str, last: bool) -> dict[str, str]:
-    """A chat stream's delta for `text` (empty: nothing to send); `last` flushes what the splitter held."""
-    if splitter is None:
-        return {"content": text} if text else {}
-    thought, content = splitter.push(text)
-    if last:
-        more_thought, more_content = splitter.flush()
-        thought, content = thought + more_thought, content + more_content
-    body = {}
-    if thought:
-        body["reasoning_content"] = body["reasoning"] = thought
-    if content:
-        body["content"] = content
-    return body
 
 
 async def _next(generation: Choices) -> Chunk:

@@ -2,10 +2,13 @@
 `OpenAIRequest` (its `RequestInput` for `request_builder`: the prompt, untokenized, the sampling fields and what
 OpenAI calls them; and how to answer), and the response and stream-chunk objects.
 
-Every parameter a client may send is either used, accepted only at the value that asks for nothing
-(`best_of: 1`, `echo: false`, `logit_bias: {}`, ...), or refused with InvalidRequestError naming it: a parameter
-the engine cannot honour is never silently dropped. The values are checked by `request_builder`, as the gRPC
-API's are. Pure Python: no I/O, no event loop."""
+Every parameter a client may send is either used; accepted only at the value that asks for nothing
+(`best_of: 1`, `echo: false`, `logit_bias: {}`, ...) and otherwise refused with InvalidRequestError naming it;
+or ignored, as vLLM ignores it: OpenAI's parameters that change nothing a model computes
+(`openai_fields.IGNORED`: `store`, `metadata`, `service_tier`, ...; their types still checked) and names this
+API does not know. An ignored name is listed in `OpenAIRequest.ignored`, which the HTTP server logs and
+answers in a header. The values are checked by `request_builder`, as the gRPC API's are. Pure Python: no I/O,
+no event loop."""
 
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ from typing import Any
 
 from pdserve.engine.messages import SpecCounts
 from pdserve.engine.sampling_params import TokenLogprobs
+from pdserve.frontend.openai_fields import IGNORED, IGNORED_STREAM_OPTIONS
+from pdserve.frontend.prompt_batch import MAX_CHOICES, completion_prompts
 from pdserve.frontend.request_builder import RequestInput
 from pdserve.frontend.validation import FieldNames, SamplingRequest
 from pdserve.model.errors import InvalidRequestError
@@ -32,7 +37,6 @@ _INERT: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
     "functions": (None, []),
     "function_call": (None, "none"),
     "continue_final_message": (None, False),
@@ -48,7 +52,7 @@ _KNOWN = {
     CHAT: _COMMON
     | {
         "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-        "parallel_tool_calls", "functions", "function_call", "response_format",
+        "functions", "function_call", "response_format",
         "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
     },
 }  # fmt: skip
@@ -56,32 +60,49 @@ _KNOWN = {
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OpenAIRequest:
-    """A request whose JSON shape is checked: what to generate (`input`, exactly one of its three prompt fields
-    set, its values checked by `request_builder.build_request`) and how to answer."""
+    """A request whose JSON shape is checked: what to generate (`inputs`: one per prompt, each with exactly one
+    of its three prompt fields set, its values checked by `request_builder.build_request`) and how to
+    answer."""
 
     kind: str
     """COMPLETIONS or CHAT."""
     model: str | None
-    input: RequestInput
-    """Without a client id: the server makes the response's id."""
+    inputs: tuple[RequestInput, ...]
+    """One per prompt (several only for a completions request listing prompts), in the request's order; each
+    without a client id: the server makes the response's id."""
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False
+    """Every streamed chunk carries the usage so far (vLLM's `stream_options.continuous_usage_stats`, which
+    takes effect with `include_usage`, as in vLLM)."""
     tokens_as_ids: bool = False
     """Log-probabilities name tokens `token_id:N` rather than by their text (vLLM's
     `return_tokens_as_token_ids`)."""
+    ignored: tuple[str, ...] = ()
+    """The parameters given and ignored (`IGNORED`, unknown names, `stream_options.` keys), in body order."""
     echo: bool = False
-    """Completions: each choice's text (and, with `logprobs`, its log-probabilities) starts with the prompt's
+    """Completions: each choice's text (and, with `logprobs`, its log-probabilities) starts with its prompt's
     (`pdserve.frontend.echo`)."""
     prompt_only: bool = False
-    """Completions with echo and `max_tokens: 0`: the choices are the prompt alone (the engine samples one
+    """Completions with echo and `max_tokens: 0`: the choices are the prompts alone (the engine samples one
     token, which is dropped)."""
     prompt_logprobs: int | None = None
     """vLLM's `prompt_logprobs`: each choice's `prompt_logprobs` with this many alternatives per token."""
 
     @property
+    def input(self) -> RequestInput:
+        """The first prompt's (the only one's, but for a completions request listing several)."""
+        return self.inputs[0]
+
+    @property
     def n(self) -> int:
-        """Choices asked for."""
+        """Choices asked for per prompt."""
         return self.input.n
+
+    @property
+    def num_choices(self) -> int:
+        """Choices in the response: prompt i's choice j is choice i * n + j (prompt-major, as OpenAI's)."""
+        return len(self.inputs) * self.input.n
 
 
 def _is_int(value) -> bool:
@@ -143,25 +164,6 @@ def _stop_strings(body: dict) -> list[str]:
     raise InvalidRequestError("stop", f"expected a string or a list of strings, got {stop!r:.80}")
 
 
-def _completion_prompt(body: dict) -> tuple[str | None, list[int] | None]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidRequestError("prompt", "is empty")
-        return prompt, None
-    if _int_list(prompt):
-        return None, prompt
-    if prompt is None:
-        raise InvalidRequestError("prompt", "missing: a string or a list of token ids")
-    if isinstance(prompt, list) and all(isinstance(p, str) or _int_list(p) for p in prompt):
-        raise InvalidRequestError(
-            "prompt", f"a batch of {len(prompt)} prompts is {_UNSUPPORTED_HINT}"
-        )
-    raise InvalidRequestError("prompt", "expected a string or a list of token ids")
-
-
 def _message_text(content, where: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
@@ -204,9 +206,15 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
     """Checks a decoded JSON body of `kind`; every refusal names the parameter."""
     if not isinstance(body, dict):
         raise InvalidRequestError("body", "expected a JSON object")
-    for name in body:
-        if name not in _KNOWN[kind]:
-            raise InvalidRequestError(f"{name:.100}", "unknown parameter")
+    ignored = []
+    for name, value in body.items():
+        if name in IGNORED:
+            check, expected = IGNORED[name]
+            _optional(body, name, check, expected)
+            if value is not None:
+                ignored.append(name)
+        elif name not in _KNOWN[kind]:
+            ignored.append(name)
     _check_inert(body)
     logprobs, logprobs_field = _logprobs(body, kind)
     echo = _optional(body, "echo", lambda v: isinstance(v, bool), "true or false") or False
@@ -216,19 +224,23 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
     model = _optional(body, "model", lambda v: isinstance(v, str), "a string")
     stream = _optional(body, "stream", lambda v: isinstance(v, bool), "true or false") or False
     options = _optional(body, "stream_options", lambda v: isinstance(v, dict), "an object")
-    include_usage = False
+    include_usage = continuous_usage = False
     if options is not None:
         if not stream:
             raise InvalidRequestError("stream_options", "only allowed when stream is true")
         for key, value in options.items():
-            if key == "include_usage" and isinstance(value, bool):
-                include_usage = value
-            elif key == "continuous_usage_stats" and value is False:
-                continue
-            else:
+            flag = key in ("include_usage", "continuous_usage_stats", *IGNORED_STREAM_OPTIONS)
+            if flag and value is not None and not isinstance(value, bool):
                 raise InvalidRequestError(
-                    f"stream_options.{key}", f"{value!r:.80} is {_UNSUPPORTED_HINT}"
+                    f"stream_options.{key}", f"expected true or false, got {value!r:.80}"
                 )
+            if key == "include_usage":
+                include_usage = bool(value)
+            elif key == "continuous_usage_stats":
+                continuous_usage = bool(value)
+            elif value is not None:
+                ignored.append(f"stream_options.{key}")
+        continuous_usage = continuous_usage and include_usage
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise InvalidRequestError(
@@ -271,10 +283,17 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
         ),
     )
     n = _optional(body, "n", _is_int, "an integer")
-    prompt_text = prompt_ids = messages = None
+    n = 1 if n is None else n
+    prompts: list[tuple[str | None, list[int] | None]] = [(None, None)]
+    messages = None
     add_generation_prompt, template_kwargs = True, {}
     if kind == COMPLETIONS:
-        prompt_text, prompt_ids = _completion_prompt(body)
+        prompts = completion_prompts(body)
+        if len(prompts) > 1 and len(prompts) * n > MAX_CHOICES:
+            raise InvalidRequestError(
+                "n",
+                f"{len(prompts)} prompts x {n} choices; one request takes at most {MAX_CHOICES}",
+            )
     else:
         messages = _messages(body)
         add_generation_prompt = _optional(
@@ -285,21 +304,33 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
             _optional(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object")
             or {}
         )
-    given = RequestInput(
-        names=FieldNames(max_tokens=max_tokens_field, logprobs=logprobs_field),
-        prompt_text=prompt_text,
-        prompt_ids=prompt_ids,
-        messages=messages,
-        add_generation_prompt=add_generation_prompt,
-        chat_template_kwargs=template_kwargs,
-        sampling=sampling,
-        n=1 if n is None else n,
-        stop=_stop_strings(body),
+    stop = _stop_strings(body)
+    inputs = []
+    for i, (prompt_text, prompt_ids) in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        names = FieldNames(
+            prompt_text=where, prompt_ids=where, max_tokens=max_tokens_field,
+            logprobs=logprobs_field,
+        )  # fmt: skip
+        inputs.append(
+            RequestInput(
+                names=names,
+                prompt_text=prompt_text,
+                prompt_ids=prompt_ids,
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=template_kwargs,
+                sampling=sampling,
+                n=n,
+                stop=stop,
+            )
+        )
+    tokens_as_ids = _optional(
+        body, "return_tokens_as_token_ids", lambda v: isinstance(v, bool), "true or false"
     )
     return OpenAIRequest(
-        kind, model, given, stream, include_usage,
-        _optional(body, "return_tokens_as_token_ids", lambda v: isinstance(v, bool), "true or false")
-        or False, echo, prompt_only, prompt_logprobs,
+        kind, model, tuple(inputs), stream, include_usage, continuous_usage,
+        tokens_as_ids or False, tuple(ignored), echo, prompt_only, prompt_logprobs,
     )  # fmt: skip
 
 

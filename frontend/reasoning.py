@@ -1,7 +1,10 @@
 """Splits a reasoning model's generated text into its reasoning (inside `<think>...</think>`) and its content (the
-rest), as vLLM's `--reasoning-parser deepseek_r1` does: DeepSeek-R1's chat template opens the think block in the
-prompt, so the output is reasoning up to `</think>` and content after it (an output that opens the block itself
-has that `<think>` dropped; one that never closes it is all reasoning).
+rest). Where the prompt opened the think block (DeepSeek-R1's chat template does; DeepSeek-V3.1's does when asked
+to think), the output is reasoning up to `</think>` and content after it, as vLLM's `--reasoning-parser
+deepseek_r1` splits it (an output that opens the block itself has that `<think>` dropped; one that never closes
+it is all reasoning). Where the prompt did not open one (V3.1's non-thinking mode), the output is content, as
+vLLM's `deepseek_v3` parser answers a request that does not think, unless the output itself opens with a think
+block: then that block is reasoning.
 
 Text arrives in pieces while streaming: a piece that ends in part of a think tag is held back until the tag is
 known, so tags are never shown and a stream splits exactly as the whole text does."""
@@ -21,11 +24,18 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-class ReasoningSplitter:
-    """Feed it text pieces with `push`, then `flush` once at the end; each returns (reasoning, content)."""
+def prompt_opens_think(text: str, start: str = THINK_START, end: str = THINK_END) -> bool:
+    """Whether prompt `text` ends inside a think block: its last think tag opens one."""
+    return text.rfind(start) > text.rfind(end)
 
-    def __init__(self, start: str = THINK_START, end: str = THINK_END):
+
+class ReasoningSplitter:
+    """Feed it text pieces with `push`, then `flush` once at the end; each returns (reasoning, content).
+    in_think: the prompt left the output inside a think block (`prompt_opens_think`)."""
+
+    def __init__(self, in_think: bool = True, start: str = THINK_START, end: str = THINK_END):
         self._start, self._end = start, end
+        self._in_think = in_think
         self._state = _START
         self._held = ""
 
@@ -35,9 +45,10 @@ class ReasoningSplitter:
             if len(buf) < len(self._start) and self._start.startswith(buf):
                 self._held = buf
                 return "", ""
-            if buf.startswith(self._start):
+            opened = buf.startswith(self._start)
+            if opened:
                 buf = buf[len(self._start) :]
-            self._state = _REASONING
+            self._state = _REASONING if opened or self._in_think else _CONTENT
         if self._state == _CONTENT:
             return "", buf
         at = buf.find(self._end)
@@ -51,12 +62,30 @@ class ReasoningSplitter:
     def flush(self) -> tuple[str, str]:
         """What was held back, once no more text comes."""
         held, self._held = self._held, ""
+        if self._state == _START:  # the whole output was a beginning of `<think>`
+            return ("", held) if not self._in_think else (held, "")
         return ("", held) if self._state == _CONTENT else (held, "")
 
 
-def split_reasoning(text: str) -> tuple[str, str]:
+def split_reasoning(text: str, in_think: bool = True) -> tuple[str, str]:
     """(reasoning, content) of a whole output."""
-    splitter = ReasoningSplitter()
+    splitter = ReasoningSplitter(in_think)
     reasoning, content = splitter.push(text)
     more_reasoning, more_content = splitter.flush()
     return reasoning + more_reasoning, content + more_content
+
+
+def chat_delta(splitter: ReasoningSplitter | None, text: str, last: bool) -> dict[str, str]:
+    """A chat stream's delta for `text` (empty: nothing to send); `last` flushes what the splitter held."""
+    if splitter is None:
+        return {"content": text} if text else {}
+    thought, content = splitter.push(text)
+    if last:
+        more_thought, more_content = splitter.flush()
+        thought, content = thought + more_thought, content + more_content
+    body = {}
+    if thought:
+        body["reasoning_content"] = body["reasoning"] = thought
+    if content:
+        body["content"] = content
+    return body

@@ -13,6 +13,7 @@ from typing import Any
 from pdserve.cluster.config import RouterConfig
 from pdserve.engine.checks import check_prompt_len, check_token_ids
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.frontend.reasoning import prompt_opens_think
 from pdserve.frontend.validation import (
     FieldNames,
     ModelInfo,
@@ -62,6 +63,9 @@ class CheckedRequest:
     stop: tuple[str, ...]
     n: int
     deadline: float | None
+    prompt_in_think: bool = False
+    """The rendered chat prompt ends inside a think block it opened (DeepSeek-R1's template, V3.1's when asked
+    to think): the output starts as reasoning (`reasoning.ReasoningSplitter`). False for other prompts."""
 
 
 def build_request(given: RequestInput, model: ModelInfo, router: RouterConfig) -> CheckedRequest:
@@ -72,10 +76,12 @@ def build_request(given: RequestInput, model: ModelInfo, router: RouterConfig) -
     names = given.names
     check_request_id(given.client_id)
     check_n(given.n, router, names.n)
-    prompt_ids = _prompt_ids(given, model, router)
+    prompt_ids, in_think = _prompt_ids(given, model, router)
     params = sampling_params(given.sampling, len(prompt_ids), model, router, names)
     stop = check_stop_strings(list(given.stop), model, names.stop)
-    return CheckedRequest(given.client_id, prompt_ids, params, stop, given.n, given.deadline)
+    return CheckedRequest(
+        given.client_id, prompt_ids, params, stop, given.n, given.deadline, in_think
+    )
 
 
 def _ids_instead(names: FieldNames) -> str:
@@ -85,8 +91,11 @@ def _ids_instead(names: FieldNames) -> str:
     return names.prompt_ids
 
 
-def _prompt_ids(given: RequestInput, model: ModelInfo, router: RouterConfig) -> list[int]:
-    names = given.names
+def _prompt_ids(
+    given: RequestInput, model: ModelInfo, router: RouterConfig
+) -> tuple[list[int], bool]:
+    """The prompt's token ids, and whether it is a chat prompt that ends inside a think block."""
+    names, in_think = given.names, False
     if given.prompt_ids is not None:
         field, ids = names.prompt_ids, list(given.prompt_ids)
         check_token_ids(ids, model.vocab_size, field)
@@ -112,6 +121,7 @@ def _prompt_ids(given: RequestInput, model: ModelInfo, router: RouterConfig) -> 
             text = model.chat_template.render(
                 given.messages, given.add_generation_prompt, given.chat_template_kwargs
             )
+            in_think = prompt_opens_think(text)
         else:
             text = given.prompt_text
         check_prompt_bytes(text, router, field, model)
@@ -122,4 +132,4 @@ def _prompt_ids(given: RequestInput, model: ModelInfo, router: RouterConfig) -> 
         # A rendered template writes its own BOS, as transformers assumes.
         ids = model.tokenizer.encode(text, add_bos=not chat)
     check_prompt_len(len(ids), model.max_model_len, field)
-    return ids
+    return ids, in_think

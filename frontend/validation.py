@@ -75,8 +75,9 @@ class ModelInfo:
     tokenizer: Tokenizer | None
     chat_template: ChatTemplate | None = None
     thinks: bool = False
-    """The chat template closes a think block and the vocabulary has both think tokens (DeepSeek-R1's
-    format): `reasoning_parser: auto` splits reasoning from content for such a model."""
+    """The chat template closes a think block and the vocabulary has both think tokens (DeepSeek-R1's and
+    V3.1's format): `reasoning_parser: auto` splits reasoning from content for such a model, each request from
+    where its rendered prompt leaves off (inside a think block or not)."""
     max_text_bytes: int | None = None
     """Bytes of prompt text past which it cannot fit the context, whatever it says (`text_bytes_bound`);
     None: no such bound is known for this tokenizer."""

@@ -37,18 +37,23 @@ CHAT_TEMPLATE = (
     "{%- if '" + THINK_END + "' in content -%}"
     "{%- set content = content.split('" + THINK_END + "')[-1] -%}"
     "{%- endif -%}"
-    "{{- '" + ASSISTANT_TOKEN + "' + content + eos_token -}}"
+    "{{- '" + ASSISTANT_TOKEN + THINK_END + "' + content + eos_token -}}"
     "{%- elif message['role'] != 'system' -%}"
     "{{- raise_exception('roles must be system, user or assistant, got ' + message['role']) -}}"
     "{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '" + ASSISTANT_TOKEN + THINK_START + "\n' -}}"
+    "{%- if add_generation_prompt and thinking is defined and thinking -%}"
+    "{{- '" + ASSISTANT_TOKEN + THINK_START + "' -}}"
+    "{%- elif add_generation_prompt -%}"
+    "{{- '" + ASSISTANT_TOKEN + THINK_END + "' -}}"
     "{%- endif -%}"
 )
-"""A chat template of DeepSeek-R1's shape for checkpoints made here: system prompts first after BOS, user and
-assistant turns marked by their tokens, earlier answers stripped of their reasoning, and the generation prompt
-opening a think block (so the model's output is reasoning up to `</think>`, then the answer)."""
+"""A chat template of DeepSeek-V3.1's hybrid shape for checkpoints made here: system prompts first after BOS,
+user and assistant turns marked by their tokens, earlier answers stripped of their reasoning, and a generation
+prompt that closes the think block (`<｜Assistant｜></think>`: the answer comes at once) unless the request
+passes `chat_template_kwargs: {"thinking": true}`, which opens it (`<｜Assistant｜><think>`: reasoning up to
+`</think>`, then the answer). Non-thinking by default, so that a random model, which seldom closes a think
+block, answers in `content`."""
 
 
 class Tokenizer:

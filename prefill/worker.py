@@ -22,6 +22,7 @@ from pdserve.engine.messages import (
     PackedLogprobs,
     PrefillFailure,
     PrefillHandoff,
+    PrefillPoll,
     PrefillRequest,
     PrefillStats,
 )
@@ -37,6 +38,12 @@ from pdserve.model.errors import ConfigError, PdserveError
 from .config import PrefillConfig
 
 logger = logging.getLogger(__name__)
+
+POLL_CHECK_S = 0.005
+"""How often the router's long-poll (`poll`) looks for failures."""
+CACHE_EVENTS_MIN_S = 0.05
+"""A long-poll that found only cache events returns no sooner than this after it began: the events of a burst
+of prompts go to the router in one answer."""
 
 
 class PrefillWorker(Worker):
@@ -108,6 +115,21 @@ class PrefillWorker(Worker):
         with self._lock:
             failures, self._failures = self._failures, []
         return failures
+
+    def poll(self, timeout_s: float = 0.0) -> PrefillPoll:
+        """The router's long-poll: waits up to `timeout_s` for a failure, or for the prefix cache's events
+        (answered CACHE_EVENTS_MIN_S after the poll began at the soonest); returns them."""
+        start = time.monotonic()
+        while True:
+            failures = self.poll_failures()
+            now = time.monotonic()
+            if (
+                failures
+                or now - start >= timeout_s
+                or (now - start >= CACHE_EVENTS_MIN_S and self.scheduler.cache_events)
+            ):
+                return PrefillPoll(failures, self.cache_events())
+            time.sleep(POLL_CHECK_S)
 
     def stats(self) -> PrefillStats:
         with self._lock:

@@ -397,13 +397,10 @@ class WorkerActor:
         return messages.reply(lambda: self.worker.peer_lost(decode_worker))
 
     def _poll_outputs(self, timeout_s: float) -> bytes:
-        return messages.encode(self.worker.poll_outputs(timeout_s))
+        return messages.encode(self.worker.poll(timeout_s))
 
     def _poll_failures(self, timeout_s: float) -> bytes:
-        give_up = time.monotonic() + timeout_s
-        while not (failures := self.worker.poll_failures()) and time.monotonic() < give_up:
-            time.sleep(0.002)
-        return messages.encode(failures)
+        return messages.encode(self.worker.poll(timeout_s))
 
     def die(self) -> None:
         """The actor's process dies: its calls fail from now on, its loop ends after the step under way."""

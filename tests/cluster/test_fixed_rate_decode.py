@@ -11,7 +11,7 @@ import pytest
 from pdserve.cluster.config import ModelConfig, build_config
 from pdserve.cluster.fixed_rate_decode import SYMBOLS, FixedRateDecodeShell, symbol_token_ids
 from pdserve.engine import messages
-from pdserve.engine.messages import DecodeRequest, DecodeStats, RequestOutput, Reservation
+from pdserve.engine.messages import DecodePoll, DecodeRequest, DecodeStats, Reservation
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model.errors import CheckpointError, ConfigError
 
@@ -48,7 +48,7 @@ def test_emits_the_ticks_symbol_on_the_grid_until_max_tokens(model_path):
         outputs = []
         give_up = time.monotonic() + 10
         while not (outputs and outputs[-1][1].finish_reason) and time.monotonic() < give_up:
-            batch = messages.decode(list[RequestOutput], shell.poll_outputs(1.0))
+            batch = messages.decode(DecodePoll, shell.poll_outputs(1.0)).outputs
             outputs += [(time.monotonic(), out) for out in batch]
         # 8 tokens, 3 a tick: 3 + 3 + 2, the last with finish reason length.
         assert [len(o.token_ids) for _, o in outputs] == [3, 3, 2]
@@ -73,14 +73,14 @@ def test_abort_stops_a_request_and_frees_its_pages(model_path):
     try:
         request = DecodeRequest("r1", [0], SamplingParams(max_tokens=10_000))
         messages.unwrap(Reservation, shell.add_request(messages.encode(request)))
-        assert messages.decode(list[RequestOutput], shell.poll_outputs(1.0))
+        assert messages.decode(DecodePoll, shell.poll_outputs(1.0)).outputs
         assert messages.unwrap(DecodeStats, shell.stats()).num_running == 1
         messages.unwrap(None, shell.abort("r1"))
         stats = messages.unwrap(DecodeStats, shell.stats())
         assert (stats.num_running, stats.pages_used) == (0, 0)
         shell.poll_outputs(0.0)  # what was emitted before the abort
         time.sleep(3 * INTERVAL_MS / 1e3)
-        assert messages.decode(list[RequestOutput], shell.poll_outputs(0.0)) == []
+        assert messages.decode(DecodePoll, shell.poll_outputs(0.0)).outputs == []
     finally:
         shell.close()
 

@@ -22,7 +22,9 @@ from pdserve.frontend.chat_template import ChatTemplate
 from pdserve.frontend.errors import http_error_for
 from pdserve.frontend.json_body import MAX_JSON_DEPTH, decode_body
 from pdserve.frontend.openai_api import CHAT, COMPLETIONS, parse, usage
-from pdserve.frontend.reasoning import ReasoningSplitter, split_reasoning
+from pdserve.frontend.openai_fields import IGNORED, ignored_names
+from pdserve.frontend.prompt_batch import MAX_PROMPTS
+from pdserve.frontend.reasoning import ReasoningSplitter, prompt_opens_think, split_reasoning
 from pdserve.frontend.text_stream import TextStream
 from pdserve.frontend.validation import (
     MAX_STOP_STRINGS,
@@ -34,7 +36,7 @@ from pdserve.frontend.validation import (
     sampling_params,
 )
 from pdserve.model.errors import CapacityError, InvalidRequestError
-from pdserve.model.tokenizer import CHAT_TOKENS, EOS_TOKEN, THINK_END, Tokenizer
+from pdserve.model.tokenizer import CHAT_TOKENS, EOS_TOKEN, THINK_END, THINK_START, Tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello"}],
@@ -74,18 +76,27 @@ def test_tiny_checkpoint_has_r1_chat_tokens_and_template(model_dir):
     assert ModelInfo.load(model_dir, "tiny").thinks
 
 
+@pytest.mark.parametrize("thinking", [None, True, False])
 @pytest.mark.parametrize("generation_prompt", [True, False])
 @pytest.mark.parametrize("conversation", range(len(CONVERSATIONS)))
 def test_chat_template_renders_as_transformers(
-    model_dir, hf_tokenizer, conversation, generation_prompt
+    model_dir, hf_tokenizer, conversation, generation_prompt, thinking
 ):
     messages = CONVERSATIONS[conversation]
     template = ChatTemplate.load(model_dir)
-    ours = template.render(messages, generation_prompt)
+    kwargs = {} if thinking is None else {"thinking": thinking}
+    ours = template.render(messages, generation_prompt, kwargs)
     theirs = hf_tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation_prompt
+        messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
     )
     assert ours == theirs
+    # The tiny model thinks only when asked: its generation prompt opens a think block then, and closes
+    # it otherwise (DeepSeek-V3.1's two modes).
+    assert prompt_opens_think(ours) == bool(generation_prompt and thinking)
+    if generation_prompt:
+        assert ours.endswith(THINK_START if thinking else THINK_END)
+    if thinking is not None:
+        return
     layout = ChatTemplate(LAYOUT_TEMPLATE, template.special_tokens)
     theirs = hf_tokenizer.apply_chat_template(
         messages, chat_template=LAYOUT_TEMPLATE, tokenize=False,
@@ -105,8 +116,11 @@ def test_chat_template_refusal_names_messages(model_dir):
     assert e.value.field == "messages"
 
 
-def _naive_split(text: str) -> tuple[str, str]:
-    """The reference: a leading <think> dropped, reasoning before the first </think>, content after it."""
+def _naive_split(text: str, in_think: bool) -> tuple[str, str]:
+    """The reference: a leading <think> dropped, reasoning before the first </think>, content after it; where
+    the prompt left no think block open, all content unless the text opens one."""
+    if not in_think and not text.startswith("<think>"):
+        return "", text
     text = text.removeprefix("<think>")
     reasoning, closed, content = text.partition("</think>")
     return (reasoning, content) if closed else (text, "")
@@ -114,6 +128,7 @@ def _naive_split(text: str) -> tuple[str, str]:
 
 TEXTS = [
     "plan it</think>\n\nanswer",
+    "<think>opened, never closed",
     "<think>plan</think>answer </think> again",
     "never closes <think> the block",
     "</think>",
@@ -125,17 +140,18 @@ TEXTS = [
 ]
 
 
+@pytest.mark.parametrize("in_think", [True, False])
 @pytest.mark.parametrize("text", TEXTS)
-def test_reasoning_split_of_any_stream_equals_the_whole(text):
-    expected = _naive_split(text)
-    assert split_reasoning(text) == expected
+def test_reasoning_split_of_any_stream_equals_the_whole(text, in_think):
+    expected = _naive_split(text, in_think)
+    assert split_reasoning(text, in_think) == expected
     cuts = list(itertools.combinations(range(1, len(text)), 2)) if len(text) < 40 else []
     rng = random.Random(0)
     cuts += [sorted(rng.sample(range(len(text) + 1), min(4, len(text) + 1))) for _ in range(20)]
     for cut in cuts:
         bounds = [0, *cut, len(text)]
         pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
-        splitter, reasoning, content = ReasoningSplitter(), "", ""
+        splitter, reasoning, content = ReasoningSplitter(in_think), "", ""
         for piece in pieces:
             r, c = splitter.push(piece)
             reasoning, content = reasoning + r, content + c
@@ -153,7 +169,6 @@ def test_reasoning_split_of_any_stream_equals_the_whole(text):
         (COMPLETIONS, {"logprobs": True}, "logprobs"),
         (CHAT, {"top_logprobs": 2}, "top_logprobs"),
         (CHAT, {"logprobs": True, "top_logprobs": 1.5}, "top_logprobs"),
-        (COMPLETIONS, {"top_logprobs": 2}, "top_logprobs"),
         (CHAT, {"presence_penalty": "high"}, "presence_penalty"),
         (CHAT, {"frequency_penalty": [1]}, "frequency_penalty"),
         (CHAT, {"repetition_penalty": float("inf")}, "repetition_penalty"),
@@ -170,14 +185,25 @@ def test_reasoning_split_of_any_stream_equals_the_whole(text):
         (CHAT, {"temperature": "hot"}, "temperature"),
         (CHAT, {"max_tokens": 1.5}, "max_tokens"),
         (CHAT, {"seed": True}, "seed"),
-        (CHAT, {"frobnicate": 1}, "frobnicate"),
+        (CHAT, {"store": "yes"}, "store"),
+        (CHAT, {"metadata": ["a"]}, "metadata"),
+        (COMPLETIONS, {"parallel_tool_calls": 1}, "parallel_tool_calls"),
+        (
+            CHAT,
+            {"stream": True, "stream_options": {"continuous_usage_stats": "on"}},
+            "stream_options.continuous_usage_stats",
+        ),
+        (COMPLETIONS, {"prompt": []}, "prompt"),
+        (COMPLETIONS, {"prompt": ["a", ""]}, "prompt[1]"),
+        (COMPLETIONS, {"prompt": [[1, 2], "b", 3]}, "prompt[2]"),
+        (COMPLETIONS, {"prompt": ["a"] * (MAX_PROMPTS + 1)}, "prompt"),
+        (COMPLETIONS, {"prompt": ["a"] * 20, "n": 13}, "n"),
         (CHAT, {"messages": []}, "messages"),
         (
             CHAT,
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             "messages[0].content[0]",
         ),
-        (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt"),
         (COMPLETIONS, {"prompt": None}, "prompt"),
         (COMPLETIONS, {"suffix": "x"}, "suffix"),
     ],
@@ -211,6 +237,55 @@ def test_values_that_ask_for_nothing_are_accepted():
     assert request.stream and request.include_usage
     ids = parse({"prompt": [[0, 5, 6]]}, COMPLETIONS).input
     assert ids.prompt_ids == [0, 5, 6] and ids.prompt_text is None
+
+
+def test_openai_parameters_vllm_ignores_and_unknown_names_are_ignored_and_listed():
+    values = {
+        "store": True, "metadata": {"k": "v"}, "service_tier": "auto", "reasoning_effort": "low",
+        "modalities": ["text"], "prediction": {"type": "content", "content": "x"},
+        "verbosity": "low", "prompt_cache_key": "k", "safety_identifier": "s",
+        "parallel_tool_calls": False,
+    }  # fmt: skip
+    assert set(values) == set(IGNORED)
+    body = {
+        "messages": [{"role": "user", "content": "hi"}], **values, "frobnicate": 1,
+        "user": "u", "store_later": None, "stream": True,
+        "stream_options": {"include_usage": True, "include_obfuscation": False, "zip": 1},
+    }  # fmt: skip
+    request = parse(body, CHAT)
+    assert request.ignored == (
+        *values, "frobnicate", "store_later", "stream_options.include_obfuscation",
+        "stream_options.zip",
+    )  # fmt: skip
+    assert request.include_usage and not request.continuous_usage
+    # a given null asks for nothing: not listed
+    assert parse({"prompt": "a", "store": None}, COMPLETIONS).ignored == ()
+    # what the header shows: plain names, the rest counted
+    assert ignored_names(("store", "a\r\nb", "x" * 65, "metadata")) == "store, metadata, (2 more)"
+
+
+def test_continuous_usage_takes_effect_with_include_usage_as_in_vllm():
+    def options(**given):
+        return parse({"prompt": "a", "stream": True, "stream_options": given}, COMPLETIONS)
+
+    both = options(include_usage=True, continuous_usage_stats=True)
+    assert both.include_usage and both.continuous_usage and both.ignored == ()
+    alone = options(continuous_usage_stats=True)
+    assert not alone.include_usage and not alone.continuous_usage
+
+
+def test_a_list_of_prompts_is_one_input_per_prompt_each_named_by_its_place():
+    request = parse({"prompt": ["a cat", [0, 5, 6]], "n": 3, "max_tokens": 4}, COMPLETIONS)
+    assert [(g.prompt_text, g.prompt_ids) for g in request.inputs] == [
+        ("a cat", None), (None, [0, 5, 6]),
+    ]  # fmt: skip
+    assert [g.names.prompt_text for g in request.inputs] == ["prompt[0]", "prompt[1]"]
+    assert all(g.n == 3 and g.sampling.max_tokens == 4 for g in request.inputs)
+    assert (request.n, request.num_choices) == (3, 6)
+    ids = parse({"prompt": [[1, 2], [3, 4]]}, COMPLETIONS)
+    assert [g.prompt_ids for g in ids.inputs] == [[1, 2], [3, 4]]
+    assert parse({"prompt": ["one"]}, COMPLETIONS).input.names.prompt_text == "prompt"
+    assert len(parse({"prompt": ["a"] * MAX_PROMPTS}, COMPLETIONS).inputs) == MAX_PROMPTS
 
 
 def test_sampling_parameters_reach_the_sampling_request():

@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 
 from pdserve.cli.client import Client, generate_request
 from pdserve.kernels import batch_invariant
-from pdserve.model.tokenizer import THINK_END, Tokenizer
+from pdserve.model.tokenizer import THINK_END, THINK_START, Tokenizer
 from pdserve.v1 import generation_pb2
 
 PROMPT_BYTES = SHARED_PROMPT_BYTES
@@ -59,8 +59,10 @@ def chat_ids(model_dir):
     """A chat prompt's token ids as transformers templates and tokenizes it."""
     hf = AutoTokenizer.from_pretrained(str(model_dir))
 
-    def ids(messages) -> list[int]:
-        text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    def ids(messages, **kwargs) -> list[int]:
+        text = hf.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **kwargs
+        )
         return hf(text, add_special_tokens=False)["input_ids"]
 
     return ids
@@ -136,12 +138,10 @@ def test_chat_whole_and_streamed_equal_offline(server, api, reference, tokenizer
     message = choice.message
     assert message.role == "assistant" and choice.finish_reason == "length"
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(prompt), 16)
-    # The template opened a think block: until the model closes it, its text is reasoning.
-    reasoning, closed, content = expected.partition(THINK_END)
-    assert (message.reasoning_content or "", message.content or "") == (
-        (reasoning, content) if closed else (expected, "")
-    )
-    assert message.reasoning == message.reasoning_content
+    # The tiny model's template thinks only when asked: the answer is content (a random model may still
+    # write think tags into it: only a block the output opens itself would be reasoning).
+    assert not expected.startswith(THINK_START)
+    assert (message.content, message.reasoning_content, message.reasoning) == (expected, None, None)
 
     stream = api.chat.completions.create(
         model=model_name(server), messages=messages, stream=True,
@@ -163,15 +163,18 @@ def test_chat_whole_and_streamed_equal_offline(server, api, reference, tokenizer
 def test_reasoning_and_content_split_in_whole_and_streamed_replies(
     server, api, reference, tokenizer, chat_ids
 ):
-    # Random weights close the think block only for some prompts: find one among a few questions.
+    # Asked to think, the template opens a think block: until the model closes it, its text is reasoning.
+    # Random weights close it only for some prompts: find one among a few questions.
     questions = [
         [{"role": "user", "content": f"Question {i}: what is {i}+{i}?"}] for i in range(32)
     ]
+    thinking = {"chat_template_kwargs": {"thinking": True}, "ignore_eos": True}
 
     def ask(messages):
         return api.chat.completions.create(
-            model=model_name(server), messages=messages, **greedy(24)
-        )
+            model=model_name(server), messages=messages, max_tokens=24, temperature=0,
+            extra_body=thinking,
+        )  # fmt: skip
 
     with ThreadPoolExecutor(16) as pool:
         replies = list(pool.map(ask, questions))
@@ -179,8 +182,12 @@ def test_reasoning_and_content_split_in_whole_and_streamed_replies(
         (q, r) for q, r in zip(questions, replies, strict=True) if r.choices[0].message.content
     ]
     assert found, "no question made the tiny model close its think block"
+    unclosed = [r for r in replies if not r.choices[0].message.content]
+    assert unclosed, "every question made the tiny model close its think block"
+    message = unclosed[0].choices[0].message
+    assert message.reasoning_content and message.reasoning == message.reasoning_content
     messages, reply = found[0]
-    expected = tokenizer.decode(reference(chat_ids(messages), 24))
+    expected = tokenizer.decode(reference(chat_ids(messages, thinking=True), 24))
     reasoning, closed, content = expected.partition(THINK_END)
     assert closed
     message = reply.choices[0].message
@@ -188,8 +195,9 @@ def test_reasoning_and_content_split_in_whole_and_streamed_replies(
     assert THINK_END not in message.content + (message.reasoning_content or "")
 
     stream = api.chat.completions.create(
-        model=model_name(server), messages=messages, stream=True, **greedy(24)
-    )
+        model=model_name(server), messages=messages, stream=True, max_tokens=24, temperature=0,
+        extra_body=thinking,
+    )  # fmt: skip
     deltas = [c.choices[0].delta for c in stream if c.choices]
     streamed_reasoning = "".join(getattr(d, "reasoning", None) or "" for d in deltas)
     streamed_content = "".join(d.content or "" for d in deltas)

@@ -118,3 +118,28 @@ def test_relaxed_acceptance_carries_the_think_ids_from_both_front_ends(model, tm
     assert e.value.field == "sampling_params.relaxed_acceptance"
     with pytest.raises(InvalidRequestError, match="relaxed_acceptance"):
         parse({"prompt": [3], "relaxed_acceptance": "yes"}, COMPLETIONS)
+
+
+def test_a_chat_prompt_says_whether_it_opened_a_think_block(model):
+    """The tiny model's template thinks only when asked (`thinking`, as DeepSeek-V3.1's): only then does the
+    output start as reasoning; a completions prompt never does, whatever its text."""
+    messages = [{"role": "user", "content": "hi <think>"}]
+
+    def built(body: dict, kind: str = CHAT):
+        return build_request(parse(body, kind).input, model, RouterConfig())
+
+    assert not built({"messages": messages}).prompt_in_think
+    thinking = {"messages": messages, "chat_template_kwargs": {"thinking": True}}
+    assert built(thinking).prompt_in_think
+    assert not built({"prompt": "<think> a"}, COMPLETIONS).prompt_in_think
+
+
+def test_a_list_of_prompts_builds_one_request_per_prompt_with_its_own_field(model):
+    request = parse({"prompt": ["a cat", [0, 5, 6]], "n": 2, "max_tokens": 3}, COMPLETIONS)
+    built = [build_request(g, model, RouterConfig()) for g in request.inputs]
+    assert [b.prompt_ids for b in built] == [model.tokenizer.encode("a cat"), [0, 5, 6]]
+    assert all(b.n == 2 and b.params.max_tokens == 3 for b in built)
+    bad = parse({"prompt": ["a", [0, 5000]]}, COMPLETIONS).inputs[1]
+    with pytest.raises(InvalidRequestError) as e:
+        build_request(bad, model, RouterConfig())
+    assert e.value.field == "prompt[1]"

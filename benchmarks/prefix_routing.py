@@ -1,0 +1,160 @@
+"""Prefix-aware routing against load-only routing: a multi-turn chat load served by `pdserve serve` (started here,
+once per policy, in a child process) over gRPC, with the prefix cache's hit rate and TTFT p50/p99 per policy.
+
+    python benchmarks/prefix_routing.py [--model tiny] [--decode 2 --prefill 0] [--conversations 16] \
+        [--turns 6] [--first-len 512] [--turn-len 64] [--output-len 16] [--rate 4]
+
+The load: --conversations conversations, started at Poisson arrivals of --rate a second; each runs --turns turns
+one after another, a turn's prompt being the previous turn's prompt, its answer and --turn-len new tokens (the
+first turn: --first-len random tokens), so each turn after the first resends a prefix some worker computed. Every
+request is greedy with EOS ignored (--output-len tokens each). The same load (same seed) runs against a server
+with router.prefix_aware_routing on and one with it off; the workers' prefix caches are on in both.
+
+Reported per policy: hit rate (prompt tokens found cached over prompt tokens, from each response's
+usage.cached_tokens) and TTFT p50/p99, over all turns and over the turns after the first (the first turns find
+nothing cached under either policy). A turn can find at most the full pages of the previous turn's prompt (a
+worker caches the pages its prefill computed), so the later turns' hit rate stays below 1 even where every turn
+goes to the right worker. On a small shared machine the server started second can run faster than the first
+whatever its policy: compare runs in both orders (--policies). Writes $OUT/prefix_routing.json when OUT is set."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+from _serve import Served
+
+from pdserve.cli.client import generate_request
+from pdserve.v1 import generation_pb2_grpc
+
+
+async def one_turn(stub, prompt: list[int], args) -> dict:
+    request = generate_request(prompt, max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    start, first, tokens, cached = time.perf_counter(), None, [], 0
+    async for chunk in stub.Generate(request, timeout=args.timeout):
+        if chunk.token_ids and first is None:
+            first = time.perf_counter()
+        tokens.extend(chunk.token_ids)
+        if chunk.HasField("usage"):
+            cached = chunk.usage.cached_tokens
+    if first is None:
+        raise RuntimeError(f"a turn of {len(prompt)} prompt tokens streamed no token")
+    return {"prompt": len(prompt), "cached": cached, "ttft_s": first - start, "tokens": tokens}
+
+
+async def conversation(stub, c: int, start_at: float, args) -> list[dict]:
+    rng = random.Random(args.seed * 100_003 + c)
+    await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+    prompt = [rng.randrange(3, args.vocab) for _ in range(args.first_len)]
+    turns = []
+    for t in range(args.turns):
+        out = await one_turn(stub, prompt, args)
+        out["turn"] = t
+        turns.append(out)
+        prompt = [
+            *prompt,
+            *out.pop("tokens"),
+            *(rng.randrange(3, args.vocab) for _ in range(args.turn_len)),
+        ]
+    return turns
+
+
+async def load(port: int, args) -> list[dict]:
+    rng = random.Random(args.seed)
+    now, starts = time.perf_counter(), []
+    for _ in range(args.conversations):
+        now += rng.expovariate(args.rate)
+        starts.append(now)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        # warm-up: one request per worker's worth, not measured, of prompts no conversation shares
+        warm = [[3 + (i % 7)] * args.first_len for i in range(2 * (args.decode + args.prefill))]
+        await asyncio.gather(*(one_turn(stub, p, args) for p in warm))
+        begin = time.perf_counter()
+        starts = [begin + s - starts[0] for s in starts]
+        done = await asyncio.gather(*(conversation(stub, c, s, args) for c, s in enumerate(starts)))
+    return [turn for turns in done for turn in turns]
+
+
+def summarize(turns: list[dict]) -> dict:
+    def part(rows: list[dict]) -> dict:
+        ttft = np.array([r["ttft_s"] for r in rows]) * 1e3
+        prompt, cached = sum(r["prompt"] for r in rows), sum(r["cached"] for r in rows)
+        return {
+            "requests": len(rows),
+            "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
+            "ttft_p50_ms": round(float(np.percentile(ttft, 50)), 1),
+            "ttft_p99_ms": round(float(np.percentile(ttft, 99)), 1),
+        }
+
+    return {"all_turns": part(turns), "later_turns": part([t for t in turns if t["turn"] > 0])}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--decode", type=int, default=2, help="decode workers")
+    p.add_argument(
+        "--prefill", type=int, default=0, help="prefill workers (0: decode workers prefill)"
+    )
+    p.add_argument("--conversations", type=int, default=16)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--first-len", type=int, default=512, help="first turn's prompt tokens")
+    p.add_argument("--turn-len", type=int, default=64, help="new prompt tokens per later turn")
+    p.add_argument("--output-len", type=int, default=16, help="tokens generated per turn")
+    p.add_argument("--rate", type=float, default=4.0, help="conversations started per second")
+    p.add_argument("--vocab", type=int, default=1000, help="prompt ids are drawn from [3, vocab)")
+    p.add_argument("--load-weight", type=float, default=1.0, help="router.prefix_load_weight")
+    p.add_argument("--timeout", type=float, default=300.0, help="deadline per request, s")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--policies",
+        default="prefix_aware,load_only",
+        help="which to run, in this order (comma-separated)",
+    )
+    p.add_argument(
+        "--log", default="/tmp/pdserve-prefix-routing-serve.log", help="the server's log"
+    )
+    p.add_argument(
+        "--flags", nargs=argparse.REMAINDER, default=[], help="more `pdserve serve` flags"
+    )
+    args = p.parse_args()
+    if args.decode < 1 or args.prefill < 0 or args.conversations < 1 or args.turns < 1:
+        sys.exit("--decode and --conversations and --turns must be >= 1, --prefill >= 0")
+    unknown = set(args.policies.split(",")) - {"prefix_aware", "load_only"}
+    if unknown:
+        sys.exit(f"--policies: unknown {sorted(unknown)} (expected prefix_aware, load_only)")
+    summary = {"config": {k: v for k, v in vars(args).items() if k != "log"}}
+    for policy in args.policies.split(","):
+        on = {"prefix_aware": "true", "load_only": "false"}[policy]
+        flags = [
+            "--prefill", str(args.prefill), "--decode", str(args.decode),
+            "--router.prefix-aware-routing", on, "--router.prefix-load-weight", str(args.load_weight),
+            *args.flags,
+        ]  # fmt: skip
+        served = Served(args.model, Path(f"{args.log}.{policy}"), flags)
+        try:
+            turns = asyncio.run(load(served.grpc_port, args))
+        finally:
+            served.stop()
+        summary[policy] = summarize(turns)
+        print(policy, json.dumps(summary[policy]), flush=True)
+    print(json.dumps(summary, indent=2))
+    if os.environ.get("OUT"):
+        path = Path(os.environ["OUT"]) / "prefix_routing.json"
+        path.write_text(json.dumps(summary, indent=2) + "\n")
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Prefix-aware placement: the router's index of which prompt pages each worker's prefix cache holds, and the
+choice of the worker that computes a request's prompt by the tokens it would find there and the worker's load.
+
+The index. A worker whose prefix cache is on reports the pages it cached and evicted with its long-poll answers
+(`messages.CacheEvents`: the first bytes of each page's chained hash, a net count per hash, bounded per answer;
+`engine.prefix_cache.CacheEventLog`). `PrefixIndex` keeps a count per hash per worker. It is approximate (events
+arrive a poll late, a log that overflowed sends only its newest hashes) and only steers placement: the worker
+itself matches the prompt against its own cache, so a stale index costs a miss, never a wrong token. A prompt's
+pages count as on the worker it was placed on from its placement (`PrefixIndex.expect`) until that worker's events
+say so, or for PENDING_S at most: a burst of prompts that share a new prefix sees it where the first one went.
+
+The request's pages. The router hashes a prompt as the worker does (`prefix_cache.chain_hashes`, the worker's
+page size; with `lookahead`, where the worker speculates, a page's hash covers the token after the page too) and
+counts the leading pages the worker's index holds, cut as the worker cuts a hit (`prefix_cache.prompt_pages`:
+within the first n - 1 tokens, a multiple of its `hit_unit`). That many tokens are the worker's expected hit.
+
+The policy (`router.prefix_aware_routing`, on by default). Among the workers that may compute the prompt (prefill
+workers large enough for it; with none, the decode workers with room for it, which prefill it themselves), the
+router picks the one with the highest
+
+    expected hit tokens - router.prefix_load_weight x its queued prompt tokens
+
+(queued: prompt tokens placed on it whose first token has not come yet), ties going to the less loaded and then
+to the load-only order. With weight 1 this is the worker where the fewest prompt tokens are computed before this
+request's first token: its queue plus the part of its prompt not cached there. A larger weight favours balance,
+a smaller one reuse; with the setting off (or where no worker reports a cache) the least loaded worker is chosen,
+as before. A decode worker that receives its KV from a prefill worker is chosen by free pages as before."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from pdserve.engine.messages import CacheEvents
+from pdserve.engine.prefix_cache import EVENT_HASH_BYTES, chain_hashes, prompt_pages
+
+PENDING_S = 10.0
+"""How long a placed prompt's pages count as on its worker without that worker's events saying so."""
+MAX_PENDING = 1 << 16
+"""Pages expected per worker at most; past it the expired ones go, and if still too many, all."""
+
+
+@dataclasses.dataclass(eq=False)
+class PrefixIndex:
+    """Which page hashes one worker's prefix cache holds, by its cache events; how it hashes a prompt."""
+
+    page_size: int
+    hit_unit: int
+    """A hit there is a multiple of this many tokens (`PrefixCache.hit_unit`)."""
+    lookahead: bool
+    """A page's hash covers the token after it (`PrefixCache.lookahead`)."""
+    counts: dict[bytes, int] = dataclasses.field(default_factory=dict)
+    """Per hash (its first EVENT_HASH_BYTES bytes): the copies cached (one per rank holding it)."""
+    pending: dict[bytes, float] = dataclasses.field(default_factory=dict)
+    """Hashes of pages of prompts placed here that its events have not reported yet: until when they count."""
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any] | None) -> PrefixIndex | None:
+        """From the worker's `ready` answer's "prefix_cache" (`engine.worker.prefix_cache_info`); None with
+        the cache off there."""
+        if not info:
+            return None
+        return cls(int(info["page_size"]), int(info["hit_unit"]), bool(info["lookahead"]))
+
+    def apply(self, events: CacheEvents) -> None:
+        if events.reset:
+            self.counts.clear()
+        counts, pending = self.counts, self.pending
+        for h in events.added:
+            counts[h] = counts.get(h, 0) + 1
+            pending.pop(h, None)
+        for h in events.evicted:
+            pending.pop(h, None)
+            n = counts.get(h, 0) - 1
+            if n > 0:
+                counts[h] = n
+            else:
+                counts.pop(h, None)
+
+    def expect(self, hashes: Sequence[bytes], now: float) -> None:
+        """A prompt whose pages have these hashes was placed here: they count as cached here for PENDING_S."""
+        pending = self.pending
+        if len(pending) + len(hashes) > MAX_PENDING:
+            for h in [h for h, until in pending.items() if until <= now]:
+                del pending[h]
+            if len(pending) + len(hashes) > MAX_PENDING:
+                pending.clear()
+        until = now + PENDING_S
+        for h in hashes:
+            if h not in self.counts:
+                pending[h] = until
+
+    def hit_tokens(self, hashes: Sequence[bytes], num_tokens: int, now: float = 0.0) -> int:
+        """Tokens a prefill of `num_tokens` tokens whose page hashes are `hashes` (short ones) would find here
+        (pages expected here count until their time at `now`)."""
+        limit = prompt_pages(num_tokens, self.page_size, self.hit_unit)
+        pages = 0
+        for h in hashes[:limit]:
+            if h not in self.counts and self.pending.get(h, 0.0) <= now:
+                break
+            pages += 1
+        return pages * self.page_size // self.hit_unit * self.hit_unit
+
+
+class PromptHashes:
+    """A prompt's page hashes as the router compares them (short), made once per (page size, lookahead)."""
+
+    def __init__(self, tokens: Sequence[int]):
+        self.tokens = tokens
+        self._made: dict[tuple[int, bool], list[bytes]] = {}
+
+    def of(self, index: PrefixIndex) -> list[bytes]:
+        key = (index.page_size, index.lookahead)
+        hashes = self._made.get(key)
+        if hashes is None:
+            n = len(self.tokens)
+            num_pages = prompt_pages(n, index.page_size, index.page_size)
+            if index.lookahead:  # the token after the page must be known
+                num_pages = min(num_pages, (n - 1) // index.page_size)
+            full = chain_hashes(self.tokens, index.page_size, num_pages, index.lookahead)
+            hashes = self._made[key] = [h[:EVENT_HASH_BYTES] for h in full]
+        return hashes
+
+    def hit_tokens(self, index: PrefixIndex | None, now: float = 0.0) -> int:
+        return 0 if index is None else index.hit_tokens(self.of(index), len(self.tokens), now)
+
+
+def rank_by_prefix(
+    workers: Iterable[Any], prompt: PromptHashes, load: Callable[[Any], float], weight: float,
+    index: Callable[[Any], PrefixIndex | None],
+) -> tuple[list[Any], dict[Any, int]]:  # fmt: skip
+    """`workers` (in their load-only order of preference) best first by the policy of the module docstring:
+    expected hit tokens minus `weight` x `load`, ties to the lower load, then to the given order; and each
+    one's expected hit tokens."""
+    workers = list(workers)
+    if not any(index(w) is not None for w in workers):
+        return workers, {}
+    now = time.monotonic()
+    hits = {w: prompt.hit_tokens(index(w), now) for w in workers}
+    scored = [(weight * load(w) - hits[w], load(w), i, w) for i, w in enumerate(workers)]
+    scored.sort(key=lambda s: s[:3])
+    return [s[3] for s in scored], hits

@@ -1,0 +1,240 @@
+"""Prefix-aware routing (`pdserve.cluster.prefix_routing`): the router hashes a prompt as a worker's prefix cache
+does (with and without the MTP lookahead) and expects the hit the worker finds, from the cache events the worker
+logs (bounded); and over real model-free workers (`tests/model_free.py`), a request whose prefix a worker holds
+goes there unless that worker is much busier, and a prefix evicted there stops attracting requests."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from model_free import PAGE, FaultyHub, WorkerActor, decode_worker, prefill_worker, reference
+
+from pdserve.cluster.config import RouterConfig
+from pdserve.cluster.pools import DECODE, PREFILL, WorkerHandle, WorkerState
+from pdserve.cluster.prefix_routing import PrefixIndex, PromptHashes, rank_by_prefix
+from pdserve.cluster.router import Router
+from pdserve.engine.messages import CacheEvents
+from pdserve.engine.pages import PageAllocator
+from pdserve.engine.prefix_cache import CacheEventLog, PrefixCache, chain_hashes
+from pdserve.engine.request import Policy, Request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.worker import prefix_cache_info
+
+HANG_S = 10.0
+
+# The index, without workers.
+
+
+def _computed(cache: PrefixCache, allocator: PageAllocator, tokens: list[int], next_token: int):
+    """A request over `tokens` whose prefill computed them all (and sampled `next_token`): its pages cached."""
+    r = Request("r", tokens, SamplingParams(), Policy.PREFILL_ONLY)
+    r.pages = allocator.allocate(-(-len(tokens) // PAGE))
+    r.num_computed = len(tokens)
+    cache.register(r, allocator, next_token)
+    return r
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_the_router_expects_the_hit_the_worker_finds(lookahead):
+    allocator, log = PageAllocator(32), CacheEventLog()
+    allocator.events = log
+    cache = PrefixCache(PAGE, lookahead=lookahead)
+    first = list(range(1, 19))  # 18 tokens: 4 full pages
+    _computed(cache, allocator, first, 99)
+    index = PrefixIndex(PAGE, cache.hit_unit, lookahead)
+    index.apply(CacheEvents(*log.drain([allocator])))
+    assert len(index.counts) == 4 and not log
+    # the next turn goes on with the sampled token; another prompt leaves the first after 16 tokens (with the
+    # lookahead its 4th page's hash covers token 17, so only 3 pages match there); a short one hits nothing
+    prompts = [[*first, 99, 5, 6, 7, 8], [*first[:16], 42, 43, 44, 45, 46], first[:4], [7] * 20]
+    expected = [16, 12 if lookahead else 16, 0, 0]
+    for prompt, hit in zip(prompts, expected, strict=True):
+        asked = Request("q", prompt, SamplingParams(), Policy.PREFILL_ONLY)
+        found = len(cache.match(asked, allocator, len(prompt))) * PAGE
+        assert PromptHashes(prompt).hit_tokens(index) == found == hit, prompt
+
+
+def test_cache_events_net_out_and_a_full_log_sends_a_bounded_snapshot():
+    allocator, log = PageAllocator(8), CacheEventLog(max_hashes=3)
+    allocator.events = log
+    cache = PrefixCache(PAGE)
+    r = _computed(cache, allocator, list(range(1, 9)), 0)  # 2 pages cached
+    allocator.free(r.pages[::-1])
+    allocator.allocate(8)  # both evicted: added then evicted nets out to nothing
+    assert not log and log.drain([allocator]) == ([], [], False)
+    allocator.free(list(range(8)))
+    _computed(cache, allocator, list(range(1, 17)), 0)  # 4 pages: past the bound of 3
+    added, evicted, reset = log.drain([allocator])
+    assert reset and evicted == [] and len(added) == 3  # the newest 3 of what it holds now
+    index = PrefixIndex(PAGE, PAGE, False, {b"stale": 1})
+    index.apply(CacheEvents(added, evicted, reset))
+    assert b"stale" not in index.counts and len(index.counts) == 3
+    with pytest.raises(ValueError, match="max_hashes=0: must be positive"):
+        CacheEventLog(0)
+
+
+def test_the_policy_weighs_the_hit_against_the_load():
+    index = PrefixIndex(PAGE, PAGE, False)
+    prompt = list(range(1, 42))  # 40 tokens a hit can cover
+    index.apply(CacheEvents(PromptHashes(prompt).of(index), []))
+    workers = {"holder": index, "other": PrefixIndex(PAGE, PAGE, False)}
+    for holder_load, weight, best in [(0, 1.0, "holder"), (39, 1.0, "holder"), (41, 1.0, "other"),
+                                      (5, 10.0, "other"), (1000, 0.0, "holder")]:  # fmt: skip
+        load = {"holder": holder_load, "other": 0}
+        ranked, hits = rank_by_prefix(workers, PromptHashes(prompt), load.get, weight, workers.get)
+        assert ranked[0] == best and hits == {"holder": 40, "other": 0}
+
+
+# Over real workers.
+
+
+class Cluster:
+    """A router over model-free workers: `decodes` aggregated decode workers (d0, d1), or one decode worker
+    fed by `prefills` prefill workers (p0, p1); the prefix cache on everywhere."""
+
+    def __init__(self, decodes: int = 2, prefills: int = 0, pages: int = 24, **router):
+        self.hub = FaultyHub() if prefills else None
+        self.router = Router(
+            RouterConfig(poll_timeout_s=0.02, admission_timeout_s=HANG_S, **router)
+        )
+        workers = [prefill_worker(self.hub, f"p{i}", num_pages=pages) for i in range(prefills)]
+        workers += [decode_worker(self.hub, f"d{i}", num_pages=pages) for i in range(decodes)]
+        self.actors = {w.worker_id: WorkerActor(w, self.hub) for w in workers}
+        self.handles: dict[str, WorkerHandle] = {}
+
+    def start(self) -> None:
+        for worker_id, actor in self.actors.items():
+            role = PREFILL if worker_id.startswith("p") else DECODE
+            w = WorkerHandle(worker_id, role, actor, None, 0, WorkerState.SERVING)
+            w.num_pages, w.page_size = actor.worker.num_pages, PAGE
+            w.prefix = PrefixIndex.from_info(prefix_cache_info(actor.worker.scheduler))
+            self.handles[worker_id] = w
+            self.router.add_worker(w)
+
+    async def serve(self, prompt: list[int], on: str | None = None) -> tuple[str, int]:
+        """Runs a request to its end (pinned to aggregated worker `on` where given): (the worker that computed
+        its prompt, its cached tokens). Waits until that worker's cache events of it reached the router."""
+        force = None if on is None else (None, self.handles[on])
+        r = self.router.open("c", prompt, SamplingParams(max_tokens=3, seed=1), None)
+        tokens = []
+        try:
+            while (out := await self.router.next_tokens(r, force)) is not None:
+                tokens += out.token_ids
+        finally:
+            self.router.close(r)
+        assert tokens == reference(prompt, 3)
+        where = r.prefill_worker or r.decode_worker
+        w, worker = self.handles[where], self.actors[where].worker
+        give_up = time.monotonic() + HANG_S
+        while worker.scheduler.cache_events or not w.prefix.counts:
+            assert time.monotonic() < give_up, f"{where}'s cache events did not arrive"
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(0.05)  # its poll under way lands
+        return where, r.num_cached_tokens or 0
+
+    async def close(self) -> None:
+        await self.router.close_all()
+        for actor in self.actors.values():
+            actor.stop()
+
+
+def run(test, **cluster):
+    async def main():
+        c = Cluster(**cluster)
+        c.start()
+        try:
+            await asyncio.wait_for(test(c), 30)
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+
+
+PROMPT = list(range(1, 30))  # 7 full pages a hit can cover
+
+
+@pytest.mark.timed
+@pytest.mark.parametrize("prefills", [0, 2])
+def test_a_shared_prefix_goes_where_it_is_cached_unless_that_worker_is_much_busier(prefills):
+    async def test(c: Cluster):
+        first, cached = await c.serve(PROMPT)
+        assert cached == 0
+        other = next(
+            w
+            for w in c.handles.values()
+            if w.worker_id != first and w.role == c.handles[first].role
+        )
+        # the load-only choice would be the other worker now (fewer queued tokens; more free pages)
+        c.handles[first].queued_tokens = 20
+        where, cached = await c.serve([*PROMPT, 50, 51, 52, 53])
+        assert (where, cached) == (first, 28)
+        # much busier: more queued tokens than the hit saves
+        c.handles[first].queued_tokens = 40
+        where, cached = await c.serve([*PROMPT, 60, 61])
+        assert (where, cached) == (other.worker_id, 0)
+
+    run(test, decodes=1 if prefills else 2, prefills=prefills)
+
+
+@pytest.mark.timed
+def test_load_only_routing_ignores_the_cache():
+    async def test(c: Cluster):
+        first, _ = await c.serve(PROMPT)
+        c.handles[first].queued_tokens = 1
+        where, cached = await c.serve([*PROMPT, 50])
+        assert where != first and cached == 0
+
+    run(test, prefix_aware_routing=False)
+
+
+@pytest.mark.timed
+def test_an_evicted_prefix_stops_attracting_requests():
+    async def test(c: Cluster):
+        first, _ = await c.serve(PROMPT)
+        c.handles[first].queued_tokens = 4  # a little busier: the hit decides
+        assert (await c.serve([*PROMPT, 50]))[0] == first
+        held = set(c.handles[first].prefix.counts)
+        for i in range(
+            3
+        ):  # other prompts on the same worker, filling its cache: PROMPT's pages evicted
+            await c.serve([40 + i] * 60, on=first)
+        assert not held & set(c.handles[first].prefix.counts)
+        pages = chain_hashes(PROMPT, PAGE, 7, lookahead=False)
+        assert (
+            c.actors[first].worker.scheduler.allocator.match(pages) == []
+        )  # the worker's cache agrees
+        where, cached = await c.serve([*PROMPT, 51])
+        assert where != first and cached == 0
+
+    run(test)
+
+
+@pytest.mark.timed
+def test_a_burst_sharing_a_new_prefix_goes_where_the_first_was_placed():
+    """The second prompt is placed while the first is still prefilling (its worker held), before any cache
+    event: its pages count as there from the first's placement."""
+
+    async def test(c: Cluster):
+        d0, gate = c.actors["d0"].worker, threading.Event()
+        d0.runner.on_execute = lambda plan: gate.wait(HANG_S)
+        params = SamplingParams(max_tokens=2, seed=1)
+        first = c.router.open("a", PROMPT, params, None)
+        second = c.router.open("b", [*PROMPT, 50, 51, 52, 53], params, None)
+        tasks = [asyncio.create_task(c.router.next_tokens(r)) for r in (first, second)]
+        try:
+            give_up = time.monotonic() + HANG_S
+            while not (first.decode and second.decode):
+                assert time.monotonic() < give_up, "the requests were not placed"
+                await asyncio.sleep(0.002)
+            assert not c.handles["d0"].prefix.counts  # no event came: only the placement tells
+            assert (first.decode_worker, second.decode_worker) == ("d0", "d0")
+        finally:
+            gate.set()
+        await asyncio.gather(*tasks)
+        for r in (first, second):
+            c.router.close(r)
+
+    run(test, prefix_load_weight=0.5)
