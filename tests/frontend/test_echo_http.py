@@ -186,3 +186,24 @@ def test_a_one_token_prompt_echoes_with_a_null_first_entry(api, model):
     assert choice.logprobs.top_logprobs == [None] and choice.model_extra["prompt_logprobs"] == [
         None
     ]
+
+
+def test_a_list_of_prompts_echoes_each_choice_s_own_prompt(api, model, reference_model):
+    """lm-eval's local-completions with --batch_size above 1: one request, several token-id prompts."""
+    contexts = [[0, *range(240, 250)], [0, *range(260, 266)]]
+    continuations = [[300, 301], [302]]
+    prompts = [[*c, *x] for c, x in zip(contexts, continuations, strict=True)]
+    reply = api.completions.create(
+        model=model, prompt=prompts, echo=True, max_tokens=1, logprobs=1, temperature=0
+    )
+    choices = sorted(reply.choices, key=lambda c: c.index)
+    assert len(choices) == 2
+    for choice, context, continuation, ids in zip(
+        choices, contexts, continuations, prompts, strict=True
+    ):
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None
+        score = sum(lp.token_logprobs[len(context) : -1])
+        assert score == pytest.approx(
+            engine_score(reference_model, context, continuation), abs=1e-4
+        )
