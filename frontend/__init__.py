@@ -17,6 +17,7 @@ contract) and `ray_engine.RayEngineClient` (the serving process's implementation
 | `openai_api` | OpenAI's request and response JSON shapes |
 | `openai_fields` | the OpenAI parameters accepted and ignored, their header and once-per-name warning |
 | `prompt_batch` | a completions request listing several prompts: read, bounded, one request each, choices merged |
+| `echo` | the completions API's `echo` and vLLM's `prompt_logprobs`: each choice's prompt in front |
 | `json_body` | a request body's JSON, decoded and checked (nesting depth, lone surrogates) |
 | `request_builder` | a request in no protocol's shape -> the checked request (prompt ids, SamplingParams, stop, n) |
 | `validation` | the checks both front ends' requests pass, errors naming the field as each protocol does |
