@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pdserve.model.errors import CapacityError
 
@@ -50,6 +50,9 @@ class PageAllocator:
         """Cached pages nobody references, least recently released first."""
         self.num_evicted = 0
         """Cached pages evicted since start."""
+        self.on_evict: Callable[[int, bytes], None] | None = None
+        """Called with each cached page evicted and its hash, before the page is handed out again (the host
+        tier stores it: `pdserve.engine.host_tier`)."""
 
     @property
     def num_free(self) -> int:
@@ -172,7 +175,10 @@ class PageAllocator:
 
     def _evict(self) -> None:
         page, _ = self._evictable.popitem(last=False)
-        del self._page_of[self._hash_of.pop(page)]
+        page_hash = self._hash_of.pop(page)
+        del self._page_of[page_hash]
+        if self.on_evict is not None:
+            self.on_evict(page, page_hash)
         self._map[page] = _FREE
         self._num_unmapped += 1
         self.num_evicted += 1

@@ -46,6 +46,7 @@ from collections.abc import Collection, Sequence
 
 from pdserve.engine.checks import check_context, check_pages, check_token_ids
 from pdserve.engine.chunking import plan_prefill_chunks
+from pdserve.engine.host_tier import HostPool
 from pdserve.engine.messages import RequestOutput, StageTimes
 from pdserve.engine.pages import PageAllocator, pages_needed
 from pdserve.engine.prefix_cache import PrefixCache
@@ -85,6 +86,8 @@ class _InFlight:
     """Per data-parallel rank: (request, start, length) per prefill row of its RankStep."""
     decode: list[list[Request]]
     """Per data-parallel rank: the request of each decode row."""
+    host_held: list[list[int]] = dataclasses.field(default_factory=list)
+    """Per data-parallel rank: the host slots the step's restores read (free after it)."""
 
 
 class Scheduler:
@@ -106,6 +109,7 @@ class Scheduler:
         spec_policy: SpecPolicy | None = None,
         relaxed: tuple[int, float] | None = None,
         prefix_caching: bool = False,
+        host_slots: int = 0,
     ):
         """allocator: the KV pages of the worker's one rank, or one allocator per data-parallel rank (of equal
         sizes); ranks: ranks of the worker (default: one per allocator; with one allocator and more ranks, each
@@ -122,7 +126,9 @@ class Scheduler:
         delta) of relaxed acceptance for the requests that opt in (`SamplingParams.relaxed_think_ids`),
         inside their think blocks (None: strict acceptance for every request); prefix_caching: prefilled
         requests (prefill-only, aggregated) share the full pages of their prefill through each allocator's
-        prefix cache and start their prefill after the pages they find there (`PrefixCache`)."""
+        prefix cache and start their prefill after the pages they find there (`PrefixCache`); host_slots: with
+        the prefix cache, pages of each rank's host pool (`HostPool`: evicted cached pages are stored there,
+        and a prompt that goes on past its GPU hit into stored pages has them copied back; 0: off)."""
         allocators = [allocator] if isinstance(allocator, PageAllocator) else list(allocator)
         ranks = len(allocators) if ranks is None else ranks
         if not allocators or len(allocators) not in (1, ranks):
@@ -163,6 +169,13 @@ class Scheduler:
         if prefix_caching:
             align = min(max_chunk, token_budget) if fixed_chunks else 1
             self.prefix_cache = PrefixCache(page_size, lookahead=num_drafts > 0, align=align)
+        self.host_pools: list[HostPool] = []
+        if host_slots < 0:
+            raise ValueError(f"host_slots={host_slots}: must be >= 0")
+        if host_slots and self.prefix_cache is not None:
+            self.host_pools = [HostPool(host_slots) for _ in allocators]
+            for a, pool in zip(allocators, self.host_pools, strict=True):
+                a.on_evict = pool.offload
         self._step_drafts = num_drafts
         """The drafts the step being planned proposes (`SpecPolicy.drafts_for_step`)."""
         self.requests: dict[str, Request] = {}
@@ -234,10 +247,22 @@ class Scheduler:
         allocator = self.allocators[rank]
         allocator.take(cached)
         need = pages_needed(request.num_tokens, self.page_size) - len(cached)
+        stored: list[bytes] = []  # the pages after the GPU hit that come back from the host pool
+        slots: list[int] = []
+        if self.host_pools and request.policy is not Policy.DECODE_ONLY:
+            pool = self.host_pools[rank]
+            stored = self.prefix_cache.host_match(
+                request, pool, self._prefill_end(request), len(cached)
+            )
+            slots = pool.take(stored)  # before allocate, whose evictions may store pages
         request.rank = rank
-        request.pages = cached + allocator.allocate(need)
-        request.num_computed = len(cached) * self.page_size
-        request.num_cached_pages = len(cached)
+        new = allocator.allocate(need)
+        for h, slot, page in zip(stored, slots, new, strict=False):  # new: at least as many
+            self.host_pools[rank].restore(slot, page)
+            allocator.cache(page, h)
+        request.pages = cached + new
+        request.num_computed = (len(cached) + len(stored)) * self.page_size
+        request.num_cached_pages = len(cached) + len(stored)
         if self.prefix_cache is not None and request.num_cached_tokens is None:
             self.prefix_cache.count(request, request.num_computed)
 
@@ -469,8 +494,15 @@ class Scheduler:
             steps *= self.ranks  # the same rows on every rank
         mtp = self.num_drafts > 0
         topk, delta = self.relaxed or (0, 0.0)
-        plan = StepPlan(next(self._step_ids), steps, mtp, self._step_drafts, topk, delta)
-        self._in_flight = _InFlight(plan, prefill_by_rank, decode_by_rank)
+        copies, held = [], []
+        for pool in self.host_pools:
+            c, h = pool.take_copies()
+            copies.append(c)
+            held.append(h)
+        if len(copies) < self.ranks and copies:
+            copies *= self.ranks  # the same copies on every rank
+        plan = StepPlan(next(self._step_ids), steps, mtp, self._step_drafts, topk, delta, tuple(copies))
+        self._in_flight = _InFlight(plan, prefill_by_rank, decode_by_rank, held)
         for allocator in self.allocators:
             allocator.hold_frees()
         return plan, outputs
@@ -637,6 +669,8 @@ class Scheduler:
         )
         for allocator in self.allocators:
             allocator.release_held()
+        for pool, held in zip(self.host_pools, in_flight.host_held, strict=True):
+            pool.release(held)
         assert len(results) == len(plan.ranks), (
             f"{len(results)} results for {len(plan.ranks)} ranks"
         )

@@ -29,7 +29,7 @@ from pdserve.engine.step import RankResult, StepPlan
 from pdserve.engine.step_timer import StepTimer
 from pdserve.engine.warm_up import warm_up_plans
 from pdserve.model.deepseek import Transformer
-from pdserve.model.errors import PdserveError
+from pdserve.model.errors import ConfigError, PdserveError
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,19 @@ def prefix_cache_counts(scheduler: Scheduler) -> dict[str, int]:
     if cache is None:
         return {"prefix_cache_queries": 0, "prefix_cache_hits": 0}
     return {"prefix_cache_queries": cache.num_queries, "prefix_cache_hits": cache.num_hits}
+
+
+def host_tier_counts(worker: Worker) -> dict[str, int]:
+    """The host tier's counters since start (0 with it off): pages stored and restored (host hits, in pages),
+    evicted pages dropped for want of a free slot, and bytes copied either way (`HostKVStore`)."""
+    pools = worker.scheduler.host_pools
+    store = getattr(worker.runner, "host_store", None)
+    return {
+        "host_kv_offloaded_pages": sum(p.num_offloaded for p in pools),
+        "host_kv_restored_pages": sum(p.num_restored for p in pools),
+        "host_kv_dropped_pages": sum(p.num_dropped for p in pools),
+        "host_kv_bytes_copied": store.bytes_copied if store is not None else 0,
+    }
 
 
 class RanksFailedError(PdserveError):
@@ -100,8 +113,14 @@ class Worker:
                     getattr(config, "max_running", None),
                     getattr(config, "num_speculative_tokens", 0),
                 ),
+                host_kv_cache_bytes=getattr(config, "host_kv_cache_bytes", 0),
             )
         else:
+            if getattr(config, "host_kv_cache_bytes", 0):
+                raise ConfigError(
+                    f"host_kv_cache_bytes={config.host_kv_cache_bytes} with ranks={ranks.world_size}: "
+                    "the host KV tier runs on workers of one rank only"
+                )
             self.runner = ranks.handler.runner
         self.model = self.runner.model
         self.num_ranks = 1 if ranks is None else ranks.world_size
@@ -135,7 +154,9 @@ class Worker:
 
     def _make_scheduler(self, *args, **kwargs) -> Scheduler:
         """The role's scheduler over this worker's allocators and ranks (Scheduler's arguments after them)."""
-        return Scheduler(self.allocators, *args, ranks=self.num_ranks, **kwargs)
+        store = getattr(self.runner, "host_store", None)
+        host = store.num_slots if store is not None else 0
+        return Scheduler(self.allocators, *args, ranks=self.num_ranks, host_slots=host, **kwargs)
 
     def step(self) -> bool:
         """Runs one step of the role's work; False when there was nothing to do."""

@@ -1,0 +1,64 @@
+"""`HostKVStore`: the host memory of the host tier (`pdserve.engine.host_tier`) and the copies between it and a
+`PagedKVCache`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pdserve.engine.host_tier import OFFLOAD, HostCopy, copy_runs
+from pdserve.model.kv_cache import PagedKVCache
+
+
+def host_slots(host_bytes: int, page_bytes: int) -> int:
+    """Slots of a host pool of `host_bytes` for pages of `page_bytes` (0: the tier is off)."""
+    if host_bytes < 0:
+        raise ValueError(f"host KV cache bytes={host_bytes}: must be >= 0")
+    return host_bytes // page_bytes
+
+
+class HostKVStore:
+    """`num_slots` pages of host memory shaped like `cache`'s pages: pinned where the cache is on a GPU (so
+    that copies run asynchronously at the link's bandwidth), plain memory on the CPU."""
+
+    def __init__(self, cache: PagedKVCache, num_slots: int):
+        if num_slots <= 0:
+            raise ValueError(f"num_slots={num_slots}: must be positive")
+        self.cache = cache
+        on_gpu = cache.device.type == "cuda"
+        self.data = torch.empty(
+            (num_slots, *cache.data.shape[1:]), dtype=cache.data.dtype, pin_memory=on_gpu
+        )
+        self.stream = torch.cuda.Stream(cache.device) if on_gpu else None
+        self.bytes_copied = 0
+        """Bytes copied either way since start."""
+
+    @property
+    def num_slots(self) -> int:
+        return self.data.shape[0]
+
+    def run(self, copies: Sequence[HostCopy]) -> None:
+        """Issues `copies` in order (see the module docstring of `pdserve.engine.host_tier`); on a GPU the
+        current stream waits for them without blocking the host."""
+        if not copies:
+            return
+        gpu, host = self.cache.data, self.data
+        runs = copy_runs(copies)
+        if self.stream is None:
+            for kind, page, slot, n in runs:
+                if kind == OFFLOAD:
+                    host[slot : slot + n].copy_(gpu[page : page + n])
+                else:
+                    gpu[page : page + n].copy_(host[slot : slot + n])
+        else:
+            main = torch.cuda.current_stream(gpu.device)
+            self.stream.wait_stream(main)  # evicted pages are read after the passes that wrote them
+            with torch.cuda.stream(self.stream):
+                for kind, page, slot, n in runs:
+                    if kind == OFFLOAD:
+                        host[slot : slot + n].copy_(gpu[page : page + n], non_blocking=True)
+                    else:
+                        gpu[page : page + n].copy_(host[slot : slot + n], non_blocking=True)
+            main.wait_stream(self.stream)  # an event: the step's passes run after the copies
+        self.bytes_copied += sum(n for *_, n in runs) * self.cache.layout.page_bytes

@@ -1,0 +1,180 @@
+"""The host tier without a model: the host pool's slots (stored least recently first, held while a restore
+reads them), copies batched into runs in decision order, a prompt that goes on past its GPU hit into pages the
+host pool stores starting after them; and a stress run with random shared prefixes, cancels, preemptions and
+evictions to the host pool and back, over a fake model whose samples depend on the KV its pages hold, after
+which no page and no host slot is leaked."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve.engine.host_tier import OFFLOAD, RESTORE, HostCopy, HostPool, copy_runs
+from pdserve.engine.pages import PageAllocator
+from pdserve.engine.request import Policy, Request
+from pdserve.engine.sampling_params import FinishReason, SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.step import RankResult, StepPlan
+from pdserve.model.errors import CapacityError
+
+from .test_prefix_cache import PAGE, VOCAB, ListRunner, expected
+
+
+def test_the_pool_stores_least_recently_stored_first_and_holds_slots_read_by_a_restore():
+    pool = HostPool(2)
+    pool.offload(5, b"a")
+    pool.offload(6, b"b")
+    pool.offload(9, b"a")  # stored already: found again, nothing copied
+    pool.offload(7, b"c")  # full: b goes, the least recently stored
+    assert pool.match([b"a", b"c", b"b"]) == 2 and pool.match([b"b"]) == 0
+    assert pool.pending() == [
+        HostCopy(OFFLOAD, 5, 0),
+        HostCopy(OFFLOAD, 6, 1),
+        HostCopy(OFFLOAD, 7, 1),
+    ]
+    slots = pool.take([b"a"])
+    pool.restore(slots[0], 3)
+    pool.offload(8, b"d")  # slot 0 is read by the restore: c's slot is reused
+    pool.check()
+    copies, held = pool.take_copies()
+    assert copies[-2:] == [HostCopy(RESTORE, 3, 0), HostCopy(OFFLOAD, 8, 1)] and held == [0]
+    pool.offload(2, b"e"), pool.offload(4, b"f")  # d stays: e replaces it; f: every slot busy
+    assert pool.num_dropped == 0 and pool.match([b"f"]) == 1 and pool.match([b"d"]) == 0
+    pool.check(in_flight=held)
+    pool.release(held)
+    pool.check()
+    with pytest.raises(ValueError, match="num_slots=0"):
+        HostPool(0)
+
+
+def test_copies_are_batched_into_runs_of_consecutive_pages_and_slots_in_order():
+    copies = [HostCopy(OFFLOAD, p, s) for p, s in ((4, 0), (5, 1), (6, 2), (9, 3))]
+    copies += [HostCopy(RESTORE, 7, 4), HostCopy(RESTORE, 8, 5), HostCopy(OFFLOAD, 10, 6)]
+    assert copy_runs(copies) == [
+        (OFFLOAD, 4, 0, 3), (OFFLOAD, 9, 3, 1), (RESTORE, 7, 4, 2), (OFFLOAD, 10, 6, 1),
+    ]  # fmt: skip
+
+
+class HostListRunner(ListRunner):
+    """`ListRunner` with a host pool of lists: a plan's copies run, in order, before its passes."""
+
+    def __init__(self, num_pages: int, num_slots: int, ranks: int = 1):
+        super().__init__(num_pages, ranks)
+        self.hosts = [[[0] * PAGE for _ in range(num_slots)] for _ in range(ranks)]
+
+    def run(self, plan: StepPlan) -> list[RankResult]:
+        for rank, copies in enumerate(plan.host_copies):
+            for c in copies:
+                cache, host = self.caches[rank], self.hosts[rank]
+                if c.kind == OFFLOAD:
+                    host[c.slot] = list(cache[c.page])
+                else:
+                    cache[c.page] = list(host[c.slot])
+        return super().run(plan)
+
+
+def step(s: Scheduler, runner: HostListRunner) -> list:
+    plan, outputs = s.schedule()
+    return outputs if plan is None else outputs + s.finish_step(plan, runner.run(plan)).outputs
+
+
+def test_a_prompt_continuing_into_the_host_pool_starts_after_the_restored_pages():
+    s = Scheduler(
+        PageAllocator(6), PAGE, 64, 16, VOCAB, 1000, {0}, max_running=4, prefix_caching=True,
+        host_slots=8,
+    )  # fmt: skip
+    runner = HostListRunner(6, 8)
+    first = list(range(2, 23))  # 21 tokens: pages 0-4 full
+    for rid, prompt in (("a", first), ("b", list(range(25, 48)))):  # b's 6 pages evict all of a's
+        s.add(Request(rid, list(prompt), SamplingParams(max_tokens=1, seed=0), Policy.AGGREGATED))
+        while s.requests:
+            step(s, runner)
+    pool = s.host_pools[0]
+    assert pool.num_offloaded == 5 and s.allocator.num_cached == 5  # b's pages only
+    again = Request("a2", list(first), SamplingParams(max_tokens=2, seed=0), Policy.AGGREGATED)
+    s.add(again)
+    assert again.num_computed == 20 and again.num_cached_tokens == 20  # the host's 5 pages
+    # a2's 6 pages evicted b's 5 to the host, whose 3 free slots and then b's own oldest took them
+    assert pool.num_restored == 5 and pool.num_offloaded == 10 and pool.num_stored == 3
+    got = []
+    while s.requests:
+        got += [t for out in step(s, runner) for t in out.token_ids]
+    assert got == expected(first, 2)
+    pool.check()
+    s.allocator.check()
+
+
+def test_off_without_the_prefix_cache_and_bad_sizes_raise():
+    s = Scheduler(PageAllocator(8), PAGE, 64, 16, VOCAB, 1000, {0}, host_slots=4)
+    assert s.host_pools == [] and s.allocator.on_evict is None
+    with pytest.raises(ValueError, match="host_slots=-1"):
+        Scheduler(PageAllocator(8), PAGE, 64, 16, VOCAB, 1000, {0}, host_slots=-1)
+
+
+@pytest.mark.parametrize(
+    "total, fixed_chunks, ranks, num_slots",
+    [
+        (3_000, False, 1, 24),
+        (1_000, True, 1, 24),  # batch-invariant mode: restores of whole chunks
+        (1_000, False, 2, 12),  # data-parallel attention: a pool per rank
+        (1_000, False, 1, 3),  # a pool smaller than a prompt: slots reused while held
+    ],
+)
+def test_evictions_to_the_host_and_restores_leak_no_page_or_slot(
+    total, fixed_chunks, ranks, num_slots
+):
+    rng = random.Random(total + ranks + num_slots)
+    num_pages = 32 // ranks
+    s = Scheduler(
+        [PageAllocator(num_pages) for _ in range(ranks)], PAGE, 48, 16 if fixed_chunks else 10,
+        VOCAB, 1000, {0}, max_running=8, fixed_chunks=fixed_chunks, prefix_caching=True,
+        host_slots=num_slots,
+    )  # fmt: skip
+    runner = HostListRunner(num_pages, num_slots, ranks)
+    blocks = [[rng.randrange(2, VOCAB) for _ in range(PAGE)] for _ in range(4)]
+    prefixes = [
+        [t for _ in range(rng.randrange(1, 9)) for t in rng.choice(blocks)] for _ in range(30)
+    ]  # fmt: skip
+    got: dict[str, list[int]] = {}
+    prompts: dict[str, list[int]] = {}
+    submitted = finished = steps = 0
+    pending: Request | None = None
+    while submitted < total or s.requests:
+        while submitted < total and len(s.requests) < 8:
+            if pending is None:
+                prompt = rng.choice(prefixes) + [rng.randrange(2, VOCAB) for _ in range(4)]
+                params = SamplingParams(max_tokens=rng.randrange(1, 4), seed=0)
+                pending = Request(f"r{submitted}", prompt, params, Policy.AGGREGATED)
+            try:
+                s.add(pending)
+            except CapacityError:
+                break
+            prompts[pending.request_id], got[pending.request_id] = list(pending.token_ids), []
+            pending, submitted = None, submitted + 1
+        if rng.random() < 0.05 and s.requests:
+            s.abort(rng.choice(list(s.requests)))
+        plan, outputs = s.schedule()
+        steps += 1
+        if plan is not None:
+            if rng.random() < 0.05 and s.requests:  # a cancel while the step runs
+                s.abort(rng.choice(list(s.requests)))
+            held = s._in_flight.host_held
+            for pool, h in zip(s.host_pools, held, strict=True):
+                pool.check(in_flight=h)
+            outputs += s.finish_step(plan, runner.run(plan)).outputs
+        for out in outputs:
+            got[out.request_id] += out.token_ids
+            if out.finish_reason in (FinishReason.LENGTH, FinishReason.STOP):
+                finished += 1
+                tokens = got[out.request_id]
+                assert tokens == expected(prompts[out.request_id], len(tokens)), out.request_id
+        assert steps < 20 * total, "no progress"
+    for a, pool in zip(s.allocators, s.host_pools, strict=True):
+        a.check()
+        pool.check()
+        assert a.num_used == 0 and a.num_free == num_pages
+        assert pool.num_restored > total // 50 // ranks  # the host tier was hit
+        assert pool.num_stored <= num_slots
+    assert finished > total // 2
+    assert s.num_preemptions > 0
