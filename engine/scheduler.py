@@ -501,7 +501,9 @@ class Scheduler:
             held.append(h)
         if len(copies) < self.ranks and copies:
             copies *= self.ranks  # the same copies on every rank
-        plan = StepPlan(next(self._step_ids), steps, mtp, self._step_drafts, topk, delta, tuple(copies))
+        plan = StepPlan(
+            next(self._step_ids), steps, mtp, self._step_drafts, topk, delta, tuple(copies)
+        )
         self._in_flight = _InFlight(plan, prefill_by_rank, decode_by_rank, held)
         for allocator in self.allocators:
             allocator.hold_frees()
