@@ -19,6 +19,10 @@ Two halves, as the scheduler and the runner split everything:
   before it is read, or reads a restored page before it is written). The host thread never waits. On the CPU
   the same path copies synchronously.
 
+Pages a KV transfer writes (a decode-only request's, written by the prefill worker outside any step) must have
+no copy pending or running: the scheduler stores no page evicted for such a request (`drop`), and refuses it
+(full for now) where a page it gets has a copy pending or in flight (its holder went away before the copy ran).
+
 Copies run in decision order: an offload that reads a page queued before a restore that writes it (the page
 was evicted and handed to the restoring request) reads it first, and a restore of a slot an offload of the
 same batch wrote reads what was written."""
@@ -85,6 +89,15 @@ class HostPool:
         self._slot_of[page_hash] = slot
         self._copies.append(HostCopy(OFFLOAD, page, slot))
         self.num_offloaded += 1
+
+    def drop(self, page: int, page_hash: bytes) -> None:
+        """The allocator evicted cached `page` for a holder that writes it outside the steps (a KV transfer):
+        not stored, since no copy could read it in time."""
+        self.num_dropped += 1
+
+    def busy_pages(self) -> set[int]:
+        """Pages a pending copy reads or writes."""
+        return {c.page for c in self._copies}
 
     def match(self, hashes: Sequence[bytes]) -> int:
         """How many of `hashes` (the chain after a GPU hit) are stored, as a leading run."""

@@ -256,7 +256,10 @@ class Scheduler:
             )
             slots = pool.take(stored)  # before allocate, whose evictions may store pages
         request.rank = rank
-        new = allocator.allocate(need)
+        if self.host_pools and request.policy is Policy.DECODE_ONLY:
+            new = self._transfer_pages(rank, need)
+        else:
+            new = allocator.allocate(need)
         for h, slot, page in zip(stored, slots, new, strict=False):  # new: at least as many
             self.host_pools[rank].restore(slot, page)
             allocator.cache(page, h)
@@ -265,6 +268,24 @@ class Scheduler:
         request.num_cached_pages = len(cached) + len(stored)
         if self.prefix_cache is not None and request.num_cached_tokens is None:
             self.prefix_cache.count(request, request.num_computed)
+
+    def _transfer_pages(self, rank: int, need: int) -> list[int]:
+        """`need` pages for a KV transfer to write (outside any step), with the host tier on: the cached pages
+        evicted for them are not stored, and where one has a host copy pending or in the step in flight
+        (`HostPool`), they are given back and CapacityError raised (busy for now)."""
+        allocator, pool = self.allocators[rank], self.host_pools[rank]
+        allocator.on_evict = pool.drop
+        try:
+            pages = allocator.allocate(need)
+        finally:
+            allocator.on_evict = pool.offload
+        busy = pool.busy_pages()
+        if self._in_flight is not None and self._in_flight.plan.host_copies:
+            busy |= {c.page for c in self._in_flight.plan.host_copies[rank]}
+        if busy.intersection(pages):
+            allocator.free(pages)
+            raise CapacityError(f"{self.worker_kind}: KV pages busy with host-tier copies, retry")
+        return pages
 
     # Admission.
 

@@ -178,3 +178,40 @@ def test_evictions_to_the_host_and_restores_leak_no_page_or_slot(
         assert pool.num_stored <= num_slots
     assert finished > total // 2
     assert s.num_preemptions > 0
+
+
+def test_pages_a_transfer_writes_are_never_copied():
+    """A decode-only request's pages are written by its KV transfer, outside any step: the cached pages evicted
+    for it are not stored, and it is refused (busy) where a page it would get has a copy pending."""
+    s = Scheduler(
+        PageAllocator(6), PAGE, 64, 16, VOCAB, 1000, {0}, max_running=4, prefix_caching=True,
+        host_slots=8,
+    )  # fmt: skip
+    runner = HostListRunner(6, 8)
+    prompt = list(range(2, 23))  # 5 full pages cached
+    s.add(Request("a", list(prompt), SamplingParams(max_tokens=1, seed=0), Policy.AGGREGATED))
+    while s.requests:
+        step(s, runner)
+    pool = s.host_pools[0]
+    d = Request("d", list(range(25, 40)), SamplingParams(max_tokens=1, seed=0), Policy.DECODE_ONLY)
+    s.add(d)  # 4 pages: the free one and 3 of a's evicted, not stored
+    assert pool.num_dropped == 3 and pool.num_offloaded == 0 and pool.pending() == []
+    assert s.allocator.on_evict == pool.offload
+    s.abort("d")
+    # b evicts one of a's 2 pages left to the host (a copy pending), then goes away before any step
+    b = Request("b", list(range(30, 50)), SamplingParams(max_tokens=1, seed=0), Policy.AGGREGATED)
+    s.add(b)
+    assert pool.num_offloaded == 1 and len(pool.busy_pages()) == 1
+    s.abort("b")
+    free = s.allocator.num_free
+    d2 = Request("d2", list(range(2, 23)), SamplingParams(max_tokens=1, seed=0), Policy.DECODE_ONLY)
+    with pytest.raises(CapacityError, match="busy with host-tier copies"):
+        s.add(d2)
+    assert s.allocator.num_free == free and "d2" not in s.requests
+    step(s, runner)  # nothing to run: the copies wait for the next plan
+    s.add(Request("c", list(range(2, 10)), SamplingParams(max_tokens=1, seed=0), Policy.AGGREGATED))
+    while s.requests:
+        step(s, runner)
+    assert pool.busy_pages() == set()
+    s.allocator.check()
+    pool.check()
