@@ -113,16 +113,17 @@ def test_off_without_the_prefix_cache_and_bad_sizes_raise():
 
 
 @pytest.mark.parametrize(
-    "total, fixed_chunks, ranks, num_slots",
+    "total, fixed_chunks, ranks, num_slots, policy",
     [
-        (3_000, False, 1, 24),
-        (1_000, True, 1, 24),  # batch-invariant mode: restores of whole chunks
-        (1_000, False, 2, 12),  # data-parallel attention: a pool per rank
-        (1_000, False, 1, 3),  # a pool smaller than a prompt: slots reused while held
+        (3_000, False, 1, 24, Policy.AGGREGATED),
+        (1_000, True, 1, 24, Policy.AGGREGATED),  # batch-invariant mode: restores of whole chunks
+        (1_000, False, 2, 12, Policy.AGGREGATED),  # data-parallel attention: a pool per rank
+        (1_000, False, 1, 3, Policy.AGGREGATED),  # a pool smaller than a prompt: slots reused
+        (1_000, False, 1, 24, Policy.PREFILL_ONLY),  # a prefill worker: restores in `schedule`
     ],
 )
 def test_evictions_to_the_host_and_restores_leak_no_page_or_slot(
-    total, fixed_chunks, ranks, num_slots
+    total, fixed_chunks, ranks, num_slots, policy
 ):
     rng = random.Random(total + ranks + num_slots)
     num_pages = 32 // ranks
@@ -139,13 +140,14 @@ def test_evictions_to_the_host_and_restores_leak_no_page_or_slot(
     got: dict[str, list[int]] = {}
     prompts: dict[str, list[int]] = {}
     submitted = finished = steps = 0
+    sending: list[str] = []  # prefill-only requests whose KV is being sent
     pending: Request | None = None
     while submitted < total or s.requests:
         while submitted < total and len(s.requests) < 8:
             if pending is None:
                 prompt = rng.choice(prefixes) + [rng.randrange(2, VOCAB) for _ in range(4)]
                 params = SamplingParams(max_tokens=rng.randrange(1, 4), seed=0)
-                pending = Request(f"r{submitted}", prompt, params, Policy.AGGREGATED)
+                pending = Request(f"r{submitted}", prompt, params, policy)
             try:
                 s.add(pending)
             except CapacityError:
@@ -154,6 +156,9 @@ def test_evictions_to_the_host_and_restores_leak_no_page_or_slot(
             pending, submitted = None, submitted + 1
         if rng.random() < 0.05 and s.requests:
             s.abort(rng.choice(list(s.requests)))
+        while sending and rng.random() < 0.5:  # a send acknowledged
+            s.release(sending.pop(rng.randrange(len(sending))))
+            finished += 1
         plan, outputs = s.schedule()
         steps += 1
         if plan is not None:
@@ -162,13 +167,18 @@ def test_evictions_to_the_host_and_restores_leak_no_page_or_slot(
             held = s._in_flight.host_held
             for pool, h in zip(s.host_pools, held, strict=True):
                 pool.check(in_flight=h)
-            outputs += s.finish_step(plan, runner.run(plan)).outputs
+            outcome = s.finish_step(plan, runner.run(plan))
+            outputs += outcome.outputs
+            for request, token, _ in outcome.to_send:
+                assert [token] == expected(prompts[request.request_id], 1), request.request_id
+                sending.append(request.request_id)
         for out in outputs:
             got[out.request_id] += out.token_ids
             if out.finish_reason in (FinishReason.LENGTH, FinishReason.STOP):
                 finished += 1
                 tokens = got[out.request_id]
                 assert tokens == expected(prompts[out.request_id], len(tokens)), out.request_id
+        sending = [rid for rid in sending if rid in s.requests]  # those not cancelled
         assert steps < 20 * total, "no progress"
     for a, pool in zip(s.allocators, s.host_pools, strict=True):
         a.check()
@@ -177,7 +187,7 @@ def test_evictions_to_the_host_and_restores_leak_no_page_or_slot(
         assert pool.num_restored > total // 50 // ranks  # the host tier was hit
         assert pool.num_stored <= num_slots
     assert finished > total // 2
-    assert s.num_preemptions > 0
+    assert s.num_preemptions > 0 or policy is Policy.PREFILL_ONLY
 
 
 def test_pages_a_transfer_writes_are_never_copied():

@@ -12,6 +12,7 @@ from pdserve.decode import DecodeConfig, DecodeWorker
 from pdserve.engine.host_store import HostKVStore, host_slots
 from pdserve.engine.host_tier import OFFLOAD, RESTORE, HostCopy
 from pdserve.engine.runner import ModelRunner
+from pdserve.engine.worker import host_tier_counts
 
 from .test_prefix_cache_model import GREEDY, PAGE, assert_same_outputs, prompt_ids, serve
 
@@ -59,6 +60,10 @@ def test_hits_from_the_host_give_the_outputs_of_no_cache(
         cached.runner.cache.layout.page_bytes
     )
     assert_same_outputs(got, want, 2e-2 if kv_cache_dtype == "fp8" else 1e-4)
+    counts = host_tier_counts(cached)
+    assert counts["host_kv_restored_pages"] == pool.num_restored == sum(restored.values())
+    assert counts["host_kv_bytes_copied"] == cached.runner.host_store.bytes_copied
+    assert host_tier_counts(plain) == dict.fromkeys(counts, 0)
     pool.check()
     cached.allocator.check()
     assert cached.stats().pages_used == 0
