@@ -9,7 +9,9 @@ path). A step is `schedule()` -> `StepPlan` -> the runner's `RankResult`s -> `fi
   cache (`prefix_caching`) a prefilled request first takes a reference to the cached pages its prompt starts
   with and its prefill starts after them, and the full pages its prefill computes are cached as they are
   (`PrefixCache`); a request's references go with its pages (finished, aborted, failed, preempted), the
-  pages staying cached;
+  pages staying cached; with a host tier (`host_slots`) the cached pages evicted go to the rank's host pool
+  and a prompt that goes on past its GPU hit into pages stored there gets them copied back, the copies
+  running before the next plan's passes (`StepPlan.host_copies`, `pdserve.engine.host_tier`);
 - prefilling requests get chunks under the step's token budget, first come first served (`plan_prefill_chunks`);
 - running requests each run one decode token, oldest first; one that needs a page nobody has free preempts the
   most recently admitted requests (their pages freed; an aggregated one is prefilled again later with the tokens
