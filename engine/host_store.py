@@ -15,6 +15,11 @@ def host_slots(host_bytes: int, page_bytes: int) -> int:
     """Slots of a host pool of `host_bytes` for pages of `page_bytes` (0: the tier is off)."""
     if host_bytes < 0:
         raise ValueError(f"host KV cache bytes={host_bytes}: must be >= 0")
+    if 0 < host_bytes < page_bytes:
+        raise ValueError(
+            f"host KV cache bytes={host_bytes}: less than one KV page ({page_bytes} bytes); 0 turns "
+            "the host tier off"
+        )
     return host_bytes // page_bytes
 
 

@@ -86,5 +86,8 @@ def test_copies_move_every_byte_of_a_page_and_back(reference_model, kv_cache_dty
     assert host_slots(10 * cache.layout.page_bytes + 1, cache.layout.page_bytes) == 10
     with pytest.raises(ValueError, match="host KV cache bytes=-1"):
         host_slots(-1, 64)
+    with pytest.raises(ValueError, match="host KV cache bytes=63: less than one KV page"):
+        host_slots(63, 64)
+    assert host_slots(0, 64) == 0
     with pytest.raises(ValueError, match="host_kv_cache_bytes=-1"):
         DecodeConfig(host_kv_cache_bytes=-1)
