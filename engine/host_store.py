@@ -38,32 +38,56 @@ class HostKVStore:
         self.stream = torch.cuda.Stream(cache.device) if on_gpu else None
         self.bytes_copied = 0
         """Bytes copied either way since start."""
+        self._issued: torch.cuda.Event | None = None
+        """Recorded after the last copies `issue` started (a GPU's), until a step waits for it."""
 
     @property
     def num_slots(self) -> int:
         return self.data.shape[0]
 
     def run(self, copies: Sequence[HostCopy]) -> None:
-        """Issues `copies` in order (see the module docstring of `pdserve.engine.host_tier`); on a GPU the
-        current stream waits for them without blocking the host."""
+        """Issues `copies` (a plan's, `StepPlan.host_copies`) in order after the work queued so far; on a GPU
+        the current stream waits for them without blocking the host."""
         if not copies:
             return
+        if self.stream is None:
+            self._copy(copies, False)
+            return
+        main = torch.cuda.current_stream(self.cache.device)
+        self.stream.wait_stream(main)  # evicted pages are read after the passes that wrote them
+        with torch.cuda.stream(self.stream):
+            self._copy(copies, True)
+        main.wait_stream(self.stream)  # an event: the step's passes run after the copies
+
+    def issue(self, copies: Sequence[HostCopy]) -> None:
+        """Issues `copies` now, from any thread, while a step may be running: they touch no page the step in
+        flight writes or reads for a live request (evicted pages are cached ones, never written; restored
+        pages were free or cached and unreferenced when the step was planned), so they wait for nothing and
+        overlap it. The next step's passes wait for them (`wait`)."""
+        if not copies:
+            return
+        if self.stream is None:
+            self._copy(copies, False)
+            return
+        with torch.cuda.device(self.cache.device), torch.cuda.stream(self.stream):
+            self._copy(copies, True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self._issued = event
+
+    def wait(self) -> None:
+        """Makes the current stream wait for the copies `issue` started (none on the CPU, whose copies are
+        done when issued)."""
+        event, self._issued = self._issued, None
+        if event is not None:
+            torch.cuda.current_stream(self.cache.device).wait_event(event)
+
+    def _copy(self, copies: Sequence[HostCopy], non_blocking: bool) -> None:
         gpu, host = self.cache.data, self.data
         runs = copy_runs(copies)
-        if self.stream is None:
-            for kind, page, slot, n in runs:
-                if kind == OFFLOAD:
-                    host[slot : slot + n].copy_(gpu[page : page + n])
-                else:
-                    gpu[page : page + n].copy_(host[slot : slot + n])
-        else:
-            main = torch.cuda.current_stream(gpu.device)
-            self.stream.wait_stream(main)  # evicted pages are read after the passes that wrote them
-            with torch.cuda.stream(self.stream):
-                for kind, page, slot, n in runs:
-                    if kind == OFFLOAD:
-                        host[slot : slot + n].copy_(gpu[page : page + n], non_blocking=True)
-                    else:
-                        gpu[page : page + n].copy_(host[slot : slot + n], non_blocking=True)
-            main.wait_stream(self.stream)  # an event: the step's passes run after the copies
+        for kind, page, slot, n in runs:
+            if kind == OFFLOAD:
+                host[slot : slot + n].copy_(gpu[page : page + n], non_blocking=non_blocking)
+            else:
+                gpu[page : page + n].copy_(host[slot : slot + n], non_blocking=non_blocking)
         self.bytes_copied += sum(n for *_, n in runs) * self.cache.layout.page_bytes

@@ -11,13 +11,16 @@ Two halves, as the scheduler and the runner split everything:
   restore reads is held until the step that copies it is finished, so no offload of the same step overwrites
   it; a restore moves its page out of the host pool (the GPU holds it again, and its next eviction stores it
   again).
-- `HostKVStore` (torch, the runner's): the slots' memory, [num_slots, num_layers, page_size, entry_dim] like
-  the GPU cache's pages (every layer's rows of a page, the MTP layer's included, fp8 rows as bytes), pinned on
-  a CUDA machine, and `run` for a step's copies: batched into runs of consecutive pages and slots, issued on a
-  side stream after the work queued so far (so an evicted page is read after the step that wrote it), and the
-  compute stream waits on the copies' event before the step's passes (so no pass writes an evicted page
-  before it is read, or reads a restored page before it is written). The host thread never waits. On the CPU
-  the same path copies synchronously.
+- `HostKVStore` (torch, the runner's, `pdserve.engine.host_store`): the slots' memory, [num_slots, num_layers,
+  page_size, entry_dim] like the GPU cache's pages (every layer's rows of a page, the MTP layer's included,
+  fp8 rows as bytes), pinned on a CUDA machine; copies batched into runs of consecutive pages and slots on a
+  side stream. A worker issues them as soon as the scheduler decides them (`Scheduler.issue_host_copies`,
+  `HostKVStore.issue`): a request admitted while a step runs has its pages restored during that step, which
+  touches none of them (an evicted page is a cached one, never written again; a restored page was free or
+  cached and unreferenced when the step was planned). The next step's compute stream waits on the copies'
+  event before its passes (`HostKVStore.wait`); the host thread never waits. Without a worker's hook each
+  plan carries the copies decided before it (`StepPlan.host_copies`, `HostKVStore.run`). On the CPU the
+  same paths copy synchronously.
 
 Pages a KV transfer writes (a decode-only request's, written by the prefill worker outside any step) must have
 no copy pending or running: the scheduler stores no page evicted for such a request (`drop`), and refuses it

@@ -122,11 +122,13 @@ class ModelRunner:
         joins = self._joins_idle
         if plan.mtp and self.drafter is None:
             self.drafter = MTPDrafter(self.model, self.cache)
-        if plan.host_copies and plan.host_copies[self.rank]:
-            if self.host_store is None:
-                raise RuntimeError("a plan with host-tier copies for a runner without a host pool")
+        if self.host_store is not None:  # the copies issued since the last step, then the plan's
             with self._on_device():
-                self.host_store.run(plan.host_copies[self.rank])
+                self.host_store.wait()
+                if plan.host_copies:
+                    self.host_store.run(plan.host_copies[self.rank])
+        elif plan.host_copies and plan.host_copies[self.rank]:
+            raise RuntimeError("a plan with host-tier copies for a runner without a host pool")
         if any(r.prefill for r in plan.ranks) and (step.prefill or joins):
             tokens = max(prefill_tokens(s.prefill) for s in plan.ranks)
             with self.model.step_tokens(tokens if joins else None):

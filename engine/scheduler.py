@@ -44,11 +44,11 @@ import dataclasses
 import itertools
 import time
 from collections import Counter, deque
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from pdserve.engine.checks import check_context, check_pages, check_token_ids
 from pdserve.engine.chunking import plan_prefill_chunks
-from pdserve.engine.host_tier import HostPool
+from pdserve.engine.host_tier import HostCopy, HostPool
 from pdserve.engine.messages import RequestOutput, StageTimes
 from pdserve.engine.pages import PageAllocator, pages_needed
 from pdserve.engine.prefix_cache import PrefixCache
@@ -90,6 +90,9 @@ class _InFlight:
     """Per data-parallel rank: the request of each decode row."""
     host_held: list[list[int]] = dataclasses.field(default_factory=list)
     """Per data-parallel rank: the host slots the step's restores read (free after it)."""
+    host_settling: list[set[int]] = dataclasses.field(default_factory=list)
+    """Per data-parallel rank: pages of host copies issued before the step (`issue_host_copies`), done by
+    the time it is."""
 
 
 class Scheduler:
@@ -178,6 +181,13 @@ class Scheduler:
             self.host_pools = [HostPool(host_slots) for _ in allocators]
             for a, pool in zip(allocators, self.host_pools, strict=True):
                 a.on_evict = pool.offload
+        self.issue_host_copies: Callable[[int, list[HostCopy]], None] | None = None
+        """Where set (a worker of one rank: its runner's `HostKVStore.issue`), the host copies go to it as
+        soon as `add` or `schedule` decides them, with the rank, so that they run while the step in flight
+        runs (`pdserve.engine.host_tier`); else each plan carries those decided before it
+        (`StepPlan.host_copies`)."""
+        self._unsettled: list[set[int]] = [set() for _ in self.host_pools]
+        """Per rank: pages of the copies issued since the last plan (running, maybe)."""
         self._step_drafts = num_drafts
         """The drafts the step being planned proposes (`SpecPolicy.drafts_for_step`)."""
         self.requests: dict[str, Request] = {}
@@ -273,17 +283,19 @@ class Scheduler:
 
     def _transfer_pages(self, rank: int, need: int) -> list[int]:
         """`need` pages for a KV transfer to write (outside any step), with the host tier on: the cached pages
-        evicted for them are not stored, and where one has a host copy pending or in the step in flight
-        (`HostPool`), they are given back and CapacityError raised (busy for now)."""
+        evicted for them are not stored, and where one has a host copy pending, issued and maybe running, or
+        in the step in flight (`HostPool`), they are given back and CapacityError raised (busy for now)."""
         allocator, pool = self.allocators[rank], self.host_pools[rank]
         allocator.on_evict = pool.drop
         try:
             pages = allocator.allocate(need)
         finally:
             allocator.on_evict = pool.offload
-        busy = pool.busy_pages()
+        busy = pool.busy_pages() | self._unsettled[rank]
         if self._in_flight is not None and self._in_flight.plan.host_copies:
             busy |= {c.page for c in self._in_flight.plan.host_copies[rank]}
+        if self._in_flight is not None and self._in_flight.host_settling:
+            busy |= self._in_flight.host_settling[rank]
         if busy.intersection(pages):
             allocator.free(pages)
             raise CapacityError(f"{self.worker_kind}: KV pages busy with host-tier copies, retry")
@@ -344,6 +356,7 @@ class Scheduler:
                 request.state = RequestState.PREFILLING
         request.admit_order = next(self._arrivals)
         request.added_at = time.monotonic()
+        self._flush_host_copies()
         think_ids = request.params.relaxed_think_ids
         if think_ids is not None:
             request.in_think = think_state(False, request.token_ids, think_ids)
@@ -505,6 +518,7 @@ class Scheduler:
         if drafts:  # a row per draft after its request's, as `_rank_step` lays them out
             decode = [row for r in decode for row in [r] * (1 + drafts.get(id(r), 0))]
         if not prefill and not decode:
+            self._flush_host_copies()
             return None, outputs
         by_rank = range(len(self.allocators))
         prefill_by_rank = [[c for c in prefill if c[0].rank == d] for d in by_rank]
@@ -518,6 +532,7 @@ class Scheduler:
         mtp = self.num_drafts > 0
         topk, delta = self.relaxed or (0, 0.0)
         copies, held = [], []
+        self._flush_host_copies()
         for pool in self.host_pools:
             c, h = pool.take_copies()
             copies.append(c)
@@ -527,10 +542,23 @@ class Scheduler:
         plan = StepPlan(
             next(self._step_ids), steps, mtp, self._step_drafts, topk, delta, tuple(copies)
         )
-        self._in_flight = _InFlight(plan, prefill_by_rank, decode_by_rank, held)
+        settling, self._unsettled = self._unsettled, [set() for _ in self.host_pools]
+        self._in_flight = _InFlight(plan, prefill_by_rank, decode_by_rank, held, settling)
         for allocator in self.allocators:
             allocator.hold_frees()
         return plan, outputs
+
+    def _flush_host_copies(self) -> None:
+        """Hands the host copies decided so far to `issue_host_copies`, where set. The slots they read are
+        free at once: a later copy that writes one runs after them (one ordered stream)."""
+        if self.issue_host_copies is None:
+            return
+        for rank, pool in enumerate(self.host_pools):
+            copies, held = pool.take_copies()
+            if copies:
+                self.issue_host_copies(rank, copies)
+                self._unsettled[rank].update(c.page for c in copies)
+            pool.release(held)
 
     def _with_replay_rows(self, decode: list[Request]) -> list[Request]:
         """`decode` with a row more for each further generated token a request replays, as many as its rank

@@ -156,7 +156,12 @@ class Worker:
         """The role's scheduler over this worker's allocators and ranks (Scheduler's arguments after them)."""
         store = getattr(self.runner, "host_store", None)
         host = store.num_slots if store is not None else 0
-        return Scheduler(self.allocators, *args, ranks=self.num_ranks, host_slots=host, **kwargs)
+        scheduler = Scheduler(
+            self.allocators, *args, ranks=self.num_ranks, host_slots=host, **kwargs
+        )
+        if scheduler.host_pools:  # copies start when decided, overlapping the step in flight
+            scheduler.issue_host_copies = lambda rank, copies: store.issue(copies)
+        return scheduler
 
     def step(self) -> bool:
         """Runs one step of the role's work; False when there was nothing to do."""

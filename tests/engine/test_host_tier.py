@@ -63,15 +63,31 @@ class HostListRunner(ListRunner):
         super().__init__(num_pages, ranks)
         self.hosts = [[[0] * PAGE for _ in range(num_slots)] for _ in range(ranks)]
 
+    allocators: list[PageAllocator] = []
+    """Where given, a row that writes a cached page fails (the host tier's copies overlap a step on
+    the premise that none does)."""
+
     def run(self, plan: StepPlan) -> list[RankResult]:
         for rank, copies in enumerate(plan.host_copies):
-            for c in copies:
-                cache, host = self.caches[rank], self.hosts[rank]
-                if c.kind == OFFLOAD:
-                    host[c.slot] = list(cache[c.page])
-                else:
-                    cache[c.page] = list(host[c.slot])
+            self.copy(rank, copies)
         return super().run(plan)
+
+    def _run_rank(self, plan: StepPlan, rank: int) -> RankResult:
+        self._cached = self.allocators[rank]._hash_of if self.allocators else {}
+        return super()._run_rank(plan, rank)
+
+    def _write(self, pages: list[int], position: int, token: int) -> None:
+        assert pages[position // PAGE] not in self._cached, "a cached page written"
+        super()._write(pages, position, token)
+
+    def copy(self, rank: int, copies: list[HostCopy]) -> None:
+        """Runs copies at once (`Scheduler.issue_host_copies`, as a CPU worker's store does)."""
+        for c in copies:
+            cache, host = self.caches[rank], self.hosts[rank]
+            if c.kind == OFFLOAD:
+                host[c.slot] = list(cache[c.page])
+            else:
+                cache[c.page] = list(host[c.slot])
 
 
 def step(s: Scheduler, runner: HostListRunner) -> list:
@@ -120,11 +136,14 @@ def test_off_without_the_prefix_cache_and_bad_sizes_raise():
         (1_000, False, 2, 12, Policy.AGGREGATED),  # data-parallel attention: a pool per rank
         (1_000, False, 1, 3, Policy.AGGREGATED),  # a pool smaller than a prompt: slots reused
         (1_000, False, 1, 24, Policy.PREFILL_ONLY),  # a prefill worker: restores in `schedule`
+        (1_000, False, 1, 24, "issued"),  # copies issued when decided, as a worker does
     ],
 )
 def test_evictions_to_the_host_and_restores_leak_no_page_or_slot(
     total, fixed_chunks, ranks, num_slots, policy
 ):
+    issued = policy == "issued"
+    policy = Policy.AGGREGATED if issued else policy
     rng = random.Random(total + ranks + num_slots)
     num_pages = 32 // ranks
     s = Scheduler(
@@ -133,6 +152,9 @@ def test_evictions_to_the_host_and_restores_leak_no_page_or_slot(
         host_slots=num_slots,
     )  # fmt: skip
     runner = HostListRunner(num_pages, num_slots, ranks)
+    runner.allocators = s.allocators
+    if issued:
+        s.issue_host_copies = runner.copy
     blocks = [[rng.randrange(2, VOCAB) for _ in range(PAGE)] for _ in range(4)]
     prefixes = [
         [t for _ in range(rng.randrange(1, 9)) for t in rng.choice(blocks)] for _ in range(30)
@@ -142,8 +164,11 @@ def test_evictions_to_the_host_and_restores_leak_no_page_or_slot(
     submitted = finished = steps = 0
     sending: list[str] = []  # prefill-only requests whose KV is being sent
     pending: Request | None = None
-    while submitted < total or s.requests:
-        while submitted < total and len(s.requests) < 8:
+
+    def submit(most: int) -> None:
+        """Adds requests up to `most` live ones, or until the scheduler is full."""
+        nonlocal pending, submitted
+        while submitted < total and len(s.requests) < most:
             if pending is None:
                 prompt = rng.choice(prefixes) + [rng.randrange(2, VOCAB) for _ in range(4)]
                 params = SamplingParams(max_tokens=rng.randrange(1, 4), seed=0)
@@ -151,9 +176,12 @@ def test_evictions_to_the_host_and_restores_leak_no_page_or_slot(
             try:
                 s.add(pending)
             except CapacityError:
-                break
+                return
             prompts[pending.request_id], got[pending.request_id] = list(pending.token_ids), []
             pending, submitted = None, submitted + 1
+
+    while submitted < total or s.requests:
+        submit(8)
         if rng.random() < 0.05 and s.requests:
             s.abort(rng.choice(list(s.requests)))
         while sending and rng.random() < 0.5:  # a send acknowledged
@@ -164,6 +192,9 @@ def test_evictions_to_the_host_and_restores_leak_no_page_or_slot(
         if plan is not None:
             if rng.random() < 0.05 and s.requests:  # a cancel while the step runs
                 s.abort(rng.choice(list(s.requests)))
+            if issued and rng.random() < 0.3:  # admitted while the step runs, its copies issued
+                submit(len(s.requests) + 1)
+            assert not issued or not any(plan.host_copies)
             held = s._in_flight.host_held
             for pool, h in zip(s.host_pools, held, strict=True):
                 pool.check(in_flight=h)
