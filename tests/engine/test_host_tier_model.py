@@ -12,9 +12,12 @@ from pdserve.decode import DecodeConfig, DecodeWorker
 from pdserve.engine.host_store import HostKVStore, host_slots
 from pdserve.engine.host_tier import OFFLOAD, RESTORE, HostCopy
 from pdserve.engine.runner import ModelRunner
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.worker import host_tier_counts
 
-from .test_prefix_cache_model import GREEDY, PAGE, assert_same_outputs, prompt_ids, serve
+from .test_prefix_cache_model import PAGE, assert_same_outputs, prompt_ids, serve
+
+SHORT = SamplingParams(max_tokens=2, ignore_eos=True, logprobs=2, seed=1)
 
 
 @pytest.mark.parametrize("num_drafts, kv_cache_dtype", [(0, "auto"), (2, "auto"), (0, "fp8")])
@@ -23,34 +26,29 @@ def test_hits_from_the_host_give_the_outputs_of_no_cache(
 ):
     def worker(caching: bool) -> DecodeWorker:
         config = DecodeConfig(
-            page_size=PAGE, num_pages=12, max_prefill_chunk=16, enable_prefix_caching=caching,
+            page_size=PAGE, num_pages=12 if caching else 96, max_prefill_chunk=16,
+            enable_prefix_caching=caching,
             num_speculative_tokens=num_drafts, speculative_min_acceptance=0.0,
             host_kv_cache_bytes=(1 << 24) if caching else 0,
         )  # fmt: skip
         return DecodeWorker("d0", reference_model, config, kv_cache_dtype=kv_cache_dtype)
 
-    restored: dict[str, int] = {}  # pages restored per request, with the cache on
-
-    def turns(w: DecodeWorker) -> dict:
-        """A prompt; another whose pages evict some of the first's to the host; the first again and its
-        next turn (GPU hit, then host); a third that evicts more; the first once more (mostly host)."""
-        base = prompt_ids(22, 0)
-        got = {}
-        for rid, prompt in (
-            ("a", base), ("other", prompt_ids(36, 1)), ("again", base), ("next turn", None),
-            ("third", prompt_ids(40, 3)), ("once more", base),
-        ):  # fmt: skip
-            if prompt is None:
-                prompt = base + got["again"][0] + prompt_ids(4, 2)
-            before = sum(p.num_restored for p in w.scheduler.host_pools)
-            got |= serve(w, [(rid, prompt, GREEDY)])
-            if w.scheduler.host_pools:
-                restored[rid] = sum(p.num_restored for p in w.scheduler.host_pools) - before
-        return got
-
     cached, plain = worker(True), worker(False)
     assert cached.runner.host_store is not None and plain.runner.host_store is None
-    got, want = turns(cached), turns(plain)
+    # one after another on the tiered worker: a prompt; another whose pages evict some of the first's to
+    # the host; the first again (GPU hit, then host); a third that evicts more; the first once more
+    # (mostly host). The worker without a cache runs them all in one batch.
+    base = prompt_ids(22, 0)
+    got, requests, restored = {}, [], {}
+    for rid, prompt in (
+        ("a", base), ("other", prompt_ids(36, 1)), ("again", base), ("third", prompt_ids(40, 3)),
+        ("once more", base),
+    ):  # fmt: skip
+        before = cached.scheduler.host_pools[0].num_restored
+        got |= serve(cached, [(rid, prompt, SHORT)])
+        restored[rid] = cached.scheduler.host_pools[0].num_restored - before
+        requests.append((rid, prompt, SHORT))
+    want = serve(plain, requests)
     reported = {rid: c for rid, (_, _, c) in got.items()}
     assert reported["a"] == 0 and reported["again"] == reported["once more"] == 20
     # again: its first pages still on the GPU, the rest from the host; once more: mostly from the host
