@@ -5,6 +5,8 @@ log-probabilities of a worker without any cache; and the runner's copies move ev
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from pdserve.engine.host_tier import OFFLOAD, RESTORE, HostCopy
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.worker import host_tier_counts
+from pdserve.model.errors import ConfigError
 
 from .test_prefix_cache_model import PAGE, assert_same_outputs, prompt_ids, serve
 
@@ -89,3 +92,10 @@ def test_copies_move_every_byte_of_a_page_and_back(reference_model, kv_cache_dty
     assert host_slots(0, 64) == 0
     with pytest.raises(ValueError, match="host_kv_cache_bytes=-1"):
         DecodeConfig(host_kv_cache_bytes=-1)
+
+
+def test_a_worker_of_several_ranks_refuses_the_host_tier():
+    ranks = types.SimpleNamespace(world_size=2)  # refused before the group is used
+    config = DecodeConfig(page_size=PAGE, num_pages=8, host_kv_cache_bytes=1 << 20)
+    with pytest.raises(ConfigError, match="host_kv_cache_bytes=1048576 with ranks=2"):
+        DecodeWorker("d0", None, config, ranks=ranks)
