@@ -1,7 +1,8 @@
 """The host tier on the tiny fp32 model (CPU): an aggregated decode worker whose prompt's cached pages were
-evicted to the host pool (some, the rest still on the GPU; or all) finds them there, restores them into its
+evicted to the host pool (some, the rest still on the GPU; or most) finds them there, restores them into its
 pages (every layer's rows, the MTP layer's included, fp8 rows as bytes) and gets the tokens and
-log-probabilities of a worker without any cache; and the runner's copies move every byte of a page and back."""
+log-probabilities of a worker without any cache; the runner's copies move every byte of a page and back; a
+size below one page, and a worker of several ranks, are refused."""
 
 from __future__ import annotations
 
