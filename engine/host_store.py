@@ -39,7 +39,8 @@ class HostKVStore:
         self.bytes_copied = 0
         """Bytes copied either way since start."""
         self._issued: torch.cuda.Event | None = None
-        """Recorded after the last copies `issue` started (a GPU's), until a step waits for it."""
+        """Recorded after the last copies `issue` started (a GPU's): each step waits for it (at once where
+        they are done)."""
 
     @property
     def num_slots(self) -> int:
@@ -78,7 +79,9 @@ class HostKVStore:
     def wait(self) -> None:
         """Makes the current stream wait for the copies `issue` started (none on the CPU, whose copies are
         done when issued)."""
-        event, self._issued = self._issued, None
+        event = (
+            self._issued
+        )  # kept: an issue from another thread meanwhile is the next step's to wait for
         if event is not None:
             torch.cuda.current_stream(self.cache.device).wait_event(event)
 
