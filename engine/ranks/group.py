@@ -1,7 +1,8 @@
 """A worker's N ranks seen from its driver: rank 0 runs in the worker's own process, ranks 1..N-1 in processes
 started by a `RankLauncher` (local subprocesses here; Ray actors on a placement group's bundles in
 `pdserve.cluster.rank_actors`). All N join one torch.distributed group (gloo on CPU, NCCL on GPUs) through a
-TCPStore the driver hosts, and every step the driver broadcasts its plan over the plan channel, runs its own
+TCPStore the driver hosts (signed with a secret of the group's own, carried in each rank's bootstrap:
+`process.signed_store`), and every step the driver broadcasts its plan over the plan channel, runs its own
 share of the step, and gathers the others' replies.
 
 `RankGroup.step(plan)` returns the N replies in rank order or raises: `RankStepError` when a handler raised
