@@ -131,6 +131,8 @@ def server_options(router: RouterConfig) -> list[tuple[str, int]]:
         ("grpc.max_connection_idle_ms", ms(router.http_idle_timeout_s)),
         ("grpc.keepalive_time_ms", ms(router.grpc_keepalive_s)),
         ("grpc.keepalive_timeout_ms", ms(router.grpc_keepalive_s)),
+        # what closes the connection when a ping goes unanswered (keepalive_timeout_ms alone does not)
+        ("grpc.http2.ping_timeout_ms", ms(router.grpc_keepalive_s)),
         ("grpc.http2.min_ping_interval_without_data_ms", ms(router.grpc_keepalive_s / 2)),
         ("grpc.http2.max_ping_strikes", 2),
     ]

@@ -1,5 +1,6 @@
 """Slow and vanished gRPC clients are cut, as HTTP ones are: a client that reads nothing of its stream has its
-request cancelled after router.http_idle_timeout_s, and connections that send nothing are closed. A small gRPC
+request cancelled after router.http_idle_timeout_s, one that vanishes (its network gone) is cut when a keepalive
+ping goes unanswered for router.grpc_keepalive_s, and connections that send nothing are closed. A small gRPC
 server with short timeouts serves the shared server's engine (its router and workers), on the shared server's
 event loop, with the production servicers and transport options."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import socket
+import threading
 import time
 
 import grpc
@@ -17,7 +19,7 @@ from serving import greedy, wait_for
 from pdserve.frontend.grpc_service import add_servicers, server_options
 from pdserve.v1 import generation_pb2_grpc
 
-IDLE_S, HANDSHAKE_S = 1.0, 1.0
+IDLE_S, HANDSHAKE_S, KEEPALIVE_S = 1.0, 1.0, 0.5
 
 
 class _ShortTimeouts:
@@ -30,12 +32,11 @@ class _ShortTimeouts:
         return getattr(self._engine, name)
 
 
-@pytest.fixture(scope="module")
-def short_server(shared_server):
+def _small_server(shared_server, **timeouts):
+    """A gRPC server on the shared server's loop and engine, with the router's `timeouts` changed; yields its
+    port."""
     engine = shared_server.server.engine
-    limits = dataclasses.replace(
-        engine.limits, http_idle_timeout_s=IDLE_S, http_header_timeout_s=HANDSHAKE_S
-    )
+    limits = dataclasses.replace(engine.limits, **timeouts)
 
     async def start():
         server = grpc.aio.server(options=server_options(limits))
@@ -47,6 +48,19 @@ def short_server(shared_server):
     server, port = shared_server.call(start())
     yield port
     shared_server.call(server.stop(0))
+
+
+@pytest.fixture(scope="module")
+def short_server(shared_server):
+    yield from _small_server(
+        shared_server, http_idle_timeout_s=IDLE_S, http_header_timeout_s=HANDSHAKE_S
+    )
+
+
+@pytest.fixture(scope="module")
+def keepalive_server(shared_server):
+    # a stalled write is cut only long after the keepalive's answer is missed
+    yield from _small_server(shared_server, grpc_keepalive_s=KEEPALIVE_S, http_idle_timeout_s=60.0)
 
 
 def test_a_stalled_stream_reader_is_cut_and_its_request_freed(shared_server, short_server, caplog):
@@ -110,3 +124,70 @@ def test_a_served_client_is_not_cut(short_server):
             ]
             assert len(tokens) == 8
             time.sleep(IDLE_S / 2)
+
+
+class _Proxy(threading.Thread):
+    """Forwards one TCP connection to 127.0.0.1:`port` until `vanish` is set; from then on it forwards
+    nothing either way and keeps both sockets open, as a client whose host or network went away."""
+
+    def __init__(self, port: int):
+        super().__init__(daemon=True)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port, self.upstream_port = self.listener.getsockname()[1], port
+        self.vanish, self.done = threading.Event(), threading.Event()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        src.settimeout(0.05)
+        while not self.vanish.is_set() and not self.done.is_set():
+            try:
+                data = src.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            dst.sendall(data)
+
+    def run(self) -> None:
+        client, _ = self.listener.accept()
+        upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+        pumps = [
+            threading.Thread(target=self._pump, args=pair, daemon=True)
+            for pair in ((client, upstream), (upstream, client))
+        ]
+        for t in pumps:
+            t.start()
+        self.done.wait()
+        for sock in (client, upstream, self.listener):
+            sock.close()
+
+
+def test_a_vanished_client_is_cut_by_keepalive_and_its_request_freed(
+    shared_server, keepalive_server, caplog
+):
+    caplog.set_level(logging.INFO)
+    router = shared_server.server.router
+    proxy = _Proxy(keepalive_server)
+    proxy.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            # long enough to be running still when the keepalive cuts it (the socket buffers take its output)
+            stream = stub.Generate(greedy(list(range(3, 20)), max_tokens=2000), timeout=60)
+            next(stream)
+            proxy.vanish.set()
+            vanished_at = time.monotonic()
+            wait_for(
+                lambda: not router.requests,
+                2 * KEEPALIVE_S + 5,
+                "the vanished client's request was not freed",
+            )
+            assert time.monotonic() - vanished_at >= KEEPALIVE_S * 0.9
+            stream.cancel()
+    finally:
+        proxy.done.set()
+        proxy.join(5)
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("cancelled by the client" in m for m in logged), logged
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
