@@ -93,7 +93,7 @@ class _WrongSecretLauncher(LocalRankLauncher):
 
 
 def test_a_rank_with_another_secret_fails_the_join_clearly():
-    join_timeout_s = 4.0
+    join_timeout_s = 2.0
     group = RankGroup(_config(join_timeout_s), ECHO, _WrongSecretLauncher())
     start = time.monotonic()
     with pytest.raises(Exception, match="in the store") as e, group:
