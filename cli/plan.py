@@ -93,6 +93,11 @@ def add_plan_command(sub) -> None:
         help="longest request the KV cache must hold on one rank (default: the model's "
         "max_position_embeddings)",
     )  # fmt: skip
+    k.add_argument(
+        "--host-kv-cache-gib", type=float, default=0.0,
+        help="pinned host memory per KV page set for the host tier below the prefix cache (evicted "
+        "cached pages, copied back on a hit; a worker's host_kv_cache_bytes; default 0: off)",
+    )  # fmt: skip
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -113,6 +118,7 @@ def plan_from_args(args: argparse.Namespace) -> MemoryPlan:
         page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype,
         max_num_batched_tokens=args.max_num_batched_tokens, max_running=args.max_running,
         max_model_len=args.max_model_len, use_mtp=not args.no_mtp,
+        host_kv_cache_gib=args.host_kv_cache_gib,
     )  # fmt: skip
     return plan_memory(model_args, dtype, layout, settings)
 

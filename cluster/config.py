@@ -157,13 +157,18 @@ class RouterConfig:
     the most text that can fit the model's context where that is less, plus 1 MiB."""
     http_header_timeout_s: float = 10.0
     """An HTTP connection must deliver a request's line and headers within this of opening, or of its previous
-    response (an idle keep-alive connection is closed after it too); else 408 and the connection is closed."""
+    response (an idle keep-alive connection is closed after it too); else 408 and the connection is closed. A
+    gRPC connection must finish its handshake (TLS, HTTP/2 preface) within this, or it is closed."""
     http_body_timeout_s: float = 60.0
     """An HTTP request's body must arrive whole within this of its headers; else 408 (or, once a response
     is under way, the connection is closed)."""
     http_idle_timeout_s: float = 60.0
-    """An HTTP response the client stops reading (its stream's writes blocked) for this long is cut: the
-    connection is closed and its request cancelled."""
+    """An HTTP response or gRPC stream the client stops reading (its writes blocked) for this long is cut: its
+    request is cancelled, the HTTP connection closed, the gRPC call ended (DEADLINE_EXCEEDED). A gRPC
+    connection with no call for this long is closed too."""
+    grpc_keepalive_s: float = 30.0
+    """The gRPC server pings each connection this often and closes one whose ping goes unanswered this long
+    (a vanished client); clients may ping every half of it."""
     default_max_tokens: int = 256
     """max_tokens of a request that does not set it."""
     max_tokens_limit: int | None = None
@@ -223,9 +228,6 @@ class RouterConfig:
             raise ValueError(f"max_prompt_bytes={self.max_prompt_bytes}: must be >= 1")
         if self.max_message_bytes is not None and not 1 <= self.max_message_bytes < 1 << 30:
             raise ValueError(f"max_message_bytes={self.max_message_bytes}: must be in [1, 2**30)")
-        for name in ("http_header_timeout_s", "http_body_timeout_s", "http_idle_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}={getattr(self, name)}: must be positive")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens={self.default_max_tokens}: must be >= 1")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
@@ -241,10 +243,11 @@ class RouterConfig:
             )
         names = (
             "admission_timeout_s", "drain_timeout_s", "poll_timeout_s", "restart_window_s",
-            "heartbeat_timeout_s",
+            "heartbeat_timeout_s", "http_header_timeout_s", "http_body_timeout_s", "http_idle_timeout_s",
+            "grpc_keepalive_s",
         )  # fmt: skip
         for name in names:
-            if getattr(self, name) <= 0:
+            if not getattr(self, name) > 0:  # NaN too
                 raise ValueError(f"{name}={getattr(self, name)}: must be positive")
         if not self.prefix_load_weight >= 0:
             raise ValueError(f"prefix_load_weight={self.prefix_load_weight}: must be >= 0")

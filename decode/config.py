@@ -21,6 +21,10 @@ class DecodeConfig:
     workspace) stays free within 0.9 of the GPU."""
     cpu_cache_bytes: int = 1 << 30
     """KV cache size on a CPU."""
+    host_kv_cache_bytes: int = 0
+    """Host memory for the host tier below the prefix cache (`pdserve.engine.host_tier`): cached KV pages the
+    GPU evicts are copied there (pinned, least recently stored evicted first) and copied back when a later
+    prompt goes on past its GPU hit into them. 0: off. Counted in `pdserve plan`; workers of one rank only."""
     max_running: int = 256
     """Requests in the running batch at most."""
     kv_wait_timeout_s: float = 120.0
@@ -61,6 +65,8 @@ class DecodeConfig:
 
     def __post_init__(self) -> None:
         self.layout.check_runnable()
+        if self.host_kv_cache_bytes < 0:
+            raise ValueError(f"host_kv_cache_bytes={self.host_kv_cache_bytes}: must be >= 0")
         if self.speculative_max_batch is not None and self.speculative_max_batch < 0:
             raise ValueError(
                 f"speculative_max_batch={self.speculative_max_batch}: must be >= 0 (or None)"

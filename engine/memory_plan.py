@@ -60,6 +60,9 @@ class PlanSettings:
     """Longest request (prompt + output) the KV cache must hold; None: the model's max_position_embeddings."""
     use_mtp: bool = True
     """Count the checkpoint's multi-token-prediction modules (weights and their cache layers)."""
+    host_kv_cache_gib: float = 0.0
+    """Host memory of the host tier below the prefix cache, GiB per KV page set (`host_kv_cache_bytes` of a
+    worker's config: pinned memory holding the cached pages the GPU evicts); 0: off."""
 
     def __post_init__(self) -> None:
         if not self.gpu_memory_gib > 0:
@@ -71,6 +74,8 @@ class PlanSettings:
         for name in ("page_size", "max_num_batched_tokens", "max_running"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be positive")
+        if self.host_kv_cache_gib < 0:
+            raise ConfigError(f"host_kv_cache_gib={self.host_kv_cache_gib}: must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len={self.max_model_len}: must be positive")
 
@@ -130,6 +135,11 @@ class MemoryPlan:
         return self.num_pages * self.settings.page_size
 
     @property
+    def host_pages(self) -> int:
+        """Pages of the host tier's pool per KV page set (0: off)."""
+        return int(self.settings.host_kv_cache_gib * GIB) // self.page_bytes
+
+    @property
     def worker_pages(self) -> int:
         """Distinct KV pages of the whole worker (DP: every rank's own; TP: one replicated set)."""
         return self.num_pages * self.layout.attention_dp_size
@@ -180,6 +190,12 @@ class MemoryPlan:
             f"({per_token / 1024:.1f} KiB per token, {s.kv_cache_dtype} rows)"
         )
         lines.append(f"{'free':<44}{_gib(self.free_bytes):>10}   of {_gib(self.gpu_bytes)}")
+        if self.host_pages:
+            host = self.host_pages * self.page_bytes
+            lines.append(
+                f"{'host KV tier (pinned host memory)':<44}{_gib(host):>10}   {self.host_pages} pages x "
+                f"{s.page_size} = {self.host_pages * s.page_size} tokens per KV page set"
+            )
         groups = lay.attention_dp_size
         lines.append(
             f"per worker ({lay.ranks} ranks, {groups} KV page set{'s' if groups > 1 else ''}): "

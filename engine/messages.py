@@ -95,6 +95,12 @@ class PrefillStats:
     """Prompt tokens looked up in its prefix cache, and of them those found there, since start (vLLM's
     prefix_cache_queries and prefix_cache_hits)."""
     prefix_cache_hits: int = 0
+    host_kv_offloaded_pages: int = 0
+    """The host-memory tier's pages stored, restored (host hits), and dropped for want of a slot, and the bytes
+    copied either way, since start (`engine.worker.host_tier_counts`; 0 with the tier off)."""
+    host_kv_restored_pages: int = 0
+    host_kv_dropped_pages: int = 0
+    host_kv_bytes_copied: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -357,6 +363,12 @@ class DecodeStats:
     """Tokens of aggregated requests looked up in its prefix cache, and of them those found there, since
     start (vLLM's prefix_cache_queries and prefix_cache_hits)."""
     prefix_cache_hits: int = 0
+    host_kv_offloaded_pages: int = 0
+    """The host-memory tier's pages stored, restored (host hits), and dropped for want of a slot, and the bytes
+    copied either way, since start (`engine.worker.host_tier_counts`; 0 with the tier off)."""
+    host_kv_restored_pages: int = 0
+    host_kv_dropped_pages: int = 0
+    host_kv_bytes_copied: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

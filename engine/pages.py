@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pdserve.model.errors import CapacityError
 
@@ -53,6 +53,9 @@ class PageAllocator:
         self.events = None
         """A `prefix_cache.CacheEventLog` told of each page cached and evicted (the router's cache events), or
         None."""
+        self.on_evict: Callable[[int, bytes], None] | None = None
+        """Called with each cached page evicted and its hash, before the page is handed out again (the host
+        tier stores it: `pdserve.engine.host_tier`)."""
 
     @property
     def num_free(self) -> int:
@@ -185,6 +188,8 @@ class PageAllocator:
         del self._page_of[page_hash]
         if self.events is not None:
             self.events.note(page_hash, -1)
+        if self.on_evict is not None:
+            self.on_evict(page, page_hash)
         self._map[page] = _FREE
         self._num_unmapped += 1
         self.num_evicted += 1

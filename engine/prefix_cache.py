@@ -35,6 +35,7 @@ import hashlib
 import math
 from collections.abc import Sequence
 
+from pdserve.engine.host_tier import HostPool
 from pdserve.engine.pages import PageAllocator
 from pdserve.engine.request import Request
 
@@ -155,6 +156,20 @@ class PrefixCache:
         pages = allocator.match(self._hashes(request, num_pages, request.token_ids))
         per_unit = self.hit_unit // self.page_size
         return pages[: len(pages) // per_unit * per_unit]
+
+    def host_match(
+        self, request: Request, pool: HostPool, prefill_end: int, num_gpu: int
+    ) -> list[bytes]:
+        """The hashes of the pages after the request's `num_gpu` GPU-cached ones that host `pool` stores
+        (a leading run, cut so that the whole hit stays a multiple of the hit unit), for a prefill that ends
+        at token `prefill_end`."""
+        num_pages = max(0, (prefill_end - 1) // self.hit_unit * self.hit_unit) // self.page_size
+        if num_pages <= num_gpu:
+            return []
+        hashes = self._hashes(request, num_pages, request.token_ids)[num_gpu:]
+        per_unit = self.hit_unit // self.page_size
+        total = (num_gpu + pool.match(hashes)) // per_unit * per_unit
+        return hashes[: max(0, total - num_gpu)]
 
     def count(self, request: Request, num_hit_tokens: int) -> None:
         """A request's first lookup here: `num_hit_tokens` of its tokens were cached (its usage's

@@ -14,6 +14,7 @@ import torch
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.draft_graphs import DraftGraphs
 from pdserve.engine.drafter import MTPDrafter
+from pdserve.engine.host_store import HostKVStore, host_slots
 from pdserve.engine.rank_memory import GPU_MEMORY_UTILIZATION
 from pdserve.engine.ranks.wire import max_pages, prefill_tokens
 from pdserve.engine.sampler import PenaltyCounts, sample, target_logprobs, to_token_logprobs
@@ -38,9 +39,10 @@ class ModelRunner:
 
     def __init__(
         self, model: Transformer, page_size: int, num_pages: int, kv_cache_dtype: str = "auto",
-        cuda_graphs: bool = True, rank: int = 0,
+        cuda_graphs: bool = True, rank: int = 0, host_kv_cache_bytes: int = 0,
     ):  # fmt: skip
-        """rank: which `RankStep` of each plan this runner executes."""
+        """rank: which `RankStep` of each plan this runner executes; host_kv_cache_bytes: host memory for the
+        host tier's pool of evicted cached pages (`HostKVStore`; 0: off)."""
         self.model, self.page_size, self._num_pages = model, page_size, num_pages
         self.rank = rank
         self.device = model.embed.weight.device
@@ -52,6 +54,10 @@ class ModelRunner:
         self.graphs = (
             DecodeGraphs(model, self.cache, scratch_page=num_pages) if use_graphs else None
         )
+        slots = host_slots(host_kv_cache_bytes, layout.page_bytes)
+        self.host_store = HostKVStore(self.cache, slots) if slots else None
+        """The host tier's memory, where it is on; the scheduler's `HostPool` of as many slots decides the
+        copies (`StepPlan.host_copies`)."""
         self.penalty_counts = PenaltyCounts()
         """The penalties' counts of the requests this runner samples (kept between steps)."""
         self.draft_probs = DraftProbs()
@@ -71,6 +77,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         rank: int = 0,
         reserve_bytes: int = 0,
+        host_kv_cache_bytes: int = 0,
     ) -> ModelRunner:
         """A runner whose cache has `num_pages`, or as many as `capacity_pages` finds room for beside
         `reserve_bytes` (`engine.rank_memory.worker_reserve_bytes`)."""
@@ -83,7 +90,7 @@ class ModelRunner:
         )  # fmt: skip
         if num_pages is None and device.type == "cuda" and cuda_graphs:
             pages -= 1  # room for the graphs' scratch page
-        return cls(model, page_size, pages, kv_cache_dtype, cuda_graphs, rank)
+        return cls(model, page_size, pages, kv_cache_dtype, cuda_graphs, rank, host_kv_cache_bytes)
 
     def close(self) -> None:
         """Releases the decode graphs (see `DecodeGraphs.close`); steps after it run eagerly."""
@@ -120,6 +127,13 @@ class ModelRunner:
         joins = self._joins_idle
         if plan.mtp and self.drafter is None:
             self.drafter = MTPDrafter(self.model, self.cache)
+        if self.host_store is not None:  # the copies issued since the last step, then the plan's
+            with self._on_device():
+                self.host_store.wait()
+                if plan.host_copies:
+                    self.host_store.run(plan.host_copies[self.rank])
+        elif plan.host_copies and plan.host_copies[self.rank]:
+            raise RuntimeError("a plan with host-tier copies for a runner without a host pool")
         if any(r.prefill for r in plan.ranks) and (step.prefill or joins):
             tokens = max(prefill_tokens(s.prefill) for s in plan.ranks)
             with self.model.step_tokens(tokens if joins else None):

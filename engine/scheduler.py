@@ -9,7 +9,9 @@ path). A step is `schedule()` -> `StepPlan` -> the runner's `RankResult`s -> `fi
   cache (`prefix_caching`) a prefilled request first takes a reference to the cached pages its prompt starts
   with and its prefill starts after them, and the full pages its prefill computes are cached as they are
   (`PrefixCache`); a request's references go with its pages (finished, aborted, failed, preempted), the
-  pages staying cached;
+  pages staying cached; with a host tier (`host_slots`) the cached pages evicted go to the rank's host pool
+  and a prompt that goes on past its GPU hit into pages stored there gets them copied back, the copies
+  running before the next plan's passes (`StepPlan.host_copies`, `pdserve.engine.host_tier`);
 - prefilling requests get chunks under the step's token budget, first come first served (`plan_prefill_chunks`);
 - running requests each run one decode token, oldest first; one that needs a page nobody has free preempts the
   most recently admitted requests (their pages freed; an aggregated one is prefilled again later with the tokens
@@ -42,10 +44,11 @@ import dataclasses
 import itertools
 import time
 from collections import Counter, deque
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from pdserve.engine.checks import check_context, check_pages, check_token_ids
 from pdserve.engine.chunking import plan_prefill_chunks
+from pdserve.engine.host_tier import HostCopy, HostPool
 from pdserve.engine.messages import RequestOutput, StageTimes
 from pdserve.engine.pages import PageAllocator, pages_needed
 from pdserve.engine.prefix_cache import CacheEventLog, PrefixCache
@@ -91,6 +94,11 @@ class _InFlight:
     """Per data-parallel rank: (request, start, length) per prefill row of its RankStep."""
     decode: list[list[Request]]
     """Per data-parallel rank: the request of each decode row."""
+    host_held: list[list[int]] = dataclasses.field(default_factory=list)
+    """Per data-parallel rank: the host slots the step's restores read (free after it)."""
+    host_settling: list[set[int]] = dataclasses.field(default_factory=list)
+    """Per data-parallel rank: pages of host copies issued before the step (`issue_host_copies`), done by
+    the time it is."""
 
 
 class Scheduler:
@@ -112,6 +120,7 @@ class Scheduler:
         spec_policy: SpecPolicy | None = None,
         relaxed: tuple[int, float] | None = None,
         prefix_caching: bool = False,
+        host_slots: int = 0,
     ):
         """allocator: the KV pages of the worker's one rank, or one allocator per data-parallel rank (of equal
         sizes); ranks: ranks of the worker (default: one per allocator; with one allocator and more ranks, each
@@ -128,7 +137,9 @@ class Scheduler:
         delta) of relaxed acceptance for the requests that opt in (`SamplingParams.relaxed_think_ids`),
         inside their think blocks (None: strict acceptance for every request); prefix_caching: prefilled
         requests (prefill-only, aggregated) share the full pages of their prefill through each allocator's
-        prefix cache and start their prefill after the pages they find there (`PrefixCache`)."""
+        prefix cache and start their prefill after the pages they find there (`PrefixCache`); host_slots: with
+        the prefix cache, pages of each rank's host pool (`HostPool`: evicted cached pages are stored there,
+        and a prompt that goes on past its GPU hit into stored pages has them copied back; 0: off)."""
         allocators = [allocator] if isinstance(allocator, PageAllocator) else list(allocator)
         ranks = len(allocators) if ranks is None else ranks
         if not allocators or len(allocators) not in (1, ranks):
@@ -174,6 +185,20 @@ class Scheduler:
             self.cache_events = CacheEventLog()
             for a in self.allocators:
                 a.events = self.cache_events
+        self.host_pools: list[HostPool] = []
+        if host_slots < 0:
+            raise ValueError(f"host_slots={host_slots}: must be >= 0")
+        if host_slots and self.prefix_cache is not None:
+            self.host_pools = [HostPool(host_slots) for _ in allocators]
+            for a, pool in zip(allocators, self.host_pools, strict=True):
+                a.on_evict = pool.offload
+        self.issue_host_copies: Callable[[int, list[HostCopy]], None] | None = None
+        """Where set (a worker of one rank: its runner's `HostKVStore.issue`), the host copies go to it as
+        soon as `add` or `schedule` decides them, with the rank, so that they run while the step in flight
+        runs (`pdserve.engine.host_tier`); else each plan carries those decided before it
+        (`StepPlan.host_copies`)."""
+        self._unsettled: list[set[int]] = [set() for _ in self.host_pools]
+        """Per rank: pages of the copies issued since the last plan (running, maybe)."""
         self._step_drafts = num_drafts
         """The drafts the step being planned proposes (`SpecPolicy.drafts_for_step`)."""
         self.requests: dict[str, Request] = {}
@@ -246,12 +271,47 @@ class Scheduler:
         allocator = self.allocators[rank]
         allocator.take(cached)
         need = pages_needed(request.num_tokens, self.page_size) - len(cached)
+        stored: list[bytes] = []  # the pages after the GPU hit that come back from the host pool
+        slots: list[int] = []
+        if self.host_pools and request.policy is not Policy.DECODE_ONLY:
+            pool = self.host_pools[rank]
+            stored = self.prefix_cache.host_match(
+                request, pool, self._prefill_end(request), len(cached)
+            )
+            slots = pool.take(stored)  # before allocate, whose evictions may store pages
         request.rank = rank
-        request.pages = cached + allocator.allocate(need)
-        request.num_computed = len(cached) * self.page_size
-        request.num_cached_pages = len(cached)
+        if self.host_pools and request.policy is Policy.DECODE_ONLY:
+            new = self._transfer_pages(rank, need)
+        else:
+            new = allocator.allocate(need)
+        for h, slot, page in zip(stored, slots, new, strict=False):  # new: at least as many
+            self.host_pools[rank].restore(slot, page)
+            allocator.cache(page, h)
+        request.pages = cached + new
+        request.num_computed = (len(cached) + len(stored)) * self.page_size
+        request.num_cached_pages = len(cached) + len(stored)
         if self.prefix_cache is not None and request.num_cached_tokens is None:
             self.prefix_cache.count(request, request.num_computed)
+
+    def _transfer_pages(self, rank: int, need: int) -> list[int]:
+        """`need` pages for a KV transfer to write (outside any step), with the host tier on: the cached pages
+        evicted for them are not stored, and where one has a host copy pending, issued and maybe running, or
+        in the step in flight (`HostPool`), they are given back and CapacityError raised (busy for now)."""
+        allocator, pool = self.allocators[rank], self.host_pools[rank]
+        allocator.on_evict = pool.drop
+        try:
+            pages = allocator.allocate(need)
+        finally:
+            allocator.on_evict = pool.offload
+        busy = pool.busy_pages() | self._unsettled[rank]
+        if self._in_flight is not None and self._in_flight.plan.host_copies:
+            busy |= {c.page for c in self._in_flight.plan.host_copies[rank]}
+        if self._in_flight is not None and self._in_flight.host_settling:
+            busy |= self._in_flight.host_settling[rank]
+        if busy.intersection(pages):
+            allocator.free(pages)
+            raise CapacityError(f"{self.worker_kind}: KV pages busy with host-tier copies, retry")
+        return pages
 
     # Admission.
 
@@ -322,6 +382,7 @@ class Scheduler:
                 request.state = RequestState.PREFILLING
         request.admit_order = next(self._arrivals)
         request.added_at = time.monotonic()
+        self._flush_host_copies()
         think_ids = request.params.relaxed_think_ids
         if think_ids is not None:
             request.in_think = think_state(False, request.token_ids, think_ids)
@@ -491,6 +552,7 @@ class Scheduler:
         if drafts:  # a row per draft after its request's, as `_rank_step` lays them out
             decode = [row for r in decode for row in [r] * (1 + drafts.get(id(r), 0))]
         if not prefill and not decode:
+            self._flush_host_copies()
             return None, outputs
         by_rank = range(len(self.allocators))
         prefill_by_rank = [[c for c in prefill if c[0].rank == d] for d in by_rank]
@@ -503,11 +565,34 @@ class Scheduler:
             steps *= self.ranks  # the same rows on every rank
         mtp = self.num_drafts > 0
         topk, delta = self.relaxed or (0, 0.0)
-        plan = StepPlan(next(self._step_ids), steps, mtp, self._step_drafts, topk, delta)
-        self._in_flight = _InFlight(plan, prefill_by_rank, decode_by_rank)
+        copies, held = [], []
+        self._flush_host_copies()
+        for pool in self.host_pools:
+            c, h = pool.take_copies()
+            copies.append(c)
+            held.append(h)
+        if len(copies) < self.ranks and copies:
+            copies *= self.ranks  # the same copies on every rank
+        plan = StepPlan(
+            next(self._step_ids), steps, mtp, self._step_drafts, topk, delta, tuple(copies)
+        )
+        settling, self._unsettled = self._unsettled, [set() for _ in self.host_pools]
+        self._in_flight = _InFlight(plan, prefill_by_rank, decode_by_rank, held, settling)
         for allocator in self.allocators:
             allocator.hold_frees()
         return plan, outputs
+
+    def _flush_host_copies(self) -> None:
+        """Hands the host copies decided so far to `issue_host_copies`, where set. The slots they read are
+        free at once: a later copy that writes one runs after them (one ordered stream)."""
+        if self.issue_host_copies is None:
+            return
+        for rank, pool in enumerate(self.host_pools):
+            copies, held = pool.take_copies()
+            if copies:
+                self.issue_host_copies(rank, copies)
+                self._unsettled[rank].update(c.page for c in copies)
+            pool.release(held)
 
     def _with_replay_rows(self, decode: list[Request]) -> list[Request]:
         """`decode` with a row more for each further generated token a request replays, as many as its rank
@@ -676,6 +761,8 @@ class Scheduler:
         )
         for allocator in self.allocators:
             allocator.release_held()
+        for pool, held in zip(self.host_pools, in_flight.host_held, strict=True):
+            pool.release(held)
         assert len(results) == len(plan.ranks), (
             f"{len(results)} results for {len(plan.ranks)} ranks"
         )

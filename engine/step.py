@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Sequence
 
+from pdserve.engine.host_tier import HostCopy
 from pdserve.engine.sampling_params import (
     SamplingParams,
     TokenLogprobs,
@@ -175,6 +176,9 @@ class StepPlan:
     """Relaxed acceptance for the rows marked `SampleSpec.relaxed` (greedy): a draft among the target's
     `relaxed_topk` most likely tokens within `relaxed_delta` of the best log-probability is accepted (0: off)."""
     relaxed_delta: float = 0.0
+    host_copies: Sequence[Sequence[HostCopy]] = ()
+    """Per rank (empty: none), the copies between its KV cache and its host pool to run before the step's
+    passes, in order (`pdserve.engine.host_tier`)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ from pdserve.engine.step import RankResult, StepPlan
 from pdserve.engine.step_timer import StepTimer
 from pdserve.engine.warm_up import warm_up_plans
 from pdserve.model.deepseek import Transformer
-from pdserve.model.errors import PdserveError
+from pdserve.model.errors import ConfigError, PdserveError
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,19 @@ def prefix_cache_info(scheduler: Scheduler) -> dict[str, int | bool] | None:
     if cache is None:
         return None
     return {"page_size": cache.page_size, "hit_unit": cache.hit_unit, "lookahead": cache.lookahead}
+
+
+def host_tier_counts(worker: Worker) -> dict[str, int]:
+    """The host tier's counters since start (0 with it off): pages stored and restored (host hits, in pages),
+    evicted pages dropped for want of a free slot, and bytes copied either way (`HostKVStore`)."""
+    pools = worker.scheduler.host_pools
+    store = getattr(worker.runner, "host_store", None)
+    return {
+        "host_kv_offloaded_pages": sum(p.num_offloaded for p in pools),
+        "host_kv_restored_pages": sum(p.num_restored for p in pools),
+        "host_kv_dropped_pages": sum(p.num_dropped for p in pools),
+        "host_kv_bytes_copied": store.bytes_copied if store is not None else 0,
+    }
 
 
 class RanksFailedError(PdserveError):
@@ -109,8 +122,14 @@ class Worker:
                     getattr(config, "max_running", None),
                     getattr(config, "num_speculative_tokens", 0),
                 ),
+                host_kv_cache_bytes=getattr(config, "host_kv_cache_bytes", 0),
             )
         else:
+            if getattr(config, "host_kv_cache_bytes", 0):
+                raise ConfigError(
+                    f"host_kv_cache_bytes={config.host_kv_cache_bytes} with ranks={ranks.world_size}: "
+                    "the host KV tier runs on workers of one rank only"
+                )
             self.runner = ranks.handler.runner
         self.model = self.runner.model
         self.num_ranks = 1 if ranks is None else ranks.world_size
@@ -144,7 +163,14 @@ class Worker:
 
     def _make_scheduler(self, *args, **kwargs) -> Scheduler:
         """The role's scheduler over this worker's allocators and ranks (Scheduler's arguments after them)."""
-        return Scheduler(self.allocators, *args, ranks=self.num_ranks, **kwargs)
+        store = getattr(self.runner, "host_store", None)
+        host = store.num_slots if store is not None else 0
+        scheduler = Scheduler(
+            self.allocators, *args, ranks=self.num_ranks, host_slots=host, **kwargs
+        )
+        if scheduler.host_pools:  # copies start when decided, overlapping the step in flight
+            scheduler.issue_host_copies = lambda rank, copies: store.issue(copies)
+        return scheduler
 
     def step(self) -> bool:
         """Runs one step of the role's work; False when there was nothing to do."""

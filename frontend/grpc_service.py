@@ -2,7 +2,10 @@
 into a `RequestInput` (`request_builder` checks it), submits it and turns its chunks into response messages;
 `Admin` reports and changes the pools. Both are process boundaries: pdserve errors become status codes through
 `errors.status_for`; anything else is logged with its traceback and returned as INTERNAL. A client's cancel is
-ordinary: one INFO line, no traceback. Request bytes that do not decode as the method's message get
+ordinary: one INFO line, no traceback. A client that reads nothing of its stream (HTTP/2 flow control holds
+the writes) for router.http_idle_timeout_s is cut: its request is cancelled at once, its call ended with
+DEADLINE_EXCEEDED. `server_options` sets the transport's timeouts (slow handshakes, idle or vanished
+connections). Request bytes that do not decode as the method's message get
 INVALID_ARGUMENT (`add_servicers` registers the services with a deserializer that cannot raise).
 
 Logs name a request by the router's internal id, never by the client's `request_id` (any bytes, any length)."""
@@ -10,6 +13,7 @@ Logs name a request by the router's internal id, never by the client's `request_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -111,6 +115,29 @@ class _ClientGone(Exception):
     """A response could not be written: the client cancelled the call or its connection went away."""
 
 
+class _ClientStalled(Exception):
+    """A response's write stayed blocked for the idle timeout: the client reads nothing of its stream."""
+
+
+def server_options(router: RouterConfig) -> list[tuple[str, int]]:
+    """The gRPC server's transport options from the router's timeouts: a connection must finish its handshake
+    (TLS, HTTP/2 preface) within http_header_timeout_s; one with no call for http_idle_timeout_s is closed
+    (GOAWAY); each connection is pinged every grpc_keepalive_s and closed when a ping goes unanswered that long
+    (a vanished client). Clients may ping as often as every grpc_keepalive_s / 2 (gRPC's default allows one
+    every 5 minutes; a client keepalive below that would be answered with GOAWAY)."""
+    ms = lambda s: max(1, round(s * 1000))  # noqa: E731
+    return [
+        ("grpc.server_handshake_timeout_ms", ms(router.http_header_timeout_s)),
+        ("grpc.max_connection_idle_ms", ms(router.http_idle_timeout_s)),
+        ("grpc.keepalive_time_ms", ms(router.grpc_keepalive_s)),
+        ("grpc.keepalive_timeout_ms", ms(router.grpc_keepalive_s)),
+        # what closes the connection when a ping goes unanswered (keepalive_timeout_ms alone does not)
+        ("grpc.http2.ping_timeout_ms", ms(router.grpc_keepalive_s)),
+        ("grpc.http2.min_ping_interval_without_data_ms", ms(router.grpc_keepalive_s / 2)),
+        ("grpc.http2.max_ping_strikes", 2),
+    ]
+
+
 def _timings(t: Timings) -> generation_pb2.Timings:
     return generation_pb2.Timings(
         queued_s=t.queued_s,
@@ -139,8 +166,10 @@ def _logprob(lp: TokenLogprobs) -> generation_pb2.TokenLogprob:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: EngineClient):
+    def __init__(self, engine: EngineClient, idle_s: float):
         self.engine = engine
+        self.idle_s = idle_s
+        """How long one response's write may stay blocked (router.http_idle_timeout_s)."""
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context) -> None:
         engine = self.engine
@@ -180,7 +209,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         response.usage.speculative.CopyFrom(speculative_usage(chunk.spec))
                     response.timings.CopyFrom(_timings(chunk.timings))
                 try:
-                    await context.write(response)
+                    await asyncio.wait_for(context.write(response), self.idle_s)
+                except TimeoutError as e:
+                    raise _ClientStalled from e
                 except Exception as e:  # the call ended under the write: a cancel that raced it
                     raise _ClientGone from e
         except asyncio.CancelledError:  # the client cancelled (or its deadline passed): ordinary
@@ -188,6 +219,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise
         except _ClientGone:
             logger.info("request %s cancelled by the client", generation.request_id)
+        except _ClientStalled:
+            logger.info(
+                "gRPC client %s cut: it read nothing of request %s's stream for %gs "
+                "(router.http_idle_timeout_s)", context.peer(), generation.request_id, self.idle_s,
+            )  # fmt: skip
+            generation.cancel()  # its pages are freed now, not once the client reads again
+            # The status queues behind the unread responses: it is sent if the client reads again, and the
+            # wait for it is bounded (the transport closes a vanished client's connection on its own).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"the client read nothing of this stream for {self.idle_s:g}s "
+                        "(router.http_idle_timeout_s); its request was cancelled",
+                    ),
+                    self.idle_s,
+                )
         except Exception as e:  # process boundary
             await _abort(context, e, f"Generate {generation.request_id}")
         finally:
@@ -366,5 +414,6 @@ class _LenientRegistry:
 def add_servicers(engine: EngineClient, grpc_server: grpc.aio.Server) -> None:
     """Registers the Generation and Admin servicers over `engine` on `grpc_server`."""
     registry = _LenientRegistry(grpc_server, message_limit(engine.limits, engine.model))
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), registry)
+    generation = GenerationServicer(engine, engine.limits.http_idle_timeout_s)
+    generation_pb2_grpc.add_GenerationServicer_to_server(generation, registry)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(engine), registry)

@@ -164,6 +164,28 @@ class _WorkerCollector(Collector):
                 "Prompt tokens a worker found in its prefix cache, since it started.",
                 labels=labels,
             ),
+            "host_kv_offloaded": counter(
+                f"{PREFIX}host_kv_offloaded_pages",
+                "KV pages a worker stored in its host-memory tier when they left its GPU cache, since it started.",
+                labels=labels,
+            ),
+            "host_kv_restored": counter(
+                f"{PREFIX}host_kv_restored_pages",
+                "KV pages a worker restored from its host-memory tier (host hits), since it started.",
+                labels=labels,
+            ),
+            "host_kv_dropped": counter(
+                f"{PREFIX}host_kv_dropped_pages",
+                "KV pages a worker's GPU cache evicted that its host-memory tier had no slot for, since it "
+                "started.",
+                labels=labels,
+            ),
+            "host_kv_bytes": counter(
+                f"{PREFIX}host_kv_bytes_copied",
+                "Bytes a worker copied between its GPU cache and its host-memory tier, either way, since it "
+                "started.",
+                labels=labels,
+            ),
             "kv_failures": counter(
                 f"{PREFIX}kv_transfer_failures",
                 "KV sends of a prefill worker that failed (the request moved or failed).",
@@ -193,6 +215,10 @@ class _WorkerCollector(Collector):
                 f["kv"].add_metric(labels, stats.pages_used / stats.pages_total)
             count("prefix_queries", labels, stats.prefix_cache_queries)
             count("prefix_hits", labels, stats.prefix_cache_hits)
+            count("host_kv_offloaded", labels, stats.host_kv_offloaded_pages)
+            count("host_kv_restored", labels, stats.host_kv_restored_pages)
+            count("host_kv_dropped", labels, stats.host_kv_dropped_pages)
+            count("host_kv_bytes", labels, stats.host_kv_bytes_copied)
             if isinstance(stats, DecodeStats):
                 f["running"].add_metric(labels, stats.num_running)
                 f["waiting"].add_metric(labels, stats.num_waiting)

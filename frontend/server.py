@@ -30,7 +30,7 @@ from pdserve.cluster.supervisor import Supervisor
 from pdserve.engine import messages
 from pdserve.engine.messages import DecodeStats, PrefillStats
 from pdserve.frontend.engine_client import EndpointInfo
-from pdserve.frontend.grpc_service import add_servicers, message_limit
+from pdserve.frontend.grpc_service import add_servicers, message_limit, server_options
 from pdserve.frontend.http_server import HttpFrontEnd
 from pdserve.frontend.ray_engine import RayEngineClient
 from pdserve.frontend.security import (
@@ -257,7 +257,10 @@ class PdServer:
         receive_limit = 2 * message_limit(router_config)[0]
         self.grpc_server = grpc.aio.server(
             interceptors=[KeyInterceptor(self.credentials)],
-            options=[("grpc.max_receive_message_length", receive_limit)],
+            options=[
+                ("grpc.max_receive_message_length", receive_limit),
+                *server_options(router_config),
+            ],
         )
         add_servicers(self.engine, self.grpc_server)
         self.health = health.aio.HealthServicer()

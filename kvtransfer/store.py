@@ -23,6 +23,7 @@ cluster). Ray's own token auth guards the one thing that must stay secret, the k
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import secrets
@@ -46,6 +47,8 @@ POLL_S = 0.002
 """Between reads of a key that is not (validly) there yet."""
 ABORT_CHECK_S = 0.05
 """How often a wait asks its `abort` callback whether to give up."""
+HEAL_S = 0.02
+"""How often `SignedStore.healing` puts back what was lost."""
 
 
 def new_secret() -> str:
@@ -193,6 +196,11 @@ class SignedStore(dist.Store):
                 healed += 1
         return healed
 
+    def healing(self, interval_s: float = HEAL_S) -> Healer:
+        """A `Healer` of this view (made with `keep`): running until stopped, it puts back what the view set and
+        lost every `interval_s`."""
+        return Healer(self, interval_s)
+
     def _wait_for(self, keys: list[str], timeout_s: float) -> list[bytes]:
         start = time.monotonic()
         deadline, next_check = start + timeout_s, start + ABORT_CHECK_S
@@ -209,13 +217,47 @@ class SignedStore(dist.Store):
             missing = [self.prefix + k for k in keys if k not in values]
             if now >= deadline:
                 raise dist.DistStoreError(
-                    f"no valid value of {missing} in the KV store within {timeout_s:g}s"
+                    f"no valid value of {missing} in the store within {timeout_s:g}s"
                 )
             if self._abort is not None and now >= next_check:
                 if self._abort():
-                    raise dist.DistStoreError(f"gave up waiting for {missing} in the KV store")
+                    raise dist.DistStoreError(
+                        f"gave up waiting for {missing} in the store (the other side is gone)"
+                    )
                 next_check = now + ABORT_CHECK_S
             time.sleep(POLL_S)
+
+
+class Healer:
+    """A thread that puts back (`SignedStore.heal`) every `interval_s` what a view set and lost, from its
+    making until `stop` (or the end of its `with` block), while a rendezvous through the view is under way:
+    a deleted or overwritten value then costs its readers a few polls, not their timeout."""
+
+    def __init__(self, view: SignedStore, interval_s: float = HEAL_S):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(view, interval_s), name="pdserve-store-heal", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, view: SignedStore, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            with contextlib.suppress(
+                Exception
+            ):  # store unreachable: the rendezvous fails on its own
+                view.heal()
+
+    def stop(self) -> None:
+        """Idempotent."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def __enter__(self) -> Healer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def host_store(

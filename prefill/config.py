@@ -20,6 +20,10 @@ class PrefillConfig:
     workspace) stays free within 0.9 of the GPU."""
     cpu_cache_bytes: int = 1 << 30
     """KV cache size on a CPU."""
+    host_kv_cache_bytes: int = 0
+    """Host memory for the host tier below the prefix cache (`pdserve.engine.host_tier`): cached KV pages the
+    GPU evicts are copied there (pinned, least recently stored evicted first) and copied back when a later
+    prompt goes on past its GPU hit into them. 0: off. Counted in `pdserve plan`; workers of one rank only."""
     max_num_batched_tokens: int = 8192
     """Prompt tokens per forward pass (the token budget of a step)."""
     max_prefill_chunk: int = 4096
@@ -37,6 +41,8 @@ class PrefillConfig:
 
     def __post_init__(self) -> None:
         self.layout.check_runnable()
+        if self.host_kv_cache_bytes < 0:
+            raise ValueError(f"host_kv_cache_bytes={self.host_kv_cache_bytes}: must be >= 0")
         if not 0 <= self.num_speculative_tokens <= MAX_DRAFTS:
             raise ValueError(
                 f"num_speculative_tokens={self.num_speculative_tokens}: must be in [0, {MAX_DRAFTS}]"

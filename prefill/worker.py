@@ -30,7 +30,7 @@ from pdserve.engine.ranks.group import RankGroup
 from pdserve.engine.request import Policy, Request, RequestState, stage_times
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling_params import TokenLogprobs
-from pdserve.engine.worker import Worker, prefix_cache_counts
+from pdserve.engine.worker import Worker, host_tier_counts, prefix_cache_counts
 from pdserve.kvtransfer import KVSender
 from pdserve.model.deepseek import Transformer
 from pdserve.model.errors import ConfigError, PdserveError
@@ -146,6 +146,7 @@ class PrefillWorker(Worker):
                 self._num_send_failures,
                 *self.step_timing(),
                 **prefix_cache_counts(self.scheduler),
+                **host_tier_counts(self),
             )
 
     def step(self) -> bool:

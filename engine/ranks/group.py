@@ -1,7 +1,8 @@
 """A worker's N ranks seen from its driver: rank 0 runs in the worker's own process, ranks 1..N-1 in processes
 started by a `RankLauncher` (local subprocesses here; Ray actors on a placement group's bundles in
 `pdserve.cluster.rank_actors`). All N join one torch.distributed group (gloo on CPU, NCCL on GPUs) through a
-TCPStore the driver hosts, and every step the driver broadcasts its plan over the plan channel, runs its own
+TCPStore the driver hosts (signed with a secret of the group's own, carried in each rank's bootstrap:
+`process.signed_store`), and every step the driver broadcasts its plan over the plan channel, runs its own
 share of the step, and gathers the others' replies.
 
 `RankGroup.step(plan)` returns the N replies in rank order or raises: `RankStepError` when a handler raised
@@ -41,9 +42,10 @@ from pdserve.engine.ranks.process import (
     close_handler,
     join_group,
     run_rank,
+    signed_store,
 )
 from pdserve.engine.ranks.shm_channel import ShmPlanChannel
-from pdserve.kvtransfer.store import host_store
+from pdserve.kvtransfer.store import SignedStore, host_store, new_secret
 from pdserve.model.errors import PdserveError
 
 __all__ = ["LocalRankLauncher", "RankGroup", "RankGroupConfig", "RankLauncher", "RankStepError"]
@@ -188,6 +190,8 @@ class RankGroup:
         self.channel: PlanChannel | None = None
         self.handler = None
         self._store: dist.TCPStore | None = None
+        self._signed: SignedStore | None = None
+        """The signed view the group was built on: it must outlive the group."""
         self._failed = False
         self.rank_pids: list[int] = []
         """Process ids of ranks 1..N-1, once started."""
@@ -211,6 +215,8 @@ class RankGroup:
         cfg = self.config
         # on store_host alone (a plain TCPStore server listens on every interface)
         self._store = host_store(cfg.store_host, 0, cfg.join_timeout_s, cfg.world_size)
+        secret = new_secret()  # this group's own: it signs the rendezvous (`signed_store`)
+        self._signed = signed_store(self._store, secret, cfg.join_timeout_s, self._ranks_gone)
         shm = None
         if cfg.channel == "shm":
             self.channel = ShmPlanChannel.create(
@@ -222,24 +228,34 @@ class RankGroup:
                 rank, cfg.world_size, cfg.backend, cfg.channel, cfg.store_host, self._store.port,
                 cfg.join_timeout_s, self.handler_spec, shm,
                 os.getpid() if self.launcher.watches_driver_pid else None,
-                self.launcher.device(rank, cfg.backend),
+                self.launcher.device(rank, cfg.backend), secret,
             ).encode()
             for rank in range(1, cfg.world_size)
         ]  # fmt: skip
         self.launcher.launch(boots)
         device = self.launcher.device(0, cfg.backend)
-        join_group(0, cfg.world_size, cfg.backend, self._store, cfg.join_timeout_s, device)
-        if cfg.channel == "dist":
-            self.channel = DistPlanChannel(
-                DistPlanChannel.new_group(), cfg.max_message_bytes, cfg.step_timeout_s
-            )
-        ctx = RankContext(0, cfg.world_size, device, dist.group.WORLD)
-        self.handler = self.handler_spec.build(ctx)
-        pids = self._round(OP_HELLO, None, cfg.join_timeout_s)
+        # Until every rank answered: the last of them may still be reading the driver's values.
+        with self._signed.healing():
+            join_group(0, cfg.world_size, cfg.backend, self._signed, cfg.join_timeout_s, device)
+            if cfg.channel == "dist":
+                self.channel = DistPlanChannel(
+                    DistPlanChannel.new_group(), cfg.max_message_bytes, cfg.step_timeout_s
+                )
+            ctx = RankContext(0, cfg.world_size, device, dist.group.WORLD)
+            self.handler = self.handler_spec.build(ctx)
+            pids = self._round(OP_HELLO, None, cfg.join_timeout_s)
         self.rank_pids = pids[1:]
         if isinstance(self.channel, ShmPlanChannel):
             self.channel.unlink()  # every rank has it mapped now
         log.info("rank group of %d up (rank pids %s)", cfg.world_size, pids)
+
+    def _ranks_gone(self) -> bool:
+        """Whether a rank's process has ended (the join stops waiting for it)."""
+        try:
+            self.launcher.check()
+        except RankLostError:
+            return True
+        return False
 
     def step(self, plan: Any) -> list[Any]:
         """Runs one step on every rank: `plan` (plain values) goes to each rank's handler; returns the replies,
@@ -305,5 +321,5 @@ class RankGroup:
         )  # after a clean stop: its CUDA graphs go before the communicator
         if dist.is_initialized():
             dist.destroy_process_group()
-        self._store = None
+        self._store = self._signed = None
         self.handler = None

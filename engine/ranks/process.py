@@ -25,6 +25,7 @@ import torch.distributed as dist
 from pdserve.engine.ranks.channel import PlanChannel, PlanChannelError, decode, encode
 from pdserve.engine.ranks.dist_channel import DistPlanChannel
 from pdserve.engine.ranks.shm_channel import ShmPlanChannel, ShmSpec
+from pdserve.kvtransfer.store import SignedStore
 
 __all__ = ["HandlerSpec", "RankBootstrap", "RankContext", "close_handler", "join_group", "run_rank"]
 
@@ -88,6 +89,9 @@ class RankBootstrap:
     server): the rank exits when the driver is gone. None where it is not (Ray actors)."""
     device: str = "cpu"
     """The rank's device: 'cpu', or the one GPU it drives ('cuda:0' where it sees only its own)."""
+    secret: str = dataclasses.field(default="", repr=False)
+    """The key signing every value the group's ranks put in the driver's store (`signed_store`); it travels in
+    this bootstrap (a pipe to the fork server, or a Ray call), never through the store."""
 
     def encode(self) -> bytes:
         d = dataclasses.asdict(self)
@@ -100,16 +104,28 @@ class RankBootstrap:
         return cls(**d)
 
 
+def signed_store(
+    raw: dist.Store, secret: str, timeout_s: float, abort: Callable[[], bool]
+) -> SignedStore:
+    """The rank group's view of its store (a TCPStore anyone who reaches its port can use): every value signed
+    with the group's `secret`, so that a forged or copied value reads as absent; `abort` ends a wait early (the
+    other side is gone). The caller keeps it as long as the group lives (C++ holds it by reference)."""
+    return SignedStore(raw, secret, "pdserve-ranks/", timeout_s, keep=True, abort=abort)
+
+
 def join_group(
-    rank: int, world_size: int, backend: str, store: dist.Store, timeout_s: float, device: str
+    rank: int, world_size: int, backend: str, store: SignedStore, timeout_s: float, device: str
 ) -> None:
     """Joins this process to the worker's default group (collective: every rank calls it, bounded by
-    `timeout_s`); on NCCL, `device` becomes this process's current GPU first."""
+    `timeout_s`, or until the store's `abort` says the other side is gone: a clear DistStoreError, never a
+    hang); on NCCL, `device` becomes this process's current GPU first. The caller runs a `Healer` of `store`
+    from before this until every other rank has joined too (a rank may finish while its peers still read its
+    values): values deleted or overwritten meanwhile are put back."""
     if backend == "nccl":
         torch.cuda.set_device(device)
     dist.init_process_group(
-        backend, store=dist.PrefixStore("pdserve-ranks", store), rank=rank,
-        world_size=world_size, timeout=timedelta(seconds=timeout_s),
+        backend, store=store, rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
     )  # fmt: skip
 
 
@@ -159,8 +175,10 @@ class DriverWatch:
 
 
 def serve(boot: RankBootstrap, channel: PlanChannel, handler: Callable[[Any], Any] | None,
-          setup_error: str | None, driver: DriverWatch | None = None) -> None:  # fmt: skip
-    """The rank loop: one reply per message until 'stop', or until the driver's process is gone."""
+          setup_error: str | None, driver: DriverWatch | None = None,
+          on_first: Callable[[], None] | None = None) -> None:  # fmt: skip
+    """The rank loop: one reply per message until 'stop', or until the driver's process is gone; `on_first`
+    runs when the first message arrives."""
     driver = driver or DriverWatch(boot.driver_pid)
     # The gloo channel cannot resume a timed-out wait: there the rank waits up to the group's timeout, and a
     # driver that dies closes its sockets, which fails the wait at once.
@@ -172,6 +190,9 @@ def serve(boot: RankBootstrap, channel: PlanChannel, handler: Callable[[Any], An
                 log.warning("rank %d: driver %s is gone, exiting", boot.rank, boot.driver_pid)
                 return
             continue
+        if on_first is not None:
+            on_first()
+            on_first = None
         op, plan = decode(message)
         if op == OP_STOP:
             channel.reply(encode({"ok": None}))
@@ -206,12 +227,21 @@ def run_rank(bootstrap: bytes) -> None:
     driver = DriverWatch(boot.driver_pid)  # at once: the id names the driver only while it lives
     if boot.backend == "gloo":
         torch.set_num_threads(1)
-    store = dist.TCPStore(
+    raw = dist.TCPStore(
         boot.store_host, boot.store_port, boot.world_size, False,
         timeout=timedelta(seconds=boot.join_timeout_s),
     )  # fmt: skip
-    join_group(boot.rank, boot.world_size, boot.backend, store, boot.join_timeout_s, boot.device)
-    channel = open_channel(boot)
+    store = signed_store(raw, boot.secret, boot.join_timeout_s, lambda: not driver.alive())
+    # Until the driver's first message, which it sends once the whole group joined.
+    healer = store.healing()
+    try:
+        join_group(
+            boot.rank, boot.world_size, boot.backend, store, boot.join_timeout_s, boot.device
+        )
+        channel = open_channel(boot)
+    except BaseException:
+        healer.stop()
+        raise
     handler, setup_error = None, None
     try:
         ctx = RankContext(boot.rank, boot.world_size, boot.device, dist.group.WORLD)
@@ -219,10 +249,11 @@ def run_rank(bootstrap: bytes) -> None:
     except Exception:  # reported to the driver on its first message
         setup_error = traceback.format_exc()
     try:
-        serve(boot, channel, handler, setup_error, driver)
+        serve(boot, channel, handler, setup_error, driver, healer.stop)
     except PlanChannelError:
         log.warning("rank %d: plan channel failed", boot.rank, exc_info=True)
     finally:
+        healer.stop()
         close_handler(handler)
         driver.close()
         channel.close()

@@ -62,6 +62,7 @@ def test_file_then_flags(tmp_path):
         ),
         ({"prefill": {"ranks": 2}}, "prefill.attention='data' with prefill.ranks=2"),
         ({"router": {"http_body_timeout_s": 0}}, "http_body_timeout_s=0"),
+        ({"router": {"grpc_keepalive_s": -1}}, "grpc_keepalive_s=-1"),
     ],
 )
 def test_bad_values_name_the_field(values, message):

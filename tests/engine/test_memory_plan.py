@@ -278,3 +278,18 @@ def test_startup_keeps_the_plans_reserve_free(layout, monkeypatch):
     assert capacity_pages(kv, "cuda", None, 0.3, 0, GIB, 0.9) == int(free * 0.3) // kv.page_bytes
     with pytest.raises(ValueError, match="reserve of .* GiB for the largest step"):
         capacity_pages(kv, "cuda", None, 0.85, 0, free)
+
+
+def test_the_host_kv_tier_is_counted_and_printed(capsys):
+    args, dtype = model_for_plan(preset="v3-shape")
+    settings = PlanSettings(gpu_memory_gib=141, kv_cache_dtype="fp8", host_kv_cache_gib=64)
+    plan = plan_memory(args, dtype, all_ep(8), settings)
+    assert plan.host_pages == 64 * GIB // (62 * 64 * 656)
+    assert plan_memory(args, dtype, all_ep(8), PlanSettings(gpu_memory_gib=141)).host_pages == 0
+    assert main([*V3_141, "--kv-cache-dtype", "fp8", "--host-kv-cache-gib", "64"]) == 0
+    out = capsys.readouterr().out
+    assert f"{plan.host_pages} pages x 64 = {plan.host_pages * 64} tokens per KV page set" in out
+    main(V3_141)
+    assert "host KV tier" not in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="host_kv_cache_gib=-1"):
+        PlanSettings(host_kv_cache_gib=-1)

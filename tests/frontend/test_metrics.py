@@ -90,7 +90,20 @@ def test_worker_series_come_from_the_latest_stats_and_registries_are_per_server(
     other = Metrics(MODEL, Router(RouterConfig()))
     decode.stats = DecodeStats("decode-0", 3, 2, 48, 64, 256, 16, 7)
     prefill.stats = PrefillStats(
-        "prefill-0", 4, 900, 1, 16, 128, 5 << 20, 2, prefix_cache_queries=300, prefix_cache_hits=128
+        "prefill-0",
+        4,
+        900,
+        1,
+        16,
+        128,
+        5 << 20,
+        2,
+        prefix_cache_queries=300,
+        prefix_cache_hits=128,
+        host_kv_offloaded_pages=7,
+        host_kv_restored_pages=5,
+        host_kv_dropped_pages=1,
+        host_kv_bytes_copied=4096,
     )
 
     series = samples(metrics)
@@ -109,6 +122,11 @@ def test_worker_series_come_from_the_latest_stats_and_registries_are_per_server(
     assert sample(metrics, "pdserve:prefix_cache_queries_total", worker="prefill-0") == 300
     assert sample(metrics, "pdserve:prefix_cache_hits_total", worker="prefill-0") == 128
     assert sample(metrics, "pdserve:prefix_cache_hits_total", worker="decode-0") == 0
+    assert sample(metrics, "pdserve:host_kv_offloaded_pages_total", worker="prefill-0") == 7
+    assert sample(metrics, "pdserve:host_kv_restored_pages_total", worker="prefill-0") == 5
+    assert sample(metrics, "pdserve:host_kv_dropped_pages_total", worker="prefill-0") == 1
+    assert sample(metrics, "pdserve:host_kv_bytes_copied_total", worker="prefill-0") == 4096
+    assert sample(metrics, "pdserve:host_kv_restored_pages_total", worker="decode-0") == 0
     router.on_resumed(0.4)  # a moved request's next token, 0.4 s after its move
     assert sample(metrics, "pdserve:request_migration_seconds_count") == 1
     assert sample(metrics, "pdserve:request_migration_seconds_sum") == 0.4
