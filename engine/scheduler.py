@@ -273,8 +273,12 @@ class Scheduler:
         need = pages_needed(request.num_tokens, self.page_size) - len(cached)
         stored: list[bytes] = []  # the pages after the GPU hit that come back from the host pool
         slots: list[int] = []
-        if self.host_pools and request.policy is not Policy.DECODE_ONLY:
-            pool = self.host_pools[rank]
+        if (
+            self.host_pools
+            and request.policy is not Policy.DECODE_ONLY
+            and not _scores_prompt(request)
+        ):
+            pool = self.host_pools[rank]  # (a request scoring its prompt computes every position)
             stored = self.prefix_cache.host_match(
                 request, pool, self._prefill_end(request), len(cached)
             )
