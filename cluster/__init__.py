@@ -7,6 +7,7 @@ Public surface (imported from the modules, so that importing the config does not
 | module | its one job |
 |---|---|
 | `config` | the frozen config dataclasses, YAML and flag loading |
+| `prefix_routing` | the router's index of the workers' cached prefixes, and the choice by expected hit and load |
 | `config_keys` | a config section's keys from its dataclass: types, docstrings, values checked |
 | `placement` | where a worker goes (pure functions over resource tables) |
 | `rank_actors` | a worker's rank processes as Ray actors on its placement group's bundles |

@@ -87,6 +87,7 @@ def _joined(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         a.request_id, [*a.token_ids, *b.token_ids], b.finish_reason, b.error, logprobs=logprobs,
         stages=stages, spec=SpecCounts.total((a.spec, b.spec)),
         num_cached_tokens=b.num_cached_tokens if a.num_cached_tokens is None else a.num_cached_tokens,
+        prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs,
     )  # fmt: skip
 
 

@@ -17,6 +17,8 @@ marked torch are imported from their modules.
 | `prefix_cache` | which of a request's pages it shares through the prefix cache: the hash chain, hits, counts |
 | `spec_policy` | when a speculating worker drafts: a batch-size limit and the measured acceptance |
 | `chunking` | chunked-prefill planning |
+| `host_tier` | the host-memory tier's bookkeeping: evicted pages' slots by hash, restores on a hit |
+| `host_store` (torch) | the host tier's memory and its batched copies to and from the GPU cache |
 | `step_timer` | how long the step in flight has run and is expected to take, for the router's stall check |
 | `runner` (torch) | the model runner, with `sampler` and `cuda_graphs` |
 | `speculative` (torch) | speculative decoding's arithmetic: drafting from MTP logits, verifying drafts |
