@@ -118,12 +118,15 @@ def test_streamed_echo_starts_with_the_prompt_then_the_generated_text(api, model
     assert all(t.startswith(prompt) for t in texts)
 
 
+@pytest.mark.parametrize(
+    "max_tokens", [1, 8]
+)  # 8: outputs the router joins keep the prompt's entries
 def test_vllm_prompt_logprobs_name_each_token_its_rank_and_alternatives(
-    api, model, reference_model
+    api, model, reference_model, max_tokens
 ):
     ids = [0, *range(200, 215)]
     reply = api.completions.create(
-        model=model, prompt=ids, max_tokens=1, temperature=0,
+        model=model, prompt=ids, max_tokens=max_tokens, temperature=0,
         extra_body={"prompt_logprobs": 2, "ignore_eos": True},
     )  # fmt: skip
     prompt_logprobs = reply.choices[0].model_extra["prompt_logprobs"]
@@ -138,7 +141,7 @@ def test_vllm_prompt_logprobs_name_each_token_its_rank_and_alternatives(
             assert entry[str(t)]["rank"] == rank
             assert entry[str(t)]["logprob"] == pytest.approx(v, abs=1e-4)
     # the choice's own text and logprobs are those of a request without prompt_logprobs
-    plain = api.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0,
+    plain = api.completions.create(model=model, prompt=ids, max_tokens=max_tokens, temperature=0,
                                    extra_body={"ignore_eos": True})  # fmt: skip
     assert reply.choices[0].text == plain.choices[0].text
 
