@@ -156,11 +156,13 @@ def _prefix_blocks(
             if c.num_computed_tokens > lo
         ]
         launch: list[tuple[int, int, int]] = []
+        keys = 0
         for piece in pieces:
-            if launch and sum(e - s for _, s, e in launch) + piece[2] - piece[1] > block:
+            if launch and keys + piece[2] - piece[1] > block:
                 launches.append(launch)
-                launch = []
+                launch, keys = [], 0
             launch.append(piece)
+            keys += piece[2] - piece[1]
         launches.append(launch)
     blocks = []
     for launch in launches:
