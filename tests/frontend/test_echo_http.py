@@ -12,24 +12,6 @@ import pytest
 from pdserve.cli.client import Client, generate_request
 from pdserve.engine.offline import OfflineGenerator
 from pdserve.engine.sampling_params import MAX_PROMPT_LOGPROBS, SamplingParams
-from pdserve.model.tokenizer import Tokenizer
-
-
-@pytest.fixture(scope="module")
-def api(shared_server):
-    return openai.OpenAI(
-        base_url=shared_server.http_url, api_key="unused", max_retries=0, timeout=120
-    )
-
-
-@pytest.fixture(scope="module")
-def model(shared_server) -> str:
-    return shared_server.server.model.name
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return Tokenizer(model_dir)
 
 
 def engine_score(reference_model, context: list[int], continuation: list[int]) -> float:

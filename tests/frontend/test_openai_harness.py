@@ -17,24 +17,6 @@ from serving import wait_for
 from pdserve.cli.client import Client
 from pdserve.frontend.openai_fields import IGNORED_HEADER
 from pdserve.frontend.prompt_batch import MAX_PROMPTS
-from pdserve.model.tokenizer import Tokenizer
-
-
-@pytest.fixture(scope="module")
-def api(shared_server):
-    return openai.OpenAI(
-        base_url=shared_server.http_url, api_key="unused", max_retries=0, timeout=120
-    )
-
-
-@pytest.fixture(scope="module")
-def model(shared_server) -> str:
-    return shared_server.server.model.name
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return Tokenizer(model_dir)
 
 
 def greedy(max_tokens: int) -> dict:
