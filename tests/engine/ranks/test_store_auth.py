@@ -64,9 +64,28 @@ class _Attacker(threading.Thread):
             self.error = e
 
 
+class _AfterTheAttackLauncher(LocalRankLauncher):
+    """Launches the ranks once the attacker has tampered with a key of the driver's (bounded): the join is
+    fast, and a thread of a loaded machine may otherwise not run before it is over."""
+
+    def __init__(self):
+        super().__init__()
+        self.attacker: _Attacker | None = None
+
+    def launch(self, bootstraps: list[bytes]) -> None:
+        def later():
+            give_up = time.monotonic() + 20.0
+            while not self.attacker.hit and time.monotonic() < give_up:
+                time.sleep(0.01)
+            LocalRankLauncher.launch(self, bootstraps)
+
+        threading.Thread(target=later, daemon=True).start()
+
+
 def test_an_attacker_on_the_store_neither_stalls_nor_moves_the_join():
-    group = RankGroup(_config(30.0), ECHO)
-    attacker = _Attacker(group)
+    launcher = _AfterTheAttackLauncher()
+    group = RankGroup(_config(30.0), ECHO, launcher)
+    attacker = launcher.attacker = _Attacker(group)
     attacker.start()
     try:
         with group:
