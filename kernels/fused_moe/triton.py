@@ -394,9 +394,23 @@ def fused_moe(
     if num_tokens == 0 or top_k == 0:
         return out.zero_()
     cfg = tuning.lookup("fused_moe", _config_key(fp8, num_tokens * top_k, num_experts), x.device)
+    cfg = _fit_operand_width(cfg, x.element_size())
     return _fused_moe(
         x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, cfg, out, x_q, tree
     )
+
+
+def _fit_operand_width(cfg: dict, element_size: int) -> dict:
+    """The tuned configs size their pipelines' shared memory for 2-byte operands; 4-byte (fp32)
+    operands keep the same bytes per stage set by running half as many stages (at least one)."""
+    if element_size <= 2:
+        return cfg
+    shrink = element_size // 2
+    return {
+        **cfg,
+        "stages1": max(1, cfg["stages1"] // shrink),
+        "stages2": max(1, cfg["stages2"] // shrink),
+    }
 
 
 def _weight_operand(
