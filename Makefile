@@ -25,7 +25,7 @@ ifneq ($(TORCH_SPEC),$(DEFAULT_TORCH_SPEC))
 TORCH_ABOUT := as TORCH_SPEC asks
 endif
 
-.PHONY: demo test lint
+.PHONY: demo test test-clients lint
 demo: $(VENV)/.installed-serve
 	$(BIN)/pdserve demo
 
@@ -35,8 +35,29 @@ demo: $(VENV)/.installed-serve
 TEST_WORKERS ?= 4
 DURATIONS_FILE ?= build/test-durations.tsv
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -m "not gpu and not multi_gpu" -n $(TEST_WORKERS) --dist loadgroup \
-		--durations=20 --durations-file=$(DURATIONS_FILE)
+	$(BIN)/python -m pytest -q -m "not gpu and not multi_gpu and not clients" -n $(TEST_WORKERS) \
+		--dist loadgroup --durations=20 --durations-file=$(DURATIONS_FILE)
+
+# The third-party clients (lm-eval, guidellm, aiperf) against the shared tiny server (marker `clients`), each run
+# as a command from a virtualenv of its own, CLIENTS_VENV: their dependencies (datasets, pandas, scikit-learn,
+# sanic, textual, ...) stay out of .venv. torch goes in first there too, the same build as in .venv (lm-eval
+# imports it). The versions are those the tests were written against.
+CLIENTS_VENV ?= .venv-clients
+CLIENTS_SPEC ?= 'lm-eval[api]==0.4.13' guidellm==0.8.1 aiperf==0.13.0
+test-clients: $(VENV)/.installed $(CLIENTS_VENV)/.installed
+	PDSERVE_CLIENTS_VENV=$(abspath $(CLIENTS_VENV)) $(BIN)/python -m pytest -q -m clients \
+		tests/frontend/test_third_party_clients.py --durations=10
+
+$(CLIENTS_VENV)/.installed:
+	$(PY) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/pip install -q --upgrade pip
+	@echo "==> the clients' torch ($(TORCH_SPEC), $(TORCH_ABOUT))"
+	$(CLIENTS_VENV)/bin/pip install "$(TORCH_SPEC)" || { \
+	  test -n "$(TORCH_INDEX_URL)" && \
+	  $(CLIENTS_VENV)/bin/pip install --extra-index-url "$(TORCH_INDEX_URL)" "$(TORCH_SPEC)"; }
+	@echo "==> $(CLIENTS_SPEC) (about 1.5 GB installed beside torch)"
+	$(CLIENTS_VENV)/bin/pip install $(CLIENTS_SPEC)
+	touch $@
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -13,6 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cli.client import Client, generate_request
 from pdserve.cluster.config import build_config
+from pdserve.engine.offline import OfflineGenerator
+from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.frontend.server import ServerThread, free_port
 from pdserve.v1 import generation_pb2
 
@@ -46,6 +48,22 @@ def serve_config(model_dir, **sections):
 def start_server(model_dir, **sections) -> ServerThread:
     """Use as a context manager (Ray must be up: depend on the `ray_cluster` fixture)."""
     return ServerThread(serve_config(model_dir, **sections))
+
+
+def engine_scoring(
+    reference_model, context: list[int], continuation: list[int]
+) -> list[TokenLogprobs]:
+    """The engine's own log-probabilities of `continuation`'s tokens after `context` (its prompt log-probabilities,
+    with each token's rank), as an evaluation harness's multiple-choice score sums them."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    ids = [*context, *continuation]
+    got = OfflineGenerator(reference_model, 4, prefill_chunk=7).generate(ids, params)
+    return got.prompt_logprobs[len(context) - 1 :]
+
+
+def engine_score(reference_model, context: list[int], continuation: list[int]) -> float:
+    """The engine's own log-likelihood of `continuation` after `context`."""
+    return sum(lp.logprob for lp in engine_scoring(reference_model, context, continuation))
 
 
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):

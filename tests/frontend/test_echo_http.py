@@ -8,18 +8,11 @@ from __future__ import annotations
 
 import openai
 import pytest
+from serving import engine_score
 
 from pdserve.cli.client import Client, generate_request
 from pdserve.engine.offline import OfflineGenerator
 from pdserve.engine.sampling_params import MAX_PROMPT_LOGPROBS, SamplingParams
-
-
-def engine_score(reference_model, context: list[int], continuation: list[int]) -> float:
-    """The engine's own log-likelihood of `continuation` after `context`: its prompt log-probabilities."""
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    ids = [*context, *continuation]
-    got = OfflineGenerator(reference_model, 4, prefill_chunk=7).generate(ids, params)
-    return sum(lp.logprob for lp in got.prompt_logprobs[len(context) - 1 :])
 
 
 def test_a_continuation_scored_as_lm_eval_scores_it_equals_the_engine_s_score(
