@@ -16,6 +16,7 @@ contract) and `ray_engine.RayEngineClient` (the serving process's implementation
 | `http_protocol` | the HTTP connection: deadlines for headers, body and unread responses; lingering close |
 | `openai_api` | OpenAI's request and response JSON shapes |
 | `openai_fields` | the OpenAI parameters accepted and ignored, their header and once-per-name warning |
+| `tokenizer_api` | vLLM's /tokenize, /detokenize and /tokenizer_info (harnesses that count tokens themselves) |
 | `prompt_batch` | a completions request listing several prompts: read, bounded, one request each, choices merged |
 | `echo` | the completions API's `echo` and vLLM's `prompt_logprobs`: each choice's prompt in front |
 | `json_body` | a request body's JSON, decoded and checked (nesting depth, lone surrogates) |

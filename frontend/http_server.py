@@ -1,15 +1,15 @@
 """The OpenAI-compatible HTTP front end, a peer of the gRPC servicers over `EngineClient`, served by uvicorn on the
 router's event loop: /v1/models, /v1/completions, /v1/chat/completions (streamed as server-sent events or whole),
-/health, /version and /metrics (Prometheus' text format; `metrics_only` serves that alone, on a port of its own).
+vLLM's /tokenize, /detokenize and /tokenizer_info (`tokenizer_api`), /health, /version and /metrics (Prometheus'
+text format; `metrics_only` serves that alone, on a port of its own).
 
 A request's body over the cap is answered 413 before the rest of it is read; a body within it is decoded and
 checked (`json_body`: depth, Unicode) and translated into a `RequestInput` per prompt for `request_builder`
 (a completions request may list prompts: `prompt_batch`; parameters ignored are named in a response header and
-warned about once: `openai_fields`); parsing a
-large body and checking the request (rendering the chat template, tokenizing) run in a worker thread, so that
-other streams keep flowing meanwhile. The response waits for the first chunk before it
-starts, so that errors of admission (429, 503) and of the request (400) get their status; after
-that an error arrives as a last `data: {"error": ...}` event. A client that disconnects, before or during the
+warned about once: `openai_fields`); parsing a large body and checking the request (rendering the chat template,
+tokenizing) run in a worker thread, so that other streams keep flowing meanwhile. The response waits for the
+first chunk before it starts, so that errors of admission (429, 503) and of the request (400) get their status;
+after that an error arrives as a last `data: {"error": ...}` event. A client that disconnects, before or during the
 stream, cancels its request: its pages are freed on every worker (one INFO line). Errors have OpenAI's shape
 (`errors.http_error_for`), Starlette's own 404 and 405 too. Connections are `http_protocol`'s: deadlines for
 headers, body and a response the client stops reading, and a close that lets a client read an early answer."""
@@ -48,6 +48,7 @@ from pdserve.frontend.prompt_batch import submit_all
 from pdserve.frontend.reasoning import ReasoningSplitter, chat_delta, split_reasoning
 from pdserve.frontend.request_builder import build_request
 from pdserve.frontend.security import Credentials, require_key
+from pdserve.frontend.tokenizer_api import TokenizerEndpoints
 from pdserve.frontend.validation import prompt_bytes_limit
 from pdserve.model.errors import PdserveError
 
@@ -183,6 +184,7 @@ class HttpFrontEnd:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                *TokenizerEndpoints(model, engine.limits, self._read_json, self._error).routes(),
             ]
         app = Starlette(routes=routes, exception_handlers={HTTPException: _http_exception})
         self.app = require_key(app, credentials or Credentials(), self._error)
@@ -235,11 +237,8 @@ class HttpFrontEnd:
     async def health(self, request: Request) -> Response:
         if self.engine.healthy:
             return Response(status_code=200)
-        return self._error(
-            UnavailableError(
-                "no decode worker is serving (starting up, shutting down, or all lost)"
-            )
-        )
+        why = "no decode worker is serving (starting up, shutting down, or all lost)"
+        return self._error(UnavailableError(why))
 
     async def metrics(self, request: Request) -> Response:
         body, content_type = self.engine.metrics_exposition()
@@ -268,7 +267,9 @@ class HttpFrontEnd:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, api.CHAT)
 
-    def _error(self, error: BaseException, what: str = "") -> JSONResponse:
+    def _error(self, error: BaseException, what: str = "") -> Response:
+        if isinstance(error, _ClientGone):  # left before its body arrived: nobody to answer
+            return Response(status_code=499)
         if not isinstance(error, PdserveError):
             logger.error("%s failed", what or "HTTP request", exc_info=error)
         e = http_error_for(error)

@@ -97,6 +97,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_str(self, token_id: int) -> str | None:
+        """The vocabulary's entry for `token_id` (byte-level pieces as the vocabulary spells them), or None."""
+        return self._tok.id_to_token(token_id)
+
     def token_id(self, token: str) -> int | None:
         """The id of one token of the vocabulary (e.g. `</think>`), None if it has none."""
         return self._tok.token_to_id(token)

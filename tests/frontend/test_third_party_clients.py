@@ -1,13 +1,14 @@
 """The clients people already run, each as its own command against the shared tiny fp32 server's OpenAI HTTP API:
-lm-eval's local-completions on a small local task (a multiple-choice task whose log-likelihoods equal the engine's
-own scoring of the same tokens within 1e-4, and a generate_until task whose answers are the engine's greedy
-text), lm-eval's local-chat-completions (answers in `content`), and guidellm and aiperf streaming with no errors.
+lm-eval's local-completions on small local tasks (multiple-choice log-likelihoods and a perplexity equal the
+engine's own scoring of the same tokens within 1e-4, generate_until answers are the engine's greedy text), with
+its tokenizer the server's (/tokenize) or the checkpoint's; lm-eval's local-chat-completions (answers in
+`content`); guidellm and aiperf streaming with no errors.
 
 They live in a virtualenv of their own (`make test-clients` makes it: their dependencies would double the test
 environment), $PDSERVE_CLIENTS_VENV or `.venv-clients` at the repository root; a test whose client is not installed
 there is skipped. Marked `clients` (`make test` leaves them out: each command starts in seconds of imports).
-Nothing leaves the machine: tasks and datasets are local files, tokenizers the server's checkpoint directory
-(each tool's flags for that are in `_env` and the commands)."""
+Nothing leaves the machine: tasks and datasets are local files, tokenizers the server's endpoints or its
+checkpoint directory (each tool's flags for that are in `_env` and the commands)."""
 
 from __future__ import annotations
 
@@ -88,12 +89,14 @@ MC_DOCS = [
 GEN_DOCS = [{"question": "Once upon a time", "answer": "there"},
             {"question": "The quick brown fox", "answer": "jumps"}]  # fmt: skip
 GEN_TOKENS = 8
+ROLL_DOCS = [{"text": "The quick brown fox jumps over the lazy dog."}, {"text": "Hello world"}]
 
 
 def write_tasks(folder: Path) -> Path:
-    """A multiple_choice task (`tiny_mc`) and a generate_until task (`tiny_gen`) over JSONL files in `folder`."""
+    """A multiple_choice task (`tiny_mc`), a generate_until task (`tiny_gen`) and a loglikelihood_rolling task
+    (`tiny_roll`: a perplexity) over JSONL files in `folder`."""
     folder.mkdir()
-    for name, docs in (("mc", MC_DOCS), ("gen", GEN_DOCS)):
+    for name, docs in (("mc", MC_DOCS), ("gen", GEN_DOCS), ("roll", ROLL_DOCS)):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     common = (
         "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {path}\ntest_split: test\n"
@@ -113,6 +116,13 @@ def write_tasks(folder: Path) -> Path:
         'doc_to_target: "{{answer}}"\n'
         f"generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: {GEN_TOKENS}\n"
         "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+    )  # fmt: skip
+    (folder / "tiny_roll.yaml").write_text(
+        "task: tiny_roll\n" + common.format(path=folder / "roll.jsonl")
+        + "output_type: loglikelihood_rolling\n"
+        'doc_to_text: ""\n'
+        'doc_to_target: "{{text}}"\n'
+        "metric_list:\n  - metric: word_perplexity\n"
     )  # fmt: skip
     return folder
 
@@ -149,13 +159,23 @@ def lm_eval_pair(tokenizer, context: str, continuation: str) -> tuple[list[int],
     return whole[: len(context_ids)], whole[len(context_ids) :]
 
 
-def test_lm_eval_local_completions_scores_choices_as_the_engine_does(
-    shared_server, model, tokenizer, reference_model, reference, tmp_path
+# lm-eval's remote backend takes `bos_token_id or eos_token_id` as a window's prefix token: DeepSeek's BOS is id
+# 0, so it would score perplexities after EOS; custom_prefix_token_id sets BOS, as its huggingface backend does.
+BACKENDS = {
+    "remote": "tokenizer_backend=remote,custom_prefix_token_id=0",
+    "huggingface": "tokenizer_backend=huggingface",
+}
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_lm_eval_local_completions_scores_as_the_engine_does(
+    shared_server, model, tokenizer, reference_model, reference, backend, tmp_path
 ):
-    """Batches of 2 (a list of prompts a request) on 2 connections: lm-eval's own settings for a served model."""
+    """lm-eval tokenizing through the server's /tokenize (`remote`) or with the checkpoint directory's tokenizer
+    (`huggingface`); batches of 2 (a list of prompts a request) on 2 connections."""
     url = f"{shared_server.http_url}/completions"
-    samples = lm_eval(tmp_path, "local-completions", url, model, "tiny_mc,tiny_gen",
-                      "tokenized_requests=True", "--batch_size", "2")  # fmt: skip
+    samples = lm_eval(tmp_path, "local-completions", url, model, "tiny_mc,tiny_gen,tiny_roll",
+                      f"tokenized_requests=True,{BACKENDS[backend]}", "--batch_size", "2")  # fmt: skip
     assert len(samples["tiny_mc"]) == len(MC_DOCS) and len(samples["tiny_gen"]) == len(GEN_DOCS)
     diffs = []
     for sample, doc in zip(samples["tiny_mc"], MC_DOCS, strict=True):
@@ -170,9 +190,14 @@ def test_lm_eval_local_completions_scores_choices_as_the_engine_does(
             diffs.append(abs(float(loglikelihood) - want))
             assert float(loglikelihood) == pytest.approx(want, abs=SCORE_TOLERANCE)
             assert (is_greedy == "True") == all(lp.rank == 1 for lp in scoring)
-    print(
-        f"lm-eval multiple_choice: {len(diffs)} choices, largest |score - engine| {max(diffs):.2e}"
-    )
+    # loglikelihood_rolling: one window (the texts are short), BOS then the text, every text token scored
+    for sample, doc in zip(samples["tiny_roll"], ROLL_DOCS, strict=True):
+        (loglikelihood,), = sample["resps"]  # fmt: skip
+        ids = tokenizer.encode(doc["text"], add_bos=False)
+        want = sum(lp.logprob for lp in engine_scoring(reference_model, [tokenizer.bos_id], ids))
+        diffs.append(abs(float(loglikelihood) - want))
+        assert float(loglikelihood) == pytest.approx(want, abs=SCORE_TOLERANCE)
+    print(f"lm-eval ({backend}): {len(diffs)} scores, largest |lm-eval - engine| {max(diffs):.2e}")
     # generate_until: greedy (lm-eval's temperature 0), cut at the first stop string
     for sample, doc in zip(samples["tiny_gen"], GEN_DOCS, strict=True):
         ids = tokenizer.encode(doc["question"], add_bos=False)
