@@ -216,8 +216,11 @@ def _metric(correct: list[bool]) -> dict:
     return {"score": score, "num_correct": k, "stderr": stderr}
 
 
-def run_eval(args: argparse.Namespace, progress=sys.stderr) -> dict:
-    """Runs the evaluation `args` describe (see `add_eval_command`) and returns its result (module docstring)."""
+def run_eval(args: argparse.Namespace, progress=None) -> dict:
+    """Runs the evaluation `args` describe (see `add_eval_command`) and returns its result (module docstring);
+    progress lines go to `progress`, by default the sys.stderr of the call (not of the import: a stream replaced
+    since, as pytest replaces it per test, may be closed)."""
+    progress = progress if progress is not None else sys.stderr
     task = load_task(args.task)
     if args.num_fewshot > len(task.fewshot):
         raise ConfigError(
