@@ -24,6 +24,7 @@ from pdserve.engine.sampling_params import TokenLogprobs
 from pdserve.frontend.openai_fields import IGNORED, IGNORED_STREAM_OPTIONS
 from pdserve.frontend.prompt_batch import MAX_CHOICES, completion_prompts
 from pdserve.frontend.request_builder import RequestInput
+from pdserve.frontend.tool_request import message_tool_calls, parse_tools
 from pdserve.frontend.validation import FieldNames, SamplingRequest
 from pdserve.model.errors import InvalidRequestError
 
@@ -35,8 +36,6 @@ _INERT: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "logit_bias": (None, {}),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "continue_final_message": (None, False),
@@ -52,7 +51,7 @@ _KNOWN = {
     CHAT: _COMMON
     | {
         "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-        "functions", "function_call", "response_format",
+        "parallel_tool_calls", "functions", "function_call", "response_format",
         "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
     },
 }  # fmt: skip
@@ -193,11 +192,22 @@ def _messages(body: dict) -> list[dict[str, Any]]:
         where = f"messages[{i}]"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidRequestError(where, "expected an object with a role and content")
-        if m.get("tool_calls"):
-            raise InvalidRequestError(f"{where}.tool_calls", f"tool calls are {_UNSUPPORTED_HINT}")
         message = {"role": m["role"], "content": _message_text(m.get("content"), where)}
         if isinstance(m.get("name"), str):
             message["name"] = m["name"]
+        if m.get("tool_calls") and m["role"] == "assistant":
+            message["tool_calls"] = message_tool_calls(m["tool_calls"], f"{where}.tool_calls")
+            if not m.get("content"):
+                message["content"] = None  # as templates test it: calls with no text before them
+        elif m.get("tool_calls"):
+            raise InvalidRequestError(
+                f"{where}.tool_calls", "only assistant messages make tool calls"
+            )
+        if m["role"] == "tool":
+            call_id = m.get("tool_call_id")
+            if call_id is not None and not isinstance(call_id, str):
+                raise InvalidRequestError(f"{where}.tool_call_id", "expected a string")
+            message["tool_call_id"] = call_id or ""
         out.append(message)
     return out
 
@@ -286,7 +296,7 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
     n = 1 if n is None else n
     prompts: list[tuple[str | None, list[int] | None]] = [(None, None)]
     messages = None
-    add_generation_prompt, template_kwargs = True, {}
+    add_generation_prompt, template_kwargs, tools = True, {}, None
     if kind == COMPLETIONS:
         prompts = completion_prompts(body)
         if len(prompts) > 1 and len(prompts) * n > MAX_CHOICES:
@@ -296,6 +306,7 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
             )
     else:
         messages = _messages(body)
+        tools = parse_tools(body)
         add_generation_prompt = _optional(
             body, "add_generation_prompt", lambda v: isinstance(v, bool), "true or false"
         )
@@ -320,6 +331,7 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 chat_template_kwargs=template_kwargs,
+                tools=tools,
                 sampling=sampling,
                 n=n,
                 stop=stop,
@@ -403,13 +415,18 @@ def completions(head: ResponseHead, choices: list[dict], **fields) -> dict:
     return head.wrap("text_completion", choices, **fields)
 
 
-def chat_message(content: str, reasoning: str | None) -> dict:
-    """The assistant message; `reasoning` None: no reasoning parser (the keys are left out)."""
+def chat_message(content: str, reasoning: str | None, tool_calls: list[dict] | None = None) -> dict:
+    """The assistant message; `reasoning` None: no reasoning parser (the keys are left out); `tool_calls`
+    None: no tools asked for (the key is left out), else the calls made (content null where none came
+    before them)."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if reasoning is not None:
         message["content"] = content or None
         message["reasoning_content"] = reasoning or None
         message["reasoning"] = reasoning or None
+    if tool_calls:
+        message["content"] = content or None
+        message["tool_calls"] = tool_calls
     return message
 
 
