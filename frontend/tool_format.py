@@ -81,7 +81,7 @@ class ToolCallFormat:
                 "",
             ]
             parameters = function.get("parameters", {"type": "object", "properties": {}})
-            lines += [f"Parameters: {json.dumps(parameters, ensure_ascii=False)}", ""]
+            lines += [f"Parameters: {json.dumps(parameters)}", ""]
         example = self.calls_text([("tool_call_name", "tool_call_arguments")])
         example = example.replace(TOOL_CALLS_END, "{{additional_tool_calls}}" + TOOL_CALLS_END)
         separator = "each on a new line" if self.typed else "directly without separators or spaces"
@@ -129,7 +129,3 @@ def with_tools_described(
         at += 1
     described = {"role": "system", "content": fmt.describe(tools)}
     return [*messages[:at], described, *messages[at:]]
-
-
-ALL_MARKERS = (TOOL_CALLS_BEGIN, TOOL_CALL_BEGIN, TOOL_SEP, TOOL_CALL_END, TOOL_CALLS_END)
-"""The markers of a call block (for parsers)."""
