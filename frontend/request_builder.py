@@ -27,7 +27,7 @@ from pdserve.frontend.validation import (
     sampling_params,
 )
 from pdserve.model.errors import InvalidRequestError
-from pdserve.model.tokenizer import THINK_END
+from pdserve.model.tokenizer import THINK_END, TOOL_CALLS_BEGIN, Tokenizer
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -132,6 +132,7 @@ def _prompt_ids(
                 text = template.render(given.messages, given.add_generation_prompt, kwargs)
             else:
                 plan = plan_tools(given.tools, template)
+                _check_markers_decode(model.tokenizer, given.sampling.skip_special_tokens)
                 text = render_with_tools(
                     template, given.messages, given.tools, given.add_generation_prompt, kwargs
                 )
@@ -153,3 +154,17 @@ def _prompt_ids(
             ids += model.tokenizer.encode(forced, add_bos=False)
     check_prompt_len(len(ids), model.max_model_len, field)
     return ids, in_think, plan
+
+
+def _check_markers_decode(tokenizer: Tokenizer, skip_special_tokens: bool | None) -> None:
+    """Tool calls are read from the decoded text: a tokenizer that marks the call markers special (DeepSeek's
+    and the tiny one's do not) drops them there unless the request keeps special tokens."""
+    marker = tokenizer.token_id(TOOL_CALLS_BEGIN)
+    if skip_special_tokens is False or marker is None:
+        return
+    if tokenizer.decode([marker], skip_special_tokens=True) != TOOL_CALLS_BEGIN:
+        raise InvalidRequestError(
+            "tools",
+            f"this model's tokenizer drops {TOOL_CALLS_BEGIN} from decoded text (a special token): "
+            "send skip_special_tokens: false to have tool calls parsed",
+        )

@@ -18,7 +18,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.frontend.chat_output import ChatOutput
 from pdserve.frontend.chat_template import ChatTemplate
 from pdserve.frontend.openai_api import CHAT, parse
-from pdserve.frontend.request_builder import CheckedRequest, build_request
+from pdserve.frontend.request_builder import CheckedRequest, _check_markers_decode, build_request
 from pdserve.frontend.tool_format import DEEPSEEK_V3, DEEPSEEK_V31, detect_format
 from pdserve.frontend.tool_parser import ToolCallParser
 from pdserve.frontend.tool_request import ToolRequest, parse_tools, plan_tools, render_with_tools
@@ -31,6 +31,7 @@ from pdserve.model.tokenizer import (
     TOOL_CALLS_BEGIN,
     TOOL_CALLS_END,
     TOOL_SEP,
+    Tokenizer,
 )
 
 WEATHER = {
@@ -378,3 +379,16 @@ def test_a_forced_call_extends_the_prompt_and_carries_the_constraint(model, thin
     )
     plain = build_request(parse(body(), CHAT).input, model, RouterConfig())
     assert none.prompt_ids == plain.prompt_ids and none.tool_calls is None
+
+
+def test_a_tokenizer_that_drops_the_markers_asks_for_special_tokens(model_dir, tmp_path):
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    for token in spec["added_tokens"]:
+        token["special"] = token["special"] or token["content"] == TOOL_CALLS_BEGIN
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    dropping = Tokenizer(tmp_path)
+    with pytest.raises(InvalidRequestError, match="skip_special_tokens: false") as e:
+        _check_markers_decode(dropping, None)
+    assert e.value.field == "tools"
+    _check_markers_decode(dropping, False)
+    _check_markers_decode(Tokenizer(model_dir), None)
