@@ -56,39 +56,49 @@ def prompt_ids(model_dir):
     return ids
 
 
-def test_a_named_function_is_called_whole_and_streamed(
-    api, model, reference, tokenizer, prompt_ids
+@pytest.mark.parametrize("choice", ["get_weather", "required"])
+def test_a_forced_call_whole_and_streamed_is_the_parse_of_the_greedy_output(
+    api, model, reference, tokenizer, prompt_ids, choice
 ):
-    forced = DEEPSEEK_V31.forced_prefix("get_weather")
+    named = choice != "required"
+    forced = DEEPSEEK_V31.forced_prefix(choice if named else None)
     prompt = prompt_ids(ASK, TOOLS, forced)
     # What the parser makes of the greedy output, the forced start first.
-    parser = ToolCallParser(DEEPSEEK_V31, frozenset({"get_weather"}), forced, max_calls=1)
+    names = frozenset({choice} if named else {"get_weather", "add"})
+    parser = ToolCallParser(DEEPSEEK_V31, names, forced, max_calls=1 if named else None)
     content, _ = parser.push(tokenizer.decode(reference(prompt, GREEDY["max_tokens"])))
     content += parser.finish()[0]
-    (expected,) = parser.calls
+    expected = [(c.name, c.arguments) for c in parser.calls]
+    # A named function is called whatever the model writes; `required` leaves the name to the model, and
+    # random weights write none of the tools' names.
+    assert [name for name, _ in expected] == (["get_weather"] if named else [])
+    tool_choice = NAMED if named else "required"
 
     reply = api.chat.completions.create(
-        model=model, messages=ASK, tools=TOOLS, tool_choice=NAMED, **GREEDY
+        model=model, messages=ASK, tools=TOOLS, tool_choice=tool_choice, **GREEDY
     )
-    (choice,) = reply.choices
+    (answer,) = reply.choices
     assert reply.usage.prompt_tokens == len(prompt)
-    (call,) = choice.message.tool_calls
-    assert call.type == "function" and call.id.startswith("call_")
-    assert (call.function.name, call.function.arguments) == ("get_weather", expected.arguments)
-    assert choice.message.content == (content or None)
-    assert (
-        choice.finish_reason == "length"
-    )  # ignore_eos: the output ran to max_tokens inside the call
+    calls = answer.message.tool_calls or []
+    assert [(c.function.name, c.function.arguments) for c in calls] == expected
+    assert all(c.type == "function" and c.id.startswith("call_") for c in calls)
+    assert answer.message.content == (content or None)
+    assert answer.finish_reason == "length"  # ignore_eos: the output ran to max_tokens
 
     stream = api.chat.completions.create(
-        model=model, messages=ASK, tools=TOOLS, tool_choice=NAMED, stream=True, **GREEDY
+        model=model, messages=ASK, tools=TOOLS, tool_choice=tool_choice, stream=True, **GREEDY
     )
     chunks = [c for c in stream if c.choices]
     deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
-    first = deltas[0]
-    assert (first.index, first.type, first.function.name) == (0, "function", "get_weather")
-    assert first.id.startswith("call_") and all(d.index == 0 and d.id is None for d in deltas[1:])
-    assert "".join(d.function.arguments or "" for d in deltas) == expected.arguments
+    if named:
+        first = deltas[0]
+        assert (first.index, first.type, first.function.name) == (0, "function", "get_weather")
+        assert first.id.startswith("call_") and all(
+            d.index == 0 and d.id is None for d in deltas[1:]
+        )
+        assert "".join(d.function.arguments or "" for d in deltas) == expected[0][1]
+    else:
+        assert deltas == []
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == content
     assert chunks[-1].choices[0].finish_reason == "length"
 
