@@ -24,7 +24,7 @@ from pdserve.engine.sampling_params import TokenLogprobs
 from pdserve.frontend.openai_fields import IGNORED, IGNORED_STREAM_OPTIONS
 from pdserve.frontend.prompt_batch import MAX_CHOICES, completion_prompts
 from pdserve.frontend.request_builder import RequestInput
-from pdserve.frontend.tool_request import message_tool_calls, parse_tools
+from pdserve.frontend.tool_request import message_tool_fields, parse_tools
 from pdserve.frontend.validation import FieldNames, SamplingRequest
 from pdserve.model.errors import InvalidRequestError
 
@@ -195,20 +195,7 @@ def _messages(body: dict) -> list[dict[str, Any]]:
         message = {"role": m["role"], "content": _message_text(m.get("content"), where)}
         if isinstance(m.get("name"), str):
             message["name"] = m["name"]
-        if m.get("tool_calls") and m["role"] == "assistant":
-            message["tool_calls"] = message_tool_calls(m["tool_calls"], f"{where}.tool_calls")
-            if not m.get("content"):
-                message["content"] = None  # as templates test it: calls with no text before them
-        elif m.get("tool_calls"):
-            raise InvalidRequestError(
-                f"{where}.tool_calls", "only assistant messages make tool calls"
-            )
-        if m["role"] == "tool":
-            call_id = m.get("tool_call_id")
-            if call_id is not None and not isinstance(call_id, str):
-                raise InvalidRequestError(f"{where}.tool_call_id", "expected a string")
-            message["tool_call_id"] = call_id or ""
-        out.append(message)
+        out.append(message | message_tool_fields(m, where))
     return out
 
 

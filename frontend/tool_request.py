@@ -175,6 +175,27 @@ def _choice(value: Any, names: set[str]) -> str:
     return name
 
 
+def message_tool_fields(message: dict[str, Any], where: str) -> dict[str, Any]:
+    """What chat message `message` (at `where`) has of tools, checked, for a chat template: an assistant's
+    `tool_calls` (`message_tool_calls`; `content` null where no text comes before them, as templates test it),
+    a tool result's `tool_call_id`."""
+    fields: dict[str, Any] = {}
+    if message.get("tool_calls"):
+        if message["role"] != "assistant":
+            raise InvalidRequestError(
+                f"{where}.tool_calls", "only assistant messages make tool calls"
+            )
+        fields["tool_calls"] = message_tool_calls(message["tool_calls"], f"{where}.tool_calls")
+        if not message.get("content"):
+            fields["content"] = None
+    if message["role"] == "tool":
+        call_id = message.get("tool_call_id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise InvalidRequestError(f"{where}.tool_call_id", "expected a string")
+        fields["tool_call_id"] = call_id or ""
+    return fields
+
+
 def message_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     """An assistant message's earlier `tool_calls`, checked and normalized for a chat template: each
     `{"id", "type": "function", "function": {"name", "arguments"}}` with `arguments` a JSON string (an object
