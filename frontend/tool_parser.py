@@ -63,9 +63,15 @@ def _partial_suffix(text: str, marker: str) -> int:
 
 @dataclasses.dataclass(slots=True)
 class ToolCall:
+    """A parsed call; its arguments kept in the pieces they came in (joined once, not at every piece)."""
+
     id: str
     name: str
-    arguments: str = ""
+    pieces: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def arguments(self) -> str:
+        return "".join(self.pieces)
 
     def openai(self) -> dict:
         """OpenAI's shape of the call in a message."""
@@ -91,10 +97,8 @@ class ToolCallParser:
         """Text read and not yet decided."""
         self._block = ""
         """The generated text of the block read so far (content again if its first call fails)."""
-        self._sent = 0
-        """Characters of the open call's arguments sent so far."""
-        self._raw = ""
-        """The open call's arguments as written so far (with what `_args_text` drops)."""
+        self._unsent = ""
+        """The end of the open call's arguments not sent yet: what may be the V3 format's closing fence."""
         self.calls: list[ToolCall] = []
         self._deltas: dict[int, dict] = {}
         self._primed, self._primed_held = True, ""
@@ -118,8 +122,7 @@ class ToolCallParser:
         if self._state == _CONTENT:
             content = held
         elif self._state == _ARGS:
-            self._raw += held
-            self._send_arguments(final=True)
+            self._send_arguments(held, final=True)
         elif self._state == _HEAD or (self._state == _BETWEEN and (held.strip() or not self.calls)):
             content = self._fail(held)
         self._state = _AFTER
@@ -199,19 +202,17 @@ class ToolCallParser:
         self._delta()["id"] = call.id
         self._delta()["type"] = "function"
         self._delta()["function"]["name"] = name
-        self._state, self._raw, self._sent = _ARGS, "", 0
+        self._state, self._unsent = _ARGS, ""
         return used, ""
 
     def _in_args(self, buf: str) -> tuple[int, str]:
         at = buf.find(TOOL_CALL_END)
         if at >= 0:
-            self._raw += buf[:at]
-            self._send_arguments(final=True)
+            self._send_arguments(buf[:at], final=True)
             self._state = _BETWEEN
             return at + len(TOOL_CALL_END), ""
         keep = _partial_suffix(buf, TOOL_CALL_END)
-        self._raw += buf[: len(buf) - keep]
-        self._send_arguments(final=False)
+        self._send_arguments(buf[: len(buf) - keep], final=False)
         return (0, "") if keep == len(buf) else (len(buf) - keep, "")
 
     def _in_drop(self, buf: str) -> tuple[int, str]:
@@ -232,24 +233,20 @@ class ToolCallParser:
 
     # Arguments.
 
-    def _args_text(self, final: bool) -> str:
-        """The open call's arguments as far as they are known: what follows cannot change this prefix."""
-        raw = self._raw
-        if not self._fmt.typed:
-            return raw
-        if not final:
-            return raw.rstrip(_BLANKS + "`")  # a closing fence may be starting
-        return raw.rstrip(_BLANKS).removesuffix("```").rstrip(_BLANKS)
-
-    def _send_arguments(self, final: bool) -> None:
-        text = self._args_text(final)
-        call = self.calls[-1]
-        if len(text) > self._sent:
-            piece = text[self._sent :]
-            call.arguments += piece
+    def _send_arguments(self, text: str, final: bool) -> None:
+        """Sends what `text` adds to the open call's arguments as far as it is known: what follows cannot
+        change what was sent. The V3 format's arguments end before the closing fence and the blanks around
+        it, so a trailing run of blanks and backticks waits (what was sent ends in neither)."""
+        text, self._unsent = self._unsent + text, ""
+        if self._fmt.typed and final:
+            text = text.rstrip(_BLANKS).removesuffix("```").rstrip(_BLANKS)
+        elif self._fmt.typed:
+            known = text.rstrip(_BLANKS + "`")
+            text, self._unsent = known, text[len(known) :]
+        if text:
+            self.calls[-1].pieces.append(text)
             function = self._delta()["function"]
-            function["arguments"] = function.get("arguments", "") + piece
-            self._sent = len(text)
+            function["arguments"] = function.get("arguments", "") + text
 
     def _delta(self) -> dict:
         index = len(self.calls) - 1
