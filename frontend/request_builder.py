@@ -157,8 +157,8 @@ def _prompt_ids(
 
 
 def _check_markers_decode(tokenizer: Tokenizer, skip_special_tokens: bool | None) -> None:
-    """Tool calls are read from the decoded text: a tokenizer that marks the call markers special (DeepSeek's
-    and the tiny one's do not) drops them there unless the request keeps special tokens."""
+    """Tool calls are read from the decoded text: a tokenizer that marks the call markers special (the tiny
+    one does not) drops them there unless the request keeps special tokens."""
     marker = tokenizer.token_id(TOOL_CALLS_BEGIN)
     if skip_special_tokens is False or marker is None:
         return
