@@ -255,7 +255,7 @@ class Admission:
         prefill.requests.add(r.request_id)
         request = PrefillRequest(
             r.request_id, tokens, r.params, len(r.generated), reservation.endpoint or r.decode_worker,
-            reservation.transfer_id, reservation.dest_cuts,
+            reservation.transfer_id, reservation.dest_cuts, reservation.num_held_pages,
         )  # fmt: skip
         try:
             messages.unwrap(

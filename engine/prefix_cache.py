@@ -183,11 +183,19 @@ class PrefixCache:
     ) -> None:
         """Caches the request's full pages that its prefill computed up to `request.num_computed` (those
         not cached yet); next_token: the token after its tokens, where its last chunk just sampled it."""
+        self.register_upto(request, allocator, request.num_computed, next_token)
+
+    def register_upto(
+        self, request: Request, allocator: PageAllocator, end: int, next_token: int | None = None
+    ) -> None:
+        """Caches the request's full pages within its first `end` tokens, whose KV rows are final (never
+        written again), those not cached yet; with lookahead only those whose next token is known."""
         tokens = request.token_ids
         known = len(tokens) + (next_token is not None)
-        full = request.num_computed // self.page_size
+        full = min(end, request.num_tokens) // self.page_size
         if self.lookahead:  # a page whose next token is not known yet waits (module docstring)
             full = min(full, (known - 1) // self.page_size)
+        full = min(full, len(request.pages))
         if full <= request.num_cached_pages:
             return
         if next_token is not None and self.lookahead:
@@ -196,3 +204,15 @@ class PrefixCache:
         for p in range(request.num_cached_pages, full):
             allocator.cache(request.pages[p], hashes[p])
         request.num_cached_pages = full
+
+    def held_match(self, request: Request, allocator: PageAllocator) -> list[int]:
+        """The cached pages standing in for the first pages of a request whose KV a prefill worker sends
+        (a decode worker's hit: those pages need not travel; no reference taken). Every full page within
+        its first n - 1 tokens may be found, with no hit unit: nothing is computed over them here, the
+        prefill worker computes as it would without them, and a page found here holds the rows a prefill
+        of the same tokens made (`pdserve.decode.worker`). The page with the last token is never
+        found, so that at least one page travels (the transfer's last page comes with its first token)."""
+        num_pages = (request.num_tokens - 1) // self.page_size
+        if num_pages <= 0:
+            return []
+        return allocator.match(self._hashes(request, num_pages, request.token_ids))

@@ -140,9 +140,10 @@ def test_disaggregated_requests_land_on_their_ranks_and_give_the_offline_tokens(
             endpoints[f"r{i}"] = reservation.endpoint
             prefill.submit(
                 PrefillRequest(
-                    f"r{i}", prompt, params, 0, reservation.endpoint, reservation.transfer_id
+                    f"r{i}", prompt, params, 0, reservation.endpoint, reservation.transfer_id,
+                    num_held_pages=reservation.num_held_pages,
                 )
-            )
+            )  # fmt: skip
         assert sorted(set(endpoints.values())) == ["d0.r0", "d0.r1"], endpoints
         # Cancelled while awaited on rank 1 (told to the rank with the next round): pages held until then.
         late = decode.add_request(DecodeRequest("late", PROMPTS[1], PARAMS[1], "p0"))
