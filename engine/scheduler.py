@@ -11,9 +11,9 @@ path). A step is `schedule()` -> `StepPlan` -> the runner's `RankResult`s -> `fi
   (`PrefixCache`); on a decode worker (`reuse_held`) a decode-only request likewise starts from the cached
   pages of its first tokens, which its transfer then does not carry, and the pages of the KV that arrives and
   of finished requests stay cached; a request's references go with its pages (finished, aborted, failed,
-  preempted), the pages staying cached; with a host tier (`host_slots`) the cached pages evicted go to the rank's host pool
-  and a prompt that goes on past its GPU hit into pages stored there gets them copied back, the copies
-  running before the next plan's passes (`StepPlan.host_copies`, `pdserve.engine.host_tier`);
+  preempted), the pages staying cached; with a host tier (`host_slots`) the cached pages evicted go to the
+  rank's host pool and a prompt that goes on past its GPU hit into pages stored there gets them copied back,
+  the copies running before the next plan's passes (`StepPlan.host_copies`, `pdserve.engine.host_tier`);
 - prefilling requests get chunks under the step's token budget, first come first served (`plan_prefill_chunks`);
 - running requests each run one decode token, oldest first; one that needs a page nobody has free preempts the
   most recently admitted requests (their pages freed; an aggregated one is prefilled again later with the tokens
