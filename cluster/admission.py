@@ -241,7 +241,7 @@ class Admission:
         arrive: they count as held there from now on (`PrefixIndex.expect`)."""
         if prefill is not None and d.prefix is not None and d.prefix.reuse_held:
             r.prompt_hashes = r.prompt_hashes or PromptHashes([*r.prompt_ids, *r.generated])
-            d.prefix.expect(r.prompt_hashes.of(d.prefix), time.monotonic())
+            d.prefix.expect(r.prompt_hashes.of(d.prefix, d.prefix.held_root), time.monotonic())
 
     async def _try_admit(self, r: Request, force) -> bool:
         choice = self._choose(r, force)

@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from pdserve.engine.messages import CacheEvents
-from pdserve.engine.prefix_cache import EVENT_HASH_BYTES, chain_hashes, prompt_pages
+from pdserve.engine.prefix_cache import EVENT_HASH_BYTES, ROOT_HASH, chain_hashes, prompt_pages
 
 PENDING_S = 10.0
 """How long a placed prompt's pages count as on its worker without that worker's events saying so."""
@@ -67,6 +67,8 @@ class PrefixIndex:
     reuse_held: bool = False
     """A decode worker that keeps the pages of the KV it receives and reserves a request's held first pages
     (`Scheduler.reuse_held`)."""
+    held_root: bytes = ROOT_HASH
+    """The parent of the first page of that KV (`PrefixCache.received_root`)."""
     counts: dict[bytes, int] = dataclasses.field(default_factory=dict)
     """Per hash (its first EVENT_HASH_BYTES bytes): the copies cached (one per rank holding it)."""
     pending: dict[bytes, float] = dataclasses.field(default_factory=dict)
@@ -80,7 +82,7 @@ class PrefixIndex:
             return None
         return cls(
             int(info["page_size"]), int(info["hit_unit"]), bool(info["lookahead"]),
-            bool(info.get("reuse_held", False)),
+            bool(info.get("reuse_held", False)), bytes.fromhex(info.get("held_root", "")),
         )  # fmt: skip
 
     def apply(self, events: CacheEvents) -> None:
@@ -141,15 +143,16 @@ class PromptHashes:
         self.tokens = tokens
         self._made: dict[tuple[int, bool], list[bytes]] = {}
 
-    def of(self, index: PrefixIndex) -> list[bytes]:
-        key = (index.page_size, index.lookahead)
+    def of(self, index: PrefixIndex, root: bytes = ROOT_HASH) -> list[bytes]:
+        """The hashes `index`'s worker names the prompt's pages by, chained from `root`."""
+        key = (index.page_size, index.lookahead, root)
         hashes = self._made.get(key)
         if hashes is None:
             n = len(self.tokens)
             num_pages = prompt_pages(n, index.page_size, index.page_size)
             if index.lookahead:  # the token after the page must be known
                 num_pages = min(num_pages, (n - 1) // index.page_size)
-            full = chain_hashes(self.tokens, index.page_size, num_pages, index.lookahead)
+            full = chain_hashes(self.tokens, index.page_size, num_pages, index.lookahead, root)
             hashes = self._made[key] = [h[:EVENT_HASH_BYTES] for h in full]
         return hashes
 
@@ -159,7 +162,7 @@ class PromptHashes:
     def held_pages(self, index: PrefixIndex | None, now: float = 0.0) -> int:
         if index is None or not index.reuse_held:
             return 0
-        return index.held_pages(self.of(index), now)
+        return index.held_pages(self.of(index, index.held_root), now)
 
 
 def rank_by_prefix(

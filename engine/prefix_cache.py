@@ -22,6 +22,14 @@ prompt is cut only at multiples of the chunk size and a chunk's arithmetic depen
 is in the cache before it), so a hit is cut to a multiple of the chunk size as well: the request computes
 exactly the chunks it would have without the hit, and its KV and logits are the bits they would have been.
 
+On a decode worker (`Scheduler.reuse_held`) the full pages of the KV a prefill worker sends are cached as they
+arrive, and a later request whose KV comes from a prefill worker starts from the cached pages of its first
+tokens (`held_match`): they stand in for pages the prefill worker would have sent, which it computed as a
+prefill of the same tokens computes them (in batch-invariant mode: in chunks starting at the same multiples of
+the prefill pool's chunk size, so to the bit). This worker's own prefills cut prompts at its own chunk size,
+so in batch-invariant mode the received pages hang off another root (RECEIVED_ROOT) and the two kinds never
+stand in for each other.
+
 Cache events: a `CacheEventLog` on the allocators records the pages' hashes cached and evicted, which the worker
 sends to the router with its long-poll answers (`messages.CacheEvents`); the router's index of them
 (`pdserve.cluster.prefix_routing`) places requests where their prefix is. The router computes a prompt's chain
@@ -37,10 +45,13 @@ from collections.abc import Sequence
 
 from pdserve.engine.host_tier import HostPool
 from pdserve.engine.pages import PageAllocator
-from pdserve.engine.request import Request
+from pdserve.engine.request import Policy, Request
 
 ROOT_HASH = b""
 """The parent of a request's first page."""
+RECEIVED_ROOT = b"received"
+"""The parent of the first page of KV a decode worker received from a prefill worker, where it keeps those apart
+from the pages of its own prefills (`PrefixCache.received_root`)."""
 _TOKEN_BYTES = 8
 """A token id's bytes in what a page's hash covers (array typecode "q")."""
 
@@ -121,13 +132,22 @@ class CacheEventLog:
 
 
 class PrefixCache:
-    def __init__(self, page_size: int, lookahead: bool = False, align: int = 1):
+    def __init__(
+        self, page_size: int, lookahead: bool = False, align: int = 1,
+        separate_received: bool = False,
+    ):  # fmt: skip
         """lookahead: the page's hash covers the token after it (a worker that runs the MTP module, whose
         cache layer's row at a page's last position depends on that token); align: a hit is a multiple of
-        this many tokens (batch-invariant mode: the chunk size; see the module docstring)."""
+        this many tokens (batch-invariant mode: the chunk size; see the module docstring);
+        separate_received (a decode worker in batch-invariant mode): the pages of decode-only requests
+        (KV a prefill worker computed and sent) hang off RECEIVED_ROOT, so that they and the pages this
+        worker prefilled itself never stand in for each other: the two cut prompts into chunks of other
+        sizes, whose rows differ in the last bits."""
         if align <= 0:
             raise ValueError(f"align={align}: must be positive")
         self.page_size, self.lookahead = page_size, lookahead
+        self.received_root = RECEIVED_ROOT if separate_received else ROOT_HASH
+        """The parent of a decode-only request's first page."""
         self.hit_unit = math.lcm(page_size, align)
         """A hit is a multiple of this many tokens."""
         self.num_queries = 0
@@ -141,7 +161,8 @@ class PrefixCache:
         hashes = request.page_hashes
         first = len(hashes)
         if first < num_pages:
-            parent = hashes[-1] if hashes else ROOT_HASH
+            root = self.received_root if request.policy is Policy.DECODE_ONLY else ROOT_HASH
+            parent = hashes[-1] if hashes else root
             hashes.extend(
                 chain_hashes(tokens, self.page_size, num_pages, self.lookahead, parent, first)
             )

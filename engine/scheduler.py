@@ -190,7 +190,10 @@ class Scheduler:
         """The pages cached and evicted since the router last heard (with the prefix cache)."""
         if prefix_caching:
             align = min(max_chunk, token_budget) if fixed_chunks else 1
-            self.prefix_cache = PrefixCache(page_size, lookahead=num_drafts > 0, align=align)
+            self.prefix_cache = PrefixCache(
+                page_size, lookahead=num_drafts > 0, align=align,
+                separate_received=fixed_chunks and reuse_held,
+            )  # fmt: skip
             self.cache_events = CacheEventLog()
             for a in self.allocators:
                 a.events = self.cache_events

@@ -21,6 +21,7 @@ from pdserve.engine.pages import PageAllocator
 from pdserve.engine.prefix_cache import CacheEventLog, PrefixCache, chain_hashes
 from pdserve.engine.request import Policy, Request
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.worker import prefix_cache_info
 
 HANG_S = 10.0
@@ -109,6 +110,26 @@ def test_decode_workers_rank_by_held_pages_and_room():
         assert ranked[0] == best and held == {"holder": 4, "plain": 0, "none": 0}, holder_free
     ranked, _ = rank_by_held(["plain", "none"], PromptHashes(prompt), free.get, len, 1.0, index.get)
     assert ranked == ["plain", "none"]  # nothing held anywhere: the given order
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch-invariant"])
+def test_the_router_expects_the_pages_a_decode_worker_holds(batch_invariant):
+    """A decode worker's received KV, by its cache events: the router's expected held pages are those the
+    worker reserves for the next turn (in batch-invariant mode its chains hang off another root)."""
+    s = Scheduler(
+        PageAllocator(32), PAGE, 64, 8, 100, 1000, {1}, fixed_chunks=batch_invariant,
+        prefix_caching=True, reuse_held=True,
+    )  # fmt: skip
+    first = Request("a", list(range(3, 21)), SamplingParams(max_tokens=1), Policy.DECODE_ONLY)
+    s.add(first)
+    s.kv_arrived(first.transfer_id, 18, 50)  # finishes at once (max_tokens=1)
+    index = PrefixIndex.from_info(prefix_cache_info(s))
+    assert index.reuse_held and (index.held_root != b"") == batch_invariant
+    index.apply(CacheEvents(*s.cache_events.drain(s.allocators)))
+    prompt = [*first.token_ids, 60, 61, 62]
+    after = Request("b", prompt, SamplingParams(max_tokens=1), Policy.DECODE_ONLY)
+    s.add(after)
+    assert PromptHashes(prompt).held_pages(index) == after.num_held_pages == 4
 
 
 # Over real workers.

@@ -215,3 +215,37 @@ def test_held_pages_fill_the_reservation_on_any_page_size(hub):
     finally:
         p.close()
         d.close()
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch-invariant"])
+def test_pages_a_decode_worker_prefilled_itself_stand_in_only_outside_batch_invariant_mode(
+    hub, batch_invariant
+):
+    """d0 prefills a first turn itself (aggregated) and the second turn's KV comes from p0; then p0 computes a
+    first turn and d0 prefills the second. In batch-invariant mode d0's own chunks and p0's made other bits
+    (chunks of other sizes): neither kind of page stands in for the other; otherwise they do."""
+    with kernels.use_batch_invariant(batch_invariant):
+        p = prefill_worker(hub, send_timeout_s=2.0, max_prefill_chunk=16)
+        d = decode_worker(hub, num_pages=32, kv_wait_timeout_s=2.0, max_prefill_chunk=8)
+    try:
+        streams = Streams(d)
+        d.add_request(DecodeRequest("a", PROMPT, PARAMS))
+        pump([d], streams.ended("a"))
+        second = [*PROMPT, *streams.tokens["a"], *MORE]
+        assert place(p, d, "b", second).num_held_pages == (0 if batch_invariant else 4)
+        pump([p, d], streams.ended("b"))
+        assert streams.tokens["b"] == reference(second, 6)
+        other = list(range(30, 50))  # 20 tokens: its first 4 pages kept as they arrive
+        place(p, d, "c", other)
+        pump([p, d], streams.ended("c"))
+        hits = d.stats().prefix_cache_hits
+        next_turn = [*other, *streams.tokens["c"], 7]
+        d.add_request(DecodeRequest("e", next_turn, PARAMS))
+        pump([d], streams.ended("e"))
+        assert streams.tokens["e"] == reference(next_turn, 6)
+        assert d.stats().prefix_cache_hits - hits == (0 if batch_invariant else 24)
+        pump([p], lambda: all_free(p))
+        assert all_free(p, d)
+    finally:
+        p.close()
+        d.close()
