@@ -37,7 +37,8 @@ with the highest
 0: the most pages held), ties to the most free pages, the fewest running, then the given order.
 The decode worker itself matches the prompt when it reserves the pages and references them at once, so a
 stale index costs pages sent, never a wrong page; the pages of a prompt placed there count as held from its
-placement (`PrefixIndex.expect`)."""
+placement (`PrefixIndex.expect`). Those pages' hashes chain from the worker's `held_root` (in batch-invariant
+mode not the root of the pages it prefills itself: `engine.prefix_cache.RECEIVED_ROOT`)."""
 
 from __future__ import annotations
 

@@ -10,6 +10,14 @@ meanwhile is held back until the step ends, since the pass may still write it). 
 complete; with no prefill peer the worker prefills the request itself (the aggregated path). Outputs of each step
 are queued as one batch for `poll_outputs`.
 
+Decode-side reuse (`DecodeConfig.reuse_held_prefix`, with the prefix cache): the full pages of the KV that
+arrives stay in this worker's prefix cache, and those of finished requests (`Scheduler.reuse_held`). A request
+whose first pages are cached here when it is placed takes references to them in `add_request`, so that nothing
+evicts them before its KV arrives (a page evicted before that is simply not held), and its `Reservation` says
+how many (`num_held_pages`): the prefill worker sends only the pages after them, into the pages reserved for
+them (the receiver writes nowhere else). A transfer that fails or a request aborted frees the held pages'
+references with the rest; they stay cached.
+
 A worker of several ranks whose ranks hold KV endpoints (`pdserve.engine.ranks.kv`) receives each request's pages
 on the rank that holds it: `add_request` names that rank's endpoint in its `Reservation`, and what the ranks are
 to expect or cancel travels with the next step round (a round with no plan carries it when no step is due, and
