@@ -1,5 +1,6 @@
-"""Prefix-aware routing against load-only routing: a multi-turn chat load served by `pdserve serve` (started here,
-once per policy, in a child process) over gRPC, with the prefix cache's hit rate and TTFT p50/p99 per policy.
+"""Prefix-aware routing against load-only routing, and decode-side KV reuse on and off: a multi-turn chat load
+served by `pdserve serve` (started here, once per policy, in a child process) over gRPC, with the prefix cache's
+hit rate, TTFT p50/p99 and the KV pages the prefill workers sent and did not send per policy.
 
     python benchmarks/prefix_routing.py [--model tiny] [--decode 2 --prefill 0] [--conversations 16] \
         [--turns 6] [--first-len 512] [--turn-len 64] [--output-len 16] [--rate 4]
@@ -8,14 +9,19 @@ The load: --conversations conversations, started at Poisson arrivals of --rate a
 one after another, a turn's prompt being the previous turn's prompt, its answer and --turn-len new tokens (the
 first turn: --first-len random tokens), so each turn after the first resends a prefix some worker computed. Every
 request is greedy with EOS ignored (--output-len tokens each). The same load (same seed) runs against a server
-with router.prefix_aware_routing on and one with it off; the workers' prefix caches are on in both.
+with router.prefix_aware_routing on and one with it off; the workers' prefix caches are on in both. Policy
+no_decode_reuse is prefix_aware with decode.reuse_held_prefix off: the decode workers keep no received KV, so
+every turn's whole KV travels from its prefill worker (with --prefill 0 there is no transfer to spare).
 
 Reported per policy: hit rate (prompt tokens found cached over prompt tokens, from each response's
 usage.cached_tokens) and TTFT p50/p99, over all turns and over the turns after the first (the first turns find
 nothing cached under either policy). A turn can find at most the full pages of the previous turn's prompt (a
 worker caches the pages its prefill computed), so the later turns' hit rate stays below 1 even where every turn
 goes to the right worker. On a small shared machine the server started second can run faster than the first
-whatever its policy: compare runs in both orders (--policies). Writes $OUT/prefix_routing.json when OUT is set."""
+whatever its policy: compare runs in both orders (--policies). Disaggregated (--prefill >= 1), also reported:
+the KV pages and bytes the prefill workers sent, and those not sent because the decode worker held them already
+(the server's /metrics after the load: pdserve:kv_transfer_pages and kv_transfer_pages_not_sent, warm-up
+included). Writes $OUT/prefix_routing.json when OUT is set."""
 
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import os
 import random
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -98,6 +105,31 @@ def summarize(turns: list[dict]) -> dict:
     return {"all_turns": part(turns), "later_turns": part([t for t in turns if t["turn"] > 0])}
 
 
+KV_COUNTERS = {
+    "kv_pages_sent": "pdserve:kv_transfer_pages_total",
+    "kv_pages_not_sent": "pdserve:kv_transfer_pages_not_sent_total",
+    "kv_bytes_sent": "pdserve:kv_transfer_bytes_total",
+    "kv_bytes_not_sent": "pdserve:kv_transfer_bytes_not_sent_total",
+}
+STATS_WAIT_S = 3.0
+"""How long after the load the metrics are read: the server polls its workers' stats about once a second."""
+
+
+def kv_pages(served: Served) -> dict[str, int]:
+    """The prefill workers' KV counters since start (`KV_COUNTERS`), summed over the workers."""
+    time.sleep(STATS_WAIT_S)
+    url = f"http://127.0.0.1:{served.http_port}/metrics"
+    with urllib.request.urlopen(url, timeout=30) as response:
+        text = response.read().decode()
+    totals = dict.fromkeys(KV_COUNTERS, 0)
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        for key, metric in KV_COUNTERS.items():
+            if name == metric:
+                totals[key] += int(float(rest.rsplit(" ", 1)[1]))
+    return totals
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -120,7 +152,7 @@ def main() -> None:
     p.add_argument(
         "--policies",
         default="prefix_aware,load_only",
-        help="which to run, in this order (comma-separated)",
+        help="which to run, in this order (comma-separated): prefix_aware, load_only, no_decode_reuse",
     )
     p.add_argument(
         "--log", default="/tmp/pdserve-prefix-routing-serve.log", help="the server's log"
@@ -131,23 +163,26 @@ def main() -> None:
     args = p.parse_args()
     if args.decode < 1 or args.prefill < 0 or args.conversations < 1 or args.turns < 1:
         sys.exit("--decode and --conversations and --turns must be >= 1, --prefill >= 0")
-    unknown = set(args.policies.split(",")) - {"prefix_aware", "load_only"}
+    known = {"prefix_aware", "load_only", "no_decode_reuse"}
+    unknown = set(args.policies.split(",")) - known
     if unknown:
-        sys.exit(f"--policies: unknown {sorted(unknown)} (expected prefix_aware, load_only)")
+        sys.exit(f"--policies: unknown {sorted(unknown)} (expected some of {sorted(known)})")
     summary = {"config": {k: v for k, v in vars(args).items() if k != "log"}}
     for policy in args.policies.split(","):
-        on = {"prefix_aware": "true", "load_only": "false"}[policy]
+        on = "false" if policy == "load_only" else "true"
+        reuse = "false" if policy == "no_decode_reuse" else "true"
         flags = [
             "--prefill", str(args.prefill), "--decode", str(args.decode),
             "--router.prefix-aware-routing", on, "--router.prefix-load-weight", str(args.load_weight),
-            *args.flags,
+            "--decode.reuse-held-prefix", reuse, *args.flags,
         ]  # fmt: skip
         served = Served(args.model, Path(f"{args.log}.{policy}"), flags)
         try:
             turns = asyncio.run(load(served.grpc_port, args))
+            kv = kv_pages(served) if args.prefill else {}
         finally:
             served.stop()
-        summary[policy] = summarize(turns)
+        summary[policy] = summarize(turns) | kv
         print(policy, json.dumps(summary[policy]), flush=True)
     print(json.dumps(summary, indent=2))
     if os.environ.get("OUT"):

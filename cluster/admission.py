@@ -19,7 +19,7 @@ import ray
 from pdserve.cluster.config import RouterConfig
 from pdserve.cluster.errors import DeadlineExceededError, UnavailableError, WorkerLostError
 from pdserve.cluster.pools import DECODE, PREFILL, WorkerHandle, WorkerState
-from pdserve.cluster.prefix_routing import PromptHashes, rank_by_prefix
+from pdserve.cluster.prefix_routing import PromptHashes, rank_by_held, rank_by_prefix
 from pdserve.cluster.request import Request
 from pdserve.engine import messages
 from pdserve.engine.checks import check_pages
@@ -156,6 +156,7 @@ class Admission:
             d.in_flight_pages += need
             future = self._start_call(r, d, d.actor.add_request.remote(payload))
             self._expect(r, prefill or d)  # seen by the next request's choice, before the answer
+            self._expect_held(r, d, prefill)
         try:
             reservation = messages.unwrap(Reservation, await self._end_call(r, d, future))
         except (CapacityError, WorkerLostError):
@@ -191,6 +192,8 @@ class Admission:
                 roomy = [d for d in decodes if d.free_pages >= need]
                 ranked = self._by_prefix(r, roomy, tokens)
                 decodes = ranked + [d for d in decodes if d.free_pages < need]
+            elif self.config.prefix_aware_routing:  # D holds what it can of the prompt's KV
+                decodes = self._by_held(r, decodes, tokens, need)
         peer = prefill.worker_id if prefill is not None else None
         payload = messages.encode(
             DecodeRequest(r.request_id, r.prompt_ids, r.params, peer, r.generated)
@@ -209,12 +212,36 @@ class Admission:
         )  # fmt: skip
         return ranked
 
+    def _by_held(
+        self, r: Request, decodes: list[WorkerHandle], tokens: list[int], need: int
+    ) -> list[WorkerHandle]:
+        """`decodes` best first by the pages of the prompt's KV each holds and its room (`prefix_routing`):
+        those with room for what they do not hold first."""
+        prompt = r.prompt_hashes = r.prompt_hashes or PromptHashes(tokens)
+        held = {d: prompt.held_pages(d.prefix) for d in decodes}
+        if not any(held.values()):
+            return decodes
+        roomy = [d for d in decodes if d.free_pages >= need - held[d]]
+        ranked, _ = rank_by_held(
+            roomy, prompt, lambda d: d.free_pages, lambda d: d.num_running,
+            self.config.prefix_load_weight, lambda d: d.prefix,
+        )  # fmt: skip
+        return ranked + [d for d in decodes if d not in roomy]
+
     @staticmethod
     def _expect(r: Request, w: WorkerHandle) -> None:
         """`r`'s prompt is placed on `w` to prefill: its pages count as cached there from now on
         (`PrefixIndex.expect`)."""
         if r.prompt_hashes is not None and w.prefix is not None:
             w.prefix.expect(r.prompt_hashes.of(w.prefix), time.monotonic())
+
+    @staticmethod
+    def _expect_held(r: Request, d: WorkerHandle, prefill: WorkerHandle | None) -> None:
+        """`r`'s KV goes from `prefill` to decode worker `d`, which keeps its prompt's pages when they
+        arrive: they count as held there from now on (`PrefixIndex.expect`)."""
+        if prefill is not None and d.prefix is not None and d.prefix.reuse_held:
+            r.prompt_hashes = r.prompt_hashes or PromptHashes([*r.prompt_ids, *r.generated])
+            d.prefix.expect(r.prompt_hashes.of(d.prefix, d.prefix.held_root), time.monotonic())
 
     async def _try_admit(self, r: Request, force) -> bool:
         choice = self._choose(r, force)
@@ -248,6 +275,7 @@ class Admission:
         r.prefill_tokens = len(tokens) - r.expected_hits.get(r.prefilling_on, 0)
         r.prefilling_on.queued_tokens += r.prefill_tokens
         self._expect(r, r.prefilling_on)
+        self._expect_held(r, d, prefill)
         r.expected_hits, r.prompt_hashes = {}, None
         if prefill is None:
             return
@@ -255,7 +283,7 @@ class Admission:
         prefill.requests.add(r.request_id)
         request = PrefillRequest(
             r.request_id, tokens, r.params, len(r.generated), reservation.endpoint or r.decode_worker,
-            reservation.transfer_id, reservation.dest_cuts,
+            reservation.transfer_id, reservation.dest_cuts, reservation.num_held_pages,
         )  # fmt: skip
         try:
             messages.unwrap(

@@ -203,10 +203,13 @@ class RouterConfig:
     prefix_aware_routing: bool = True
     """Choose the worker that computes a prompt (a prefill worker; with none, the decode worker that prefills
     it) by the prompt tokens its prefix cache is expected to hold, from the workers' cache events, against its
-    load (`pdserve.cluster.prefix_routing`); off: by load alone."""
+    load, and the decode worker that receives a prompt's KV by the pages of it that it is expected to hold
+    already (decode.reuse_held_prefix), against its free pages (`pdserve.cluster.prefix_routing`); off: by load
+    alone."""
     prefix_load_weight: float = 1.0
-    """Of that choice: a queued prompt token's weight against a token expected cached (1: the fewest tokens
-    computed before the request's first token; more: balance first; less: reuse first)."""
+    """Of those choices: a queued prompt token's weight against a token expected cached (1: the fewest tokens
+    computed before the request's first token; more: balance first; less: reuse first), and a decode worker's
+    free page's against a page expected held (1: the most room after the request)."""
     heartbeat_timeout_s: float = 3.0
     """A worker silent (no answer to its stats call, sent every second, or its long-poll) this long past the
     deadline of the step it runs, or reporting a step that runs this long past it, is declared lost, killed and

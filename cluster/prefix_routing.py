@@ -24,7 +24,21 @@ router picks the one with the highest
 to the load-only order. With weight 1 this is the worker where the fewest prompt tokens are computed before this
 request's first token: its queue plus the part of its prompt not cached there. A larger weight favours balance,
 a smaller one reuse; with the setting off (or where no worker reports a cache) the least loaded worker is chosen,
-as before. A decode worker that receives its KV from a prefill worker is chosen by free pages as before."""
+as before.
+
+A decode worker that receives its KV from a prefill worker and keeps the pages it holds (`reuse_held` in its
+`ready` answer: `DecodeConfig.reuse_held_prefix`) gets only the pages after those it holds of the prompt (the
+previous turn of the conversation). Among the decode workers with room for the rest, the router picks the one
+with the highest
+
+    expected held pages + router.prefix_load_weight x its free pages
+
+(`rank_by_held`; weight 1: the most room after this request, whose held pages it does not take again; weight
+0: the most pages held), ties to the most free pages, the fewest running, then the given order.
+The decode worker itself matches the prompt when it reserves the pages and references them at once, so a
+stale index costs pages sent, never a wrong page; the pages of a prompt placed there count as held from its
+placement (`PrefixIndex.expect`). Those pages' hashes chain from the worker's `held_root` (in batch-invariant
+mode not the root of the pages it prefills itself: `engine.prefix_cache.RECEIVED_ROOT`)."""
 
 from __future__ import annotations
 
@@ -34,7 +48,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from pdserve.engine.messages import CacheEvents
-from pdserve.engine.prefix_cache import EVENT_HASH_BYTES, chain_hashes, prompt_pages
+from pdserve.engine.prefix_cache import EVENT_HASH_BYTES, ROOT_HASH, chain_hashes, prompt_pages
 
 PENDING_S = 10.0
 """How long a placed prompt's pages count as on its worker without that worker's events saying so."""
@@ -51,6 +65,11 @@ class PrefixIndex:
     """A hit there is a multiple of this many tokens (`PrefixCache.hit_unit`)."""
     lookahead: bool
     """A page's hash covers the token after it (`PrefixCache.lookahead`)."""
+    reuse_held: bool = False
+    """A decode worker that keeps the pages of the KV it receives and reserves a request's held first pages
+    (`Scheduler.reuse_held`)."""
+    held_root: bytes = ROOT_HASH
+    """The parent of the first page of that KV (`PrefixCache.received_root`)."""
     counts: dict[bytes, int] = dataclasses.field(default_factory=dict)
     """Per hash (its first EVENT_HASH_BYTES bytes): the copies cached (one per rank holding it)."""
     pending: dict[bytes, float] = dataclasses.field(default_factory=dict)
@@ -62,7 +81,10 @@ class PrefixIndex:
         the cache off there."""
         if not info:
             return None
-        return cls(int(info["page_size"]), int(info["hit_unit"]), bool(info["lookahead"]))
+        return cls(
+            int(info["page_size"]), int(info["hit_unit"]), bool(info["lookahead"]),
+            bool(info.get("reuse_held", False)), bytes.fromhex(info.get("held_root", "")),
+        )  # fmt: skip
 
     def apply(self, events: CacheEvents) -> None:
         if events.reset:
@@ -103,6 +125,17 @@ class PrefixIndex:
             pages += 1
         return pages * self.page_size // self.hit_unit * self.hit_unit
 
+    def held_pages(self, hashes: Sequence[bytes], now: float = 0.0) -> int:
+        """The leading pages of a prompt whose page hashes are `hashes` that a decode worker would hold for
+        its transfer (`PrefixCache.held_match`: every full page within the first n - 1 tokens, no hit unit;
+        `PromptHashes.of` makes no more)."""
+        pages = 0
+        for h in hashes:
+            if h not in self.counts and self.pending.get(h, 0.0) <= now:
+                break
+            pages += 1
+        return pages
+
 
 class PromptHashes:
     """A prompt's page hashes as the router compares them (short), made once per (page size, lookahead)."""
@@ -111,20 +144,26 @@ class PromptHashes:
         self.tokens = tokens
         self._made: dict[tuple[int, bool], list[bytes]] = {}
 
-    def of(self, index: PrefixIndex) -> list[bytes]:
-        key = (index.page_size, index.lookahead)
+    def of(self, index: PrefixIndex, root: bytes = ROOT_HASH) -> list[bytes]:
+        """The hashes `index`'s worker names the prompt's pages by, chained from `root`."""
+        key = (index.page_size, index.lookahead, root)
         hashes = self._made.get(key)
         if hashes is None:
             n = len(self.tokens)
             num_pages = prompt_pages(n, index.page_size, index.page_size)
             if index.lookahead:  # the token after the page must be known
                 num_pages = min(num_pages, (n - 1) // index.page_size)
-            full = chain_hashes(self.tokens, index.page_size, num_pages, index.lookahead)
+            full = chain_hashes(self.tokens, index.page_size, num_pages, index.lookahead, root)
             hashes = self._made[key] = [h[:EVENT_HASH_BYTES] for h in full]
         return hashes
 
     def hit_tokens(self, index: PrefixIndex | None, now: float = 0.0) -> int:
         return 0 if index is None else index.hit_tokens(self.of(index), len(self.tokens), now)
+
+    def held_pages(self, index: PrefixIndex | None, now: float = 0.0) -> int:
+        if index is None or not index.reuse_held:
+            return 0
+        return index.held_pages(self.of(index, index.held_root), now)
 
 
 def rank_by_prefix(
@@ -142,3 +181,23 @@ def rank_by_prefix(
     scored = [(weight * load(w) - hits[w], load(w), i, w) for i, w in enumerate(workers)]
     scored.sort(key=lambda s: s[:3])
     return [s[3] for s in scored], hits
+
+
+def rank_by_held(
+    decodes: Iterable[Any], prompt: PromptHashes, free_pages: Callable[[Any], int],
+    num_running: Callable[[Any], int], weight: float, index: Callable[[Any], PrefixIndex | None],
+) -> tuple[list[Any], dict[Any, int]]:  # fmt: skip
+    """`decodes` (with room for the request, in their load-only order of preference) best first by the
+    module docstring's decode policy: expected held pages plus `weight` x free pages, ties to the most free
+    pages, the fewest running, then the given order; and each one's expected held pages."""
+    decodes = list(decodes)
+    now = time.monotonic()
+    held = {d: prompt.held_pages(index(d), now) for d in decodes}
+    if not any(held.values()):
+        return decodes, held
+
+    def key(item: tuple[int, Any]) -> tuple:
+        i, d = item
+        return (-(held[d] + weight * free_pages(d)), -free_pages(d), num_running(d), i)
+
+    return [d for _, d in sorted(enumerate(decodes), key=key)], held

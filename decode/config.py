@@ -59,6 +59,11 @@ class DecodeConfig:
     parents, evicted least recently used when pages run short) and prefill only what follows the longest
     cached prefix of an aggregated request's prompt (vLLM's enable_prefix_caching, on by default as in vLLM
     and SGLang)."""
+    reuse_held_prefix: bool = True
+    """With enable_prefix_caching: the pages of prompts whose KV a prefill worker sent, and of finished
+    requests, stay in the prefix cache, and a request whose first pages are held there when it is placed
+    gets only the pages after them from its prefill worker (the previous turn of a conversation does not
+    travel again)."""
     layout: WorkerLayout = WorkerLayout()
     """How one worker spreads the model over its ranks; its fields are this section's keys `ranks`,
     `attention`, `expert_parallel` and `dense` (`pdserve.cluster.config` flattens them)."""

@@ -10,6 +10,14 @@ meanwhile is held back until the step ends, since the pass may still write it). 
 complete; with no prefill peer the worker prefills the request itself (the aggregated path). Outputs of each step
 are queued as one batch for `poll_outputs`.
 
+Decode-side reuse (`DecodeConfig.reuse_held_prefix`, with the prefix cache): the full pages of the KV that
+arrives stay in this worker's prefix cache, and those of finished requests (`Scheduler.reuse_held`). A request
+whose first pages are cached here when it is placed takes references to them in `add_request`, so that nothing
+evicts them before its KV arrives (a page evicted before that is simply not held), and its `Reservation` says
+how many (`num_held_pages`): the prefill worker sends only the pages after them, into the pages reserved for
+them (the receiver writes nowhere else). A transfer that fails or a request aborted frees the held pages'
+references with the rest; they stay cached.
+
 A worker of several ranks whose ranks hold KV endpoints (`pdserve.engine.ranks.kv`) receives each request's pages
 on the rank that holds it: `add_request` names that rank's endpoint in its `Reservation`, and what the ranks are
 to expect or cancel travels with the next step round (a round with no plan carries it when no step is due, and
@@ -77,7 +85,7 @@ class DecodeWorker(Worker):
                 config.speculative_min_acceptance,
             ),
             relaxed=(config.speculative_relaxed_topk, config.speculative_relaxed_delta),
-            prefix_caching=config.enable_prefix_caching,
+            prefix_caching=config.enable_prefix_caching, reuse_held=config.reuse_held_prefix,
         )  # fmt: skip
         self.receiver: KVReceiver | None = (
             make_receiver(self.runner.cache.data) if make_receiver else None
@@ -104,23 +112,24 @@ class DecodeWorker(Worker):
             )  # fmt: skip
             self.scheduler.add(record)
             cuts, endpoint = (), ""
+            # the pages held here already (referenced: never evicted while it lives) do not travel
+            held = record.num_held_pages
+            dest = list(record.pages[held:])
             if request.prefill_peer is not None and self.rank_kv is not None:
                 what = f"transfer {record.transfer_id}"
-                cuts = self._advisor.advise(list(record.pages), what)
+                cuts = self._advisor.advise(dest, what)
                 self.rank_kv.expect(
-                    record.rank, record.transfer_id, request.prefill_peer, list(record.pages),
+                    record.rank, record.transfer_id, request.prefill_peer, dest,
                     self.config.kv_wait_timeout_s,
                 )  # fmt: skip
                 endpoint = rank_endpoint(self.worker_id, record.rank)
             elif request.prefill_peer is not None:
                 deadline = time.monotonic() + self.config.kv_wait_timeout_s
                 cuts = self.receiver.expect(
-                    ExpectedTransfer(
-                        record.transfer_id, request.prefill_peer, list(record.pages), deadline
-                    )
+                    ExpectedTransfer(record.transfer_id, request.prefill_peer, dest, deadline)
                 )
         self._wake.set()
-        return Reservation(record.transfer_id, len(record.pages), tuple(cuts), endpoint)
+        return Reservation(record.transfer_id, len(record.pages), tuple(cuts), endpoint, held)
 
     def abort(self, request_id: str) -> None:
         """Cancels a request and frees its pages; its last output says finish_reason=abort."""
@@ -183,6 +192,7 @@ class DecodeWorker(Worker):
                 step_expected_s=step_expected_s,
                 **prefix_cache_counts(self.scheduler),
                 **host_tier_counts(self),
+                kv_held_pages=self.scheduler.num_held_pages,
             )
 
     def can_admit(self, num_tokens: int) -> bool:

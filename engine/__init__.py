@@ -15,6 +15,7 @@ marked torch are imported from their modules.
 | `checks` | the request checks the front end, the scheduler and the offline path share |
 | `pages` | the page allocator: reference-counted pages, the prefix cache's pages and their eviction |
 | `prefix_cache` | which of a request's pages it shares through the prefix cache: the hash chain, hits, counts |
+| `rank_choice` | the data-parallel rank a new request goes to: the most of its prefix, balanced against load |
 | `spec_policy` | when a speculating worker drafts: a batch-size limit and the measured acceptance |
 | `chunking` | chunked-prefill planning |
 | `host_tier` | the host-memory tier's bookkeeping: evicted pages' slots by hash, restores on a hit |

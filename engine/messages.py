@@ -61,6 +61,9 @@ class PrefillRequest:
     """Its id for the transfer, issued by that decode worker."""
     dest_cuts: tuple[int, ...] = ()
     """That decode worker's advice on cutting the transfer (`Reservation.dest_cuts`)."""
+    num_held_pages: int = 0
+    """The request's first pages that decode worker holds already (`Reservation.num_held_pages`): they are
+    not sent."""
 
 
 # Prefill worker -> router.
@@ -101,6 +104,11 @@ class PrefillStats:
     host_kv_restored_pages: int = 0
     host_kv_dropped_pages: int = 0
     host_kv_bytes_copied: int = 0
+    kv_pages_sent: int = 0
+    """KV pages the decode workers acknowledged, and pages not sent because the decode worker held them
+    already (`PrefillRequest.num_held_pages`) with their bytes, since start."""
+    kv_pages_not_sent: int = 0
+    kv_bytes_not_sent: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -274,6 +282,10 @@ class Reservation:
     endpoint: str = ""
     """The KV endpoint the prefill worker sends to: the rank of a decode worker of several ranks that holds the
     request (`pdserve.engine.ranks.kv.rank_endpoint`); empty: the decode worker itself."""
+    num_held_pages: int = 0
+    """The request's first pages this decode worker holds already (its prefix cache, referenced for the
+    request): the prefill worker sends only the pages after them (`num_pages - num_held_pages`; `dest_cuts`
+    index those)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -369,6 +381,9 @@ class DecodeStats:
     host_kv_restored_pages: int = 0
     host_kv_dropped_pages: int = 0
     host_kv_bytes_copied: int = 0
+    kv_held_pages: int = 0
+    """Pages of requests' KV found held here (this worker's prefix cache) when they were placed, which their
+    prefill workers did not send, since start."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

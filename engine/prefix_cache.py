@@ -22,6 +22,14 @@ prompt is cut only at multiples of the chunk size and a chunk's arithmetic depen
 is in the cache before it), so a hit is cut to a multiple of the chunk size as well: the request computes
 exactly the chunks it would have without the hit, and its KV and logits are the bits they would have been.
 
+On a decode worker (`Scheduler.reuse_held`) the full pages of the KV a prefill worker sends are cached as they
+arrive, and a later request whose KV comes from a prefill worker starts from the cached pages of its first
+tokens (`held_match`): they stand in for pages the prefill worker would have sent, which it computed as a
+prefill of the same tokens computes them (in batch-invariant mode: in chunks starting at the same multiples of
+the prefill pool's chunk size, so to the bit). This worker's own prefills cut prompts at its own chunk size,
+so in batch-invariant mode the received pages hang off another root (RECEIVED_ROOT) and the two kinds never
+stand in for each other.
+
 Cache events: a `CacheEventLog` on the allocators records the pages' hashes cached and evicted, which the worker
 sends to the router with its long-poll answers (`messages.CacheEvents`); the router's index of them
 (`pdserve.cluster.prefix_routing`) places requests where their prefix is. The router computes a prompt's chain
@@ -37,10 +45,13 @@ from collections.abc import Sequence
 
 from pdserve.engine.host_tier import HostPool
 from pdserve.engine.pages import PageAllocator
-from pdserve.engine.request import Request
+from pdserve.engine.request import Policy, Request
 
 ROOT_HASH = b""
 """The parent of a request's first page."""
+RECEIVED_ROOT = b"received"
+"""The parent of the first page of KV a decode worker received from a prefill worker, where it keeps those apart
+from the pages of its own prefills (`PrefixCache.received_root`)."""
 _TOKEN_BYTES = 8
 """A token id's bytes in what a page's hash covers (array typecode "q")."""
 
@@ -121,13 +132,22 @@ class CacheEventLog:
 
 
 class PrefixCache:
-    def __init__(self, page_size: int, lookahead: bool = False, align: int = 1):
+    def __init__(
+        self, page_size: int, lookahead: bool = False, align: int = 1,
+        separate_received: bool = False,
+    ):  # fmt: skip
         """lookahead: the page's hash covers the token after it (a worker that runs the MTP module, whose
         cache layer's row at a page's last position depends on that token); align: a hit is a multiple of
-        this many tokens (batch-invariant mode: the chunk size; see the module docstring)."""
+        this many tokens (batch-invariant mode: the chunk size; see the module docstring);
+        separate_received (a decode worker in batch-invariant mode): the pages of decode-only requests
+        (KV a prefill worker computed and sent) hang off RECEIVED_ROOT, so that they and the pages this
+        worker prefilled itself never stand in for each other: the two cut prompts into chunks of other
+        sizes, whose rows differ in the last bits."""
         if align <= 0:
             raise ValueError(f"align={align}: must be positive")
         self.page_size, self.lookahead = page_size, lookahead
+        self.received_root = RECEIVED_ROOT if separate_received else ROOT_HASH
+        """The parent of a decode-only request's first page."""
         self.hit_unit = math.lcm(page_size, align)
         """A hit is a multiple of this many tokens."""
         self.num_queries = 0
@@ -141,7 +161,8 @@ class PrefixCache:
         hashes = request.page_hashes
         first = len(hashes)
         if first < num_pages:
-            parent = hashes[-1] if hashes else ROOT_HASH
+            root = self.received_root if request.policy is Policy.DECODE_ONLY else ROOT_HASH
+            parent = hashes[-1] if hashes else root
             hashes.extend(
                 chain_hashes(tokens, self.page_size, num_pages, self.lookahead, parent, first)
             )
@@ -183,11 +204,19 @@ class PrefixCache:
     ) -> None:
         """Caches the request's full pages that its prefill computed up to `request.num_computed` (those
         not cached yet); next_token: the token after its tokens, where its last chunk just sampled it."""
+        self.register_upto(request, allocator, request.num_computed, next_token)
+
+    def register_upto(
+        self, request: Request, allocator: PageAllocator, end: int, next_token: int | None = None
+    ) -> None:
+        """Caches the request's full pages within its first `end` tokens, whose KV rows are final (never
+        written again), those not cached yet; with lookahead only those whose next token is known."""
         tokens = request.token_ids
         known = len(tokens) + (next_token is not None)
-        full = request.num_computed // self.page_size
+        full = min(end, request.num_tokens) // self.page_size
         if self.lookahead:  # a page whose next token is not known yet waits (module docstring)
             full = min(full, (known - 1) // self.page_size)
+        full = min(full, len(request.pages))
         if full <= request.num_cached_pages:
             return
         if next_token is not None and self.lookahead:
@@ -196,3 +225,15 @@ class PrefixCache:
         for p in range(request.num_cached_pages, full):
             allocator.cache(request.pages[p], hashes[p])
         request.num_cached_pages = full
+
+    def held_match(self, request: Request, allocator: PageAllocator) -> list[int]:
+        """The cached pages standing in for the first pages of a request whose KV a prefill worker sends
+        (a decode worker's hit: those pages need not travel; no reference taken). Every full page within
+        its first n - 1 tokens may be found, with no hit unit: nothing is computed over them here, the
+        prefill worker computes as it would without them, and a page found here holds the rows a prefill
+        of the same tokens made (`pdserve.decode.worker`). The page with the last token is never
+        found, so that at least one page travels (the transfer's last page comes with its first token)."""
+        num_pages = (request.num_tokens - 1) // self.page_size
+        if num_pages <= 0:
+            return []
+        return allocator.match(self._hashes(request, num_pages, request.token_ids))

@@ -92,6 +92,9 @@ class Request:
     """The prefix cache's chained hashes of its first full pages, as far as made (`PrefixCache`)."""
     num_cached_pages: int = 0
     """Its first pages that are in the prefix cache (found there, or cached once computed)."""
+    num_held_pages: int = 0
+    """DECODE_ONLY, on a decode worker that reuses held pages: its first pages found in the prefix cache
+    here, which its transfer does not carry (`Scheduler.reuse_held`)."""
     num_cached_tokens: int | None = None
     """Its prompt tokens found in the prefix cache when it was first given pages here, or (DECODE_ONLY)
     on its prefill worker (its usage's cached_tokens); None before."""

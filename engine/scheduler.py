@@ -8,10 +8,12 @@ path). A step is `schedule()` -> `StepPlan` -> the runner's `RankResult`s -> `fi
 - waiting requests take their pages in arrival order, the head of the queue blocking the rest; with the prefix
   cache (`prefix_caching`) a prefilled request first takes a reference to the cached pages its prompt starts
   with and its prefill starts after them, and the full pages its prefill computes are cached as they are
-  (`PrefixCache`); a request's references go with its pages (finished, aborted, failed, preempted), the
-  pages staying cached; with a host tier (`host_slots`) the cached pages evicted go to the rank's host pool
-  and a prompt that goes on past its GPU hit into pages stored there gets them copied back, the copies
-  running before the next plan's passes (`StepPlan.host_copies`, `pdserve.engine.host_tier`);
+  (`PrefixCache`); on a decode worker (`reuse_held`) a decode-only request likewise starts from the cached
+  pages of its first tokens, which its transfer then does not carry, and the pages of the KV that arrives and
+  of finished requests stay cached; a request's references go with its pages (finished, aborted, failed,
+  preempted), the pages staying cached; with a host tier (`host_slots`) the cached pages evicted go to the
+  rank's host pool and a prompt that goes on past its GPU hit into pages stored there gets them copied back,
+  the copies running before the next plan's passes (`StepPlan.host_copies`, `pdserve.engine.host_tier`);
 - prefilling requests get chunks under the step's token budget, first come first served (`plan_prefill_chunks`);
 - running requests each run one decode token, oldest first; one that needs a page nobody has free preempts the
   most recently admitted requests (their pages freed; an aggregated one is prefilled again later with the tokens
@@ -28,7 +30,8 @@ Pages freed while a step is in flight (an abort from another thread) are held ba
 the step's forward passes may still write them.
 
 A worker of several ranks: with one page allocator per rank (data-parallel attention) each admitted request is
-assigned to one rank (the one with the fewest KV pages in use, then the fewest requests) and lives there: its
+assigned to one rank (the one with the fewest KV pages in use less the request's pages cached there, then the
+fewest requests: `rank_choice`) and lives there: its
 pages come from that rank's allocator, its chunks count against that rank's token budget, preemption takes
 victims of that rank only, and the plan has one `RankStep` per rank (empty for an idle rank). With one allocator
 and several ranks (tensor-parallel attention: the latent cache is the same on every rank) every rank gets the
@@ -52,6 +55,7 @@ from pdserve.engine.host_tier import HostCopy, HostPool
 from pdserve.engine.messages import RequestOutput, StageTimes
 from pdserve.engine.pages import PageAllocator, pages_needed
 from pdserve.engine.prefix_cache import CacheEventLog, PrefixCache
+from pdserve.engine.rank_choice import pick_rank
 from pdserve.engine.request import Policy, Request, RequestState, stage_times, think_state
 from pdserve.engine.sampling_params import (
     MAX_PROMPT_LOGPROBS,
@@ -121,6 +125,7 @@ class Scheduler:
         relaxed: tuple[int, float] | None = None,
         prefix_caching: bool = False,
         host_slots: int = 0,
+        reuse_held: bool = False,
     ):
         """allocator: the KV pages of the worker's one rank, or one allocator per data-parallel rank (of equal
         sizes); ranks: ranks of the worker (default: one per allocator; with one allocator and more ranks, each
@@ -139,7 +144,11 @@ class Scheduler:
         requests (prefill-only, aggregated) share the full pages of their prefill through each allocator's
         prefix cache and start their prefill after the pages they find there (`PrefixCache`); host_slots: with
         the prefix cache, pages of each rank's host pool (`HostPool`: evicted cached pages are stored there,
-        and a prompt that goes on past its GPU hit into stored pages has them copied back; 0: off)."""
+        and a prompt that goes on past its GPU hit into stored pages has them copied back; 0: off);
+        reuse_held (a decode worker, with prefix_caching): the pages of a decode-only request's KV as they
+        arrive, and a finished request's pages (`_cache_finished`), stay in the prefix cache, and a
+        decode-only request starts from the cached pages of its first tokens (`PrefixCache.held_match`),
+        referenced at once: its transfer carries only the pages after them (`Request.num_held_pages`)."""
         allocators = [allocator] if isinstance(allocator, PageAllocator) else list(allocator)
         ranks = len(allocators) if ranks is None else ranks
         if not allocators or len(allocators) not in (1, ranks):
@@ -181,10 +190,16 @@ class Scheduler:
         """The pages cached and evicted since the router last heard (with the prefix cache)."""
         if prefix_caching:
             align = min(max_chunk, token_budget) if fixed_chunks else 1
-            self.prefix_cache = PrefixCache(page_size, lookahead=num_drafts > 0, align=align)
+            self.prefix_cache = PrefixCache(
+                page_size, lookahead=num_drafts > 0, align=align,
+                separate_received=fixed_chunks and reuse_held,
+            )  # fmt: skip
             self.cache_events = CacheEventLog()
             for a in self.allocators:
                 a.events = self.cache_events
+        self.reuse_held = reuse_held and self.prefix_cache is not None
+        self.num_held_pages = 0
+        """Pages of decode-only requests found cached here, since start: pages their transfers did not carry."""
         self.host_pools: list[HostPool] = []
         if host_slots < 0:
             raise ValueError(f"host_slots={host_slots}: must be >= 0")
@@ -232,18 +247,17 @@ class Scheduler:
         no rank has room."""
         return self._pick(lambda d: self.allocators[d].can_allocate(num_pages))
 
-    def _pick(self, fits) -> int | None:
-        """`_pick_rank`'s choice among the ranks d where fits(d)."""
+    def _pick(self, fits, hits: Sequence[int] | None = None) -> int | None:
+        """The rank among those d where fits(d) by `rank_choice.pick_rank`: the fewest pages in use less the
+        request's pages cached there (`hits`, per rank), then the fewest requests."""
         if len(self.allocators) == 1:
             return 0 if fits(0) else None
         counts = [0] * len(self.allocators)
         for r in self.requests.values():
             counts[r.rank] += 1
-        cap = self.rank_max_running
-        ok = [
-            d for d in range(len(self.allocators)) if (cap is None or counts[d] < cap) and fits(d)
-        ]
-        return min(ok, key=lambda d: (self.allocators[d].num_used, counts[d], d), default=None)
+        used = [a.num_used for a in self.allocators]
+        hits = hits if hits is not None else [0] * len(used)
+        return pick_rank(used, counts, hits, fits, self.rank_max_running)
 
     def _fit(self, request: Request) -> tuple[int, list[int]] | None:
         """Where the request's pages come from now: the rank (`_pick_rank`'s choice among those with room for
@@ -251,18 +265,22 @@ class Scheduler:
         room."""
         need = pages_needed(request.num_tokens, self.page_size)
         cache = self.prefix_cache
-        if cache is None or request.policy is Policy.DECODE_ONLY or _scores_prompt(request):
+        if request.policy is Policy.DECODE_ONLY and cache is not None and self.reuse_held:
+            # the pages held here stand in for the transfer's first pages (`PrefixCache.held_match`)
+            matched = [cache.held_match(request, a) for a in self.allocators]
+        elif cache is None or request.policy is Policy.DECODE_ONLY or _scores_prompt(request):
             # a request scoring its prompt computes every position: the cache serves it nothing
             rank = self._pick_rank(need)
             return None if rank is None else (rank, [])
-        end = self._prefill_end(request)
-        matched = [cache.match(request, a, end) for a in self.allocators]
+        else:
+            end = self._prefill_end(request)
+            matched = [cache.match(request, a, end) for a in self.allocators]
 
         def fits(d: int) -> bool:
             a, m = self.allocators[d], matched[d]
             return need - len(m) + a.cost(m) <= a.num_free
 
-        rank = self._pick(fits)
+        rank = self._pick(fits, [len(m) for m in matched])
         return None if rank is None else (rank, matched[rank])
 
     def _give_pages(self, request: Request, rank: int, cached: list[int]) -> None:
@@ -294,7 +312,10 @@ class Scheduler:
         request.pages = cached + new
         request.num_computed = (len(cached) + len(stored)) * self.page_size
         request.num_cached_pages = len(cached) + len(stored)
-        if self.prefix_cache is not None and request.num_cached_tokens is None:
+        if request.policy is Policy.DECODE_ONLY:  # its cached_tokens come from its prefill worker
+            request.num_held_pages = len(cached)
+            self.num_held_pages += len(cached)
+        elif self.prefix_cache is not None and request.num_cached_tokens is None:
             self.prefix_cache.count(request, request.num_computed)
 
     def _transfer_pages(self, rank: int, need: int) -> list[int]:
@@ -422,6 +443,10 @@ class Scheduler:
             )
         request.num_computed = num_tokens
         request.state = RequestState.RUNNING
+        if self.reuse_held:  # the rows a prefill made: final (decode rows go after them)
+            self.prefix_cache.register_upto(
+                request, self.allocators[request.rank], num_tokens, first_token
+            )
         request.first_token_at = time.monotonic()
         request.prefill_stages = prefill_stages
         request.num_cached_tokens = cached_tokens
@@ -453,6 +478,8 @@ class Scheduler:
         return [RequestOutput(request.request_id, [], FinishReason.ABORT, error, spec=spec)]
 
     def _release(self, request: Request, state: RequestState) -> None:
+        if state is RequestState.FINISHED and self.reuse_held:
+            self._cache_finished(request)
         request.state = state
         self.allocators[request.rank].free(request.pages[::-1])  # its prefix evicted last
         request.pages = []
@@ -460,6 +487,17 @@ class Scheduler:
         self._by_transfer.pop(request.transfer_id, None)
         if request in self.waiting:
             self.waiting.remove(request)
+
+    def _cache_finished(self, request: Request) -> None:
+        """Caches a finished request's full pages whose rows a later request would compute alike: every
+        computed position's, where decode rows make the rows a prefill would (to rounding); in batch-invariant
+        mode (`fixed_chunks`: a decode row's KV differs in the last bits from a prefill's) and where the
+        MTP module writes rows of positions ahead (speculation) only those a prefill made, cached already."""
+        if request.policy is Policy.PREFILL_ONLY or self.fixed_chunks or self.num_drafts:
+            return
+        self.prefix_cache.register_upto(
+            request, self.allocators[request.rank], request.num_computed
+        )  # fmt: skip
 
     def _append(
         self, request: Request, tokens: Sequence[int],

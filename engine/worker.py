@@ -61,11 +61,15 @@ def prefix_cache_counts(scheduler: Scheduler) -> dict[str, int]:
 
 def prefix_cache_info(scheduler: Scheduler) -> dict[str, int | bool] | None:
     """What the router needs to hash a prompt as this worker's prefix cache does (`ready`): page_size,
-    hit_unit and lookahead (`PrefixCache`); None with the cache off."""
+    hit_unit and lookahead (`PrefixCache`), whether it holds received KV for later transfers
+    (`Scheduler.reuse_held`) and the root of that KV's hash chains (hex); None with the cache off."""
     cache = scheduler.prefix_cache
     if cache is None:
         return None
-    return {"page_size": cache.page_size, "hit_unit": cache.hit_unit, "lookahead": cache.lookahead}
+    return {
+        "page_size": cache.page_size, "hit_unit": cache.hit_unit, "lookahead": cache.lookahead,
+        "reuse_held": scheduler.reuse_held, "held_root": cache.received_root.hex(),
+    }  # fmt: skip
 
 
 def host_tier_counts(worker: Worker) -> dict[str, int]:

@@ -1,6 +1,7 @@
 """The serving process's doors: the gRPC service and the OpenAI-compatible HTTP API, each a peer over one small
 engine-client interface, with what they share (request building and validation, chat templates, the reasoning
-split, text streaming, security, metrics, the error -> status mapping) and the serving process that hosts them.
+split, tool calls, text streaming, security, metrics, the error -> status mapping) and the serving process
+that hosts them.
 
 Public surface (imported from the modules, so that a client does not pay for torch and Ray):
 `server.PdServer`, `server.ServerThread`; `engine_client.EngineClient` (the front ends'
@@ -24,6 +25,10 @@ contract) and `ray_engine.RayEngineClient` (the serving process's implementation
 | `validation` | the checks both front ends' requests pass, errors naming the field as each protocol does |
 | `chat_template` | chat messages -> prompt text, as transformers renders the checkpoint's template |
 | `reasoning` | the `<think>` split of a reasoning model's text, starting where the prompt left off |
+| `tool_request` | a chat request's `tools`, `tool_choice` checked; the plan: prompt, forced call, grammar constraint |
+| `tool_format` | DeepSeek-V3's and V3.1's tool-call formats: detected from a template, tools described, calls forced |
+| `tool_parser` | generated text -> OpenAI tool calls, whole or streamed, malformed blocks left as content |
+| `chat_output` | a chat choice's text -> reasoning, content and tool calls (message or stream deltas) |
 | `text_stream` | generated ids -> text deltas, stop strings across token boundaries |
 | `security` | API and admin keys on both front ends, TLS material |
 | `metrics` | Prometheus metrics in vLLM's names |

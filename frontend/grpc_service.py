@@ -379,12 +379,41 @@ def _refusing_undecodable(behavior: Callable) -> Callable:
     return run
 
 
+def _reading_within(behavior: Callable, name: str, body_s: float) -> Callable:
+    """The unary-request servicer method as a stream-request one (the same bytes on the wire) that reads its
+    one request message within `body_s` (router.http_body_timeout_s): gRPC itself waits for a message
+    forever, so a client that trickles its request, keeping its connection alive, would hold the call."""
+
+    @functools.wraps(behavior)
+    async def run(request_iterator, context):
+        try:
+            request = await asyncio.wait_for(context.read(), body_s)
+        except TimeoutError:
+            logger.info(
+                "gRPC %s from %s: cut, its request message did not arrive within %.0f s "
+                "(router.http_body_timeout_s)", name, context.peer(), body_s,
+            )  # fmt: skip
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the request message did not arrive within {body_s:g} s (router.http_body_timeout_s)",
+            )
+        if request is grpc.aio.EOF:
+            code, message = status_for(
+                InvalidRequestError("request", "no request message was sent")
+            )
+            await context.abort(code, message)
+        return await behavior(request, context)
+
+    return run
+
+
 class _LenientRegistry:
     """Stands for the grpc server while a generated `add_*Servicer_to_server` registers its handlers, and
-    registers them on the real server with `_lenient` deserializers."""
+    registers them on the real server with `_lenient` deserializers, each read within the body timeout
+    (`_reading_within`)."""
 
-    def __init__(self, server: grpc.aio.Server, limit: tuple[int, str]):
-        self.server, self.limit = server, limit
+    def __init__(self, server: grpc.aio.Server, limit: tuple[int, str], body_s: float):
+        self.server, self.limit, self.body_s = server, limit, body_s
 
     def _mend(self, handlers: dict[str, grpc.RpcMethodHandler]) -> dict[str, grpc.RpcMethodHandler]:
         mended = {}
@@ -394,9 +423,14 @@ class _LenientRegistry:
             assert not h.request_streaming and inspect.iscoroutinefunction(behavior), name
             parse = h.request_deserializer
             type_name = getattr(parse, "__qualname__", "the request").removesuffix(".FromString")
+            streamed = "stream_stream" if h.response_streaming else "stream_unary"
             mended[name] = h._replace(
+                request_streaming=True,
                 request_deserializer=_lenient(parse, type_name, self.limit),
-                **{kind: _refusing_undecodable(behavior)},
+                **{
+                    kind: None,
+                    streamed: _reading_within(_refusing_undecodable(behavior), name, self.body_s),
+                },
             )
         return mended
 
@@ -413,7 +447,9 @@ class _LenientRegistry:
 
 def add_servicers(engine: EngineClient, grpc_server: grpc.aio.Server) -> None:
     """Registers the Generation and Admin servicers over `engine` on `grpc_server`."""
-    registry = _LenientRegistry(grpc_server, message_limit(engine.limits, engine.model))
+    registry = _LenientRegistry(
+        grpc_server, message_limit(engine.limits, engine.model), engine.limits.http_body_timeout_s
+    )
     generation = GenerationServicer(engine, engine.limits.http_idle_timeout_s)
     generation_pb2_grpc.add_GenerationServicer_to_server(generation, registry)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(engine), registry)

@@ -19,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import importlib.metadata
 import json
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import uvicorn
 from starlette.applications import Starlette
@@ -38,6 +39,7 @@ from pdserve.cluster.errors import NotFoundError, UnavailableError
 from pdserve.engine.messages import SpecCounts
 from pdserve.engine.sampling_params import FinishReason
 from pdserve.frontend import openai_api as api
+from pdserve.frontend.chat_output import ChatOutput
 from pdserve.frontend.echo import Echoes
 from pdserve.frontend.engine_client import Choices, Chunk, EngineClient
 from pdserve.frontend.errors import BodyTooLargeError, http_error_for
@@ -45,7 +47,6 @@ from pdserve.frontend.http_protocol import Deadlines, protocol_factory
 from pdserve.frontend.json_body import decode_body
 from pdserve.frontend.openai_fields import IgnoredFieldsLog
 from pdserve.frontend.prompt_batch import submit_all
-from pdserve.frontend.reasoning import ReasoningSplitter, chat_delta, split_reasoning
 from pdserve.frontend.request_builder import build_request
 from pdserve.frontend.security import Credentials, require_key
 from pdserve.frontend.tokenizer_api import TokenizerEndpoints
@@ -361,13 +362,14 @@ class HttpFrontEnd:
         reasoning = None
         if self.reasoning and kind == api.CHAT:
             reasoning = checked[0].prompt_in_think or not self._think_from_prompt
+        output = functools.partial(ChatOutput, checked[0], reasoning)
         headers = self._ignored.headers(req.ignored)
         prompt_tokens = sum(len(c.prompt_ids) for c in checked)
         if req.stream:
-            events = self._events(req, head, generation, first, reasoning, prompt_tokens, echo)
+            events = self._events(req, head, generation, first, output, prompt_tokens, echo)
             return _EventStream(events, generation.request_id, headers)
         try:
-            answer = self._whole(req, head, generation, first, reasoning, prompt_tokens, echo)
+            answer = self._whole(req, head, generation, first, output, prompt_tokens, echo)
             reply = await _until_disconnect(request.receive, answer)
             reply.headers.update(headers)
             return reply
@@ -381,10 +383,10 @@ class HttpFrontEnd:
 
     async def _whole(
         self, req: api.OpenAIRequest, head: api.ResponseHead, generation: Choices, first: Chunk,
-        reasoning: bool | None, prompt_tokens: int, echo: Echoes,
+        output: Callable[[], ChatOutput], prompt_tokens: int, echo: Echoes,
     ) -> Response:  # fmt: skip
-        """reasoning: None, no reasoning split; else whether the output starts inside a think block.
-        prompt_tokens: of every prompt of the request, summed (the usage's); echo: what choices start with."""
+        """output: a chat choice's answer is made by one of these; prompt_tokens: of every prompt of the
+        request, summed (the usage's); echo: what choices start with."""
         num = req.num_choices
         pieces: list[list[str]] = [[] for _ in range(num)]
         token_ids: list[list[int]] = [[] for _ in range(num)]
@@ -416,26 +418,22 @@ class HttpFrontEnd:
             if req.kind == api.COMPLETIONS:
                 choices.append(echo.choice(i, api.completion_choice(text, c.finish_reason, i, lp)))
                 continue
-            if reasoning is not None:
-                thought, content = split_reasoning(text, reasoning)
-                message = api.chat_message(content, thought)
-            else:
-                message = api.chat_message(text, None)
-            choices.append(api.chat_choice(message, c.finish_reason, i, lp))
+            answer = output()
+            answer.push(text, last=True)
+            finish_reason = answer.finish_reason(c.finish_reason)
+            choices.append(api.chat_choice(answer.message(), finish_reason, i, lp))
         if req.kind == api.COMPLETIONS:
             return JSONResponse(api.completions(head, choices, usage=usage))
         return JSONResponse(api.chat_completion(head, choices, usage))
 
     async def _events(
         self, req: api.OpenAIRequest, head: api.ResponseHead, generation: Choices, first: Chunk,
-        reasoning: bool | None, prompt_tokens: int, echo: Echoes,
+        output: Callable[[], ChatOutput], prompt_tokens: int, echo: Echoes,
     ) -> AsyncIterator[bytes]:  # fmt: skip
         """`_whole`'s arguments; the same answer as server-sent events."""
         chat, num = req.kind == api.CHAT, req.num_choices
         extra = {"usage": None} if req.include_usage else {}
-        splitters = [
-            None if reasoning is None else ReasoningSplitter(reasoning) for _ in range(num)
-        ]
+        answers = [output() for _ in range(num)] if chat else []
         offsets = [
             echo.offset(i) for i in range(num)
         ]  # characters of each choice's text sent so far
@@ -460,7 +458,7 @@ class HttpFrontEnd:
                     generated[i] = chunk.num_generated_tokens
                     extra = {"usage": api.usage(prompt_tokens, sum(generated))}
                 if chat:
-                    body = chat_delta(splitters[i], delta, done)
+                    body = answers[i].push(delta, done)
                     if body or logprobs is not None:
                         yield _sse(api.chat_chunk(head, body, None, i, logprobs, **extra))
                 elif delta or logprobs is not None:
@@ -468,7 +466,8 @@ class HttpFrontEnd:
                 if done:
                     last[i] = chunk
                     if chat:
-                        yield _sse(api.chat_chunk(head, {}, chunk.finish_reason, i, **extra))
+                        reason = answers[i].finish_reason(chunk.finish_reason)
+                        yield _sse(api.chat_chunk(head, {}, reason, i, **extra))
                     else:
                         yield _sse(api.completion(head, "", chunk.finish_reason, i, **extra))
                     if all(c is not None for c in last):

@@ -11,8 +11,9 @@ Two kinds of figure:
   speculation's counts of each decode worker that speculates (vLLM's `spec_decode_*` counters: verifying steps,
   draft tokens, accepted tokens, accepted tokens by draft position), each worker's prefix-cache queries and
   hits in prompt tokens (vLLM's `prefix_cache_queries`, `prefix_cache_hits`), and what only P/D has: each prefill
-  worker's queue (requests and prompt tokens) and KV sends in flight, and the requests still waiting at the
-  router for a decode worker. A counter series is its worker's count since start, never below what it
+  worker's queue (requests and prompt tokens), KV sends in flight and pages sent, and the pages (and bytes)
+  not sent because the decode worker held them already, and the requests still waiting at the router for a
+  decode worker. A counter series is its worker's count since start, never below what it
   showed before.
 
 Each server has its own registry, so several servers in one process do not clash. Everything here runs on the
@@ -132,6 +133,23 @@ class _WorkerCollector(Collector):
                 "KV bytes a prefill worker sent that the decode side acknowledged.",
                 labels=labels,
             ),
+            "kv_pages": counter(
+                f"{PREFIX}kv_transfer_pages",
+                "KV pages a prefill worker sent that the decode side acknowledged.",
+                labels=labels,
+            ),
+            "kv_pages_not_sent": counter(
+                f"{PREFIX}kv_transfer_pages_not_sent",
+                "KV pages a prefill worker did not send because the decode worker held them already "
+                "(decode-side prefix reuse), since it started.",
+                labels=labels,
+            ),
+            "kv_bytes_not_sent": counter(
+                f"{PREFIX}kv_transfer_bytes_not_sent",
+                "KV bytes a prefill worker did not send because the decode worker held those pages "
+                "already, since it started.",
+                labels=labels,
+            ),
             "spec_drafts": counter(
                 f"{PREFIX}spec_decode_num_drafts",
                 "Decode steps of a request that verified MTP drafts, on a decode worker, since it started.",
@@ -234,6 +252,9 @@ class _WorkerCollector(Collector):
                 f["prefill_tokens"].add_metric(labels, stats.queued_tokens)
                 f["sending"].add_metric(labels, stats.num_sending)
                 count("kv_bytes", labels, stats.kv_bytes_sent)
+                count("kv_pages", labels, stats.kv_pages_sent)
+                count("kv_pages_not_sent", labels, stats.kv_pages_not_sent)
+                count("kv_bytes_not_sent", labels, stats.kv_bytes_not_sent)
                 count("kv_failures", labels, stats.num_send_failures)
         self._counted = counted  # a worker gone is forgotten with its series
         waiting = sum(

@@ -24,6 +24,7 @@ from pdserve.engine.sampling_params import TokenLogprobs
 from pdserve.frontend.openai_fields import IGNORED, IGNORED_STREAM_OPTIONS
 from pdserve.frontend.prompt_batch import MAX_CHOICES, completion_prompts
 from pdserve.frontend.request_builder import RequestInput
+from pdserve.frontend.tool_request import message_tool_fields, parse_tools
 from pdserve.frontend.validation import FieldNames, SamplingRequest
 from pdserve.model.errors import InvalidRequestError
 
@@ -35,8 +36,6 @@ _INERT: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "logit_bias": (None, {}),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "continue_final_message": (None, False),
@@ -52,7 +51,7 @@ _KNOWN = {
     CHAT: _COMMON
     | {
         "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-        "functions", "function_call", "response_format",
+        "parallel_tool_calls", "functions", "function_call", "response_format",
         "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
     },
 }  # fmt: skip
@@ -193,12 +192,10 @@ def _messages(body: dict) -> list[dict[str, Any]]:
         where = f"messages[{i}]"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise InvalidRequestError(where, "expected an object with a role and content")
-        if m.get("tool_calls"):
-            raise InvalidRequestError(f"{where}.tool_calls", f"tool calls are {_UNSUPPORTED_HINT}")
         message = {"role": m["role"], "content": _message_text(m.get("content"), where)}
         if isinstance(m.get("name"), str):
             message["name"] = m["name"]
-        out.append(message)
+        out.append(message | message_tool_fields(m, where))
     return out
 
 
@@ -291,7 +288,7 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
     n = 1 if n is None else n
     prompts: list[tuple[str | None, list[int] | None]] = [(None, None)]
     messages = None
-    add_generation_prompt, template_kwargs = True, {}
+    add_generation_prompt, template_kwargs, tools = True, {}, None
     if kind == COMPLETIONS:
         prompts = completion_prompts(body)
         if len(prompts) > 1 and len(prompts) * n > MAX_CHOICES:
@@ -301,6 +298,7 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
             )
     else:
         messages = _messages(body)
+        tools = parse_tools(body)
         add_generation_prompt = _optional(
             body, "add_generation_prompt", lambda v: isinstance(v, bool), "true or false"
         )
@@ -325,6 +323,7 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 chat_template_kwargs=template_kwargs,
+                tools=tools,
                 sampling=sampling,
                 n=n,
                 stop=stop,
@@ -408,13 +407,18 @@ def completions(head: ResponseHead, choices: list[dict], **fields) -> dict:
     return head.wrap("text_completion", choices, **fields)
 
 
-def chat_message(content: str, reasoning: str | None) -> dict:
-    """The assistant message; `reasoning` None: no reasoning parser (the keys are left out)."""
+def chat_message(content: str, reasoning: str | None, tool_calls: list[dict] | None = None) -> dict:
+    """The assistant message; `reasoning` None: no reasoning parser (the keys are left out); `tool_calls`
+    None: no tools asked for (the key is left out), else the calls made (content null where none came
+    before them)."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if reasoning is not None:
         message["content"] = content or None
         message["reasoning_content"] = reasoning or None
         message["reasoning"] = reasoning or None
+    if tool_calls:
+        message["content"] = content or None
+        message["tool_calls"] = tool_calls
     return message
 
 

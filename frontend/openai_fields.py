@@ -34,7 +34,6 @@ IGNORED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "verbosity": (_is_str, "a string"),
     "prompt_cache_key": (_is_str, "a string"),
     "safety_identifier": (_is_str, "a string"),
-    "parallel_tool_calls": (_is_bool, "true or false"),
 }
 """OpenAI parameters accepted and ignored, as vLLM ignores them (they ask for storage, billing tiers, caching
 hints or output modes that change no token here), each with its type check: a value of the wrong type is

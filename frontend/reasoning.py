@@ -73,19 +73,3 @@ def split_reasoning(text: str, in_think: bool = True) -> tuple[str, str]:
     reasoning, content = splitter.push(text)
     more_reasoning, more_content = splitter.flush()
     return reasoning + more_reasoning, content + more_content
-
-
-def chat_delta(splitter: ReasoningSplitter | None, text: str, last: bool) -> dict[str, str]:
-    """A chat stream's delta for `text` (empty: nothing to send); `last` flushes what the splitter held."""
-    if splitter is None:
-        return {"content": text} if text else {}
-    thought, content = splitter.push(text)
-    if last:
-        more_thought, more_content = splitter.flush()
-        thought, content = thought + more_thought, content + more_content
-    body = {}
-    if thought:
-        body["reasoning_content"] = body["reasoning"] = thought
-    if content:
-        body["content"] = content
-    return body

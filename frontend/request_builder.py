@@ -14,6 +14,7 @@ from pdserve.cluster.config import RouterConfig
 from pdserve.engine.checks import check_prompt_len, check_token_ids
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.frontend.reasoning import prompt_opens_think
+from pdserve.frontend.tool_request import ToolCallPlan, ToolRequest, plan_tools, render_with_tools
 from pdserve.frontend.validation import (
     FieldNames,
     ModelInfo,
@@ -26,6 +27,7 @@ from pdserve.frontend.validation import (
     sampling_params,
 )
 from pdserve.model.errors import InvalidRequestError
+from pdserve.model.tokenizer import THINK_END, TOOL_CALLS_BEGIN, Tokenizer
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,9 +42,12 @@ class RequestInput:
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
-    """Chat messages (`role`, `content` text, optional `name`), rendered by the model's chat template."""
+    """Chat messages (`role`, `content` text, optional `name`; an assistant's `tool_calls`, a tool's
+    `tool_call_id`), rendered by the model's chat template."""
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tools: ToolRequest | None = None
+    """A chat request's tools (`tool_request.parse_tools`; None: none, or `tool_choice: none`)."""
     sampling: SamplingRequest = SamplingRequest()
     n: int = 1
     """Choices asked for."""
@@ -66,6 +71,9 @@ class CheckedRequest:
     prompt_in_think: bool = False
     """The rendered chat prompt ends inside a think block it opened (DeepSeek-R1's template, V3.1's when asked
     to think): the output starts as reasoning (`reasoning.ReasoningSplitter`). False for other prompts."""
+    tool_calls: ToolCallPlan | None = None
+    """How the output's tool calls are parsed (None: they are not); its `constraint` is what a grammar mask
+    enforces on the output (`tool_request.ToolCallConstraint`), its `forced_prefix` what `prompt_ids` end in."""
 
 
 def build_request(given: RequestInput, model: ModelInfo, router: RouterConfig) -> CheckedRequest:
@@ -76,11 +84,11 @@ def build_request(given: RequestInput, model: ModelInfo, router: RouterConfig) -
     names = given.names
     check_request_id(given.client_id)
     check_n(given.n, router, names.n)
-    prompt_ids, in_think = _prompt_ids(given, model, router)
+    prompt_ids, in_think, tool_calls = _prompt_ids(given, model, router)
     params = sampling_params(given.sampling, len(prompt_ids), model, router, names)
     stop = check_stop_strings(list(given.stop), model, names.stop)
     return CheckedRequest(
-        given.client_id, prompt_ids, params, stop, given.n, given.deadline, in_think
+        given.client_id, prompt_ids, params, stop, given.n, given.deadline, in_think, tool_calls
     )
 
 
@@ -93,9 +101,10 @@ def _ids_instead(names: FieldNames) -> str:
 
 def _prompt_ids(
     given: RequestInput, model: ModelInfo, router: RouterConfig
-) -> tuple[list[int], bool]:
-    """The prompt's token ids, and whether it is a chat prompt that ends inside a think block."""
-    names, in_think = given.names, False
+) -> tuple[list[int], bool, ToolCallPlan | None]:
+    """The prompt's token ids, whether it is a chat prompt that ends inside a think block, and its tools'
+    plan."""
+    names, in_think, plan, forced = given.names, False, None, ""
     if given.prompt_ids is not None:
         field, ids = names.prompt_ids, list(given.prompt_ids)
         check_token_ids(ids, model.vocab_size, field)
@@ -118,10 +127,20 @@ def _prompt_ids(
                     field,
                     f"{model.name} has no chat template (tokenizer_config.json's chat_template)",
                 )
-            text = model.chat_template.render(
-                given.messages, given.add_generation_prompt, given.chat_template_kwargs
-            )
+            template, kwargs = model.chat_template, given.chat_template_kwargs
+            if given.tools is None:
+                text = template.render(given.messages, given.add_generation_prompt, kwargs)
+            else:
+                plan = plan_tools(given.tools, template)
+                _check_markers_decode(model.tokenizer, given.sampling.skip_special_tokens)
+                text = render_with_tools(
+                    template, given.messages, given.tools, given.add_generation_prompt, kwargs
+                )
             in_think = prompt_opens_think(text)
+            if plan is not None and plan.forced_prefix:
+                # A forced call comes at once: a think block the prompt opened is closed first.
+                forced = (THINK_END if in_think else "") + plan.forced_prefix
+                in_think = False
         else:
             text = given.prompt_text
         check_prompt_bytes(text, router, field, model)
@@ -131,5 +150,21 @@ def _prompt_ids(
             )
         # A rendered template writes its own BOS, as transformers assumes.
         ids = model.tokenizer.encode(text, add_bos=not chat)
+        if forced:  # encoded apart: the prompt's own tokens stay as the template's text makes them
+            ids += model.tokenizer.encode(forced, add_bos=False)
     check_prompt_len(len(ids), model.max_model_len, field)
-    return ids, in_think
+    return ids, in_think, plan
+
+
+def _check_markers_decode(tokenizer: Tokenizer, skip_special_tokens: bool | None) -> None:
+    """Tool calls are read from the decoded text: a tokenizer that marks the call markers special (the tiny
+    one does not) drops them there unless the request keeps special tokens."""
+    marker = tokenizer.token_id(TOOL_CALLS_BEGIN)
+    if skip_special_tokens is False or marker is None:
+        return
+    if tokenizer.decode([marker], skip_special_tokens=True) != TOOL_CALLS_BEGIN:
+        raise InvalidRequestError(
+            "tools",
+            f"this model's tokenizer drops {TOOL_CALLS_BEGIN} from decoded text (a special token): "
+            "send skip_special_tokens: false to have tool calls parsed",
+        )

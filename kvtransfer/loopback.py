@@ -60,9 +60,10 @@ class LoopbackReceiver(KVReceiver):
             if expected is None:
                 return  # cancelled or timed out: discarded, still acknowledged
             if len(expected.dest_pages) != pages.shape[0]:
-                raise TransferError(
-                    f"transfer {transfer_id}: {pages.shape[0]} pages for {len(expected.dest_pages)} reserved"
-                )
+                # reported failed here (as the torch.distributed receiver does) and to the sender
+                error = f"transfer {transfer_id}: {pages.shape[0]} pages for {len(expected.dest_pages)} reserved"
+                self._results.append(TransferResult(transfer_id, error=error))
+                raise TransferError(error)
             dest = torch.tensor(expected.dest_pages, dtype=torch.int64, device=self.cache.device)
             packed = pages.to(self.cache.device, self.cache.dtype).contiguous()
             scatter_pages(self.cache, dest, packed)

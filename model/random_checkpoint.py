@@ -331,7 +331,7 @@ def cache_dir() -> Path:
     return Path(base) / "pdserve"
 
 
-CACHED_PRESET_VERSION = 3
+CACHED_PRESET_VERSION = 4
 """Bump when a preset's weights or layout change, so stale cached copies are not reused."""
 
 

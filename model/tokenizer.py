@@ -22,29 +22,61 @@ THINK_START = "<think>"
 THINK_END = "</think>"
 CHAT_TOKENS = (USER_TOKEN, ASSISTANT_TOKEN, THINK_START, THINK_END)
 """Added (not special) tokens of DeepSeek-R1's chat format: decoded text keeps them, as R1's tokenizer does."""
+TOOL_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
+TOOL_CALL_BEGIN = "<｜tool▁call▁begin｜>"
+TOOL_SEP = "<｜tool▁sep｜>"
+TOOL_CALL_END = "<｜tool▁call▁end｜>"
+TOOL_CALLS_END = "<｜tool▁calls▁end｜>"
+TOOL_OUTPUTS_BEGIN = "<｜tool▁outputs▁begin｜>"
+TOOL_OUTPUT_BEGIN = "<｜tool▁output▁begin｜>"
+TOOL_OUTPUT_END = "<｜tool▁output▁end｜>"
+TOOL_OUTPUTS_END = "<｜tool▁outputs▁end｜>"
+TOOL_TOKENS = (
+    TOOL_CALLS_BEGIN, TOOL_CALL_BEGIN, TOOL_SEP, TOOL_CALL_END, TOOL_CALLS_END,
+    TOOL_OUTPUTS_BEGIN, TOOL_OUTPUT_BEGIN, TOOL_OUTPUT_END, TOOL_OUTPUTS_END,
+)  # fmt: skip
+"""DeepSeek-V3's tool-call and tool-output markers, added (not special) tokens as in its tokenizer: decoded
+text keeps them, so a tool-call parser reads them there."""
 
 CHAT_TEMPLATE = (
-    "{%- set ns = namespace(system='') -%}"
+    "{%- set ns = namespace(system='', is_tool=false) -%}"
     "{%- for message in messages if message['role'] == 'system' -%}"
     "{%- set ns.system = ns.system + ('\n\n' if ns.system else '') + message['content'] -%}"
     "{%- endfor -%}"
     "{{- bos_token + ns.system -}}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'user' -%}"
+    "{%- set ns.is_tool = false -%}"
     "{{- '" + USER_TOKEN + "' + message['content'] -}}"
     "{%- elif message['role'] == 'assistant' -%}"
+    "{%- if not ns.is_tool -%}"
+    "{{- '" + ASSISTANT_TOKEN + THINK_END + "' -}}"
+    "{%- endif -%}"
+    "{%- set ns.is_tool = false -%}"
     "{%- set content = message['content'] or '' -%}"
     "{%- if '" + THINK_END + "' in content -%}"
     "{%- set content = content.split('" + THINK_END + "')[-1] -%}"
     "{%- endif -%}"
-    "{{- '" + ASSISTANT_TOKEN + THINK_END + "' + content + eos_token -}}"
+    "{{- content -}}"
+    "{%- if message['tool_calls'] -%}"
+    "{{- '" + TOOL_CALLS_BEGIN + "' -}}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{{- '" + TOOL_CALL_BEGIN + "' + call['function']['name'] + '" + TOOL_SEP + "' -}}"
+    "{{- call['function']['arguments'] + '" + TOOL_CALL_END + "' -}}"
+    "{%- endfor -%}"
+    "{{- '" + TOOL_CALLS_END + "' -}}"
+    "{%- endif -%}"
+    "{{- eos_token -}}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- set ns.is_tool = true -%}"
+    "{{- '" + TOOL_OUTPUT_BEGIN + "' + message['content'] + '" + TOOL_OUTPUT_END + "' -}}"
     "{%- elif message['role'] != 'system' -%}"
-    "{{- raise_exception('roles must be system, user or assistant, got ' + message['role']) -}}"
+    "{{- raise_exception('roles must be system, user, assistant or tool, got ' + message['role']) -}}"
     "{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt and thinking is defined and thinking -%}"
+    "{%- if add_generation_prompt and not ns.is_tool and thinking is defined and thinking -%}"
     "{{- '" + ASSISTANT_TOKEN + THINK_START + "' -}}"
-    "{%- elif add_generation_prompt -%}"
+    "{%- elif add_generation_prompt and not ns.is_tool -%}"
     "{{- '" + ASSISTANT_TOKEN + THINK_END + "' -}}"
     "{%- endif -%}"
 )
@@ -53,7 +85,13 @@ user and assistant turns marked by their tokens, earlier answers stripped of the
 prompt that closes the think block (`<｜Assistant｜></think>`: the answer comes at once) unless the request
 passes `chat_template_kwargs: {"thinking": true}`, which opens it (`<｜Assistant｜><think>`: reasoning up to
 `</think>`, then the answer). Non-thinking by default, so that a random model, which seldom closes a think
-block, answers in `content`."""
+block, answers in `content`.
+
+Tools as V3.1 renders them: an assistant turn's `tool_calls` as
+`<｜tool▁calls▁begin｜>(<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>)+<｜tool▁calls▁end｜>`
+after its content, each `tool` message as `<｜tool▁output▁begin｜>CONTENT<｜tool▁output▁end｜>`, and after tool
+results no new assistant marker (the answer continues from them). Like V3.1's own template it does not render
+the request's `tools`: the front end describes them in a system message (`frontend.tool_format`)."""
 
 
 class Tokenizer:
@@ -132,21 +170,22 @@ class IncrementalDetokenizer:
 
 def build_tokenizer(out_dir: str | Path, vocab_size: int, model_max_length: int) -> None:
     """Trains a byte-level BPE on a short built-in text and writes tokenizer.json + tokenizer_config.json with
-    DeepSeek-R1's chat tokens (`CHAT_TOKENS`, the last ids) and a chat template of its shape; at most
-    `vocab_size` tokens in all. Ids 0, 1, 2 are BOS, EOS, PAD (as in DeepSeek-V3)."""
+    DeepSeek-R1's chat tokens and V3's tool tokens (`CHAT_TOKENS`, `TOOL_TOKENS`: the last ids) and a chat
+    template of V3.1's shape; at most `vocab_size` tokens in all. Ids 0, 1, 2 are BOS, EOS, PAD (as in DeepSeek-V3)."""
     out_dir = Path(out_dir)
     corpus = resources.files("pdserve.model").joinpath("data/corpus.txt").read_text()
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(CHAT_TOKENS),
+        vocab_size=vocab_size - len(CHAT_TOKENS) - len(TOOL_TOKENS),
         special_tokens=[BOS_TOKEN, EOS_TOKEN, PAD_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(corpus.splitlines(keepends=True), trainer)
-    tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in CHAT_TOKENS])
+    added = (*CHAT_TOKENS, *TOOL_TOKENS)
+    tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in added])
     tok.save(str(out_dir / "tokenizer.json"))
     config = {
         "add_bos_token": True,

@@ -26,6 +26,7 @@ from pdserve.engine.messages import (
     PrefillRequest,
     PrefillStats,
 )
+from pdserve.engine.pages import pages_needed
 from pdserve.engine.ranks.group import RankGroup
 from pdserve.engine.request import Policy, Request, RequestState, stage_times
 from pdserve.engine.runner import ModelRunner
@@ -33,7 +34,7 @@ from pdserve.engine.sampling_params import TokenLogprobs
 from pdserve.engine.worker import Worker, host_tier_counts, prefix_cache_counts
 from pdserve.kvtransfer import KVSender
 from pdserve.model.deepseek import Transformer
-from pdserve.model.errors import ConfigError, PdserveError
+from pdserve.model.errors import ConfigError, InvalidRequestError, PdserveError
 
 from .config import PrefillConfig
 
@@ -74,11 +75,21 @@ class PrefillWorker(Worker):
         self._aborted: set[str] = set()
         self._failures: list[PrefillFailure] = []
         self._kv_bytes_sent = 0
+        self._kv_pages_sent = 0
+        self._kv_pages_not_sent = 0
         self._num_send_failures = 0
         self._sends = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{worker_id}-send")
 
     def submit(self, request: PrefillRequest) -> None:
-        """Queues a prompt. Raises InvalidRequestError / CapacityError when it cannot ever run here."""
+        """Queues a prompt. Raises InvalidRequestError / CapacityError when it cannot ever run here, or
+        when its decode worker's held pages leave none to send."""
+        num_pages = pages_needed(len(request.token_ids), self.config.page_size)
+        if request.num_held_pages and not 0 < request.num_held_pages < num_pages:
+            raise InvalidRequestError(
+                "num_held_pages",
+                f"{request.num_held_pages} for a request of {num_pages} KV pages: must be in "
+                f"[0, {num_pages - 1}] (the decode worker holds at most all but the last)",
+            )
         with self._lock:
             self.scheduler.add(
                 Request(
@@ -147,6 +158,9 @@ class PrefillWorker(Worker):
                 *self.step_timing(),
                 **prefix_cache_counts(self.scheduler),
                 **host_tier_counts(self),
+                kv_pages_sent=self._kv_pages_sent,
+                kv_pages_not_sent=self._kv_pages_not_sent,
+                kv_bytes_not_sent=self._kv_pages_not_sent * self.runner.cache.layout.page_bytes,
             )
 
     def step(self) -> bool:
@@ -202,13 +216,15 @@ class PrefillWorker(Worker):
                 request.num_cached_tokens or 0,
                 None if request.prompt_logprobs is None else PackedLogprobs.of(request.prompt_logprobs),
             )  # fmt: skip
+            # the decode worker's first pages it holds already (its prefix cache) stay here
+            pages = list(request.pages[r.num_held_pages :])
             self.sender.send(
-                r.decode_peer, r.transfer_id, self.runner.cache.data, list(request.pages),
+                r.decode_peer, r.transfer_id, self.runner.cache.data, pages,
                 len(r.token_ids), first_token, r.dest_cuts, handoff.to_bytes(),
             )  # fmt: skip
             logger.debug(
-                "sent %s: %d pages in %.1f ms", r.request_id, len(request.pages),
-                1e3 * (time.perf_counter() - start),
+                "sent %s: %d pages (%d held there) in %.1f ms", r.request_id, len(pages),
+                r.num_held_pages, 1e3 * (time.perf_counter() - start),
             )  # fmt: skip
             error = None
         except PdserveError as e:
@@ -218,7 +234,9 @@ class PrefillWorker(Worker):
             error = f"KV send failed: {e}"
         with self._lock:
             if error is None:
-                self._kv_bytes_sent += len(request.pages) * self.runner.cache.layout.page_bytes
+                self._kv_pages_sent += len(pages)
+                self._kv_pages_not_sent += r.num_held_pages
+                self._kv_bytes_sent += len(pages) * self.runner.cache.layout.page_bytes
             else:
                 self._num_send_failures += 1
                 if r.request_id not in self._aborted:

@@ -14,13 +14,14 @@ from model_free import PAGE, FaultyHub, WorkerActor, decode_worker, prefill_work
 
 from pdserve.cluster.config import RouterConfig
 from pdserve.cluster.pools import DECODE, PREFILL, WorkerHandle, WorkerState
-from pdserve.cluster.prefix_routing import PrefixIndex, PromptHashes, rank_by_prefix
+from pdserve.cluster.prefix_routing import PrefixIndex, PromptHashes, rank_by_held, rank_by_prefix
 from pdserve.cluster.router import Router
 from pdserve.engine.messages import CacheEvents
 from pdserve.engine.pages import PageAllocator
 from pdserve.engine.prefix_cache import CacheEventLog, PrefixCache, chain_hashes
 from pdserve.engine.request import Policy, Request
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.worker import prefix_cache_info
 
 HANG_S = 10.0
@@ -86,6 +87,49 @@ def test_the_policy_weighs_the_hit_against_the_load():
         load = {"holder": holder_load, "other": 0}
         ranked, hits = rank_by_prefix(workers, PromptHashes(prompt), load.get, weight, workers.get)
         assert ranked[0] == best and hits == {"holder": 40, "other": 0}
+
+
+def test_decode_workers_rank_by_held_pages_and_room():
+    """A decode worker that keeps received KV holds every full page within the first n - 1 tokens (no hit
+    unit); weight 1 picks the most room after the request, weight 0 the most pages held."""
+    prompt = list(range(1, 19))  # 18 tokens: 4 pages a decode worker may hold
+    holder = PrefixIndex(PAGE, 16, lookahead=False, reuse_held=True)
+    holder.expect(PromptHashes(prompt).of(holder), time.monotonic())
+    # a worker that keeps no received KV holds nothing for transfers
+    plain = PrefixIndex(PAGE, 16, lookahead=False)
+    plain.expect(PromptHashes(prompt).of(plain), time.monotonic())
+    assert PromptHashes(prompt).held_pages(holder) == 4
+    assert PromptHashes(prompt).held_pages(plain) == PromptHashes(prompt).held_pages(None) == 0
+    index = {"holder": holder, "plain": plain, "none": None}
+    for holder_free, weight, best in [(20, 1.0, "holder"), (15, 1.0, "plain"), (1, 0.0, "holder")]:
+        free = {"holder": holder_free, "plain": 20, "none": 18}
+        ranked, held = rank_by_held(
+            ["plain", "none", "holder"], PromptHashes(prompt), free.get, lambda d: 0, weight,
+            index.get,
+        )  # fmt: skip
+        assert ranked[0] == best and held == {"holder": 4, "plain": 0, "none": 0}, holder_free
+    ranked, _ = rank_by_held(["plain", "none"], PromptHashes(prompt), free.get, len, 1.0, index.get)
+    assert ranked == ["plain", "none"]  # nothing held anywhere: the given order
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["default", "batch-invariant"])
+def test_the_router_expects_the_pages_a_decode_worker_holds(batch_invariant):
+    """A decode worker's received KV, by its cache events: the router's expected held pages are those the
+    worker reserves for the next turn (in batch-invariant mode its chains hang off another root)."""
+    s = Scheduler(
+        PageAllocator(32), PAGE, 64, 8, 100, 1000, {1}, fixed_chunks=batch_invariant,
+        prefix_caching=True, reuse_held=True,
+    )  # fmt: skip
+    first = Request("a", list(range(3, 21)), SamplingParams(max_tokens=1), Policy.DECODE_ONLY)
+    s.add(first)
+    s.kv_arrived(first.transfer_id, 18, 50)  # finishes at once (max_tokens=1)
+    index = PrefixIndex.from_info(prefix_cache_info(s))
+    assert index.reuse_held and (index.held_root != b"") == batch_invariant
+    index.apply(CacheEvents(*s.cache_events.drain(s.allocators)))
+    prompt = [*first.token_ids, 60, 61, 62]
+    after = Request("b", prompt, SamplingParams(max_tokens=1), Policy.DECODE_ONLY)
+    s.add(after)
+    assert PromptHashes(prompt).held_pages(index) == after.num_held_pages == 4
 
 
 # Over real workers.
@@ -238,3 +282,53 @@ def test_a_burst_sharing_a_new_prefix_goes_where_the_first_was_placed():
             c.router.close(r)
 
     run(test, prefix_load_weight=0.5)
+
+
+@pytest.mark.timed
+def test_the_next_turn_goes_to_the_decode_worker_holding_the_last_and_only_its_missing_pages_travel():
+    """Disaggregated (p0 feeding d0 and d1): the second turn of a conversation goes to the decode worker that
+    holds the first (a little busier than the other) and p0 sends only the pages it lacks; much busier, the
+    other one gets the turn, and all its pages; an index that wrongly expects pages there costs pages sent,
+    never a token."""
+
+    async def turn(c: Cluster, prompt: list[int]):
+        r = c.router.open("c", prompt, SamplingParams(max_tokens=3, seed=1), None)
+        tokens = []
+        try:
+            while (out := await c.router.next_tokens(r)) is not None:
+                tokens += out.token_ids
+        finally:
+            c.router.close(r)
+        assert tokens == reference(prompt, 3)
+        return r, tokens
+
+    async def test(c: Cluster):
+        p0 = c.actors["p0"].worker
+        first, answer = await turn(c, PROMPT)
+        d = first.decode_worker
+        other = "d1" if d == "d0" else "d0"
+        give_up = time.monotonic() + HANG_S
+        while c.actors[d].worker.scheduler.cache_events:
+            assert time.monotonic() < give_up, f"{d}'s cache events did not arrive"
+            await asyncio.sleep(0.002)
+        second = [*PROMPT, *answer, 50, 51]  # 34 tokens: 9 pages, the first 7 held on d
+        for w in c.handles.values():
+            w.reserved_pages = 0  # as the workers' stats would say: nothing runs
+        c.handles[d].reserved_pages = 4  # the load-only choice is the other worker
+        r, _ = await turn(c, second)
+        assert r.decode_worker == d and p0.stats().kv_pages_not_sent == 7
+        sent = p0.stats().kv_pages_sent
+        assert sent == 8 + 2
+        c.handles[d].reserved_pages = 10  # much busier: more than the 7 held pages save
+        r, _ = await turn(c, [*second, 60])
+        assert r.decode_worker == other and p0.stats().kv_pages_sent == sent + 9
+        # the router expects the other worker to hold a prompt it has never seen: it goes there, whole
+        fresh = [9] * 30  # 8 pages, 7 of which a decode worker could hold
+        w = c.handles[other]
+        w.prefix.expect(PromptHashes(fresh).of(w.prefix), time.monotonic())
+        not_sent = p0.stats().kv_pages_not_sent
+        c.handles[d].reserved_pages, w.reserved_pages = 0, 4  # load alone: d
+        r, _ = await turn(c, fresh)
+        assert r.decode_worker == other and p0.stats().kv_pages_not_sent == not_sent
+
+    run(test, decodes=2, prefills=1, pages=32)

@@ -126,7 +126,15 @@ def test_disaggregated_requests_give_the_offline_tokens(model):
         for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
             reservation = decode.add_request(DecodeRequest(f"r{i}", prompt, params, "p0"))
             prefill.submit(
-                PrefillRequest(f"r{i}", prompt, params, 0, "d0", reservation.transfer_id)
+                PrefillRequest(
+                    f"r{i}",
+                    prompt,
+                    params,
+                    0,
+                    "d0",
+                    reservation.transfer_id,
+                    num_held_pages=reservation.num_held_pages,
+                )  # fmt: skip
             )
         assert prefill.stats().queued_tokens == sum(map(len, PROMPTS))
         assert drain(decode, ["r0", "r1", "r2"], prefill) == offline(model)

@@ -16,6 +16,7 @@ import torch
 
 from pdserve.decode import DecodeConfig, DecodeWorker
 from pdserve.engine.messages import DecodeRequest, PrefillRequest
+from pdserve.engine.offline import OfflineGenerator
 from pdserve.engine.ranks.runner import start_rank_group
 from pdserve.engine.worker import RanksFailedError
 from pdserve.kvtransfer import KVTransferConfig
@@ -123,7 +124,8 @@ def kv_store():
 def test_disaggregated_requests_land_on_their_ranks_and_give_the_offline_tokens(ckpt, kv_store):
     """A prefill worker sends each request's pages to the decode rank that holds it (its reservation names the
     rank's endpoint); a request cancelled while its KV is awaited on rank 1 frees its pages once the rank has
-    cancelled, and the ranks go on receiving."""
+    cancelled, and the ranks go on receiving; a request's next turn goes to the rank that holds its pages and
+    receives only the others."""
     kv = {"config": dataclasses.asdict(kv_store), "worker_id": "d0", "store_secret": SECRET}
     decode = DecodeWorker(
         "d0", None, CONFIG, ranks=start_rank_group(CONFIG, str(ckpt), "fp32", "auto", kv=kv)
@@ -140,9 +142,10 @@ def test_disaggregated_requests_land_on_their_ranks_and_give_the_offline_tokens(
             endpoints[f"r{i}"] = reservation.endpoint
             prefill.submit(
                 PrefillRequest(
-                    f"r{i}", prompt, params, 0, reservation.endpoint, reservation.transfer_id
+                    f"r{i}", prompt, params, 0, reservation.endpoint, reservation.transfer_id,
+                    num_held_pages=reservation.num_held_pages,
                 )
-            )
+            )  # fmt: skip
         assert sorted(set(endpoints.values())) == ["d0.r0", "d0.r1"], endpoints
         # Cancelled while awaited on rank 1 (told to the rank with the next round): pages held until then.
         late = decode.add_request(DecodeRequest("late", PROMPTS[1], PARAMS[1], "p0"))
@@ -157,9 +160,25 @@ def test_disaggregated_requests_land_on_their_ranks_and_give_the_offline_tokens(
         got = drain(decode, ["r0", "r1", "r2"], prefill)
         decode.step()
         assert decode.num_used_pages == 0 and not decode.rank_kv.awaited
+        # r1's next turn goes to the rank that holds r1's pages, and only the pages after them travel
+        # 23 tokens: r1's 19 computed ones (4 full pages, held), 3 more
+        turn = [*PROMPTS[1], *got["r1"][0], 5, 6, 7]
+        reservation = decode.add_request(DecodeRequest("turn", turn, PARAMS[0], "p0"))
+        assert (reservation.endpoint, reservation.num_held_pages) == (endpoints["r1"], 4)
+        prefill.submit(
+            PrefillRequest(
+                "turn", turn, PARAMS[0], 0, reservation.endpoint, reservation.transfer_id,
+                num_held_pages=4,
+            )
+        )  # fmt: skip
+        turn_got = drain(decode, ["turn"], prefill)["turn"]
+        decode.step()
+        assert decode.num_used_pages == 0 and prefill.stats().kv_pages_not_sent == 4
     finally:
         prefill.close()
         decode.close()
     assert got == offline(model)
+    want = OfflineGenerator(model, PAGE).generate(turn, PARAMS[0])
+    assert turn_got == (want.token_ids, want.finish_reason)
     assert prefill.poll_failures() == []
     assert prefill.stats().pages_used == 0

@@ -32,6 +32,8 @@ PARAMS = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, stop_to
         (DecodeRequest("r3", [0, 1], PARAMS, "prefill-1"), DecodeRequest),
         (Reservation(4, 2), Reservation),
         (Reservation(4, 50, (4, 40)), Reservation),
+        (Reservation(4, 50, (4, 40), "decode-0.r1", 12), Reservation),  # 12 pages held there
+        (PrefillRequest("r1", [0, 5, 6] * 9, PARAMS, 0, "decode-0", 9, (), 6), PrefillRequest),
         (DecodeStats("decode-0", 1, 2, 3, 4, 5, 16, 0), DecodeStats),
         (DecodeStats("decode-0", 1, 2, 3, 4, 5, 16, 0, SpecCounts(9, 5, 4), (3, 2)), DecodeStats),
         (

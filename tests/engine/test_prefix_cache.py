@@ -3,7 +3,8 @@ eviction; the scheduler's hits (full pages, the last token left to compute, the 
 batch-invariant mode, the next token in the hash where the worker runs MTP), what they report, and what a
 cancelled, failed or preempted request leaves; and a stress run of 10,000 requests with random shared prefixes,
 cancels (some while their step runs), preemptions and evictions over a fake model whose every sample depends on
-the KV its pages hold, after which every page is free or cached and unreferenced."""
+the KV its pages hold, after which every page is free or cached and unreferenced; and one of decode-only
+requests on a decode worker that keeps received KV, their transfers carrying only the pages it does not hold."""
 
 from __future__ import annotations
 
@@ -359,3 +360,81 @@ def test_requests_with_shared_prefixes_cancels_and_evictions_leak_nothing(
     assert finished > total // 2 and cancelled > total // 100
     assert s.prefix_cache.num_hits > s.prefix_cache.num_queries // 8  # the prefixes were found
     assert s.num_preemptions > 0 or policy is Policy.PREFILL_ONLY
+
+
+@pytest.mark.parametrize(
+    "fixed_chunks, ranks",
+    [(False, 1), (True, 1), (False, 2)],
+    ids=["default", "batch-invariant", "dp2"],
+)
+def test_decode_only_requests_on_held_pages_cancels_and_failures_leak_nothing(fixed_chunks, ranks):
+    """A decode worker that keeps received KV (`reuse_held`): 1,000 decode-only requests with random shared
+    prefixes, their KV delivered (into the pages after those held, as a prefill worker sends it) or failed at
+    random, cancels (some while a step runs), evictions: every stream samples what its prompt gives, so a held
+    page always held the rows of its tokens, and every page ends free or cached and unreferenced."""
+    rng = random.Random(7 + ranks + fixed_chunks)
+    total, num_pages = 1_000, 48 // ranks
+    s = Scheduler(
+        [PageAllocator(num_pages) for _ in range(ranks)], PAGE, 48, 16, VOCAB, 1000, {0},
+        max_running=12, fixed_chunks=fixed_chunks, worker_kind="decode worker", prefix_caching=True,
+        reuse_held=True,
+    )  # fmt: skip
+    runner = ListRunner(num_pages, ranks)
+    blocks = [[rng.randrange(2, VOCAB) for _ in range(PAGE)] for _ in range(4)]
+    prefixes = [
+        [t for _ in range(rng.randrange(1, 9)) for t in rng.choice(blocks)] for _ in range(20)
+    ]  # fmt: skip
+    got: dict[str, list[int]] = {}
+    prompts: dict[str, list[int]] = {}
+    finished = failed = cancelled = submitted = steps = 0
+    while submitted < total or s.requests:
+        while submitted < total and len(s.requests) < 12:
+            prompt = rng.choice(prefixes) + [
+                rng.randrange(2, VOCAB) for _ in range(rng.randrange(6))
+            ]
+            params = SamplingParams(max_tokens=rng.randrange(1, 4), seed=0)
+            request = Request(f"r{submitted}", prompt, params, Policy.DECODE_ONLY)
+            try:
+                s.add(request)
+            except CapacityError:
+                break  # full now: the router tries again later
+            held = request.num_held_pages
+            assert held <= (len(prompt) - 1) // PAGE
+            prompts[request.request_id], got[request.request_id] = list(prompt), []
+            submitted += 1
+        outputs = []
+        for request in [r for r in s.requests.values() if r.state is RequestState.WAITING_FOR_KV]:
+            roll = rng.random()
+            if roll < 0.03:
+                outputs += s.kv_failed(request.transfer_id, "the transfer failed")
+                failed += 1
+            elif roll < 0.6:  # the pages after the held ones arrive, with the first token
+                cache, prompt = runner.caches[request.rank], prompts[request.request_id]
+                for position in range(request.num_held_pages * PAGE, len(prompt)):
+                    cache[request.pages[position // PAGE]][position % PAGE] = prompt[position] + 1
+                first = expected(prompt, 1)[0]
+                outputs += s.kv_arrived(request.transfer_id, len(prompt), first)
+        if rng.random() < 0.05 and s.requests:
+            s.abort(rng.choice(list(s.requests)))
+            cancelled += 1
+        plan, planned = s.schedule()
+        outputs += planned
+        steps += 1
+        if plan is not None:
+            if rng.random() < 0.05 and s.requests:
+                s.abort(rng.choice(list(s.requests)))
+                cancelled += 1
+            outputs += s.finish_step(plan, runner.run(plan)).outputs
+        for out in outputs:
+            got[out.request_id] += out.token_ids
+            if out.finish_reason in (FinishReason.LENGTH, FinishReason.STOP):
+                finished += 1
+                prompt, tokens = prompts[out.request_id], got[out.request_id]
+                assert tokens == expected(prompt, len(tokens)), out.request_id
+        assert steps < 50 * total, "no progress"
+    for a in s.allocators:
+        a.check()
+        assert a.num_used == 0 and a.num_free == num_pages
+        assert a.num_evicted > 0  # the cache ran full
+    assert finished > total // 2 and cancelled > total // 100 and failed > 0
+    assert s.num_held_pages > total // 2  # the prefixes were held

@@ -1,19 +1,22 @@
 """The service end to end on CPU: real Ray actors (one prefill, one decode worker), the real grpc.aio router on
 loopback, real gRPC clients. Outputs equal the offline path's; cancel and deadline free the pages on both sides;
-bad inputs are refused naming the field while the server keeps serving; health and reflection work."""
+bad inputs are refused naming the field while the server keeps serving; health and reflection work; a
+conversation's next turn gets only the KV pages its decode worker does not hold."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from serving import all_pages_free, collect, greedy, pages_in_use, wait_for, workload
+from serving import all_pages_free, collect, greedy, pages_in_use, scrape, wait_for, workload
 
 from pdserve.cli.client import Client, generate_request
 from pdserve.v1 import generation_pb2
@@ -211,3 +214,37 @@ def test_client_built_from_the_proto_alone_can_generate(server, tmp_path, refere
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     assert [int(t) for t in out.stdout.strip().split(",")] == reference([0, 5, 6, 7], 5)
+
+
+def test_the_next_turn_travels_only_the_pages_its_decode_worker_lacks(server, client, reference):
+    """Real Ray actors and the torch.distributed (gloo) transfer: a conversation's second turn gets from the
+    prefill worker only the pages after those the decode worker kept of the first (its prompt's 3 full
+    64-token pages), as the prefill worker's counters say, and streams the offline tokens."""
+    url = f"{server.http_url.removesuffix('/v1')}/metrics"
+
+    def pages() -> tuple[float, float]:
+        families = scrape(url)
+        return tuple(
+            sum(
+                s.value
+                for s in families[name].samples
+                if s.name == f"{name}_total" and s.labels["worker"] == "prefill-0"
+            )  # fmt: skip
+            for name in ("pdserve:kv_transfer_pages", "pdserve:kv_transfer_pages_not_sent")
+        )
+
+    def settled():  # the stats polled after the earlier tests' transfers
+        seen = pages()
+        time.sleep(1.5)
+        return pages() == seen and seen
+
+    sent, not_sent = wait_for(settled, 30, "the prefill worker's counters settling")
+    g = torch.Generator().manual_seed(47)
+    first = torch.randint(3, 1000, (201,), generator=g).tolist()  # 4 pages, 3 full
+    answer = [t for c in collect(client, greedy(first, 4)) for t in c.token_ids]
+    assert answer == reference(first, 4)
+    wait_for(lambda: pages() == (sent + 4, not_sent), 10, "the first turn's 4 pages sent")
+    second = [*first, *answer, *torch.randint(3, 1000, (60,), generator=g).tolist()]  # 265: 5 pages
+    tokens = [t for c in collect(client, greedy(second, 4)) for t in c.token_ids]
+    assert tokens == reference(second, 4)
+    wait_for(lambda: pages() == (sent + 6, not_sent + 3), 10, "the second turn's 2 pages sent")

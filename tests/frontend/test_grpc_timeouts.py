@@ -1,6 +1,7 @@
 """Slow and vanished gRPC clients are cut, as HTTP ones are: a client that reads nothing of its stream has its
 request cancelled after router.http_idle_timeout_s, one that vanishes (its network gone) is cut when a keepalive
-ping goes unanswered for router.grpc_keepalive_s, and connections that send nothing are closed. A small gRPC
+ping goes unanswered for router.grpc_keepalive_s, one that trickles its request message is cut after
+router.http_body_timeout_s, and connections that send nothing are closed. A small gRPC
 server with short timeouts serves the shared server's engine (its router and workers), on the shared server's
 event loop, with the production servicers and transport options."""
 
@@ -19,7 +20,7 @@ from serving import greedy, wait_for
 from pdserve.frontend.grpc_service import add_servicers, server_options
 from pdserve.v1 import generation_pb2_grpc
 
-IDLE_S, HANDSHAKE_S, KEEPALIVE_S = 1.0, 1.0, 0.5
+IDLE_S, HANDSHAKE_S, BODY_S, KEEPALIVE_S = 1.0, 1.0, 1.0, 0.5
 
 
 class _ShortTimeouts:
@@ -53,7 +54,10 @@ def _small_server(shared_server, **timeouts):
 @pytest.fixture(scope="module")
 def short_server(shared_server):
     yield from _small_server(
-        shared_server, http_idle_timeout_s=IDLE_S, http_header_timeout_s=HANDSHAKE_S
+        shared_server,
+        http_idle_timeout_s=IDLE_S,
+        http_header_timeout_s=HANDSHAKE_S,
+        http_body_timeout_s=BODY_S,
     )
 
 
@@ -110,6 +114,62 @@ def test_a_connection_that_sends_nothing_is_closed(short_server, preface):
             sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
         closed_s = _closed_within(sock, max(HANDSHAKE_S, IDLE_S) + 4)
     assert closed_s >= min(HANDSHAKE_S, IDLE_S) * 0.9
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return (
+        len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+    )
+
+
+def _literal(name: bytes, value: bytes) -> bytes:
+    """An HPACK header field, literal without indexing."""
+    return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+
+def test_a_trickled_request_message_is_cut_at_the_body_timeout(short_server, caplog):
+    """A live HTTP/2 client (it acknowledges SETTINGS and pings) that starts a Generate call and sends its
+    request message a byte at a time gets the call ended (trailers or RST_STREAM) after the body timeout."""
+    caplog.set_level(logging.INFO)
+    headers = b"".join(
+        _literal(n, v)
+        for n, v in [
+            (b":method", b"POST"),
+            (b":scheme", b"http"),
+            (b":path", b"/pdserve.v1.Generation/Generate"),
+            (b":authority", b"localhost"),
+            (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"),
+        ]  # fmt: skip
+    )
+    with socket.create_connection(("127.0.0.1", short_server), timeout=0.2) as sock:
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(4, 0, 0))
+        sock.sendall(
+            _frame(1, 4, 1, headers) + _frame(0, 0, 1, b"\x00" + (1000).to_bytes(4, "big"))
+        )
+        start, buf, ended = time.monotonic(), b"", None
+        while ended is None and time.monotonic() - start < BODY_S + 5:
+            try:
+                data = sock.recv(65536)
+            except TimeoutError:
+                sock.sendall(_frame(0, 0, 1, b"\x0a"))  # one more byte of the message
+                continue
+            assert data, "the connection closed instead of the call ending"
+            buf += data
+            while len(buf) >= 9 and len(buf) >= 9 + int.from_bytes(buf[:3], "big"):
+                size = int.from_bytes(buf[:3], "big")
+                kind, flags, stream, payload = buf[3], buf[4], buf[5:9], buf[9 : 9 + size]
+                buf = buf[9 + size :]
+                if kind in (4, 6) and not flags & 1:  # acknowledge SETTINGS and PINGs
+                    sock.sendall(_frame(kind, 1, 0, payload if kind == 6 else b""))
+                elif int.from_bytes(stream, "big") == 1 and (
+                    kind == 3 or (kind == 1 and flags & 1)
+                ):
+                    ended = time.monotonic() - start
+    assert ended is not None, f"the call was still open after {BODY_S + 5}s of trickling"
+    assert BODY_S * 0.9 <= ended < BODY_S + 3
+    cut = [r.getMessage() for r in caplog.records if "did not arrive within" in r.getMessage()]
+    assert len(cut) == 1 and "router.http_body_timeout_s" in cut[0], cut
 
 
 def test_a_served_client_is_not_cut(short_server):

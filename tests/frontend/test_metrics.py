@@ -104,6 +104,9 @@ def test_worker_series_come_from_the_latest_stats_and_registries_are_per_server(
         host_kv_restored_pages=5,
         host_kv_dropped_pages=1,
         host_kv_bytes_copied=4096,
+        kv_pages_sent=80,
+        kv_pages_not_sent=24,
+        kv_bytes_not_sent=3 << 20,
     )
 
     series = samples(metrics)
@@ -119,6 +122,11 @@ def test_worker_series_come_from_the_latest_stats_and_registries_are_per_server(
     assert sample(metrics, "pdserve:kv_transfers_in_flight", worker="prefill-0") == 1
     assert sample(metrics, "pdserve:kv_transfer_bytes_total", worker="prefill-0") == 5 << 20
     assert sample(metrics, "pdserve:kv_transfer_failures_total", worker="prefill-0") == 2
+    assert sample(metrics, "pdserve:kv_transfer_pages_total", worker="prefill-0") == 80
+    assert sample(metrics, "pdserve:kv_transfer_pages_not_sent_total", worker="prefill-0") == 24
+    assert (
+        sample(metrics, "pdserve:kv_transfer_bytes_not_sent_total", worker="prefill-0") == 3 << 20
+    )
     assert sample(metrics, "pdserve:prefix_cache_queries_total", worker="prefill-0") == 300
     assert sample(metrics, "pdserve:prefix_cache_hits_total", worker="prefill-0") == 128
     assert sample(metrics, "pdserve:prefix_cache_hits_total", worker="decode-0") == 0

@@ -127,7 +127,7 @@ def test_openai_fields_vllm_ignores_are_ignored_named_and_warned_once(api, model
     fields = {
         "store": True, "metadata": {"run": "x"}, "service_tier": "auto", "reasoning_effort": "low",
         "modalities": ["text"], "prediction": {"type": "content", "content": "a"}, "verbosity": "low",
-        "prompt_cache_key": "k", "safety_identifier": "s", "parallel_tool_calls": False,
+        "prompt_cache_key": "k", "safety_identifier": "s",
     }  # fmt: skip
     messages = [{"role": "user", "content": "hi"}]
     names = [*fields, unknown]

@@ -64,7 +64,7 @@ class MiniRouter:
             if self.prefill is not None:
                 self.prefill.submit(PrefillRequest(
                     request_id, [*prompt, *generated], params, len(generated), self.decode_id,
-                    reservation.transfer_id,
+                    reservation.transfer_id, num_held_pages=reservation.num_held_pages,
                 ))  # fmt: skip
 
     def pump(self) -> None:
