@@ -199,11 +199,6 @@ def _messages(body: dict) -> list[dict[str, Any]]:
     return out
 
 
-def chat_messages(body: dict) -> list[dict[str, Any]]:
-    """A body's `messages` as chat completions take them (text content; refusals name the message)."""
-    return _messages(body)
-
-
 def parse(body: Any, kind: str) -> OpenAIRequest:
     """Checks a decoded JSON body of `kind`; every refusal names the parameter."""
     if not isinstance(body, dict):

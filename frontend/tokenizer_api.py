@@ -20,7 +20,8 @@ from starlette.routing import Route
 from pdserve.cluster.config import RouterConfig
 from pdserve.cluster.errors import NotFoundError
 from pdserve.engine.checks import check_token_ids
-from pdserve.frontend.openai_api import chat_messages
+from pdserve.frontend import openai_api as api
+from pdserve.frontend.request_builder import build_request
 from pdserve.frontend.validation import ModelInfo, check_prompt_bytes, has_lone_surrogate
 from pdserve.model.errors import InvalidRequestError
 from pdserve.model.tokenizer import Tokenizer
@@ -51,36 +52,35 @@ def _check_body(body: Any, model: ModelInfo) -> Tokenizer:
     return model.tokenizer
 
 
+CHAT_FIELDS = ("messages", "tools", "tool_choice", "functions", "function_call", "add_generation_prompt",
+               "continue_final_message", "chat_template_kwargs")  # fmt: skip
+"""What a /tokenize body may say of a chat, as chat completions take it."""
+
+
 def tokenize(body: Any, model: ModelInfo, router: RouterConfig) -> dict:
     """vLLM's TokenizeResponse for a body with `prompt` (text; `add_special_tokens` default true: the BOS that
-    completions add) or `messages` (rendered as chat completions render them, `add_generation_prompt` default
-    true, `chat_template_kwargs`; `add_special_tokens` default false: the template writes its own BOS).
-    `return_token_strs` adds each token's vocabulary entry."""
+    completions add) or `messages` (the prompt ids a chat completion of the same messages, tools and template
+    arguments runs; `add_special_tokens` default false: the template writes its own BOS, and true adds another,
+    as vLLM does). `return_token_strs` adds each token's vocabulary entry."""
     tokenizer = _check_body(body, model)
     chat = body.get("messages") is not None
-    if chat:
-        if model.chat_template is None:
-            raise InvalidRequestError("messages", f"{model.name} has no chat template")
-        kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, dict):
-            raise InvalidRequestError("chat_template_kwargs", "expected an object")
-        generation_prompt = _flag(body, "add_generation_prompt", True)
-        text, field = (
-            model.chat_template.render(chat_messages(body), generation_prompt, kwargs),
-            "messages",
-        )
-    else:
-        text, field = body.get("prompt"), "prompt"
-        if not isinstance(text, str):
-            raise InvalidRequestError("prompt", "expected a string (or messages: a chat)")
     add_special_tokens = _flag(body, "add_special_tokens", not chat)
     token_strs = _flag(body, "return_token_strs", False)
-    check_prompt_bytes(text, router, field, model)
-    if has_lone_surrogate(text):
-        raise InvalidRequestError(
-            field, "holds a lone surrogate (\\ud800-\\udfff): not Unicode text"
-        )
-    ids = tokenizer.encode(text, add_bos=add_special_tokens)
+    if chat:
+        request = api.parse({k: body[k] for k in CHAT_FIELDS if k in body}, api.CHAT)
+        ids = build_request(request.inputs[0], model, router).prompt_ids
+        if add_special_tokens and tokenizer.add_bos and tokenizer.bos_id is not None:
+            ids = [tokenizer.bos_id, *ids]
+    else:
+        text = body.get("prompt")
+        if not isinstance(text, str):
+            raise InvalidRequestError("prompt", "expected a string (or messages: a chat)")
+        check_prompt_bytes(text, router, "prompt", model)
+        if has_lone_surrogate(text):
+            raise InvalidRequestError(
+                "prompt", "holds a lone surrogate (\\ud800-\\udfff): not Unicode text"
+            )
+        ids = tokenizer.encode(text, add_bos=add_special_tokens)
     return {
         "count": len(ids),
         "max_model_len": model.max_model_len,

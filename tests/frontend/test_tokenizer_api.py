@@ -1,7 +1,7 @@
 """vLLM's tokenizer endpoints on the shared tiny server (what lm-eval's remote tokenizer calls): /tokenize gives the
-ids a completions or chat request runs (its usage counts them), /detokenize inverts it, /tokenizer_info names the
-special tokens and the chat template; bad input is a 400 naming the field, another model's name a 404.
-(lm-eval itself on them: test_third_party_clients.py.)"""
+ids a completions or chat request runs (its usage counts them, the tools a chat describes included), /detokenize
+inverts it, /tokenizer_info names the special tokens and the chat template; bad input is a 400 naming the field,
+another model's name a 404. (lm-eval itself on them: test_third_party_clients.py.)"""
 
 from __future__ import annotations
 
@@ -70,6 +70,17 @@ def test_tokenize_renders_messages_as_chat_completions_do(http, api, model, toke
     assert got["tokens"][: opened["count"]] == opened["tokens"] and opened["count"] < got["count"]
 
 
+def test_tokenize_counts_the_tools_a_chat_request_describes(http, api, model):
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    plain = post(http, "/tokenize", {"messages": messages})
+    got = post(http, "/tokenize", {"messages": messages, "tools": [tool]})
+    assert got["count"] > plain["count"]
+    reply = api.chat.completions.create(model=model, messages=messages, tools=[tool], max_tokens=1)
+    assert reply.usage.prompt_tokens == got["count"]
+
+
 def test_detokenize_inverts_tokenize_with_special_tokens_kept(http, model, tokenizer):
     text = "The quick brown fox"
     ids = post(http, "/tokenize", {"prompt": text})["tokens"]
@@ -94,6 +105,7 @@ def test_tokenizer_info_names_the_special_tokens_and_the_template(http, shared_s
         ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
         ("/tokenize", {"messages": [{"content": "no role"}]}, "messages[0]"),
         ("/tokenize", {"messages": []}, "messages"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "tools": 3}, "tools"),
         (
             "/tokenize",
             {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": 1},
