@@ -32,11 +32,14 @@ SCORE_TOLERANCE = 1e-4
 
 
 def client(name: str) -> Path:
-    """The client's command in the clients' virtualenv, or a skip naming how to make it."""
-    path = CLIENTS_VENV / "bin" / name
-    if not path.is_file():
-        pytest.skip(f"{name} is not installed in {CLIENTS_VENV} (`make test-clients` installs it)")
-    return path
+    """The client's command in the clients' virtualenv."""
+    return CLIENTS_VENV / "bin" / name
+
+
+def needs(name: str) -> pytest.MarkDecorator:
+    """Skips the test, before it starts anything, where `name` is not installed in the clients' virtualenv."""
+    reason = f"{name} is not installed in {CLIENTS_VENV} (`make test-clients` installs it)"
+    return pytest.mark.skipif(not client(name).is_file(), reason=reason)
 
 
 def _env(tmp_path: Path, hub_offline: bool = True) -> dict[str, str]:
@@ -167,6 +170,7 @@ BACKENDS = {
 }
 
 
+@needs("lm_eval")
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_lm_eval_local_completions_scores_as_the_engine_does(
     shared_server, model, tokenizer, reference_model, reference, backend, tmp_path
@@ -205,6 +209,7 @@ def test_lm_eval_local_completions_scores_as_the_engine_does(
         assert sample["resps"] == [[want]]
 
 
+@needs("lm_eval")
 def test_lm_eval_local_chat_completions_answers_in_content(shared_server, model, tmp_path):
     url = f"{shared_server.http_url}/chat/completions"
     samples = lm_eval(tmp_path, "local-chat-completions", url, model, "tiny_gen",
@@ -218,6 +223,7 @@ def test_lm_eval_local_chat_completions_answers_in_content(shared_server, model,
 NUM_REQUESTS = 8
 
 
+@needs("guidellm")
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_guidellm_streaming_has_no_errors(shared_server, model, route, tmp_path):
     """guidellm streams with `stream_options.continuous_usage_stats` and counts tokens from the usage."""
@@ -242,6 +248,7 @@ def test_guidellm_streaming_has_no_errors(shared_server, model, route, tmp_path)
         assert request["output_tokens"] == 8  # from the server's usage (ignore_eos is sent)
 
 
+@needs("aiperf")
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_aiperf_streaming_has_no_errors(shared_server, model, model_dir, endpoint, tmp_path):
     """aiperf with the checkpoint directory as its tokenizer. Its HF_HUB_OFFLINE mode cannot load a tokenizer
