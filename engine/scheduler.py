@@ -621,14 +621,17 @@ class Scheduler:
 
     def _plan_drafts(self, decode: list[Request]) -> dict[int, int]:
         """How many of its drafts each running request verifies this step (by id(request); none while it
-        replays): at most the tokens it may still generate after the step's first, and as many as its rank
-        has rows to spare under `max_rows`, oldest first."""
+        replays, and none for a constrained request, whose grammar masks its own rows only): at most the tokens
+        it may still generate after the step's first, and as many as its rank has rows to spare under
+        `max_rows`, oldest first."""
         if not self._step_drafts:
             return {}
         rows = Counter(r.rank for r in decode)
         out: dict[int, int] = {}
         for request in decode:
             if not request.draft_ids or request.num_computed != request.num_tokens - 1:
+                continue
+            if request.params.structured is not None:
                 continue
             room = request.params.max_tokens - request.num_generated - 1
             room = min(room, self.max_model_len - request.num_tokens - 1)
@@ -642,13 +645,13 @@ class Scheduler:
 
     def _sample_spec(self, request: Request) -> SampleSpec:
         """Its next row's sampling; the first since it came here (or was preempted) carries its sequence for
-        the penalties, which the runner counts on from then on."""
+        the penalties and its constraint for the grammar, which the runner keeps on from then on."""
         params, step = request.params, request.num_generated
         banned = request.banned_ids(self.eos_token_ids) if step < params.min_tokens else None
         spec = SampleSpec.of(
             params, step, request.token_ids, self.eos_token_ids, request.counted, banned
         )  # fmt: skip
-        request.counted = request.params.penalized
+        request.counted = request.params.penalized or request.params.structured is not None
         return spec
 
     def _rank_step(
@@ -805,6 +808,9 @@ class Scheduler:
             if result.prefill_error is not None:
                 outputs += self._abort(request, f"prefill failed: {result.prefill_error}")
                 continue
+            if request.request_id in result.row_errors:
+                outputs += self._abort(request, result.row_errors[request.request_id])
+                continue
             request.num_computed = start + length
             if scored is not None:  # entry i: the prompt token after position i
                 request.prompt_logprobs = [*(request.prompt_logprobs or [])[:start], *scored]
@@ -834,6 +840,9 @@ class Scheduler:
                 continue  # finished or aborted while the step ran, or a draft's row
             if result.decode_error is not None:
                 outputs += self._abort(request, f"decode failed: {result.decode_error}")
+                continue
+            if request.request_id in result.row_errors:
+                outputs += self._abort(request, result.row_errors[request.request_id])
                 continue
             kept = accepted[r]
             request.num_computed += kept
