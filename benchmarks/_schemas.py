@@ -14,7 +14,19 @@ _WORDS = (
     "name", "age", "city", "tags", "score", "items", "id", "kind", "note", "ok", "size", "color", "owner",
     "level", "unit", "title", "count", "flag", "code", "mode",
 )  # fmt: skip
-_ENUMS = ("red", "green", "blue", "small", "large", "yes", "no", "alpha", "beta", "ünïcode", "with space")
+_ENUMS = (
+    "red",
+    "green",
+    "blue",
+    "small",
+    "large",
+    "yes",
+    "no",
+    "alpha",
+    "beta",
+    "ünïcode",
+    "with space",
+)
 
 
 def _leaf(rng: random.Random) -> dict[str, Any]:
