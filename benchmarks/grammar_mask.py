@@ -138,11 +138,15 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a dry run)")
+    parser.add_argument(
+        "--device", default="cuda", help="cuda (the measurement) or cpu (a dry run)"
+    )
     parser.add_argument("--load-format", default="safetensors", help="safetensors or dummy")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--constraint", default="json_schema", choices=("json_schema", "regex"))
-    parser.add_argument("--tokenizer", help="a tokenizer.json to match against (default: the model's)")
+    parser.add_argument(
+        "--tokenizer", help="a tokenizer.json to match against (default: the model's)"
+    )
     parser.add_argument(
         "--train-vocab", action="store_true", help="train a BPE of the model's vocab_size to match"
     )
