@@ -17,6 +17,7 @@ anyway."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -72,8 +73,15 @@ def check(structured: StructuredOutput, field: str) -> StructuredOutput:
         if not isinstance(schema, dict | bool):
             raise InvalidRequestError(field, "a JSON schema must be an object")
     if structured.kind == "choice":
-        choices = json.loads(text)
-        if not choices or not all(isinstance(c, str) and c for c in choices):
+        try:
+            choices = json.loads(text)
+        except ValueError:
+            choices = None
+        if (
+            not isinstance(choices, list)
+            or not choices
+            or not all(isinstance(c, str) and c for c in choices)
+        ):
             raise InvalidRequestError(field, "must be a non-empty list of non-empty strings")
     if structured.kind in ("regex", "grammar") and not text:
         raise InvalidRequestError(field, "must not be empty")
@@ -93,8 +101,6 @@ def constrain_json(
     value ends), for callers that generate structured text themselves, e.g. a tool call's arguments. Raises
     InvalidRequestError naming `field` where the schema is not usable, or where `params` is constrained
     already or ignores EOS."""
-    import dataclasses
-
     if params.structured is not None:
         raise InvalidRequestError(field, "the request's output is constrained already")
     structured = check(StructuredOutput("json_schema", json.dumps(schema)), field)

@@ -101,3 +101,24 @@ def test_unusable_constraints_are_400_naming_the_field(api, model, extra, field)
     with pytest.raises(openai.BadRequestError) as e:
         api.completions.create(model=model, prompt="x", max_tokens=5, extra_body=extra)
     assert field in str(e.value)
+
+
+def test_grpc_structured_output_and_its_invalid_argument(shared_server, tokenizer):
+    import grpc
+
+    from pdserve.cli.client import Client, generate_request
+    from pdserve.v1 import generation_pb2
+
+    request = generate_request([0, 9, 10], max_tokens=20, temperature=1.0, seed=2)
+    request.sampling_params.structured_output.kind = "regex"
+    request.sampling_params.structured_output.text = "[0-9]{4}"
+    with Client(shared_server.address) as client:
+        chunks = list(client.generate(request, timeout_s=60))
+        ids = [t for c in chunks for t in c.token_ids]
+        assert re.fullmatch("[0-9]{4}", tokenizer.decode(ids))
+        assert chunks[-1].finish_reason == generation_pb2.FINISH_REASON_STOP
+        request.sampling_params.structured_output.kind = "xml"
+        with pytest.raises(grpc.RpcError) as e:
+            list(client.generate(request, timeout_s=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sampling_params.structured_output.kind" in e.value.details()
