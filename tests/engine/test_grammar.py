@@ -120,3 +120,10 @@ def test_constraints_and_row_errors_cross_the_rank_wire():
     assert [r.sample for r in got.ranks[0].decode] == [r.sample for r in rows]
     result = RankResult(3, [], [1, 2, 3], row_errors={"a": "structured output failed: x"})
     assert result_from_wire(result_to_wire(result)) == result
+
+
+def test_the_constraint_travels_in_the_workers_messages():
+    from pdserve.engine.messages import decode, encode
+
+    params = SamplingParams(max_tokens=9, structured=CHOICE)
+    assert decode(SamplingParams, encode(params)) == params
