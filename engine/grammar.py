@@ -1,7 +1,8 @@
 """Structured outputs' grammars: a request's constraint (`StructuredOutput`) as the grammar llguidance compiles
-(`to_grammar`), checked before the request is admitted (`check`), and the one call other parts of the server
-make to constrain a request to a JSON schema (`constrain_json`, e.g. a tool call's arguments). No torch: the
-router checks here; the runner's matchers and masks are `pdserve.engine.grammar_masks`.
+(`to_grammar`), checked before the request is admitted (`check`), and the calls other parts of the server make
+to constrain a request (`constrain`, `constrain_json`, and `json_rule` for JSON inside a grammar: a tool call's
+arguments). No torch: the router checks here; the runner's matchers and masks are
+`pdserve.engine.grammar_masks`.
 
 The grammar engine is llguidance rather than xgrammar. On a DeepSeek-sized (129K-token) byte-level vocabulary
 on CPU, llguidance computes the token mask faster where most tokens are allowed (inside a JSON string, the
@@ -26,7 +27,7 @@ import llguidance
 from pdserve.engine.sampling_params import SamplingParams, StructuredOutput
 from pdserve.model.errors import InvalidRequestError
 
-__all__ = ["MAX_SPEC_BYTES", "check", "constrain_json", "to_grammar"]
+__all__ = ["MAX_SPEC_BYTES", "check", "constrain", "constrain_json", "json_rule", "to_grammar"]
 
 MAX_SPEC_BYTES = 256 * 1024
 """The largest constraint text (schema, regex, choices, grammar) a request may carry: it travels with the
@@ -94,14 +95,25 @@ def check(structured: StructuredOutput, field: str) -> StructuredOutput:
     return structured
 
 
+def constrain(params: SamplingParams, structured: StructuredOutput, field: str) -> SamplingParams:
+    """`params` with its output constrained to `structured`, checked (`check`): for callers that generate
+    structured text themselves, e.g. tool calls. Raises InvalidRequestError naming `field` where the
+    constraint is not usable, or where `params` is constrained already or ignores EOS."""
+    if params.structured is not None:
+        raise InvalidRequestError(field, "the request's output is constrained already")
+    return dataclasses.replace(params, structured=check(structured, field))
+
+
 def constrain_json(
     params: SamplingParams, schema: dict[str, Any] | bool, field: str
 ) -> SamplingParams:
-    """`params` with its output constrained to JSON that `schema` validates (compact JSON, ending where the
-    value ends), for callers that generate structured text themselves, e.g. a tool call's arguments. Raises
-    InvalidRequestError naming `field` where the schema is not usable, or where `params` is constrained
-    already or ignores EOS."""
-    if params.structured is not None:
-        raise InvalidRequestError(field, "the request's output is constrained already")
-    structured = check(StructuredOutput("json_schema", json.dumps(schema)), field)
-    return dataclasses.replace(params, structured=structured)
+    """`params` with its output constrained to compact JSON that `schema` validates, ending where the value
+    ends (`constrain`)."""
+    return constrain(params, StructuredOutput("json_schema", json.dumps(schema)), field)
+
+
+def json_rule(schema: dict[str, Any]) -> str:
+    """A Lark rule body matching compact JSON that `schema` validates (llguidance's `%json`), for a grammar
+    that embeds JSON in other text, e.g. a tool call's arguments between the model's tool-call tokens:
+    `StructuredOutput("grammar", 'start: "<call>" args "</call>"\\nargs: ' + json_rule(schema))`."""
+    return "%json " + json.dumps({**schema, "x-guidance": _JSON_OPTIONS})

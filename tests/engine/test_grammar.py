@@ -127,3 +127,22 @@ def test_the_constraint_travels_in_the_workers_messages():
 
     params = SamplingParams(max_tokens=9, structured=CHOICE)
     assert decode(SamplingParams, encode(params)) == params
+
+
+def test_json_inside_a_grammar_is_compact_and_validated(matchers, tokenizer):
+    from pdserve.engine.grammar import constrain, json_rule
+
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"]}
+    lark = 'start: "<call>" args "</call>"\nargs: ' + json_rule(schema)
+    params = constrain(SamplingParams(), StructuredOutput("grammar", lark), "tools[0]")
+    first = SampleSpec.of(params, 0)
+    errors: dict[str, str] = {}
+    for step, t in enumerate(tokenizer.encode('<call>{"city":"Paris"}</call>', add_bos=False)):
+        row = first if step == 0 else SampleSpec.of(params, step, counted=True)
+        _, errors = matchers.masks(["t"], [row], torch.device("cpu"))
+        matchers.accept(["t"], [row], [t], errors)
+        assert not errors, errors
+    masks, _ = matchers.masks(["t"], [SampleSpec.of(params, 9, counted=True)], torch.device("cpu"))
+    assert allowed(masks, 0) == {1}
+    with pytest.raises(InvalidRequestError, match="tools"):
+        constrain(params, StructuredOutput("json_object"), "tools[0]")
