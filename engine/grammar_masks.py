@@ -82,17 +82,26 @@ class GrammarMatchers:
         return len(self._matchers)
 
     def masks(
-        self, request_ids: Sequence[str], specs: Sequence[SampleSpec], device: torch.device
-    ) -> tuple[RowMasks | None, dict[str, str]]:
+        self, request_ids: Sequence[str], specs: Sequence[SampleSpec], device: torch.device,
+        drafts: Sequence[Sequence[int]] = (),
+    ) -> tuple[RowMasks | None, dict[str, str]]:  # fmt: skip
         """The constrained rows' masks (None where no row is constrained) on `device`, and the requests whose
         grammar failed (no matcher, an error, or no token allowed), with why; their rows' masks allow every
-        token, and their tokens are to be dropped."""
+        token, and their tokens are to be dropped. drafts: per row, where the pass verifies drafts, the
+        tokens of the drafts after it on a verify group's first row (the group's other rows: masked as if
+        those drafts were taken, as far as the grammar takes them; the rows past a draft it refuses allow
+        every token, that draft being rejected by the mask before them), else empty."""
         rows = [i for i, s in enumerate(specs) if s.constrained]
         if not rows:
             return None, {}
         errors: dict[str, str] = {}
-        targets: list[tuple[llguidance.LLMatcher, int]] = []
+        targets: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
+        in_group: set[int] = set()  # a verify group's draft rows: masked with its first row
         for j, i in enumerate(rows):
+            if i in in_group:
+                continue
+            ahead = list(drafts[i]) if drafts else []
+            in_group.update(range(i + 1, i + 1 + len(ahead)))
             request_id, error = request_ids[i], None
             try:
                 matcher = self._matcher(request_id, specs[i])
@@ -103,39 +112,62 @@ class GrammarMatchers:
             ) as e:  # a tokenizer or grammar that cannot load fails its request alone
                 matcher, error = None, f"{type(e).__name__}: {e}"
             if error is None:
-                targets.append((matcher, j))
+                targets.append((matcher, j, ahead))
             else:
                 errors[request_id] = f"structured output failed: {error}"
         host = self._buffer(len(rows))
         host.fill_(_ALL_ALLOWED)
         if targets:
-            self._executor_().unsafe_compute_mask_ptr(
-                targets, host.data_ptr(), self.words * 4, len(rows)
-            )
-            empty = (host[[j for _, j in targets]] == 0).all(dim=1).tolist()
-            for (_, j), none_allowed in zip(targets, empty, strict=True):
-                if none_allowed:
+            executor = self._executor_()
+            if any(ahead for _, _, ahead in targets):
+                executor.unsafe_compute_mask_ptr_with_draft_token(
+                    targets, host.data_ptr(), self.words * 4, len(rows)
+                )
+            else:
+                executor.unsafe_compute_mask_ptr(
+                    [(m, j) for m, j, _ in targets], host.data_ptr(), self.words * 4, len(rows)
+                )
+            empty = (host == 0).all(dim=1).tolist()
+            for j in [j for j, none_allowed in enumerate(empty) if none_allowed]:
+                host[j] = _ALL_ALLOWED  # a draft row past a refused draft, or a failed grammar
+            for _, j, _ in targets:
+                if empty[j]:
                     errors[request_ids[rows[j]]] = (
                         "structured output failed: the grammar allows no token here (min_tokens "
                         "or a stop token may hold back the end it needs)"
                     )
-                    host[j] = _ALL_ALLOWED
         index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
         return RowMasks(index, host.to(device, non_blocking=True), tuple(rows)), errors
 
     def accept(
         self, request_ids: Sequence[str], specs: Sequence[SampleSpec], tokens: Sequence[int],
-        errors: dict[str, str],
+        errors: dict[str, str], accepted: Sequence[int] = (),
     ) -> None:  # fmt: skip
         """Advances the constrained rows' matchers by their sampled tokens, adding to `errors` a request whose
-        grammar refuses its token (requests in `errors` already are skipped)."""
-        for request_id, spec, token in zip(request_ids, specs, tokens, strict=True):
+        grammar refuses one (requests in `errors` already are skipped). accepted: where the pass verified
+        drafts, per row the tokens it keeps from there (`Verified.accepted`: a verify group's kept tokens
+        on its first row, 0 on its other rows); else one each."""
+        for r, (request_id, spec) in enumerate(zip(request_ids, specs, strict=True)):
             if not spec.constrained or request_id in errors:
                 continue
+            kept = tokens[r : r + (accepted[r] if accepted else 1)]
+            if not kept:
+                continue  # a draft's row: its group's first row took its token
             matcher = self._matchers.get(request_id)
-            if matcher is None or not matcher.consume_token(token):
+            if matcher is None or not self._consume(matcher, kept):
                 why = "no matcher" if matcher is None else matcher.get_error()
-                errors[request_id] = f"structured output failed: token {token} refused ({why})"
+                errors[request_id] = f"structured output failed: tokens {kept} refused ({why})"
+
+    def _consume(self, matcher: llguidance.LLMatcher, tokens: Sequence[int]) -> bool:
+        """Whether the matcher takes `tokens`; an end-of-sequence token where the grammar has accepted ends
+        them (the request finishes there; a matcher that a draft's mask stopped and rolled back may not take
+        it again)."""
+        for token in tokens:
+            if token in self._eos and (matcher.is_stopped() or matcher.is_accepting()):
+                return True
+            if not matcher.consume_token(token):
+                return False
+        return True
 
     def keep(self, request_ids: set[str]) -> None:
         """Drops the matchers of every request not in `request_ids` (a step's rows)."""

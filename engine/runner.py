@@ -300,7 +300,12 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
         specs, request_ids = [r.sample for r in rows], [r.request_id for r in rows]
         # the masks are filled on the host while the device runs the forward (a graph replay)
-        masks, errors = self.grammar.masks(request_ids, specs, self.device)
+        drafts = ()
+        if any(r.drafts for r in rows):
+            drafts = [
+                [rows[i + j].token_id for j in range(1, r.drafts + 1)] for i, r in enumerate(rows)
+            ]
+        masks, errors = self.grammar.masks(request_ids, specs, self.device, drafts)
         if not plan.mtp or not plan.num_drafts:
             tokens, logprobs = sample(logits, specs, request_ids, self.penalty_counts, masks)
             if masks is not None:
@@ -311,8 +316,8 @@ class ModelRunner:
         verified = self.drafter.verify(
             logits, rows, self.penalty_counts, self.draft_probs, relaxed, masks
         )
-        if masks is not None:  # constrained requests verify no drafts: each row is its own token
-            self.grammar.accept(request_ids, specs, verified.tokens, errors)
+        if masks is not None:  # each group's kept tokens, on its first row
+            self.grammar.accept(request_ids, specs, verified.tokens, errors, verified.accepted)
             self._row_errors.update(errors)
         graph_key = None
         if self.graphs is not None and not self._joins_idle:

@@ -95,8 +95,8 @@ class SamplingParams:
     target's top-k within delta of the best log-probability; elsewhere, and on other workers, strict."""
     structured: StructuredOutput | None = None
     """Constrain the output to a grammar (`StructuredOutput`): every sampled token is masked to those the
-    grammar allows next, and end-of-sequence is allowed only where the grammar accepts. Such a request is not
-    speculated (its drafts are never verified) and may not ignore EOS."""
+    grammar allows next (a verify group's rows as if the drafts before them were taken), and end-of-sequence
+    is allowed only where the grammar accepts. Such a request may not ignore EOS."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):

@@ -621,17 +621,14 @@ class Scheduler:
 
     def _plan_drafts(self, decode: list[Request]) -> dict[int, int]:
         """How many of its drafts each running request verifies this step (by id(request); none while it
-        replays, and none for a constrained request, whose grammar masks its own rows only): at most the tokens
-        it may still generate after the step's first, and as many as its rank has rows to spare under
-        `max_rows`, oldest first."""
+        replays): at most the tokens it may still generate after the step's first, and as many as its rank
+        has rows to spare under `max_rows`, oldest first."""
         if not self._step_drafts:
             return {}
         rows = Counter(r.rank for r in decode)
         out: dict[int, int] = {}
         for request in decode:
             if not request.draft_ids or request.num_computed != request.num_tokens - 1:
-                continue
-            if request.params.structured is not None:
                 continue
             room = request.params.max_tokens - request.num_generated - 1
             room = min(room, self.max_model_len - request.num_tokens - 1)

@@ -146,16 +146,13 @@ def verify(
     relaxed: (top-k, delta) of relaxed acceptance for greedy rows marked `SampleSpec.relaxed`: a draft among
     the row's top-k tokens within delta of its best log-probability (of the penalized logits) is accepted as
     if it were the argmax; a rejected one is replaced by the argmax (no longer the tokens of one token a
-    step: opt-in, inside think blocks); masks: the constrained rows' allowed tokens (structured outputs; their
-    requests draft nothing, so these rows are plain rows), applied after the penalties and bans."""
+    step: opt-in, inside think blocks); masks: the constrained rows' allowed tokens (structured outputs; a verify
+    group's row i masked as if its drafts up to i were taken), applied after the penalties and bans, so a
+    draft the grammar refuses is never accepted."""
     specs = [r.sample for r in rows]
     group_of, starts = verify_groups(rows)
     adjusted = _adjusted(logits, rows, group_of, counts)
     if masks is not None:
-        if any(group_of[i] >= 0 for i in masks.row_ids):
-            raise ValueError(
-                "a constrained request's row in a verify group: its drafts are not masked"
-            )
         adjusted = masks.apply(adjusted)
     target = sample_tokens(adjusted, specs, [s.step for s in specs])
     tokens, accepted = list(target), [1 if g < 0 else 0 for g in group_of]

@@ -20,6 +20,15 @@ from pdserve.model.errors import InvalidRequestError
 from pdserve.model.tokenizer import Tokenizer
 
 CHOICE = StructuredOutput("choice", json.dumps(["yes", "no"]))
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": 0, "maximum": 999},
+        "b": {"enum": ["x", "yz"]},
+    },
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +155,28 @@ def test_json_inside_a_grammar_is_compact_and_validated(matchers, tokenizer):
     assert allowed(masks, 0) == {1}
     with pytest.raises(InvalidRequestError, match="tools"):
         constrain(params, StructuredOutput("json_object"), "tools[0]")
+
+
+@pytest.mark.parametrize("acceptance", [0.7, 1.0])
+def test_speculation_masks_each_verified_row_and_keeps_greedy_exact(
+    reference_model, tokenizer, acceptance
+):
+    """Drafts of the known greedy continuation, some replaced by other tokens: the grammar masks every row
+    of a verify group as if the drafts before it were taken, so the kept tokens are exactly the
+    unspeculated ones, and a replaced draft the grammar refuses is rejected."""
+    from pdserve.engine.drafter import OracleDrafter
+    from pdserve.engine.offline import OfflineGenerator
+
+    structured = check(StructuredOutput("json_schema", json.dumps(SCHEMA)), "s")
+    params = SamplingParams(max_tokens=120, structured=structured)
+    prompt = tokenizer.encode("JSON:")
+    plain = OfflineGenerator(reference_model).generate(prompt, params)
+    sequences = {"offline": [*prompt, *plain.token_ids]}
+    speculating = OfflineGenerator(
+        reference_model, num_drafts=2,
+        drafter=lambda m, c: OracleDrafter(m, c, sequences, acceptance, seed=3),
+    )  # fmt: skip
+    got = speculating.generate(prompt, params)
+    assert got.token_ids == plain.token_ids and got.finish_reason == "stop"
+    assert got.num_accepted > 0 and got.num_steps < plain.num_steps
+    json.loads(tokenizer.decode(got.token_ids))

@@ -542,19 +542,18 @@ def test_relaxed_rows_are_the_verify_rows_inside_the_think_block():
     assert rows_of((10, 0.5), None) == [False] * 4
 
 
-def test_a_constrained_request_verifies_no_drafts_and_sends_its_grammar_once():
+def test_a_constrained_request_verifies_its_drafts_and_sends_its_grammar_once():
     grammar = StructuredOutput("regex", "[a-z]+")
     s = speculating()
     req = request("a", 5, max_tokens=8, structured=grammar)
     s.add(req)
     s.kv_arrived(req.transfer_id, 5, first_token=42, draft_ids=[50, 51])
     plan, _ = s.schedule()
-    (row,) = plan.ranks[
-        0
-    ].decode  # its drafts are not verified: the grammar masks its own rows only
-    assert row.drafts == 0 and row.sample.constrained
+    row, *draft_rows = plan.ranks[0].decode  # the runner masks the drafts' rows too
+    assert row.drafts == 2 and row.sample.constrained
     assert row.sample.grammar == grammar and row.sample.grammar_ids == (42,)
-    s.finish_step(plan, [RankResult(plan.step_id, [], [43], decode_drafts=[[60, 61]])])
+    assert all(r.sample.constrained and r.sample.grammar is None for r in draft_rows)
+    s.finish_step(plan, [RankResult(plan.step_id, [], [43, 0, 0], decode_accepted=[1, 0, 0])])
     plan, _ = s.schedule()
     (row,) = plan.ranks[0].decode
     assert row.sample.constrained and row.sample.grammar is None  # the runner keeps its matcher
