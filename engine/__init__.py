@@ -16,12 +16,14 @@ marked torch are imported from their modules.
 | `pages` | the page allocator: reference-counted pages, the prefix cache's pages and their eviction |
 | `prefix_cache` | which of a request's pages it shares through the prefix cache: the hash chain, hits, counts |
 | `rank_choice` | the data-parallel rank a new request goes to: the most of its prefix, balanced against load |
+| `grammar` | structured outputs' constraints: checked, compiled for llguidance, and how a request is constrained |
 | `spec_policy` | when a speculating worker drafts: a batch-size limit and the measured acceptance |
 | `chunking` | chunked-prefill planning |
 | `host_tier` | the host-memory tier's bookkeeping: evicted pages' slots by hash, restores on a hit |
 | `host_store` (torch) | the host tier's memory and its batched copies to and from the GPU cache |
 | `step_timer` | how long the step in flight has run and is expected to take, for the router's stall check |
 | `runner` (torch) | the model runner, with `sampler` and `cuda_graphs` |
+| `grammar_masks` (torch) | the runner's grammar matchers per request and each pass's batched token mask |
 | `speculative` (torch) | speculative decoding's arithmetic: drafting from MTP logits, verifying drafts |
 | `drafter` (torch) | the MTP module's passes of a speculating step; the oracle draft for benchmarks |
 | `draft_graphs` (torch) | CUDA graphs of a decode step's MTP passes |

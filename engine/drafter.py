@@ -61,10 +61,10 @@ class MTPDrafter:
 
     def verify(
         self, logits: torch.Tensor, rows: Sequence[DecodeRow], counts: PenaltyCounts,
-        draft_probs: DraftProbs, relaxed: tuple[int, float] | None = None,
+        draft_probs: DraftProbs, relaxed: tuple[int, float] | None = None, masks=None,
     ) -> Verified:  # fmt: skip
         """The decode pass's tokens and accepted drafts (`speculative.verify`)."""
-        return verify(logits, rows, counts, draft_probs, relaxed)
+        return verify(logits, rows, counts, draft_probs, relaxed, masks)
 
     def depth_module(self, depth: int) -> int:
         """The MTP module drafting at `depth` (0: the first draft)."""
@@ -231,8 +231,8 @@ class OracleDrafter(MTPDrafter):
         self.forced = forced
         self.vocab_size = model.args.vocab_size
 
-    def verify(self, logits, rows, counts, draft_probs, relaxed=None):  # type: ignore[override]
-        verified = super().verify(logits, rows, counts, draft_probs, relaxed)
+    def verify(self, logits, rows, counts, draft_probs, relaxed=None, masks=None):  # type: ignore[override]
+        verified = super().verify(logits, rows, counts, draft_probs, relaxed, masks)
         if not self.forced:
             return verified
         tokens, accepted = list(verified.tokens), list(verified.accepted)

@@ -86,8 +86,9 @@ class Request:
     scheduler: `think_state`)."""
     num_verify_steps: int = 0
     counted: bool = False
-    """The runner running its rows counts its penalties already (its sequence went with a sampled row; see
-    `SampleSpec.penalty_ids`); false again once it is preempted."""
+    """The runner running its rows counts its penalties and keeps its grammar matcher already (its sequence
+    and constraint went with a sampled row; see `SampleSpec.penalty_ids` and `SampleSpec.grammar`); false
+    again once it is preempted."""
     page_hashes: list[bytes] = dataclasses.field(default_factory=list, repr=False)
     """The prefix cache's chained hashes of its first full pages, as far as made (`PrefixCache`)."""
     num_cached_pages: int = 0

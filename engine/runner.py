@@ -8,12 +8,14 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.draft_graphs import DraftGraphs
 from pdserve.engine.drafter import MTPDrafter
+from pdserve.engine.grammar_masks import GrammarMatchers
 from pdserve.engine.host_store import HostKVStore, host_slots
 from pdserve.engine.rank_memory import GPU_MEMORY_UTILIZATION
 from pdserve.engine.ranks.wire import max_pages, prefill_tokens
@@ -62,6 +64,15 @@ class ModelRunner:
         """The penalties' counts of the requests this runner samples (kept between steps)."""
         self.draft_probs = DraftProbs()
         """The draft distributions of the drafts this runner proposed last step (kept to verify them)."""
+        checkpoint = getattr(model, "checkpoint_dir", None)
+        self.grammar = GrammarMatchers(
+            Path(checkpoint) / "tokenizer.json" if checkpoint else None,
+            model.args.vocab_size,
+            model.args.eos_token_ids,
+        )
+        """The grammar matchers of the constrained requests this runner samples (kept between steps)."""
+        self._row_errors: dict[str, str] = {}
+        """The step's requests whose rows failed alone (`RankResult.row_errors`)."""
         self.drafter: MTPDrafter | None = None
         """Runs the MTP module's passes of a plan that asks (made at the first; a benchmark may set its own)."""
 
@@ -124,6 +135,7 @@ class ModelRunner:
         rows replays it with padding rows)."""
         step = plan.ranks[self.rank]
         result = RankResult(plan.step_id)
+        self._row_errors = result.row_errors
         joins = self._joins_idle
         if plan.mtp and self.drafter is None:
             self.drafter = MTPDrafter(self.model, self.cache)
@@ -172,12 +184,13 @@ class ModelRunner:
                     except Exception as e:  # as above
                         logger.error("decode pass failed", exc_info=True)
                         result = dataclasses.replace(result, decode_error=str(e))
-        if len(self.penalty_counts) or len(self.draft_probs):
+        if len(self.penalty_counts) or len(self.draft_probs) or len(self.grammar):
             # the requests not in this step are gone from this runner
             sampled = [r.request_id for r in step.prefill if r.sample is not None]
             live = {*sampled, *(r.request_id for r in step.decode)}
             self.penalty_counts.keep(live)
             self.draft_probs.keep(live)
+            self.grammar.keep(live)
         return result
 
     @property
@@ -222,7 +235,12 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[batch.logits_indices[sampled]])
             specs = [rows[i].sample for i in sampled]
             request_ids = [rows[i].request_id for i in sampled]
-            tokens, logprobs = sample(logits, specs, request_ids, self.penalty_counts)
+            # the masks are filled on the host while the device runs the forward and the logits
+            masks, errors = self.grammar.masks(request_ids, specs, self.device)
+            tokens, logprobs = sample(logits, specs, request_ids, self.penalty_counts, masks)
+            if masks is not None:
+                self.grammar.accept(request_ids, specs, tokens, errors)
+                self._row_errors.update(errors)
             for i, t in zip(sampled, tokens, strict=True):
                 out[i] = t
             if logprobs is not None:
@@ -281,11 +299,26 @@ class ModelRunner:
             hidden = self.model(batch, self.cache)
             logits = self.model.compute_logits(hidden)
         specs, request_ids = [r.sample for r in rows], [r.request_id for r in rows]
+        # the masks are filled on the host while the device runs the forward (a graph replay)
+        drafts = ()
+        if any(r.drafts for r in rows):
+            drafts = [
+                [rows[i + j].token_id for j in range(1, r.drafts + 1)] for i, r in enumerate(rows)
+            ]
+        masks, errors = self.grammar.masks(request_ids, specs, self.device, drafts)
         if not plan.mtp or not plan.num_drafts:
-            tokens, logprobs = sample(logits, specs, request_ids, self.penalty_counts)
+            tokens, logprobs = sample(logits, specs, request_ids, self.penalty_counts, masks)
+            if masks is not None:
+                self.grammar.accept(request_ids, specs, tokens, errors)
+                self._row_errors.update(errors)
             return tokens, logprobs or [], [], []
         relaxed = (plan.relaxed_topk, plan.relaxed_delta) if plan.relaxed_topk else None
-        verified = self.drafter.verify(logits, rows, self.penalty_counts, self.draft_probs, relaxed)
+        verified = self.drafter.verify(
+            logits, rows, self.penalty_counts, self.draft_probs, relaxed, masks
+        )
+        if masks is not None:  # each group's kept tokens, on its first row
+            self.grammar.accept(request_ids, specs, verified.tokens, errors, verified.accepted)
+            self._row_errors.update(errors)
         graph_key = None
         if self.graphs is not None and not self._joins_idle:
             graph_key = self.graphs.last_key

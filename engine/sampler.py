@@ -6,12 +6,16 @@ Every step here works row by row, so a request's token and log-probabilities nev
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve import kernels
 from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
 from pdserve.engine.step import NO_LOGPROBS, SampleSpec
+
+if TYPE_CHECKING:
+    from pdserve.engine.grammar_masks import RowMasks
 
 
 def sample_tokens(
@@ -164,11 +168,13 @@ def sample(
     specs: Sequence[SampleSpec],
     request_ids: Sequence[str] = (),
     counts: PenaltyCounts | None = None,
+    masks: RowMasks | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
     """logits: [B, V], the model's raw logits; request_ids: each row's request, and counts: the runner's
     `PenaltyCounts` (the sampled tokens are counted in; without it, penalized rows must carry their sequence
-    and nothing is kept). Returns each
-    row's token and, when any row asks for them, each row's `token_logprobs` (None otherwise)."""
+    and nothing is kept); masks: the constrained rows' allowed tokens (structured outputs), applied after
+    the penalties and bans. Returns each row's token and, when any row asks for them, each row's
+    `token_logprobs` (None otherwise; of the raw logits, before any mask)."""
     if all(s.plain for s in specs):
         return sample_tokens(logits, specs, [s.step for s in specs]), None
     penalized = [i for i, s in enumerate(specs) if s.penalized]
@@ -182,6 +188,8 @@ def sample(
             adjusted[i] = counts.penalize(request_ids[i], specs[i], logits[i])
         for i in banned:
             adjusted[i] = ban(adjusted[i], specs[i].banned_ids)
+    if masks is not None:
+        adjusted = masks.apply(adjusted)
     tokens = sample_tokens(adjusted, specs, [s.step for s in specs])
     for i in penalized:
         counts.sampled(request_ids[i], tokens[i])

@@ -21,6 +21,29 @@ message with the request's first token, from a prefill worker in the handoff tha
 them to half a MiB."""
 
 
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+"""What a structured output may be constrained to (`StructuredOutput.kind`)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on a request's output (OpenAI's `response_format`, vLLM's `structured_outputs` and
+    `guided_*`): its kind (`STRUCTURED_KINDS`) and its text: the JSON schema as JSON text (json_schema), "" for
+    any JSON object (json_object), the regular expression (regex), the choices as a JSON list of strings
+    (choice), or a Lark grammar (grammar). Plain strings, so it travels as the request does (msgpack, the
+    rank wire); `pdserve.engine.grammar` checks and compiles it. Equal constraints compile once per runner."""
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(
+                "structured_output",
+                f"kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}",
+            )
+
+
 class FinishReason:
     STOP = "stop"
     LENGTH = "length"
@@ -70,6 +93,10 @@ class SamplingParams:
     end sets them from the tokenizer where the request asks). A speculating decode worker configured for it
     (`decode.speculative_relaxed_topk`) accepts a greedy request's draft inside the block when it is among the
     target's top-k within delta of the best log-probability; elsewhere, and on other workers, strict."""
+    structured: StructuredOutput | None = None
+    """Constrain the output to a grammar (`StructuredOutput`): every sampled token is masked to those the
+    grammar allows next (a verify group's rows as if the drafts before them were taken), and end-of-sequence
+    is allowed only where the grammar accepts. Such a request may not ignore EOS."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -112,6 +139,11 @@ class SamplingParams:
         ):
             raise InvalidRequestError(
                 "relaxed_think_ids", f"must be two token ids, got {self.relaxed_think_ids!r}"
+            )
+        if self.structured is not None and self.ignore_eos:
+            raise InvalidRequestError(
+                "ignore_eos",
+                "cannot be combined with a structured output: its grammar ends the output",
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

@@ -680,13 +680,13 @@ class Scheduler:
 
     def _sample_spec(self, request: Request) -> SampleSpec:
         """Its next row's sampling; the first since it came here (or was preempted) carries its sequence for
-        the penalties, which the runner counts on from then on."""
+        the penalties and its constraint for the grammar, which the runner keeps on from then on."""
         params, step = request.params, request.num_generated
         banned = request.banned_ids(self.eos_token_ids) if step < params.min_tokens else None
         spec = SampleSpec.of(
             params, step, request.token_ids, self.eos_token_ids, request.counted, banned
         )  # fmt: skip
-        request.counted = request.params.penalized
+        request.counted = request.params.penalized or request.params.structured is not None
         return spec
 
     def _rank_step(
@@ -843,6 +843,9 @@ class Scheduler:
             if result.prefill_error is not None:
                 outputs += self._abort(request, f"prefill failed: {result.prefill_error}")
                 continue
+            if request.request_id in result.row_errors:
+                outputs += self._abort(request, result.row_errors[request.request_id])
+                continue
             request.num_computed = start + length
             if scored is not None:  # entry i: the prompt token after position i
                 request.prompt_logprobs = [*(request.prompt_logprobs or [])[:start], *scored]
@@ -872,6 +875,9 @@ class Scheduler:
                 continue  # finished or aborted while the step ran, or a draft's row
             if result.decode_error is not None:
                 outputs += self._abort(request, f"decode failed: {result.decode_error}")
+                continue
+            if request.request_id in result.row_errors:
+                outputs += self._abort(request, result.row_errors[request.request_id])
                 continue
             kept = accepted[r]
             request.num_computed += kept

@@ -21,12 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.engine.sampler import PenaltyCounts, ban, sample_tokens, token_logprobs
 from pdserve.engine.sampling_params import TokenLogprobs
 from pdserve.engine.step import MAX_DRAFTS, NO_LOGPROBS, DecodeRow, SampleSpec
+
+if TYPE_CHECKING:
+    from pdserve.engine.grammar_masks import RowMasks
 from pdserve.kernels.sampling.ref import (
     kept_distribution,
     race,
@@ -134,6 +138,7 @@ def verify(
     counts: PenaltyCounts,
     draft_probs: DraftProbs | None = None,
     relaxed: tuple[int, float] | None = None,
+    masks: RowMasks | None = None,
 ) -> Verified:
     """Samples the plain rows and verifies the verify groups of a decode pass. logits: [R, V] the target's raw
     logits of `rows`; counts: the runner's penalty counts (a group's rows see its earlier drafts counted; the
@@ -141,10 +146,14 @@ def verify(
     relaxed: (top-k, delta) of relaxed acceptance for greedy rows marked `SampleSpec.relaxed`: a draft among
     the row's top-k tokens within delta of its best log-probability (of the penalized logits) is accepted as
     if it were the argmax; a rejected one is replaced by the argmax (no longer the tokens of one token a
-    step: opt-in, inside think blocks)."""
+    step: opt-in, inside think blocks); masks: the constrained rows' allowed tokens (structured outputs; a verify
+    group's row i masked as if its drafts up to i were taken), applied after the penalties and bans, so a
+    draft the grammar refuses is never accepted."""
     specs = [r.sample for r in rows]
     group_of, starts = verify_groups(rows)
     adjusted = _adjusted(logits, rows, group_of, counts)
+    if masks is not None:
+        adjusted = masks.apply(adjusted)
     target = sample_tokens(adjusted, specs, [s.step for s in specs])
     tokens, accepted = list(target), [1 if g < 0 else 0 for g in group_of]
     sampled_groups = [s for s in starts if specs[s].temperature > 0]

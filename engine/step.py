@@ -16,6 +16,7 @@ from collections.abc import Collection, Sequence
 from pdserve.engine.host_tier import HostCopy
 from pdserve.engine.sampling_params import (
     SamplingParams,
+    StructuredOutput,
     TokenLogprobs,
     any_penalty,
     min_tokens_ban,
@@ -71,6 +72,17 @@ class SampleSpec:
     relaxed: bool = False
     """On a verify group's row: the draft after it is judged by relaxed acceptance (`StepPlan.relaxed_topk`;
     the request opted in and the row is inside its think block)."""
+    constrained: bool = False
+    """The request's output is constrained (`SamplingParams.structured`): the row's logits are masked to the
+    tokens its grammar allows next, by the grammar matcher the runner keeps for it
+    (`pdserve.engine.grammar_masks.GrammarMatchers`)."""
+    grammar: StructuredOutput | None = None
+    """On a constrained request's row where the runner starts its matcher (as `penalty_ids`: the first that
+    samples it on this worker), its constraint; None on later rows, where the runner goes on from the matcher
+    it keeps, advanced by the tokens it sampled."""
+    grammar_ids: tuple[int, ...] = ()
+    """With `grammar`: the request's generated tokens so far (`step` of them), which the new matcher consumes
+    before it masks this row."""
 
     @classmethod
     def of(
@@ -79,10 +91,14 @@ class SampleSpec:
         banned_ids: tuple[int, ...] | None = None,
     ) -> SampleSpec:  # fmt: skip
         """params should carry a seed (SamplingParams.with_seed); an unset one samples as seed 0. token_ids: the
-        request's tokens (prompt, then its `step` generated ones), sent for penalties unless `counted` (the
-        runner counts them already); eos_token_ids: what min_tokens holds back besides the request's stop
-        tokens (unless it ignores EOS); banned_ids: those, made already (`Request.banned_ids`)."""
+        request's tokens (prompt, then its `step` generated ones), sent for penalties (and their generated part
+        for a constrained request's grammar matcher) unless `counted` (the runner keeps those already);
+        eos_token_ids: what min_tokens holds back besides the request's stop tokens (unless it ignores EOS);
+        banned_ids: those, made already (`Request.banned_ids`)."""
         penalty_ids = tuple(token_ids) if params.penalized and not counted else None
+        grammar, grammar_ids = None, ()
+        if params.structured is not None and not counted:
+            grammar, grammar_ids = params.structured, tuple(token_ids[len(token_ids) - step :])
         if step >= params.min_tokens:
             banned_ids = ()
         elif banned_ids is None:
@@ -91,6 +107,7 @@ class SampleSpec:
             params.temperature, params.top_p, params.top_k, params.min_p, params.seed or 0, step,
             params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
             NO_LOGPROBS if params.logprobs is None else params.logprobs, penalty_ids, banned_ids,
+            False, params.structured is not None, grammar, grammar_ids,
         )  # fmt: skip
 
     @property
@@ -99,8 +116,13 @@ class SampleSpec:
 
     @property
     def plain(self) -> bool:
-        """No penalty, ban or log-probabilities: the sampling kernel alone samples it."""
-        return self.logprobs == NO_LOGPROBS and not self.banned_ids and not self.penalized
+        """No penalty, ban, constraint or log-probabilities: the sampling kernel alone samples it."""
+        return (
+            self.logprobs == NO_LOGPROBS
+            and not self.banned_ids
+            and not self.penalized
+            and not self.constrained
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -209,6 +231,9 @@ class RankResult:
     decode_drafts: list[list[int]] = dataclasses.field(default_factory=list)
     """Likewise per decode row: on the row whose token the request goes on from (a group's first row, a
     plain row, a replay's last row) the drafts for the positions after the tokens it keeps; [] elsewhere."""
+    row_errors: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Requests whose row failed alone (a constrained request whose grammar allows no token, or refused the
+    sampled one), by request id, with why: the scheduler aborts them with it; their tokens are meaningless."""
     prefill_prompt_logprobs: list[list[TokenLogprobs] | None] = dataclasses.field(
         default_factory=list
     )

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import json
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -24,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from pdserve.cluster.pools import DECODE, PREFILL, ROLES
+from pdserve.engine.grammar import check
 from pdserve.engine.messages import SpecCounts
-from pdserve.engine.sampling_params import TokenLogprobs
+from pdserve.engine.sampling_params import STRUCTURED_KINDS, StructuredOutput, TokenLogprobs
 from pdserve.frontend.engine_client import EngineClient, ServerStatus, Timings, WorkerInfo
 from pdserve.frontend.errors import status_for
 from pdserve.frontend.request_builder import RequestInput, build_request
@@ -89,15 +91,36 @@ def _optional(message, name: str):
     return getattr(message, name) if message.HasField(name) else None
 
 
+def _structured_output(kind: str, text: str, field: str) -> StructuredOutput:
+    if kind not in STRUCTURED_KINDS:
+        raise InvalidRequestError(
+            f"{field}.kind", f"expected one of {', '.join(STRUCTURED_KINDS)}, got {kind!r:.80}"
+        )
+    if kind == "choice":
+        try:
+            choices = json.loads(text)
+        except ValueError:
+            choices = None
+        if not isinstance(choices, list):
+            raise InvalidRequestError(f"{field}.text", "a choice's text is a JSON list of strings")
+    return StructuredOutput(kind, text)
+
+
 def _request_input(request: generation_pb2.GenerateRequest, deadline: float | None) -> RequestInput:
     """A GenerateRequest as `build_request` takes it (its text read here: a few ms per MiB, so off the loop
     for a long prompt)."""
     sp = request.sampling_params
     which = request.WhichOneof("input")
+    structured = None
+    if sp.HasField("structured_output"):
+        field = "sampling_params.structured_output"
+        given = sp.structured_output
+        structured = check(_structured_output(given.kind, given.text, field), field)
     sampling = SamplingRequest(
         **{name: _optional(sp, name) for name in _OPTIONAL_SAMPLING},
         stop_token_ids=tuple(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
+        structured=structured,
     )
     return RequestInput(
         names=GRPC_FIELDS,

@@ -21,6 +21,7 @@ from typing import Any
 
 from pdserve.engine.messages import SpecCounts
 from pdserve.engine.sampling_params import TokenLogprobs
+from pdserve.frontend import structured_outputs
 from pdserve.frontend.openai_fields import IGNORED, IGNORED_STREAM_OPTIONS
 from pdserve.frontend.prompt_batch import MAX_CHOICES, completion_prompts
 from pdserve.frontend.request_builder import RequestInput
@@ -45,13 +46,14 @@ _COMMON = {
     "stop", "stop_token_ids", "ignore_eos", "user", "logprobs", "n", "best_of", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias", "skip_special_tokens",
     "prompt_logprobs", "return_tokens_as_token_ids", "relaxed_acceptance",
+    *structured_outputs.FIELDS,
 }  # fmt: skip
 _KNOWN = {
     COMPLETIONS: _COMMON | {"prompt", "echo", "suffix"},
     CHAT: _COMMON
     | {
         "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-        "parallel_tool_calls", "functions", "function_call", "response_format",
+        "parallel_tool_calls", "functions", "function_call",
         "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
     },
 }  # fmt: skip
@@ -238,11 +240,7 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
             elif value is not None:
                 ignored.append(f"stream_options.{key}")
         continuous_usage = continuous_usage and include_usage
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise InvalidRequestError(
-            "response_format", f"only {{'type': 'text'}} is {_UNSUPPORTED_HINT[4:]}"
-        )
+    structured = structured_outputs.parse(body, ignored)
 
     max_tokens_field = "max_tokens"
     max_tokens = _optional(body, "max_tokens", _is_int, "an integer")
@@ -278,6 +276,7 @@ def parse(body: Any, kind: str) -> OpenAIRequest:
         relaxed_acceptance=_optional(
             body, "relaxed_acceptance", lambda v: isinstance(v, bool), "true or false"
         ),
+        structured=structured,
     )
     n = _optional(body, "n", _is_int, "an integer")
     n = 1 if n is None else n

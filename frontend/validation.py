@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pdserve.cluster.config import RouterConfig
 from pdserve.engine.checks import check_context, check_token_ids
-from pdserve.engine.sampling_params import MAX_PROMPT_LOGPROBS, SamplingParams
+from pdserve.engine.sampling_params import MAX_PROMPT_LOGPROBS, SamplingParams, StructuredOutput
 from pdserve.frontend.chat_template import ChatTemplate
 from pdserve.model.args import ModelArgs
 from pdserve.model.errors import InvalidRequestError
@@ -226,6 +226,8 @@ class SamplingRequest:
     skip_special_tokens: bool | None = None
     relaxed_acceptance: bool | None = None
     """Opt in to relaxed acceptance of MTP drafts inside the think block (a model that thinks)."""
+    structured: StructuredOutput | None = None
+    """The output's constraint, checked already (`pdserve.frontend.structured_outputs`)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -362,6 +364,7 @@ def sampling_params(
             prompt_logprobs=given.prompt_logprobs,
             skip_special_tokens=either(given.skip_special_tokens, True),
             relaxed_think_ids=relaxed_think_ids,
+            structured=given.structured,
         ).with_seed()
     except InvalidRequestError as e:
         if e.field == "max_tokens":

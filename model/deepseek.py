@@ -590,6 +590,9 @@ class Transformer(nn.Module):
         layout.worker.check_model(args)
         self.args, self.dtype, self.layout = args, dtype, layout
         self.num_mtp = args.num_nextn_predict_layers if num_mtp is None else num_mtp
+        self.checkpoint_dir: str | None = None
+        """The checkpoint this model was loaded from (`load_model` sets it), where the runner finds the
+        tokenizer that structured outputs' grammars are matched against; None for a model built in memory."""
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype)
         self.embed.weight.requires_grad_(False)
         self.layers = nn.ModuleList(

@@ -235,7 +235,9 @@ def load_model(
     if load_format == "dummy":
         from .dummy_weights import load_dummy
 
-        return load_dummy(path, device, dtype, use_mtp, layout, seed)
+        model = load_dummy(path, device, dtype, use_mtp, layout, seed)
+        model.checkpoint_dir = str(path)
+        return model
     plan = plan_load(path, use_mtp, layout)
     dtype = dtype or default_dtype(path)
     with torch.device(device):
@@ -260,6 +262,7 @@ def load_model(
                 raise CheckpointError(f"{path / file}: failed while reading tensors ({e})") from e
     if "lm_head.weight" not in plan.specs:
         model.head.weight.copy_(model.embed.weight)
+    model.checkpoint_dir = str(path)
     return model.eval()
 
 

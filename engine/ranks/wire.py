@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.engine.sampling_params import TokenLogprobs
+from pdserve.engine.sampling_params import StructuredOutput, TokenLogprobs
 from pdserve.engine.step import (
     DecodeRow,
     PrefillRow,
@@ -88,8 +88,9 @@ def _samples_to_wire(samples: Sequence[SampleSpec]) -> list:
     """float64 [3, samples] (temperature, top_p, min_p), int64 [4, samples] (top_k, seed, step, relaxed), and None
     unless some sample has a penalty, a ban or asks for log-probabilities: then [float64 [3, samples]
     (presence, frequency and repetition penalties), int64 [samples] (logprobs), int32 [2, samples] (penalty id
-    counts, -1 for None, and banned id counts), int32 ids (each sample's penalty ids then its banned ids)].
-    Plain samples (most) pay nothing for the rest."""
+    counts, -1 for None, and banned id counts), int32 ids (each sample's penalty ids then its banned ids),
+    and None unless some sample is constrained: then [its constrained flags (bytes), per sample None or its
+    grammar as [kind, text] and its grammar ids (int32)]]. Plain samples (most) pay nothing for the rest."""
     if not samples:
         return [b"", b"", None]
     n = len(samples)
@@ -110,6 +111,7 @@ def _samples_to_wire(samples: Sequence[SampleSpec]) -> list:
                 (len(s.banned_ids) for s in samples),
             )),
             _pack(chain.from_iterable(ids), _I32),
+            _grammars_to_wire(samples),
         ]  # fmt: skip
     return [
         _pack_known("d", 3 * n, chain(temperature, top_p, min_p)),
@@ -118,26 +120,58 @@ def _samples_to_wire(samples: Sequence[SampleSpec]) -> list:
     ]
 
 
+def _grammars_to_wire(samples: Sequence[SampleSpec]) -> list | None:
+    if not any(s.constrained for s in samples):
+        return None
+    grammars = [
+        None if s.grammar is None else [s.grammar.kind, s.grammar.text, _pack(s.grammar_ids, _I32)]
+        for s in samples
+    ]
+    return [bytes(s.constrained for s in samples), grammars]
+
+
+def _grammars_from_wire(wire: list | None, n: int, what: str) -> list[tuple]:
+    """Per sample (constrained, grammar, grammar ids), as `_grammars_to_wire` packed them."""
+    if wire is None:
+        return [(False, None, ())] * n
+    flags, grammars = wire
+    if len(flags) != n or len(grammars) != n:
+        raise ValueError(
+            f"plan wire: {what} grammars: {len(flags)}, {len(grammars)} for {n} samples"
+        )
+    out = []
+    for flag, grammar in zip(flags, grammars, strict=True):
+        if grammar is None:
+            out.append((bool(flag), None, ()))
+        else:
+            kind, text, ids = grammar
+            out.append(
+                (bool(flag), StructuredOutput(kind, text), tuple(np.frombuffer(ids, _I32).tolist()))
+            )
+    return out
+
+
 def _samples_from_wire(
     floats: bytes, ints: bytes, extras: list | None, n: int, what: str
 ) -> tuple[np.ndarray, np.ndarray, list[tuple] | None]:
     """The arrays `_samples_to_wire` packed, the extras as one tuple per sample (penalties, logprobs, penalty
-    ids, banned ids) or None."""
+    ids, banned ids, constrained, grammar, grammar ids) or None."""
     rows = None
     if extras is not None:
-        penalties, logprobs, counts, ids = extras
+        penalties, logprobs, counts, ids, grammars = extras
         penalties = _array(penalties, _F64, 3 * n, f"{what} penalties").reshape(3, n)
         logprobs = _array(logprobs, _I64, n, f"{what} logprobs")
         counts = _array(counts, _I32, 2 * n, f"{what} penalty counts").reshape(2, n)
         ids = _array(ids, _I32, int(counts.clip(min=0).sum()), f"{what} penalty ids").tolist()
         rows, at = [], 0
-        for p, f, r, k, num_penalty, num_banned in zip(
-            *penalties.tolist(), logprobs.tolist(), *counts.tolist(), strict=True
-        ):
+        for p, f, r, k, num_penalty, num_banned, grammar in zip(
+            *penalties.tolist(), logprobs.tolist(), *counts.tolist(),
+            _grammars_from_wire(grammars, n, what), strict=True,
+        ):  # fmt: skip
             mid = at + max(num_penalty, 0)
             end = mid + num_banned
             penalty_ids = None if num_penalty == _NO_IDS else tuple(ids[at:mid])
-            rows.append((p, f, r, k, penalty_ids, tuple(ids[mid:end])))
+            rows.append((p, f, r, k, penalty_ids, tuple(ids[mid:end]), *grammar))
             at = end
     return (
         _array(floats, _F64, 3 * n, f"{what} sampling floats").reshape(3, n),
@@ -160,8 +194,11 @@ def _sample_specs(
         return specs
     return [
         dataclasses.replace(spec, presence_penalty=p, frequency_penalty=f, repetition_penalty=r,
-                            logprobs=k, penalty_ids=penalty_ids, banned_ids=banned_ids)
-        for spec, (p, f, r, k, penalty_ids, banned_ids) in zip(specs, extras, strict=True)
+                            logprobs=k, penalty_ids=penalty_ids, banned_ids=banned_ids,
+                            constrained=constrained, grammar=grammar, grammar_ids=grammar_ids)
+        for spec, (p, f, r, k, penalty_ids, banned_ids, constrained, grammar, grammar_ids) in zip(
+            specs, extras, strict=True
+        )
     ]  # fmt: skip
 
 
@@ -462,13 +499,15 @@ def _drafts_from_wire(wire: list | None, what: str) -> list[list[int]]:
 
 def result_to_wire(result: RankResult) -> list:
     """[step_id, prefill tokens (int32, -1 for a row that sampled none), decode tokens (int32), prefill
-    error, decode error, prefill and decode log-probabilities (`_logprobs_to_wire`: None when no row of the
-    pass asked for them), decode accepted counts (int32, empty when none verified), prefill and decode
-    drafts (`_drafts_to_wire`)]. Log-probabilities go as float32, what the model's log-softmax gives."""
+    error, decode error, row errors ([[request id, why], ...], None for none), prefill and decode
+    log-probabilities (`_logprobs_to_wire`: None when no row of the pass asked for them), decode accepted
+    counts (int32, empty when none verified), prefill and decode drafts (`_drafts_to_wire`)].
+    Log-probabilities go as float32, what the model's log-softmax gives."""
     prefill = (_NO_TOKEN if t is None else t for t in result.prefill_tokens)
     return [
         result.step_id, _pack(prefill, _I32), _pack(result.decode_tokens, _I32),
         result.prefill_error, result.decode_error,
+        [list(e) for e in result.row_errors.items()] if result.row_errors else None,
         _logprobs_to_wire(result.prefill_logprobs), _logprobs_to_wire(result.decode_logprobs),
         _pack(result.decode_accepted, _I32), _drafts_to_wire(result.prefill_drafts),
         _drafts_to_wire(result.decode_drafts),
@@ -477,8 +516,8 @@ def result_to_wire(result: RankResult) -> list:
 
 def result_from_wire(wire: list) -> RankResult:
     (
-        step_id, prefill, decode, prefill_error, decode_error, prefill_lp, decode_lp, accepted,
-        prefill_drafts, decode_drafts,
+        step_id, prefill, decode, prefill_error, decode_error, row_errors, prefill_lp, decode_lp,
+        accepted, prefill_drafts, decode_drafts,
     ) = wire  # fmt: skip
     prefill_tokens = np.frombuffer(prefill, _I32).tolist()
     decode_tokens = np.frombuffer(decode, _I32).tolist()
@@ -493,4 +532,5 @@ def result_from_wire(wire: list) -> RankResult:
         np.frombuffer(accepted, _I32).tolist(),
         _drafts_from_wire(prefill_drafts, "prefill"),
         _drafts_from_wire(decode_drafts, "decode"),
+        row_errors=dict(row_errors or ()),
     )

@@ -16,7 +16,7 @@ from pdserve.engine.messages import RequestOutput, SpecCounts, StageTimes
 from pdserve.engine.pages import PageAllocator
 from pdserve.engine.ranks.wire import plan_from_wire, plan_to_wire, result_from_wire, result_to_wire
 from pdserve.engine.request import Policy, Request, RequestState
-from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams, StructuredOutput, TokenLogprobs
 from pdserve.engine.scheduler import Scheduler, StepOutcome
 from pdserve.engine.step import RankResult, SampleSpec, StepPlan
 from pdserve.model.errors import CapacityError, InvalidRequestError
@@ -540,3 +540,23 @@ def test_relaxed_rows_are_the_verify_rows_inside_the_think_block():
     assert rows_of((10, 0.5), (7, 8)) == [True, True, False, False]
     assert rows_of(None, (7, 8)) == [False] * 4
     assert rows_of((10, 0.5), None) == [False] * 4
+
+
+def test_a_constrained_request_verifies_its_drafts_and_sends_its_grammar_once():
+    grammar = StructuredOutput("regex", "[a-z]+")
+    s = speculating()
+    req = request("a", 5, max_tokens=8, structured=grammar)
+    s.add(req)
+    s.kv_arrived(req.transfer_id, 5, first_token=42, draft_ids=[50, 51])
+    plan, _ = s.schedule()
+    row, *draft_rows = plan.ranks[0].decode  # the runner masks the drafts' rows too
+    assert row.drafts == 2 and row.sample.constrained
+    assert row.sample.grammar == grammar and row.sample.grammar_ids == (42,)
+    assert all(r.sample.constrained and r.sample.grammar is None for r in draft_rows)
+    s.finish_step(plan, [RankResult(plan.step_id, [], [43, 0, 0], decode_accepted=[1, 0, 0])])
+    plan, _ = s.schedule()
+    (row,) = plan.ranks[0].decode
+    assert row.sample.constrained and row.sample.grammar is None  # the runner keeps its matcher
+    result = RankResult(plan.step_id, [], [44], row_errors={"a": "structured output failed: x"})
+    (out,) = s.finish_step(plan, [result]).outputs
+    assert out.finish_reason == "abort" and out.error == "structured output failed: x"

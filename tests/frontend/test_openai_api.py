@@ -181,7 +181,29 @@ def test_reasoning_split_of_any_stream_equals_the_whole(text, in_think):
         (CHAT, {"prompt_logprobs": 1}, "prompt_logprobs"),
         (COMPLETIONS, {"best_of": 2}, "best_of"),
         (CHAT, {"tools": [{"type": "function"}]}, "tools[0].function"),
-        (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+        (CHAT, {"response_format": {"type": "xml"}}, "response_format.type"),
+        (CHAT, {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        (
+            CHAT,
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"type": "nope"}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        (COMPLETIONS, {"guided_regex": "[a-z"}, "guided_regex"),
+        (COMPLETIONS, {"guided_choice": []}, "guided_choice"),
+        (COMPLETIONS, {"guided_grammar": "start: missing_rule"}, "guided_grammar"),
+        (COMPLETIONS, {"guided_json": "{not json"}, "guided_json"),
+        (
+            COMPLETIONS,
+            {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+            "structured_outputs.choice",
+        ),
+        (COMPLETIONS, {"structured_outputs": {"xml": "a"}}, "structured_outputs.xml"),
+        (CHAT, {"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
         (CHAT, {"skip_special_tokens": "no"}, "skip_special_tokens"),
         (CHAT, {"stream_options": {"include_usage": True}}, "stream_options"),
         (CHAT, {"temperature": "hot"}, "temperature"),
