@@ -28,6 +28,7 @@ contract) and `ray_engine.RayEngineClient` (the serving process's implementation
 | `tool_request` | a chat request's `tools`, `tool_choice` checked; the plan: prompt, forced call, grammar constraint |
 | `tool_format` | DeepSeek-V3's and V3.1's tool-call formats: detected from a template, tools described, calls forced |
 | `structured_outputs` | a request body's structured-output fields (response_format, vLLM's) as one constraint |
+| `tool_grammar` | the grammar a required or named tool call's output is masked to, so that its arguments parse |
 | `tool_parser` | generated text -> OpenAI tool calls, whole or streamed, malformed blocks left as content |
 | `chat_output` | a chat choice's text -> reasoning, content and tool calls (message or stream deltas) |
 | `text_stream` | generated ids -> text deltas, stop strings across token boundaries |

@@ -12,8 +12,10 @@ from typing import Any
 
 from pdserve.cluster.config import RouterConfig
 from pdserve.engine.checks import check_prompt_len, check_token_ids
+from pdserve.engine.grammar import constrain
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.frontend.reasoning import prompt_opens_think
+from pdserve.frontend.tool_grammar import forced_call_grammar
 from pdserve.frontend.tool_request import ToolCallPlan, ToolRequest, plan_tools, render_with_tools
 from pdserve.frontend.validation import (
     FieldNames,
@@ -86,6 +88,10 @@ def build_request(given: RequestInput, model: ModelInfo, router: RouterConfig) -
     check_n(given.n, router, names.n)
     prompt_ids, in_think, tool_calls = _prompt_ids(given, model, router)
     params = sampling_params(given.sampling, len(prompt_ids), model, router, names)
+    if tool_calls is not None and tool_calls.constraint.forced:
+        # the arguments of a required or named call parse: its output is masked to the call block's grammar
+        grammar = forced_call_grammar(tool_calls.constraint, model.tokenizer.token_id)
+        params = constrain(params, grammar, "tool_choice")
     stop = check_stop_strings(list(given.stop), model, names.stop)
     return CheckedRequest(
         given.client_id, prompt_ids, params, stop, given.n, given.deadline, in_think, tool_calls

@@ -411,3 +411,34 @@ def test_any_mix_of_markers_and_text_parses_the_same_whole_and_streamed(fmt):
         for _ in range(3):
             streamed = run(fmt, cuts(text, rng) if len(text) > 1 else [text], primed=primed)
             assert streamed[:2] == (content, calls), text
+
+
+def test_a_forced_call_grammar_takes_the_markers_as_tokens_and_compiles():
+    """The call markers that are one token each are that token in the grammar (llguidance reads an added
+    token as a token, not as its text's bytes); every format and choice gives a grammar llguidance compiles;
+    an `auto` choice is not constrained."""
+    from pdserve.engine.grammar import check
+    from pdserve.frontend.tool_format import DEEPSEEK_V3, DEEPSEEK_V31
+    from pdserve.frontend.tool_grammar import _literal, forced_call_grammar
+    from pdserve.frontend.tool_request import ToolCallConstraint
+    from pdserve.model.tokenizer import TOOL_CALL_END, TOOL_CALLS_END
+
+    ids = {TOOL_CALL_END: 7, TOOL_CALLS_END: 8}
+    assert (
+        _literal("\n```" + TOOL_CALL_END + "x" + TOOL_CALLS_END, ids.get)
+        == '"\\n```" <[7]> "x" <[8]>'
+    )
+    assert _literal(TOOL_CALL_END, {}.get) == f'"{TOOL_CALL_END}"'
+    schemas = {
+        "f": {"type": "object"},
+        "g": {"type": "object", "properties": {"a": {"type": "integer"}}},
+    }
+    for fmt in (DEEPSEEK_V3, DEEPSEEK_V31):
+        for named, max_calls in (("f", 1), (None, 1), (None, None)):
+            grammar = forced_call_grammar(
+                ToolCallConstraint(fmt, schemas, True, named, max_calls), ids.get
+            )
+            assert grammar.text.startswith("start: first_call") and "<[8]>" in grammar.text
+            check(grammar, "tool_choice")
+    with pytest.raises(ValueError, match="forced"):
+        forced_call_grammar(ToolCallConstraint(DEEPSEEK_V31, schemas, False, None, None), ids.get)

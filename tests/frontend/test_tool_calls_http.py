@@ -3,17 +3,19 @@ checkpoint's template with the tools described (as transformers renders and toke
 call's start for a named function; the answer's calls are what the parser makes of the greedy output, streamed
 deltas adding up to them; earlier calls and tool results go back in; bad tools are 400 naming the field.
 
-The tiny model has random weights: it writes no call of its own accord, and the arguments of a forced call are
-random text until a grammar mask constrains them, so nothing here asks them to be JSON."""
+The tiny model has random weights: it writes no call of its own accord, and only the grammar mask of a forced
+call (`frontend/tool_grammar.py`) makes its arguments JSON that their schema validates."""
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import openai
 import pytest
 from transformers import AutoTokenizer
 
 from pdserve.frontend.tool_format import DEEPSEEK_V31, with_tools_described
-from pdserve.frontend.tool_parser import ToolCallParser
 
 WEATHER = {
     "type": "function",
@@ -34,6 +36,36 @@ ADD = {
     },
 }
 TOOLS = [WEATHER, ADD]
+# Schemas whose instances are short (a random model's free strings and extra properties run to max_tokens)
+STRICT = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 12}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "minimum": -999, "maximum": 999},
+                    "b": {"type": "integer", "minimum": -999, "maximum": 999},
+                },
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 GREEDY = {"max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -56,51 +88,48 @@ def prompt_ids(model_dir):
     return ids
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("choice", ["get_weather", "required"])
-def test_a_forced_call_whole_and_streamed_is_the_parse_of_the_greedy_output(
-    api, model, reference, tokenizer, prompt_ids, choice
-):
+def test_a_forced_call_parses_whole_and_streamed(api, model, prompt_ids, choice, seed):
+    """A named or required call's output is masked to the call block's grammar: on random weights too, the
+    answer is calls whose names are the request's functions and whose arguments are JSON valid against their
+    schema, ended by the model itself (`tool_calls`); the stream's deltas add up to the same calls."""
     named = choice != "required"
-    forced = DEEPSEEK_V31.forced_prefix(choice if named else None)
-    prompt = prompt_ids(ASK, TOOLS, forced)
-    # What the parser makes of the greedy output, the forced start first.
-    names = frozenset({choice} if named else {"get_weather", "add"})
-    parser = ToolCallParser(DEEPSEEK_V31, names, forced, max_calls=1 if named else None)
-    content, _ = parser.push(tokenizer.decode(reference(prompt, GREEDY["max_tokens"])))
-    content += parser.finish()[0]
-    expected = [(c.name, c.arguments) for c in parser.calls]
-    # A named function is called whatever the model writes; `required` leaves the name to the model, and
-    # random weights write none of the tools' names.
-    assert [name for name, _ in expected] == (["get_weather"] if named else [])
     tool_choice = NAMED if named else "required"
-
+    sampled = {"max_tokens": 200, "temperature": 1.0, "seed": seed}
     reply = api.chat.completions.create(
-        model=model, messages=ASK, tools=TOOLS, tool_choice=tool_choice, **GREEDY
+        model=model, messages=ASK, tools=STRICT, tool_choice=tool_choice, **sampled
     )
     (answer,) = reply.choices
-    assert reply.usage.prompt_tokens == len(prompt)
-    calls = answer.message.tool_calls or []
-    assert [(c.function.name, c.function.arguments) for c in calls] == expected
-    assert all(c.type == "function" and c.id.startswith("call_") for c in calls)
-    assert answer.message.content == (content or None)
-    assert answer.finish_reason == "length"  # ignore_eos: the output ran to max_tokens
+    assert reply.usage.prompt_tokens == len(
+        prompt_ids(ASK, STRICT, DEEPSEEK_V31.forced_prefix(choice if named else None))
+    )
+    assert answer.finish_reason == "tool_calls", answer
+    calls = answer.message.tool_calls
+    assert calls and answer.message.content is None
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in STRICT}
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in (["get_weather"] if named else schemas)
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    if named:
+        assert len(calls) == 1
 
     stream = api.chat.completions.create(
-        model=model, messages=ASK, tools=TOOLS, tool_choice=tool_choice, stream=True, **GREEDY
+        model=model, messages=ASK, tools=STRICT, tool_choice=tool_choice, stream=True, **sampled
     )
     chunks = [c for c in stream if c.choices]
     deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
-    if named:
-        first = deltas[0]
-        assert (first.index, first.type, first.function.name) == (0, "function", "get_weather")
-        assert first.id.startswith("call_") and all(
-            d.index == 0 and d.id is None for d in deltas[1:]
-        )
-        assert "".join(d.function.arguments or "" for d in deltas) == expected[0][1]
-    else:
-        assert deltas == []
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == content
-    assert chunks[-1].choices[0].finish_reason == "length"
+    streamed: dict[int, list[str]] = {}
+    for d in deltas:
+        if d.id is not None:
+            assert d.index not in streamed and d.type == "function"
+            streamed[d.index] = [d.function.name, ""]
+        streamed[d.index][1] += d.function.arguments or ""
+    assert [tuple(streamed[i]) for i in sorted(streamed)] == [
+        (c.function.name, c.function.arguments) for c in calls
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_auto_and_none_render_the_tools_or_not(api, model, prompt_ids):
