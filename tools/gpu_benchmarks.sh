@@ -1,18 +1,47 @@
 #!/usr/bin/env bash
-# One device call's benchmarks (issue 45's one-GPU targets, issue 44's verify step and the K=3 capture).
+# The one-GPU figures still owed by the open issues, in one device call (each part under its own time limit, each
+# log under $OUT, a summary at the end), on a host with no package index (.whl/: bash ../shared/offline-wheels.sh
+# llguidance==1.9.1):
+#   issue 45: the 32K shared prefix's TTFT and TPOT with the cache on and off; the host tier's restore bandwidth and
+#             its TTFT at 32K; a 64K prompt chunked against one pass;
+#   issue 44: the K = 3 verify step against a plain step at batch 1, and batch 32 at K = 3 (its graph capture);
+#   issue 47: the structured-output mask's cost at batch 64 (v2-lite shape).
+# Usage: bash tools/gpu_benchmarks.sh [PART ...]   (parts: prefix_cache host_tier long_prompt spec grammar_mask)
 set -uo pipefail
-out=${OUT:-build/bench}; mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >"$out/install.log" 2>&1
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+out=${OUT:-build/gpu-benchmarks}; mkdir -p "$out"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    >"$out/install.log" 2>&1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 source tools/devenv.sh
 export NCCL_NVLS_ENABLE=0
-nvidia-smi --query-gpu=name --format=csv,noheader > "$out/summary.txt"
-python3 -m pdserve.cli.main make-checkpoint /tmp/v8 --preset v3-shape --layers 8 --dtype fp8 --config-only >"$out/ckpt.log" 2>&1
-step() { name=$1; lim=$2; shift 2; echo "== $name: $*" >>"$out/summary.txt"; s=$(date +%s)
-  timeout "$lim" "$@" >"$out/$name.log" 2>&1; echo "exit $? in $(( $(date +%s) - s )) s" >>"$out/summary.txt"
-  tail -n 25 "$out/$name.log" >>"$out/summary.txt"; }
-step prefix_cache 170 python3 benchmarks/prefix_cache.py /tmp/v8 --prefix 32768 --kv-cache-dtype fp8 --load-format dummy
-step host_tier 130 python3 benchmarks/host_tier.py /tmp/v8 --prefix 32768 --kv-cache-dtype fp8 --load-format dummy
-step long_prompt 120 python3 benchmarks/long_prompt.py /tmp/v8 --tokens 65536 --load-format dummy
-step spec_capture 120 python3 benchmarks/speculative.py /tmp/v8 --load-format dummy --draft forced --tokens 64 --batch 32 --drafts 0,3 --verify-steps
+parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(prefix_cache host_tier long_prompt spec grammar_mask)
+nvidia-smi --query-gpu=name --format=csv,noheader >"$out/summary.txt"
+git rev-parse --short HEAD >>"$out/summary.txt" 2>/dev/null
+cli() { python3 -m pdserve.cli.main "$@"; }
+[ -d /tmp/v8 ] || cli make-checkpoint /tmp/v8 --preset v3-shape --layers 8 --dtype fp8 --config-only >"$out/ckpt.log" 2>&1
+step() {
+  local name=$1 limit=$2; shift 2
+  echo "== $name: $*" >>"$out/summary.txt"; local start=$(date +%s)
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  echo "exit $? in $(( $(date +%s) - start )) s" >>"$out/summary.txt"
+  tail -n 25 "$out/$name.log" >>"$out/summary.txt"
+}
+for part in "${parts[@]}"; do
+  case $part in
+    prefix_cache) step prefix_cache 170 python3 benchmarks/prefix_cache.py /tmp/v8 --prefix 32768 \
+      --kv-cache-dtype fp8 --load-format dummy ;;
+    host_tier) step host_tier 130 python3 benchmarks/host_tier.py /tmp/v8 --prefix 32768 --kv-cache-dtype fp8 \
+      --load-format dummy ;;
+    long_prompt) step long_prompt 120 python3 benchmarks/long_prompt.py /tmp/v8 --tokens 65536 --load-format dummy ;;
+    spec) step spec 150 python3 benchmarks/speculative.py /tmp/v8 --load-format dummy --draft forced \
+      --tokens 64 --batch 1,32 --drafts 0,3 --verify-steps ;;
+    grammar_mask)
+      [ -d /tmp/v2l ] || cli make-checkpoint /tmp/v2l --preset v2-lite-shape --config-only >"$out/ckpt_v2l.log" 2>&1
+      step grammar_mask 170 python3 benchmarks/grammar_mask.py /tmp/v2l --batch 64 --load-format dummy \
+        --train-vocab ;;
+    *) echo "unknown part $part" >>"$out/summary.txt" ;;
+  esac
+done
 cat "$out/summary.txt"
