@@ -36,6 +36,10 @@ if _CUDA_DEVICES == 0:
 # distributions of the same top-level names, e.g. HF `kernels`, which transformers imports.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
+# HF `kernels` imported now, while no folder with a `kernels.py` (benchmarks/) can come first on sys.path: a test
+# module that adds such a folder later then cannot change what transformers gets.
+with contextlib.suppress(ImportError):
+    import kernels as _hf_kernels  # noqa: F401
 
 
 GPU_SWEEP_REASON = (

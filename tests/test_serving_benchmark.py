@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))  # for its own imports (_sse)
+# for its own imports (_sse); appended: benchmarks/kernels.py must not shadow HF `kernels`, which transformers imports
+sys.path.append(str(BENCHMARKS))
 # by path, under its own name: `serving` is tests/serving.py to the serving tests
 _spec = importlib.util.spec_from_file_location("serving_benchmark", BENCHMARKS / "serving.py")
 serving = sys.modules["serving_benchmark"] = importlib.util.module_from_spec(_spec)
