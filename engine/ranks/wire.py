@@ -8,7 +8,10 @@ Python object per token or page: a rank reads its rows as `WireRows`, sequences 
 row objects only when first read. A rank whose `RankStep` is the same object as an earlier rank's (the same rows
 on every rank) is sent as that rank's index. A driver that encodes a plan every step passes a `PageTableCache`,
 so a request's page ids, which change once every page_size decode steps, are converted once, and go as uint16
-where its cache has at most 65536 pages (else, and without a cache, int32). Pure Python and numpy (no torch)."""
+where its cache has at most 65536 pages (else, and without a cache, int32). Pure Python and numpy (no torch).
+
+Past 500 lines on purpose: the encoder and the decoder of each field sit side by side, so that a field added to
+the plan (speculation's, structured outputs') is added to both ends of the format in one place."""
 
 from __future__ import annotations
 
