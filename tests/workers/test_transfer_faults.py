@@ -1,0 +1,76 @@
+"""Transfer faults between a prefill and a decode worker in two OS processes (issue 46 item 5).
+
+Each scenario runs on two backends: gloo on CPU (marked `subprocess`, the tiny model) and NCCL on cuda:0 /
+cuda:1 (marked `multi_gpu`, skipped with fewer than two CUDA GPUs). Each asserts that every request finishes or
+aborts with an error naming the peer within a bound, that no page is held on either side after, and that the
+pair then serves new requests equal to the reference; it prints the time to recover.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pdserve.decode import DecodeConfig
+from pdserve.kvtransfer import KVTransferConfig
+
+from .harness import MiniRouter
+from .procs import WorkerProcess
+from .test_two_process import PREFILL, assert_outputs_match, free_port, submit_all, workload
+
+BACKENDS = [
+    pytest.param("gloo", marks=pytest.mark.subprocess),
+    pytest.param(
+        "nccl",
+        marks=[
+            pytest.mark.multi_gpu,
+            pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
+        ],
+    ),
+]
+
+
+def devices(backend: str) -> tuple[str, str, str]:
+    """(decode device, prefill device, dtype) for a backend."""
+    if backend == "nccl":
+        return "cuda:1", "cuda:0", "float32"  # float32 so outputs compare with the CPU reference
+    return "cpu", "cpu", "float32"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_peer_that_never_joins_fails_its_requests_then_a_real_peer_serves(
+    backend, model_dir, reference
+):
+    d_dev, p_dev, dtype = devices(backend)
+    kv = KVTransferConfig(store_port=free_port(), timeout_s=3.0, connect_timeout_s=2)
+    d = WorkerProcess(
+        "decode", "d0", model_dir, DecodeConfig(num_pages=400, kv_wait_timeout_s=6.0), kv, True,
+        device=d_dev, dtype=dtype,
+    )  # fmt: skip
+    p = None
+    try:
+        requests = workload(3, seed=11, max_len=40)
+        router = MiniRouter(d, "d0", None, "ghost")  # D waits for KV from a peer that never starts
+        submit_all(router, requests)
+        start = time.monotonic()
+        results = router.run_until_done(30)
+        fault_s = time.monotonic() - start
+        assert fault_s < 12, f"requests waited {fault_s:.1f} s for a peer that never joined"
+        for r in results.values():
+            assert r.finish_reason == "abort" and "ghost" in (r.error or ""), r
+        assert d.stats().pages_used == 0
+        p = WorkerProcess("prefill", "p0", model_dir, PREFILL, kv, device=p_dev, dtype=dtype)
+        requests = workload(3, seed=12)
+        router = MiniRouter(d, "d0", p, "p0")
+        submit_all(router, requests)
+        assert_outputs_match(router.run_until_done(60), requests, reference)
+        print(
+            f"[{backend}] peer never joins: failed in {fault_s:.2f} s, recovered in {time.monotonic() - start:.2f} s"
+        )
+        assert d.stats().pages_used == 0 and p.stats().pages_used == 0
+    finally:
+        for w in (p, d):
+            if w is not None:
+                w.stop()
