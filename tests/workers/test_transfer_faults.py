@@ -74,3 +74,57 @@ def test_a_peer_that_never_joins_fails_its_requests_then_a_real_peer_serves(
         for w in (p, d):
             if w is not None:
                 w.stop()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_decode_worker_killed_mid_receive_frees_prefill_pages_then_a_new_one_serves(
+    backend, model_dir, reference
+):
+    d_dev, p_dev, dtype = devices(backend)
+    kv = KVTransferConfig(store_port=free_port(), timeout_s=3.0, connect_timeout_s=2)
+    # P holds the store here, so that it outlives the decode worker that is killed.
+    p = WorkerProcess("prefill", "p0", model_dir, PREFILL, kv, True, device=p_dev, dtype=dtype)
+    d1 = None
+    d = WorkerProcess(
+        "decode", "d0", model_dir, DecodeConfig(num_pages=400, kv_wait_timeout_s=6.0), kv,
+        device=d_dev, dtype=dtype,
+    )  # fmt: skip
+    try:
+        p.set_send_delay(1.0)  # P sends a header, then pauses: D is killed while it receives
+        router = MiniRouter(d, "d0", p, "p0")
+        submit_all(router, workload(3, seed=13, max_len=40))
+
+        def sending() -> bool:
+            router.pump()
+            return p.stats().num_sending > 0
+
+        deadline = time.monotonic() + 20
+        while not sending():
+            assert time.monotonic() < deadline, "no transfer under way"
+            time.sleep(0.05)
+        d.kill()
+        start = time.monotonic()
+        failures = []
+        while p.stats().pages_used:
+            failures += p.poll_failures()
+            assert time.monotonic() - start < 15, "prefill pages still held after its peer died"
+            time.sleep(0.05)
+        freed_s = time.monotonic() - start
+        failures += p.poll_failures()
+        assert failures and all("d0" in f.error for f in failures), failures
+        p.set_send_delay(0.0)
+        d1 = WorkerProcess(
+            "decode", "d1", model_dir, DecodeConfig(num_pages=400), kv, device=d_dev, dtype=dtype
+        )
+        requests = workload(3, seed=14)
+        router = MiniRouter(d1, "d1", p, "p0")
+        submit_all(router, requests)
+        assert_outputs_match(router.run_until_done(60), requests, reference)
+        print(
+            f"[{backend}] decode killed: P freed in {freed_s:.2f} s, recovered in {time.monotonic() - start:.2f} s"
+        )
+        assert d1.stats().pages_used == 0 and p.stats().pages_used == 0
+    finally:
+        for w in (d1, d, p):
+            if w is not None:
+                w.stop()
