@@ -128,3 +128,93 @@ def test_a_decode_worker_killed_mid_receive_frees_prefill_pages_then_a_new_one_s
         for w in (d1, d, p):
             if w is not None:
                 w.stop()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_prefill_worker_killed_mid_send_fails_its_requests_then_a_new_one_serves(
+    backend, model_dir, reference
+):
+    d_dev, p_dev, dtype = devices(backend)
+    kv = KVTransferConfig(store_port=free_port(), timeout_s=3.0, connect_timeout_s=4)
+    d = WorkerProcess(
+        "decode", "d0", model_dir, DecodeConfig(num_pages=400, kv_wait_timeout_s=60.0), kv, True,
+        device=d_dev, dtype=dtype,
+    )  # fmt: skip
+    p = WorkerProcess("prefill", "p0", model_dir, PREFILL, kv, device=p_dev, dtype=dtype)
+    p1 = None
+    try:
+        p.set_send_delay(60.0)  # P sends a header, then stalls before the pages: killed mid-send
+        router = MiniRouter(d, "d0", p, "p0")
+        submit_all(router, workload(4, seed=5, max_len=40))
+
+        def sending() -> bool:
+            router.pump()
+            return p.stats().num_sending > 0
+
+        deadline = time.monotonic() + 20
+        while not sending():
+            assert time.monotonic() < deadline, "no transfer under way"
+            time.sleep(0.05)
+        p.kill()
+        start = time.monotonic()
+        router.prefill = None  # the router stops talking to the dead worker
+        results = router.run_until_done(30)
+        fault_s = time.monotonic() - start
+        # within the transfer timeout (3 s) plus the time a dead peer gets to rejoin (4 s)
+        assert fault_s < 9, f"the survivor failed the requests after {fault_s:.1f} s"
+        for r in results.values():
+            assert r.finish_reason == "abort" and "p0" in (r.error or ""), r
+        assert d.stats().pages_used == 0
+        p1 = WorkerProcess("prefill", "p1", model_dir, PREFILL, kv, device=p_dev, dtype=dtype)
+        requests = workload(4, seed=6)
+        router = MiniRouter(d, "d0", p1, "p1")
+        submit_all(router, requests)
+        assert_outputs_match(router.run_until_done(60), requests, reference)
+        print(
+            f"[{backend}] prefill killed: failed in {fault_s:.2f} s, recovered in {time.monotonic() - start:.2f} s"
+        )
+        assert d.stats().pages_used == 0 and p1.stats().pages_used == 0
+    finally:
+        for w in (p1, p, d):
+            if w is not None:
+                w.stop()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_stalled_transfer_times_out_then_the_pair_recovers(backend, model_dir, reference):
+    d_dev, p_dev, dtype = devices(backend)
+    kv = KVTransferConfig(store_port=free_port(), timeout_s=2.0, connect_timeout_s=4)
+    d = WorkerProcess(
+        "decode", "d0", model_dir, DecodeConfig(num_pages=400, kv_wait_timeout_s=60.0), kv, True,
+        device=d_dev, dtype=dtype,
+    )  # fmt: skip
+    p = WorkerProcess("prefill", "p0", model_dir, PREFILL, kv, device=p_dev, dtype=dtype)
+    try:
+        p.set_send_delay(4.0)  # the receiver waits past its 2 s transfer timeout
+        router = MiniRouter(d, "d0", p, "p0")
+        submit_all(router, workload(2, seed=7, max_len=40))
+        start = time.monotonic()
+        results = router.run_until_done(30)
+        fault_s = time.monotonic() - start
+        assert fault_s < 10, f"the stalled transfer failed its requests after {fault_s:.1f} s"
+        errors = [r.error or "" for r in results.values()]
+        assert all(r.finish_reason == "abort" and "p0" in (r.error or "") for r in results.values())
+        # The transfer under way times out; one queued behind it fails when P does not rejoin in time.
+        assert any("timed out" in e for e in errors), errors
+        assert d.stats().pages_used == 0
+        deadline = time.monotonic() + 20
+        while p.stats().pages_used:
+            assert time.monotonic() < deadline, "prefill pages still held after its send failed"
+            time.sleep(0.05)
+        p.set_send_delay(0.0)
+        requests = workload(6, seed=8)
+        router = MiniRouter(d, "d0", p, "p0")
+        submit_all(router, requests)
+        assert_outputs_match(router.run_until_done(60), requests, reference)
+        print(
+            f"[{backend}] stalled receiver: failed in {fault_s:.2f} s, recovered in {time.monotonic() - start:.2f} s"
+        )
+        assert d.stats().pages_used == 0 and p.stats().pages_used == 0
+    finally:
+        for w in (p, d):
+            w.stop()
