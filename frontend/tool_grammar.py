@@ -57,26 +57,24 @@ def forced_call_grammar(
         return _literal(text, token_id)
 
     fmt = constraint.format
+    if constraint.max_calls not in (1, None):
+        raise ValueError(
+            f"max_calls={constraint.max_calls}: a call block holds one call or any number"
+        )
     names = [constraint.named] if constraint.named is not None else sorted(constraint.schemas)
+    tail, name_start = lit(fmt.call_tail()), len(fmt.call_head(None))
     rules, firsts, wholes = [], [], []
-    name_start = len(fmt.call_head(None))
     for i, name in enumerate(names):
         rules.append(f"args_{i}: {json_rule(constraint.arguments_schema(name))}")
-        head, tail = fmt.call_head(name), fmt.call_tail()
-        first = (
-            head[len(fmt.call_head(name)) :] if constraint.named is not None else head[name_start:]
-        )
-        firsts.append(f"{lit(first)} args_{i} {lit(tail)}" if first else f"args_{i} {lit(tail)}")
-        wholes.append(f"{lit(head)} args_{i} {lit(tail)}")
+        # a named call's forced prefix ends where its arguments begin; a required one's where the name begins
+        first = "" if constraint.named is not None else lit(fmt.call_head(name)[name_start:]) + " "
+        firsts.append(f"{first}args_{i} {tail}")
+        wholes.append(f"{lit(fmt.call_head(name))} args_{i} {tail}")
     lines = [f"first_call: {' | '.join(firsts)}"]
     more = ""
-    if constraint.max_calls != 1:
+    if constraint.max_calls is None:
         joiner = lit("\n") + " " if fmt.typed else ""
         lines.append(f"next_call: {joiner}({' | '.join(wholes)})")
-        if constraint.max_calls is not None:
-            raise ValueError(
-                f"max_calls={constraint.max_calls}: a call block holds one call or any number"
-            )
         more = " next_call*"
     start = f"start: first_call{more} {lit(TOOL_CALLS_END)}"
     return StructuredOutput("grammar", "\n".join([start, *lines, *rules]))
