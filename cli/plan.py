@@ -68,6 +68,11 @@ def add_plan_command(sub) -> None:
         "(default replicated)",
     )  # fmt: skip
     g.add_argument(
+        "--redundant-experts", type=int, default=0, metavar="R",
+        help="spare routed-expert slots per MoE layer over the expert-parallel ranks (a multiple of "
+        "--ep), for copies of hot experts; each costs one expert's weights a layer (default 0)",
+    )  # fmt: skip
+    g.add_argument(
         "--no-mtp", action="store_true", help="leave out the multi-token-prediction modules"
     )
     k = p.add_argument_group("KV cache and steps")
@@ -129,8 +134,11 @@ FLAG_MODES = {"dp": "data", "tp": "tensor", "replicated": "replicated"}
 
 def layout_from_args(args: argparse.Namespace) -> WorkerLayout:
     """The `WorkerLayout` of `pdserve plan`'s flags: --gpus ranks, --ep (default: all of them), --attention
-    dp|tp and --dense replicated|tp as data|tensor and replicated|tensor."""
+    dp|tp and --dense replicated|tp as data|tensor and replicated|tensor, --redundant-experts."""
     from pdserve.model.parallel import WorkerLayout
 
     ep = args.gpus if args.ep is None else args.ep
-    return WorkerLayout(args.gpus, FLAG_MODES[args.attention], ep, FLAG_MODES[args.dense])
+    return WorkerLayout(
+        args.gpus, FLAG_MODES[args.attention], ep, FLAG_MODES[args.dense],
+        redundant_experts=args.redundant_experts,
+    )  # fmt: skip

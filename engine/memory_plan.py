@@ -299,13 +299,17 @@ def _alternatives(
     for j in range(1, _MAX_DOUBLINGS + 1):
         n = lay.ranks << j
         ep = n if lay.expert_parallel == lay.ranks else lay.expert_parallel
-        grown = dataclasses.replace(lay, ranks=n, expert_parallel=ep)
-        candidates.append((f"--gpus {n}", grown, s))
+        spares = lay.spare_slots * ep  # the same spare slots a rank
+        grown = dataclasses.replace(lay, ranks=n, expert_parallel=ep, redundant_experts=spares)
+        flags = f"--gpus {n}" + (
+            f" --redundant-experts {spares}" if spares != lay.redundant_experts else ""
+        )
+        candidates.append((flags, grown, s))
     if lay.ranks > 1 and lay.attention == "data":
         candidates.append(("--attention tp", dataclasses.replace(lay, attention="tensor"), s))
     if lay.ranks > 1 and lay.dense == "replicated":
         candidates.append(("--dense tp", dataclasses.replace(lay, dense="tensor"), s))
-    if lay.expert_parallel < lay.ranks:
+    if lay.expert_parallel < lay.ranks and not lay.redundant_experts:
         ep_all = dataclasses.replace(lay, expert_parallel=lay.ranks)
         candidates.append((f"--ep {lay.ranks}", ep_all, s))
     if s.kv_cache_dtype != "fp8":

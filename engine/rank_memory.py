@@ -8,9 +8,10 @@ the router's bias in fp32; the rest in the model dtype. Per rank: routed experts
 attention heads split under attention TP (q_b/q, kv_b by rows, o by columns); the dense layers' MLP and the shared
 experts split by their intermediate dim under dense TP; everything else (embedding, lm_head, norms, the router,
 the MLP projections of MTP) whole on every rank. MTP modules count with their own embedding and head copies, as
-the model allocates them. Two groups are not checkpoint tensors but memory the model allocates from them: the
-activation-dtype copy of an fp8 `wkv_b` that absorbed decode attention reads, and the zero rows between stacked
-projections (`stacked_rows`).
+the model allocates them. Three groups are not checkpoint tensors but memory the model allocates from them: the
+activation-dtype copy of an fp8 `wkv_b` that absorbed decode attention reads, the zero rows between stacked
+projections (`stacked_rows`), and the spare expert slots of expert balancing (`WorkerLayout.redundant_experts`:
+one routed expert's tensors per spare slot per main MoE layer).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ GROUPS = (
     "norms, MTP eh_proj",
 )
 """Weight groups of checkpoint tensors, in table order."""
-DERIVED_GROUPS = ("absorbed wkv_b copy", "stacking padding")
+DERIVED_GROUPS = ("absorbed wkv_b copy", "stacking padding", "spare expert slots")
 """Weight groups the model allocates beyond the checkpoint's tensors."""
 
 
@@ -95,6 +96,10 @@ def weight_bytes_per_rank(
         if quantized:
             nbytes += math.ceil(shape[0] / QUANT_BLOCK) * math.ceil(shape[1] / QUANT_BLOCK) * 4
         out[_group(spec)] += nbytes
+        if (
+            spec.expert == 0 and not spec.is_mtp
+        ):  # each main MoE layer's spare slots, one expert each
+            out["spare expert slots"] += layout.spare_slots * nbytes
         if (
             spec.rows is not None
             and spec.expert is None

@@ -191,6 +191,9 @@ class ModelRunner:
             self.penalty_counts.keep(live)
             self.draft_probs.keep(live)
             self.grammar.keep(live)
+        if self.model.balancer is not None:  # collective: every rank, after every step
+            with self._on_device():
+                self.model.balancer.after_step()
         return result
 
     @property

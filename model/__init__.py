@@ -1,5 +1,5 @@
 """DeepSeek-V3 model: `ModelArgs`, the architecture (`Transformer`), its split over ranks (`WorkerLayout`,
-`ParallelLayout`, `ExpertExchange`), the forward batch, the paged KV cache layout, the checkpoint loader, the
+`ParallelLayout`, `ExpertExchange`, `ExpertBalancer`), the forward batch, the paged KV cache layout, the checkpoint loader, the
 tokenizer and the random-checkpoint maker. The serving runtime over it (scheduler, runner, pages, sampler) is
 `pdserve.engine`.
 
@@ -12,6 +12,7 @@ schedulers without importing torch.
 | `deepseek` | the network in the paper's order |
 | `parallel` | `WorkerLayout`: how a worker's model is split over its ranks; `ParallelLayout`: one rank's part |
 | `expert_exchange` | expert-parallel MoE's token exchange |
+| `expert_balance` | copies of hot experts in spare slots: their placement, routing and moves between steps |
 | `shared_expert` | the shared expert as one more slot of the stacked experts |
 | `batch` | `ForwardBatch`: the scheduler -> forward pass contract |
 | `kv_cache` | the paged latent KV cache layout |
@@ -40,6 +41,7 @@ _EXPORTS = {
     "ParallelLayout": "parallel",
     "WorkerLayout": "parallel",
     "ExpertExchange": "expert_exchange",
+    "ExpertBalancer": "expert_balance",
     "ForwardBatch": "batch",
     "SeqChunk": "batch",
     "build_forward_batch": "batch",

@@ -27,6 +27,7 @@ from torch.profiler import record_function
 from .. import kernels
 from .args import QUANT_BLOCK, ModelArgs, stacked_rows
 from .batch import ForwardBatch
+from .expert_balance import ExpertBalancer, ExpertRouting, SlotLayout
 from .expert_exchange import ExpertExchange, make_exchange, reduce_tree
 from .kv_cache import PagedKVCache
 from .parallel import SINGLE_RANK, ParallelLayout
@@ -385,11 +386,17 @@ class MoE(nn.Module):
 
     def __init__(
         self, args: ModelArgs, dtype: torch.dtype, is_fp8: IsFp8, path: str,
-        layout: ParallelLayout = SINGLE_RANK,
+        layout: ParallelLayout = SINGLE_RANK, balanced: bool = True,
     ):  # fmt: skip
         super().__init__()
         self.gate = Gate(args, dtype)
-        self.exchange: ExpertExchange | None = make_exchange(layout, args.n_routed_experts)
+        spares = layout.worker.spare_slots if balanced else 0
+        self.slots = SlotLayout(args.n_routed_experts, layout.worker.expert_parallel, spares)
+        """This layer's expert slots over the expert-parallel group (`expert_balance`)."""
+        self.routing: ExpertRouting | None = None
+        """The routing to the copies of hot experts in spare slots (None: no spare slots)."""
+        experts_or_slots = self.slots.num_slots if spares else args.n_routed_experts
+        self.exchange: ExpertExchange | None = make_exchange(layout, experts_or_slots)
         experts_fp8 = is_fp8(f"{path}.experts")
         self.shared_experts = None
         self.fused_shared = False
@@ -403,18 +410,26 @@ class MoE(nn.Module):
                 and layout.worker.dense_tp_size == 1
                 and can_fuse_shared(args, self.shared_experts, experts_fp8)
             )
-        self.experts = Experts(args, dtype, experts_fp8, int(self.fused_shared), layout)
+        self.experts = Experts(args, dtype, experts_fp8, int(self.fused_shared) + spares, layout)
         if self.fused_shared:
             alias_slot(self.shared_experts, self.experts, args.n_routed_experts)
+        if spares:  # empty until a rebalance copies an expert in, and never routed to before
+            self.routing = ExpertRouting(self.slots, self.gate.weight.device)
+            for weight in (self.experts.w13, self.experts.w2, self.experts.w13_scale_inv,
+                           self.experts.w2_scale_inv):  # fmt: skip
+                if weight is not None:
+                    weight.data[self.slots.home_per_rank :].zero_()
         self.tree = reduce_tree(args.n_routed_experts, layout.worker.expert_parallel)
         """`kernels.fused_moe`'s tree for this rank's experts in batch-invariant mode (None: slot order)."""
 
     def forward(
-        self, x: torch.Tensor, x_q: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """x_q: x quantized by ffn_norm (quant="both"), for the experts whose weights are fp8."""
+        self, x: torch.Tensor, x_q: tuple[torch.Tensor, torch.Tensor] | None = None,
+        counted: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """x_q: x quantized by ffn_norm (quant="both"), for the experts whose weights are fp8; counted [T] bool:
+        the rows whose routes count towards the experts' loads (None: all; see `counted_rows`)."""
         if self.exchange is not None:
-            return self._forward_expert_parallel(x, x_q)
+            return self._forward_expert_parallel(x, x_q, counted)
         expert_x_q = x_q if self.experts.is_fp8 else None
         if self.tree is not None and kernels.batch_invariant():
             weights, ids = self.gate(x)
@@ -437,9 +452,11 @@ class MoE(nn.Module):
         shared_q = x_q is not None and self.shared_experts.w13.is_fp8
         return self.shared_experts(x_q if shared_q else x)
 
-    def _forward_expert_parallel(self, x: torch.Tensor, x_q) -> torch.Tensor:
+    def _forward_expert_parallel(self, x: torch.Tensor, x_q, counted=None) -> torch.Tensor:
         """Collective over the expert-parallel group: every rank calls it, with zero tokens too."""
         weights, ids = self.gate(x)  # [T, k] each
+        if self.routing is not None:  # expert ids -> the slots of their copies
+            ids = self.routing.route(ids, counted, home_only=kernels.batch_invariant())
         # fp8 experts: x travels quantized (as their GEMM takes it), or in the activation dtype to be quantized
         # there (layout.dispatch_fp8 off); every rank sends the same kind of message
         if self.experts.is_fp8 and x_q is None and x.shape[0]:
@@ -514,7 +531,9 @@ class Block(nn.Module):
         self.attn = MLA(args, cache_layer, dtype, is_fp8, f"{path}.attn", layout)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         if args.is_moe_layer(layer):
-            self.ffn = MoE(args, dtype, is_fp8, f"{path}.ffn", layout)
+            # the main layers' experts are balanced; an MTP module's (one layer) keep their home copies
+            balanced = layer < args.num_hidden_layers
+            self.ffn = MoE(args, dtype, is_fp8, f"{path}.ffn", layout, balanced)
         else:
             self.ffn = MLP(
                 args.hidden_size, args.intermediate_size, dtype, is_fp8, f"{path}.ffn", layout
@@ -528,7 +547,8 @@ class Block(nn.Module):
             if self.ffn.experts.is_fp8 or (shared is not None and shared.w13.is_fp8):
                 self.quant_ffn = "both"
 
-    def forward(self, x, residual, batch: ForwardBatch, cache: PagedKVCache, cos_sin):
+    def forward(self, x, residual, batch: ForwardBatch, cache: PagedKVCache, cos_sin, counted=None):
+        """counted: the rows whose routes an MoE layer counts (`counted_rows`)."""
         if residual is None:
             residual, h = x.float(), self.attn_norm(x, quant=self.quant_attn)
         else:
@@ -536,9 +556,12 @@ class Block(nn.Module):
         with record_function(SPAN_ATTENTION):
             h = self.attn(h, batch, cache, cos_sin)
         h, residual = self.ffn_norm(h, residual, self.quant_ffn)
-        with record_function(SPAN_MOE if isinstance(self.ffn, MoE) else SPAN_MLP):
-            if self.quant_ffn == "both":
-                return self.ffn(*h), residual
+        if isinstance(self.ffn, MoE):
+            with record_function(SPAN_MOE):
+                if self.quant_ffn == "both":
+                    return self.ffn(*h, counted=counted), residual
+                return self.ffn(h, counted=counted), residual
+        with record_function(SPAN_MLP):
             return self.ffn(h), residual
 
 
@@ -575,6 +598,16 @@ class MTP(nn.Module):
         return self.head_norm(x, residual)[0]
 
 
+def counted_rows(batch: ForwardBatch) -> torch.Tensor | None:
+    """The rows of `batch` whose routes count towards the experts' loads, [T] bool; None: all. A decode row
+    caching fewer than two tokens is padding (the CUDA graphs' padding rows cache one; a real decode token
+    follows at least one prompt token), a prefill batch has none."""
+    if not batch.is_decode:
+        return None
+    rows = batch.seq_lens >= 2  # [B]
+    return rows[:, None].expand(-1, batch.num_queries_per_seq).reshape(-1)  # [T]
+
+
 class Transformer(nn.Module):
     """The whole model. `forward` returns final-norm hidden states [T, D]; `compute_logits` applies the head.
 
@@ -603,6 +636,16 @@ class Transformer(nn.Module):
         self.head = Linear(args.hidden_size, args.vocab_size, dtype, is_fp8("head"))
         self.mtp = nn.ModuleList(MTP(args, j, dtype, is_fp8, layout) for j in range(self.num_mtp))
         self.register_buffer("cos_sin", rope_cos_sin(args), persistent=False)
+        balanced = [
+            (layer.ffn.routing, layer.ffn.experts)
+            for layer in self.layers
+            if isinstance(layer.ffn, MoE) and layer.ffn.routing is not None
+        ]
+        self.balancer = (
+            ExpertBalancer(balanced, layout, layout.worker.rebalance_steps) if balanced else None
+        )
+        """Moves copies of hot experts into the spare slots (`expert_balance`); None without spare slots.
+        Its `after_step` is collective: the runner calls it on every rank after every step."""
 
     @property
     def num_cache_layers(self) -> int:
@@ -613,8 +656,9 @@ class Transformer(nn.Module):
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         with kernels.forward_phase("decode" if batch.is_decode else "prefill"):
             x, residual = F.embedding(batch.input_ids, self.embed.weight), None  # [T, D]
+            counted = counted_rows(batch) if self.balancer is not None else None
             for layer in self.layers:
-                x, residual = layer(x, residual, batch, cache, self.cos_sin)
+                x, residual = layer(x, residual, batch, cache, self.cos_sin, counted)
             return self.norm(x, residual)[0]
 
     @property

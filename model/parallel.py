@@ -48,6 +48,15 @@ class WorkerLayout:
     """Ranks the routed experts are split over: 1 (each rank all of them) or `ranks`."""
     dense: str = "replicated"
     """Dense layers and shared experts: 'replicated' or 'tensor' (split; needs attention 'tensor')."""
+    redundant_experts: int = 0
+    """Spare routed-expert slots per MoE layer over the expert-parallel group (a multiple of
+    expert_parallel, each rank an equal share): they hold copies of the hottest experts, which the rank
+    holding an expert's home copy would otherwise compute alone, so that a skewed routing spreads over the
+    ranks (`pdserve.model.expert_balance`). 0: off. Each slot costs one routed expert's weights per MoE
+    layer on its rank."""
+    rebalance_steps: int = 1000
+    """Steps between two placements of the spare slots (with redundant_experts): the experts' loads
+    counted over these steps choose the copies, which then move a few layers a step."""
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -62,6 +71,18 @@ class WorkerLayout:
             raise ConfigError(
                 f"expert_parallel={self.expert_parallel}: must divide ranks={self.ranks}"
             )
+        if self.redundant_experts < 0 or self.redundant_experts % self.expert_parallel:
+            raise ConfigError(
+                f"redundant_experts={self.redundant_experts}: must be >= 0 and a multiple of "
+                f"expert_parallel={self.expert_parallel} (each rank an equal share)"
+            )
+        if self.redundant_experts and self.expert_parallel == 1:
+            raise ConfigError(
+                f"redundant_experts={self.redundant_experts}: needs expert_parallel > 1 (with one "
+                "expert-parallel rank every rank holds every expert)"
+            )
+        if self.rebalance_steps < 1:
+            raise ConfigError(f"rebalance_steps={self.rebalance_steps}: must be >= 1")
 
     def check_runnable(self) -> None:
         """Raises ConfigError naming the field when the ranks cannot run this layout: experts split over all
@@ -91,6 +112,11 @@ class WorkerLayout:
     def dense_tp_size(self) -> int:
         """Ranks the dense layers' and shared experts' intermediate dim is split over."""
         return self.ranks if self.dense == "tensor" else 1
+
+    @property
+    def spare_slots(self) -> int:
+        """Spare routed-expert slots per MoE layer on each rank (`redundant_experts` shared evenly)."""
+        return self.redundant_experts // self.expert_parallel
 
     @property
     def same_tokens_on_all_ranks(self) -> bool:

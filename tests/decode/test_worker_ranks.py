@@ -38,6 +38,11 @@ CONFIG = DecodeConfig(
     layout=WorkerLayout(2, "data", expert_parallel=2),
 )  # fmt: skip
 TP2 = dataclasses.replace(CONFIG, layout=WorkerLayout(2, "tensor", dense="tensor"))
+BALANCED = dataclasses.replace(
+    CONFIG,
+    layout=WorkerLayout(2, "data", expert_parallel=2, redundant_experts=2, rebalance_steps=2),
+)
+"""A spare slot a rank, placed every 2 steps: copies of hot experts move between steps while requests run."""
 MTP = {"num_speculative_tokens": 2}
 """Speculation: every rank joins the MTP passes' exchanges (a rank without rows too)."""
 
@@ -55,8 +60,8 @@ def worker(ckpt, config=CONFIG) -> DecodeWorker:
 
 @pytest.mark.parametrize(
     "config",
-    [CONFIG, TP2, dataclasses.replace(CONFIG, **MTP), dataclasses.replace(TP2, **MTP)],
-    ids=["dp2-ep2", "tp2", "dp2-ep2-mtp2", "tp2-mtp2"],
+    [CONFIG, TP2, dataclasses.replace(CONFIG, **MTP), dataclasses.replace(TP2, **MTP), BALANCED],
+    ids=["dp2-ep2", "tp2", "dp2-ep2-mtp2", "tp2-mtp2", "dp2-ep2-balanced"],
 )
 def test_requests_give_the_offline_tokens(ckpt, config):
     decode = worker(ckpt, config)
@@ -65,7 +70,7 @@ def test_requests_give_the_offline_tokens(ckpt, config):
             decode.add_request(DecodeRequest(f"r{i}", prompt, params))
         ranks = {r.request_id: r.rank for r in decode.scheduler.requests.values()}
         ffn = decode.model.layers[-1].ffn
-        routed = ffn.experts.w2.shape[0] - int(ffn.fused_shared)
+        routed = ffn.experts.w2.shape[0] - int(ffn.fused_shared) - ffn.slots.spares
         if config.layout.attention == "data":
             assert set(ranks.values()) == {0, 1}, ranks  # both ranks hold requests
             assert (
@@ -74,6 +79,8 @@ def test_requests_give_the_offline_tokens(ckpt, config):
         else:
             assert decode.model.layers[0].attn.n_heads * 2 == decode.model.args.num_attention_heads
         got = drain(decode, ["r0", "r1", "r2"])
+        if config.layout.redundant_experts:  # the driver's rank placed copies and moved them
+            assert decode.model.balancer.rebalances >= 2 and decode.model.balancer.moved_slots > 0
         data_parallel = config.layout.attention == "data"
         pages = 2 * 32 if data_parallel else 32  # one allocator per data-parallel rank
         assert decode.num_used_pages == 0 and decode.num_pages == pages

@@ -111,6 +111,22 @@ def test_ep_divides_routed_expert_bytes(preset):
     assert ep2["routed experts"] * 2 == whole["routed experts"]
 
 
+def test_spare_expert_slots_are_counted_as_the_model_allocates_them():
+    from pdserve.model.deepseek import MoE, Transformer
+
+    args, dtype = model_for_plan(preset="tiny", preset_dtype="bf16")
+    layout = all_ep(2, redundant_experts=4)
+    plan = weight_bytes_per_rank(args, dtype, layout, args.num_nextn_predict_layers)
+    model = Transformer(args, dtype, layout=ParallelLayout(layout, rank=0))
+    spare_bytes = 0
+    for layer in model.layers:
+        if isinstance(layer.ffn, MoE):
+            home = layer.ffn.slots.home_per_rank
+            spare_bytes += sum(p[home:].nbytes for p in layer.ffn.experts.parameters())
+    assert spare_bytes > 0 and plan["spare expert slots"] == spare_bytes
+    assert weight_bytes_per_rank(args, dtype, all_ep(2), 1)["spare expert slots"] == 0
+
+
 @pytest.mark.parametrize("preset_dtype", ["bf16", "fp8"])
 def test_tensor_parallel_splits_are_linear_in_the_ranks(preset_dtype):
     """Replicated part + split part / n, for the attention heads and for the dense MLP and shared experts."""
