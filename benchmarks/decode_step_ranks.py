@@ -294,7 +294,8 @@ def profile_table(parts: dict, roof: dict, graph_step_s: float, batch: int, laye
     ]
     if parts["unlinked"] > 0:
         notes.append(
-            f"{1e3 * parts['unlinked']:.3f} ms of device work had no launching host event (in other)"
+            f"{1e3 * parts['unlinked']:.3f} ms of device work had no launching host event (in other): "
+            "launched outside any op or range, or its launch not recorded"
         )
     return "\n".join(rows + [""] + [f"- {n}" for n in notes])
 

@@ -75,7 +75,8 @@ class Record(NamedTuple):
 def attribute(recs: Sequence[Record], on_device: bool) -> dict[str, float]:
     """Seconds per category (`CATEGORIES`), their sum "total", and:
     on the device, "busy": the seconds in which any device work ran (below "total" where streams overlap), and
-    "unlinked": the seconds of device work with no launching host event (counted in "other");
+    "unlinked": the seconds of device work with no launching host event (counted in "other"): launched
+    outside any op or range (a Triton kernel between the ranges), or its launch not recorded;
     on the host, both 0.0. Raises ValueError on a record whose parent is not an earlier or later host record of
     `recs`, or whose parents loop."""
     n = len(recs)
