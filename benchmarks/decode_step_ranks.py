@@ -258,10 +258,11 @@ PROFILE_TOLERANCE = 0.10
 """How far the profiled parts' sum may be from the CUDA-graph step before the table flags it."""
 
 
-def profile_table(parts: dict, roof: dict, graph_step_s: float, batch: int, layers: int,
+def profile_table(ranks: list[dict], roof: dict, graph_step_s: float, batch: int, layers: int,
                   kind: str) -> str:  # fmt: skip
-    """Rank 0's device time a step by part (eager steps under the profiler) beside each part's roofline, and
-    the parts' sum against the CUDA-graph step."""
+    """Rank 0's device time a step by part (eager steps under the profiler; `ranks`: every rank's
+    `breakdown` a step) beside each part's roofline, and the parts' sum against the CUDA-graph step."""
+    parts = ranks[0]
     rows = [
         f"\nrank 0 at {batch} rows, {kind} dispatch, device time a step by part (eager, profiled: each "
         f"kernel, memcpy and memset once) against the CUDA-graph step of {1e3 * graph_step_s:.2f} ms",
@@ -286,8 +287,10 @@ def profile_table(parts: dict, roof: dict, graph_step_s: float, batch: int, laye
         f"parts' sum {1e3 * total:.2f} ms vs CUDA-graph step {1e3 * graph_step_s:.2f} ms: {off:+.1%}, "
         f"{verdict} {PROFILE_TOLERANCE:.0%}"
         + ("" if abs(off) <= PROFILE_TOLERANCE else " (see the notes below)"),
-        "MoE exchange: its kernels' time includes waiting for the other rank, whose eager launches may "
-        "lag behind this rank's: an upper bound on the exchange itself",
+        "MoE exchange: its kernels' time includes waiting for the other ranks, whose eager launches may "
+        "lag behind this rank's: an upper bound on the exchange itself (by rank: "
+        + ", ".join(f"{1e3 * r['MoE exchange']:.2f}" for r in ranks)
+        + " ms; the last to arrive waits least)",
         f"device busy {1e3 * parts['busy']:.2f} ms (union of the parts' intervals; below their sum where "
         f"streams overlap)",
         "the graph step is wall time at the driver: it also holds the host's work between replays",
@@ -393,7 +396,7 @@ def main() -> None:
                     {"batch": batch, "dispatch": kind, "graph_step_s": graph_step, "ranks": prof,
                      "roofline_s": roof}
                 )  # fmt: skip
-                lines.append(profile_table(prof[0], roof, graph_step, batch, args.layers, kind))
+                lines.append(profile_table(prof, roof, graph_step, batch, args.layers, kind))
     header = (
         f"{out['device']} | {args.preset}, {args.layers} layers, fp8 experts, dummy weights | context "
         f"{args.context} | DP{args.ranks} + EP{args.ranks} vs 1 GPU | CUDA graphs"
