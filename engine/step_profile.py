@@ -61,8 +61,8 @@ nor `cuda_sync` (a wait)."""
 
 class Record(NamedTuple):
     """One profiler event. parent: the index (in the same sequence) of the host event around a host event, or of
-    the host event that launched a device event; None where there is none (a top-level host event, a device
-    event whose launch was not recorded)."""
+    the host event that launched a device event; None where there is none (a top-level host event, device work
+    launched outside any op or range or whose launch was not recorded)."""
 
     name: str
     start_us: float
@@ -77,8 +77,8 @@ def attribute(recs: Sequence[Record], on_device: bool) -> dict[str, float]:
     on the device, "busy": the seconds in which any device work ran (below "total" where streams overlap), and
     "unlinked": the seconds of device work with no launching host event (counted in "other"): launched
     outside any op or range (a Triton kernel between the ranges), or its launch not recorded;
-    on the host, both 0.0. Raises ValueError on a record whose parent is not an earlier or later host record of
-    `recs`, or whose parents loop."""
+    on the host, both 0.0. Raises ValueError on a record that ends before it starts, whose parent is not
+    another host record of `recs`, or whose parents loop."""
     n = len(recs)
     for i, r in enumerate(recs):
         if r.end_us < r.start_us:
