@@ -32,7 +32,7 @@ marked torch are imported from their modules.
 | `offline` (torch) | the single-process reference path of `pdserve offline` |
 | `memory_plan` (torch) | a worker layout's memory plan from the model's arguments alone, without GPUs |
 | `rank_memory` (torch) | the per-rank arithmetic the memory plan is made of |
-| `step_profile` (torch) | a profile's kernel time a step, by part of the network |
+| `step_profile` (torch) | a profile's device (or host) time, by part of the network and sampling, each kernel once |
 | `ranks/` (torch) | a worker of several ranks: rank group, rank processes, plan channel, step handlers |
 """
 

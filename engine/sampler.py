@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+from torch.profiler import record_function
 
 from pdserve import kernels
 from pdserve.engine.sampling_params import SamplingParams, TokenLogprobs
@@ -16,6 +17,10 @@ from pdserve.engine.step import NO_LOGPROBS, SampleSpec
 
 if TYPE_CHECKING:
     from pdserve.engine.grammar_masks import RowMasks
+
+SPAN_SAMPLING = "pdserve.sampling"
+"""torch.profiler range of `sample` (`engine.step_profile` counts the kernels under it): penalties, bans,
+masks, the sampling kernel, the log-probabilities and the tokens' copy to the host."""
 
 
 def sample_tokens(
@@ -175,6 +180,17 @@ def sample(
     and nothing is kept); masks: the constrained rows' allowed tokens (structured outputs), applied after
     the penalties and bans. Returns each row's token and, when any row asks for them, each row's
     `token_logprobs` (None otherwise; of the raw logits, before any mask)."""
+    with record_function(SPAN_SAMPLING):
+        return _sample(logits, specs, request_ids, counts, masks)
+
+
+def _sample(
+    logits: torch.Tensor,
+    specs: Sequence[SampleSpec],
+    request_ids: Sequence[str],
+    counts: PenaltyCounts | None,
+    masks: RowMasks | None,
+) -> tuple[list[int], list[TokenLogprobs | None] | None]:
     if all(s.plain for s in specs):
         return sample_tokens(logits, specs, [s.step for s in specs]), None
     penalized = [i for i, s in enumerate(specs) if s.penalized]
