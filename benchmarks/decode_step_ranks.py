@@ -85,6 +85,7 @@ def bench_rank(ctx, seeds: list[int] | None, pages_per_row: int, **kwargs):
         return runner(wire)
 
     handler.close = runner.close  # its CUDA graphs go before the group is destroyed
+    handler.model = runner.runner.model
     return handler
 
 
@@ -149,16 +150,23 @@ def _part_bytes(model, weight_bytes: int) -> dict[str, int]:
 
 
 def run(model_dir: str, ranks: int, batch: int, context: int, steps: int, invariant: bool,
-        seeds: list[list[int]] | None, dispatch_fp8: bool = False, profile_steps: int = 0) -> dict:  # fmt: skip
+        seeds: list[list[int]] | None, dispatch_fp8: bool = False, profile_steps: int = 0,
+        layout_extra: dict | None = None, handler: str | None = None,
+        handler_args: dict | None = None) -> dict:  # fmt: skip
     """One group of `ranks` ranks, `batch` rows each, `steps` timed steps; returns times and tokens.
     dispatch_fp8: the exchange carries the fp8 experts' rows quantized (`ParallelLayout.dispatch_fp8`).
     profile_steps: instead, that many steps without CUDA graphs under torch.profiler after 5 warm-up steps;
-    "profile" is then each rank's device seconds a step by part (`engine.step_profile.breakdown`)."""
+    "profile" is then each rank's device seconds a step by part (`engine.step_profile.breakdown`).
+    layout_extra: more `WorkerLayout` fields; handler ("module:function", importable from this folder) and
+    handler_args: another rank handler taking `_by_rank`'s arguments and these."""
     pages_per_row = -(-(context + steps + 8) // 64)
     layout = {"ranks": ranks, "attention": "data", "expert_parallel": ranks, "dense": "replicated"}
+    layout.update(layout_extra or {})
     spec = HandlerSpec(
-        f"{Path(__file__).stem}:_by_rank",  # this file, imported by the rank processes (sys.path carries it)
+        # this file, imported by the rank processes (sys.path carries it)
+        handler or f"{Path(__file__).stem}:_by_rank",
         {
+            **(handler_args or {}),
             "seeds": [None] * ranks if seeds is None else seeds, "pages_per_row": pages_per_row,
             "model_path": model_dir, "dtype": "bf16", "layout": layout, "page_size": 64,
             "num_pages": batch * pages_per_row, "gpu_memory_fraction": 0.9, "cpu_cache_bytes": 0,
@@ -212,6 +220,7 @@ def run(model_dir: str, ranks: int, batch: int, context: int, steps: int, invari
             profile = [{k: v / steps for k, v in p.items()} for p in group.step("profile_stop")]
     return {
         "step_s": statistics.median(times),
+        "times": times,
         "facts": facts,
         "tokens": history,
         "profile": profile,

@@ -1,7 +1,7 @@
 """DeepSeek-V3 model: `ModelArgs`, the architecture (`Transformer`), its split over ranks (`WorkerLayout`,
-`ParallelLayout`, `ExpertExchange`, `ExpertBalancer`), the forward batch, the paged KV cache layout, the checkpoint loader, the
-tokenizer and the random-checkpoint maker. The serving runtime over it (scheduler, runner, pages, sampler) is
-`pdserve.engine`.
+`ParallelLayout`, `ExpertExchange`, `ExpertBalancer`), the forward batch, the paged KV cache layout, the
+checkpoint loader, the tokenizer and the random-checkpoint maker. The serving runtime over it (scheduler,
+runner, pages, sampler) is `pdserve.engine`.
 
 Names are imported lazily so that torch-free modules (`pdserve.model.errors`) can be used by pure-Python
 schedulers without importing torch.

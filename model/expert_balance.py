@@ -281,11 +281,13 @@ class ExpertBalancer:
                     src = expert % slots.home_per_rank
                     dst = slots.home_per_rank + spare
                     assert home != rank, "a rank never holds a copy of its own expert"
-                    for weight in _slot_tensors(experts):
+                    for weight in _slot_tensors(experts):  # as bytes: gloo has no fp8
                         if home == me:
-                            ops.append(dist.P2POp(dist.isend, weight[src], self._peer(rank), group))
+                            send = weight[src].view(torch.uint8)
+                            ops.append(dist.P2POp(dist.isend, send, self._peer(rank), group))
                         elif rank == me:
-                            ops.append(dist.P2POp(dist.irecv, weight[dst], self._peer(home), group))
+                            recv = weight[dst].view(torch.uint8)
+                            ops.append(dist.P2POp(dist.irecv, recv, self._peer(home), group))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()

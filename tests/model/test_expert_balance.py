@@ -148,8 +148,12 @@ def _balanced_rank(rank, world, ckpt, prompts):
             spares_used += 1
             slot = layer.ffn.slots.home_per_rank + spare
             ref = ref_layer.ffn.experts
-            copies_exact &= torch.equal(layer.ffn.experts.w13[slot], ref.w13[expert])
-            copies_exact &= torch.equal(layer.ffn.experts.w2[slot], ref.w2[expert])
+            for name in ("w13", "w2", "w13_scale_inv", "w2_scale_inv"):  # scales: fp8 only
+                mine, theirs = getattr(layer.ffn.experts, name), getattr(ref, name)
+                if theirs is not None:
+                    copies_exact &= torch.equal(
+                        mine[slot].view(torch.uint8), theirs[expert].view(torch.uint8)
+                    )
     after = prefill_hidden(model, prompts)
     with kernels.use(batch_invariant=True):
         invariant_after = prefill_hidden(model, prompts)
@@ -165,8 +169,9 @@ def _balanced_rank(rank, world, ckpt, prompts):
 
 
 @pytest.mark.subprocess
-def test_dp2_ep2_rebalanced_copies_serve_rows_with_the_same_outputs(checkpoint, tmp_path):
-    ckpt = checkpoint("tiny-fp32")
+@pytest.mark.parametrize("variant", ["tiny-fp32", "tiny-fp8"])
+def test_dp2_ep2_rebalanced_copies_serve_rows_with_the_same_outputs(variant, checkpoint, tmp_path):
+    ckpt = checkpoint(variant)
     model = load_model(ckpt, dtype=torch.float32, progress=False)
     prompts = _prompts(model.args.vocab_size)
     by_rank = [[prompts[0], prompts[2]], [prompts[1]]]
