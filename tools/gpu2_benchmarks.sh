@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The two-GPU figures and tests still owed by the open issues, in one device call on a 2-GPU kind (each part under
+# its own time limit, each log under $OUT, a summary at the end), on a host with no package index (.whl/: see
+# tools/gpu_tests.sh for the wheels):
+#   issue 43/46: the multi_gpu tests (the NCCL transfer faults among them);
+#   issue 46:    the NCCL transfer faults' recovery times;
+#   issue 48:    the step profile by part against the CUDA-graph step, and expert balancing under Zipf routing.
+# Usage: bash tools/gpu2_benchmarks.sh [PART ...]   (parts: multi_gpu transfer_faults profile balance)
+set -uo pipefail
+out=${OUT:-build/gpu2-benchmarks}; mkdir -p "$out"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    >"$out/install.log" 2>&1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+source tools/devenv.sh
+export NCCL_NVLS_ENABLE=0
+parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(multi_gpu transfer_faults profile balance)
+nvidia-smi --query-gpu=name --format=csv,noheader >"$out/summary.txt"
+git rev-parse --short HEAD >>"$out/summary.txt" 2>/dev/null
+step() {
+  local name=$1 limit=$2; shift 2
+  echo "== $name: $*" >>"$out/summary.txt"; local start=$(date +%s)
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  echo "exit $? in $(( $(date +%s) - start )) s" >>"$out/summary.txt"
+  tail -n 30 "$out/$name.log" >>"$out/summary.txt"
+}
+for part in "${parts[@]}"; do
+  case $part in
+    multi_gpu) step multi_gpu 200 python3 -m pytest -q -p no:cacheprovider -m multi_gpu tests ;;
+    transfer_faults) step transfer_faults 120 python3 benchmarks/transfer_faults.py --backend nccl ;;
+    profile) step profile 150 python3 benchmarks/decode_step_ranks.py --ranks 2 --layers 8 --batch 64,128 \
+      --dispatch fp8 --steps 20 --profile 10 ;;
+    balance) step balance 170 python3 benchmarks/expert_balance.py --ranks 2 --layers 8 --batch 64,128 \
+      --zipf 1.0 --spares 2 --steps 40 ;;
+    *) echo "unknown part $part" >>"$out/summary.txt" ;;
+  esac
+done
+cat "$out/summary.txt"
