@@ -208,9 +208,7 @@ class GrammarMatchers:
                 raise FileNotFoundError(
                     f"structured outputs need the checkpoint's tokenizer.json ({file} is missing)"
                 )
-            self._tokenizer = llguidance.LLTokenizer(
-                file.read_text(), n_vocab=self._vocab_size, eos_token=self._eos
-            )
+            self._tokenizer = _text_tokenizer(file.read_text(), self._vocab_size, self._eos)
         return self._tokenizer
 
     def _executor_(self) -> llguidance.LLExecutor:
@@ -225,3 +223,41 @@ class GrammarMatchers:
                 size, self.words, dtype=torch.int32, pin_memory=torch.cuda.is_available()
             )
         return self._host[:rows]
+
+
+class _NoAddedTokens:
+    """A tokenizer for llguidance (`llguidance.TokenizerWrapper`'s protocol) with `base`'s vocabulary and
+    special tokens, whose text tokenization never yields an added token: where `base` makes one of a piece of
+    text (`</think>`, a tool-call marker), the pieces of its text come instead.
+
+    llguidance holds every added token as a special token (its bytes are not its text's), yet tokenizes the
+    text a grammar forces (a literal, a JSON `const`) with the checkpoint's tokenizer, which makes an added
+    token of its text: the mask would allow that token and the matcher refuse it once sampled. Forced text
+    tokenized here is made of tokens whose bytes are its text, so the matcher takes them."""
+
+    def __init__(self, base: llguidance.LLTokenizer, eos_token_ids: Sequence[int]) -> None:
+        size = base.vocab_size
+        self._base = base
+        self.special_token_ids = [t for t in range(size) if base.is_special_token(t)]
+        self._special = frozenset(self.special_token_ids)
+        self.tokens = [base.decode_bytes([t]) for t in range(size)]
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
+        self.bos_token_id = None
+
+    def __call__(self, text: bytes) -> list[int]:
+        ids = []
+        for token in self._base.tokenize_bytes(text):
+            if token in self._special:  # its text's bytes, in the vocabulary's pieces
+                ids += self._base.greedy_tokenize(self._base.decode_str([token]))
+            else:
+                ids.append(token)
+        return ids
+
+
+def _text_tokenizer(
+    tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]
+) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer of the checkpoint's tokenizer.json (`_NoAddedTokens`)."""
+    base = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+    wrapper = llguidance.TokenizerWrapper(_NoAddedTokens(base, eos_token_ids))
+    return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=list(eos_token_ids))

@@ -5,6 +5,7 @@ failing its request alone, the constraint on the rank wire, and constrained requ
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams, StructuredOutput
 from pdserve.engine.step import DecodeRow, RankResult, RankStep, SampleSpec, StepPlan
 from pdserve.model.errors import InvalidRequestError
-from pdserve.model.tokenizer import Tokenizer
+from pdserve.model.tokenizer import THINK_END, TOOL_CALL_END, Tokenizer
 
 CHOICE = StructuredOutput("choice", json.dumps(["yes", "no"]))
 SCHEMA = {
@@ -155,6 +156,44 @@ def test_json_inside_a_grammar_is_compact_and_validated(matchers, tokenizer):
     assert allowed(masks, 0) == {1}
     with pytest.raises(InvalidRequestError, match="tools"):
         constrain(params, StructuredOutput("json_object"), "tools[0]")
+
+
+def drive(matchers, structured: StructuredOutput, request_id: str, pick=min) -> list[int]:
+    """The tokens a request constrained to `structured` takes, `pick`ing one of the allowed ones each step
+    until only EOS is allowed; fails on a row error."""
+    params = SamplingParams(max_tokens=64, structured=structured)
+    tokens: list[int] = []
+    for step in range(64):
+        row = SampleSpec.of(params, step, counted=step > 0)
+        masks, errors = matchers.masks([request_id], [row], torch.device("cpu"))
+        assert not errors, errors
+        if allowed(masks, 0) == {1}:
+            return tokens
+        tokens.append(pick(allowed(masks, 0) - {1}))
+        matchers.accept([request_id], [row], tokens[-1:], errors)
+        assert not errors, errors
+    raise AssertionError(f"no end after {tokens}")
+
+
+@pytest.mark.parametrize(
+    "structured, text",
+    [
+        (StructuredOutput("regex", "</think>"), "</think>"),
+        (StructuredOutput("regex", "<think>[a-z]{3}</think>"), None),
+        (StructuredOutput("json_schema", json.dumps({"const": "</think>"})), '"</think>"'),
+        (StructuredOutput("json_schema", json.dumps({"enum": ["a<think>b"]})), '"a<think>b"'),
+        (StructuredOutput("choice", json.dumps([TOOL_CALL_END])), TOOL_CALL_END),
+        (StructuredOutput("grammar", f'start: "x" "{THINK_END}"'), "x</think>"),
+    ],
+)
+def test_literals_spelling_an_added_token_are_generated(matchers, tokenizer, structured, text):
+    """The text of an added token (`</think>`, a tool-call marker) that a grammar forces is generated and
+    taken by the matcher (llguidance holds added tokens apart from text)."""
+    got = tokenizer.decode(drive(matchers, structured, f"added-{structured.kind}"))
+    if text is None:
+        assert re.fullmatch(structured.text, got), got
+    else:
+        assert got == text
 
 
 @pytest.mark.parametrize("acceptance", [0.7, 1.0])
