@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -69,6 +70,9 @@ class GrammarMatchers:
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._added: dict[str, int] = {}
+        """The vocabulary's added tokens that are not special (text to id: `</think>`, tool-call markers),
+        read with the tokenizer: a choice of their text takes them (`grammar.to_grammar`)."""
         self._executor: llguidance.LLExecutor | None = None
         self._matchers: dict[str, llguidance.LLMatcher] = {}
         self._compiled: collections.OrderedDict[StructuredOutput, llguidance.LLMatcher] = (
@@ -191,7 +195,9 @@ class GrammarMatchers:
     def _fresh(self, structured: StructuredOutput) -> llguidance.LLMatcher:
         base = self._compiled.get(structured)
         if base is None:
-            base = llguidance.LLMatcher(self._tokenizer_(), to_grammar(structured), log_level=0)
+            tokenizer = self._tokenizer_()
+            grammar = to_grammar(structured, self._added)
+            base = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
             if base.is_error():
                 raise ValueError(base.get_error())
             self._compiled[structured] = base
@@ -208,7 +214,13 @@ class GrammarMatchers:
                 raise FileNotFoundError(
                     f"structured outputs need the checkpoint's tokenizer.json ({file} is missing)"
                 )
-            self._tokenizer = _text_tokenizer(file.read_text(), self._vocab_size, self._eos)
+            text = file.read_text()
+            self._added = {
+                t["content"]: t["id"]
+                for t in json.loads(text).get("added_tokens", ())
+                if not t.get("special") and t["id"] < self._vocab_size
+            }
+            self._tokenizer = _text_tokenizer(text, self._vocab_size, self._eos)
         return self._tokenizer
 
     def _executor_(self) -> llguidance.LLExecutor:

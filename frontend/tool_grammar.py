@@ -7,10 +7,9 @@ parsed as written (`tool_parser`)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
-from pdserve.engine.grammar import json_rule
+from pdserve.engine.grammar import json_rule, lark_literal
 from pdserve.engine.sampling_params import StructuredOutput
 from pdserve.frontend.tool_request import ToolCallConstraint
 from pdserve.model.tokenizer import (
@@ -25,22 +24,10 @@ _MARKERS = (TOOL_CALLS_BEGIN, TOOL_CALL_BEGIN, TOOL_SEP, TOOL_CALL_END, TOOL_CAL
 
 
 def _literal(text: str, token_id: Callable[[str], int | None]) -> str:
-    """`text` as a Lark sequence: each call marker that is one token of the vocabulary as that token
-    (`<[id]>`: llguidance sees an added token as a token, not as the bytes of its text), the rest as string
-    literals (JSON's escapes are Lark's)."""
-    parts, rest = [], text
-    while rest:
-        at = {m: rest.find(m) for m in _MARKERS if m in rest}
-        marker = min(at, key=at.get) if at else None
-        plain = rest if marker is None else rest[: at[marker]]
-        if plain:
-            parts.append(json.dumps(plain, ensure_ascii=False))
-        if marker is None:
-            break
-        tid = token_id(marker)
-        parts.append(f"<[{tid}]>" if tid is not None else json.dumps(marker, ensure_ascii=False))
-        rest = rest[at[marker] + len(marker) :]
-    return " ".join(parts)
+    """`text` as a Lark sequence, each call marker that is one token of the vocabulary as that token
+    (`grammar.lark_literal`)."""
+    ids = {m: token_id(m) for m in _MARKERS}
+    return lark_literal(text, {m: i for m, i in ids.items() if i is not None})
 
 
 def forced_call_grammar(

@@ -196,6 +196,17 @@ def test_literals_spelling_an_added_token_are_generated(matchers, tokenizer, str
         assert got == text
 
 
+def test_a_choice_of_an_added_tokens_text_takes_that_token(matchers, tokenizer):
+    think_end = tokenizer.token_id(THINK_END)
+    choice = StructuredOutput("choice", json.dumps(["no", f"a{THINK_END}", THINK_END]))
+    tokens = drive(
+        matchers, choice, "added-token", pick=lambda a: think_end if think_end in a else max(a)
+    )
+    assert tokens == [think_end]
+    tokens = drive(matchers, choice, "added-after-text", pick=lambda a: min(a - {think_end} or a))
+    assert tokenizer.decode(tokens) == f"a{THINK_END}" and tokens[-1] == think_end
+
+
 @pytest.mark.parametrize("acceptance", [0.7, 1.0])
 def test_speculation_masks_each_verified_row_and_keeps_greedy_exact(
     reference_model, tokenizer, acceptance
