@@ -14,6 +14,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from pdserve.model.tokenizer import THINK_END, TOOL_CALL_END
+
 # appended: benchmarks/kernels.py must not shadow HF `kernels`, which transformers imports
 sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from _schemas import random_schema, validate  # noqa: E402
@@ -67,6 +69,31 @@ def test_completions_regex_and_choice(api, model):
         extra_body={"guided_choice": choices},
     )  # fmt: skip
     assert all(c.text in choices and c.finish_reason == "stop" for c in reply.choices)
+
+
+@pytest.mark.parametrize(
+    "extra, texts",
+    [
+        ({"guided_choice": [THINK_END, "no"]}, {THINK_END, "no"}),
+        ({"guided_regex": "<think>[a-z]{1,3}</think>"}, None),
+        (
+            {"guided_json": {"const": TOOL_CALL_END}},
+            {json.dumps(TOOL_CALL_END, ensure_ascii=False)},
+        ),
+    ],
+)
+def test_constraints_spelling_an_added_token_succeed(api, model, extra, texts):
+    """A literal whose text is an added token's (`</think>`, a tool-call marker) is generated: the request
+    finishes, its text what the constraint says."""
+    reply = api.completions.create(
+        model=model, prompt="Say:", max_tokens=30, temperature=1.0, seed=4, n=3, extra_body=extra
+    )
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop", choice
+        if texts is None:
+            assert re.fullmatch(extra["guided_regex"], choice.text), choice.text
+        else:
+            assert choice.text in texts, choice.text
 
 
 def test_generated_schemas_all_parse_and_validate(api, model):
