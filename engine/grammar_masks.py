@@ -75,9 +75,13 @@ class GrammarMatchers:
         read with the tokenizer: a choice of their text takes them (`grammar.to_grammar`)."""
         self._executor: llguidance.LLExecutor | None = None
         self._matchers: dict[str, llguidance.LLMatcher] = {}
-        self._compiled: collections.OrderedDict[StructuredOutput, llguidance.LLMatcher] = (
+        self._waiting: dict[str, int] = {}
+        """The requests whose constraint has not started (`StructuredOutput.start_after`), to the token that
+        starts it: their rows are free until it is sampled, their matchers fresh."""
+        self._compiled: collections.OrderedDict[tuple[str, str], llguidance.LLMatcher] = (
             collections.OrderedDict()
         )
+        """Fresh matchers by constraint (kind, text)."""
         self._host: torch.Tensor | None = None
         """The host bitmask, grown to the largest pass (pinned where a GPU is, for an asynchronous copy)."""
         self.words = (vocab_size + 31) // 32
@@ -94,7 +98,9 @@ class GrammarMatchers:
         token, and their tokens are to be dropped. drafts: per row, where the pass verifies drafts, the
         tokens of the drafts after it on a verify group's first row (the group's other rows: masked as if
         those drafts were taken, as far as the grammar takes them; the rows past a draft it refuses allow
-        every token, that draft being rejected by the mask before them), else empty."""
+        every token, that draft being rejected by the mask before them), else empty. A request whose
+        constraint has not started (`StructuredOutput.start_after`) has its rows free up to the one after
+        its start token, where a draft is that token, and masked from there."""
         rows = [i for i, s in enumerate(specs) if s.constrained]
         if not rows:
             return None, {}
@@ -115,7 +121,13 @@ class GrammarMatchers:
                 Exception
             ) as e:  # a tokenizer or grammar that cannot load fails its request alone
                 matcher, error = None, f"{type(e).__name__}: {e}"
-            if error is None:
+            if error is None and request_id in self._waiting:
+                start = self._waiting[request_id]
+                if start not in ahead:
+                    continue  # free: every row of the group allows every token
+                k = ahead.index(start)  # the rows after the draft that starts it are masked
+                targets.append((matcher, j + k + 1, ahead[k + 1 :]))
+            elif error is None:
                 targets.append((matcher, j, ahead))
             else:
                 errors[request_id] = f"structured output failed: {error}"
@@ -158,9 +170,20 @@ class GrammarMatchers:
             if not kept:
                 continue  # a draft's row: its group's first row took its token
             matcher = self._matchers.get(request_id)
+            if matcher is not None and request_id in self._waiting:
+                kept = self._started(request_id, kept)
             if matcher is None or not self._consume(matcher, kept):
                 why = "no matcher" if matcher is None else matcher.get_error()
                 errors[request_id] = f"structured output failed: tokens {kept} refused ({why})"
+
+    def _started(self, request_id: str, tokens: Sequence[int]) -> Sequence[int]:
+        """The tokens after a waiting request's start token, where they hold it (it is no longer waiting
+        then); else none."""
+        start = self._waiting[request_id]
+        if start not in tokens:
+            return ()
+        del self._waiting[request_id]
+        return tokens[list(tokens).index(start) + 1 :]
 
     def _consume(self, matcher: llguidance.LLMatcher, tokens: Sequence[int]) -> bool:
         """Whether the matcher takes `tokens`; an end-of-sequence token where the grammar has accepted ends
@@ -177,13 +200,19 @@ class GrammarMatchers:
         """Drops the matchers of every request not in `request_ids` (a step's rows)."""
         for request_id in [r for r in self._matchers if r not in request_ids]:
             del self._matchers[request_id]
+            self._waiting.pop(request_id, None)
 
     def _matcher(self, request_id: str, spec: SampleSpec) -> llguidance.LLMatcher:
         if (
             spec.grammar is not None
         ):  # (re)started here: a fresh copy, advanced by its tokens so far
             matcher = self._fresh(spec.grammar)
-            if spec.grammar_ids and not matcher.consume_tokens(list(spec.grammar_ids)):
+            ids = spec.grammar_ids
+            self._waiting.pop(request_id, None)
+            if spec.grammar.start_after is not None:
+                self._waiting[request_id] = spec.grammar.start_after
+                ids = self._started(request_id, ids)
+            if ids and not matcher.consume_tokens(list(ids)):
                 raise ValueError(f"its generated tokens do not match it ({matcher.get_error()})")
             self._matchers[request_id] = matcher
             return matcher
@@ -193,18 +222,19 @@ class GrammarMatchers:
         return matcher
 
     def _fresh(self, structured: StructuredOutput) -> llguidance.LLMatcher:
-        base = self._compiled.get(structured)
+        key = (structured.kind, structured.text)
+        base = self._compiled.get(key)
         if base is None:
             tokenizer = self._tokenizer_()
             grammar = to_grammar(structured, self._added)
             base = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
             if base.is_error():
                 raise ValueError(base.get_error())
-            self._compiled[structured] = base
+            self._compiled[key] = base
             if len(self._compiled) > COMPILED_CACHE_SIZE:
                 self._compiled.popitem(last=False)
         else:
-            self._compiled.move_to_end(structured)
+            self._compiled.move_to_end(key)
         return base.deep_copy()
 
     def _tokenizer_(self) -> llguidance.LLTokenizer:
