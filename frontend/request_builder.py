@@ -88,6 +88,8 @@ def build_request(given: RequestInput, model: ModelInfo, router: RouterConfig) -
     check_n(given.n, router, names.n)
     prompt_ids, in_think, tool_calls = _prompt_ids(given, model, router)
     params = sampling_params(given.sampling, len(prompt_ids), model, router, names)
+    if in_think and params.structured is not None:
+        params = _after_think(params, model.tokenizer)
     if tool_calls is not None and tool_calls.constraint.forced:
         # the arguments of a required or named call parse: its output is masked to the call block's grammar
         grammar = forced_call_grammar(tool_calls.constraint, model.tokenizer.token_id)
@@ -96,6 +98,17 @@ def build_request(given: RequestInput, model: ModelInfo, router: RouterConfig) -
     return CheckedRequest(
         given.client_id, prompt_ids, params, stop, given.n, given.deadline, in_think, tool_calls
     )
+
+
+def _after_think(params: SamplingParams, tokenizer: Tokenizer) -> SamplingParams:
+    """`params` with its constraint starting after the think block the prompt opened, where the vocabulary
+    has its closing token: the reasoning is free and the answer after it parses (vLLM's reasoning parsers
+    constrain the content alone)."""
+    think_end = tokenizer.token_id(THINK_END)
+    if think_end is None:
+        return params
+    structured = dataclasses.replace(params.structured, start_after=think_end)
+    return dataclasses.replace(params, structured=structured)
 
 
 def _ids_instead(names: FieldNames) -> str:

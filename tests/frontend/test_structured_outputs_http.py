@@ -96,6 +96,33 @@ def test_constraints_spelling_an_added_token_succeed(api, model, extra, texts):
             assert choice.text in texts, choice.text
 
 
+def test_thinking_leaves_the_reasoning_free_and_its_content_parses(api, model):
+    """Asked to think, the template opens a think block: the constraint starts after it closes, so the
+    reasoning is the model's own and the content parses; a reply whose budget ends inside the think block
+    finishes at its length, with reasoning and no content. Random weights close the block only for some
+    questions: both kinds are found among a few."""
+    schema = {"enum": ["yes", "no"]}
+
+    def ask(i: int):
+        return api.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": f"Question {i}: is {i} odd?"}],
+            max_tokens=40, temperature=0, response_format=json_schema_format(schema),
+            extra_body={"chat_template_kwargs": {"thinking": True}},
+        )  # fmt: skip
+
+    with ThreadPoolExecutor(16) as pool:
+        choices = [r.choices[0] for r in pool.map(ask, range(16))]
+    answered = [c for c in choices if c.finish_reason == "stop" and c.message.content]
+    assert answered, "no question made the tiny model close its think block and answer"
+    for choice in answered:
+        validate(json.loads(choice.message.content), schema)
+        assert THINK_END not in choice.message.content + (choice.message.reasoning_content or "")
+    cut = [c for c in choices if c.finish_reason == "length" and not c.message.content]
+    assert cut, "every question made the tiny model close its think block"
+    for choice in cut:
+        assert choice.message.reasoning_content
+
+
 def test_generated_schemas_all_parse_and_validate(api, model):
     """The CI share of the 1,000-schema target (benchmarks/structured_schemas.py), sent at once."""
 
