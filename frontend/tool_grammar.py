@@ -1,5 +1,6 @@
 """The grammar that makes a forced tool call parse: for `tool_choice: required` or a named function, the output
-after the prompt's forced prefix (`ToolCallFormat.forced_prefix`) is constrained (`engine.grammar`, llguidance)
+after the prompt's forced prefix (`ToolCallFormat.forced_prefix`), or where the model thinks first the output
+after its think block, the forced prefix included, is constrained (`engine.grammar`, llguidance)
 to what `ToolCallConstraint` describes: the calls, each naming one of the request's functions with arguments
 that are compact JSON valid against that function's schema, then the end of the call block, then the end of
 the sequence. `tool_choice: auto` is left free: the model may answer in text, and a call block it opens is
@@ -31,12 +32,13 @@ def _literal(text: str, token_id: Callable[[str], int | None]) -> str:
 
 
 def forced_call_grammar(
-    constraint: ToolCallConstraint, token_id: Callable[[str], int | None]
+    constraint: ToolCallConstraint, token_id: Callable[[str], int | None], whole: bool = False
 ) -> StructuredOutput:
     """The Lark grammar of a forced call block's rest, as llguidance takes it; `token_id`: the vocabulary's id
     of a marker's text (None where it is no single token). The first call's text starts where the forced
     prefix ends: after the function's name where a function is named, else where the name begins; later
-    calls (where `max_calls` is None, not 1) are whole, after the format's separator."""
+    calls (where `max_calls` is None, not 1) are whole, after the format's separator. whole: the block from
+    its start, the forced prefix included (for an output that writes it itself, after its reasoning)."""
     if not constraint.forced:
         raise ValueError("only a forced tool call (required or named) is constrained")
 
@@ -63,5 +65,6 @@ def forced_call_grammar(
         joiner = lit("\n") + " " if fmt.typed else ""
         lines.append(f"next_call: {joiner}({' | '.join(wholes)})")
         more = " next_call*"
-    start = f"start: first_call{more} {lit(TOOL_CALLS_END)}"
+    opening = lit(fmt.forced_prefix(constraint.named)) + " " if whole else ""
+    start = f"start: {opening}first_call{more} {lit(TOOL_CALLS_END)}"
     return StructuredOutput("grammar", "\n".join([start, *lines, *rules]))
