@@ -1,7 +1,7 @@
 """Structured outputs through the official `openai` client on the shared tiny server: a random model's output
 parses and validates only because the grammar masks its tokens (json_schema, json_object, regex, choice,
-streamed too, and a set of generated schemas sent at once); an unusable constraint is a 400 naming its
-field."""
+streamed too, and a set of generated schemas sent at once), literals spelling an added token too; in thinking
+mode the reasoning is free and the content parses; an unusable constraint is a 400 naming its field."""
 
 from __future__ import annotations
 
