@@ -164,8 +164,10 @@ def _prompt_ids(
                 # think block closes, masked from there (`_after_think`).
                 plan = dataclasses.replace(plan, forced_prefix="")
             elif plan is not None and plan.forced_prefix:
-                # A forced call comes at once: the prompt is extended by its start.
-                forced = plan.forced_prefix
+                # A forced call comes at once: the prompt is extended by its start (a think block it opened
+                # closed first, where the vocabulary has no think-end token to start a mask after).
+                forced = (THINK_END if in_think else "") + plan.forced_prefix
+                in_think = False
         else:
             text = given.prompt_text
         check_prompt_bytes(text, router, field, model)
