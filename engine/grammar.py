@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import llguidance
@@ -27,7 +28,15 @@ import llguidance
 from pdserve.engine.sampling_params import SamplingParams, StructuredOutput
 from pdserve.model.errors import InvalidRequestError
 
-__all__ = ["MAX_SPEC_BYTES", "check", "constrain", "constrain_json", "json_rule", "to_grammar"]
+__all__ = [
+    "MAX_SPEC_BYTES",
+    "check",
+    "constrain",
+    "constrain_json",
+    "json_rule",
+    "lark_literal",
+    "to_grammar",
+]
 
 MAX_SPEC_BYTES = 256 * 1024
 """The largest constraint text (schema, regex, choices, grammar) a request may carry: it travels with the
@@ -35,9 +44,31 @@ request to every worker and rank that samples it."""
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
 
-def to_grammar(structured: StructuredOutput) -> str:
+def lark_literal(text: str, added_tokens: Mapping[str, int]) -> str:
+    """`text` as a Lark sequence: each occurrence of an added token's text (`added_tokens`: text to id, e.g.
+    `</think>`, a tool-call marker) as that token (`<[id]>`: llguidance holds an added token apart from the
+    bytes of its text), the rest as string literals (JSON's escapes are Lark's)."""
+    parts, rest = [], text
+    while rest:
+        at = {t: rest.find(t) for t in added_tokens if t and t in rest}
+        token = (
+            min(at, key=lambda t: (at[t], -len(t))) if at else None
+        )  # the first, the longest there
+        plain = rest if token is None else rest[: at[token]]
+        if plain:
+            parts.append(json.dumps(plain, ensure_ascii=False))
+        if token is None:
+            break
+        parts.append(f"<[{added_tokens[token]}]>")
+        rest = rest[at[token] + len(token) :]
+    return " ".join(parts)
+
+
+def to_grammar(structured: StructuredOutput, added_tokens: Mapping[str, int] | None = None) -> str:
     """The llguidance grammar of `structured` (not checked: see `check`). Raises ValueError where the text is
-    not what its kind takes (a schema that is not JSON)."""
+    not what its kind takes (a schema that is not JSON). added_tokens: the vocabulary's added tokens (text to
+    id; not its special ones): a choice holding one's text takes that token there (`lark_literal`); other
+    kinds spell such text in ordinary tokens (`grammar_masks`)."""
     kind, text = structured.kind, structured.text
     if kind == "json_schema":
         return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
@@ -48,10 +79,10 @@ def to_grammar(structured: StructuredOutput) -> str:
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(text)
     if kind == "choice":
-        # Lark string literals take JSON's escapes: each choice matches exactly its text
+        # each choice matches exactly its text
         choices = json.loads(text)
         return llguidance.LLMatcher.grammar_from_lark(
-            "start: " + " | ".join(json.dumps(c) for c in choices)
+            "start: " + " | ".join(lark_literal(c, added_tokens or {}) for c in choices)
         )
     if kind == "grammar":
         from llguidance.gbnf_to_lark import any_to_lark  # GBNF (llama.cpp, xgrammar) or Lark

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -69,11 +70,18 @@ class GrammarMatchers:
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._added: dict[str, int] = {}
+        """The vocabulary's added tokens that are not special (text to id: `</think>`, tool-call markers),
+        read with the tokenizer: a choice of their text takes them (`grammar.to_grammar`)."""
         self._executor: llguidance.LLExecutor | None = None
         self._matchers: dict[str, llguidance.LLMatcher] = {}
-        self._compiled: collections.OrderedDict[StructuredOutput, llguidance.LLMatcher] = (
+        self._waiting: dict[str, int] = {}
+        """The requests whose constraint has not started (`StructuredOutput.start_after`), to the token that
+        starts it: their rows are free until it is sampled, their matchers fresh."""
+        self._compiled: collections.OrderedDict[tuple[str, str], llguidance.LLMatcher] = (
             collections.OrderedDict()
         )
+        """Fresh matchers by constraint (kind, text)."""
         self._host: torch.Tensor | None = None
         """The host bitmask, grown to the largest pass (pinned where a GPU is, for an asynchronous copy)."""
         self.words = (vocab_size + 31) // 32
@@ -90,7 +98,9 @@ class GrammarMatchers:
         token, and their tokens are to be dropped. drafts: per row, where the pass verifies drafts, the
         tokens of the drafts after it on a verify group's first row (the group's other rows: masked as if
         those drafts were taken, as far as the grammar takes them; the rows past a draft it refuses allow
-        every token, that draft being rejected by the mask before them), else empty."""
+        every token, that draft being rejected by the mask before them), else empty. A request whose
+        constraint has not started (`StructuredOutput.start_after`) has its rows free up to the one after
+        its start token, where a draft is that token, and masked from there."""
         rows = [i for i, s in enumerate(specs) if s.constrained]
         if not rows:
             return None, {}
@@ -111,7 +121,13 @@ class GrammarMatchers:
                 Exception
             ) as e:  # a tokenizer or grammar that cannot load fails its request alone
                 matcher, error = None, f"{type(e).__name__}: {e}"
-            if error is None:
+            if error is None and request_id in self._waiting:
+                start = self._waiting[request_id]
+                if start not in ahead:
+                    continue  # free: every row of the group allows every token
+                k = ahead.index(start)  # the rows after the draft that starts it are masked
+                targets.append((matcher, j + k + 1, ahead[k + 1 :]))
+            elif error is None:
                 targets.append((matcher, j, ahead))
             else:
                 errors[request_id] = f"structured output failed: {error}"
@@ -154,9 +170,20 @@ class GrammarMatchers:
             if not kept:
                 continue  # a draft's row: its group's first row took its token
             matcher = self._matchers.get(request_id)
+            if matcher is not None and request_id in self._waiting:
+                kept = self._started(request_id, kept)
             if matcher is None or not self._consume(matcher, kept):
                 why = "no matcher" if matcher is None else matcher.get_error()
                 errors[request_id] = f"structured output failed: tokens {kept} refused ({why})"
+
+    def _started(self, request_id: str, tokens: Sequence[int]) -> Sequence[int]:
+        """The tokens after a waiting request's start token, where they hold it (it is no longer waiting
+        then); else none."""
+        start = self._waiting[request_id]
+        if start not in tokens:
+            return ()
+        del self._waiting[request_id]
+        return tokens[list(tokens).index(start) + 1 :]
 
     def _consume(self, matcher: llguidance.LLMatcher, tokens: Sequence[int]) -> bool:
         """Whether the matcher takes `tokens`; an end-of-sequence token where the grammar has accepted ends
@@ -173,13 +200,19 @@ class GrammarMatchers:
         """Drops the matchers of every request not in `request_ids` (a step's rows)."""
         for request_id in [r for r in self._matchers if r not in request_ids]:
             del self._matchers[request_id]
+            self._waiting.pop(request_id, None)
 
     def _matcher(self, request_id: str, spec: SampleSpec) -> llguidance.LLMatcher:
         if (
             spec.grammar is not None
         ):  # (re)started here: a fresh copy, advanced by its tokens so far
             matcher = self._fresh(spec.grammar)
-            if spec.grammar_ids and not matcher.consume_tokens(list(spec.grammar_ids)):
+            ids = spec.grammar_ids
+            self._waiting.pop(request_id, None)
+            if spec.grammar.start_after is not None:
+                self._waiting[request_id] = spec.grammar.start_after
+                ids = self._started(request_id, ids)
+            if ids and not matcher.consume_tokens(list(ids)):
                 raise ValueError(f"its generated tokens do not match it ({matcher.get_error()})")
             self._matchers[request_id] = matcher
             return matcher
@@ -189,16 +222,19 @@ class GrammarMatchers:
         return matcher
 
     def _fresh(self, structured: StructuredOutput) -> llguidance.LLMatcher:
-        base = self._compiled.get(structured)
+        key = (structured.kind, structured.text)
+        base = self._compiled.get(key)
         if base is None:
-            base = llguidance.LLMatcher(self._tokenizer_(), to_grammar(structured), log_level=0)
+            tokenizer = self._tokenizer_()
+            grammar = to_grammar(structured, self._added)
+            base = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
             if base.is_error():
                 raise ValueError(base.get_error())
-            self._compiled[structured] = base
+            self._compiled[key] = base
             if len(self._compiled) > COMPILED_CACHE_SIZE:
                 self._compiled.popitem(last=False)
         else:
-            self._compiled.move_to_end(structured)
+            self._compiled.move_to_end(key)
         return base.deep_copy()
 
     def _tokenizer_(self) -> llguidance.LLTokenizer:
@@ -208,9 +244,13 @@ class GrammarMatchers:
                 raise FileNotFoundError(
                     f"structured outputs need the checkpoint's tokenizer.json ({file} is missing)"
                 )
-            self._tokenizer = llguidance.LLTokenizer(
-                file.read_text(), n_vocab=self._vocab_size, eos_token=self._eos
-            )
+            text = file.read_text()
+            self._added = {
+                t["content"]: t["id"]
+                for t in json.loads(text).get("added_tokens", ())
+                if not t.get("special") and t["id"] < self._vocab_size
+            }
+            self._tokenizer = _text_tokenizer(text, self._vocab_size, self._eos)
         return self._tokenizer
 
     def _executor_(self) -> llguidance.LLExecutor:
@@ -225,3 +265,41 @@ class GrammarMatchers:
                 size, self.words, dtype=torch.int32, pin_memory=torch.cuda.is_available()
             )
         return self._host[:rows]
+
+
+class _NoAddedTokens:
+    """A tokenizer for llguidance (`llguidance.TokenizerWrapper`'s protocol) with `base`'s vocabulary and
+    special tokens, whose text tokenization never yields an added token: where `base` makes one of a piece of
+    text (`</think>`, a tool-call marker), the pieces of its text come instead.
+
+    llguidance holds every added token as a special token (its bytes are not its text's), yet tokenizes the
+    text a grammar forces (a literal, a JSON `const`) with the checkpoint's tokenizer, which makes an added
+    token of its text: the mask would allow that token and the matcher refuse it once sampled. Forced text
+    tokenized here is made of tokens whose bytes are its text, so the matcher takes them."""
+
+    def __init__(self, base: llguidance.LLTokenizer, eos_token_ids: Sequence[int]) -> None:
+        size = base.vocab_size
+        self._base = base
+        self.special_token_ids = [t for t in range(size) if base.is_special_token(t)]
+        self._special = frozenset(self.special_token_ids)
+        self.tokens = [base.decode_bytes([t]) for t in range(size)]
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
+        self.bos_token_id = None
+
+    def __call__(self, text: bytes) -> list[int]:
+        ids = []
+        for token in self._base.tokenize_bytes(text):
+            if token in self._special:  # its text's bytes, in the vocabulary's pieces
+                ids += self._base.greedy_tokenize(self._base.decode_str([token]))
+            else:
+                ids.append(token)
+        return ids
+
+
+def _text_tokenizer(
+    tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]
+) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer of the checkpoint's tokenizer.json (`_NoAddedTokens`)."""
+    base = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+    wrapper = llguidance.TokenizerWrapper(_NoAddedTokens(base, eos_token_ids))
+    return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=list(eos_token_ids))

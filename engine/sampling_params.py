@@ -35,12 +35,25 @@ class StructuredOutput:
 
     kind: str
     text: str = ""
+    start_after: int | None = None
+    """A token id: the output is free up to and including the first such token, and constrained after it (a
+    reasoning model's think-end token where the prompt opened a think block: the reasoning is free, the answer
+    after it parses, as vLLM's reasoning parsers have it); None: constrained from the first token."""
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
             raise InvalidRequestError(
                 "structured_output",
                 f"kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}",
+            )
+        if self.start_after is not None and (
+            isinstance(self.start_after, bool)
+            or not isinstance(self.start_after, int)
+            or self.start_after < 0
+        ):
+            raise InvalidRequestError(
+                "structured_output.start_after",
+                f"must be a token id (an integer >= 0), got {self.start_after!r}",
             )
 
 

@@ -91,7 +91,9 @@ def _optional(message, name: str):
     return getattr(message, name) if message.HasField(name) else None
 
 
-def _structured_output(kind: str, text: str, field: str) -> StructuredOutput:
+def _structured_output(
+    kind: str, text: str, field: str, start_after: int | None = None
+) -> StructuredOutput:
     if kind not in STRUCTURED_KINDS:
         raise InvalidRequestError(
             f"{field}.kind", f"expected one of {', '.join(STRUCTURED_KINDS)}, got {kind!r:.80}"
@@ -103,7 +105,7 @@ def _structured_output(kind: str, text: str, field: str) -> StructuredOutput:
             choices = None
         if not isinstance(choices, list):
             raise InvalidRequestError(f"{field}.text", "a choice's text is a JSON list of strings")
-    return StructuredOutput(kind, text)
+    return StructuredOutput(kind, text, start_after)
 
 
 def _request_input(request: generation_pb2.GenerateRequest, deadline: float | None) -> RequestInput:
@@ -115,7 +117,8 @@ def _request_input(request: generation_pb2.GenerateRequest, deadline: float | No
     if sp.HasField("structured_output"):
         field = "sampling_params.structured_output"
         given = sp.structured_output
-        structured = check(_structured_output(given.kind, given.text, field), field)
+        start_after = _optional(given, "start_after_token_id")
+        structured = check(_structured_output(given.kind, given.text, field, start_after), field)
     sampling = SamplingRequest(
         **{name: _optional(sp, name) for name in _OPTIONAL_SAMPLING},
         stop_token_ids=tuple(sp.stop_token_ids),

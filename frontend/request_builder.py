@@ -90,12 +90,28 @@ def build_request(given: RequestInput, model: ModelInfo, router: RouterConfig) -
     params = sampling_params(given.sampling, len(prompt_ids), model, router, names)
     if tool_calls is not None and tool_calls.constraint.forced:
         # the arguments of a required or named call parse: its output is masked to the call block's grammar
-        grammar = forced_call_grammar(tool_calls.constraint, model.tokenizer.token_id)
+        # (the whole block where the model thinks first, the rest of the forced prefix where it does not)
+        grammar = forced_call_grammar(
+            tool_calls.constraint, model.tokenizer.token_id, whole=not tool_calls.forced_prefix
+        )
         params = constrain(params, grammar, "tool_choice")
+    if in_think and params.structured is not None:
+        params = _after_think(params, model.tokenizer)
     stop = check_stop_strings(list(given.stop), model, names.stop)
     return CheckedRequest(
         given.client_id, prompt_ids, params, stop, given.n, given.deadline, in_think, tool_calls
     )
+
+
+def _after_think(params: SamplingParams, tokenizer: Tokenizer) -> SamplingParams:
+    """`params` with its constraint (a structured output, a forced tool call) starting after the think block
+    the prompt opened, where the vocabulary has its closing token: the reasoning is free and the answer after
+    it parses (vLLM's reasoning parsers constrain the content alone)."""
+    think_end = tokenizer.token_id(THINK_END)
+    if think_end is None:
+        return params
+    structured = dataclasses.replace(params.structured, start_after=think_end)
+    return dataclasses.replace(params, structured=structured)
 
 
 def _ids_instead(names: FieldNames) -> str:
@@ -143,8 +159,13 @@ def _prompt_ids(
                     template, given.messages, given.tools, given.add_generation_prompt, kwargs
                 )
             in_think = prompt_opens_think(text)
-            if plan is not None and plan.forced_prefix:
-                # A forced call comes at once: a think block the prompt opened is closed first.
+            if plan is not None and in_think and model.tokenizer.token_id(THINK_END) is not None:
+                # A forced call comes after the reasoning: the output writes its call block itself once the
+                # think block closes, masked from there (`_after_think`).
+                plan = dataclasses.replace(plan, forced_prefix="")
+            elif plan is not None and plan.forced_prefix:
+                # A forced call comes at once: the prompt is extended by its start (a think block it opened
+                # closed first, where the vocabulary has no think-end token to start a mask after).
                 forced = (THINK_END if in_think else "") + plan.forced_prefix
                 in_think = False
         else:

@@ -1,5 +1,6 @@
 """The grammar that makes a forced tool call parse: for `tool_choice: required` or a named function, the output
-after the prompt's forced prefix (`ToolCallFormat.forced_prefix`) is constrained (`engine.grammar`, llguidance)
+after the prompt's forced prefix (`ToolCallFormat.forced_prefix`), or where the model thinks first the output
+after its think block, the forced prefix included, is constrained (`engine.grammar`, llguidance)
 to what `ToolCallConstraint` describes: the calls, each naming one of the request's functions with arguments
 that are compact JSON valid against that function's schema, then the end of the call block, then the end of
 the sequence. `tool_choice: auto` is left free: the model may answer in text, and a call block it opens is
@@ -7,10 +8,9 @@ parsed as written (`tool_parser`)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
-from pdserve.engine.grammar import json_rule
+from pdserve.engine.grammar import json_rule, lark_literal
 from pdserve.engine.sampling_params import StructuredOutput
 from pdserve.frontend.tool_request import ToolCallConstraint
 from pdserve.model.tokenizer import (
@@ -25,31 +25,20 @@ _MARKERS = (TOOL_CALLS_BEGIN, TOOL_CALL_BEGIN, TOOL_SEP, TOOL_CALL_END, TOOL_CAL
 
 
 def _literal(text: str, token_id: Callable[[str], int | None]) -> str:
-    """`text` as a Lark sequence: each call marker that is one token of the vocabulary as that token
-    (`<[id]>`: llguidance sees an added token as a token, not as the bytes of its text), the rest as string
-    literals (JSON's escapes are Lark's)."""
-    parts, rest = [], text
-    while rest:
-        at = {m: rest.find(m) for m in _MARKERS if m in rest}
-        marker = min(at, key=at.get) if at else None
-        plain = rest if marker is None else rest[: at[marker]]
-        if plain:
-            parts.append(json.dumps(plain, ensure_ascii=False))
-        if marker is None:
-            break
-        tid = token_id(marker)
-        parts.append(f"<[{tid}]>" if tid is not None else json.dumps(marker, ensure_ascii=False))
-        rest = rest[at[marker] + len(marker) :]
-    return " ".join(parts)
+    """`text` as a Lark sequence, each call marker that is one token of the vocabulary as that token
+    (`grammar.lark_literal`)."""
+    ids = {m: token_id(m) for m in _MARKERS}
+    return lark_literal(text, {m: i for m, i in ids.items() if i is not None})
 
 
 def forced_call_grammar(
-    constraint: ToolCallConstraint, token_id: Callable[[str], int | None]
+    constraint: ToolCallConstraint, token_id: Callable[[str], int | None], whole: bool = False
 ) -> StructuredOutput:
     """The Lark grammar of a forced call block's rest, as llguidance takes it; `token_id`: the vocabulary's id
     of a marker's text (None where it is no single token). The first call's text starts where the forced
     prefix ends: after the function's name where a function is named, else where the name begins; later
-    calls (where `max_calls` is None, not 1) are whole, after the format's separator."""
+    calls (where `max_calls` is None, not 1) are whole, after the format's separator. whole: the block from
+    its start, the forced prefix included (for an output that writes it itself, after its reasoning)."""
     if not constraint.forced:
         raise ValueError("only a forced tool call (required or named) is constrained")
 
@@ -76,5 +65,6 @@ def forced_call_grammar(
         joiner = lit("\n") + " " if fmt.typed else ""
         lines.append(f"next_call: {joiner}({' | '.join(wholes)})")
         more = " next_call*"
-    start = f"start: first_call{more} {lit(TOOL_CALLS_END)}"
+    opening = lit(fmt.forced_prefix(constraint.named)) + " " if whole else ""
+    start = f"start: {opening}first_call{more} {lit(TOOL_CALLS_END)}"
     return StructuredOutput("grammar", "\n".join([start, *lines, *rules]))

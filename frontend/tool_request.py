@@ -234,7 +234,8 @@ class ToolCallConstraint:
     structured-output engine hooks tool calling. Built by `plan_tools`; found on `CheckedRequest.tool_calls`.
 
     Where `forced` (tool_choice required or named), the prompt already ends in `ToolCallPlan.forced_prefix`,
-    so the output starts inside the call block; it must then be, in `format`:
+    so the output starts inside the call block (or, where the prompt opened a think block, the output writes
+    the whole block, forced prefix included, once its reasoning ends); it must then be, in `format`:
       named:    ARGS(named) format.call_tail() [more calls, if max_calls allows] TOOL_CALLS_END
       required: NAME format's separator ARGS(NAME) format.call_tail() ... TOOL_CALLS_END, NAME in `schemas`
     where ARGS(name) is JSON valid against `schemas[name]` and each further call is
@@ -262,7 +263,8 @@ class ToolCallPlan:
     names: frozenset[str]
     """The functions a parsed call may name (the named one alone for a named tool_choice)."""
     forced_prefix: str
-    """Text the generation prompt is extended by ("": none); the parser reads it before the output."""
+    """Text the generation prompt is extended by ("": none, and for a forced call after a think block the
+    prompt opened: the output writes it); the parser reads it before the output."""
     max_calls: int | None
     constraint: ToolCallConstraint
 

@@ -311,6 +311,9 @@ def sampling_params(
                 f"{len(given.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}",
             )
         check_token_ids(given.stop_token_ids, model.vocab_size, f"{prefix}stop_token_ids")
+    if given.structured is not None and given.structured.start_after is not None:
+        field = f"{prefix}structured_output.start_after_token_id"
+        check_token_ids([given.structured.start_after], model.vocab_size, field)
     for field, value in ((names.logprobs, given.logprobs), (
         prefix + "prompt_logprobs", given.prompt_logprobs
     )):  # fmt: skip

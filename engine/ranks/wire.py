@@ -93,7 +93,7 @@ def _samples_to_wire(samples: Sequence[SampleSpec]) -> list:
     (presence, frequency and repetition penalties), int64 [samples] (logprobs), int32 [2, samples] (penalty id
     counts, -1 for None, and banned id counts), int32 ids (each sample's penalty ids then its banned ids),
     and None unless some sample is constrained: then [its constrained flags (bytes), per sample None or its
-    grammar as [kind, text] and its grammar ids (int32)]]. Plain samples (most) pay nothing for the rest."""
+    grammar as [kind, text, grammar ids (int32), start_after]]]. Plain samples (most) pay nothing for the rest."""
     if not samples:
         return [b"", b"", None]
     n = len(samples)
@@ -127,7 +127,9 @@ def _grammars_to_wire(samples: Sequence[SampleSpec]) -> list | None:
     if not any(s.constrained for s in samples):
         return None
     grammars = [
-        None if s.grammar is None else [s.grammar.kind, s.grammar.text, _pack(s.grammar_ids, _I32)]
+        None
+        if s.grammar is None
+        else [s.grammar.kind, s.grammar.text, _pack(s.grammar_ids, _I32), s.grammar.start_after]
         for s in samples
     ]
     return [bytes(s.constrained for s in samples), grammars]
@@ -147,10 +149,9 @@ def _grammars_from_wire(wire: list | None, n: int, what: str) -> list[tuple]:
         if grammar is None:
             out.append((bool(flag), None, ()))
         else:
-            kind, text, ids = grammar
-            out.append(
-                (bool(flag), StructuredOutput(kind, text), tuple(np.frombuffer(ids, _I32).tolist()))
-            )
+            kind, text, ids, start_after = grammar
+            structured = StructuredOutput(kind, text, start_after)
+            out.append((bool(flag), structured, tuple(np.frombuffer(ids, _I32).tolist())))
     return out
 
 

@@ -5,6 +5,7 @@ failing its request alone, the constraint on the rank wire, and constrained requ
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from pdserve.engine.sampler import sample
 from pdserve.engine.sampling_params import SamplingParams, StructuredOutput
 from pdserve.engine.step import DecodeRow, RankResult, RankStep, SampleSpec, StepPlan
 from pdserve.model.errors import InvalidRequestError
-from pdserve.model.tokenizer import Tokenizer
+from pdserve.model.tokenizer import THINK_END, TOOL_CALL_END, Tokenizer
 
 CHOICE = StructuredOutput("choice", json.dumps(["yes", "no"]))
 SCHEMA = {
@@ -116,6 +117,58 @@ def test_a_grammar_that_allows_no_token_fails_its_request_alone(matchers):
     assert "no grammar matcher" in errors["unknown"]
 
 
+def test_a_constraint_starting_after_a_token_leaves_the_rows_before_it_free(matchers, tokenizer):
+    """`start_after`: every token is allowed (and taken) until the start token is sampled; the grammar masks
+    from the next row, and a runner taking the request over resumes it from its generated tokens."""
+    think_end = tokenizer.token_id(THINK_END)
+    structured = StructuredOutput("choice", json.dumps(["yes", "no"]), start_after=think_end)
+    params = SamplingParams(max_tokens=50, structured=structured)
+    free = tokenizer.encode("maybe not", add_bos=False)  # not what the choice allows
+    answer = tokenizer.encode("yes", add_bos=False)
+    for step, token in enumerate([*free, think_end, *answer]):
+        row = SampleSpec.of(params, step, counted=step > 0)
+        masks, errors = matchers.masks(["w"], [row], torch.device("cpu"))
+        assert not errors, errors
+        if step <= len(free):
+            assert len(allowed(masks, 0)) == 1024  # free up to and including the start token
+        else:
+            assert token in allowed(masks, 0) and len(allowed(masks, 0)) < 10
+        matchers.accept(["w"], [row], [token], errors)
+        assert not errors, errors
+    masks, _ = matchers.masks(["w"], [SampleSpec.of(params, 9, counted=True)], torch.device("cpu"))
+    assert allowed(masks, 0) == {1}
+    generated = [*free, think_end, answer[0]]
+    moved = SampleSpec.of(params, len(generated), [0, 5, *generated])
+    masks, errors = matchers.masks(["w2"], [moved], torch.device("cpu"))
+    assert not errors and allowed(masks, 0) == {answer[1]}
+    still_free = SampleSpec.of(params, len(free), [0, 5, *free])
+    masks, errors = matchers.masks(["w3"], [still_free], torch.device("cpu"))
+    assert not errors and len(allowed(masks, 0)) == 1024
+
+
+def test_a_verify_group_is_masked_from_the_row_after_a_drafted_start_token(matchers, tokenizer):
+    think_end = tokenizer.token_id(THINK_END)
+    structured = StructuredOutput("choice", json.dumps(["yes", "no"]), start_after=think_end)
+    params = SamplingParams(max_tokens=50, structured=structured)
+    masks, errors = matchers.masks(["v"], [SampleSpec.of(params, 0)], torch.device("cpu"))
+    matchers.accept(["v"], [SampleSpec.of(params, 0)], [7], errors)
+    yes = tokenizer.encode("yes", add_bos=False)
+    later = [SampleSpec.of(params, 1 + k, counted=True) for k in range(4)]
+    drafts = [[8, think_end, yes[0]], [], [], []]  # a group of four rows: the token, three drafts
+    masks, errors = matchers.masks(["v"] * 4, later, torch.device("cpu"), drafts)
+    assert not errors
+    assert len(allowed(masks, 0)) == 1024 and len(allowed(masks, 1)) == 1024
+    assert yes[0] in allowed(masks, 2) and len(allowed(masks, 2)) < 10  # after the start token
+    assert allowed(masks, 3) == {yes[1]}  # as if the drafted "y" were taken
+    # all four kept (the three drafts and a bonus token): the matcher is past "y", at the bonus token
+    matchers.accept(
+        ["v"] * 4, later, [8, think_end, yes[0], yes[1], 0, 0][:4], errors, [4, 0, 0, 0]
+    )
+    assert not errors
+    masks, _ = matchers.masks(["v"], [SampleSpec.of(params, 5, counted=True)], torch.device("cpu"))
+    assert allowed(masks, 0) == ({yes[2]} if len(yes) > 2 else {1})
+
+
 def test_constraints_and_row_errors_cross_the_rank_wire():
     rows = [
         DecodeRow("a", 5, 9, [0], spec(2)),
@@ -127,6 +180,10 @@ def test_constraints_and_row_errors_cross_the_rank_wire():
     plan = StepPlan(3, [RankStep(decode=rows)])
     got = plan_from_wire(plan_to_wire(plan))
     assert [r.sample for r in got.ranks[0].decode] == [r.sample for r in rows]
+    waiting = StructuredOutput("regex", "[a-z]+", start_after=982)
+    row = DecodeRow("d", 8, 9, [3], SampleSpec.of(SamplingParams(structured=waiting), 2, [5, 6]))
+    got = plan_from_wire(plan_to_wire(StepPlan(4, [RankStep(decode=[row])])))
+    assert got.ranks[0].decode[0].sample.grammar == waiting
     result = RankResult(3, [], [1, 2, 3], row_errors={"a": "structured output failed: x"})
     assert result_from_wire(result_to_wire(result)) == result
 
@@ -134,8 +191,9 @@ def test_constraints_and_row_errors_cross_the_rank_wire():
 def test_the_constraint_travels_in_the_workers_messages():
     from pdserve.engine.messages import decode, encode
 
-    params = SamplingParams(max_tokens=9, structured=CHOICE)
-    assert decode(SamplingParams, encode(params)) == params
+    for structured in (CHOICE, StructuredOutput("json_object", start_after=982)):
+        params = SamplingParams(max_tokens=9, structured=structured)
+        assert decode(SamplingParams, encode(params)) == params
 
 
 def test_json_inside_a_grammar_is_compact_and_validated(matchers, tokenizer):
@@ -155,6 +213,55 @@ def test_json_inside_a_grammar_is_compact_and_validated(matchers, tokenizer):
     assert allowed(masks, 0) == {1}
     with pytest.raises(InvalidRequestError, match="tools"):
         constrain(params, StructuredOutput("json_object"), "tools[0]")
+
+
+def drive(matchers, structured: StructuredOutput, request_id: str, pick=min) -> list[int]:
+    """The tokens a request constrained to `structured` takes, `pick`ing one of the allowed ones each step
+    until only EOS is allowed; fails on a row error."""
+    params = SamplingParams(max_tokens=64, structured=structured)
+    tokens: list[int] = []
+    for step in range(64):
+        row = SampleSpec.of(params, step, counted=step > 0)
+        masks, errors = matchers.masks([request_id], [row], torch.device("cpu"))
+        assert not errors, errors
+        if allowed(masks, 0) == {1}:
+            return tokens
+        tokens.append(pick(allowed(masks, 0) - {1}))
+        matchers.accept([request_id], [row], tokens[-1:], errors)
+        assert not errors, errors
+    raise AssertionError(f"no end after {tokens}")
+
+
+@pytest.mark.parametrize(
+    "structured, text",
+    [
+        (StructuredOutput("regex", "</think>"), "</think>"),
+        (StructuredOutput("regex", "<think>[a-z]{3}</think>"), None),
+        (StructuredOutput("json_schema", json.dumps({"const": "</think>"})), '"</think>"'),
+        (StructuredOutput("json_schema", json.dumps({"enum": ["a<think>b"]})), '"a<think>b"'),
+        (StructuredOutput("choice", json.dumps([TOOL_CALL_END])), TOOL_CALL_END),
+        (StructuredOutput("grammar", f'start: "x" "{THINK_END}"'), "x</think>"),
+    ],
+)
+def test_literals_spelling_an_added_token_are_generated(matchers, tokenizer, structured, text):
+    """The text of an added token (`</think>`, a tool-call marker) that a grammar forces is generated and
+    taken by the matcher (llguidance holds added tokens apart from text)."""
+    got = tokenizer.decode(drive(matchers, structured, f"added-{structured.kind}"))
+    if text is None:
+        assert re.fullmatch(structured.text, got), got
+    else:
+        assert got == text
+
+
+def test_a_choice_of_an_added_tokens_text_takes_that_token(matchers, tokenizer):
+    think_end = tokenizer.token_id(THINK_END)
+    choice = StructuredOutput("choice", json.dumps(["no", f"a{THINK_END}", THINK_END]))
+    tokens = drive(
+        matchers, choice, "added-token", pick=lambda a: think_end if think_end in a else max(a)
+    )
+    assert tokens == [think_end]
+    tokens = drive(matchers, choice, "added-after-text", pick=lambda a: min(a - {think_end} or a))
+    assert tokenizer.decode(tokens) == f"a{THINK_END}" and tokens[-1] == think_end
 
 
 @pytest.mark.parametrize("acceptance", [0.7, 1.0])
@@ -180,3 +287,30 @@ def test_speculation_masks_each_verified_row_and_keeps_greedy_exact(
     assert got.token_ids == plain.token_ids and got.finish_reason == "stop"
     assert got.num_accepted > 0 and got.num_steps < plain.num_steps
     json.loads(tokenizer.decode(got.token_ids))
+
+
+def test_speculation_keeps_greedy_exact_where_the_constraint_starts_after_a_token(
+    reference_model, tokenizer
+):
+    """A constraint that starts after a token the model reaches freely (a stand-in for a think block's end,
+    which random weights seldom write): the output is the model's own up to that token, then parsing JSON,
+    and drafts verified against the masks (the start token among them) keep exactly those tokens."""
+    from pdserve.engine.drafter import OracleDrafter
+    from pdserve.engine.offline import OfflineGenerator
+
+    prompt = tokenizer.encode("JSON:")
+    free = OfflineGenerator(reference_model).generate(prompt, SamplingParams(max_tokens=4))
+    start = free.token_ids[2]
+    upto = free.token_ids.index(start) + 1
+    structured = StructuredOutput("json_schema", json.dumps(SCHEMA), start_after=start)
+    params = SamplingParams(max_tokens=120, structured=check(structured, "s"))
+    plain = OfflineGenerator(reference_model).generate(prompt, params)
+    assert plain.token_ids[:upto] == free.token_ids[:upto] and plain.finish_reason == "stop"
+    json.loads(tokenizer.decode(plain.token_ids[upto:]))
+    sequences = {"offline": [*prompt, *plain.token_ids]}
+    speculating = OfflineGenerator(
+        reference_model, num_drafts=2,
+        drafter=lambda m, c: OracleDrafter(m, c, sequences, 0.7, seed=3),
+    )  # fmt: skip
+    got = speculating.generate(prompt, params)
+    assert got.token_ids == plain.token_ids and got.num_accepted > 0

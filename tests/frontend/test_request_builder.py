@@ -15,6 +15,7 @@ from pdserve.frontend.openai_api import CHAT, COMPLETIONS, parse
 from pdserve.frontend.request_builder import build_request
 from pdserve.frontend.validation import ModelInfo
 from pdserve.model.errors import InvalidRequestError
+from pdserve.model.tokenizer import THINK_END
 from pdserve.v1 import generation_pb2
 
 
@@ -132,6 +133,35 @@ def test_a_chat_prompt_says_whether_it_opened_a_think_block(model):
     thinking = {"messages": messages, "chat_template_kwargs": {"thinking": True}}
     assert built(thinking).prompt_in_think
     assert not built({"prompt": "<think> a"}, COMPLETIONS).prompt_in_think
+
+
+def test_a_constraint_starts_after_the_think_block_the_prompt_opened(model):
+    """A constrained chat request whose prompt opens a think block is constrained after `</think>`; without
+    thinking, and for a completions prompt, from the first token. A gRPC request says where itself."""
+    think_end = model.tokenizer.token_id(THINK_END)
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {"type": "json_object"},
+    }
+
+    def start_after(body: dict, kind: str = CHAT) -> int | None:
+        return build_request(
+            parse(body, kind).input, model, RouterConfig()
+        ).params.structured.start_after
+
+    assert start_after({**body, "chat_template_kwargs": {"thinking": True}}) == think_end
+    assert start_after(body) is None
+    assert start_after({"prompt": "<think> a", "guided_regex": "[a-z]+"}, COMPLETIONS) is None
+    request = generate_request([0, 5], max_tokens=4)
+    request.sampling_params.structured_output.kind = "regex"
+    request.sampling_params.structured_output.text = "[a-z]+"
+    request.sampling_params.structured_output.start_after_token_id = think_end
+    built = build_request(_request_input(request, None), model, RouterConfig())
+    assert built.params.structured.start_after == think_end
+    request.sampling_params.structured_output.start_after_token_id = 5000
+    with pytest.raises(InvalidRequestError) as e:
+        build_request(_request_input(request, None), model, RouterConfig())
+    assert e.value.field == "sampling_params.structured_output.start_after_token_id"
 
 
 def test_a_list_of_prompts_builds_one_request_per_prompt_with_its_own_field(model):

@@ -1,7 +1,7 @@
 """Structured outputs through the official `openai` client on the shared tiny server: a random model's output
 parses and validates only because the grammar masks its tokens (json_schema, json_object, regex, choice,
-streamed too, and a set of generated schemas sent at once); an unusable constraint is a 400 naming its
-field."""
+streamed too, and a set of generated schemas sent at once), literals spelling an added token too; in thinking
+mode the reasoning is free and the content parses; an unusable constraint is a 400 naming its field."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from pathlib import Path
 
 import openai
 import pytest
+
+from pdserve.model.tokenizer import THINK_END, TOOL_CALL_END
 
 # appended: benchmarks/kernels.py must not shadow HF `kernels`, which transformers imports
 sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -67,6 +69,58 @@ def test_completions_regex_and_choice(api, model):
         extra_body={"guided_choice": choices},
     )  # fmt: skip
     assert all(c.text in choices and c.finish_reason == "stop" for c in reply.choices)
+
+
+@pytest.mark.parametrize(
+    "extra, texts",
+    [
+        ({"guided_choice": [THINK_END, "no"]}, {THINK_END, "no"}),
+        ({"guided_regex": "<think>[a-z]{1,3}</think>"}, None),
+        (
+            {"guided_json": {"const": TOOL_CALL_END}},
+            {json.dumps(TOOL_CALL_END, ensure_ascii=False)},
+        ),
+    ],
+)
+def test_constraints_spelling_an_added_token_succeed(api, model, extra, texts):
+    """A literal whose text is an added token's (`</think>`, a tool-call marker) is generated: the request
+    finishes, its text what the constraint says."""
+    reply = api.completions.create(
+        model=model, prompt="Say:", max_tokens=30, temperature=1.0, seed=4, n=3, extra_body=extra
+    )
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop", choice
+        if texts is None:
+            assert re.fullmatch(extra["guided_regex"], choice.text), choice.text
+        else:
+            assert choice.text in texts, choice.text
+
+
+def test_thinking_leaves_the_reasoning_free_and_its_content_parses(api, model):
+    """Asked to think, the template opens a think block: the constraint starts after it closes, so the
+    reasoning is the model's own and the content parses; a reply whose budget ends inside the think block
+    finishes at its length, with reasoning and no content. Random weights close the block only for some
+    questions: both kinds are found among a few."""
+    schema = {"enum": ["yes", "no"]}
+
+    def ask(i: int):
+        return api.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": f"Question {i}: is {i} odd?"}],
+            max_tokens=40, temperature=0, response_format=json_schema_format(schema),
+            extra_body={"chat_template_kwargs": {"thinking": True}},
+        )  # fmt: skip
+
+    with ThreadPoolExecutor(16) as pool:
+        choices = [r.choices[0] for r in pool.map(ask, range(16))]
+    answered = [c for c in choices if c.finish_reason == "stop" and c.message.content]
+    assert answered, "no question made the tiny model close its think block and answer"
+    for choice in answered:
+        validate(json.loads(choice.message.content), schema)
+        assert THINK_END not in choice.message.content + (choice.message.reasoning_content or "")
+    cut = [c for c in choices if c.finish_reason == "length" and not c.message.content]
+    assert cut, "every question made the tiny model close its think block"
+    for choice in cut:
+        assert choice.message.reasoning_content
 
 
 def test_generated_schemas_all_parse_and_validate(api, model):

@@ -367,9 +367,16 @@ def test_a_forced_call_extends_the_prompt_and_carries_the_constraint(model, thin
     )
     assert auto.tool_calls.forced_prefix == "" and not auto.tool_calls.constraint.forced
     assert auto.prompt_in_think == thinking
-    prefix = (THINK_END if thinking else "") + DEEPSEEK_V31.forced_prefix("get_weather")
-    suffix = model.tokenizer.encode(prefix, add_bos=False)
-    assert forced.prompt_ids == auto.prompt_ids + suffix and not forced.prompt_in_think
+    if thinking:  # the model reasons first, then writes the whole call block, masked from </think>
+        assert forced.prompt_ids == auto.prompt_ids and forced.prompt_in_think
+        assert forced.tool_calls.forced_prefix == ""
+        assert forced.params.structured.start_after == model.tokenizer.token_id(THINK_END)
+        tid = model.tokenizer.token_id(TOOL_CALLS_BEGIN)
+        assert forced.params.structured.text.startswith(f"start: <[{tid}]> ")
+    else:
+        suffix = model.tokenizer.encode(DEEPSEEK_V31.forced_prefix("get_weather"), add_bos=False)
+        assert forced.prompt_ids == auto.prompt_ids + suffix and not forced.prompt_in_think
+        assert forced.params.structured.start_after is None
     constraint = forced.tool_calls.constraint
     assert (constraint.named, constraint.max_calls, constraint.forced) == ("get_weather", 1, True)
     assert constraint.arguments_schema("get_weather") == WEATHER["function"]["parameters"]
@@ -379,6 +386,47 @@ def test_a_forced_call_extends_the_prompt_and_carries_the_constraint(model, thin
     )
     plain = build_request(parse(body(), CHAT).input, model, RouterConfig())
     assert none.prompt_ids == plain.prompt_ids and none.tool_calls is None
+
+
+def test_a_forced_call_after_the_reasoning_is_masked_from_the_think_end_and_parses(
+    model, model_dir
+):
+    """Asked to think, a required call's grammar (the whole call block) masks only after `</think>`: free
+    reasoning, then a block the mask allows token by token, then EOS alone; the answer is the reasoning and
+    the call."""
+    import torch
+
+    from pdserve.engine.grammar_masks import GrammarMatchers
+    from pdserve.engine.step import SampleSpec
+
+    thinking = {"chat_template_kwargs": {"thinking": True}}
+    checked = build_request(
+        parse(body(tools=[WEATHER, ADD], tool_choice="required", **thinking), CHAT).input,
+        model, RouterConfig(),
+    )  # fmt: skip
+    text = (
+        "Paris, I think."
+        + THINK_END
+        + DEEPSEEK_V31.calls_text([("get_weather", '{"city":"Paris"}')])
+    )
+    eos = model.tokenizer.eos_id
+    matchers = GrammarMatchers(model_dir / "tokenizer.json", model.vocab_size, [eos])
+    words = torch.arange(32, dtype=torch.int32)
+    for step, token in enumerate([*model.tokenizer.encode(text, add_bos=False), eos]):
+        row = SampleSpec.of(checked.params, step, counted=step > 0)
+        masks, errors = matchers.masks(["r"], [row], torch.device("cpu"))
+        allowed = ((masks.bitmask[0][:, None] >> words) & 1).flatten()[: model.vocab_size]
+        assert not errors and allowed[token], (step, token)
+        if token == eos:
+            assert allowed.sum() == 1
+        else:
+            matchers.accept(["r"], [row], [token], errors)
+    answer = ChatOutput(checked, reasoning=checked.prompt_in_think).push(text, last=True)
+    assert answer["reasoning_content"] == "Paris, I think." and "content" not in answer
+    (call,) = answer["tool_calls"]
+    assert (call["function"]["name"], call["function"]["arguments"]) == (
+        "get_weather", '{"city":"Paris"}',
+    )  # fmt: skip
 
 
 def test_a_tokenizer_that_drops_the_markers_asks_for_special_tokens(model_dir, tmp_path):

@@ -1,6 +1,6 @@
 """Tool calls through the official `openai` client on the session's shared tiny server: the prompt is the
 checkpoint's template with the tools described (as transformers renders and tokenizes it), extended by a forced
-call's start for a named function; the answer's calls are what the parser makes of the greedy output, streamed
+call's start for a named function (not where the model thinks first); the answer's calls are what the parser makes of the greedy output, streamed
 deltas adding up to them; earlier calls and tool results go back in; bad tools are 400 naming the field.
 
 The tiny model has random weights: it writes no call of its own accord, and only the grammar mask of a forced
@@ -130,6 +130,22 @@ def test_a_forced_call_parses_whole_and_streamed(api, model, prompt_ids, choice,
         (c.function.name, c.function.arguments) for c in calls
     ]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_forced_call_comes_after_the_reasoning(api, model, prompt_ids):
+    """Asked to think, a required call is not forced at once: the prompt is the template's, opening the think
+    block, and the reasoning is the model's own (the call block's grammar masks only after `</think>`:
+    test_tool_calls.py); a budget that ends inside the think block finishes at its length with no call."""
+    reply = api.chat.completions.create(
+        model=model, messages=ASK, tools=STRICT, tool_choice="required", max_tokens=8,
+        temperature=0, extra_body={"chat_template_kwargs": {"thinking": True}},
+    )  # fmt: skip
+    (answer,) = reply.choices
+    assert answer.finish_reason == "length" and answer.message.reasoning_content
+    assert not answer.message.tool_calls and not answer.message.content
+    # no call's start added: as long as the prompt that does not think (`</think>` where it has `<think>`)
+    assert reply.usage.prompt_tokens == len(prompt_ids(ASK, STRICT))
+    assert reply.usage.completion_tokens == 8
 
 
 def test_auto_and_none_render_the_tools_or_not(api, model, prompt_ids):
