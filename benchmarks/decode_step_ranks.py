@@ -4,7 +4,7 @@ driver sends each step plan and gathers the sampled tokens (`make_rank_runner`, 
 exchange), timed wall clock per step at the driver, median over `--steps`.
 
     python benchmarks/decode_step_ranks.py [--preset v3-shape --layers 8] [--ranks 2] [--batch 64,128]
-        [--context 4096] [--steps 30] [--check] [--profile STEPS]
+        [--context 4096] [--steps 30] [--check] [--profile STEPS] [--two-batches]
 
 Weights are `load_format="dummy"` (random, fp8 experts with block scales, made on each GPU from config.json), the
 KV cache random rows. Per GPU: output tokens/s = batch / step; the roofline counts the weight bytes a rank reads
@@ -19,6 +19,10 @@ around its launch), each beside its roofline (the same byte model, by part), and
 CUDA-graph step, flagged when they differ by more than 10%. The eager steps launch each kernel on its own, so
 their kernel time is close to the graph's; but the exchange's kernels also wait for the other rank, whose eager
 launches may lag, so its figure is an upper bound.
+
+--two-batches adds a row a batch: the last --dispatch kind with every decode step as two micro-batches, each MoE
+layer's exchange of one in flight while the other computes (`WorkerLayout.overlap_rows`); compare its step with
+the row above it, from the same run.
 
 --check first runs a small batch-invariant greedy comparison: N ranks with B rows each against one GPU with the
 same N x B rows, every row's KV filled from its own seed; the sampled tokens must be equal.
@@ -332,6 +336,11 @@ def main() -> None:
         "roofline, and the parts' sum against the CUDA-graph step",
     )  # fmt: skip
     p.add_argument(
+        "--two-batches", action="store_true",
+        help="also the last --dispatch kind with each decode step as two micro-batches whose expert "
+        "exchanges overlap the other's compute (the layout's overlap_rows)",
+    )  # fmt: skip
+    p.add_argument(
         "--dispatch",
         default="bf16",
         help="how the exchange carries the experts' rows, comma-separated: bf16, fp8 (a row per kind)",
@@ -367,14 +376,21 @@ def main() -> None:
                 p.error(f"--dispatch: {kind!r} is not bf16 or fp8")
         for batch in [int(x) for x in args.batch.split(",")]:
             res = {}
-            for ranks, kind in [(1, "bf16")] + [(args.ranks, k) for k in kinds]:
+            cases = [(1, "bf16", False)] + [(args.ranks, k, False) for k in kinds]
+            if args.two_batches:
+                cases.append((args.ranks, kinds[-1], True))
+            for ranks, kind, two in cases:
                 fp8 = kind == "fp8"
-                r = run(tmp, ranks, batch, args.context, args.steps, False, None, fp8)
+                extra = {"overlap_rows": 2} if two else None
+                r = run(tmp, ranks, batch, args.context, args.steps, False, None, fp8,
+                        layout_extra=extra)  # fmt: skip
                 res.setdefault(ranks, r)
                 roof = roofline(cfg, ranks, batch, args.context, r["facts"], fp8)
                 tps = batch / r["step_s"]
                 ratio = tps / (batch / res[1]["step_s"])
                 name = f"{ranks}" if ranks == 1 else f"{ranks} ({kind} dispatch)"
+                if two:
+                    name = f"{ranks} ({kind} dispatch, two micro-batches)"
                 lines.append(
                     f"| {batch} | {name} | {1e3 * r['step_s']:.2f} ms | {tps:.0f} | {ratio:.2f}x | "
                     f"{1e3 * roof:.2f} ms | {r['step_s'] / roof:.2f}x |"
@@ -384,6 +400,7 @@ def main() -> None:
                         "batch": batch,
                         "ranks": ranks,
                         "dispatch": kind,
+                        "two_batches": two,
                         "step_s": r["step_s"],
                         "roofline_s": roof,
                         "facts": r["facts"],
@@ -395,7 +412,8 @@ def main() -> None:
                            args.profile)["profile"]  # fmt: skip
                 graph = next(
                     row for row in out["rows"]
-                    if (row["batch"], row["ranks"], row["dispatch"]) == (batch, args.ranks, kind)
+                    if (row["batch"], row["ranks"], row["dispatch"], row["two_batches"])
+                    == (batch, args.ranks, kind, False)
                 )  # fmt: skip
                 graph_step = graph["step_s"]
                 roof = roofline_parts(

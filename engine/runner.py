@@ -171,7 +171,10 @@ class ModelRunner:
                 key = self.graphs.key(rows, width)
             drafting = plan.mtp and plan.num_drafts > 0  # the decode pass's MTP passes
             chain = plan.num_drafts - 1 if drafting else 0
-            with self.model.step_tokens((key[0] if key else rows) if joins else None):
+            tokens = key[0] if key else rows
+            overlap = self.model.layout.worker.overlap_rows
+            two = joins and bool(overlap) and tokens >= overlap and self.model.can_run_two_batches
+            with self.model.step_tokens(tokens if joins else None, two_batches=two):
                 if not step.decode:
                     self._run(self._idle_decode, key, drafting, chain)
                 else:

@@ -65,6 +65,27 @@ class ForwardBatch:
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
 
+    def split(self, seqs: int) -> tuple[ForwardBatch, ForwardBatch]:
+        """A decode batch as two micro-batches: its first `seqs` requests, and the others (0 < seqs <
+        num_seqs). Views of this batch's tensors, but for the second's query offsets; a micro-batch's
+        `logits_indices` are its own rows."""
+        if not self.is_decode or not 0 < seqs < self.num_seqs:
+            raise ValueError(f"split({seqs}): needs a decode batch of more than {seqs} requests")
+        t = seqs * self.num_queries_per_seq
+        cu = self.cu_seqlens_q
+        rows = torch.arange(self.num_tokens, device=self.input_ids.device)
+
+        def part(tokens: slice, requests: slice, cu_seqlens: torch.Tensor, n: int) -> ForwardBatch:
+            return ForwardBatch(
+                True, self.input_ids[tokens], self.positions[tokens], self.slot_mapping[tokens],
+                cu_seqlens, self.seq_lens[requests], self.page_table[requests], rows[:n],
+                self.num_queries_per_seq,
+            )  # fmt: skip
+
+        first = part(slice(0, t), slice(0, seqs), cu[: seqs + 1], t)
+        second = part(slice(t, None), slice(seqs, None), cu[seqs:] - cu[seqs], self.num_tokens - t)
+        return first, second
+
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]

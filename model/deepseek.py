@@ -16,6 +16,7 @@ checkpoint names to them. Weights are allocated empty; the loader or the random-
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -28,7 +29,7 @@ from .. import kernels
 from .args import QUANT_BLOCK, ModelArgs, stacked_rows
 from .batch import ForwardBatch
 from .expert_balance import ExpertBalancer, ExpertRouting, SlotLayout
-from .expert_exchange import ExpertExchange, make_exchange, reduce_tree
+from .expert_exchange import ExpertExchange, Pending, make_exchange, reduce_tree
 from .kv_cache import PagedKVCache
 from .parallel import SINGLE_RANK, ParallelLayout
 from .shared_expert import FUSED_SHARED_MAX_TOKENS, alias_slot, can_fuse_shared
@@ -454,6 +455,15 @@ class MoE(nn.Module):
 
     def _forward_expert_parallel(self, x: torch.Tensor, x_q, counted=None) -> torch.Tensor:
         """Collective over the expert-parallel group: every rank calls it, with zero tokens too."""
+        state = self.ep_start(x, x_q, counted)
+        self.ep_experts(state)
+        return self.ep_finish(state)
+
+    def ep_start(self, x: torch.Tensor, x_q, counted=None, overlap: bool = False) -> _EPState:
+        """The expert-parallel forward in three stages (`ep_start`, `ep_experts`, `ep_finish`, each collective
+        stage called by every rank in the same order), so that a caller can run other work while an exchange
+        is in flight (`overlap`: the dispatch and the combine are left in flight where the exchange can).
+        This one: the gate, the routing to expert slots and the dispatch."""
         weights, ids = self.gate(x)  # [T, k] each
         if self.routing is not None:  # expert ids -> the slots of their copies
             ids = self.routing.route(ids, counted, home_only=kernels.batch_invariant())
@@ -461,20 +471,37 @@ class MoE(nn.Module):
         # there (layout.dispatch_fp8 off); every rank sends the same kind of message
         if self.experts.is_fp8 and x_q is None and x.shape[0]:
             x_q = kernels.quantize_act(x)
+        sent_q = x_q if self.experts.is_fp8 else None
         with record_function(SPAN_EXCHANGE):
-            local, handle = self.exchange.dispatch(
-                x, ids, weights, x_q if self.experts.is_fp8 else None
-            )
-        tree = self.tree if kernels.batch_invariant() else None
+            if overlap:
+                pending = self.exchange.dispatch_async(x, ids, weights, sent_q)
+            else:
+                pending = Pending.done(self.exchange.dispatch(x, ids, weights, sent_q))
+        return _EPState(x, x_q, pending, overlap)
+
+    def ep_experts(self, state: _EPState) -> None:
+        """Waits for the dispatch, runs this rank's experts over the rows it brought and starts the combine."""
+        with record_function(SPAN_EXCHANGE):
+            local, handle = state.pending.wait()
+        x, tree = state.x, self.tree if kernels.batch_invariant() else None
         if local.num_rows:
             y = self._local_experts(local, x, tree)
         else:  # every rank sends the same dtype: fp32 subtrees in the tree's mode
             y = local.x.new_empty(0, x.shape[1], dtype=x.dtype if tree is None else torch.float32)
         with record_function(SPAN_EXCHANGE):
-            out = self.exchange.combine(y, handle, tree=tree is not None)  # [T, D]
+            if state.overlap:
+                state.pending = self.exchange.combine_async(y, handle, tree=tree is not None)
+            else:
+                out = self.exchange.combine(y, handle, tree=tree is not None)  # [T, D]
+                state.pending = Pending.done(out)
+
+    def ep_finish(self, state: _EPState) -> torch.Tensor:
+        """Waits for the combine and adds the shared expert: the layer's output [T, D]."""
+        with record_function(SPAN_EXCHANGE):
+            out = state.pending.wait()
         if self.shared_experts is None:
             return out
-        return out + self._shared(x, x_q)
+        return out + self._shared(state.x, state.x_q)
 
     def _local_experts(self, local, x: torch.Tensor, tree) -> torch.Tensor:
         """This rank's experts over the exchanged rows (`ExpertBatch`), `layout.expert_chunk_tokens` rows a
@@ -500,15 +527,30 @@ class MoE(nn.Module):
     def join_idle(self) -> None:
         """Takes part in this layer's exchange with no tokens (a data-parallel rank with no requests)."""
         assert self.exchange is not None
+        self._forward_expert_parallel(*self.no_tokens())
+
+    def no_tokens(self) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """(x, x_q) of zero tokens, as `ep_start` takes them: the same message layout as the ranks with tokens
+        send."""
         dim = self.gate.weight.shape[1]
         x = self.gate.weight.new_empty(0, dim)
-        x_q = None
-        if self.experts.is_fp8:  # the same message layout as the ranks with tokens send
-            x_q = (
-                x.new_empty(0, dim, dtype=torch.float8_e4m3fn),
-                x.new_empty(0, -(-dim // 128), dtype=torch.float32),
-            )
-        self._forward_expert_parallel(x, x_q)
+        if not self.experts.is_fp8:
+            return x, None
+        return x, (
+            x.new_empty(0, dim, dtype=torch.float8_e4m3fn),
+            x.new_empty(0, -(-dim // 128), dtype=torch.float32),
+        )
+
+
+@dataclasses.dataclass
+class _EPState:
+    """An expert-parallel MoE forward between its stages (`MoE.ep_start`)."""
+
+    x: torch.Tensor
+    x_q: tuple[torch.Tensor, torch.Tensor] | None
+    pending: Pending
+    """The dispatch in flight (then `ExpertBatch`, handle), later the combine (then [T, D])."""
+    overlap: bool
 
 
 class Block(nn.Module):
@@ -549,13 +591,7 @@ class Block(nn.Module):
 
     def forward(self, x, residual, batch: ForwardBatch, cache: PagedKVCache, cos_sin, counted=None):
         """counted: the rows whose routes an MoE layer counts (`counted_rows`)."""
-        if residual is None:
-            residual, h = x.float(), self.attn_norm(x, quant=self.quant_attn)
-        else:
-            h, residual = self.attn_norm(x, residual, self.quant_attn)
-        with record_function(SPAN_ATTENTION):
-            h = self.attn(h, batch, cache, cos_sin)
-        h, residual = self.ffn_norm(h, residual, self.quant_ffn)
+        h, residual = self.attend(x, residual, batch, cache, cos_sin)
         if isinstance(self.ffn, MoE):
             with record_function(SPAN_MOE):
                 if self.quant_ffn == "both":
@@ -563,6 +599,20 @@ class Block(nn.Module):
                 return self.ffn(h, counted=counted), residual
         with record_function(SPAN_MLP):
             return self.ffn(h), residual
+
+    def attend(self, x, residual, batch: ForwardBatch, cache: PagedKVCache, cos_sin):
+        """The layer up to its MLP or MoE: (the ffn's input, as `ffn_norm` gives it, and the residual)."""
+        if residual is None:
+            residual, h = x.float(), self.attn_norm(x, quant=self.quant_attn)
+        else:
+            h, residual = self.attn_norm(x, residual, self.quant_attn)
+        with record_function(SPAN_ATTENTION):
+            h = self.attn(h, batch, cache, cos_sin)
+        return self.ffn_norm(h, residual, self.quant_ffn)
+
+    def moe_input(self, h) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """`attend`'s ffn input as an MoE layer's (x, x_q)."""
+        return h if self.quant_ffn == "both" else (h, None)
 
 
 class MTP(nn.Module):
@@ -646,6 +696,8 @@ class Transformer(nn.Module):
         )
         """Moves copies of hot experts into the spare slots (`expert_balance`); None without spare slots.
         Its `after_step` is collective: the runner calls it on every rank after every step."""
+        self._two_batches = False
+        """Set by `step_tokens`: decode passes run as two overlapped micro-batches."""
 
     @property
     def num_cache_layers(self) -> int:
@@ -656,10 +708,59 @@ class Transformer(nn.Module):
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         with kernels.forward_phase("decode" if batch.is_decode else "prefill"):
             x, residual = F.embedding(batch.input_ids, self.embed.weight), None  # [T, D]
+            if self._two_batches and batch.is_decode:
+                return self._forward_two_batches(batch, cache)
             counted = counted_rows(batch) if self.balancer is not None else None
             for layer in self.layers:
                 x, residual = layer(x, residual, batch, cache, self.cos_sin, counted)
             return self.norm(x, residual)[0]
+
+    def _forward_two_batches(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
+        """`forward` of a decode batch as two micro-batches (its first half of requests and the rest), each MoE
+        layer's exchange of one in flight while the other computes: micro-batch a's dispatch beside b's
+        attention, a's experts beside b's dispatch, b's experts beside a's combine, a's shared expert beside
+        b's combine. The same rows, the same math per row; each exchange pads to half the step's tokens. A
+        batch of one request runs it as micro-batch a, and b joins the exchanges with no tokens."""
+        halves: list[ForwardBatch | None] = [batch, None]
+        if batch.num_seqs > 1:
+            halves = list(batch.split(-(-batch.num_seqs // 2)))
+        xs = [None if m is None else F.embedding(m.input_ids, self.embed.weight) for m in halves]
+        residuals: list = [None, None]
+        counted = [None if m is None or self.balancer is None else counted_rows(m) for m in halves]
+        with self._exchanges_padded_to(-(-self.exchanges[0].step_tokens // 2)):
+            for layer in self.layers:
+                ffn = layer.ffn
+                if not (isinstance(ffn, MoE) and ffn.exchange is not None):
+                    for i, m in enumerate(halves):
+                        if m is not None:
+                            xs[i], residuals[i] = layer(xs[i], residuals[i], m, cache, self.cos_sin)
+                    continue
+                states = []
+                for i, m in enumerate(halves):
+                    if m is None:
+                        x_in = ffn.no_tokens()
+                    else:
+                        h, residuals[i] = layer.attend(xs[i], residuals[i], m, cache, self.cos_sin)
+                        x_in = layer.moe_input(h)
+                    with record_function(SPAN_MOE):
+                        states.append(ffn.ep_start(*x_in, counted[i], overlap=True))
+                with record_function(SPAN_MOE):
+                    for state in states:
+                        ffn.ep_experts(state)
+                    xs = [ffn.ep_finish(state) for state in states]
+        out = [self.norm(x, r)[0] for x, r, m in zip(xs, residuals, halves, strict=True) if m]
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    @contextlib.contextmanager
+    def _exchanges_padded_to(self, num_tokens: int):
+        saved = [e.step_tokens for e in self.exchanges]
+        for e in self.exchanges:
+            e.step_tokens = num_tokens
+        try:
+            yield
+        finally:
+            for e, tokens in zip(self.exchanges, saved, strict=True):
+                e.step_tokens = tokens
 
     @property
     def exchanges(self) -> list[ExpertExchange]:
@@ -671,25 +772,58 @@ class Transformer(nn.Module):
         return found
 
     @contextlib.contextmanager
-    def step_tokens(self, num_tokens: int | None):
+    def step_tokens(self, num_tokens: int | None, two_batches: bool = False):
         """Within: every rank holds at most `num_tokens` tokens in each pass (the same number on every rank, as
-        a step plan tells it), so the expert exchanges pad to it without asking the other ranks."""
+        a step plan tells it), so the expert exchanges pad to it without asking the other ranks.
+        two_batches (the same on every rank; with `num_tokens`, data-parallel attention and the all-gather
+        exchange only): the main model's decode passes run as two micro-batches whose exchanges overlap
+        the other's compute (`_forward_two_batches`; a rank without rows joins both exchanges)."""
         exchanges = self.exchanges
+        if two_batches and not self.can_run_two_batches:
+            raise ValueError(
+                "two micro-batches need data-parallel attention and an overlapping exchange"
+            )
+        if two_batches and num_tokens is None:
+            raise ValueError("two micro-batches need the step's tokens")
         for e in exchanges:
             e.step_tokens = num_tokens
+        self._two_batches = two_batches
         try:
             yield
         finally:
             for e in exchanges:
                 e.step_tokens = None
+            self._two_batches = False
+
+    @property
+    def can_run_two_batches(self) -> bool:
+        """Whether decode passes can run as two overlapped micro-batches (`step_tokens`): ranks with their
+        own tokens whose exchanges overlap."""
+        exchanges = self.exchanges
+        return (
+            bool(exchanges)
+            and not self.layout.worker.same_tokens_on_all_ranks
+            and all(e.overlaps for e in exchanges)
+        )
 
     @torch.inference_mode()
     def forward_idle(self) -> None:
         """A forward step with no tokens: joins each MoE layer's expert exchange, in layer order, as the
         ranks with tokens do in `forward`. Only data-parallel attention leaves a rank without tokens."""
-        for layer in self.layers:
-            if isinstance(layer.ffn, MoE) and layer.ffn.exchange is not None:
-                layer.ffn.join_idle()
+        if not self._two_batches:
+            for layer in self.layers:
+                if isinstance(layer.ffn, MoE) and layer.ffn.exchange is not None:
+                    layer.ffn.join_idle()
+            return
+        with self._exchanges_padded_to(-(-self.exchanges[0].step_tokens // 2)):
+            for layer in self.layers:  # the stages in the order `_forward_two_batches` runs them
+                ffn = layer.ffn
+                if isinstance(ffn, MoE) and ffn.exchange is not None:
+                    states = [ffn.ep_start(*ffn.no_tokens(), overlap=True) for _ in range(2)]
+                    for state in states:
+                        ffn.ep_experts(state)
+                    for state in states:
+                        ffn.ep_finish(state)
 
     @torch.inference_mode()
     def mtp_idle(self, depth: int) -> None:

@@ -82,6 +82,24 @@ class ExpertBatch:
         return self.topk_ids.shape[0]
 
 
+class Pending:
+    """A collective in flight: `wait()` (once) waits for it (on GPUs: makes the current stream wait) and
+    returns its result."""
+
+    def __init__(self, work, finish):
+        self._work, self._finish = work, finish
+
+    def wait(self):
+        if self._work is not None:
+            self._work.wait()
+        return self._finish()
+
+    @classmethod
+    def done(cls, result) -> Pending:
+        """A finished one, whose `wait()` returns `result`."""
+        return cls(None, lambda: result)
+
+
 class ExpertExchange(abc.ABC):
     """Dispatch and combine for one MoE layer over the ranks of an expert-parallel group.
 
@@ -121,6 +139,19 @@ class ExpertExchange(abc.ABC):
     def combine(self, y: torch.Tensor, handle: object, tree: bool = False) -> torch.Tensor:
         """tree: y holds each row's fp32 subtree of `fused_moe`'s tree sum; the ranks' subtrees of a token are
         added as the tree's top levels (`tree_sum`, in rank order)."""
+
+    overlaps = False
+    """Whether `dispatch_async` and `combine_async` leave their collective in flight (else they finish it
+    before they return)."""
+
+    def dispatch_async(self, x, topk_ids, topk_weights, x_q=None) -> Pending:
+        """`dispatch`, its collective left in flight where the exchange can (`overlaps`): the caller may run
+        other work before `wait()` returns `dispatch`'s result. The same contract and order otherwise."""
+        return Pending.done(self.dispatch(x, topk_ids, topk_weights, x_q))
+
+    def combine_async(self, y: torch.Tensor, handle: object, tree: bool = False) -> Pending:
+        """`combine`, its collective left in flight where the exchange can (`overlaps`)."""
+        return Pending.done(self.combine(y, handle, tree))
 
     def _local_ids(self, topk_ids: torch.Tensor, rank: torch.Tensor | int) -> torch.Tensor:
         """Global ids [R, k] -> `rank`'s local ids ([R] or one rank), experts per rank where another rank's
@@ -277,37 +308,56 @@ class AllGatherExchange(ExpertExchange):
         _all_gather(counts, mine, group=self.layout.group)
         return int(counts.max())  # host sync: the padding must be known to size the message
 
+    overlaps = True
+
     def dispatch(self, x, topk_ids, topk_weights, x_q=None):
+        return self._dispatch(x, topk_ids, topk_weights, x_q, False).wait()
+
+    def dispatch_async(self, x, topk_ids, topk_weights, x_q=None) -> Pending:
+        return self._dispatch(x, topk_ids, topk_weights, x_q, True)
+
+    def _dispatch(self, x, topk_ids, topk_weights, x_q, async_op: bool) -> Pending:
         world = self.layout.worker.ranks
         num_tokens, k = topk_ids.shape
         x_q = self._quantized(x_q)
         capacity = self._step_capacity(num_tokens, x.device)
         packed = self._pack_rows(x, topk_ids, topk_weights, capacity, x_q)  # [C, row bytes]
         gathered = packed.new_empty(world * capacity, packed.shape[1])  # [N * C, row bytes]
-        _all_gather(gathered, packed, group=self.layout.group)
-        # R = N * C rows, by rank
-        batch = self._unpack_rows(gathered, k, x.shape[1], x.dtype, x_q is not None)
-        return batch, _AllGatherHandle(num_tokens, capacity, x.dtype)
+        work = _all_gather(gathered, packed, group=self.layout.group, async_op=async_op)
+
+        def finish():  # R = N * C rows, by rank
+            batch = self._unpack_rows(gathered, k, x.shape[1], x.dtype, x_q is not None)
+            return batch, _AllGatherHandle(num_tokens, capacity, x.dtype)
+
+        return Pending(work, finish)
 
     def combine(self, y, handle: _AllGatherHandle, tree: bool = False):  # type: ignore[override]
+        return self._combine(y, handle, tree, False).wait()
+
+    def combine_async(self, y, handle: _AllGatherHandle, tree: bool = False) -> Pending:  # type: ignore[override]
+        return self._combine(y, handle, tree, True)
+
+    def _combine(self, y, handle: _AllGatherHandle, tree: bool, async_op: bool) -> Pending:
         world, group = self.layout.worker.ranks, self.layout.group
         capacity, dim = handle.capacity, y.shape[1]
-        if tree:
-            back = torch.empty_like(y)  # [N * C, D] fp32 subtrees
-            dist.all_to_all_single(back, y.contiguous(), group=group)
-            parts = back.view(world, capacity, dim)[:, : handle.num_tokens]
-            return tree_sum(parts, 0).to(handle.out_dtype)
-        if self.combine_by == "reduce_scatter":
+        if self.combine_by == "reduce_scatter" and not tree:
             out = y.new_empty(capacity, dim, dtype=torch.float32)
-            _reduce_scatter(out, y.float().contiguous(), group=group)
-            return out[: handle.num_tokens].to(handle.out_dtype)
-        back = torch.empty_like(y)  # [N * C, D]: rank r's partials of this rank's C rows at r * C
-        dist.all_to_all_single(back, y.contiguous(), group=group)
-        back = back.view(world, capacity, dim)[:, : handle.num_tokens]  # [N, T, D]
-        out = torch.zeros(handle.num_tokens, dim, dtype=torch.float32, device=y.device)
-        for rank in range(world):  # rank order, as AllToAllExchange adds
-            out += back[rank].float()
-        return out.to(handle.out_dtype)
+            work = _reduce_scatter(out, y.float().contiguous(), group=group, async_op=async_op)
+            return Pending(work, lambda: out[: handle.num_tokens].to(handle.out_dtype))
+        # [N * C, D]: rank r's partials (fp32 subtrees in the tree's mode) of this rank's C rows at r * C
+        back = torch.empty_like(y)
+        work = dist.all_to_all_single(back, y.contiguous(), group=group, async_op=async_op)
+
+        def finish():
+            parts = back.view(world, capacity, dim)[:, : handle.num_tokens]  # [N, T, D]
+            if tree:
+                return tree_sum(parts, 0).to(handle.out_dtype)
+            out = torch.zeros(handle.num_tokens, dim, dtype=torch.float32, device=y.device)
+            for rank in range(world):  # rank order, as AllToAllExchange adds
+                out += parts[rank].float()
+            return out.to(handle.out_dtype)
+
+        return Pending(work, finish)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -57,6 +57,10 @@ class WorkerLayout:
     rebalance_steps: int = 1000
     """Steps between two placements of the spare slots (with redundant_experts): the experts' loads
     counted over these steps choose the copies, which then move a few layers a step."""
+    overlap_rows: int = 0
+    """Decode steps of at least this many rows a rank (the step's largest rank, or its CUDA-graph bucket) run
+    as two micro-batches, each one's expert exchange in flight while the other computes (two-batch
+    overlap; data-parallel attention with expert_parallel > 1 and the all-gather exchange). 0: never."""
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -83,6 +87,11 @@ class WorkerLayout:
             )
         if self.rebalance_steps < 1:
             raise ConfigError(f"rebalance_steps={self.rebalance_steps}: must be >= 1")
+        if self.overlap_rows and (self.overlap_rows < 2 or self.expert_parallel == 1):
+            raise ConfigError(
+                f"overlap_rows={self.overlap_rows}: must be 0 (off) or >= 2 rows, with expert_parallel "
+                f"> 1 (got {self.expert_parallel}): two micro-batches overlap the expert exchange"
+            )
 
     def check_runnable(self) -> None:
         """Raises ConfigError naming the field when the ranks cannot run this layout: experts split over all
@@ -90,6 +99,11 @@ class WorkerLayout:
         if self.expert_parallel not in (1, self.ranks):
             raise ConfigError(
                 f"expert_parallel={self.expert_parallel}: must be 1 or ranks={self.ranks}"
+            )
+        if self.overlap_rows and self.attention != "data":
+            raise ConfigError(
+                f"overlap_rows={self.overlap_rows}: needs attention='data' (with tensor-parallel attention "
+                "every rank holds the same tokens and there is no exchange to overlap)"
             )
         if self.dense == "tensor" and self.attention != "tensor" and self.ranks > 1:
             raise ConfigError(

@@ -4,7 +4,8 @@
 # tools/gpu_tests.sh for the wheels):
 #   issue 43/46: the multi_gpu tests (the NCCL transfer faults among them);
 #   issue 46:    the NCCL transfer faults' recovery times;
-#   issue 48:    the step profile by part against the CUDA-graph step, and expert balancing under Zipf routing.
+#   issue 48:    the step profile by part against the CUDA-graph step, two-batch overlap against one batch, and
+#                expert balancing under Zipf routing.
 # Usage: bash tools/gpu2_benchmarks.sh [PART ...]   (parts: multi_gpu transfer_faults profile balance)
 set -uo pipefail
 out=${OUT:-build/gpu2-benchmarks}; mkdir -p "$out"
@@ -29,8 +30,8 @@ for part in "${parts[@]}"; do
   case $part in
     multi_gpu) step multi_gpu 200 python3 -m pytest -q -p no:cacheprovider -m multi_gpu tests ;;
     transfer_faults) step transfer_faults 120 python3 benchmarks/transfer_faults.py --backend nccl ;;
-    profile) step profile 150 python3 benchmarks/decode_step_ranks.py --ranks 2 --layers 8 --batch 64,128 \
-      --dispatch fp8 --steps 20 --profile 10 ;;
+    profile) step profile 200 python3 benchmarks/decode_step_ranks.py --ranks 2 --layers 8 --batch 64,128 \
+      --dispatch fp8 --steps 20 --profile 10 --two-batches ;;
     balance) step balance 170 python3 benchmarks/expert_balance.py --ranks 2 --layers 8 --batch 64,128 \
       --zipf 1.0 --spares 2 --steps 40 ;;
     *) echo "unknown part $part" >>"$out/summary.txt" ;;

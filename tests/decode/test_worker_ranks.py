@@ -43,6 +43,10 @@ BALANCED = dataclasses.replace(
     layout=WorkerLayout(2, "data", expert_parallel=2, redundant_experts=2, rebalance_steps=2),
 )
 """A spare slot a rank, placed every 2 steps: copies of hot experts move between steps while requests run."""
+OVERLAP = dataclasses.replace(
+    CONFIG, layout=WorkerLayout(2, "data", expert_parallel=2, overlap_rows=2)
+)
+"""Decode steps of 2 rows a rank or more as two micro-batches (a rank with one row, or none, joins both)."""
 MTP = {"num_speculative_tokens": 2}
 """Speculation: every rank joins the MTP passes' exchanges (a rank without rows too)."""
 
@@ -60,8 +64,24 @@ def worker(ckpt, config=CONFIG) -> DecodeWorker:
 
 @pytest.mark.parametrize(
     "config",
-    [CONFIG, TP2, dataclasses.replace(CONFIG, **MTP), dataclasses.replace(TP2, **MTP), BALANCED],
-    ids=["dp2-ep2", "tp2", "dp2-ep2-mtp2", "tp2-mtp2", "dp2-ep2-balanced"],
+    [
+        CONFIG,
+        TP2,
+        dataclasses.replace(CONFIG, **MTP),
+        dataclasses.replace(TP2, **MTP),
+        BALANCED,
+        OVERLAP,
+        dataclasses.replace(OVERLAP, **MTP),
+    ],
+    ids=[
+        "dp2-ep2",
+        "tp2",
+        "dp2-ep2-mtp2",
+        "tp2-mtp2",
+        "dp2-ep2-balanced",
+        "dp2-ep2-overlap",
+        "dp2-ep2-overlap-mtp2",
+    ],
 )
 def test_requests_give_the_offline_tokens(ckpt, config):
     decode = worker(ckpt, config)

@@ -1,7 +1,8 @@
 """Tool calls through the official `openai` client on the session's shared tiny server: the prompt is the
 checkpoint's template with the tools described (as transformers renders and tokenizes it), extended by a forced
-call's start for a named function (not where the model thinks first); the answer's calls are what the parser makes of the greedy output, streamed
-deltas adding up to them; earlier calls and tool results go back in; bad tools are 400 naming the field.
+call's start for a named function (not where the model thinks first); the answer's calls are what the parser
+makes of the greedy output, streamed deltas adding up to them; earlier calls and tool results go back in; bad
+tools are 400 naming the field.
 
 The tiny model has random weights: it writes no call of its own accord, and only the grammar mask of a forced
 call (`frontend/tool_grammar.py`) makes its arguments JSON that their schema validates."""

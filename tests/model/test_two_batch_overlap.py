@@ -1,0 +1,98 @@
+"""Two-batch overlap on DP2 + EP2 ranks over gloo (whose collectives run in flight on their own threads): a decode
+step run as two micro-batches, each MoE layer's exchange of one in flight while the other computes, gives the
+single pass's fp32 outputs per row, whether a rank holds several requests, one (its second micro-batch joins
+the exchanges with no tokens) or none (it joins all four exchanges of each layer idle)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _parallel_ranks import spawn_gloo
+
+from pdserve.model.batch import ForwardBatch, SeqChunk, build_forward_batch
+from pdserve.model.errors import ConfigError
+from pdserve.model.loader import load_model
+from pdserve.model.parallel import WorkerLayout
+
+PAGE, NUM_PAGES = 16, 48
+
+
+def _chunks(prompts: list[list[int]], first: int, decode: bool) -> list[SeqChunk]:
+    """Request i's pages start at (first + i) * 8; decode chunks feed token 7 after the prompt."""
+    out = []
+    for i, p in enumerate(prompts):
+        pages = list(range((first + i) * 8, (first + i) * 8 + 3))
+        out.append(SeqChunk([7], len(p), pages) if decode else SeqChunk(p, 0, pages))
+    return out
+
+
+def _overlap_rank(rank, world, ckpt, prompts, first, max_rows):
+    from pdserve.model.kv_cache import KVCacheLayout, PagedKVCache
+    from pdserve.model.parallel import ParallelLayout
+
+    layout = ParallelLayout(WorkerLayout(world, "data", expert_parallel=world), rank=rank)
+    model = load_model(ckpt, dtype=torch.float32, progress=False, layout=layout)
+    cache = PagedKVCache(
+        KVCacheLayout.for_model(model.args, PAGE, torch.float32, model.num_mtp), NUM_PAGES, "cpu"
+    )
+    out = {}
+    with model.step_tokens(None):  # padded to the ranks' largest count, asked of them
+        if prompts:  # the prompts' KV (every rank runs a prefill pass: the exchange is collective)
+            model(build_forward_batch(_chunks(prompts, first, False), PAGE, "cpu", False), cache)
+        else:
+            model.forward_idle()
+    for two in (False, True):
+        with model.step_tokens(max_rows, two_batches=two):
+            if prompts:
+                batch = build_forward_batch(_chunks(prompts, first, True), PAGE, "cpu", True)
+                out[two] = model(batch, cache)
+            else:
+                model.forward_idle()
+    return out
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("rows", [(3, 1), (4, 0)], ids=["three-and-one", "four-and-idle"])
+def test_two_micro_batches_give_the_single_pass_outputs(rows, checkpoint, tmp_path):
+    ckpt = checkpoint("tiny-fp8")
+    vocab = load_model(ckpt, progress=False).args.vocab_size
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 17, 9, 12)]
+    by_rank = [prompts[: rows[0]], prompts[rows[0] : rows[0] + rows[1]]]
+    firsts = [0, rows[0]]
+    results = spawn_gloo(
+        tmp_path, _overlap_rank,
+        [(str(ckpt), mine, first, max(rows)) for mine, first in zip(by_rank, firsts, strict=True)],
+    )  # fmt: skip
+    for result, mine in zip(results, by_rank, strict=True):
+        if not mine:
+            assert result == {}
+            continue
+        single, two = result[False], result[True]
+        assert single.shape == two.shape == (len(mine), single.shape[1])
+        assert ((two - single).abs().max() / single.abs().max()).item() <= 1e-5
+
+
+def test_split_keeps_each_requests_rows():
+    chunks = [SeqChunk([3], 4, [0]), SeqChunk([5], 9, [1]), SeqChunk([6], 2, [2])]
+    batch = build_forward_batch(chunks, PAGE, "cpu", decode=True)
+    a, b = batch.split(2)
+    assert a.input_ids.tolist() == [3, 5] and b.input_ids.tolist() == [6]
+    assert b.cu_seqlens_q.tolist() == [0, 1] and b.seq_lens.tolist() == [3]
+    assert b.page_table.tolist() == [[2]] and b.logits_indices.tolist() == [0]
+    with pytest.raises(ValueError, match="split\\(3\\)"):
+        batch.split(3)
+    prefill = build_forward_batch(chunks, PAGE, "cpu", decode=False)
+    assert isinstance(prefill, ForwardBatch)
+    with pytest.raises(ValueError, match="needs a decode batch"):
+        prefill.split(1)
+
+
+def test_overlap_rows_needs_data_parallel_expert_parallel_ranks():
+    assert WorkerLayout(2, "data", expert_parallel=2, overlap_rows=64).overlap_rows == 64
+    with pytest.raises(ConfigError, match="overlap_rows=1: must be 0 \\(off\\) or >= 2"):
+        WorkerLayout(2, "data", expert_parallel=2, overlap_rows=1)
+    with pytest.raises(ConfigError, match="with expert_parallel > 1"):
+        WorkerLayout(2, "data", overlap_rows=64)
+    with pytest.raises(ConfigError, match="needs attention='data'"):
+        WorkerLayout(2, "tensor", expert_parallel=2, overlap_rows=64).check_runnable()
