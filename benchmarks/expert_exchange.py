@@ -8,7 +8,10 @@ received rows are sent back as they are), for each exchange:
 - `all_gather`: `AllGatherExchange` with capacity T (every rank all tokens; no count exchange, no host sync);
 - `all_gather_per_step`: the same padded per step (a count all-gather and a host sync first);
 - `all_gather_rs`: capacity T, combined by an fp32 reduce-scatter instead of an all-to-all of the partials;
-- `all_gather` captured in a CUDA graph (dispatch, echo, combine), replayed (GPUs only; its own table, last).
+- `symmetric` (GPUs only): `SymmetricMemoryExchange`, the all-gather's rows and sums by one-sided copies into
+  the peers' symmetric-memory buffers, ordered by device-side barriers (no NCCL kernel);
+- `all_gather` and `symmetric` captured in a CUDA graph (dispatch, echo, combine), replayed (GPUs only; their own
+  table, last).
 `--fp8` adds each exchange carrying the rows quantized (e4m3 + fp32 1x128 scales, as fp8 experts take them;
 `ParallelLayout.dispatch_fp8`), combined in bf16 as before.
 The peer rows move T x D values in one all_to_all_single with an even split, in bf16 and as fp8 bytes. Times are
@@ -39,6 +42,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 EXCHANGES = ("all_to_all", "all_gather", "all_gather_per_step", "all_gather_rs")
+GPU_EXCHANGES = ("symmetric",)
+"""Exchanges only CUDA runs: the one-sided copies over torch symmetric memory."""
+
+
+def _exchanges(args) -> tuple[str, ...]:
+    return EXCHANGES if args.cpu else EXCHANGES + GPU_EXCHANGES
+
+
 CPU_DEFAULTS = {"tokens": "4,16,64", "hidden": 256, "experts": 16, "top_k": 4, "iters": 10}
 GPU_DEFAULTS = {
     "tokens": "64,128,512,4096",
@@ -93,6 +104,10 @@ def _make_exchange(name: str, layout, args, num_tokens: int):
 
     if name == "all_to_all":
         return AllToAllExchange(layout, args.experts)
+    if name == "symmetric":
+        from pdserve.model.symmetric_exchange import SymmetricMemoryExchange
+
+        return SymmetricMemoryExchange(layout, args.experts, num_tokens)
     capacity = None if name == "all_gather_per_step" else num_tokens
     combine_by = "reduce_scatter" if name == "all_gather_rs" else "all_to_all"
     return AllGatherExchange(layout, args.experts, capacity, combine_by)
@@ -139,7 +154,7 @@ def _measure(rank: int, layout, num_tokens: int, args, device) -> list[tuple]:
     quantized = quantize_act(x)
     y = x.new_empty(0)  # combine's rows take x's dtype when the rows came quantized
     rows = []
-    for name in EXCHANGES + tuple(f"{e} fp8" for e in EXCHANGES if args.fp8):
+    for name in _exchanges(args) + tuple(f"{e} fp8" for e in _exchanges(args) if args.fp8):
         exchange = _make_exchange(name, layout, args, num_tokens)
         x_q = quantized if name.endswith(" fp8") else None
         sent = x if x_q is None else _dequantize(*x_q).to(x.dtype)  # what the rows carry
@@ -176,10 +191,10 @@ def _measure(rank: int, layout, num_tokens: int, args, device) -> list[tuple]:
     return rows
 
 
-def _measure_graph(rank: int, layout, num_tokens: int, args) -> float:
-    """Median ms of one replay of the fixed-capacity all-gather exchange's dispatch + echo + combine captured
-    in a CUDA graph, after checking the replay's output equals the eager output bit for bit."""
-    exchange = _make_exchange("all_gather", layout, args, num_tokens)
+def _measure_graph(rank: int, layout, num_tokens: int, args, name: str = "all_gather") -> float:
+    """Median ms of one replay of the fixed-capacity exchange `name`'s dispatch + echo + combine captured in a
+    CUDA graph, after checking the replay's output equals the eager output bit for bit."""
+    exchange = _make_exchange(name, layout, args, num_tokens)
     x, ids, weights = _tokens(rank, num_tokens, args, torch.device("cuda"))
     eager = _echo(exchange, x, ids, weights)
     side = torch.cuda.Stream()
@@ -229,7 +244,7 @@ def _profile(rank: int, layout, args, device) -> None:
     num_tokens = args.tokens[0]
     x, ids, weights = _tokens(rank, num_tokens, args, device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    for name in EXCHANGES:
+    for name in _exchanges(args):
         exchange = _make_exchange(name, layout, args, num_tokens)
         _echo(exchange, x, ids, weights)
         dist.barrier()
@@ -265,14 +280,17 @@ def _rank(rank: int, world: int, args) -> None:
     if args.profile:
         _profile(rank, layout, args, device)
     if not args.cpu:
-        graph = [(t, _measure_graph(rank, layout, t, args)) for t in args.tokens]
+        names = ("all_gather", "symmetric")
+        graph = [
+            (t, [_measure_graph(rank, layout, t, args, n) for n in names]) for t in args.tokens
+        ]
         if rank == 0:
             print(
-                "\nall_gather in a CUDA graph (dispatch + echo + combine, one replay; output equal to eager)"
+                "\nin a CUDA graph (dispatch + echo + combine, one replay; output equal to eager), ms"
             )
-            print("| tokens/rank | replay ms |\n|---|---|")
-            for t, ms in graph:
-                print(f"| {t} | {ms:.3f} |")
+            print(f"| tokens/rank | {' | '.join(names)} |\n|---|{'---|' * len(names)}")
+            for t, times in graph:
+                print(f"| {t} | {' | '.join(f'{ms:.3f}' for ms in times)} |")
     dist.barrier()
     dist.destroy_process_group()
 

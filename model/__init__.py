@@ -12,6 +12,7 @@ schedulers without importing torch.
 | `deepseek` | the network in the paper's order |
 | `parallel` | `WorkerLayout`: how a worker's model is split over its ranks; `ParallelLayout`: one rank's part |
 | `expert_exchange` | expert-parallel MoE's token exchange |
+| `symmetric_exchange` | the expert exchange by one-sided copies over torch symmetric memory (CUDA) |
 | `expert_balance` | copies of hot experts in spare slots: their placement, routing and moves between steps |
 | `shared_expert` | the shared expert as one more slot of the stacked experts |
 | `batch` | `ForwardBatch`: the scheduler -> forward pass contract |

@@ -33,6 +33,7 @@ from .expert_exchange import ExpertExchange, Pending, make_exchange, reduce_tree
 from .kv_cache import PagedKVCache
 from .parallel import SINGLE_RANK, ParallelLayout
 from .shared_expert import FUSED_SHARED_MAX_TOKENS, alias_slot, can_fuse_shared
+from .symmetric_exchange import SymmetricBuffers, SymmetricMemoryExchange
 
 IsFp8 = Callable[[str], bool]
 """Given a module path (e.g. 'layers.3.attn.wq_b'), whether its weight is fp8 with block scales."""
@@ -698,6 +699,11 @@ class Transformer(nn.Module):
         Its `after_step` is collective: the runner calls it on every rank after every step."""
         self._two_batches = False
         """Set by `step_tokens`: decode passes run as two overlapped micro-batches."""
+        symmetric = [e for e in self.exchanges if isinstance(e, SymmetricMemoryExchange)]
+        if symmetric:  # one set of symmetric buffers for every layer (they run one after another)
+            buffers = SymmetricBuffers(layout)
+            for exchange in symmetric:
+                exchange.buffers = buffers
 
     @property
     def num_cache_layers(self) -> int:

@@ -10,7 +10,8 @@ alike) by:
   experts; the row counts cross first and the host reads them (one sync per dispatch);
 - `AllReduceExchange` (every rank the same tokens: tensor-parallel attention): no dispatch traffic, one fp32
   all-reduce in combine.
-`make_exchange` picks one from the layout (`ParallelLayout.exchange`, `ParallelLayout.max_tokens_per_rank`).
+`make_exchange` picks one from the layout (`ParallelLayout.exchange`, `ParallelLayout.max_tokens_per_rank`),
+or `symmetric_exchange.SymmetricMemoryExchange` (the all-gather exchange's rows by one-sided copies).
 
 A token travels once to each rank (all-to-all: each rank holding at least one of its top-k experts), with all k
 ids: those of other ranks' experts map to local ids out of range, which `kernels.fused_moe` skips. So the local
@@ -459,4 +460,8 @@ def make_exchange(layout: ParallelLayout, num_experts: int) -> ExpertExchange | 
         kind = "all_gather" if layout.worker.expert_parallel <= ALL_GATHER_MAX_EP else "all_to_all"
     if kind == "all_gather":
         return AllGatherExchange(layout, num_experts, layout.max_tokens_per_rank)
+    if kind == "symmetric":
+        from .symmetric_exchange import SymmetricMemoryExchange
+
+        return SymmetricMemoryExchange(layout, num_experts, layout.max_tokens_per_rank)
     return AllToAllExchange(layout, num_experts)

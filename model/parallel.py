@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 
 ATTENTION_MODES = ("data", "tensor")
 DENSE_MODES = ("replicated", "tensor")
-ExchangeKind = Literal["auto", "all_gather", "all_to_all"]
-EXCHANGE_KINDS = ("auto", "all_gather", "all_to_all")
+ExchangeKind = Literal["auto", "all_gather", "all_to_all", "symmetric"]
+EXCHANGE_KINDS = ("auto", "all_gather", "all_to_all", "symmetric")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -171,7 +171,8 @@ class ParallelLayout:
     exchange: ExchangeKind = "auto"
     """Expert exchange with data-parallel attention and expert_parallel > 1 (`expert_exchange.make_exchange`):
     'all_gather' (every rank gathers every rank's tokens), 'all_to_all' (a token goes only to its experts'
-    ranks) or 'auto' (all-gather for small expert-parallel groups)."""
+    ranks), 'symmetric' (the all-gather's rows by one-sided copies over torch symmetric memory; CUDA) or
+    'auto' (all-gather for small expert-parallel groups)."""
     dispatch_fp8: bool = True
     """Where the experts are fp8, the exchange carries a token's rows quantized (1x128 groups, as their GEMM
     takes them): about half the bytes of the activation dtype, the same bits as quantizing at the experts, and
