@@ -35,6 +35,24 @@ and comparison mask (about 9 bytes per vocabulary entry and row) stay well withi
 (`rank_memory.reserve_bytes_per_rank`), which the forward pass has freed by then."""
 
 
+def split_chunks(chunks: Sequence[SeqChunk]) -> tuple[list[SeqChunk], list[SeqChunk]]:
+    """`chunks` as two lists holding the first ceil(T / 2) of their T tokens and the rest, in order: the chunk
+    the cut falls in goes on in the second list from the token after the cut."""
+    total = sum(len(c.token_ids) for c in chunks)
+    cut, first, second = -(-total // 2), [], []
+    for c in chunks:
+        n = len(c.token_ids)
+        if cut >= n:
+            first.append(c)
+        elif cut <= 0:
+            second.append(c)
+        else:
+            first.append(SeqChunk(c.token_ids[:cut], c.num_computed_tokens, c.page_ids))
+            second.append(SeqChunk(c.token_ids[cut:], c.num_computed_tokens + cut, c.page_ids))
+        cut -= n
+    return first, second
+
+
 class ModelRunner:
     """`num_pages` usable pages (ids 0 .. num_pages - 1). On a GPU with `cuda_graphs`, decode steps replay CUDA
     graphs and the cache holds one more page, the graphs' scratch page, which no request may own."""
@@ -148,7 +166,9 @@ class ModelRunner:
             raise RuntimeError("a plan with host-tier copies for a runner without a host pool")
         if any(r.prefill for r in plan.ranks) and (step.prefill or joins):
             tokens = max(prefill_tokens(s.prefill) for s in plan.ranks)
-            with self.model.step_tokens(tokens if joins else None):
+            with self.model.step_tokens(
+                tokens if joins else None, two_batches=self._two_batches(joins, tokens)
+            ):
                 if not step.prefill:
                     self._run(self._idle, plan.mtp)
                 else:
@@ -172,8 +192,7 @@ class ModelRunner:
             drafting = plan.mtp and plan.num_drafts > 0  # the decode pass's MTP passes
             chain = plan.num_drafts - 1 if drafting else 0
             tokens = key[0] if key else rows
-            overlap = self.model.layout.worker.overlap_rows
-            two = joins and bool(overlap) and tokens >= overlap and self.model.can_run_two_batches
+            two = self._two_batches(joins, tokens)
             with self.model.step_tokens(tokens if joins else None, two_batches=two):
                 if not step.decode:
                     self._run(self._idle_decode, key, drafting, chain)
@@ -198,6 +217,12 @@ class ModelRunner:
             with self._on_device():
                 self.model.balancer.after_step()
         return result
+
+    def _two_batches(self, joins: bool, tokens: int) -> bool:
+        """Whether a pass of `tokens` tokens on the step's largest rank (or its graph bucket) runs as two
+        micro-batches (`WorkerLayout.overlap_rows`): decided from what every rank knows, so all agree."""
+        overlap = self.model.layout.worker.overlap_rows
+        return joins and bool(overlap) and tokens >= overlap and self.model.can_run_two_batches
 
     @property
     def _joins_idle(self) -> bool:
@@ -232,7 +257,14 @@ class ModelRunner:
         (`RankResult.prefill_prompt_logprobs`, else empty)."""
         chunks = [SeqChunk(r.token_ids, r.start, r.page_ids) for r in rows]
         batch = build_forward_batch(chunks, self.page_size, self.device, decode=False)
-        hidden = self.model(batch, self.cache)
+        if self.model.two_batches:  # its tokens cut in half, a request's chunk cut where it falls
+            halves = [
+                None if not part else build_forward_batch(part, self.page_size, self.device, False)
+                for part in split_chunks(chunks)
+            ]
+            hidden = self.model.forward_micro_batches(halves, self.cache)
+        else:
+            hidden = self.model(batch, self.cache)
         prompt = self._prompt_logprobs(rows, hidden)
         sampled = [i for i, r in enumerate(rows) if r.sample is not None]
         out: list[int | None] = [None] * len(rows)

@@ -714,35 +714,45 @@ class Transformer(nn.Module):
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         with kernels.forward_phase("decode" if batch.is_decode else "prefill"):
             x, residual = F.embedding(batch.input_ids, self.embed.weight), None  # [T, D]
-            if self._two_batches and batch.is_decode:
-                return self._forward_two_batches(batch, cache)
+            if self._two_batches and batch.is_decode:  # its first half of requests and the rest
+                halves = [batch, None]
+                if batch.num_seqs > 1:
+                    halves = list(batch.split(-(-batch.num_seqs // 2)))
+                return self.forward_micro_batches(halves, cache)
             counted = counted_rows(batch) if self.balancer is not None else None
             for layer in self.layers:
                 x, residual = layer(x, residual, batch, cache, self.cos_sin, counted)
             return self.norm(x, residual)[0]
 
-    def _forward_two_batches(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
-        """`forward` of a decode batch as two micro-batches (its first half of requests and the rest), each MoE
-        layer's exchange of one in flight while the other computes: micro-batch a's dispatch beside b's
-        attention, a's experts beside b's dispatch, b's experts beside a's combine, a's shared expert beside
-        b's combine. The same rows, the same math per row; each exchange pads to half the step's tokens. A
-        batch of one request runs it as micro-batch a, and b joins the exchanges with no tokens."""
-        halves: list[ForwardBatch | None] = [batch, None]
-        if batch.num_seqs > 1:
-            halves = list(batch.split(-(-batch.num_seqs // 2)))
-        xs = [None if m is None else F.embedding(m.input_ids, self.embed.weight) for m in halves]
+    @torch.inference_mode()
+    def forward_micro_batches(
+        self, batches: list[ForwardBatch | None], cache: PagedKVCache
+    ) -> torch.Tensor:  # fmt: skip
+        """`forward` of two micro-batches [a, b] (b None: it joins the exchanges with no tokens), each MoE
+        layer's exchange of one in flight while the other computes: a's dispatch beside b's attention, a's
+        experts beside b's dispatch, b's experts beside a's combine, a's shared expert beside b's combine.
+        Returns a's final hidden states, then b's. Within `step_tokens(n, two_batches=True)`: every rank runs
+        it (or `forward_idle`) and each micro-batch holds at most ceil(n / 2) tokens, which its exchanges
+        pad to. A token of b may follow a token of a in the same request: a layer writes a's KV before b
+        attends."""
+        if not self._two_batches or len(batches) != 2 or batches[0] is None:
+            raise ValueError(
+                "forward_micro_batches: [a, b or None] within step_tokens(two_batches=True)"
+            )
+        xs = [None if m is None else F.embedding(m.input_ids, self.embed.weight) for m in batches]
         residuals: list = [None, None]
-        counted = [None if m is None or self.balancer is None else counted_rows(m) for m in halves]
-        with self._exchanges_padded_to(-(-self.exchanges[0].step_tokens // 2)):
+        counted = [None if m is None or self.balancer is None else counted_rows(m) for m in batches]
+        phase = kernels.forward_phase("decode" if batches[0].is_decode else "prefill")
+        with phase, self._exchanges_padded_to(-(-self.exchanges[0].step_tokens // 2)):
             for layer in self.layers:
                 ffn = layer.ffn
                 if not (isinstance(ffn, MoE) and ffn.exchange is not None):
-                    for i, m in enumerate(halves):
+                    for i, m in enumerate(batches):
                         if m is not None:
                             xs[i], residuals[i] = layer(xs[i], residuals[i], m, cache, self.cos_sin)
                     continue
                 states = []
-                for i, m in enumerate(halves):
+                for i, m in enumerate(batches):
                     if m is None:
                         x_in = ffn.no_tokens()
                     else:
@@ -754,7 +764,11 @@ class Transformer(nn.Module):
                     for state in states:
                         ffn.ep_experts(state)
                     xs = [ffn.ep_finish(state) for state in states]
-        out = [self.norm(x, r)[0] for x, r, m in zip(xs, residuals, halves, strict=True) if m]
+            out = [
+                self.norm(x, r)[0]
+                for x, r, m in zip(xs, residuals, batches, strict=True)
+                if m is not None
+            ]
         return torch.cat(out) if len(out) > 1 else out[0]
 
     @contextlib.contextmanager
@@ -783,7 +797,8 @@ class Transformer(nn.Module):
         a step plan tells it), so the expert exchanges pad to it without asking the other ranks.
         two_batches (the same on every rank; with `num_tokens`, data-parallel attention and the all-gather
         exchange only): the main model's decode passes run as two micro-batches whose exchanges overlap
-        the other's compute (`_forward_two_batches`; a rank without rows joins both exchanges)."""
+        the other's compute (`forward_micro_batches`; a rank without rows joins both exchanges), and a
+        prefill pass may (the runner splits its tokens)."""
         exchanges = self.exchanges
         if two_batches and not self.can_run_two_batches:
             raise ValueError(
@@ -800,6 +815,11 @@ class Transformer(nn.Module):
             for e in exchanges:
                 e.step_tokens = None
             self._two_batches = False
+
+    @property
+    def two_batches(self) -> bool:
+        """Whether this pass runs as two micro-batches (`step_tokens`)."""
+        return self._two_batches
 
     @property
     def can_run_two_batches(self) -> bool:
@@ -822,7 +842,7 @@ class Transformer(nn.Module):
                     layer.ffn.join_idle()
             return
         with self._exchanges_padded_to(-(-self.exchanges[0].step_tokens // 2)):
-            for layer in self.layers:  # the stages in the order `_forward_two_batches` runs them
+            for layer in self.layers:  # the stages in the order `forward_micro_batches` runs them
                 ffn = layer.ffn
                 if isinstance(ffn, MoE) and ffn.exchange is not None:
                     states = [ffn.ep_start(*ffn.no_tokens(), overlap=True) for _ in range(2)]

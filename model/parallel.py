@@ -58,9 +58,10 @@ class WorkerLayout:
     """Steps between two placements of the spare slots (with redundant_experts): the experts' loads
     counted over these steps choose the copies, which then move a few layers a step."""
     overlap_rows: int = 0
-    """Decode steps of at least this many rows a rank (the step's largest rank, or its CUDA-graph bucket) run
-    as two micro-batches, each one's expert exchange in flight while the other computes (two-batch
-    overlap; data-parallel attention with expert_parallel > 1 and the all-gather exchange). 0: never."""
+    """Decode steps of at least this many rows a rank (the step's largest rank, or its CUDA-graph bucket), and
+    prefill passes of at least this many tokens, run as two micro-batches, each one's expert exchange in
+    flight while the other computes (two-batch overlap; data-parallel attention with expert_parallel > 1 and
+    the all-gather exchange). 0: never."""
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
