@@ -95,7 +95,7 @@ def build_request(given: RequestInput, model: ModelInfo, router: RouterConfig) -
             tool_calls.constraint, model.tokenizer.token_id, whole=not tool_calls.forced_prefix
         )
         params = constrain(params, grammar, "tool_choice")
-    if in_think and params.structured is not None:
+    if in_think and params.structured is not None and router.reasoning_parser != "none":
         params = _after_think(params, model.tokenizer)
     stop = check_stop_strings(list(given.stop), model, names.stop)
     return CheckedRequest(
@@ -106,7 +106,9 @@ def build_request(given: RequestInput, model: ModelInfo, router: RouterConfig) -
 def _after_think(params: SamplingParams, tokenizer: Tokenizer) -> SamplingParams:
     """`params` with its constraint (a structured output, a forced tool call) starting after the think block
     the prompt opened, where the vocabulary has its closing token: the reasoning is free and the answer after
-    it parses (vLLM's reasoning parsers constrain the content alone)."""
+    it parses (vLLM's reasoning parsers constrain the content alone). A server whose reasoning_parser is
+    'none' answers with one content, so there the constraint starts at the first token, as vLLM's does
+    without a reasoning parser."""
     think_end = tokenizer.token_id(THINK_END)
     if think_end is None:
         return params
@@ -159,7 +161,9 @@ def _prompt_ids(
                     template, given.messages, given.tools, given.add_generation_prompt, kwargs
                 )
             in_think = prompt_opens_think(text)
-            if plan is not None and in_think and model.tokenizer.token_id(THINK_END) is not None:
+            reasons = router.reasoning_parser != "none"  # else the output is all content
+            has_end = model.tokenizer.token_id(THINK_END) is not None
+            if plan is not None and in_think and reasons and has_end:
                 # A forced call comes after the reasoning: the output writes its call block itself once the
                 # think block closes, masked from there (`_after_think`).
                 plan = dataclasses.replace(plan, forced_prefix="")

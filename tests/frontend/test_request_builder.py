@@ -137,7 +137,8 @@ def test_a_chat_prompt_says_whether_it_opened_a_think_block(model):
 
 def test_a_constraint_starts_after_the_think_block_the_prompt_opened(model):
     """A constrained chat request whose prompt opens a think block is constrained after `</think>`; without
-    thinking, and for a completions prompt, from the first token. A gRPC request says where itself."""
+    thinking, for a completions prompt, and on a server with reasoning_parser 'none', from the first token. A
+    gRPC request says where itself."""
     think_end = model.tokenizer.token_id(THINK_END)
     body = {
         "messages": [{"role": "user", "content": "hi"}],
@@ -149,8 +150,15 @@ def test_a_constraint_starts_after_the_think_block_the_prompt_opened(model):
             parse(body, kind).input, model, RouterConfig()
         ).params.structured.start_after
 
-    assert start_after({**body, "chat_template_kwargs": {"thinking": True}}) == think_end
+    thinking = {**body, "chat_template_kwargs": {"thinking": True}}
+    assert start_after(thinking) == think_end
     assert start_after(body) is None
+    # a server that splits no reasoning off answers with one content: constrained from the first token
+    no_split = RouterConfig(reasoning_parser="none")
+    assert (
+        build_request(parse(thinking, CHAT).input, model, no_split).params.structured.start_after
+        is None
+    )
     assert start_after({"prompt": "<think> a", "guided_regex": "[a-z]+"}, COMPLETIONS) is None
     request = generate_request([0, 5], max_tokens=4)
     request.sampling_params.structured_output.kind = "regex"
