@@ -1,7 +1,8 @@
-"""Expert balancing: the spare-slot placement (pure), the routing tables, and DP2 + EP2 ranks over gloo whose
-rebalance copies hot experts into spare slots: the copies are the home weights bit for bit, rows reach them,
-fp32 outputs stay those of one process, and batch-invariant outputs keep their bits (every row to its home
-copy: the sum order that gives one GPU's bits, `expert_exchange.reduce_tree`)."""
+"""Expert balancing: the spare-slot placement (pure), the routing tables, and DP2 + EP2 (and DP4 + EP4, one
+rank idle) ranks over gloo whose rebalance copies hot experts into spare slots: the copies are the home
+weights bit for bit, rows reach them, fp32 outputs stay those of one process, and batch-invariant outputs keep
+their bits (every row to its home copy: the sum order that gives one GPU's bits,
+`expert_exchange.reduce_tree`)."""
 
 from __future__ import annotations
 
@@ -108,12 +109,16 @@ def _prompts(vocab_size: int) -> list[list[int]]:
     return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def prefill_hidden(model, prompts: list[list[int]]) -> torch.Tensor:
+def prefill_hidden(model, prompts: list[list[int]]) -> torch.Tensor | None:
     """The final hidden states of every prompt token [T, D], the prompts prefilled in one batch (every row,
     not only the last of each prompt: the tiny model's one MoE layer is its last, so only a row's own output
-    shows what its experts computed)."""
+    shows what its experts computed); a rank with no prompts joins the exchanges (None)."""
     from pdserve.model.batch import SeqChunk, build_forward_batch
     from pdserve.model.kv_cache import KVCacheLayout, PagedKVCache
+
+    if not prompts:
+        model.forward_idle()
+        return None
 
     layout = KVCacheLayout.for_model(model.args, 16, torch.float32, model.num_mtp)
     cache = PagedKVCache(layout, NUM_PAGES, "cpu")
@@ -169,17 +174,24 @@ def _balanced_rank(rank, world, ckpt, prompts):
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("variant", ["tiny-fp32", "tiny-fp8"])
-def test_dp2_ep2_rebalanced_copies_serve_rows_with_the_same_outputs(variant, checkpoint, tmp_path):
+@pytest.mark.parametrize(
+    "variant,ranks", [("tiny-fp32", 2), ("tiny-fp8", 2), ("tiny-fp32", 4)],
+    ids=["dp2-ep2", "dp2-ep2-fp8", "dp4-ep4"],
+)  # fmt: skip
+def test_rebalanced_copies_serve_rows_with_the_same_outputs(variant, ranks, checkpoint, tmp_path):
     ckpt = checkpoint(variant)
     model = load_model(ckpt, dtype=torch.float32, progress=False)
     prompts = _prompts(model.args.vocab_size)
     by_rank = [[prompts[0], prompts[2]], [prompts[1]]]
+    if ranks == 4:  # one rank without prompts: it joins the exchanges and the moves
+        by_rank = [[prompts[0]], [prompts[1]], [], [prompts[2]]]
     results = spawn_gloo(tmp_path, _balanced_rank, [(str(ckpt), mine) for mine in by_rank])
     assert sum(r["spares_used"] for r in results) > 0 and results[0]["moved"] > 0
     changed = False
     for result, mine in zip(results, by_rank, strict=True):
         assert result["copies_exact"]
+        if not mine:
+            continue
         want = prefill_hidden(model, mine)
         got = result["after"]
         assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-5
