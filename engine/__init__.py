@@ -10,7 +10,8 @@ marked torch are imported from their modules.
 | `scheduler` | the scheduler core: one set of queues; prefill-only, decode-only and aggregated are policies |
 | `request` | a request's record and states in the scheduler |
 | `step` | the per-step plan and its results (their wire format: `ranks/wire`) |
-| `messages` | every router <-> worker message and their msgpack codec |
+| `messages` | every router <-> worker message |
+| `codec` | the messages' msgpack codec (and errors across it) |
 | `sampling_params` | per-request sampling parameters and stop rules |
 | `checks` | the request checks the front end, the scheduler and the offline path share |
 | `pages` | the page allocator: reference-counted pages, the prefix cache's pages and their eviction |
