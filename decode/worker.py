@@ -45,7 +45,12 @@ from pdserve.engine.ranks.kv import RankKVControl, rank_endpoint
 from pdserve.engine.request import Policy, Request, RequestState
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.spec_policy import SpecPolicy
-from pdserve.engine.worker import Worker, host_tier_counts, prefix_cache_counts
+from pdserve.engine.worker import (
+    Worker,
+    expert_balance_counts,
+    host_tier_counts,
+    prefix_cache_counts,
+)
 from pdserve.kvtransfer import ExpectedTransfer, KVReceiver, MakeReceiver, TransferResult
 from pdserve.model.deepseek import Transformer
 from pdserve.model.errors import TransferError
@@ -192,6 +197,7 @@ class DecodeWorker(Worker):
                 step_expected_s=step_expected_s,
                 **prefix_cache_counts(self.scheduler),
                 **host_tier_counts(self),
+                **expert_balance_counts(self),
                 kv_held_pages=self.scheduler.num_held_pages,
             )
 

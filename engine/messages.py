@@ -97,6 +97,12 @@ class PrefillStats:
     already (`PrefillRequest.num_held_pages`) with their bytes, since start."""
     kv_pages_not_sent: int = 0
     kv_bytes_not_sent: int = 0
+    expert_rebalances: int = 0
+    """Where its ranks hold spare expert slots (`WorkerLayout.redundant_experts`): placements of the copies
+    computed and spare slots whose expert changed since start, and the balancedness of the routed rows in the
+    window before the last placement (`ExpertBalancer.balancedness`; 0.0: none yet)."""
+    expert_slots_moved: int = 0
+    expert_balancedness: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -372,6 +378,12 @@ class DecodeStats:
     kv_held_pages: int = 0
     """Pages of requests' KV found held here (this worker's prefix cache) when they were placed, which their
     prefill workers did not send, since start."""
+    expert_rebalances: int = 0
+    """Where its ranks hold spare expert slots (`WorkerLayout.redundant_experts`): placements of the copies
+    computed and spare slots whose expert changed since start, and the balancedness of the routed rows in the
+    window before the last placement (`ExpertBalancer.balancedness`; 0.0: none yet)."""
+    expert_slots_moved: int = 0
+    expert_balancedness: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

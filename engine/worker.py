@@ -85,6 +85,19 @@ def host_tier_counts(worker: Worker) -> dict[str, int]:
     }
 
 
+def expert_balance_counts(worker: Worker) -> dict[str, float]:
+    """Expert balancing's counters since start (0 without spare expert slots): `ExpertBalancer`'s placements,
+    moved slots and last balancedness (0.0 before the first placement)."""
+    balancer = getattr(worker.model, "balancer", None)
+    if balancer is None:
+        return {}
+    return {
+        "expert_rebalances": balancer.rebalances,
+        "expert_slots_moved": balancer.moved_slots,
+        "expert_balancedness": balancer.balancedness or 0.0,
+    }
+
+
 class RanksFailedError(PdserveError):
     """A worker's rank group failed; the worker has failed its requests and cannot go on."""
 

@@ -209,6 +209,22 @@ class _WorkerCollector(Collector):
                 "KV sends of a prefill worker that failed (the request moved or failed).",
                 labels=labels,
             ),
+            "expert_rebalances": counter(
+                f"{PREFIX}expert_rebalances",
+                "Placements of hot experts' copies in a worker's spare expert slots, since it started.",
+                labels=labels,
+            ),
+            "expert_slots_moved": counter(
+                f"{PREFIX}expert_slots_moved",
+                "Spare expert slots of a worker whose expert changed (copies moved in), since it started.",
+                labels=labels,
+            ),
+            "expert_balancedness": gauge(
+                f"{PREFIX}expert_load_balancedness",
+                "A worker's routed expert rows in the window before its last placement: the mean rank's "
+                "over the busiest rank's (1: even), averaged over its MoE layers.",
+                labels=labels,
+            ),
         }
 
     def describe(self) -> Iterator[Metric]:
@@ -237,6 +253,10 @@ class _WorkerCollector(Collector):
             count("host_kv_restored", labels, stats.host_kv_restored_pages)
             count("host_kv_dropped", labels, stats.host_kv_dropped_pages)
             count("host_kv_bytes", labels, stats.host_kv_bytes_copied)
+            if stats.expert_rebalances:  # a worker with spare expert slots, once it placed copies
+                count("expert_rebalances", labels, stats.expert_rebalances)
+                count("expert_slots_moved", labels, stats.expert_slots_moved)
+                f["expert_balancedness"].add_metric(labels, stats.expert_balancedness)
             if isinstance(stats, DecodeStats):
                 f["running"].add_metric(labels, stats.num_running)
                 f["waiting"].add_metric(labels, stats.num_waiting)

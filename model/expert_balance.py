@@ -237,6 +237,10 @@ class ExpertBalancer:
         """Placements computed so far."""
         self.moved_slots = 0
         """Spare slots whose expert changed so far (on any rank)."""
+        self.balancedness: float | None = None
+        """How evenly the ranks shared the rows of the window before the last placement, under the copies in
+        place then: the mean rank's rows over the busiest rank's (1.0: even), averaged over the layers that
+        routed any (vLLM's EPLB 'balancedness'); None before the first placement."""
 
     def after_step(self) -> None:
         """Counts a step; moves the next layers of a pending placement, or computes a new one when
@@ -256,10 +260,16 @@ class ExpertBalancer:
         dist.all_reduce(loads, group=self.layout.group)
         self.rebalances += 1
         self.pending = []
+        ratios = []
         for layer, ((routing, _), load) in enumerate(zip(self.layers, loads.tolist(), strict=True)):
+            per_rank = rank_loads(load, routing.slots, routing.spares)
+            if max(per_rank) > 0:
+                ratios.append(sum(per_rank) / len(per_rank) / max(per_rank))
             spares = plan_spares(load, routing.slots, routing.spares)
             if spares != routing.spares:
                 self.pending.append(_Move(layer, spares))
+        if ratios:
+            self.balancedness = sum(ratios) / len(ratios)
         if moves_now:
             self._move(self.pending)
             self.pending = []

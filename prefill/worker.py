@@ -31,7 +31,12 @@ from pdserve.engine.ranks.group import RankGroup
 from pdserve.engine.request import Policy, Request, RequestState, stage_times
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling_params import TokenLogprobs
-from pdserve.engine.worker import Worker, host_tier_counts, prefix_cache_counts
+from pdserve.engine.worker import (
+    Worker,
+    expert_balance_counts,
+    host_tier_counts,
+    prefix_cache_counts,
+)
 from pdserve.kvtransfer import KVSender
 from pdserve.model.deepseek import Transformer
 from pdserve.model.errors import ConfigError, InvalidRequestError, PdserveError
@@ -158,6 +163,7 @@ class PrefillWorker(Worker):
                 *self.step_timing(),
                 **prefix_cache_counts(self.scheduler),
                 **host_tier_counts(self),
+                **expert_balance_counts(self),
                 kv_pages_sent=self._kv_pages_sent,
                 kv_pages_not_sent=self._kv_pages_not_sent,
                 kv_bytes_not_sent=self._kv_pages_not_sent * self.runner.cache.layout.page_bytes,

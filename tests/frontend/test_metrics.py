@@ -186,3 +186,24 @@ def test_speculation_counters_per_decode_worker_never_go_back():
     # A worker gone takes its series with it.
     del router.workers["decode-0"]
     assert not [key for key in samples(metrics) if key[0].startswith(prefix)]
+
+
+def test_expert_balance_series_for_workers_that_placed_copies():
+    router = Router(RouterConfig())
+    balanced = WorkerHandle("decode-0", DECODE, None, None, 0)
+    plain = WorkerHandle("prefill-0", PREFILL, None, None, 0)
+    for w in (balanced, plain):
+        router.workers[w.worker_id] = w
+    metrics = Metrics(MODEL, router)
+    balanced.stats = DecodeStats(
+        "decode-0", 1, 0, 8, 64, 256, 16, 0,
+        expert_rebalances=3, expert_slots_moved=11, expert_balancedness=0.92,
+    )  # fmt: skip
+    plain.stats = PrefillStats("prefill-0", 0, 0, 0, 0, 64)  # no spare slots: no series
+    assert sample(metrics, "pdserve:expert_rebalances_total", worker="decode-0") == 3
+    assert sample(metrics, "pdserve:expert_slots_moved_total", worker="decode-0") == 11
+    assert sample(metrics, "pdserve:expert_load_balancedness", worker="decode-0") == 0.92
+    assert not [
+        key for key in samples(metrics)
+        if key[0].startswith("pdserve:expert") and ("worker", "prefill-0") in key[1]
+    ]  # fmt: skip
