@@ -9,24 +9,12 @@
 #                among them) at 64-512 tokens a rank; with 4 GPUs: `--gpus 4` on the same command.
 # Usage: bash tools/gpu2_benchmarks.sh [PART ...]   (parts: multi_gpu transfer_faults profile balance exchange)
 set -uo pipefail
-out=${OUT:-build/gpu2-benchmarks}; mkdir -p "$out"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    >"$out/install.log" 2>&1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-source tools/devenv.sh
-export NCCL_NVLS_ENABLE=0
+out=${OUT:-build/gpu2-benchmarks}
+STEP_TAIL=30
+source tools/device_env.sh
 parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(multi_gpu transfer_faults profile balance exchange)
 nvidia-smi --query-gpu=name --format=csv,noheader >"$out/summary.txt"
 git rev-parse --short HEAD >>"$out/summary.txt" 2>/dev/null
-step() {
-  local name=$1 limit=$2; shift 2
-  echo "== $name: $*" >>"$out/summary.txt"; local start=$(date +%s)
-  timeout "$limit" "$@" >"$out/$name.log" 2>&1
-  echo "exit $? in $(( $(date +%s) - start )) s" >>"$out/summary.txt"
-  tail -n 30 "$out/$name.log" >>"$out/summary.txt"
-}
 for part in "${parts[@]}"; do
   case $part in
     multi_gpu) step multi_gpu 200 python3 -m pytest -q -p no:cacheprovider -m multi_gpu tests ;;

@@ -8,26 +8,13 @@
 #   issue 47: the structured-output mask's cost at batch 64 (v2-lite shape).
 # Usage: bash tools/gpu_benchmarks.sh [PART ...]   (parts: prefix_cache host_tier long_prompt spec grammar_mask)
 set -uo pipefail
-out=${OUT:-build/gpu-benchmarks}; mkdir -p "$out"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    >"$out/install.log" 2>&1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-source tools/devenv.sh
-export NCCL_NVLS_ENABLE=0
+out=${OUT:-build/gpu-benchmarks}
+source tools/device_env.sh
 parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(prefix_cache host_tier long_prompt spec grammar_mask)
 nvidia-smi --query-gpu=name --format=csv,noheader >"$out/summary.txt"
 git rev-parse --short HEAD >>"$out/summary.txt" 2>/dev/null
 cli() { python3 -m pdserve.cli.main "$@"; }
 [ -d /tmp/v8 ] || cli make-checkpoint /tmp/v8 --preset v3-shape --layers 8 --dtype fp8 --config-only >"$out/ckpt.log" 2>&1
-step() {
-  local name=$1 limit=$2; shift 2
-  echo "== $name: $*" >>"$out/summary.txt"; local start=$(date +%s)
-  timeout "$limit" "$@" >"$out/$name.log" 2>&1
-  echo "exit $? in $(( $(date +%s) - start )) s" >>"$out/summary.txt"
-  tail -n 25 "$out/$name.log" >>"$out/summary.txt"
-}
 for part in "${parts[@]}"; do
   case $part in
     prefix_cache) step prefix_cache 170 python3 benchmarks/prefix_cache.py /tmp/v8 --prefix 32768 \

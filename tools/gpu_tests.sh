@@ -8,14 +8,7 @@
 set -uo pipefail
 limit=${1:-500}
 out=${OUT:-build/gpu-tests}
-mkdir -p "$out"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    >"$out/install.log" 2>&1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-source tools/devenv.sh
-export NCCL_NVLS_ENABLE=0
+source tools/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >"$out/device.txt" 2>&1
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' >>"$out/device.txt"
 common=(-p no:cacheprovider -q -rfEs --timeout 300)
