@@ -1,7 +1,8 @@
-"""Aggregated serving by a decode worker of 2 CPU ranks (data-parallel attention + expert-parallel MoE, gloo):
-rank 0 in the worker's actor, rank 1 a Ray actor on the second bundle of the worker's placement group. Greedy
-outputs equal `pdserve offline`'s; killing the rank's process loses the worker as a whole: it is replaced (same
-layout, new name), its requests finish there equal to offline, and no request or page is left held."""
+"""Aggregated serving by a decode worker of 2 CPU ranks (data-parallel attention + expert-parallel MoE, gloo,
+with expert balancing and two-batch overlap on): rank 0 in the worker's actor, rank 1 a Ray actor on the
+second bundle of the worker's placement group. Greedy outputs equal `pdserve offline`'s, while copies of hot
+experts move; killing the rank's process loses the worker as a whole: it is replaced (same layout, new name),
+its requests finish there equal to offline, and no request or page is left held."""
 
 from __future__ import annotations
 
@@ -18,7 +19,11 @@ from pdserve.cli.client import Client
 from pdserve.engine import messages
 from pdserve.v1 import admin_pb2
 
-LAYOUT = {"ranks": 2, "attention": "data", "expert_parallel": 2}
+LAYOUT = {
+    "ranks": 2, "attention": "data", "expert_parallel": 2,
+    "redundant_experts": 2, "rebalance_steps": 3, "overlap_rows": 2,
+}  # fmt: skip
+"""With expert balancing (copies placed every 3 steps) and two-batch overlap on: as a user turns them on."""
 
 
 def tokens(chunks) -> list[int]:
@@ -47,13 +52,19 @@ def decode_workers(client: Client):
             if pool.role == admin_pb2.ROLE_DECODE]  # fmt: skip
 
 
-def test_greedy_outputs_equal_offline(client, reference):
+def test_greedy_outputs_equal_offline(server, client, reference):
     requests = workload(6, seed=21, max_len=60)
     with ThreadPoolExecutor(len(requests)) as pool:
         results = list(pool.map(lambda r: collect(client, greedy(*r)), requests))
     for (prompt, max_tokens), chunks in zip(requests, results, strict=True):
         assert tokens(chunks) == reference(prompt, max_tokens)
     wait_for(lambda: all_pages_free(client), 10, "pages freed")
+    (worker,) = decode_workers(client)
+    handle = server.server.router.workers[worker.worker_id]
+    wait_for(
+        lambda: handle.stats is not None and handle.stats.expert_slots_moved > 0, 10,
+        "copies of hot experts placed and moved",
+    )  # fmt: skip
 
 
 def test_killing_a_rank_loses_the_worker_and_its_requests_finish_on_the_replacement(
