@@ -336,6 +336,11 @@ def summarize(args, results: list[Result], wall: float, repeat: int) -> dict:
     median_tpot_ms = summary["tpot_ms_p50"]
     summary["tokens_per_s_per_user"] = 1e3 / median_tpot_ms if median_tpot_ms else None
     summary["requests_per_s"] = len(ok) / wall
+    if args.keep_latencies:  # [TTFT, TPOT] ms of each request that completed (TPOT null: one token)
+        summary["latencies_ms"] = [
+            [round(1e3 * r.ttft_s, 2), None if r.tpot_s is None else round(1e3 * r.tpot_s, 3)]
+            for r in ok
+        ]
     if args.goodput:
         good = [r for r in ok if meets_goodput(r, args.goodput)]
         summary["goodput_slo"] = " ".join(f"{k}<={v:g}ms" for k, v in args.goodput.items())
@@ -426,6 +431,11 @@ def main() -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="the same as --goodput ttft:MS")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="the same as --goodput tpot:MS")
     p.add_argument("--num-gpus", type=int, default=1, help="GPUs serving: for tokens/s per GPU")
+    p.add_argument(
+        "--keep-latencies", action="store_true",
+        help="keep each completed request's [TTFT, TPOT] in ms in the summary (`latencies_ms`), so that "
+        "goodput can be read later at any SLO (benchmarks/ratio_study.py)",
+    )  # fmt: skip
     sweep = p.add_mutually_exclusive_group()
     sweep.add_argument("--sweep-rates", default=None, help="comma-separated request rates")
     sweep.add_argument("--sweep-concurrency", default=None, help="comma-separated concurrencies")

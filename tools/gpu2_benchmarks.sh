@@ -7,7 +7,11 @@
 #   issue 48:    the step profile by part against the CUDA-graph step, two-batch overlap against one batch, and
 #                expert balancing under Zipf routing, and the exchanges side by side (the symmetric-memory one
 #                among them) at 64-512 tokens a rank; with 4 GPUs: `--gpus 4` on the same command.
-# Usage: bash tools/gpu2_benchmarks.sh [PART ...]   (parts: multi_gpu transfer_faults profile balance exchange)
+#   issue 47:    the prefill:decode ratio study, one sweep a device call (parts ratio-1p1d, ratio-0p2d and
+#                ratio-1p1d-8k, ratio-0p2d-8k for ISL/OSL 8192/512; on 4 GPUs ratio-1p3d, ratio-2p2d, ratio-0p4d),
+#                four rates each.
+# Usage: bash tools/gpu2_benchmarks.sh [PART ...]   (parts: multi_gpu transfer_faults profile balance exchange
+#        ratio-XpYd; the default: all but the ratio parts)
 set -uo pipefail
 out=${OUT:-build/gpu2-benchmarks}
 STEP_TAIL=30
@@ -24,6 +28,14 @@ for part in "${parts[@]}"; do
     balance) step balance 170 python3 benchmarks/expert_balance.py --ranks 2 --layers 8 --batch 64,128 \
       --zipf 1.0 --spares 2 --steps 40 ;;
     exchange) step exchange 120 python3 benchmarks/expert_exchange.py --gpus 2 --tokens 64,128,256,512 --fp8 ;;
+    ratio-*)  # one sweep of issue 47's ratio study a call (~6 min): ratio-LAYOUT (ISL/OSL 2048/256) or
+      # ratio-LAYOUT-8k (8192/512); build/ratio-* persists between calls on a warm machine, and each call's
+      # ratio.md reads every layout swept there so far
+      spec=${part#ratio-}; layout=${spec%-8k}; isl=2048; osl=256
+      [ "$spec" != "$layout" ] && isl=8192 && osl=512
+      step "ratio-$layout-$isl" 560 env LAYOUTS="$layout" INPUT_LEN=$isl OUTPUT_LEN=$osl \
+        RATES="${RATES:-8,16,24,32}" OUT="build/ratio-$isl" bash benchmarks/sweep_gpu.sh /tmp/v2l
+      cp -r "build/ratio-$isl" "$out/" 2>/dev/null ;;
     *) echo "unknown part $part" >>"$out/summary.txt" ;;
   esac
 done
