@@ -9,19 +9,21 @@ import sys
 from pathlib import Path
 
 
-def plot_sweep(series: dict[str, list[dict]], swept: str, path: Path, title: str) -> None:
+def plot_sweep(series: dict[str, list[dict]], swept: str, path: Path, title: str) -> bool:
     """Two panels, one line per series (e.g. disaggregated and aggregated): output tokens/s per GPU against
     tokens/s per user (each point labelled with its swept value), and goodput (or, without --goodput, completed
-    requests/s) against the swept value."""
+    requests/s) against the swept value. False (and a line on stderr) where matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
-        sys.exit(
-            "the plot needs matplotlib: pip install .[benchmarks] (the sweep's JSON is written)"
+    except ImportError:  # the figures are in the JSON; a host without matplotlib still gets them
+        print(
+            f"no plot {path}: it needs matplotlib (pip install .[benchmarks]); the sweep's JSON is written",
+            file=sys.stderr,
         )
+        return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     first = next(iter(series.values()))
     key = "goodput_requests_per_s" if "goodput_requests_per_s" in first[0] else "requests_per_s"
@@ -55,6 +57,7 @@ def plot_sweep(series: dict[str, list[dict]], swept: str, path: Path, title: str
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return True
 
 
 def plot_files(p: argparse.ArgumentParser, items: list[str], prefix: Path) -> None:
@@ -71,5 +74,5 @@ def plot_files(p: argparse.ArgumentParser, items: list[str], prefix: Path) -> No
         swept = record["swept"]
         series[label or Path(file).stem] = record["points"]
         titles.append(record.get("title", ""))
-    plot_sweep(series, swept, prefix.with_suffix(".png"), titles[0])
-    print(f"wrote {prefix.with_suffix('.png')}")
+    if plot_sweep(series, swept, prefix.with_suffix(".png"), titles[0]):
+        print(f"wrote {prefix.with_suffix('.png')}")

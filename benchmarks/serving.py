@@ -561,8 +561,8 @@ def sweep_main(p: argparse.ArgumentParser, args) -> None:
     }
     prefix.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {prefix.with_suffix('.json')}")
-    plot_sweep({"": points}, swept, prefix.with_suffix(".png"), title)
-    print(f"wrote {prefix.with_suffix('.png')}")
+    if plot_sweep({"": points}, swept, prefix.with_suffix(".png"), title):
+        print(f"wrote {prefix.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
