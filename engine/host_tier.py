@@ -71,6 +71,9 @@ class HostPool:
         """Pages restored since start (host hits, in pages)."""
         self.num_dropped = 0
         """Evicted pages not stored: every slot was held by restores in flight."""
+        self.events = None
+        """A `prefix_cache.CacheEventLog` told of each hash stored here (+1) and gone from here (-1: its slot
+        went to a newer page, or a restore took it back to the GPU), for the router's index; or None."""
 
     @property
     def num_stored(self) -> int:
@@ -85,11 +88,15 @@ class HostPool:
         if self._free:
             slot = self._free.pop()
         elif self._slot_of:
-            _, slot = self._slot_of.popitem(last=False)
+            old_hash, slot = self._slot_of.popitem(last=False)
+            if self.events is not None:
+                self.events.note(old_hash, -1, host=True)
         else:
             self.num_dropped += 1
             return
         self._slot_of[page_hash] = slot
+        if self.events is not None:
+            self.events.note(page_hash, 1, host=True)
         self._copies.append(HostCopy(OFFLOAD, page, slot))
         self.num_offloaded += 1
 
@@ -97,6 +104,10 @@ class HostPool:
         """The allocator evicted cached `page` for a holder that writes it outside the steps (a KV transfer):
         not stored, since no copy could read it in time."""
         self.num_dropped += 1
+
+    def stored_hashes(self) -> list[bytes]:
+        """The hashes stored, least recently stored (or found) first."""
+        return list(self._slot_of)
 
     def busy_pages(self) -> set[int]:
         """Pages a pending copy reads or writes."""
@@ -116,6 +127,9 @@ class HostPool:
         be `restore`d (or `untake`n)."""
         slots = [self._slot_of.pop(h) for h in hashes]
         self._taken.extend(slots)
+        if self.events is not None:
+            for h in hashes:
+                self.events.note(h, -1, host=True)
         return slots
 
     def untake(self, slots: Sequence[int]) -> None:

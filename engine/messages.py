@@ -108,14 +108,23 @@ class PrefillStats:
 @dataclasses.dataclass(frozen=True, slots=True)
 class CacheEvents:
     """The pages' hashes (their first `prefix_cache.EVENT_HASH_BYTES` bytes) a worker's prefix cache took in and
-    evicted since its last report, for the router's placement (`pdserve.cluster.prefix_routing`). A hash cached
-    on several ranks comes once per rank."""
+    evicted since its last report, and its host tier stored and let go, for the router's placement
+    (`pdserve.cluster.prefix_routing`). A hash cached on several ranks comes once per rank.
+
+    The format grows by fields with defaults, never by changing one: a report without the host fields (a
+    worker with no host tier, or of an earlier version) decodes as one that stores nothing on host. A page
+    evicted to host memory comes as evicted and host_added, a page restored from it as host_evicted and added,
+    a page the host pool lets go for a newer one as host_evicted alone."""
 
     added: list[bytes]
     evicted: list[bytes]
     reset: bool = False
-    """The worker's log overflowed: `added` is (the newest part of) what it caches now, and the router forgets
-    what it knew of it before."""
+    """The worker's log overflowed: `added` and `host_added` are (the newest part of) what it holds now, and the
+    router forgets what it knew of it before."""
+    host_added: list[bytes] = dataclasses.field(default_factory=list)
+    """Hashes of pages stored in the host tier (`pdserve.engine.host_tier`), one per rank's pool."""
+    host_evicted: list[bytes] = dataclasses.field(default_factory=list)
+    """Hashes gone from the host tier: restored to the GPU, or their slot given to a newer page."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -30,8 +30,10 @@ the prefill pool's chunk size, so to the bit). This worker's own prefills cut pr
 so in batch-invariant mode the received pages hang off another root (RECEIVED_ROOT) and the two kinds never
 stand in for each other.
 
-Cache events: a `CacheEventLog` on the allocators records the pages' hashes cached and evicted, which the worker
-sends to the router with its long-poll answers (`messages.CacheEvents`); the router's index of them
+Cache events: a `CacheEventLog` on the allocators records the pages' hashes cached and evicted, and on the host
+pools (`pdserve.engine.host_tier`) the hashes stored in host memory and gone from it (dropped for a newer page, or
+taken back to the GPU), which the worker sends to the router with its long-poll answers
+(`messages.CacheEvents`); the router's index of them
 (`pdserve.cluster.prefix_routing`) places requests where their prefix is. The router computes a prompt's chain
 with the same function as the worker (`chain_hashes`) and compares the hashes' first `EVENT_HASH_BYTES` bytes:
 its index only steers placement, so a rare collision there costs a miss, never a wrong page."""
@@ -90,45 +92,63 @@ def prompt_pages(num_tokens: int, page_size: int, hit_unit: int) -> int:
 
 
 class CacheEventLog:
-    """The pages' hashes (their first EVENT_HASH_BYTES bytes) a worker's allocators cached and evicted since the
-    last `drain`, as a net count per hash. Bounded: past `max_hashes` distinct hashes it forgets them and marks
-    the batch a reset, which `drain` answers with a snapshot of the hashes cached now (the newest `max_hashes`)."""
+    """The pages' hashes (their first EVENT_HASH_BYTES bytes) a worker's allocators cached and evicted, and its
+    host pools stored and let go, since the last `drain`, as a net count per hash and tier. Bounded: past
+    `max_hashes` distinct hashes of both tiers together it forgets them and marks the batch a reset, which `drain`
+    answers with a snapshot of the hashes held now (the newest `max_hashes`, the GPU's first)."""
 
     def __init__(self, max_hashes: int = 4096):
         if max_hashes <= 0:
             raise ValueError(f"max_hashes={max_hashes}: must be positive")
         self.max_hashes = max_hashes
         self._delta: dict[bytes, int] = {}
+        self._host_delta: dict[bytes, int] = {}
         self._reset = False
 
     def __bool__(self) -> bool:
-        return self._reset or bool(self._delta)
+        return self._reset or bool(self._delta) or bool(self._host_delta)
 
-    def note(self, page_hash: bytes, delta: int) -> None:
-        """A page of hash `page_hash` was cached (+1) or evicted (-1)."""
+    def note(self, page_hash: bytes, delta: int, host: bool = False) -> None:
+        """A page of hash `page_hash` was cached (+1) or evicted (-1) on the GPU, or with `host` stored in (+1)
+        or gone from (-1) a host pool."""
         if self._reset:
             return
+        counts = self._host_delta if host else self._delta
         key = page_hash[:EVENT_HASH_BYTES]
-        n = self._delta.get(key, 0) + delta
+        n = counts.get(key, 0) + delta
         if n:
-            self._delta[key] = n
+            counts[key] = n
         else:
-            self._delta.pop(key, None)
-        if len(self._delta) > self.max_hashes:
+            counts.pop(key, None)
+        if len(self._delta) + len(self._host_delta) > self.max_hashes:
             self._delta.clear()
+            self._host_delta.clear()
             self._reset = True
 
-    def drain(self, allocators: Sequence[PageAllocator]) -> tuple[list[bytes], list[bytes], bool]:
-        """(hashes cached, hashes evicted, reset) since the last call; after a reset the first list is what the
-        allocators cache now (newest last, at most max_hashes) and the receiver forgets what it knew."""
+    def drain(
+        self, allocators: Sequence[PageAllocator], host_pools: Sequence[HostPool] = ()
+    ) -> tuple[list[bytes], list[bytes], bool, list[bytes], list[bytes]]:
+        """(hashes cached, hashes evicted, reset, hashes stored on host, hashes gone from host) since the last
+        call: `messages.CacheEvents`'s fields in order. After a reset the first list is what the allocators
+        cache now and the fourth what `host_pools` store now (newest last, at most max_hashes together, the
+        GPU's first), and the receiver forgets what it knew."""
         reset, self._reset = self._reset, False
         if reset:
             held = [h[:EVENT_HASH_BYTES] for a in allocators for h in a.cached_hashes()]
-            return held[-self.max_hashes :], [], True
+            held = held[-self.max_hashes :]
+            room = self.max_hashes - len(held)
+            stored = [h[:EVENT_HASH_BYTES] for p in host_pools for h in p.stored_hashes()]
+            return held, [], True, stored[max(0, len(stored) - room) :] if room else [], []
         delta, self._delta = self._delta, {}
-        added = [h for h, n in delta.items() for _ in range(max(n, 0))]
-        evicted = [h for h, n in delta.items() for _ in range(max(-n, 0))]
-        return added, evicted, False
+        host, self._host_delta = self._host_delta, {}
+        return (*_split(delta), False, *_split(host))
+
+
+def _split(delta: dict[bytes, int]) -> tuple[list[bytes], list[bytes]]:
+    """A net count per hash as (one entry per copy added, one per copy gone)."""
+    added = [h for h, n in delta.items() for _ in range(max(n, 0))]
+    gone = [h for h, n in delta.items() for _ in range(max(-n, 0))]
+    return added, gone
 
 
 class PrefixCache:

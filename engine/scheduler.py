@@ -207,6 +207,7 @@ class Scheduler:
             self.host_pools = [HostPool(host_slots) for _ in allocators]
             for a, pool in zip(allocators, self.host_pools, strict=True):
                 a.on_evict = pool.offload
+                pool.events = self.cache_events
         self.issue_host_copies: Callable[[int, list[HostCopy]], None] | None = None
         """Where set (a worker of one rank: its runner's `HostKVStore.issue`), the host copies go to it as
         soon as `add` or `schedule` decides them, with the rank, so that they run while the step in flight

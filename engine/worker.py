@@ -239,13 +239,14 @@ class Worker:
             return self.scheduler.finish_step(plan, results), arrivals
 
     def cache_events(self) -> CacheEvents | None:
-        """The prefix cache's events since the last call (`CacheEventLog`), None when there are none."""
+        """The prefix cache's and host tier's events since the last call (`CacheEventLog`), None when there
+        are none."""
         with self._lock:
             log = self.scheduler.cache_events
             if not log:
                 return None
-            added, evicted, reset = log.drain(self.scheduler.allocators)
-        return CacheEvents(added, evicted, reset)
+            events = log.drain(self.scheduler.allocators, self.scheduler.host_pools)
+        return CacheEvents(*events)
 
     def _fail_ranks(self, plan: StepPlan | None, error: Exception) -> StepOutcome:
         """Fails the step in flight and every other request, freeing their pages, and stops the ranks."""
