@@ -248,9 +248,12 @@ class Scheduler:
         no rank has room."""
         return self._pick(lambda d: self.allocators[d].can_allocate(num_pages))
 
-    def _pick(self, fits, hits: Sequence[int] | None = None) -> int | None:
+    def _pick(
+        self, fits, hits: Sequence[int] | None = None, host_hits: Sequence[int] | None = None
+    ) -> int | None:
         """The rank among those d where fits(d) by `rank_choice.pick_rank`: the fewest pages in use less the
-        request's pages cached there (`hits`, per rank), then the fewest requests."""
+        request's pages cached there (`hits`, per rank) and, at a lower weight, those after them in its host
+        pool (`host_hits`), then the fewest requests."""
         if len(self.allocators) == 1:
             return 0 if fits(0) else None
         counts = [0] * len(self.allocators)
@@ -258,7 +261,7 @@ class Scheduler:
             counts[r.rank] += 1
         used = [a.num_used for a in self.allocators]
         hits = hits if hits is not None else [0] * len(used)
-        return pick_rank(used, counts, hits, fits, self.rank_max_running)
+        return pick_rank(used, counts, hits, fits, self.rank_max_running, host_hits)
 
     def _fit(self, request: Request) -> tuple[int, list[int]] | None:
         """Where the request's pages come from now: the rank (`_pick_rank`'s choice among those with room for
@@ -266,6 +269,7 @@ class Scheduler:
         room."""
         need = pages_needed(request.num_tokens, self.page_size)
         cache = self.prefix_cache
+        host_hits: list[int] | None = None
         if request.policy is Policy.DECODE_ONLY and cache is not None and self.reuse_held:
             # the pages held here stand in for the transfer's first pages (`PrefixCache.held_match`)
             matched = [cache.held_match(request, a) for a in self.allocators]
@@ -276,12 +280,17 @@ class Scheduler:
         else:
             end = self._prefill_end(request)
             matched = [cache.match(request, a, end) for a in self.allocators]
+            if self.host_pools and len(self.allocators) > 1:  # what each rank would restore
+                host_hits = [
+                    len(cache.host_match(request, pool, end, len(m)))
+                    for pool, m in zip(self.host_pools, matched, strict=True)
+                ]
 
         def fits(d: int) -> bool:
             a, m = self.allocators[d], matched[d]
             return need - len(m) + a.cost(m) <= a.num_free
 
-        rank = self._pick(fits, [len(m) for m in matched])
+        rank = self._pick(fits, [len(m) for m in matched], host_hits)
         return None if rank is None else (rank, matched[rank])
 
     def _give_pages(self, request: Request, rank: int, cached: list[int]) -> None:

@@ -1,13 +1,15 @@
 """The data-parallel rank a request goes to (`engine.rank_choice`, pure Python): the rank holding its prefix,
-balanced against load (a cached page counts as a page of load); through the scheduler for a prefilled request
-(its prefix cache hit) and for a decode-only one (the pages its transfer need not carry)."""
+balanced against load (a cached page counts as a page of load, a page in the rank's host pool half as much);
+through the scheduler for a prefilled request (its prefix cache hit, on the GPU or in the host tier) and for a
+decode-only one (the pages its transfer need not carry)."""
 
 from __future__ import annotations
 
 import pytest
 
 from pdserve.engine.pages import PageAllocator
-from pdserve.engine.rank_choice import pick_rank
+from pdserve.engine.prefix_cache import chain_hashes
+from pdserve.engine.rank_choice import HOST_HIT_WEIGHT, pick_rank
 from pdserve.engine.request import Policy, Request, RequestState
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -28,6 +30,24 @@ def test_a_hit_outweighs_as_many_pages_of_load():
     assert pick_rank([5, 2], [2, 2], [4, 0], every, cap=2) is None
     with pytest.raises(ValueError, match="ranks disagree"):
         pick_rank([1, 2], [0], [0, 0], every, None)
+
+
+def test_a_host_hit_counts_for_less_than_a_gpu_hit_of_the_same_length():
+    every = lambda d: True  # noqa: E731
+    assert HOST_HIT_WEIGHT == 0.5
+    # a host-held prefix attracts the request over an equally loaded rank holding nothing
+    assert pick_rank([2, 2], [1, 1], [0, 0], every, None, host_hits=[0, 4]) == 1
+    # a GPU hit beats a host hit of the same length, at equal load
+    assert pick_rank([2, 2], [1, 1], [4, 0], every, None, host_hits=[0, 4]) == 0
+    assert pick_rank([2, 2], [1, 1], [0, 4], every, None, host_hits=[4, 0]) == 1
+    # load outweighs a host hit twice as soon as a GPU hit: 3 pages more beat 4 host pages, not 4 GPU pages
+    assert pick_rank([5, 2], [1, 1], [0, 0], every, None, host_hits=[4, 0]) == 1
+    assert pick_rank([5, 2], [1, 1], [4, 0], every, None) == 0
+    # host pages after a GPU hit add to it
+    assert pick_rank([6, 1], [1, 1], [4, 0], every, None, host_hits=[4, 0]) == 0  # 6 - 4 - 2 < 1
+    assert pick_rank([6, 1], [1, 1], [4, 0], every, None) == 1  # 6 - 4 > 1
+    with pytest.raises(ValueError, match="1 host hits"):
+        pick_rank([1, 2], [0, 0], [0, 0], every, None, host_hits=[0])
 
 
 def scheduler(**kw) -> Scheduler:
@@ -95,3 +115,31 @@ def test_a_decode_only_request_goes_to_the_rank_holding_its_first_pages():
     assert s.num_used_pages == 0
     for a in s.allocators:
         a.check()
+
+
+def test_a_prefilled_request_goes_to_the_rank_holding_its_prefix_in_host_memory():
+    """Rank 0 computes the prefix, then another prompt fills rank 0's pages: the prefix's pages go to rank 0's
+    host pool. With a page of load more on rank 0, the next request of that prefix still goes there (1 - 4/2 <
+    0, where without the host hit the idle rank 1 would take it) and starts after the 4 pages restored."""
+    s = Scheduler(
+        [PageAllocator(8), PageAllocator(8)], PAGE, 64, 16, 100, 1000, {1},
+        worker_kind="decode worker", prefix_caching=True, host_slots=8,
+    )  # fmt: skip
+    first = request("first", PREFIX)
+    s.add(first)
+    run_to_end(s, first)
+    fill = request("fill", range(30, 61))  # 8 pages: rank 0's (the lowest of equal load)
+    s.add(fill)
+    run_to_end(s, fill)
+    hashes = chain_hashes(PREFIX, PAGE, 4, lookahead=False)
+    assert fill.rank == 0 and s.allocators[0].match(hashes) == []
+    assert s.host_pools[0].match(hashes) == 4 and s.host_pools[1].match(hashes) == 0
+    s.add(request("load", range(70, 74), max_tokens=4))  # 1 page on rank 0
+    assert s.requests["load"].rank == 0
+    again = request("again", [*PREFIX, 60, 61, 62])
+    s.add(again)
+    assert again.rank == 0 and again.num_cached_tokens == 16
+    assert s.host_pools[0].num_restored == 4
+    for rid in ("again", "load"):
+        s.abort(rid)
+    assert s.num_used_pages == 0
