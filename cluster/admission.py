@@ -208,7 +208,7 @@ class Admission:
         r.prompt_hashes = PromptHashes(tokens)
         ranked, r.expected_hits = rank_by_prefix(
             workers, r.prompt_hashes, lambda w: w.queued_tokens, self.config.prefix_load_weight,
-            lambda w: w.prefix,
+            lambda w: w.prefix, self.config.prefix_host_hit_weight,
         )  # fmt: skip
         return ranked
 

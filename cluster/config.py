@@ -17,6 +17,7 @@ from pdserve.cluster.config_keys import (
     section_keys,
 )
 from pdserve.cluster.placement import RANK_SPANS
+from pdserve.cluster.prefix_routing import HOST_HIT_WEIGHT
 from pdserve.decode import DecodeConfig
 from pdserve.kvtransfer import KVTransferConfig
 from pdserve.model.errors import ConfigError
@@ -210,6 +211,10 @@ class RouterConfig:
     """Of those choices: a queued prompt token's weight against a token expected cached (1: the fewest tokens
     computed before the request's first token; more: balance first; less: reuse first), and a decode worker's
     free page's against a page expected held (1: the most room after the request)."""
+    prefix_host_hit_weight: float = HOST_HIT_WEIGHT
+    """Of the choice of the worker that computes a prompt: a prompt token expected in a worker's host KV tier
+    (restored to its GPU, not computed) against one expected in its GPU prefix cache (1); in [0, 1]. Less than
+    1: the restore costs host-to-device bandwidth and fresh GPU pages (`prefix_routing.HOST_HIT_WEIGHT`)."""
     heartbeat_timeout_s: float = 3.0
     """A worker silent (no answer to its stats call, sent every second, or its long-poll) this long past the
     deadline of the step it runs, or reporting a step that runs this long past it, is declared lost, killed and
@@ -254,6 +259,11 @@ class RouterConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be positive")
         if not self.prefix_load_weight >= 0:
             raise ValueError(f"prefix_load_weight={self.prefix_load_weight}: must be >= 0")
+        if not 0 <= self.prefix_host_hit_weight <= 1:
+            raise ValueError(
+                f"prefix_host_hit_weight={self.prefix_host_hit_weight}: must be in [0, 1] (a host hit "
+                "counts for at most a GPU hit)"
+            )
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests={self.max_queued_requests}: must be >= 1")
         if self.stats_interval_s < 0 or self.shutdown_grace_s < 0:

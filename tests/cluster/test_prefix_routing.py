@@ -1,6 +1,7 @@
 """Prefix-aware routing (`pdserve.cluster.prefix_routing`): the router hashes a prompt as a worker's prefix cache
 does (with and without the MTP lookahead) and expects the hit the worker finds, from the cache events the worker
-logs (bounded); and over real model-free workers (`tests/model_free.py`), a request whose prefix a worker holds
+logs (bounded), the host tier's moves included (a host-held prefix counts, for less than a GPU-held one); and
+over real model-free workers (`tests/model_free.py`), a request whose prefix a worker holds
 goes there unless that worker is much busier, and a prefix evicted there stops attracting requests."""
 
 from __future__ import annotations
@@ -9,19 +10,29 @@ import asyncio
 import threading
 import time
 
+import msgpack
 import pytest
 from model_free import PAGE, FaultyHub, WorkerActor, decode_worker, prefill_worker, reference
 
 from pdserve.cluster.config import RouterConfig
 from pdserve.cluster.pools import DECODE, PREFILL, WorkerHandle, WorkerState
-from pdserve.cluster.prefix_routing import PrefixIndex, PromptHashes, rank_by_held, rank_by_prefix
+from pdserve.cluster.prefix_routing import (
+    HOST_HIT_WEIGHT,
+    PrefixIndex,
+    PromptHashes,
+    rank_by_held,
+    rank_by_prefix,
+)
 from pdserve.cluster.router import Router
-from pdserve.engine.messages import CacheEvents
+from pdserve.engine import messages
+from pdserve.engine.host_tier import HostPool
+from pdserve.engine.messages import CacheEvents, PrefillPoll
 from pdserve.engine.pages import PageAllocator
 from pdserve.engine.prefix_cache import CacheEventLog, PrefixCache, chain_hashes
-from pdserve.engine.request import Policy, Request
+from pdserve.engine.request import Policy, Request, RequestState
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.step import RankResult
 from pdserve.engine.worker import prefix_cache_info
 
 HANG_S = 10.0
@@ -65,16 +76,132 @@ def test_cache_events_net_out_and_a_full_log_sends_a_bounded_snapshot():
     r = _computed(cache, allocator, list(range(1, 9)), 0)  # 2 pages cached
     allocator.free(r.pages[::-1])
     allocator.allocate(8)  # both evicted: added then evicted nets out to nothing
-    assert not log and log.drain([allocator]) == ([], [], False)
+    assert not log and log.drain([allocator]) == ([], [], False, [], [])
     allocator.free(list(range(8)))
     _computed(cache, allocator, list(range(1, 17)), 0)  # 4 pages: past the bound of 3
-    added, evicted, reset = log.drain([allocator])
-    assert reset and evicted == [] and len(added) == 3  # the newest 3 of what it holds now
-    index = PrefixIndex(PAGE, PAGE, False, {b"stale": 1})
-    index.apply(CacheEvents(added, evicted, reset))
-    assert b"stale" not in index.counts and len(index.counts) == 3
+    events = CacheEvents(*log.drain([allocator]))
+    assert events.reset and events.evicted == [] and len(events.added) == 3  # the newest 3 held now
+    index = PrefixIndex(PAGE, PAGE, False, {b"stale": 1}, {b"stale host": 1})
+    index.apply(events)
+    assert b"stale" not in index.counts and len(index.counts) == 3 and not index.host_counts
     with pytest.raises(ValueError, match="max_hashes=0: must be positive"):
         CacheEventLog(0)
+
+
+def test_a_full_log_snapshots_the_host_pools_too_within_its_bound():
+    allocator, pool, log = PageAllocator(8), HostPool(4), CacheEventLog(max_hashes=3)
+    allocator.events = pool.events = log
+    _computed(PrefixCache(PAGE), allocator, list(range(1, 9)), 0)  # 2 pages cached
+    pool.offload(6, b"x" * 32)
+    pool.offload(5, b"y" * 32)  # 2 + 2 hashes: past the bound of 3
+    events = CacheEvents(*log.drain([allocator], [pool]))
+    assert events.reset and len(events.added) == 2 and events.host_added == [b"y" * 8]  # room: 1
+    index = PrefixIndex(PAGE, PAGE, False, host_counts={b"stale": 1})
+    index.apply(events)
+    assert len(index.counts) == 2 and index.host_counts == {b"y" * 8: 1}
+    pool.take([b"y" * 32])
+    events = CacheEvents(*log.drain([allocator], [pool]))
+    assert events == CacheEvents([], [], False, [], [b"y" * 8])  # after a reset: deltas again
+
+
+def test_cache_events_of_an_earlier_format_decode_as_no_host_moves():
+    """A report without the host fields (an earlier worker's) decodes with none; one with them round-trips."""
+    old = msgpack.packb(
+        {"failures": [], "cache_events": {"added": [b"a" * 8], "evicted": [], "reset": False}},
+        use_bin_type=True,
+    )
+    poll = messages.decode(PrefillPoll, old)
+    assert poll.cache_events == CacheEvents([b"a" * 8], [])
+    assert poll.cache_events.host_added == poll.cache_events.host_evicted == []
+    index = PrefixIndex(PAGE, PAGE, False)
+    index.apply(poll.cache_events)
+    assert index.counts == {b"a" * 8: 1} and not index.host_counts
+    new = PrefillPoll([], CacheEvents([b"a" * 8], [b"b" * 8], False, [b"b" * 8], [b"a" * 8]))
+    assert messages.decode(PrefillPoll, messages.encode(new)) == new
+
+
+def _step_to_end(s: Scheduler, r: Request) -> None:
+    """Steps `s` (every sampled token 50) until `r` finished."""
+    while r.state is not RequestState.FINISHED:
+        plan, _ = s.schedule()
+        results = [
+            RankResult(
+                plan.step_id,
+                [50 if row.sample is not None else None for row in step.prefill],
+                [50] * len(step.decode),
+            )
+            for step in plan.ranks
+        ]
+        s.finish_step(plan, results)
+
+
+@pytest.mark.parametrize("then", ["restored", "dropped"])
+def test_host_moves_reach_the_index(then):
+    """A worker with a host tier (one rank, 8 pages, 4 host slots): its prefix's pages evicted from the GPU
+    move, in the index, from cached to host-held; restored by the next request of that prefix, back to
+    cached; or let go by the host pool for newer pages, gone from both."""
+    s = Scheduler(PageAllocator(8), PAGE, 64, 16, 100, 1000, {1}, prefix_caching=True, host_slots=4)
+    index = PrefixIndex.from_info(prefix_cache_info(s))
+
+    def serve(rid: str, tokens, run: bool = True) -> Request:
+        r = Request(rid, list(tokens), SamplingParams(max_tokens=1), Policy.AGGREGATED)
+        s.add(r)
+        if run:
+            _step_to_end(s, r)
+        index.apply(CacheEvents(*s.cache_events.drain(s.allocators, s.host_pools)))
+        return r
+
+    prefix = list(range(3, 20))  # 17 tokens: 4 full pages
+    prompt = PromptHashes([*prefix, 60, 61, 62])  # 20 tokens: a hit covers 4 pages
+    serve("first", prefix)
+    assert prompt.hits(index) == (16, 0) and prompt.hit_tokens(index) == 16
+    serve("fill", range(30, 61))  # 8 pages: the prefix's 4 evicted to host memory
+    assert prompt.hits(index) == (0, 16) and prompt.hit_tokens(index) == 16
+    hashes = set(prompt.of(index))
+    assert hashes <= set(index.host_counts) and not hashes & set(index.counts)
+    if then == "restored":
+        again = serve("again", prompt.tokens, run=False)
+        assert again.num_cached_tokens == 16  # the worker found what the index said
+        assert prompt.hits(index) == (16, 0) and not hashes & set(index.host_counts)
+    else:
+        serve("newer", range(64, 95))  # the fill's pages evicted to host: the prefix's slots reused
+        assert s.host_pools[0].match(prompt.of(index)) == 0
+        assert prompt.hits(index) == (0, 0) and not hashes & set(index.host_counts)
+    assert len(index.host_counts) == s.host_pools[0].num_stored
+
+
+def test_the_policy_counts_a_host_hit_for_less_than_a_gpu_hit():
+    """A worker that holds the prompt's prefix only in its host tier attracts it over an equally loaded one
+    that holds nothing, but not over one that holds it on its GPU; its hit outweighs less load."""
+    prompt = PromptHashes(list(range(1, 42)))  # 40 tokens a hit can cover
+    gpu, host, empty = (PrefixIndex(PAGE, PAGE, False) for _ in range(3))
+    gpu.apply(CacheEvents(prompt.of(gpu), []))
+    host.apply(CacheEvents([], [], host_added=prompt.of(host)))
+    assert (prompt.hits(gpu), prompt.hits(host), prompt.hits(empty)) == ((40, 0), (0, 40), (0, 0))
+    workers = {"gpu": gpu, "host": host, "empty": empty}
+
+    def best(names: list[str], load: dict[str, int], **kw) -> str:
+        ranked, hits = rank_by_prefix(
+            names, prompt, lambda w: load.get(w, 0), 1.0, workers.get, **kw
+        )
+        assert hits == {w: 0 if w == "empty" else 40 for w in names}  # tokens not computed there
+        return ranked[0]
+
+    assert HOST_HIT_WEIGHT == RouterConfig().prefix_host_hit_weight == 0.75
+    assert best(["empty", "host"], {}) == "host"
+    assert best(["host", "gpu"], {}) == "gpu"
+    assert best(["host", "gpu"], {}, host_weight=1.0) == "host"  # a tie: the given order
+    # 40 host tokens count as 30: more than 29 queued tokens, less than 31; 40 GPU tokens outweigh 31
+    assert best(["empty", "host"], {"host": 29}) == "host"
+    assert best(["empty", "host"], {"host": 31}) == "empty"
+    assert best(["empty", "gpu"], {"gpu": 31}) == "gpu"
+    # a host tail after a GPU hit: the pages after the GPU's in the host tier count
+    both = workers["both"] = PrefixIndex(PAGE, PAGE, False)
+    both.apply(CacheEvents(prompt.of(both)[:2], [], host_added=prompt.of(both)[2:]))
+    assert prompt.hits(both) == (8, 32)
+    assert best(["gpu", "both"], {}) == "gpu" and best(["host", "both"], {}) == "both"
+    with pytest.raises(ValueError, match=r"prefix_host_hit_weight=1.5: must be in \[0, 1\]"):
+        RouterConfig(prefix_host_hit_weight=1.5)
 
 
 def test_the_policy_weighs_the_hit_against_the_load():
