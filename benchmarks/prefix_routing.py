@@ -21,7 +21,12 @@ goes to the right worker. On a small shared machine the server started second ca
 whatever its policy: compare runs in both orders (--policies). Disaggregated (--prefill >= 1), also reported:
 the KV pages and bytes the prefill workers sent, and those not sent because the decode worker held them already
 (the server's /metrics after the load: pdserve:kv_transfer_pages and kv_transfer_pages_not_sent, warm-up
-included). Writes $OUT/prefix_routing.json when OUT is set."""
+included). Writes $OUT/prefix_routing.json when OUT is set.
+
+Host-tier hits: give the workers a small KV cache and a host tier (e.g. `--flags --decode.cpu-cache-bytes B
+--decode.host-kv-cache-bytes H` on a CPU) so that conversations' earlier turns are evicted to host memory between
+turns, and compare `--host-hit-weight 0.75` (the default: the router counts a prefix held in a worker's host tier)
+with `--host-hit-weight 0` (it does not: such a turn goes by load alone, often to a worker that recomputes it)."""
 
 from __future__ import annotations
 
@@ -147,6 +152,9 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=4.0, help="conversations started per second")
     p.add_argument("--vocab", type=int, default=1000, help="prompt ids are drawn from [3, vocab)")
     p.add_argument("--load-weight", type=float, default=1.0, help="router.prefix_load_weight")
+    p.add_argument(
+        "--host-hit-weight", type=float, default=0.75, help="router.prefix_host_hit_weight"
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="deadline per request, s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -174,6 +182,7 @@ def main() -> None:
         flags = [
             "--prefill", str(args.prefill), "--decode", str(args.decode),
             "--router.prefix-aware-routing", on, "--router.prefix-load-weight", str(args.load_weight),
+            "--router.prefix-host-hit-weight", str(args.host_hit_weight),
             "--decode.reuse-held-prefix", reuse, *args.flags,
         ]  # fmt: skip
         served = Served(args.model, Path(f"{args.log}.{policy}"), flags)
