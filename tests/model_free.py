@@ -32,6 +32,7 @@ import torch
 
 from pdserve.decode import DecodeConfig, DecodeWorker
 from pdserve.engine import messages
+from pdserve.engine.host_store import HostKVStore
 from pdserve.engine.messages import DecodeRequest, PrefillRequest
 from pdserve.engine.step import RankResult, StepPlan
 from pdserve.kvtransfer.loopback import LoopbackHub, LoopbackReceiver, LoopbackSender
@@ -85,17 +86,20 @@ class _Cache:
     def __init__(self, num_pages: int, page_size: int):
         self.data = torch.zeros(num_pages, 1, page_size, 1, dtype=torch.int64)
         self.layout = _Layout(page_size * 8)
+        self.device = torch.device("cpu")
 
 
 class FakeRunner:
     """Stands in for `ModelRunner` (one rank): runs a plan's prefill rows, then its decode rows, over its cache.
     `fail_prefill` / `fail_decode`: the error of every later pass of that kind (None: it succeeds);
     `on_execute`: called with each plan before its passes run, without the worker's lock (a test aborts a
-    request mid-step there)."""
+    request mid-step there). host_slots: pages of a host tier (`HostKVStore` over its cache; the worker issues
+    the copies, synchronous on the CPU)."""
 
-    def __init__(self, num_pages: int, page_size: int = PAGE):
+    def __init__(self, num_pages: int, page_size: int = PAGE, host_slots: int = 0):
         self.model, self.page_size, self.num_pages = _Model(), page_size, num_pages
         self.cache = _Cache(num_pages, page_size)
+        self.host_store = HostKVStore(self.cache, host_slots) if host_slots else None
         self.device, self.graphs = torch.device("cpu"), None
         self.fail_prefill: str | None = None
         self.fail_decode: str | None = None
@@ -265,15 +269,16 @@ def prefill_worker(
 
 def decode_worker(
     hub: FaultyHub | None, worker_id: str = "d0", num_pages: int = 16, kv_wait_timeout_s: float = 1.0,
-    **config,
+    host_slots: int = 0, **config,
 ) -> DecodeWorker:  # fmt: skip
-    """A real decode worker over a `FakeRunner`, receiving through `hub` (None: aggregated only)."""
+    """A real decode worker over a `FakeRunner` (with a host tier of `host_slots` pages), receiving through
+    `hub` (None: aggregated only)."""
     config = DecodeConfig(
         page_size=PAGE, num_pages=num_pages, kv_wait_timeout_s=kv_wait_timeout_s, **config
     )
     return DecodeWorker(
         worker_id, None, config, None if hub is None else hub.receiver(worker_id),
-        runner=FakeRunner(num_pages),
+        runner=FakeRunner(num_pages, host_slots=host_slots),
     )  # fmt: skip
 
 

@@ -264,15 +264,21 @@ def test_the_router_expects_the_pages_a_decode_worker_holds(batch_invariant):
 
 class Cluster:
     """A router over model-free workers: `decodes` aggregated decode workers (d0, d1), or one decode worker
-    fed by `prefills` prefill workers (p0, p1); the prefix cache on everywhere."""
+    fed by `prefills` prefill workers (p0, p1); the prefix cache on everywhere (and a host tier of `host_slots`
+    pages on the decode workers)."""
 
-    def __init__(self, decodes: int = 2, prefills: int = 0, pages: int = 24, **router):
+    def __init__(
+        self, decodes: int = 2, prefills: int = 0, pages: int = 24, host_slots: int = 0, **router
+    ):
         self.hub = FaultyHub() if prefills else None
         self.router = Router(
             RouterConfig(poll_timeout_s=0.02, admission_timeout_s=HANG_S, **router)
         )
         workers = [prefill_worker(self.hub, f"p{i}", num_pages=pages) for i in range(prefills)]
-        workers += [decode_worker(self.hub, f"d{i}", num_pages=pages) for i in range(decodes)]
+        workers += [
+            decode_worker(self.hub, f"d{i}", num_pages=pages, host_slots=host_slots)
+            for i in range(decodes)
+        ]
         self.actors = {w.worker_id: WorkerActor(w, self.hub) for w in workers}
         self.handles: dict[str, WorkerHandle] = {}
 
@@ -381,6 +387,36 @@ def test_an_evicted_prefix_stops_attracting_requests():
         assert where != first and cached == 0
 
     run(test)
+
+
+@pytest.mark.timed
+@pytest.mark.parametrize("host_weight", [0.75, 0.0])
+def test_a_prefix_evicted_to_host_memory_still_attracts_requests(host_weight):
+    """With a host tier, the prefix's pages evicted from the worker's GPU go to its host memory, the events say
+    so, and (the worker a little busier than the other) the next request of that prefix goes there and is
+    restored, its tokens those of the prompt computed whole; with the host hit weighed 0 it goes by load to the
+    other worker, which computes it all."""
+
+    async def test(c: Cluster):
+        first, _ = await c.serve(PROMPT)
+        hashes = set(PromptHashes(PROMPT).of(c.handles[first].prefix))
+        # other prompts on the same worker: PROMPT's pages evicted to host memory
+        for i in range(3):
+            await c.serve([40 + i] * 60, on=first)
+        index, pool = c.handles[first].prefix, c.actors[first].worker.scheduler.host_pools[0]
+        assert not hashes & set(index.counts) and hashes <= set(index.host_counts)
+        assert pool.match(chain_hashes(PROMPT, PAGE, 7, lookahead=False)) == 7  # the worker agrees
+        for w in c.handles.values():
+            w.reserved_pages = 0  # as the workers' stats would say: nothing runs
+        c.handles[first].queued_tokens = 4  # a little busier: the host hit decides
+        where, cached = await c.serve([*PROMPT, 50])
+        if host_weight:
+            assert (where, cached) == (first, 28) and pool.num_restored >= 7
+            assert hashes <= set(index.counts) and not hashes & set(index.host_counts)
+        else:
+            assert where != first and cached == 0
+
+    run(test, host_slots=64, prefix_host_hit_weight=host_weight)
 
 
 @pytest.mark.timed
