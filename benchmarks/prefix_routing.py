@@ -21,7 +21,8 @@ goes to the right worker. On a small shared machine the server started second ca
 whatever its policy: compare runs in both orders (--policies). Disaggregated (--prefill >= 1), also reported:
 the KV pages and bytes the prefill workers sent, and those not sent because the decode worker held them already
 (the server's /metrics after the load: pdserve:kv_transfer_pages and kv_transfer_pages_not_sent, warm-up
-included). Writes $OUT/prefix_routing.json when OUT is set.
+included), and the pages the workers' host tiers stored and restored (host hits; 0 with the tier off). Writes
+$OUT/prefix_routing.json when OUT is set.
 
 Host-tier hits: give the workers a small KV cache and a host tier (e.g. `--flags --decode.cpu-cache-bytes B
 --decode.host-kv-cache-bytes H` on a CPU) so that conversations' earlier turns are evicted to host memory between
@@ -115,13 +116,15 @@ KV_COUNTERS = {
     "kv_pages_not_sent": "pdserve:kv_transfer_pages_not_sent_total",
     "kv_bytes_sent": "pdserve:kv_transfer_bytes_total",
     "kv_bytes_not_sent": "pdserve:kv_transfer_bytes_not_sent_total",
+    "host_kv_offloaded_pages": "pdserve:host_kv_offloaded_pages_total",
+    "host_kv_restored_pages": "pdserve:host_kv_restored_pages_total",
 }
 STATS_WAIT_S = 3.0
 """How long after the load the metrics are read: the server polls its workers' stats about once a second."""
 
 
 def kv_pages(served: Served) -> dict[str, int]:
-    """The prefill workers' KV counters since start (`KV_COUNTERS`), summed over the workers."""
+    """The workers' KV counters since start (`KV_COUNTERS`), summed over the workers."""
     time.sleep(STATS_WAIT_S)
     url = f"http://127.0.0.1:{served.http_port}/metrics"
     with urllib.request.urlopen(url, timeout=30) as response:
@@ -188,7 +191,7 @@ def main() -> None:
         served = Served(args.model, Path(f"{args.log}.{policy}"), flags)
         try:
             turns = asyncio.run(load(served.grpc_port, args))
-            kv = kv_pages(served) if args.prefill else {}
+            kv = kv_pages(served)
         finally:
             served.stop()
         summary[policy] = summarize(turns) | kv
