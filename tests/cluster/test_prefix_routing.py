@@ -81,7 +81,7 @@ def test_cache_events_net_out_and_a_full_log_sends_a_bounded_snapshot():
     _computed(cache, allocator, list(range(1, 17)), 0)  # 4 pages: past the bound of 3
     events = CacheEvents(*log.drain([allocator]))
     assert events.reset and events.evicted == [] and len(events.added) == 3  # the newest 3 held now
-    index = PrefixIndex(PAGE, PAGE, False, {b"stale": 1}, {b"stale host": 1})
+    index = PrefixIndex(PAGE, PAGE, False, counts={b"stale": 1}, host_counts={b"stale host": 1})
     index.apply(events)
     assert b"stale" not in index.counts and len(index.counts) == 3 and not index.host_counts
     with pytest.raises(ValueError, match="max_hashes=0: must be positive"):
