@@ -21,13 +21,16 @@ goes to the right worker. On a small shared machine the server started second ca
 whatever its policy: compare runs in both orders (--policies). Disaggregated (--prefill >= 1), also reported:
 the KV pages and bytes the prefill workers sent, and those not sent because the decode worker held them already
 (the server's /metrics after the load: pdserve:kv_transfer_pages and kv_transfer_pages_not_sent, warm-up
-included), and the pages the workers' host tiers stored and restored (host hits; 0 with the tier off). Writes
+included). Always: the pages the workers' host tiers stored and restored (host hits; 0 with the tier off). Writes
 $OUT/prefix_routing.json when OUT is set.
 
-Host-tier hits: give the workers a small KV cache and a host tier (e.g. `--flags --decode.cpu-cache-bytes B
---decode.host-kv-cache-bytes H` on a CPU) so that conversations' earlier turns are evicted to host memory between
+Host-tier hits: give the workers a small KV cache and a host tier (e.g. `--flags --decode.num-pages 12
+--decode.host-kv-cache-bytes 67108864` on a CPU) so that conversations' earlier turns are evicted to host memory between
 turns, and compare `--host-hit-weight 0.75` (the default: the router counts a prefix held in a worker's host tier)
-with `--host-hit-weight 0` (it does not: such a turn goes by load alone, often to a worker that recomputes it)."""
+with `--host-hit-weight 0` (it does not: a turn whose whole prefix left the GPU goes by load alone, maybe to a
+worker that recomputes it). A prefix's first pages are evicted last, so its holder often keeps a GPU hit that
+draws the turn under either weight; the weight decides where the whole prefix left the GPU, or where the loads
+differ by more than the GPU part of the hit."""
 
 from __future__ import annotations
 
