@@ -15,7 +15,7 @@ from pdserve.engine.checks import check_prompt_len, check_token_ids
 from pdserve.engine.grammar import constrain
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.frontend.reasoning import prompt_opens_think
-from pdserve.frontend.tool_grammar import forced_call_grammar
+from pdserve.frontend.tool_grammar import auto_call_grammar, forced_call_grammar
 from pdserve.frontend.tool_request import ToolCallPlan, ToolRequest, plan_tools, render_with_tools
 from pdserve.frontend.validation import (
     FieldNames,
@@ -95,7 +95,14 @@ def build_request(given: RequestInput, model: ModelInfo, router: RouterConfig) -
             tool_calls.constraint, model.tokenizer.token_id, whole=not tool_calls.forced_prefix
         )
         params = constrain(params, grammar, "tool_choice")
-    if in_think and params.structured is not None and router.reasoning_parser != "none":
+    elif tool_calls is not None and params.structured is None and not params.ignore_eos:
+        # auto: the answer is free, but a call block it opens is masked from its opening token on (not
+        # where the output ignores EOS: a grammar ends it)
+        grammar = auto_call_grammar(tool_calls.constraint, model.tokenizer.token_id)
+        if grammar is not None:
+            params = constrain(params, grammar, "tool_choice")
+    unstarted = params.structured is not None and params.structured.start_after is None
+    if in_think and unstarted and router.reasoning_parser != "none":
         params = _after_think(params, model.tokenizer)
     stop = check_stop_strings(list(given.stop), model, names.stop)
     return CheckedRequest(

@@ -3,8 +3,9 @@ after the prompt's forced prefix (`ToolCallFormat.forced_prefix`), or where the 
 after its think block, the forced prefix included, is constrained (`engine.grammar`, llguidance)
 to what `ToolCallConstraint` describes: the calls, each naming one of the request's functions with arguments
 that are compact JSON valid against that function's schema, then the end of the call block, then the end of
-the sequence. `tool_choice: auto` is left free: the model may answer in text, and a call block it opens is
-parsed as written (`tool_parser`)."""
+the sequence. `tool_choice: auto` leaves the model free to answer in text; but once it opens a call block
+(writes TOOL_CALLS_BEGIN), the rest of the block is constrained the same way (`auto_call_grammar`: a grammar
+that starts after that token), so a call the model chooses to make parses too."""
 
 from __future__ import annotations
 
@@ -68,3 +69,34 @@ def forced_call_grammar(
     opening = lit(fmt.forced_prefix(constraint.named)) + " " if whole else ""
     start = f"start: {opening}first_call{more} {lit(TOOL_CALLS_END)}"
     return StructuredOutput("grammar", "\n".join([start, *lines, *rules]))
+
+
+def auto_call_grammar(
+    constraint: ToolCallConstraint, token_id: Callable[[str], int | None]
+) -> StructuredOutput | None:
+    """For `tool_choice: auto`: the grammar of a call block after its opening TOOL_CALLS_BEGIN, which starts
+    masking once the output writes that token (`StructuredOutput.start_after`): whole calls of the request's
+    functions (one where `max_calls` is 1), then the block's end. None where TOOL_CALLS_BEGIN is no single
+    token of the vocabulary (there is then no token to start after)."""
+    if constraint.forced:
+        raise ValueError("a forced call's grammar is forced_call_grammar's")
+    begin = token_id(TOOL_CALLS_BEGIN)
+    if begin is None:
+        return None
+
+    def lit(text: str) -> str:
+        return _literal(text, token_id)
+
+    fmt = constraint.format
+    rules, wholes = [], []
+    for i, name in enumerate(sorted(constraint.schemas)):
+        rules.append(f"args_{i}: {json_rule(constraint.arguments_schema(name))}")
+        wholes.append(f"{lit(fmt.call_head(name))} args_{i} {lit(fmt.call_tail())}")
+    lines = [f"call: {' | '.join(wholes)}"]
+    more = ""
+    if constraint.max_calls != 1:
+        joiner = lit("\n") + " " if fmt.typed else ""
+        lines.append(f"next_call: {joiner}call")
+        more = " next_call*"
+    start = f"start: call{more} {lit(TOOL_CALLS_END)}"
+    return StructuredOutput("grammar", "\n".join([start, *lines, *rules]), start_after=begin)

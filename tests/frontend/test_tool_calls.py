@@ -367,6 +367,14 @@ def test_a_forced_call_extends_the_prompt_and_carries_the_constraint(model, thin
     )
     assert auto.tool_calls.forced_prefix == "" and not auto.tool_calls.constraint.forced
     assert auto.prompt_in_think == thinking
+    # auto: a call block the model opens is masked from its opening token, thinking or not; not where the
+    # output ignores EOS (a grammar ends it), nor where a response_format constrains it already
+    assert auto.params.structured.start_after == model.tokenizer.token_id(TOOL_CALLS_BEGIN)
+    for extra in ({"ignore_eos": True}, {"response_format": {"type": "json_object"}}):
+        other = build_request(
+            parse(body(tools=tools, **kwargs, **extra), CHAT).input, model, RouterConfig()
+        )
+        assert other.params.structured is None or other.params.structured.kind == "json_object"
     if thinking:  # the model reasons first, then writes the whole call block, masked from </think>
         assert forced.prompt_ids == auto.prompt_ids and forced.prompt_in_think
         assert forced.tool_calls.forced_prefix == ""
@@ -429,6 +437,44 @@ def test_a_forced_call_after_the_reasoning_is_masked_from_the_think_end_and_pars
     )  # fmt: skip
 
 
+def test_an_auto_call_block_the_model_opens_is_masked_to_the_tools_and_parses(model, model_dir):
+    """tool_choice auto: free text (any token, EOS too) until the output writes TOOL_CALLS_BEGIN; then only
+    calls of the request's functions with arguments their schema validates, the block's end, EOS."""
+    import torch
+
+    from pdserve.engine.grammar_masks import GrammarMatchers
+    from pdserve.engine.step import SampleSpec
+
+    checked = build_request(parse(body(tools=[WEATHER, ADD]), CHAT).input, model, RouterConfig())
+    eos = model.tokenizer.eos_id
+    matchers = GrammarMatchers(model_dir / "tokenizer.json", model.vocab_size, [eos])
+    words = torch.arange(32, dtype=torch.int32)
+    begin = model.tokenizer.token_id(TOOL_CALLS_BEGIN)
+    text = "Let me check." + DEEPSEEK_V31.calls_text([("get_weather", '{"city":"Paris"}')])
+    tokens = model.tokenizer.encode(text, add_bos=False)
+    opened = tokens.index(begin)
+    for step, token in enumerate([*tokens, eos]):
+        row = SampleSpec.of(checked.params, step, counted=step > 0)
+        masks, errors = matchers.masks(["r"], [row], torch.device("cpu"))
+        assert not errors
+        if step <= opened:  # free: no mask for this row (or every token allowed)
+            assert masks is None or bool(((masks.bitmask[0][:, None] >> words) & 1).all())
+        else:
+            allowed = ((masks.bitmask[0][:, None] >> words) & 1).flatten()[: model.vocab_size]
+            assert allowed[token], (step, token)
+            if token == eos:
+                assert allowed.sum() == 1
+            if step == opened + 1:  # the block's first token: a call's opening, not text
+                assert not allowed[model.tokenizer.encode("x", add_bos=False)[0]]
+        if token != eos:
+            matchers.accept(["r"], [row], [token], errors)
+    answer = ChatOutput(checked, reasoning=False).push(text, last=True)
+    (call,) = answer["tool_calls"]
+    assert (call["function"]["name"], call["function"]["arguments"]) == (
+        "get_weather", '{"city":"Paris"}',
+    )  # fmt: skip
+
+
 def test_a_tokenizer_that_drops_the_markers_asks_for_special_tokens(model_dir, tmp_path):
     spec = json.loads((model_dir / "tokenizer.json").read_text())
     for token in spec["added_tokens"]:
@@ -464,10 +510,10 @@ def test_any_mix_of_markers_and_text_parses_the_same_whole_and_streamed(fmt):
 def test_a_forced_call_grammar_takes_the_markers_as_tokens_and_compiles():
     """The call markers that are one token each are that token in the grammar (llguidance reads an added
     token as a token, not as its text's bytes); every format and choice gives a grammar llguidance compiles;
-    an `auto` choice is not constrained."""
+    an `auto` choice's grammar starts after the block's opening token, and there is none without one."""
     from pdserve.engine.grammar import check
     from pdserve.frontend.tool_format import DEEPSEEK_V3, DEEPSEEK_V31
-    from pdserve.frontend.tool_grammar import _literal, forced_call_grammar
+    from pdserve.frontend.tool_grammar import _literal, auto_call_grammar, forced_call_grammar
     from pdserve.frontend.tool_request import ToolCallConstraint
     from pdserve.model.tokenizer import TOOL_CALL_END, TOOL_CALLS_END
 
@@ -488,5 +534,18 @@ def test_a_forced_call_grammar_takes_the_markers_as_tokens_and_compiles():
             )
             assert grammar.text.startswith("start: first_call") and "<[8]>" in grammar.text
             check(grammar, "tool_choice")
+    auto = ToolCallConstraint(DEEPSEEK_V31, schemas, False, None, None)
     with pytest.raises(ValueError, match="forced"):
-        forced_call_grammar(ToolCallConstraint(DEEPSEEK_V31, schemas, False, None, None), ids.get)
+        forced_call_grammar(auto, ids.get)
+    with pytest.raises(ValueError, match="forced call's grammar"):
+        auto_call_grammar(ToolCallConstraint(DEEPSEEK_V31, schemas, True, None, None), ids.get)
+    assert auto_call_grammar(auto, ids.get) is None  # no single token opens the block
+    opening = {**ids, TOOL_CALLS_BEGIN: 6}
+    for fmt in (DEEPSEEK_V3, DEEPSEEK_V31):
+        for max_calls in (1, None):
+            grammar = auto_call_grammar(
+                ToolCallConstraint(fmt, schemas, False, None, max_calls), opening.get
+            )
+            assert grammar.start_after == 6 and grammar.text.startswith("start: call")
+            assert ("next_call" in grammar.text) == (max_calls is None)
+            check(grammar, "tool_choice")
