@@ -22,7 +22,7 @@ launches may lag, so its figure is an upper bound.
 
 --two-batches adds a row a batch: the last --dispatch kind with every decode step as two micro-batches, each MoE
 layer's exchange of one in flight while the other computes (`WorkerLayout.overlap_rows`); compare its step with
-the row above it, from the same run.
+the row above it, from the same run. With --check, the greedy comparison also runs the ranks so.
 
 --check first runs a small batch-invariant greedy comparison: N ranks with B rows each against one GPU with the
 same N x B rows, every row's KV filled from its own seed; the sampled tokens must be equal.
@@ -362,6 +362,14 @@ def main() -> None:
                 f"greedy, batch-invariant, {args.ranks} ranks x {b} rows vs 1 GPU x {args.ranks * b} "
                 f"rows, {n + 5} steps at context {ctx}: {'EQUAL' if equal else 'DIFFERENT'}"
             )
+            if args.two_batches:  # the same ranks, each step as two overlapped micro-batches
+                two = run(tmp, args.ranks, b, ctx, n, True, seeds, layout_extra={"overlap_rows": 2})
+                same = two["tokens"] == one["tokens"]
+                out["check"]["two_batches_equal"] = same
+                equal = equal and same
+                lines.append(
+                    f"the same with two micro-batches a step: {'EQUAL' if same else 'DIFFERENT'}"
+                )
             if not equal:
                 print("\n".join(lines))
                 sys.exit(1)

@@ -24,7 +24,7 @@ for part in "${parts[@]}"; do
     multi_gpu) step multi_gpu 200 python3 -m pytest -q -p no:cacheprovider -m multi_gpu tests ;;
     transfer_faults) step transfer_faults 120 python3 benchmarks/transfer_faults.py --backend nccl ;;
     profile) step profile 200 python3 benchmarks/decode_step_ranks.py --ranks 2 --layers 8 --batch 64,128 \
-      --dispatch fp8 --steps 20 --profile 10 --two-batches ;;
+      --dispatch fp8 --steps 20 --profile 10 --two-batches --check ;;
     balance) step balance 170 python3 benchmarks/expert_balance.py --ranks 2 --layers 8 --batch 64,128 \
       --zipf 1.0 --spares 2 --steps 40 ;;
     exchange) step exchange 120 python3 benchmarks/expert_exchange.py --gpus 2 --tokens 64,128,256,512 --fp8 ;;
