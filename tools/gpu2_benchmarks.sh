@@ -11,7 +11,9 @@
 #                ratio-1p1d-8k, ratio-0p2d-8k for ISL/OSL 8192/512; on 4 GPUs ratio-1p3d, ratio-2p2d, ratio-0p4d),
 #                four rates each.
 # Usage: bash tools/gpu2_benchmarks.sh [PART ...]   (parts: multi_gpu transfer_faults profile balance exchange
-#        ratio-XpYd; the default: all but the ratio parts)
+#        ratio-XpYd; the default: all but the ratio parts). A device call runs 600 s at most, so run them in
+#        groups, one call each: `multi_gpu transfer_faults exchange`, then `profile`, then `balance`, then each
+#        ratio part; build/ outputs stay on a warm machine between calls.
 set -uo pipefail
 out=${OUT:-build/gpu2-benchmarks}
 STEP_TAIL=30
@@ -23,9 +25,9 @@ for part in "${parts[@]}"; do
   case $part in
     multi_gpu) step multi_gpu 200 python3 -m pytest -q -p no:cacheprovider -m multi_gpu tests ;;
     transfer_faults) step transfer_faults 120 python3 benchmarks/transfer_faults.py --backend nccl ;;
-    profile) step profile 200 python3 benchmarks/decode_step_ranks.py --ranks 2 --layers 8 --batch 64,128 \
+    profile) step profile 560 python3 benchmarks/decode_step_ranks.py --ranks 2 --layers 8 --batch 64,128 \
       --dispatch fp8 --steps 20 --profile 10 --two-batches --check ;;
-    balance) step balance 170 python3 benchmarks/expert_balance.py --ranks 2 --layers 8 --batch 64,128 \
+    balance) step balance 560 python3 benchmarks/expert_balance.py --ranks 2 --layers 8 --batch 64,128 \
       --zipf 1.0 --spares 2 --steps 40 ;;
     exchange) step exchange 120 python3 benchmarks/expert_exchange.py --gpus 2 --tokens 64,128,256,512 --fp8 ;;
     ratio-*)  # one sweep of issue 47's ratio study a call (~6 min): ratio-LAYOUT (ISL/OSL 2048/256) or
