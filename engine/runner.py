@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -256,21 +257,24 @@ class ModelRunner:
         drafts each row's (else empty) and, where a row asked for them, prompt log-probabilities per row
         (`RankResult.prefill_prompt_logprobs`, else empty)."""
         chunks = [SeqChunk(r.token_ids, r.start, r.page_ids) for r in rows]
-        batch = build_forward_batch(chunks, self.page_size, self.device, decode=False)
         if self.model.two_batches:  # its tokens cut in half, a request's chunk cut where it falls
             halves = [
                 None if not part else build_forward_batch(part, self.page_size, self.device, False)
                 for part in split_chunks(chunks)
             ]
-            hidden = self.model.forward_micro_batches(halves, self.cache)
+            hidden = self.model.forward_micro_batches(halves, self.cache)  # the rows in chunk order
+            ends = list(itertools.accumulate(len(c.token_ids) for c in chunks))
+            last_rows = torch.tensor(ends, device=self.device) - 1  # each chunk's last token
         else:
+            batch = build_forward_batch(chunks, self.page_size, self.device, decode=False)
             hidden = self.model(batch, self.cache)
+            last_rows = batch.logits_indices
         prompt = self._prompt_logprobs(rows, hidden)
         sampled = [i for i, r in enumerate(rows) if r.sample is not None]
         out: list[int | None] = [None] * len(rows)
         out_logprobs: list[TokenLogprobs | None] = []
         if sampled:
-            logits = self.model.compute_logits(hidden[batch.logits_indices[sampled]])
+            logits = self.model.compute_logits(hidden[last_rows[sampled]])
             specs = [rows[i].sample for i in sampled]
             request_ids = [rows[i].request_id for i in sampled]
             # the masks are filled on the host while the device runs the forward and the logits

@@ -772,7 +772,8 @@ class Transformer(nn.Module):
         return torch.cat(out) if len(out) > 1 else out[0]
 
     @contextlib.contextmanager
-    def _exchanges_padded_to(self, num_tokens: int):
+    def _exchanges_padded_to(self, num_tokens: int | None):
+        """Within: the exchanges pad to `num_tokens` a rank (None: ask the ranks), as before after."""
         saved = [e.step_tokens for e in self.exchanges]
         for e in self.exchanges:
             e.step_tokens = num_tokens
@@ -799,21 +800,17 @@ class Transformer(nn.Module):
         exchange only): the main model's decode passes run as two micro-batches whose exchanges overlap
         the other's compute (`forward_micro_batches`; a rank without rows joins both exchanges), and a
         prefill pass may (the runner splits its tokens)."""
-        exchanges = self.exchanges
         if two_batches and not self.can_run_two_batches:
             raise ValueError(
                 "two micro-batches need data-parallel attention and an overlapping exchange"
             )
         if two_batches and num_tokens is None:
             raise ValueError("two micro-batches need the step's tokens")
-        for e in exchanges:
-            e.step_tokens = num_tokens
         self._two_batches = two_batches
         try:
-            yield
+            with self._exchanges_padded_to(num_tokens):
+                yield
         finally:
-            for e in exchanges:
-                e.step_tokens = None
             self._two_batches = False
 
     @property
